@@ -1,0 +1,165 @@
+"""Every exception ckptfmt raises, in one tree under :class:`CkptError`.
+
+Each class carries structured fields (which file, which tensor, expected vs actual) so that callers
+and the CLI can act on them without parsing messages. Built-in mix-ins (``ValueError``,
+``FileNotFoundError``, ...) are added where a caller might reasonably already catch those.
+
+The CLI maps the families below to exit statuses (see ``spec/FORMAT.md``, "Exit statuses"):
+
+* :class:`DamagedError` and its subclasses -> 1 (damaged: some data fails its checks)
+* :class:`UsageError` -> 2 (bad arguments)
+* :class:`NotACheckpointError`, :class:`ManifestError`, :class:`FormatVersionError` -> 3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CkptError(Exception):
+    """Base of every error ckptfmt raises on purpose."""
+
+
+# --- usage: the caller asked for something that cannot be done -----------------------------------
+
+
+class UsageError(CkptError, ValueError):
+    """The call itself is wrong (bad argument, unsupported value); nothing was written."""
+
+
+class InvalidNameError(UsageError):
+    """A tensor or value name breaks the name rules of the format (``spec/FORMAT.md``, "Names")."""
+
+    def __init__(self, name: object, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(f"invalid name {name!r}: {reason}")
+
+
+class UnsupportedValueError(UsageError, TypeError):
+    """A state value is neither an array of a supported dtype nor a JSON-able value."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(f"cannot save {name!r}: {reason}")
+
+
+class UnsupportedDtypeError(UsageError, TypeError):
+    """An array's dtype is not one the format can hold (e.g. ``longdouble``, ``object``)."""
+
+    def __init__(self, dtype: object, name: str | None = None) -> None:
+        self.dtype = dtype
+        self.name = name
+        where = f" (tensor {name!r})" if name else ""
+        super().__init__(f"unsupported dtype {dtype!s}{where}")
+
+
+class LimitExceededError(UsageError):
+    """A hard limit of the format (``spec/FORMAT.md``, "Limits") would be exceeded."""
+
+    def __init__(self, what: str, value: object, limit: object) -> None:
+        self.what = what
+        self.value = value
+        self.limit = limit
+        super().__init__(f"{what} is {value}, the limit is {limit}")
+
+
+class DestinationExistsError(UsageError, FileExistsError):
+    """The save target exists: a checkpoint (refused unless overwriting) or a foreign directory."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"refusing to save to {path}: {reason}")
+
+
+# --- the thing on disk is not (yet) a checkpoint --------------------------------------------------
+
+
+class NotACheckpointError(CkptError, FileNotFoundError):
+    """The path holds no committed checkpoint (missing, torn before commit, or something else)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path} is not a readable checkpoint: {reason}")
+
+
+class ManifestError(CkptError, ValueError):
+    """The manifest is unreadable or breaks the schema or the format's rules.
+
+    ``pointer`` is a JSON pointer into the manifest where the problem is, when known.
+    """
+
+    def __init__(self, reason: str, pointer: str = "", path: str | None = None) -> None:
+        self.reason = reason
+        self.pointer = pointer
+        self.path = path
+        where = f" at {pointer}" if pointer else ""
+        file = f"{path}: " if path else ""
+        super().__init__(f"{file}invalid manifest{where}: {reason}")
+
+
+class FormatVersionError(ManifestError):
+    """The checkpoint was written in a format version this reader does not know."""
+
+    def __init__(self, found: object, supported: Sequence[int]) -> None:
+        self.found = found
+        self.supported = tuple(supported)
+        super().__init__(f"format version {found!r} is not supported (this reader: {list(supported)})")
+
+
+# --- data on disk fails its checks ---------------------------------------------------------------
+
+
+class DamagedError(CkptError):
+    """Some stored data is missing or fails a checksum.
+
+    ``file`` is the path relative to the checkpoint root, ``tensors`` the tensors it affects.
+    """
+
+    def __init__(self, file: str, reason: str, tensors: Sequence[str] = ()) -> None:
+        self.file = file
+        self.reason = reason
+        self.tensors = tuple(tensors)
+        affected = f" (affects {', '.join(self.tensors)})" if self.tensors else ""
+        super().__init__(f"{file}: {reason}{affected}")
+
+
+class MissingFileError(DamagedError, FileNotFoundError):
+    """A file the manifest lists is not there."""
+
+    def __init__(self, file: str, tensors: Sequence[str] = ()) -> None:
+        super().__init__(file, "missing", tensors)
+
+
+class ChecksumError(DamagedError):
+    """Bytes read back do not match the checksum written for them."""
+
+    def __init__(
+        self, file: str, what: str, expected: int, actual: int, tensors: Sequence[str] = ()
+    ) -> None:
+        self.what = what
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            file, f"{what} CRC32C mismatch (expected {expected:08x}, got {actual:08x})", tensors
+        )
+
+
+class SizeMismatchError(DamagedError):
+    """A file's size differs from the size the manifest records."""
+
+    def __init__(self, file: str, expected: int, actual: int, tensors: Sequence[str] = ()) -> None:
+        self.expected = expected
+        self.actual = actual
+        super().__init__(file, f"size {actual} bytes, expected {expected}", tensors)
+
+
+class CorruptShardError(DamagedError):
+    """A shard file's internal structure (index, chunk placement) is not what the format allows."""
+
+
+class MetadataMismatchError(DamagedError):
+    """A zarr metadata document disagrees with the manifest."""

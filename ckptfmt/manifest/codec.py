@@ -1,0 +1,334 @@
+"""Manifest JSON in and out (``spec/FORMAT.md``, "The manifest").
+
+:func:`parse_manifest` is the only way bytes from disk become a :class:`Manifest`. It checks every
+member's type and range and the format's cross-member rules (names form a tree, regions tile each
+tensor on its shard grid, file paths are the shard keys the grid implies), so that code past it
+can trust what it reads. Anything wrong raises :class:`ManifestError` with a JSON pointer; nothing
+else escapes, whatever the input (the fuzz tests hold it to that).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from ckptfmt.codecs.grid import cells, grid_shape, shard_key
+from ckptfmt.dtypes import DTYPES
+from ckptfmt.errors import CkptError, FormatVersionError, ManifestError
+from ckptfmt.manifest.limits import (
+    FORMAT_VERSION,
+    MANIFEST_MAX_BYTES,
+    MAX_DIM,
+    MAX_ENTRIES,
+    MAX_NDIM,
+    MAX_TENSOR_BYTES,
+    MAX_WORLD_SIZE,
+    SUPPORTED_VERSIONS,
+    check_name,
+    display,
+)
+from ckptfmt.manifest.model import (
+    Entry,
+    FileRef,
+    GroupEntry,
+    Manifest,
+    PerRankValueEntry,
+    RankInfo,
+    Region,
+    TensorEntry,
+    ValueEntry,
+)
+from ckptfmt.manifest.values import decode_value, encode_value
+
+MANIFEST_NAME = "ckptfmt.json"
+FORMAT_ID = "ckptfmt"
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+_CRC = re.compile(r"^[0-9a-f]{8}$")
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": "tensor",
+        "name": list(t.name),
+        "path": t.path,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "shard_shape": list(t.shard_shape),
+        "chunk_shape": list(t.chunk_shape),
+        "regions": [
+            {
+                "offset": list(r.offset),
+                "shape": list(r.shape),
+                "rank": r.rank,
+                "files": [
+                    {"path": f.path, "size": f.size, "crc32c": f"{f.crc32c:08x}"} for f in r.files
+                ],
+            }
+            for r in t.regions
+        ],
+    }
+    if t.per_rank:
+        out["per_rank"] = True
+    return out
+
+
+def _entry_json(e: Entry) -> dict[str, Any]:
+    if isinstance(e, TensorEntry):
+        return _tensor_json(e)
+    if isinstance(e, ValueEntry):
+        value, nonfinite = encode_value(e.value, display(e.name))
+        out: dict[str, Any] = {"kind": "value", "name": list(e.name), "value": value}
+        if nonfinite:
+            out["nonfinite"] = nonfinite
+        return out
+    if isinstance(e, GroupEntry):
+        return {"kind": "group", "name": list(e.name)}
+    encoded = [encode_value(v, display(e.name)) for v in e.values]
+    out = {"kind": "per_rank_value", "name": list(e.name), "values": [v for v, _ in encoded]}
+    nonfinite_per_rank = {str(i): nf for i, (_, nf) in enumerate(encoded) if nf}
+    if nonfinite_per_rank:
+        out["nonfinite"] = nonfinite_per_rank
+    return out
+
+
+def manifest_to_json(m: Manifest) -> dict[str, Any]:
+    return {
+        "format": FORMAT_ID,
+        "format_version": m.format_version,
+        "save_id": m.save_id,
+        "step": m.step,
+        "created": m.created,
+        "writer": m.writer,
+        "world": {
+            "size": m.world_size,
+            "ranks": [{"rank": r.rank, "node": r.node} for r in m.ranks],
+        },
+        "entries": [_entry_json(e) for e in m.entries],
+        "levels": m.levels,
+    }
+
+
+def dump_manifest(m: Manifest) -> bytes:
+    """The manifest file's bytes: UTF-8 JSON, strict (no NaN), keys in a fixed order."""
+    return json.dumps(manifest_to_json(m), allow_nan=False, indent=1).encode("utf-8") + b"\n"
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def _reject_constant(token: str) -> Any:
+    raise ManifestError(f"{token} is not JSON")
+
+
+def parse_manifest(data: bytes, path: str | None = None) -> Manifest:
+    """Parse and fully check a manifest file's bytes."""
+    if len(data) > MANIFEST_MAX_BYTES:
+        raise ManifestError(f"{len(data)} bytes, the limit is {MANIFEST_MAX_BYTES}", path=path)
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except ManifestError as exc:
+        raise ManifestError(exc.reason, path=path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ManifestError(f"not JSON: {exc}", path=path) from None
+    try:
+        return manifest_from_json(doc)
+    except ManifestError as exc:
+        raise ManifestError(exc.reason, exc.pointer, path) from None
+    except CkptError as exc:  # a name or limit rule, found while parsing
+        raise ManifestError(str(exc), path=path) from None
+
+
+class _Reader:
+    """Typed access to a JSON object, raising ManifestError with a pointer."""
+
+    def __init__(self, obj: Any, pointer: str) -> None:
+        if not isinstance(obj, dict):
+            raise ManifestError("expected an object", pointer)
+        self.obj = obj
+        self.pointer = pointer
+
+    def at(self, key: str) -> str:
+        return f"{self.pointer}/{key}"
+
+    def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        if key not in self.obj:
+            if optional:
+                return None
+            raise ManifestError("missing", self.at(key))
+        value = self.obj[key]
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise ManifestError(f"expected {kind}, got a boolean", self.at(key))
+        if not isinstance(value, kind):
+            raise ManifestError(f"expected {getattr(kind, '__name__', kind)}", self.at(key))
+        return value
+
+    def int(self, key: str, lo: int, hi: int) -> int:
+        value = self.get(key, int)
+        if not lo <= value <= hi:
+            raise ManifestError(f"{value} is outside [{lo}, {hi}]", self.at(key))
+        return int(value)
+
+    def ints(self, key: str, lo: int, hi: int, max_len: int = MAX_NDIM) -> tuple[int, ...]:
+        values = self.get(key, list)
+        if len(values) > max_len:
+            raise ManifestError(f"more than {max_len} items", self.at(key))
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ManifestError(f"expected an integer in [{lo}, {hi}]", f"{self.at(key)}/{i}")
+        return tuple(values)
+
+
+def manifest_from_json(doc: Any) -> Manifest:
+    top = _Reader(doc, "")
+    if top.get("format", str) != FORMAT_ID:
+        raise ManifestError(f"format is not {FORMAT_ID!r}", "/format")
+    version = top.obj.get("format_version")
+    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+        raise FormatVersionError(version, SUPPORTED_VERSIONS)
+    save_id = top.get("save_id", str)
+    if not _SAVE_ID.match(save_id):
+        raise ManifestError("save_id must be 32 lowercase hex digits", "/save_id")
+    step = top.obj.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ManifestError("step must be a non-negative integer or null", "/step")
+    created = top.get("created", str)
+    writer = top.get("writer", dict)
+    world = _Reader(top.get("world", dict), "/world")
+    size = world.int("size", 1, MAX_WORLD_SIZE)
+    ranks_json = world.get("ranks", list)
+    if len(ranks_json) != size:
+        raise ManifestError(f"{len(ranks_json)} ranks listed for world size {size}", "/world/ranks")
+    ranks = []
+    for i, r in enumerate(ranks_json):
+        rr = _Reader(r, f"/world/ranks/{i}")
+        if rr.int("rank", 0, size - 1) != i:
+            raise ManifestError("ranks must be listed in order", rr.at("rank"))
+        ranks.append(RankInfo(i, rr.get("node", str)))
+    entries_json = top.get("entries", list)
+    if len(entries_json) > MAX_ENTRIES:
+        raise ManifestError(f"more than {MAX_ENTRIES} entries", "/entries")
+    entries = [_parse_entry(e, f"/entries/{i}", size) for i, e in enumerate(entries_json)]
+    _check_tree(entries)
+    levels = top.get("levels", dict)
+    return Manifest(
+        save_id=save_id,
+        step=step,
+        created=created,
+        world_size=size,
+        ranks=tuple(ranks),
+        entries=tuple(entries),
+        levels=levels,
+        writer=writer,
+        format_version=int(version),
+    )
+
+
+def _parse_entry(obj: Any, pointer: str, world_size: int) -> Entry:
+    r = _Reader(obj, pointer)
+    kind = r.get("kind", str)
+    name = check_name(r.get("name", list))
+    if kind == "tensor":
+        return _parse_tensor(r, name, world_size)
+    if kind == "value":
+        nonfinite = r.get("nonfinite", dict, optional=True) or {}
+        return ValueEntry(name, decode_value(r.get("value", object), nonfinite, pointer))
+    if kind == "group":
+        return GroupEntry(name)
+    if kind == "per_rank_value":
+        values = r.get("values", list)
+        if len(values) != world_size:
+            raise ManifestError("one value per rank is required", r.at("values"))
+        nonfinite = r.get("nonfinite", dict, optional=True) or {}
+        return PerRankValueEntry(
+            name,
+            tuple(
+                decode_value(v, nonfinite.get(str(i), {}), f"{pointer}/values/{i}")
+                for i, v in enumerate(values)
+            ),
+        )
+    raise ManifestError(f"unknown entry kind {kind!r}", r.at("kind"))
+
+
+def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorEntry:
+    path = r.get("path", str)
+    if path != "/".join(name):
+        raise ManifestError("path must be the name's components joined by '/'", r.at("path"))
+    dtype = r.get("dtype", str)
+    if dtype not in DTYPES:
+        raise ManifestError(f"unknown dtype {dtype!r}", r.at("dtype"))
+    shape = r.ints("shape", 0, MAX_DIM)
+    ndim = len(shape)
+    shard = r.ints("shard_shape", 1, MAX_DIM)
+    chunk = r.ints("chunk_shape", 1, MAX_DIM)
+    if len(shard) != ndim or len(chunk) != ndim:
+        raise ManifestError("shape, shard_shape and chunk_shape differ in length", r.pointer)
+    if any(h % c for h, c in zip(shard, chunk)):
+        raise ManifestError("shard_shape must be a multiple of chunk_shape", r.at("shard_shape"))
+    if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
+        raise ManifestError(f"tensor larger than {MAX_TENSOR_BYTES} bytes", r.at("shape"))
+    per_rank = r.get("per_rank", bool, optional=True) or False
+    if per_rank and (ndim == 0 or shape[0] != world_size):
+        raise ManifestError("a per-rank tensor's first dimension is the world size", r.at("shape"))
+    regions_json = r.get("regions", list)
+    regions = []
+    grid = grid_shape(shape, shard)
+    claimed: set[tuple[int, ...]] = set()
+    for i, reg in enumerate(regions_json):
+        rp = f"{r.pointer}/regions/{i}"
+        rr = _Reader(reg, rp)
+        offset = rr.ints("offset", 0, MAX_DIM)
+        rshape = rr.ints("shape", 1, MAX_DIM)
+        rank = rr.int("rank", 0, world_size - 1)
+        if len(offset) != ndim or len(rshape) != ndim:
+            raise ManifestError("offset and shape must have the tensor's rank", rp)
+        for a in range(ndim):
+            end = offset[a] + rshape[a]
+            if offset[a] % shard[a] or end > shape[a] or (end % shard[a] and end != shape[a]):
+                raise ManifestError("region is not aligned to the shard grid", rp)
+        lo = tuple(o // h for o, h in zip(offset, shard))
+        hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, rshape, shard))
+        files_json = rr.get("files", list)
+        if len(files_json) != math.prod(b - a for a, b in zip(lo, hi)):
+            raise ManifestError("a region lists one file per shard it covers", rr.at("files"))
+        files = []
+        for j, (cell, fj) in enumerate(zip(cells(lo, hi), files_json)):
+            fr = _Reader(fj, f"{rp}/files/{j}")
+            fpath = fr.get("path", str)
+            if fpath != shard_key(path, cell):
+                raise ManifestError(f"expected {shard_key(path, cell)!r}", fr.at("path"))
+            crc = fr.get("crc32c", str)
+            if not _CRC.match(crc):
+                raise ManifestError("crc32c must be 8 lowercase hex digits", fr.at("crc32c"))
+            if cell in claimed:
+                raise ManifestError("regions overlap", rp)
+            claimed.add(cell)
+            files.append(FileRef(fpath, fr.int("size", 0, MAX_TENSOR_BYTES), int(crc, 16)))
+        regions.append(Region(offset, rshape, rank, tuple(files)))
+    if math.prod(shape) and len(claimed) != math.prod(grid):
+        raise ManifestError("regions do not cover the tensor", f"{r.pointer}/regions")
+    if not math.prod(shape) and regions:
+        raise ManifestError("an empty tensor has no regions", f"{r.pointer}/regions")
+    return TensorEntry(name, path, dtype, shape, shard, chunk, tuple(regions), per_rank)
+
+
+def _check_tree(entries: list[Entry]) -> None:
+    """Names must form a tree: no name twice, and only groups have descendants."""
+    seen: set[tuple[str, ...]] = set()
+    leaves: set[tuple[str, ...]] = set()
+    for e in entries:
+        if e.name in seen:
+            raise ManifestError(f"name {display(e.name)!r} appears twice", "/entries")
+        seen.add(e.name)
+        if not isinstance(e, GroupEntry):
+            leaves.add(e.name)
+    prefixes = {e.name[:k] for e in entries for k in range(1, len(e.name))}
+    for prefix in prefixes & leaves:
+        raise ManifestError(f"{display(prefix)!r} is a leaf and a group", "/entries")
+    for e in entries:
+        if isinstance(e, GroupEntry) and e.name in prefixes:
+            raise ManifestError(f"group entry {display(e.name)!r} is not empty", "/entries")

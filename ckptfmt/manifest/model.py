@@ -1,0 +1,121 @@
+"""The manifest as frozen dataclasses. The JSON form (``ckptfmt.manifest.codec``) is the contract;
+these classes are its in-memory image and carry no behaviour beyond derived sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+JSON = Any  # a value json.dumps accepts (after non-finite floats are taken out)
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """One stored file: its path relative to the checkpoint root, size and whole-file CRC32C."""
+
+    path: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of a tensor, aligned to its shard grid, written by one rank into whole shard files.
+
+    ``files`` lists the box's shard files in C order of their shard-grid indices.
+    """
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    rank: int
+    files: tuple[FileRef, ...]
+
+    @property
+    def nbytes_stored(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A logical tensor at its global shape, stored as the zarr v3 array at ``path``.
+
+    ``shard_shape`` is the zarr chunk-grid shape (one shard file per grid cell), ``chunk_shape``
+    the inner chunk shape of the sharding codec (one CRC32C each). ``per_rank`` marks a tensor whose
+    leading axis is the rank: each rank's own copy of something (an RNG state, say).
+    """
+
+    name: tuple[str, ...]
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    regions: tuple[Region, ...]
+    per_rank: bool = False
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def nbytes(self, itemsize: int) -> int:
+        return self.size * itemsize
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """A JSON value (int, float incl. non-finite, str, bool, None, lists, str-keyed dicts)."""
+
+    name: tuple[str, ...]
+    value: JSON
+
+
+@dataclass(frozen=True)
+class GroupEntry:
+    """An empty mapping, kept so that ``load`` gives back the structure ``save`` was given."""
+
+    name: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PerRankValueEntry:
+    """A JSON value of which every rank holds its own copy (data-loader position, say).
+
+    ``values[r]`` is rank ``r``'s value. Reserved in version 1 for the framework adapters.
+    """
+
+    name: tuple[str, ...]
+    values: tuple[JSON, ...]
+
+
+Entry = Union[TensorEntry, ValueEntry, GroupEntry, PerRankValueEntry]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank ran at save time: its failure domain (node)."""
+
+    rank: int
+    node: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs to know about one checkpoint, written last at its root."""
+
+    save_id: str
+    step: int | None
+    created: str
+    world_size: int
+    ranks: tuple[RankInfo, ...]
+    entries: tuple[Entry, ...]
+    levels: dict[str, JSON] = field(default_factory=dict)
+    writer: dict[str, JSON] = field(default_factory=dict)
+    format_version: int = 1
+
+    def tensors(self) -> list[TensorEntry]:
+        return [e for e in self.entries if isinstance(e, TensorEntry)]
+
+    def files(self) -> list[tuple[TensorEntry, FileRef]]:
+        """Every stored data file with the tensor it belongs to, in manifest order."""
+        return [(t, f) for t in self.tensors() for r in t.regions for f in r.files]

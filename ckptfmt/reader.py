@@ -1,0 +1,213 @@
+"""Reading a committed checkpoint: its manifest, whole tensors, and the lazy view ``ckptfmt.open``.
+
+Nothing here trusts a file before checking it: the manifest is parsed by ``manifest.codec`` (which
+also checks every path it names is the shard key of a grid cell, so nothing outside the checkpoint
+is opened), and every data byte is checked against its CRC32C as it is read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.codecs.grid import cells
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import NotACheckpointError, UsageError
+from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
+from ckptfmt.manifest.model import (
+    GroupEntry,
+    Manifest,
+    PerRankValueEntry,
+    TensorEntry,
+    ValueEntry,
+)
+from ckptfmt.storage.shard_io import Geometry, decode_shard, read_file, read_region
+
+
+def read_manifest(root: Path) -> Manifest:
+    """Read and check the manifest of the committed checkpoint at ``root``."""
+    if not root.is_dir():
+        reason = "no such directory" if not root.exists() else "not a directory"
+        raise NotACheckpointError(str(root), reason)
+    file = root / MANIFEST_NAME
+    try:
+        with open(file, "rb") as f:
+            data = f.read(MANIFEST_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise NotACheckpointError(
+            str(root), f"no {MANIFEST_NAME} (never committed, torn before commit, or not ours)"
+        ) from None
+    except OSError as exc:
+        raise NotACheckpointError(str(root), f"cannot read {MANIFEST_NAME}: {exc}") from None
+    return parse_manifest(data, str(file))
+
+
+def geometry(t: TensorEntry) -> Geometry:
+    return Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
+
+
+def read_tensor(root: Path, t: TensorEntry) -> np.ndarray:
+    """A whole tensor, every byte verified."""
+    geo = geometry(t)
+    out = np.empty(t.shape, dtype=geo.dtype)
+    for r in t.regions:
+        view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))]
+        target = view if view.flags.c_contiguous else np.empty(r.shape, dtype=geo.dtype)
+        read_region(root, geo, r.files, r.offset, target, (display(t.name),))
+        if target is not view:
+            view[...] = target
+    return out
+
+
+def _normalize_key(key: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Basic slicing (ints and step-1 slices, Ellipsis) as per-axis ``[start, stop)``."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    if any(k is Ellipsis for k in key):
+        i = next(i for i, k in enumerate(key) if k is Ellipsis)
+        key = key[:i] + (slice(None),) * (len(shape) - len(key) + 1) + key[i + 1 :]
+    if len(key) > len(shape):
+        raise UsageError(f"too many indices for a {len(shape)}-d tensor")
+    key = key + (slice(None),) * (len(shape) - len(key))
+    out = []
+    for k, d in zip(key, shape):
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            i = int(k) + d if k < 0 else int(k)
+            if not 0 <= i < d:
+                raise UsageError(f"index {k} out of range for size {d}")
+            out.append((i, i + 1))
+        elif isinstance(k, slice):
+            start, stop, step = k.indices(d)
+            if step != 1:
+                raise UsageError("only step-1 slices are supported; slice the result further")
+            out.append((start, max(start, stop)))
+        else:
+            raise UsageError(f"unsupported index {k!r}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A lazily read tensor of an open checkpoint: shape, dtype and sizes without reading data;
+    indexing reads only the shard files the selection touches, verifying what it reads."""
+
+    root: Path
+    entry: TensorEntry
+
+    @property
+    def name(self) -> str:
+        return display(self.entry.name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return by_name(self.entry.dtype).numpy
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.size * self.dtype.itemsize
+
+    def read(self) -> np.ndarray:
+        return read_tensor(self.root, self.entry)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.read()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        bounds = _normalize_key(key, self.shape)
+        squeeze = tuple(
+            i for i, k in enumerate(key if isinstance(key, tuple) else (key,))
+            if isinstance(k, (int, np.integer))
+        ) if key is not Ellipsis else ()
+        out = np.empty(tuple(b - a for a, b in bounds), dtype=self.dtype)
+        if out.size:
+            self._fill(bounds, out)
+        return out.reshape([d for i, d in enumerate(out.shape) if i not in squeeze])
+
+    def _fill(self, bounds: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
+        t, geo = self.entry, geometry(self.entry)
+        tensors = (self.name,)
+        lo = tuple(a // h for (a, _), h in zip(bounds, t.shard_shape))
+        hi = tuple(-(-b // h) for (_, b), h in zip(bounds, t.shard_shape))
+        by_cell = {
+            geo.cell_of([o + i * h for o, i, h in zip(r.offset, idx, t.shard_shape)]): f
+            for r in t.regions
+            for idx, f in zip(
+                cells((0,) * len(r.shape), [-(-s // h) for s, h in zip(r.shape, t.shard_shape)]),
+                r.files,
+            )
+        }
+        for cell in cells(lo, hi):
+            ref = by_cell[cell]
+            for s, chunk in decode_shard(read_file(self.root, ref, tensors), geo, cell, ref.path,
+                                         tensors):
+                a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
+                b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]
+                if any(x >= y for x, y in zip(a, b)):
+                    continue
+                out[tuple(slice(x - b0, y - b0) for x, y, (b0, _) in zip(a, b, bounds))] = chunk[
+                    tuple(slice(x - c, y - c) for x, y, c in zip(a, b, s.box_lo))
+                ]
+
+    def __repr__(self) -> str:
+        return f"TensorView({self.name!r}, shape={self.shape}, dtype={self.entry.dtype})"
+
+
+class Checkpoint:
+    """A committed checkpoint opened read-only (``ckptfmt.open``). Nothing but the manifest is
+    read until a tensor is indexed."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self._entries = {display(e.name): e for e in self.manifest.entries}
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    def keys(self) -> list[str]:
+        """Names of all tensors and values, components joined by '/'."""
+        return [n for n, e in self._entries.items() if not isinstance(e, GroupEntry)]
+
+    def tensors(self) -> dict[str, TensorView]:
+        return {
+            n: TensorView(self.path, e) for n, e in self._entries.items()
+            if isinstance(e, TensorEntry)
+        }
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> Any:
+        key = display(name) if isinstance(name, tuple) else name
+        e = self._entries.get(key)
+        if e is None or isinstance(e, GroupEntry):
+            raise KeyError(name)
+        if isinstance(e, TensorEntry):
+            return TensorView(self.path, e)
+        if isinstance(e, ValueEntry):
+            return e.value
+        assert isinstance(e, PerRankValueEntry)
+        return list(e.values)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, step={self.step}, entries={len(self._entries)})"
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a committed checkpoint read-only; see :class:`Checkpoint`."""
+    return Checkpoint(path)

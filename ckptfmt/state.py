@@ -1,0 +1,61 @@
+"""A training state (nested mappings of arrays and JSON-able values) as flat named leaves and back.
+
+Every ``Mapping`` is a level of the name (its keys are name components); every other object is a
+leaf: a numpy array or numpy scalar (a tensor; a numpy scalar comes back as a 0-d array) or a
+JSON-able value (see ``manifest/values.py``). An empty mapping is kept as a group entry so the
+structure comes back as it was given. Key order is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.errors import LimitExceededError, UsageError
+from ckptfmt.manifest.limits import MAX_ENTRIES, MAX_NAME_DEPTH, check_component
+
+Name = tuple[str, ...]
+
+
+def flatten(state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
+    """Leaves of ``state`` in order as ``(name, leaf)``; an empty mapping's leaf is ``{}``."""
+    if not isinstance(state, Mapping):
+        raise UsageError("the state must be a mapping of names to arrays or values")
+    out: list[tuple[Name, Any]] = []
+
+    def walk(node: Mapping[str, Any], prefix: Name) -> None:
+        if len(prefix) > MAX_NAME_DEPTH:
+            raise LimitExceededError("name depth", len(prefix), MAX_NAME_DEPTH)
+        if not node and prefix:
+            out.append((prefix, {}))
+        for key, value in node.items():
+            name = (*prefix, check_component(key, (*prefix, key)))
+            if isinstance(value, Mapping):
+                walk(value, name)
+            else:
+                out.append((name, value))
+            if len(out) > MAX_ENTRIES:
+                raise LimitExceededError("number of entries", len(out), MAX_ENTRIES)
+
+    walk(state, ())
+    return out
+
+
+def is_tensor(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, np.generic)) and not isinstance(
+        leaf, (np.str_, np.bytes_)
+    )
+
+
+def unflatten(leaves: Iterator[tuple[Name, Any]] | list[tuple[Name, Any]]) -> dict[str, Any]:
+    """Inverse of :func:`flatten` (names are assumed checked and tree-shaped)."""
+    root: dict[str, Any] = {}
+    for name, leaf in leaves:
+        node = root
+        for component in name[:-1]:
+            node = node.setdefault(component, {})
+        node[name[-1]] = leaf
+    return root
+

@@ -1,0 +1,1 @@
+"""Files on a POSIX file system: shard files, metadata documents, the atomic commit."""

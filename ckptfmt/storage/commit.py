@@ -1,0 +1,104 @@
+"""The commit protocol (``spec/FORMAT.md``, "Commit"): a checkpoint appears whole or not at all.
+
+1. ``prepare``: refuse a destination that is a committed checkpoint (unless overwriting) or a
+   non-empty directory that is not one; create the staging directory ``.<name>.tmp-<save_id>``
+   beside the destination.
+2. The caller writes every data and metadata file into the staging directory, fsyncing each.
+3. ``finalize``: write the manifest last and fsync it, fsync every directory of the tree, rename
+   the staging directory to the destination, fsync the parent. When overwriting, the old
+   checkpoint is first renamed to ``.<name>.old-<save_id>`` and removed after the new one is in.
+
+A crash before the last rename leaves only a staging directory, which no reader takes for a
+checkpoint (it has a dot name and, until the very end, no manifest); ``clean_leftovers`` removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from ckptfmt.errors import DestinationExistsError
+from ckptfmt.manifest.codec import MANIFEST_NAME
+from ckptfmt.storage.files import fsync_dir, write_gather
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{32}$")
+
+
+def is_committed(path: Path) -> bool:
+    """Whether ``path`` is a committed checkpoint directory (it holds a manifest)."""
+    return (path / MANIFEST_NAME).is_file()
+
+
+def staging_dir(final: Path, save_id: str) -> Path:
+    return final.parent / f".{final.name}.tmp-{save_id}"
+
+
+def prepare(final: Path, save_id: str, overwrite: bool) -> Path:
+    """Check the destination and create the staging directory; return it."""
+    if final.exists() or final.is_symlink():
+        if not final.is_dir() or final.is_symlink():
+            raise DestinationExistsError(str(final), "it exists and is not a directory")
+        if is_committed(final):
+            if not overwrite:
+                raise DestinationExistsError(
+                    str(final), "a checkpoint is already there (pass overwrite=True to replace it)"
+                )
+        elif any(final.iterdir()):
+            raise DestinationExistsError(
+                str(final), "it is a non-empty directory that is not a checkpoint"
+            )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(final, save_id)
+    staging.mkdir()
+    return staging
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every directory below and including ``root`` (files were fsynced when written)."""
+    for dirpath, _dirs, _files in os.walk(root, topdown=False):
+        fsync_dir(Path(dirpath))
+
+
+def finalize(staging: Path, final: Path, manifest: bytes, save_id: str) -> None:
+    """Write the manifest last, make the tree durable, and rename it into place atomically."""
+    write_gather(staging / MANIFEST_NAME, [manifest])
+    fsync_tree(staging)
+    old: Path | None = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{save_id}"
+        os.rename(final, old)
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def abort(staging: Path) -> None:
+    """Remove a staging directory after a failed save."""
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def clean_leftovers(parent: Path) -> list[Path]:
+    """Remove what crashed saves left in ``parent``; return what was removed.
+
+    A ``.name.tmp-*`` directory is a save that never committed. A ``.name.old-*`` directory is a
+    replaced checkpoint: removed if ``name`` is committed, else renamed back (the crash came between
+    the two renames of an overwrite).
+    """
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for child in sorted(parent.iterdir()):
+        m = _LEFTOVER.match(child.name)
+        if not m or not child.is_dir():
+            continue
+        final = parent / m["name"]
+        if m["kind"] == "old" and not final.exists() and is_committed(child):
+            os.rename(child, final)
+            fsync_dir(parent)
+            continue
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed

@@ -1,0 +1,80 @@
+"""Low-level file writing and reading: gathered writes straight from array memory, fsync.
+
+Shard files are created with ``O_EXCL`` (a shard has exactly one writer and is never rewritten)
+and written with ``os.writev`` from memoryviews of the caller's arrays: no staging copy. Reads go
+with ``os.preadv`` straight into the destination arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.errors import CkptError
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class StorageError(CkptError, OSError):
+    """An operating-system error while writing or reading checkpoint files."""
+
+
+def write_gather(path: Path, pieces: Sequence[Buffer], fsync: bool = True) -> int:
+    """Create ``path`` (it must not exist) holding the concatenation of ``pieces``; return size."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        views = [memoryview(p).cast("B") for p in pieces if len(p)]
+        total = sum(len(v) for v in views)
+        i = 0
+        while i < len(views):
+            batch = views[i : i + _IOV_MAX]
+            written = os.writev(fd, batch)
+            # consume what was written; a short write leaves a partial view to retry
+            for v in batch:
+                if written >= len(v):
+                    written -= len(v)
+                    i += 1
+                else:
+                    views[i] = v[written:]
+                    break
+        if fsync:
+            os.fsync(fd)
+        return total
+    finally:
+        os.close(fd)
+
+
+def read_scatter(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
+    """Fill ``buffers`` in order from ``fd`` starting at ``offset``; short file -> EOFError."""
+    views = [b for b in buffers if len(b)]
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _IOV_MAX]
+        got = os.preadv(fd, batch, offset)
+        if got == 0:
+            raise EOFError
+        offset += got
+        for v in batch:
+            if got >= len(v):
+                got -= len(v)
+                i += 1
+            else:
+                views[i] = v[got:]
+                break
+
+
+def write_json(path: Path, doc: Any, fsync: bool = True) -> None:
+    write_gather(path, [json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")], fsync)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

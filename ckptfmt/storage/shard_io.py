@@ -1,0 +1,293 @@
+"""Writing and reading the shard files of one tensor region (``spec/FORMAT.md``, "Shards").
+
+The writer turns a region's array into whole shard files: every in-bounds inner chunk present, in
+slot order, each followed by its CRC32C, then the index. Chunks that are contiguous runs of the
+array (the default grid makes all but edge chunks so) go to ``writev`` as views of the array's
+own memory; the file CRC is combined from the chunk CRCs (``codecs/crc32c.py``).
+
+The reader has a fast path for files laid out the way ckptfmt writes them: one ``preadv`` of the
+whole file straight into the destination array, then every chunk CRC and the file CRC checked.
+Any other valid layout goes through :func:`decode_shard`, which reads the file into memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ckptfmt.codecs.crc32c import crc32c
+from ckptfmt.codecs.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
+from ckptfmt.codecs.shard import (
+    CRC_BYTES,
+    EMPTY,
+    FileCrc,
+    decode_index,
+    encode_index,
+    index_nbytes,
+)
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import (
+    ChecksumError,
+    CorruptShardError,
+    MissingFileError,
+    SizeMismatchError,
+)
+from ckptfmt.manifest.model import FileRef
+from ckptfmt.storage.files import read_scatter, write_gather
+
+_CRC = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the shard codec needs to know about a tensor."""
+
+    path: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, path: str, dtype: str, shape: Sequence[int], shard: Sequence[int],
+           chunk: Sequence[int]) -> Geometry:
+        return cls(path, by_name(dtype).numpy, tuple(shape), tuple(shard), tuple(chunk))
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
+
+    def cell_of(self, offset: Sequence[int]) -> tuple[int, ...]:
+        return tuple(o // h for o, h in zip(offset, self.shard_shape))
+
+    def slots(self, cell: Sequence[int]) -> tuple[int, list[ChunkSlot]]:
+        return shard_slots(self.shape, self.shard_shape, self.chunk_shape, cell)
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (ml_dtypes types have no buffer format)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _local(box: Sequence[int], origin: Sequence[int]) -> tuple[int, ...]:
+    return tuple(b - o for b, o in zip(box, origin))
+
+
+def _chunk_buffer(geo: Geometry, data: np.ndarray, origin: Sequence[int], s: ChunkSlot) -> memoryview:
+    """The stored bytes of one inner chunk: a view of ``data`` when possible, else a padded copy."""
+    lo, hi = _local(s.box_lo, origin), _local(s.box_hi, origin)
+    if not s.padded and is_contiguous_box(data.shape, lo, hi):
+        start, stop = flat_range(data.shape, lo, hi)
+        return byte_view(data.reshape(-1)[start:stop])
+    chunk = np.zeros(geo.chunk_shape, dtype=data.dtype)
+    chunk[tuple(slice(0, b - a) for a, b in zip(lo, hi))] = data[
+        tuple(slice(a, b) for a, b in zip(lo, hi))
+    ]
+    return byte_view(chunk)
+
+
+def write_region(
+    root: Path,
+    geo: Geometry,
+    data: np.ndarray,
+    offset: Sequence[int],
+    made_dirs: set[Path] | None = None,
+    fsync: bool = True,
+) -> list[FileRef]:
+    """Write the shard files of the region of ``geo`` at ``offset`` holding ``data``.
+
+    ``data`` is C-contiguous, little-endian, of the tensor's dtype; ``offset`` and the region's end
+    lie on the shard grid. Returns the files in C order of their shard indices.
+    """
+    made_dirs = set() if made_dirs is None else made_dirs
+    lo = geo.cell_of(offset)
+    hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, data.shape, geo.shard_shape))
+    refs = []
+    for cell in np.ndindex(*(b - a for a, b in zip(lo, hi))) if lo else [()]:
+        cell = tuple(a + c for a, c in zip(lo, cell))
+        key = shard_key(geo.path, cell)
+        target = root / key
+        if target.parent not in made_dirs:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            made_dirs.add(target.parent)
+        refs.append(_write_shard(target, key, geo, data, offset, cell, fsync))
+    return refs
+
+
+def _write_shard(
+    target: Path, key: str, geo: Geometry, data: np.ndarray, origin: Sequence[int],
+    cell: tuple[int, ...], fsync: bool,
+) -> FileRef:
+    pieces: list[memoryview | bytes] = []
+    file_crc = FileCrc()
+    if not geo.shape:  # 0-d: plain [bytes, crc32c] chunk, no shard index
+        buf = byte_view(data)
+        c = crc32c(buf)
+        pieces = [buf, _CRC.pack(c)]
+        file_crc.add(c, len(buf))
+        file_crc.add_bytes(pieces[1])
+    else:
+        n_slots, slots = geo.slots(cell)
+        placed = []
+        for s in slots:
+            buf = _chunk_buffer(geo, data, origin, s)
+            c = crc32c(buf)
+            crc_bytes = _CRC.pack(c)
+            placed.append((s.slot, file_crc.size, len(buf) + CRC_BYTES))
+            pieces += [buf, crc_bytes]
+            file_crc.add(c, len(buf))
+            file_crc.add_bytes(crc_bytes)
+        index = encode_index(n_slots, placed)
+        pieces.append(index)
+        file_crc.add_bytes(index)
+    write_gather(target, pieces, fsync)
+    return FileRef(key, file_crc.size, file_crc.crc)
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def read_file(root: Path, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
+    """Read a whole stored file and check its size and whole-file CRC32C."""
+    try:
+        with open(root / ref.path, "rb") as f:
+            blob = f.read(ref.size + 1)
+    except FileNotFoundError:
+        raise MissingFileError(ref.path, tensors) from None
+    except IsADirectoryError:
+        raise MissingFileError(ref.path, tensors) from None
+    if len(blob) != ref.size:
+        raise SizeMismatchError(ref.path, ref.size, len(blob), tensors)
+    actual = crc32c(blob)
+    if actual != ref.crc32c:
+        raise ChecksumError(ref.path, "file", ref.crc32c, actual, tensors)
+    return blob
+
+
+def decode_shard(
+    blob: bytes, geo: Geometry, cell: tuple[int, ...], file: str, tensors: Sequence[str] = ()
+) -> list[tuple[ChunkSlot, np.ndarray]]:
+    """Check every CRC in a shard file's bytes; return each in-bounds chunk as a full-shape array."""
+    if not geo.shape:
+        return [(ChunkSlot(0, (), (), False), _check_chunk(blob, 0, len(blob), geo, file, tensors))]
+    n_slots, slots = geo.slots(cell)
+    if len(blob) < index_nbytes(n_slots):
+        raise CorruptShardError(file, "shorter than its index", tensors)
+    table = decode_index(memoryview(blob)[-index_nbytes(n_slots) :], n_slots, len(blob), file)
+    out = []
+    for s in slots:
+        off, nb = int(table[s.slot, 0]), int(table[s.slot, 1])
+        if off == EMPTY:
+            raise CorruptShardError(file, f"inner chunk {s.slot} is missing", tensors)
+        out.append((s, _check_chunk(blob, off, nb, geo, file, tensors)))
+    return out
+
+
+def _check_chunk(
+    blob: bytes, off: int, nb: int, geo: Geometry, file: str, tensors: Sequence[str]
+) -> np.ndarray:
+    if nb != geo.chunk_nbytes + CRC_BYTES:
+        raise CorruptShardError(file, f"chunk at {off} has {nb} bytes, expected "
+                                f"{geo.chunk_nbytes + CRC_BYTES}", tensors)
+    payload = memoryview(blob)[off : off + nb - CRC_BYTES]
+    (stored,) = _CRC.unpack_from(blob, off + nb - CRC_BYTES)
+    actual = crc32c(payload)
+    if actual != stored:
+        raise ChecksumError(file, f"chunk at offset {off}", stored, actual, tensors)
+    return np.frombuffer(payload, dtype=geo.dtype.newbyteorder("<")).reshape(geo.chunk_shape)
+
+
+def read_region(
+    root: Path, geo: Geometry, files: Sequence[FileRef], offset: Sequence[int], out: np.ndarray,
+    tensors: Sequence[str] = (),
+) -> None:
+    """Fill ``out`` (the region at ``offset``, C-contiguous) from its shard files, verifying every
+    chunk CRC and every file's size and CRC."""
+    lo = geo.cell_of(offset)
+    hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, out.shape, geo.shard_shape))
+    cell_iter = np.ndindex(*(b - a for a, b in zip(lo, hi))) if lo else iter([()])
+    for ref, rel in zip(files, cell_iter):
+        cell = tuple(a + c for a, c in zip(lo, rel))
+        if not _read_shard_fast(root, geo, ref, cell, offset, out, tensors):
+            blob = read_file(root, ref, tensors)
+            for s, chunk in decode_shard(blob, geo, cell, ref.path, tensors):
+                _place(chunk, s, offset, out)
+
+
+def _place(chunk: np.ndarray, s: ChunkSlot, origin: Sequence[int], out: np.ndarray) -> None:
+    lo, hi = _local(s.box_lo, origin), _local(s.box_hi, origin)
+    out[tuple(slice(a, b) for a, b in zip(lo, hi))] = chunk[
+        tuple(slice(0, b - a) for a, b in zip(lo, hi))
+    ]
+
+
+def _read_shard_fast(
+    root: Path, geo: Geometry, ref: FileRef, cell: tuple[int, ...], origin: Sequence[int],
+    out: np.ndarray, tensors: Sequence[str],
+) -> bool:
+    """Read a shard laid out as ckptfmt writes it directly into ``out``; False if it is not."""
+    try:
+        fd = os.open(root / ref.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise MissingFileError(ref.path, tensors) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != ref.size:
+            raise SizeMismatchError(ref.path, ref.size, size, tensors)
+        index_blob = b""
+        if not geo.shape:
+            slots: list[ChunkSlot] = [ChunkSlot(0, (), (), False)]
+        else:
+            n_slots, slots = geo.slots(cell)
+            n_idx = index_nbytes(n_slots)
+            if size < n_idx:
+                raise CorruptShardError(ref.path, "shorter than its index", tensors)
+            index_blob = os.pread(fd, n_idx, size - n_idx)
+            table = decode_index(index_blob, n_slots, size, ref.path)
+            step = geo.chunk_nbytes + CRC_BYTES
+            for i, s in enumerate(slots):
+                if int(table[s.slot, 0]) != i * step or int(table[s.slot, 1]) != step:
+                    return False  # valid zarr perhaps, but not our packed layout
+            if size != len(slots) * step + n_idx:
+                return False
+        buffers: list[memoryview] = []
+        targets = []
+        crcs = bytearray(CRC_BYTES * len(slots))
+        for i, s in enumerate(slots):
+            lo, hi = _local(s.box_lo, origin), _local(s.box_hi, origin)
+            if not s.padded and is_contiguous_box(out.shape, lo, hi):
+                start, stop = flat_range(out.shape, lo, hi)
+                view = byte_view(out.reshape(-1)[start:stop])
+                targets.append(None)
+            else:
+                tmp = np.empty(geo.chunk_shape, dtype=out.dtype)
+                view = byte_view(tmp)
+                targets.append(tmp)
+            buffers += [view, memoryview(crcs)[i * CRC_BYTES : (i + 1) * CRC_BYTES]]
+        try:
+            read_scatter(fd, buffers, 0)
+        except EOFError:
+            raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
+        file_crc = FileCrc()
+        for i, s in enumerate(slots):
+            payload = buffers[2 * i]
+            actual = crc32c(payload)
+            (stored,) = _CRC.unpack_from(crcs, i * CRC_BYTES)
+            if actual != stored:
+                raise ChecksumError(ref.path, f"chunk {s.slot}", stored, actual, tensors)
+            file_crc.add(actual, len(payload))
+            file_crc.add_bytes(buffers[2 * i + 1])
+            if targets[i] is not None:
+                _place(targets[i], s, origin, out)
+        file_crc.add_bytes(index_blob)
+        if file_crc.crc != ref.crc32c:
+            raise ChecksumError(ref.path, "file", ref.crc32c, file_crc.crc, tensors)
+        return True
+    finally:
+        os.close(fd)
