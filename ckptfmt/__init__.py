@@ -14,21 +14,24 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ckptfmt.checkpoint import load, save  # noqa: E402
-from ckptfmt.errors import CkptError  # noqa: E402
-from ckptfmt.reader import Checkpoint, TensorView, open_checkpoint  # noqa: E402
-from ckptfmt.verify import VerifyReport, verify  # noqa: E402
+from ckptfmt.checkpoint import load, save
+from ckptfmt.errors import CkptError
+from ckptfmt.reader import Checkpoint, TensorView, latest, open_checkpoint
+from ckptfmt.storage.steps import step_dir_name
+from ckptfmt.verify import VerifyReport, verify
 
-open = open_checkpoint  # noqa: A001 - ckptfmt.open is the documented name
+open = open_checkpoint
 
 __all__ = [
     "Checkpoint",
     "CkptError",
     "TensorView",
     "VerifyReport",
+    "latest",
     "load",
     "open",
     "open_checkpoint",
     "save",
+    "step_dir_name",
     "verify",
 ]

@@ -7,12 +7,14 @@ protocol of ``storage.commit`` makes the checkpoint appear whole or not at all.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import socket
 import sys
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from ckptfmt.reader import read_manifest, read_tensor
 from ckptfmt.state import flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import write_json
-from ckptfmt.storage.shard_io import Geometry, write_region
+from ckptfmt.storage.shard_io import Geometry, ShardJob, plan_region, run_jobs
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt supports little-endian hosts only")
@@ -144,8 +146,9 @@ def _write_entries(
 ) -> list[Entry]:
     names = [n for n, _ in prepared]
     write_groups(root, names, fsync)
-    entries: list[Entry] = []
+    entries: list[Entry | None] = []
     made: set[Path] = set()
+    pending: list[tuple[int, TensorEntry, list[ShardJob]]] = []
     for name, item in prepared:
         if item is None:
             (root / "/".join(name)).mkdir(parents=True, exist_ok=True)
@@ -153,27 +156,45 @@ def _write_entries(
             entries.append(GroupEntry(name))
         elif isinstance(item, tuple) and isinstance(item[0], np.ndarray):
             arr, dtype = item
-            entries.append(_write_tensor(root, name, arr, dtype, fsync, chunk_bytes, shard_bytes,
-                                         made))
+            entry, jobs = _plan_tensor(
+                root, name, arr, dtype, fsync, chunk_bytes, shard_bytes, made
+            )
+            pending.append((len(entries), entry, jobs))
+            entries.append(None)
         else:
             entries.append(ValueEntry(name, item))
-    return entries
+    all_jobs = [j for _, _, jobs in pending for j in jobs]
+    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
+        refs = iter(run_jobs(all_jobs, pool, fsync))
+    for i, entry, jobs in pending:
+        files = tuple(next(refs) for _ in jobs)
+        regions = (Region((0,) * len(entry.shape), entry.shape, 0, files),) if files else ()
+        entries[i] = dataclasses.replace(entry, regions=regions)
+    return [e for e in entries if e is not None]
 
 
-def _write_tensor(
-    root: Path, name: tuple[str, ...], arr: np.ndarray, dtype: DType, fsync: bool,
-    chunk_bytes: int, shard_bytes: int, made: set[Path],
-) -> TensorEntry:
+def writer_threads() -> int:
+    """Concurrent shard writers: two streams saturate tmpfs here; more only add contention."""
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def _plan_tensor(
+    root: Path,
+    name: tuple[str, ...],
+    arr: np.ndarray,
+    dtype: DType,
+    fsync: bool,
+    chunk_bytes: int,
+    shard_bytes: int,
+    made: set[Path],
+) -> tuple[TensorEntry, list[ShardJob]]:
     path = "/".join(name)
     shard, chunk = choose_grid(arr.shape, dtype.itemsize, chunk_bytes, shard_bytes)
     (root / path).mkdir(parents=True, exist_ok=True)
     write_json(root / path / "zarr.json", array_doc(dtype, arr.shape, shard, chunk), fsync)
     geo = Geometry(path, dtype.numpy, arr.shape, shard, chunk)
-    regions: tuple[Region, ...] = ()
-    if arr.size:
-        files = write_region(root, geo, arr, (0,) * arr.ndim, made, fsync)
-        regions = (Region((0,) * arr.ndim, arr.shape, 0, tuple(files)),)
-    return TensorEntry(name, path, dtype.name, arr.shape, shard, chunk, regions)
+    jobs = plan_region(root, geo, arr, (0,) * arr.ndim, made) if arr.size else []
+    return TensorEntry(name, path, dtype.name, arr.shape, shard, chunk, ()), jobs
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -107,7 +107,9 @@ class FormatVersionError(ManifestError):
     def __init__(self, found: object, supported: Sequence[int]) -> None:
         self.found = found
         self.supported = tuple(supported)
-        super().__init__(f"format version {found!r} is not supported (this reader: {list(supported)})")
+        super().__init__(
+            f"format version {found!r} is not supported (this reader: {list(supported)})"
+        )
 
 
 # --- data on disk fails its checks ---------------------------------------------------------------

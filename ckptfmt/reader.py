@@ -17,7 +17,7 @@ import numpy as np
 
 from ckptfmt.codecs.grid import cells
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import NotACheckpointError, UsageError
+from ckptfmt.errors import CkptError, NotACheckpointError, UsageError
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
 from ckptfmt.manifest.model import (
@@ -28,6 +28,7 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.storage.shard_io import Geometry, decode_shard, read_file, read_region
+from ckptfmt.storage.steps import list_step_dirs
 
 
 def read_manifest(root: Path) -> Manifest:
@@ -125,10 +126,15 @@ class TensorView:
 
     def __getitem__(self, key: Any) -> np.ndarray:
         bounds = _normalize_key(key, self.shape)
-        squeeze = tuple(
-            i for i, k in enumerate(key if isinstance(key, tuple) else (key,))
-            if isinstance(k, (int, np.integer))
-        ) if key is not Ellipsis else ()
+        squeeze = (
+            tuple(
+                i
+                for i, k in enumerate(key if isinstance(key, tuple) else (key,))
+                if isinstance(k, (int, np.integer))
+            )
+            if key is not Ellipsis
+            else ()
+        )
         out = np.empty(tuple(b - a for a, b in bounds), dtype=self.dtype)
         if out.size:
             self._fill(bounds, out)
@@ -149,8 +155,9 @@ class TensorView:
         }
         for cell in cells(lo, hi):
             ref = by_cell[cell]
-            for s, chunk in decode_shard(read_file(self.root, ref, tensors), geo, cell, ref.path,
-                                         tensors):
+            for s, chunk in decode_shard(
+                read_file(self.root, ref, tensors), geo, cell, ref.path, tensors
+            ):
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]
                 if any(x >= y for x, y in zip(a, b)):
@@ -182,7 +189,8 @@ class Checkpoint:
 
     def tensors(self) -> dict[str, TensorView]:
         return {
-            n: TensorView(self.path, e) for n, e in self._entries.items()
+            n: TensorView(self.path, e)
+            for n, e in self._entries.items()
             if isinstance(e, TensorEntry)
         }
 
@@ -211,3 +219,18 @@ class Checkpoint:
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a committed checkpoint read-only; see :class:`Checkpoint`."""
     return Checkpoint(path)
+
+
+def latest(root: str | os.PathLike[str]) -> tuple[int, Path] | None:
+    """The newest ``(step, path)`` under a checkpoint root whose manifest reads and parses.
+
+    Steps whose manifest is missing or damaged are skipped (a torn save never becomes latest);
+    their data is not read here, ``verify`` does that.
+    """
+    for step, path in reversed(list_step_dirs(Path(root))):
+        try:
+            read_manifest(path)
+        except CkptError:
+            continue
+        return step, path
+    return None

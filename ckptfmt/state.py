@@ -44,9 +44,7 @@ def flatten(state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
 
 
 def is_tensor(leaf: Any) -> bool:
-    return isinstance(leaf, (np.ndarray, np.generic)) and not isinstance(
-        leaf, (np.str_, np.bytes_)
-    )
+    return isinstance(leaf, (np.ndarray, np.generic)) and not isinstance(leaf, (np.str_, np.bytes_))
 
 
 def unflatten(leaves: Iterator[tuple[Name, Any]] | list[tuple[Name, Any]]) -> dict[str, Any]:
@@ -58,4 +56,3 @@ def unflatten(leaves: Iterator[tuple[Name, Any]] | list[tuple[Name, Any]]) -> di
             node = node.setdefault(component, {})
         node[name[-1]] = leaf
     return root
-

@@ -9,6 +9,7 @@ damaged, but nothing vouches for them).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -37,8 +38,12 @@ class Problem:
     tensors: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "kind": self.kind, "reason": self.reason,
-                "tensors": list(self.tensors)}
+        return {
+            "file": self.file,
+            "kind": self.kind,
+            "reason": self.reason,
+            "tensors": list(self.tensors),
+        }
 
 
 @dataclass
@@ -109,8 +114,9 @@ def _kind(exc: DamagedError) -> str:
     return "corrupt"
 
 
-def _check_doc(root: Path, rel: str, tensors: tuple[str, ...], check: Callable[[Any], None]
-               ) -> Problem | None:
+def _check_doc(
+    root: Path, rel: str, tensors: tuple[str, ...], check: Callable[[Any], None]
+) -> Problem | None:
     try:
         with open(root / rel, "rb") as f:
             doc = json.loads(f.read(1 << 20))
@@ -122,6 +128,10 @@ def _check_doc(root: Path, rel: str, tensors: tuple[str, ...], check: Callable[[
     except DamagedError as exc:
         return Problem(rel, _kind(exc), exc.reason, tensors)
     return None
+
+
+def _check_array(doc: Any, rel: str, t: TensorEntry) -> None:
+    check_array_doc(doc, rel, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
 
 
 def verify(
@@ -155,11 +165,7 @@ def verify(
         name = (display(t.name),)
         rel = f"{t.path}/zarr.json"
         expected.add(rel)
-        problem = _check_doc(
-            root, rel, name,
-            lambda doc, t=t: check_array_doc(doc, rel, t.dtype, t.shape, t.shard_shape,
-                                             t.chunk_shape),
-        )
+        problem = _check_doc(root, rel, name, functools.partial(_check_array, rel=rel, t=t))
         if problem:
             report.problems.append(problem)
         geo = geometry(t)

@@ -95,7 +95,9 @@ class ChunkSlot:
 
 
 def shard_slots(
-    array_shape: Sequence[int], shard_shape: Sequence[int], chunk_shape: Sequence[int],
+    array_shape: Sequence[int],
+    shard_shape: Sequence[int],
+    chunk_shape: Sequence[int],
     shard_index: Sequence[int],
 ) -> tuple[int, list[ChunkSlot]]:
     """The inner chunks of one shard that hold data, and the number of index slots.

@@ -11,6 +11,7 @@ order, back to back, from offset 0; readers accept any placement zarr allows.
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import numpy as np
@@ -58,7 +59,7 @@ def decode_index(blob: bytes | memoryview, n_slots: int, file_size: int, file: s
             raise CorruptShardError(file, f"index entry {slot} points outside the data")
         spans.append((off, off + nb))
     spans.sort()
-    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+    for (_, a1), (b0, _) in itertools.pairwise(spans):
         if b0 < a1:
             raise CorruptShardError(file, "index entries overlap")
     return table

@@ -18,7 +18,6 @@ from ckptfmt.codecs.grid import cells, grid_shape, shard_key
 from ckptfmt.dtypes import DTYPES
 from ckptfmt.errors import CkptError, FormatVersionError, ManifestError
 from ckptfmt.manifest.limits import (
-    FORMAT_VERSION,
     MANIFEST_MAX_BYTES,
     MAX_DIM,
     MAX_ENTRIES,
@@ -167,13 +166,13 @@ class _Reader:
             raise ManifestError(f"expected {getattr(kind, '__name__', kind)}", self.at(key))
         return value
 
-    def int(self, key: str, lo: int, hi: int) -> int:
+    def integer(self, key: str, lo: int, hi: int) -> int:
         value = self.get(key, int)
         if not lo <= value <= hi:
             raise ManifestError(f"{value} is outside [{lo}, {hi}]", self.at(key))
         return int(value)
 
-    def ints(self, key: str, lo: int, hi: int, max_len: int = MAX_NDIM) -> tuple[int, ...]:
+    def integers(self, key: str, lo: int, hi: int, max_len: int = MAX_NDIM) -> tuple[int, ...]:
         values = self.get(key, list)
         if len(values) > max_len:
             raise ManifestError(f"more than {max_len} items", self.at(key))
@@ -199,14 +198,14 @@ def manifest_from_json(doc: Any) -> Manifest:
     created = top.get("created", str)
     writer = top.get("writer", dict)
     world = _Reader(top.get("world", dict), "/world")
-    size = world.int("size", 1, MAX_WORLD_SIZE)
+    size = world.integer("size", 1, MAX_WORLD_SIZE)
     ranks_json = world.get("ranks", list)
     if len(ranks_json) != size:
         raise ManifestError(f"{len(ranks_json)} ranks listed for world size {size}", "/world/ranks")
     ranks = []
     for i, r in enumerate(ranks_json):
         rr = _Reader(r, f"/world/ranks/{i}")
-        if rr.int("rank", 0, size - 1) != i:
+        if rr.integer("rank", 0, size - 1) != i:
             raise ManifestError("ranks must be listed in order", rr.at("rank"))
         ranks.append(RankInfo(i, rr.get("node", str)))
     entries_json = top.get("entries", list)
@@ -261,10 +260,10 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
     dtype = r.get("dtype", str)
     if dtype not in DTYPES:
         raise ManifestError(f"unknown dtype {dtype!r}", r.at("dtype"))
-    shape = r.ints("shape", 0, MAX_DIM)
+    shape = r.integers("shape", 0, MAX_DIM)
     ndim = len(shape)
-    shard = r.ints("shard_shape", 1, MAX_DIM)
-    chunk = r.ints("chunk_shape", 1, MAX_DIM)
+    shard = r.integers("shard_shape", 1, MAX_DIM)
+    chunk = r.integers("chunk_shape", 1, MAX_DIM)
     if len(shard) != ndim or len(chunk) != ndim:
         raise ManifestError("shape, shard_shape and chunk_shape differ in length", r.pointer)
     if any(h % c for h, c in zip(shard, chunk)):
@@ -281,9 +280,9 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
     for i, reg in enumerate(regions_json):
         rp = f"{r.pointer}/regions/{i}"
         rr = _Reader(reg, rp)
-        offset = rr.ints("offset", 0, MAX_DIM)
-        rshape = rr.ints("shape", 1, MAX_DIM)
-        rank = rr.int("rank", 0, world_size - 1)
+        offset = rr.integers("offset", 0, MAX_DIM)
+        rshape = rr.integers("shape", 1, MAX_DIM)
+        rank = rr.integer("rank", 0, world_size - 1)
         if len(offset) != ndim or len(rshape) != ndim:
             raise ManifestError("offset and shape must have the tensor's rank", rp)
         for a in range(ndim):
@@ -307,7 +306,7 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
             if cell in claimed:
                 raise ManifestError("regions overlap", rp)
             claimed.add(cell)
-            files.append(FileRef(fpath, fr.int("size", 0, MAX_TENSOR_BYTES), int(crc, 16)))
+            files.append(FileRef(fpath, fr.integer("size", 0, MAX_TENSOR_BYTES), int(crc, 16)))
         regions.append(Region(offset, rshape, rank, tuple(files)))
     if math.prod(shape) and len(claimed) != math.prod(grid):
         raise ManifestError("regions do not cover the tensor", f"{r.pointer}/regions")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 JSON = Any  # a value json.dumps accepts (after non-finite floats are taken out)
 
@@ -88,7 +88,7 @@ class PerRankValueEntry:
     values: tuple[JSON, ...]
 
 
-Entry = Union[TensorEntry, ValueEntry, GroupEntry, PerRankValueEntry]
+Entry = TensorEntry | ValueEntry | GroupEntry | PerRankValueEntry
 
 
 @dataclass(frozen=True)

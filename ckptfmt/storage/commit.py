@@ -87,7 +87,7 @@ def clean_leftovers(parent: Path) -> list[Path]:
     replaced checkpoint: removed if ``name`` is committed, else renamed back (the crash came between
     the two renames of an overwrite).
     """
-    removed = []
+    removed: list[Path] = []
     if not parent.is_dir():
         return removed
     for child in sorted(parent.iterdir()):

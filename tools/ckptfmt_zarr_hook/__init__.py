@@ -37,7 +37,7 @@ class _ZarrDtypeFinder(MetaPathFinder):
                 from ckptfmt.zarr_plugin import register
 
                 register()
-            except Exception:  # noqa: BLE001 - a broken plugin must not break zarr
+            except Exception:
                 pass
 
         loader.exec_module = exec_then_register  # type: ignore[method-assign]
@@ -45,7 +45,10 @@ class _ZarrDtypeFinder(MetaPathFinder):
 
 
 def install() -> None:
-    if not any(isinstance(f, _ZarrDtypeFinder) for f in sys.meta_path) and _TARGET not in sys.modules:
+    if (
+        not any(isinstance(f, _ZarrDtypeFinder) for f in sys.meta_path)
+        and _TARGET not in sys.modules
+    ):
         sys.meta_path.insert(0, _ZarrDtypeFinder())
 
 

@@ -1,0 +1,32 @@
+"""Step directories under a checkpoint root (``spec/FORMAT.md``, "Step directories").
+
+A root holds one committed checkpoint per step, named ``step-`` and the step zero-padded to ten
+digits (more digits past 9,999,999,999). The latest complete checkpoint is the highest step whose
+directory holds a manifest that parses; dot-names (staging and replaced directories) are never
+candidates. Two saves of the same step (a job restarted from an older step) are told apart by the
+manifest's ``save_id``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_STEP = re.compile(r"^step-(\d{10,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every step-named directory under ``root``, ascending (committed or
+    not)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP.match(child.name)
+        if m and child.is_dir() and step_dir_name(int(m[1])) == child.name:
+            found.append((int(m[1]), child))
+    return sorted(found)

@@ -1,0 +1,78 @@
+"""Exit statuses of every ``ckptfmt`` command, and the one place where errors become them.
+
+Every command shares one table (:data:`EXIT_STATUSES`), shown in ``ckptfmt --help`` and in each
+command's help. Commands raise core errors freely: :class:`ckptfmt_cli.main.CkptGroup` turns each
+into a one-line message on stderr and the status :func:`exit_status` gives it, never a traceback.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ckptfmt.errors import (
+    CkptError,
+    DamagedError,
+    ManifestError,
+    NotACheckpointError,
+    UsageError,
+)
+
+
+class ExitStatus(enum.IntEnum):
+    OK = 0
+    DAMAGED = 1
+    USAGE = 2  # click's own status for bad arguments and options
+    UNREADABLE = 3
+    INTERRUPTED = 130  # the shell's convention for SIGINT; must not read as "damaged"
+
+
+EXIT_STATUSES: tuple[tuple[ExitStatus, str], ...] = (
+    (ExitStatus.OK, "healthy, or done"),
+    (ExitStatus.DAMAGED, "damaged: some data is missing or fails its checks"),
+    (ExitStatus.USAGE, "usage error: bad arguments or options"),
+    (ExitStatus.UNREADABLE,
+     "not a readable checkpoint: no manifest, an invalid one, or an unsupported format version"),
+    (ExitStatus.INTERRUPTED, "interrupted (Ctrl-C)"),
+)
+
+# Most specific first: MissingFileError is a DamagedError and a FileNotFoundError, and
+# NotACheckpointError a FileNotFoundError, so the core's own families must be matched before
+# OSError. OSError covers files the core could not read for reasons of its own (permissions, I/O).
+_STATUS_BY_ERROR: tuple[tuple[type[BaseException], ExitStatus], ...] = (
+    (DamagedError, ExitStatus.DAMAGED),
+    (UsageError, ExitStatus.USAGE),
+    (NotACheckpointError, ExitStatus.UNREADABLE),
+    (ManifestError, ExitStatus.UNREADABLE),  # FormatVersionError included
+    (CkptError, ExitStatus.UNREADABLE),
+    (OSError, ExitStatus.UNREADABLE),
+)
+
+MAX_MESSAGE_CHARS = 2000
+
+
+def exit_status(exc: BaseException) -> ExitStatus | None:
+    """The status a command exits with when ``exc`` escapes it; None for an unexpected error
+    (a bug, which should keep its traceback)."""
+    for cls, status in _STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return status
+    return None
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` on one line, with control characters escaped, at most ``limit`` characters."""
+    out = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return out if len(out) <= limit else out[: limit - 1] + "…"
+
+
+def error_message(exc: BaseException) -> str:
+    """The one-line message shown for an error that ends a command."""
+    if isinstance(exc, CkptError):
+        return one_line(str(exc))
+    return one_line(f"cannot read: {exc}")
+
+
+def help_epilog() -> str:
+    """The exit-status table as a click epilog (``\\b`` keeps click from re-wrapping it)."""
+    rows = [f"  {int(status):<4} {text}" for status, text in EXIT_STATUSES]
+    return "\b\nExit statuses (every command):\n" + "\n".join(rows)

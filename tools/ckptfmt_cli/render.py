@@ -1,0 +1,142 @@
+"""Rich rendering of the inspect document and of a verify report, for people at a terminal.
+
+Everything that comes from the checkpoint (names, paths, values, reasons) goes in as plain
+:class:`rich.text.Text` with control characters escaped, so it is never taken for markup or
+terminal escape sequences.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptfmt import VerifyReport
+from ckptfmt_cli.exits import one_line
+from ckptfmt_cli.summary import human_bytes, rank_ranges
+
+PIPE_WIDTH = 200  # when stdout is not a terminal: wide enough that rows rarely wrap in a pipe
+
+
+def stdout_console() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPE_WIDTH
+    return console
+
+
+def stderr_terminal() -> Console | None:
+    """A console on stderr when stderr is a terminal (for progress bars), else None."""
+    console = Console(stderr=True)
+    return console if console.is_terminal else None
+
+
+def plain(value: object) -> Text:
+    return Text(one_line(str(value), limit=10_000))
+
+
+def shape_text(shape: list[int]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False) -> None:
+    """Print the inspect document as a header, a tensor table, a value table and totals."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    step = "none" if doc["step"] is None else str(doc["step"])
+    nodes = doc["world"]["nodes"]
+    world = f"{doc['world']['size']} rank(s) on {len(nodes)} node(s): " + ", ".join(
+        f"{n['node']} [{rank_ranges(n['ranks'])}]" for n in nodes
+    )
+    writer = doc["writer"]
+    for key, value in (
+        ("checkpoint", doc["path"]),
+        ("format version", doc["format_version"]),
+        ("step", step),
+        ("save id", doc["save_id"]),
+        ("created", doc["created"]),
+        ("writer", " ".join(str(writer.get(k, "")) for k in ("library", "version")).strip()
+         or "unknown"),
+        ("world", world),
+        ("levels", ", ".join(doc["levels"]) or "none recorded"),
+    ):
+        head.add_row(key, plain(value))
+    console.print(head)
+
+    if doc["tensors"]:
+        table = Table(title="Tensors", title_justify="left", title_style="bold")
+        for col, justify in (("name", "left"), ("dtype", "left"), ("shape", "left"),
+                             ("bytes", "right"), ("regions", "right"), ("ranks", "left")):
+            table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        for t in doc["tensors"]:
+            table.add_row(plain(t["name"]), t["dtype"], shape_text(t["shape"]),
+                          human_bytes(t["bytes"]), str(t["regions"]),
+                          rank_ranges(t["writer_ranks"]) or "-")
+        console.print(table)
+    if regions and doc["tensors"]:
+        table = Table(title="Regions", title_justify="left", title_style="bold")
+        for col in ("tensor", "offset", "shape", "rank", "files"):
+            table.add_column(col, overflow="fold")
+        for t in doc["tensors"]:
+            for r in t.get("region_details", []):
+                files = Text("\n").join(
+                    plain(f"{f['path']} ({human_bytes(f['size'])}, crc32c {f['crc32c']})")
+                    for f in r["files"]
+                )
+                table.add_row(plain(t["name"]), shape_text(r["offset"]), shape_text(r["shape"]),
+                              str(r["rank"]), files)
+        console.print(table)
+    if doc["values"]:
+        table = Table(title="Values", title_justify="left", title_style="bold")
+        table.add_column("name", overflow="fold")
+        table.add_column("type")
+        table.add_column("value", overflow="fold")
+        for v in doc["values"]:
+            table.add_row(plain(v["name"]), v["type"], plain(v["repr"]))
+        console.print(table)
+    if doc["empty_groups"]:
+        console.print(Text("empty groups: ") + plain(", ".join(doc["empty_groups"])))
+    tot = doc["totals"]
+    console.print(
+        f"{tot['tensors']} tensor(s), {human_bytes(tot['bytes'])} ({tot['bytes']} bytes); "
+        f"{tot['values']} value(s); {tot['files']} file(s), {human_bytes(tot['stored_bytes'])} "
+        f"({tot['stored_bytes']} bytes) stored"
+    )
+
+
+def verify_summary(console: Console, report: VerifyReport) -> None:
+    """Print a verify report: the verdict, every problem, and unexpected files as warnings."""
+    m = report.manifest
+    where = Text(" ") + plain(report.path) + Text(
+        f" (step {'none' if m.step is None else m.step}, save id {m.save_id})"
+    )
+    read = (f"{report.files_checked} data file(s) checked, "
+            f"{human_bytes(report.bytes_checked)} read and verified")
+    if report.healthy:
+        console.print(Text("healthy", style="bold green") + where)
+        console.print(read)
+    else:
+        console.print(Text("DAMAGED", style="bold red") + where)
+        console.print(f"{len(report.problems)} problem(s); {read}")
+        table = Table(title="Problems", title_justify="left", title_style="bold")
+        table.add_column("file", overflow="fold")
+        table.add_column("problem")
+        table.add_column("reason", overflow="fold")
+        table.add_column("tensors affected", overflow="fold")
+        for p in report.problems:
+            table.add_row(plain(p.file), p.kind, plain(p.reason),
+                          plain(", ".join(p.tensors) or "-"))
+        console.print(table)
+        if report.damaged_tensors:
+            console.print(Text("damaged tensors: ", style="bold")
+                          + plain(", ".join(report.damaged_tensors)))
+    if report.unexpected_files:
+        console.print(Text(
+            f"warning: {len(report.unexpected_files)} file(s) not listed in the manifest "
+            "(they do not make it damaged, but nothing vouches for them):", style="yellow"))
+        for f in report.unexpected_files:
+            console.print(Text("  ") + plain(f))
