@@ -40,7 +40,7 @@ from ckptfmt.manifest.values import encode_value
 from ckptfmt.reader import read_manifest, read_tensor
 from ckptfmt.state import flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import write_json
+from ckptfmt.storage.files import Inside, write_json
 from ckptfmt.storage.shard_io import Geometry, ShardJob, plan_region, run_jobs
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -205,10 +205,11 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     root = Path(path)
     manifest = read_manifest(root)
+    src = Inside(root)
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
-            leaves.append((e.name, read_tensor(root, e)))
+            leaves.append((e.name, read_tensor(src, e)))
         elif isinstance(e, ValueEntry):
             leaves.append((e.name, e.value))
         elif isinstance(e, GroupEntry):

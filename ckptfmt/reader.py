@@ -27,6 +27,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
+from ckptfmt.storage.files import Inside
 from ckptfmt.storage.shard_io import Geometry, decode_shard, read_file, read_region
 from ckptfmt.storage.steps import list_step_dirs
 
@@ -36,31 +37,29 @@ def read_manifest(root: Path) -> Manifest:
     if not root.is_dir():
         reason = "no such directory" if not root.exists() else "not a directory"
         raise NotACheckpointError(str(root), reason)
-    file = root / MANIFEST_NAME
     try:
-        with open(file, "rb") as f:
-            data = f.read(MANIFEST_MAX_BYTES + 1)
+        data = Inside(root).read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
     except FileNotFoundError:
         raise NotACheckpointError(
             str(root), f"no {MANIFEST_NAME} (never committed, torn before commit, or not ours)"
         ) from None
     except OSError as exc:
         raise NotACheckpointError(str(root), f"cannot read {MANIFEST_NAME}: {exc}") from None
-    return parse_manifest(data, str(file))
+    return parse_manifest(data, str(root / MANIFEST_NAME))
 
 
 def geometry(t: TensorEntry) -> Geometry:
     return Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
 
 
-def read_tensor(root: Path, t: TensorEntry) -> np.ndarray:
+def read_tensor(src: Inside, t: TensorEntry) -> np.ndarray:
     """A whole tensor, every byte verified."""
     geo = geometry(t)
     out = np.empty(t.shape, dtype=geo.dtype)
     for r in t.regions:
         view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))]
         target = view if view.flags.c_contiguous else np.empty(r.shape, dtype=geo.dtype)
-        read_region(root, geo, r.files, r.offset, target, (display(t.name),))
+        read_region(src, geo, r.files, r.offset, target, (display(t.name),))
         if target is not view:
             view[...] = target
     return out
@@ -98,7 +97,7 @@ class TensorView:
     """A lazily read tensor of an open checkpoint: shape, dtype and sizes without reading data;
     indexing reads only the shard files the selection touches, verifying what it reads."""
 
-    root: Path
+    src: Inside
     entry: TensorEntry
 
     @property
@@ -118,7 +117,7 @@ class TensorView:
         return self.entry.size * self.dtype.itemsize
 
     def read(self) -> np.ndarray:
-        return read_tensor(self.root, self.entry)
+        return read_tensor(self.src, self.entry)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.read()
@@ -156,7 +155,7 @@ class TensorView:
         for cell in cells(lo, hi):
             ref = by_cell[cell]
             for s, chunk in decode_shard(
-                read_file(self.root, ref, tensors), geo, cell, ref.path, tensors
+                read_file(self.src, ref, tensors), geo, cell, ref.path, tensors
             ):
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]
@@ -177,6 +176,7 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
+        self._src = Inside(self.path)
         self._entries = {display(e.name): e for e in self.manifest.entries}
 
     @property
@@ -189,7 +189,7 @@ class Checkpoint:
 
     def tensors(self) -> dict[str, TensorView]:
         return {
-            n: TensorView(self.path, e)
+            n: TensorView(self._src, e)
             for n, e in self._entries.items()
             if isinstance(e, TensorEntry)
         }
@@ -206,7 +206,7 @@ class Checkpoint:
         if e is None or isinstance(e, GroupEntry):
             raise KeyError(name)
         if isinstance(e, TensorEntry):
-            return TensorView(self.path, e)
+            return TensorView(self._src, e)
         if isinstance(e, ValueEntry):
             return e.value
         assert isinstance(e, PerRankValueEntry)

@@ -22,9 +22,10 @@ from typing import Any
 from ckptfmt.codecs.zarr_meta import check_array_doc
 from ckptfmt.errors import DamagedError, ManifestError, MetadataMismatchError, MissingFileError
 from ckptfmt.manifest.codec import MANIFEST_NAME
-from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry
 from ckptfmt.reader import geometry, read_manifest
+from ckptfmt.storage.files import Inside
 from ckptfmt.storage.shard_io import decode_shard, read_file
 
 
@@ -91,8 +92,7 @@ def check_schema(root: Path) -> None:
     """Validate the manifest file against the JSON schema; raise :class:`ManifestError`."""
     import jsonschema
 
-    with open(root / MANIFEST_NAME, "rb") as f:
-        doc = json.loads(f.read())
+    doc = json.loads(Inside(root).read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1))
     validator = jsonschema.Draft202012Validator(manifest_schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     if error is not None:
@@ -115,11 +115,10 @@ def _kind(exc: DamagedError) -> str:
 
 
 def _check_doc(
-    root: Path, rel: str, tensors: tuple[str, ...], check: Callable[[Any], None]
+    src: Inside, rel: str, tensors: tuple[str, ...], check: Callable[[Any], None]
 ) -> Problem | None:
     try:
-        with open(root / rel, "rb") as f:
-            doc = json.loads(f.read(1 << 20))
+        doc = json.loads(src.read(rel, 1 << 20))
         check(doc)
     except FileNotFoundError:
         return Problem(rel, "missing", "missing", tensors)
@@ -146,6 +145,7 @@ def verify(
     root = Path(path)
     manifest = read_manifest(root)
     check_schema(root)
+    src = Inside(root)
     report = VerifyReport(str(root), manifest)
     expected = {MANIFEST_NAME}
 
@@ -158,14 +158,14 @@ def verify(
     for g in sorted(groups):
         rel = "/".join((*g, "zarr.json"))
         expected.add(rel)
-        problem = _check_doc(root, rel, (), want_group)
+        problem = _check_doc(src, rel, (), want_group)
         if problem:
             report.problems.append(problem)
     for t in manifest.tensors():
         name = (display(t.name),)
         rel = f"{t.path}/zarr.json"
         expected.add(rel)
-        problem = _check_doc(root, rel, name, functools.partial(_check_array, rel=rel, t=t))
+        problem = _check_doc(src, rel, name, functools.partial(_check_array, rel=rel, t=t))
         if problem:
             report.problems.append(problem)
         geo = geometry(t)
@@ -174,7 +174,7 @@ def verify(
                 expected.add(ref.path)
                 cell = tuple(int(x) for x in ref.path.rsplit("/c", 1)[1].split("/")[1:])
                 try:
-                    blob = read_file(root, ref, name)
+                    blob = read_file(src, ref, name)
                     decode_shard(blob, geo, cell, ref.path, name)
                     report.bytes_checked += len(blob)
                 except DamagedError as exc:

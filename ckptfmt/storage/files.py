@@ -7,6 +7,7 @@ with ``os.preadv`` straight into the destination arrays.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Sequence
@@ -78,3 +79,46 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Inside:
+    """Opens files of one checkpoint for reading, refusing any that resolve outside its root.
+
+    The manifest's paths are already checked to be shard keys (no '..', not absolute), but the
+    tree itself may hold symbolic links; a link that leads out of the checkpoint is treated as a
+    missing file. Each directory is resolved once; the file itself is opened with O_NOFOLLOW.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(os.path.realpath(root))
+        self._dirs: dict[str, bool] = {}
+
+    def _dir_ok(self, rel_dir: str) -> bool:
+        ok = self._dirs.get(rel_dir)
+        if ok is None:
+            real = os.path.realpath(self.root / rel_dir)
+            ok = real == str(self.root) or real.startswith(str(self.root) + os.sep)
+            self._dirs[rel_dir] = ok
+        return ok
+
+    def open_fd(self, rel: str) -> int:
+        """An O_RDONLY descriptor of ``rel``; FileNotFoundError if it is absent or leads outside."""
+        rel_dir = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        if not self._dir_ok(rel_dir):
+            raise FileNotFoundError(rel)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(self.root / rel, flags)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR):
+                raise FileNotFoundError(rel) from None
+            raise
+
+    def read(self, rel: str, limit: int) -> bytes:
+        """Up to ``limit`` bytes of ``rel`` (FileNotFoundError as for :meth:`open_fd`)."""
+        fd = self.open_fd(rel)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read(limit)
+        finally:
+            os.close(fd)

@@ -40,7 +40,7 @@ from ckptfmt.errors import (
     SizeMismatchError,
 )
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import read_scatter, write_gather
+from ckptfmt.storage.files import Inside, read_scatter, write_gather
 
 _CRC = struct.Struct("<I")
 
@@ -200,14 +200,11 @@ def _write_shard(
 # --- reading -------------------------------------------------------------------------------------
 
 
-def read_file(root: Path, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
+def read_file(src: Inside, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
     """Read a whole stored file and check its size and whole-file CRC32C."""
     try:
-        with open(root / ref.path, "rb") as f:
-            blob = f.read(ref.size + 1)
+        blob = src.read(ref.path, ref.size + 1)
     except FileNotFoundError:
-        raise MissingFileError(ref.path, tensors) from None
-    except IsADirectoryError:
         raise MissingFileError(ref.path, tensors) from None
     if len(blob) != ref.size:
         raise SizeMismatchError(ref.path, ref.size, len(blob), tensors)
@@ -252,7 +249,7 @@ def _check_chunk(
 
 
 def read_region(
-    root: Path,
+    src: Inside,
     geo: Geometry,
     files: Sequence[FileRef],
     offset: Sequence[int],
@@ -266,8 +263,8 @@ def read_region(
     cell_iter = np.ndindex(*(b - a for a, b in zip(lo, hi))) if lo else iter([()])
     for ref, rel in zip(files, cell_iter):
         cell = tuple(a + c for a, c in zip(lo, rel))
-        if not _read_shard_fast(root, geo, ref, cell, offset, out, tensors):
-            blob = read_file(root, ref, tensors)
+        if not _read_shard_fast(src, geo, ref, cell, offset, out, tensors):
+            blob = read_file(src, ref, tensors)
             for s, chunk in decode_shard(blob, geo, cell, ref.path, tensors):
                 _place(chunk, s, offset, out)
 
@@ -280,7 +277,7 @@ def _place(chunk: np.ndarray, s: ChunkSlot, origin: Sequence[int], out: np.ndarr
 
 
 def _read_shard_fast(
-    root: Path,
+    src: Inside,
     geo: Geometry,
     ref: FileRef,
     cell: tuple[int, ...],
@@ -290,8 +287,8 @@ def _read_shard_fast(
 ) -> bool:
     """Read a shard laid out as ckptfmt writes it directly into ``out``; False if it is not."""
     try:
-        fd = os.open(root / ref.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        fd = src.open_fd(ref.path)
+    except FileNotFoundError:
         raise MissingFileError(ref.path, tensors) from None
     try:
         size = os.fstat(fd).st_size
