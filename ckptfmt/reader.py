@@ -57,7 +57,7 @@ def read_tensor(src: Inside, t: TensorEntry) -> np.ndarray:
     geo = geometry(t)
     out = np.empty(t.shape, dtype=geo.dtype)
     for r in t.regions:
-        view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))]
+        view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))] if t.shape else out
         target = view if view.flags.c_contiguous else np.empty(r.shape, dtype=geo.dtype)
         read_region(src, geo, r.files, r.offset, target, (display(t.name),))
         if target is not view:
@@ -65,8 +65,11 @@ def read_tensor(src: Inside, t: TensorEntry) -> np.ndarray:
     return out
 
 
-def _normalize_key(key: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """Basic slicing (ints and step-1 slices, Ellipsis) as per-axis ``[start, stop)``."""
+def _normalize_key(
+    key: Any, shape: tuple[int, ...]
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """Basic slicing (ints, step-1 slices, one Ellipsis) as per-axis ``[start, stop)`` and the
+    axes indexed by an int (dropped from the result)."""
     if not isinstance(key, tuple):
         key = (key,)
     if any(k is Ellipsis for k in key):
@@ -76,12 +79,14 @@ def _normalize_key(key: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], .
         raise UsageError(f"too many indices for a {len(shape)}-d tensor")
     key = key + (slice(None),) * (len(shape) - len(key))
     out = []
-    for k, d in zip(key, shape):
+    dropped = []
+    for axis, (k, d) in enumerate(zip(key, shape)):
         if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
             i = int(k) + d if k < 0 else int(k)
             if not 0 <= i < d:
                 raise UsageError(f"index {k} out of range for size {d}")
             out.append((i, i + 1))
+            dropped.append(axis)
         elif isinstance(k, slice):
             start, stop, step = k.indices(d)
             if step != 1:
@@ -89,7 +94,7 @@ def _normalize_key(key: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], .
             out.append((start, max(start, stop)))
         else:
             raise UsageError(f"unsupported index {k!r}")
-    return tuple(out)
+    return tuple(out), tuple(dropped)
 
 
 @dataclass(frozen=True)
@@ -124,20 +129,11 @@ class TensorView:
         return arr if dtype is None else arr.astype(dtype)
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        bounds = _normalize_key(key, self.shape)
-        squeeze = (
-            tuple(
-                i
-                for i, k in enumerate(key if isinstance(key, tuple) else (key,))
-                if isinstance(k, (int, np.integer))
-            )
-            if key is not Ellipsis
-            else ()
-        )
+        bounds, dropped = _normalize_key(key, self.shape)
         out = np.empty(tuple(b - a for a, b in bounds), dtype=self.dtype)
         if out.size:
             self._fill(bounds, out)
-        return out.reshape([d for i, d in enumerate(out.shape) if i not in squeeze])
+        return out.reshape([d for i, d in enumerate(out.shape) if i not in dropped])
 
     def _fill(self, bounds: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
         t, geo = self.entry, geometry(self.entry)

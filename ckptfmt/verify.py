@@ -122,7 +122,7 @@ def _check_doc(
         check(doc)
     except FileNotFoundError:
         return Problem(rel, "missing", "missing", tensors)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         return Problem(rel, "metadata", f"unreadable: {exc}", tensors)
     except DamagedError as exc:
         return Problem(rel, _kind(exc), exc.reason, tensors)
@@ -150,7 +150,11 @@ def verify(
     expected = {MANIFEST_NAME}
 
     def want_group(doc: Any) -> None:
-        if doc.get("node_type") != "group" or doc.get("zarr_format") != 3:
+        if (
+            not isinstance(doc, dict)
+            or doc.get("node_type") != "group"
+            or doc.get("zarr_format") != 3
+        ):
             raise MetadataMismatchError("", "expected a zarr v3 group document")
 
     groups = {e.name[:k] for e in manifest.entries for k in range(len(e.name))}
@@ -179,6 +183,8 @@ def verify(
                     report.bytes_checked += len(blob)
                 except DamagedError as exc:
                     report.problems.append(Problem(ref.path, _kind(exc), exc.reason, name))
+                except OSError as exc:  # unreadable: permissions, I/O error
+                    report.problems.append(Problem(ref.path, "unreadable", str(exc), name))
                 report.files_checked += 1
                 if progress:
                     progress(ref.size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,11 +109,15 @@ class Inside:
             raise FileNotFoundError(rel)
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            return os.open(self.root / rel, flags)
+            fd = os.open(self.root / rel, flags)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR):
                 raise FileNotFoundError(rel) from None
             raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory or device where a file belongs
+            os.close(fd)
+            raise FileNotFoundError(rel)
+        return fd
 
     def read(self, rel: str, limit: int) -> bytes:
         """Up to ``limit`` bytes of ``rel`` (FileNotFoundError as for :meth:`open_fd`)."""

@@ -1,0 +1,128 @@
+"""The ``ckptfmt`` command: inspect and verify checkpoints, using only the public core API.
+
+Adding a command (``list``, ``rebuild``, ``reshard``, ...): define it with ``@cli.command()`` here,
+or in a sibling module and register it with ``cli.add_command``. Let core errors propagate:
+:class:`CkptGroup` maps every one to its exit status (``exits.py``) with a one-line message, and
+gives the command the shared exit-status table in its help. A command that finds damage itself
+ends with ``ctx.exit(ExitStatus.DAMAGED)``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+import ckptfmt
+from ckptfmt import VerifyReport
+from ckptfmt_cli import render
+from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
+from ckptfmt_cli.summary import describe
+
+
+def fail(ctx: click.Context, message: str, status: ExitStatus) -> NoReturn:
+    """End the command: ``Error: <message>`` on stderr (click's form for its own errors) and
+    exit with ``status``."""
+    click.echo(f"Error: {message}", err=True)
+    ctx.exit(status)
+
+
+class CkptGroup(click.Group):
+    """The command group: one exit-status table in every help, one mapping of errors to statuses."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        if cmd.epilog is None:
+            cmd.epilog = help_epilog()
+        super().add_command(cmd, name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            fail(ctx, "interrupted", ExitStatus.INTERRUPTED)
+        except BrokenPipeError:
+            raise  # click's own handling: stdout went away, e.g. `ckptfmt inspect | head`
+        except (ckptfmt.CkptError, OSError) as exc:
+            status = exit_status(exc)
+            if status is None:  # pragma: no cover - exit_status knows both families
+                raise
+            fail(ctx, error_message(exc), status)
+
+
+def _json_out(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, allow_nan=False))
+
+
+@click.group(cls=CkptGroup, epilog=help_epilog(),
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(ckptfmt.__version__, "-V", "--version", prog_name="ckptfmt",
+                      message="%(prog)s %(version)s")
+def cli() -> None:
+    """Inspect and verify ckptfmt checkpoints (a zarr v3 hierarchy plus ckptfmt.json)."""
+
+
+@cli.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document (stable keys) instead of tables.")
+@click.option("--regions", is_flag=True,
+              help="Also list each region: offset, shape, writer rank and files.")
+def inspect_command(path: Path, as_json: bool, regions: bool) -> None:
+    """Show what the checkpoint at PATH holds: tensors, values, sizes, who wrote it.
+
+    Reads only the manifest; use `ckptfmt verify` to check the data.
+    """
+    doc = describe(ckptfmt.open(path), regions=regions)
+    if as_json:
+        _json_out(doc)
+    else:
+        render.inspect_tables(render.stdout_console(), doc, regions=regions)
+
+
+def _verify(path: Path, show_progress: bool) -> VerifyReport:
+    console = render.stderr_terminal() if show_progress else None
+    if console is None:
+        return ckptfmt.verify(path)
+    total = sum(f.size for _, f in ckptfmt.open(path).manifest.files())
+    columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(binary_units=True),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("verify", total=total)
+        return ckptfmt.verify(path, progress=lambda n: bar.advance(task, n))
+
+
+@cli.command("verify")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress bar and no report (--json still prints): only the exit status.")
+@click.pass_context
+def verify_command(ctx: click.Context, path: Path, as_json: bool, quiet: bool) -> None:
+    """Re-read every byte of the checkpoint at PATH and report what is damaged.
+
+    Checks the manifest, every zarr metadata document, and every data file's presence, size and
+    CRC32C checksums. Each damaged or missing file is named with the tensors it affects. Files the
+    manifest does not list are warnings. A progress bar is shown on stderr when it is a terminal.
+    """
+    report = _verify(path, show_progress=not quiet)
+    if as_json:
+        _json_out(report.to_json())
+    elif not quiet:
+        render.verify_summary(render.stdout_console(), report)
+    ctx.exit(ExitStatus.OK if report.healthy else ExitStatus.DAMAGED)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``ckptfmt`` script and ``python -m ckptfmt_cli``; exits the process."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="ckptfmt")
