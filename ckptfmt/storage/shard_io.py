@@ -200,18 +200,25 @@ def _write_shard(
 # --- reading -------------------------------------------------------------------------------------
 
 
-def read_file(src: Inside, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
-    """Read a whole stored file and check its size and whole-file CRC32C."""
+def read_file(
+    src: Inside, ref: FileRef, tensors: Sequence[str] = (), check_crc: bool = True
+) -> bytes:
+    """Read a whole stored file and check its size and (unless told not to) whole-file CRC32C."""
     try:
         blob = src.read(ref.path, ref.size + 1)
     except FileNotFoundError:
         raise MissingFileError(ref.path, tensors) from None
     if len(blob) != ref.size:
         raise SizeMismatchError(ref.path, ref.size, len(blob), tensors)
+    if check_crc:
+        check_file_crc(blob, ref, tensors)
+    return blob
+
+
+def check_file_crc(blob: bytes, ref: FileRef, tensors: Sequence[str] = ()) -> None:
     actual = crc32c(blob)
     if actual != ref.crc32c:
         raise ChecksumError(ref.path, "file", ref.crc32c, actual, tensors)
-    return blob
 
 
 def decode_shard(
