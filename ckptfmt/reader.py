@@ -55,6 +55,9 @@ def geometry(t: TensorEntry) -> Geometry:
 def read_tensor(src: Inside, t: TensorEntry) -> np.ndarray:
     """A whole tensor, every byte verified."""
     geo = geometry(t)
+    for r in t.regions:  # claimed sizes against the disk before allocating the claimed shape
+        for ref in r.files:
+            src.check_size(ref.path, ref.size, (display(t.name),))
     out = np.empty(t.shape, dtype=geo.dtype)
     for r in t.regions:
         view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))] if t.shape else out
@@ -151,7 +154,7 @@ class TensorView:
         for cell in cells(lo, hi):
             ref = by_cell[cell]
             for s, chunk in decode_shard(
-                read_file(self.src, ref, tensors), geo, cell, ref.path, tensors
+                read_file(self.src, ref, tensors), geo, cell, ref, tensors
             ):
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]
@@ -194,7 +197,9 @@ class Checkpoint:
         return iter(self.keys())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        key = display(name) if isinstance(name, tuple) else name
+        e = self._entries.get(key) if isinstance(key, str) else None
+        return e is not None and not isinstance(e, GroupEntry)
 
     def __getitem__(self, name: str | tuple[str, ...]) -> Any:
         key = display(name) if isinstance(name, tuple) else name

@@ -9,6 +9,7 @@ structure comes back as it was given. Key order is kept.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,35 @@ def flatten(state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class Shard:
+    """A leaf holding one region of a larger tensor (what FSDP or tensor parallelism give a
+    rank): ``data`` is the region, at ``offset`` in a tensor of ``global_shape``."""
+
+    data: np.ndarray
+    offset: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        arr = np.asarray(self.data)
+        offset = tuple(int(x) for x in self.offset)
+        shape = tuple(int(x) for x in self.global_shape)
+        if (
+            len(offset) != arr.ndim
+            or len(shape) != arr.ndim
+            or any(o < 0 or o + n > d for o, n, d in zip(offset, arr.shape, shape))
+        ):
+            raise UsageError(
+                f"a shard of shape {arr.shape} at {list(offset)} does not fit in {list(shape)}"
+            )
+        object.__setattr__(self, "data", arr)
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "global_shape", shape)
+
+
 def is_tensor(leaf: Any) -> bool:
+    if isinstance(leaf, Shard):
+        return True
     return isinstance(leaf, (np.ndarray, np.generic)) and not isinstance(leaf, (np.str_, np.bytes_))
 
 

@@ -26,7 +26,7 @@ from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry
 from ckptfmt.reader import geometry, read_manifest
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.shard_io import check_file_crc, decode_shard, read_file
+from ckptfmt.storage.shard_io import decode_shard, read_file
 
 
 @dataclass(frozen=True)
@@ -178,10 +178,8 @@ def verify(
                 expected.add(ref.path)
                 cell = tuple(int(x) for x in ref.path.rsplit("/c", 1)[1].split("/")[1:])
                 try:
-                    # chunk by chunk first, so that the report names the damaged chunk
-                    blob = read_file(src, ref, name, check_crc=False)
-                    decode_shard(blob, geo, cell, ref.path, name)
-                    check_file_crc(blob, ref, name)
+                    blob = read_file(src, ref, name)
+                    decode_shard(blob, geo, cell, ref, name)
                     report.bytes_checked += len(blob)
                 except DamagedError as exc:
                     report.problems.append(Problem(ref.path, _kind(exc), exc.reason, name))

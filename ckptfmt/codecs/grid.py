@@ -17,6 +17,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ckptfmt.manifest.limits import MAX_CHUNKS_PER_SHARD
+
 Shape = tuple[int, ...]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -55,7 +57,7 @@ def choose_grid(
         trailing *= shape[axis]
     trailing = itemsize * math.prod(shape[j + 1 :])
     k = max(1, min(shape[j], chunk_bytes // trailing))
-    chunks_per_shard = max(1, shard_bytes // (k * trailing))
+    chunks_per_shard = min(MAX_CHUNKS_PER_SHARD, max(1, shard_bytes // (k * trailing)))
     n_chunks_along = cdiv(shape[j], k)
     m = min(chunks_per_shard, n_chunks_along)
     chunk = (1,) * j + (k,) + shape[j + 1 :]

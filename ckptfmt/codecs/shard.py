@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,7 +39,13 @@ def encode_index(n_slots: int, placed: list[tuple[int, int, int]]) -> bytes:
     return raw + struct.pack("<I", crc32c(raw))
 
 
-def decode_index(blob: bytes | memoryview, n_slots: int, file_size: int, file: str) -> np.ndarray:
+def decode_index(
+    blob: bytes | memoryview,
+    n_slots: int,
+    file_size: int,
+    file: str,
+    tensors: Sequence[str] = (),
+) -> np.ndarray:
     """Parse and check an index read from the end of a shard file; return an ``(n, 2)`` table.
 
     Every present entry must lie inside the data part of the file and not overlap another.
@@ -47,7 +54,7 @@ def decode_index(blob: bytes | memoryview, n_slots: int, file_size: int, file: s
     (stored,) = struct.unpack("<I", bytes(memoryview(blob)[-CRC_BYTES:]))
     actual = crc32c(raw)
     if actual != stored:
-        raise ChecksumError(file, "shard index", stored, actual)
+        raise ChecksumError(file, "shard index", stored, actual, tensors)
     table = np.frombuffer(raw, dtype="<u8").reshape(n_slots, 2)
     data_end = file_size - index_nbytes(n_slots)
     spans = []
@@ -56,12 +63,12 @@ def decode_index(blob: bytes | memoryview, n_slots: int, file_size: int, file: s
         if off == EMPTY and nb == EMPTY:
             continue
         if nb < CRC_BYTES or off + nb > data_end:
-            raise CorruptShardError(file, f"index entry {slot} points outside the data")
+            raise CorruptShardError(file, f"index entry {slot} points outside the data", tensors)
         spans.append((off, off + nb))
     spans.sort()
     for (_, a1), (b0, _) in itertools.pairwise(spans):
         if b0 < a1:
-            raise CorruptShardError(file, "index entries overlap")
+            raise CorruptShardError(file, "index entries overlap", tensors)
     return table
 
 

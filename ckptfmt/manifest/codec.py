@@ -19,6 +19,8 @@ from ckptfmt.dtypes import DTYPES
 from ckptfmt.errors import CkptError, FormatVersionError, ManifestError
 from ckptfmt.manifest.limits import (
     MANIFEST_MAX_BYTES,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS_PER_SHARD,
     MAX_DIM,
     MAX_ENTRIES,
     MAX_NDIM,
@@ -132,10 +134,12 @@ def parse_manifest(data: bytes, path: str | None = None) -> Manifest:
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except ManifestError as exc:
         raise ManifestError(exc.reason, path=path) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8, bad JSON, absurd integer literals
         raise ManifestError(f"not JSON: {exc}", path=path) from None
     try:
         return manifest_from_json(doc)
+    except FormatVersionError:
+        raise
     except ManifestError as exc:
         raise ManifestError(exc.reason, exc.pointer, path) from None
     except CkptError as exc:  # a name or limit rule, found while parsing
@@ -160,11 +164,19 @@ class _Reader:
                 return None
             raise ManifestError("missing", self.at(key))
         value = self.obj[key]
+        if kind is object:
+            return value
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
             raise ManifestError(f"expected {kind}, got a boolean", self.at(key))
         if not isinstance(value, kind):
             raise ManifestError(f"expected {getattr(kind, '__name__', kind)}", self.at(key))
         return value
+
+    def only(self, *allowed: str) -> None:
+        """No members but ``allowed`` (the schema is closed; unknown members are errors)."""
+        extra = sorted(set(self.obj) - set(allowed))
+        if extra:
+            raise ManifestError(f"unknown member {extra[0]!r}", self.at(extra[0]))
 
     def integer(self, key: str, lo: int, hi: int) -> int:
         value = self.get(key, int)
@@ -184,6 +196,19 @@ class _Reader:
 
 def manifest_from_json(doc: Any) -> Manifest:
     top = _Reader(doc, "")
+    top.only(
+        "format",
+        "format_version",
+        "save_id",
+        "step",
+        "created",
+        "writer",
+        "world",
+        "entries",
+        "levels",
+    )
+    if "step" not in top.obj:
+        raise ManifestError("missing (null when the checkpoint has no step)", "/step")
     if top.get("format", str) != FORMAT_ID:
         raise ManifestError(f"format is not {FORMAT_ID!r}", "/format")
     version = top.obj.get("format_version")
@@ -198,6 +223,7 @@ def manifest_from_json(doc: Any) -> Manifest:
     created = top.get("created", str)
     writer = top.get("writer", dict)
     world = _Reader(top.get("world", dict), "/world")
+    world.only("size", "ranks")
     size = world.integer("size", 1, MAX_WORLD_SIZE)
     ranks_json = world.get("ranks", list)
     if len(ranks_json) != size:
@@ -205,6 +231,7 @@ def manifest_from_json(doc: Any) -> Manifest:
     ranks = []
     for i, r in enumerate(ranks_json):
         rr = _Reader(r, f"/world/ranks/{i}")
+        rr.only("rank", "node")
         if rr.integer("rank", 0, size - 1) != i:
             raise ManifestError("ranks must be listed in order", rr.at("rank"))
         ranks.append(RankInfo(i, rr.get("node", str)))
@@ -232,17 +259,34 @@ def _parse_entry(obj: Any, pointer: str, world_size: int) -> Entry:
     kind = r.get("kind", str)
     name = check_name(r.get("name", list))
     if kind == "tensor":
+        r.only(
+            "kind",
+            "name",
+            "path",
+            "dtype",
+            "shape",
+            "shard_shape",
+            "chunk_shape",
+            "regions",
+            "per_rank",
+        )
         return _parse_tensor(r, name, world_size)
     if kind == "value":
+        r.only("kind", "name", "value", "nonfinite")
         nonfinite = r.get("nonfinite", dict, optional=True) or {}
         return ValueEntry(name, decode_value(r.get("value", object), nonfinite, pointer))
     if kind == "group":
+        r.only("kind", "name")
         return GroupEntry(name)
     if kind == "per_rank_value":
+        r.only("kind", "name", "values", "nonfinite")
         values = r.get("values", list)
         if len(values) != world_size:
             raise ManifestError("one value per rank is required", r.at("values"))
         nonfinite = r.get("nonfinite", dict, optional=True) or {}
+        for key, per in nonfinite.items():
+            if not isinstance(per, dict):
+                raise ManifestError("expected an object", f"{r.at('nonfinite')}/{key}")
         return PerRankValueEntry(
             name,
             tuple(
@@ -268,6 +312,10 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
         raise ManifestError("shape, shard_shape and chunk_shape differ in length", r.pointer)
     if any(h % c for h, c in zip(shard, chunk)):
         raise ManifestError("shard_shape must be a multiple of chunk_shape", r.at("shard_shape"))
+    if math.prod(h // c for h, c in zip(shard, chunk)) > MAX_CHUNKS_PER_SHARD:
+        raise ManifestError(f"more than {MAX_CHUNKS_PER_SHARD} chunks per shard", r.pointer)
+    if math.prod(chunk) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
+        raise ManifestError(f"inner chunks larger than {MAX_CHUNK_BYTES} bytes", r.pointer)
     if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
         raise ManifestError(f"tensor larger than {MAX_TENSOR_BYTES} bytes", r.at("shape"))
     per_rank = r.get("per_rank", bool, optional=True) or False
@@ -280,6 +328,7 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
     for i, reg in enumerate(regions_json):
         rp = f"{r.pointer}/regions/{i}"
         rr = _Reader(reg, rp)
+        rr.only("offset", "shape", "rank", "files")
         offset = rr.integers("offset", 0, MAX_DIM)
         rshape = rr.integers("shape", 1, MAX_DIM)
         rank = rr.integer("rank", 0, world_size - 1)
@@ -297,6 +346,7 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
         files = []
         for j, (cell, fj) in enumerate(zip(cells(lo, hi), files_json)):
             fr = _Reader(fj, f"{rp}/files/{j}")
+            fr.only("path", "size", "crc32c")
             fpath = fr.get("path", str)
             if fpath != shard_key(path, cell):
                 raise ManifestError(f"expected {shard_key(path, cell)!r}", fr.at("path"))

@@ -22,6 +22,8 @@ MAX_PATH_BYTES = 4096
 MAX_NDIM = 32
 MAX_DIM = 2**53  # JSON numbers are exact up to here in every common reader
 MAX_TENSOR_BYTES = 2**50
+MAX_CHUNK_BYTES = 2**30  # one inner chunk is read into memory whole
+MAX_CHUNKS_PER_SHARD = 2**16  # the shard index is 16 bytes per slot
 MAX_WORLD_SIZE = 1 << 20
 MAX_JSON_DEPTH = 64
 

@@ -31,7 +31,15 @@ def encode_value(value: Any, name: str) -> tuple[Any, dict[str, str]]:
     def walk(v: Any, pointer: str, depth: int) -> Any:
         if depth > MAX_JSON_DEPTH:
             raise LimitExceededError(f"nesting depth of value {name!r}", depth, MAX_JSON_DEPTH)
-        if v is None or isinstance(v, (bool, str)):
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UnsupportedValueError(
+                    name, f"string at {pointer or '/'} is not valid Unicode (lone surrogate)"
+                ) from None
+            return v
+        if v is None or isinstance(v, bool):
             return v
         if isinstance(v, np.generic) and not isinstance(v, (np.void, np.str_, np.bytes_)):
             v = v.item()
@@ -40,6 +48,8 @@ def encode_value(value: Any, name: str) -> tuple[Any, dict[str, str]]:
         if isinstance(v, bool) or v is None:
             return v
         if isinstance(v, int):
+            if v.bit_length() > 4096:  # JSON holds it, but most readers would not
+                raise UnsupportedValueError(name, f"integer at {pointer or '/'} exceeds 2**4096")
             return int(v)
         if isinstance(v, float):
             if math.isfinite(v):
@@ -55,6 +65,7 @@ def encode_value(value: Any, name: str) -> tuple[Any, dict[str, str]]:
                     raise UnsupportedValueError(
                         name, f"dict keys inside values must be strings, got {k!r}"
                     )
+                walk(k, f"{pointer}/{_pointer_token(k)}", depth + 1)  # valid Unicode
                 out[k] = walk(x, f"{pointer}/{_pointer_token(k)}", depth + 1)
             return out
         if isinstance(v, np.ndarray):
@@ -68,8 +79,10 @@ def encode_value(value: Any, name: str) -> tuple[Any, dict[str, str]]:
 
 def decode_value(value: Any, nonfinite: dict[str, str], where: str) -> Any:
     """Restore the non-finite floats listed in ``nonfinite`` into a parsed JSON value."""
+    if not isinstance(nonfinite, dict):
+        raise ManifestError("nonfinite must be an object", where)
     for pointer, kind in nonfinite.items():
-        if kind not in _NONFINITE or not isinstance(pointer, str):
+        if not isinstance(kind, str) or kind not in _NONFINITE:
             raise ManifestError(f"bad nonfinite entry {pointer!r}: {kind!r}", where)
         if pointer == "":
             if value is not None:
@@ -96,7 +109,7 @@ def decode_value(value: Any, nonfinite: dict[str, str], where: str) -> Any:
 
 
 def _index(seq: list[Any], tok: str, pointer: str, where: str) -> int:
-    if not tok.isdigit() or int(tok) >= len(seq):
+    if not (tok.isascii() and tok.isdigit()) or len(tok) > 12 or int(tok) >= len(seq):
         raise ManifestError(f"JSON pointer {pointer!r} does not resolve", where)
     return int(tok)
 

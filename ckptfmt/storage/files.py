@@ -119,6 +119,21 @@ class Inside:
             raise FileNotFoundError(rel)
         return fd
 
+    def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
+        """Raise a DamagedError unless ``rel`` is a regular file of ``size`` bytes."""
+        from ckptfmt.errors import MissingFileError, SizeMismatchError
+
+        try:
+            fd = self.open_fd(rel)
+        except FileNotFoundError:
+            raise MissingFileError(rel, tensors) from None
+        try:
+            actual = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if actual != size:
+            raise SizeMismatchError(rel, size, actual, tensors)
+
     def read(self, rel: str, limit: int) -> bytes:
         """Up to ``limit`` bytes of ``rel`` (FileNotFoundError as for :meth:`open_fd`)."""
         fd = self.open_fd(rel)

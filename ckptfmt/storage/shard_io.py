@@ -68,6 +68,11 @@ class Geometry:
     def cell_of(self, offset: Sequence[int]) -> tuple[int, ...]:
         return tuple(o // h for o, h in zip(offset, self.shard_shape))
 
+    @property
+    def n_slots(self) -> int:
+        """Inner-chunk slots per shard (the index's length)."""
+        return math.prod(h // c for h, c in zip(self.shard_shape, self.chunk_shape))
+
     def slots(self, cell: Sequence[int]) -> tuple[int, list[ChunkSlot]]:
         return shard_slots(self.shape, self.shard_shape, self.chunk_shape, cell)
 
@@ -172,87 +177,96 @@ def _write_shard(
     fsync: bool,
 ) -> FileRef:
     pieces: list[memoryview | bytes] = []
-    file_crc = FileCrc()
+    data_crc = FileCrc()  # CRC32C of the chunk payloads in slot order (the manifest's crc32c)
+    offset = 0
     if not geo.shape:  # 0-d: plain [bytes, crc32c] chunk, no shard index
         buf = byte_view(data)
         c = crc32c(buf)
         pieces = [buf, _CRC.pack(c)]
-        file_crc.add(c, len(buf))
-        file_crc.add_bytes(pieces[1])
+        data_crc.add(c, len(buf))
+        offset = len(buf) + CRC_BYTES
     else:
         n_slots, slots = geo.slots(cell)
         placed = []
         for s in slots:
             buf = _chunk_buffer(geo, data, origin, s)
             c = crc32c(buf)
-            crc_bytes = _CRC.pack(c)
-            placed.append((s.slot, file_crc.size, len(buf) + CRC_BYTES))
-            pieces += [buf, crc_bytes]
-            file_crc.add(c, len(buf))
-            file_crc.add_bytes(crc_bytes)
+            placed.append((s.slot, offset, len(buf) + CRC_BYTES))
+            pieces += [buf, _CRC.pack(c)]
+            data_crc.add(c, len(buf))
+            offset += len(buf) + CRC_BYTES
         index = encode_index(n_slots, placed)
         pieces.append(index)
-        file_crc.add_bytes(index)
+        offset += len(index)
     write_gather(target, pieces, fsync)
-    return FileRef(key, file_crc.size, file_crc.crc)
+    return FileRef(key, offset, data_crc.crc)
 
 
 # --- reading -------------------------------------------------------------------------------------
 
 
-def read_file(
-    src: Inside, ref: FileRef, tensors: Sequence[str] = (), check_crc: bool = True
-) -> bytes:
-    """Read a whole stored file and check its size and (unless told not to) whole-file CRC32C."""
+def read_file(src: Inside, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
+    """Read a whole stored file and check its size (its checksums: :func:`decode_shard`)."""
     try:
         blob = src.read(ref.path, ref.size + 1)
     except FileNotFoundError:
         raise MissingFileError(ref.path, tensors) from None
     if len(blob) != ref.size:
         raise SizeMismatchError(ref.path, ref.size, len(blob), tensors)
-    if check_crc:
-        check_file_crc(blob, ref, tensors)
     return blob
 
 
-def check_file_crc(blob: bytes, ref: FileRef, tensors: Sequence[str] = ()) -> None:
-    actual = crc32c(blob)
-    if actual != ref.crc32c:
-        raise ChecksumError(ref.path, "file", ref.crc32c, actual, tensors)
-
-
 def decode_shard(
-    blob: bytes, geo: Geometry, cell: tuple[int, ...], file: str, tensors: Sequence[str] = ()
+    blob: bytes, geo: Geometry, cell: tuple[int, ...], ref: FileRef, tensors: Sequence[str] = ()
 ) -> list[tuple[ChunkSlot, np.ndarray]]:
-    """Check every CRC in a shard file's bytes; return each in-bounds chunk, full chunk shape."""
+    """Check every CRC in a shard file's bytes (each chunk's, the index's, and the manifest's
+    CRC of all chunk payloads); return each in-bounds chunk at full chunk shape."""
+    file = ref.path
+    data_crc = FileCrc()
     if not geo.shape:
-        return [(ChunkSlot(0, (), (), False), _check_chunk(blob, 0, len(blob), geo, file, tensors))]
-    n_slots, slots = geo.slots(cell)
-    if len(blob) < index_nbytes(n_slots):
+        chunk, c = _check_chunk(blob, 0, len(blob), geo, file, tensors)
+        data_crc.add(c, len(blob) - CRC_BYTES)
+        _check_data_crc(data_crc.crc, ref, tensors)
+        return [(ChunkSlot(0, (), (), False), chunk)]
+    if len(blob) < index_nbytes(geo.n_slots):
         raise CorruptShardError(file, "shorter than its index", tensors)
-    table = decode_index(memoryview(blob)[-index_nbytes(n_slots) :], n_slots, len(blob), file)
+    n_slots, slots = geo.slots(cell)
+    table = decode_index(
+        memoryview(blob)[-index_nbytes(n_slots) :], n_slots, len(blob), file, tensors
+    )
     out = []
     for s in slots:
         off, nb = int(table[s.slot, 0]), int(table[s.slot, 1])
         if off == EMPTY:
             raise CorruptShardError(file, f"inner chunk {s.slot} is missing", tensors)
-        out.append((s, _check_chunk(blob, off, nb, geo, file, tensors)))
+        chunk, c = _check_chunk(blob, off, nb, geo, file, tensors)
+        data_crc.add(c, nb - CRC_BYTES)
+        out.append((s, chunk))
+    _check_data_crc(data_crc.crc, ref, tensors)
     return out
+
+
+def _check_data_crc(actual: int, ref: FileRef, tensors: Sequence[str]) -> None:
+    if actual != ref.crc32c:
+        raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, actual, tensors)
 
 
 def _check_chunk(
     blob: bytes, off: int, nb: int, geo: Geometry, file: str, tensors: Sequence[str]
-) -> np.ndarray:
+) -> tuple[np.ndarray, int]:
     if nb != geo.chunk_nbytes + CRC_BYTES:
         raise CorruptShardError(
-            file, f"chunk at {off} has {nb} bytes, expected {geo.chunk_nbytes + CRC_BYTES}", tensors
+            file,
+            f"chunk at {off} has {nb} bytes, expected {geo.chunk_nbytes + CRC_BYTES}",
+            tensors,
         )
     payload = memoryview(blob)[off : off + nb - CRC_BYTES]
     (stored,) = _CRC.unpack_from(blob, off + nb - CRC_BYTES)
     actual = crc32c(payload)
     if actual != stored:
         raise ChecksumError(file, f"chunk at offset {off}", stored, actual, tensors)
-    return np.frombuffer(payload, dtype=geo.dtype.newbyteorder("<")).reshape(geo.chunk_shape)
+    chunk = np.frombuffer(payload, dtype=geo.dtype.newbyteorder("<")).reshape(geo.chunk_shape)
+    return chunk, actual
 
 
 def read_region(
@@ -272,7 +286,7 @@ def read_region(
         cell = tuple(a + c for a, c in zip(lo, rel))
         if not _read_shard_fast(src, geo, ref, cell, offset, out, tensors):
             blob = read_file(src, ref, tensors)
-            for s, chunk in decode_shard(blob, geo, cell, ref.path, tensors):
+            for s, chunk in decode_shard(blob, geo, cell, ref, tensors):
                 _place(chunk, s, offset, out)
 
 
@@ -305,12 +319,12 @@ def _read_shard_fast(
         if not geo.shape:
             slots: list[ChunkSlot] = [ChunkSlot(0, (), (), False)]
         else:
-            n_slots, slots = geo.slots(cell)
-            n_idx = index_nbytes(n_slots)
+            n_idx = index_nbytes(geo.n_slots)
             if size < n_idx:
                 raise CorruptShardError(ref.path, "shorter than its index", tensors)
+            n_slots, slots = geo.slots(cell)
             index_blob = os.pread(fd, n_idx, size - n_idx)
-            table = decode_index(index_blob, n_slots, size, ref.path)
+            table = decode_index(index_blob, n_slots, size, ref.path, tensors)
             step = geo.chunk_nbytes + CRC_BYTES
             for i, s in enumerate(slots):
                 if int(table[s.slot, 0]) != i * step or int(table[s.slot, 1]) != step:
@@ -335,21 +349,18 @@ def _read_shard_fast(
             read_scatter(fd, buffers, 0)
         except EOFError:
             raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
-        file_crc = FileCrc()
+        data_crc = FileCrc()
         for i, s in enumerate(slots):
             payload = buffers[2 * i]
             actual = crc32c(payload)
             (stored,) = _CRC.unpack_from(crcs, i * CRC_BYTES)
             if actual != stored:
                 raise ChecksumError(ref.path, f"chunk {s.slot}", stored, actual, tensors)
-            file_crc.add(actual, len(payload))
-            file_crc.add_bytes(buffers[2 * i + 1])
+            data_crc.add(actual, len(payload))
             tmp_chunk = targets[i]
             if tmp_chunk is not None:
                 _place(tmp_chunk, s, origin, out)
-        file_crc.add_bytes(index_blob)
-        if file_crc.crc != ref.crc32c:
-            raise ChecksumError(ref.path, "file", ref.crc32c, file_crc.crc, tensors)
+        _check_data_crc(data_crc.crc, ref, tensors)
         return True
     finally:
         os.close(fd)

@@ -1,0 +1,1 @@
+"""The many-rank protocol: communicators, the ownership plan, parallel save/load, levels."""

@@ -1,0 +1,358 @@
+"""The collective save and load of one checkpoint by every rank (``spec/FORMAT.md``, "Commit").
+
+``save_collective`` (every rank calls it, with its own state and its own destination path):
+
+1. each rank checks its state and declares what it holds; ``allgather`` of the declarations;
+2. every rank computes the same plan (``plan.make_plan``): who writes which regions;
+3. ranks writing to the same directory form a group (one per node for node-local storage, one
+   for shared storage); each group's leader (its lowest rank) creates the staging directory;
+   barrier;
+4. each rank writes its regions' shard files into its group's staging directory;
+5. vote: if any rank failed, every leader removes its staging directory and every rank raises;
+6. ``allgather`` of every rank's file list; every rank builds the same manifest;
+7. each leader writes the zarr metadata documents and the manifest into its staging directory
+   and commits it (fsync, rename, fsync parent); a last vote says whether every group committed.
+
+So every group's directory holds the whole manifest and metadata and the files its own ranks
+wrote. ``load_collective`` reads them back: a rank reads the regions written in its own group
+itself and receives the others from their writers over the ``Comm`` (on node-local storage no
+rank can see another node's directory).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from ckptfmt.codecs.zarr_meta import array_doc, group_doc
+from ckptfmt.dtypes import DType, by_name, of_array
+from ckptfmt.errors import CkptError, LimitExceededError, UsageError
+from ckptfmt.manifest.codec import dump_manifest
+from ckptfmt.manifest.limits import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, display
+from ckptfmt.manifest.model import (
+    Entry,
+    FileRef,
+    GroupEntry,
+    Manifest,
+    RankInfo,
+    Region,
+    TensorEntry,
+    ValueEntry,
+)
+from ckptfmt.manifest.values import encode_value
+from ckptfmt.parallel.comm import Comm
+from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
+from ckptfmt.state import Shard, flatten, is_tensor
+from ckptfmt.storage import commit
+from ckptfmt.storage.files import write_json
+from ckptfmt.storage.shard_io import Geometry, plan_region, run_jobs
+
+Name = tuple[str, ...]
+FaultHook = Callable[[str], None]
+
+
+class SaveFailedError(CkptError):
+    """A collective save failed on some rank; nothing was committed anywhere.
+
+    ``failures`` maps rank to that rank's error message.
+    """
+
+    def __init__(self, failures: dict[int, str], cause: BaseException | None = None) -> None:
+        self.failures = failures
+        self.cause = cause  # this rank's own error, if it had one
+        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        super().__init__(f"save failed on {len(failures)} rank(s): {lines}")
+
+
+def as_storable(array: Any, name: str) -> tuple[np.ndarray, DType]:
+    """An array as the writer needs it (C-contiguous, little-endian) and its logical dtype;
+    copies only when the input is not already so."""
+    arr = np.asarray(array)
+    dtype = of_array(arr.dtype, name)
+    if arr.ndim > MAX_NDIM:
+        raise LimitExceededError(f"number of dimensions of {name!r}", arr.ndim, MAX_NDIM)
+    if any(d > MAX_DIM for d in arr.shape) or arr.nbytes > MAX_TENSOR_BYTES:
+        raise LimitExceededError(f"size of {name!r}", arr.nbytes, MAX_TENSOR_BYTES)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(dtype.numpy)
+    return (arr if arr.flags.c_contiguous else arr.copy(order="C")), dtype
+
+
+@dataclass
+class LocalState:
+    """One rank's checked state: tensors (with the region held), values and empty groups, in
+    the order given."""
+
+    order: list[tuple[Name, str]]  # (name, "tensor" | "value" | "group")
+    tensors: dict[Name, tuple[np.ndarray, DType, tuple[int, ...], tuple[int, ...] | None]]
+    values: dict[Name, Any]
+
+    def holdings(self) -> list[Holding]:
+        out = []
+        for name, (arr, dtype, shape, offset) in self.tensors.items():
+            region = None if offset is None else (offset, arr.shape)
+            out.append(Holding(name, dtype.name, shape, region))
+        return out
+
+
+def check_state(state: Mapping[str, Any]) -> LocalState:
+    """Check every leaf before anything touches the disk."""
+    local = LocalState([], {}, {})
+    for name, leaf in flatten(state):
+        shown = display(name)
+        if is_tensor(leaf):
+            if isinstance(leaf, Shard):
+                arr, dtype = as_storable(leaf.data, shown)
+                local.tensors[name] = (arr, dtype, leaf.global_shape, leaf.offset)
+            else:
+                arr, dtype = as_storable(leaf, shown)
+                local.tensors[name] = (arr, dtype, arr.shape, None)
+            local.order.append((name, "tensor"))
+        elif isinstance(leaf, dict) and not leaf:
+            local.order.append((name, "group"))
+        else:
+            encode_value(leaf, shown)  # raises for what JSON cannot hold
+            local.values[name] = leaf
+            local.order.append((name, "value"))
+    return local
+
+
+def _region_data(
+    local: LocalState, t: TensorPlan, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> np.ndarray:
+    """This rank's data for a planned region, C-contiguous (a view when possible)."""
+    arr, _, _, held_at = local.tensors[t.name]
+    base = (0,) * len(shape) if held_at is None else held_at
+    view = (
+        arr[tuple(slice(o - b, o - b + s) for o, b, s in zip(offset, base, shape))]
+        if shape
+        else arr
+    )
+    return view if view.flags.c_contiguous else np.ascontiguousarray(view)
+
+
+def groups_of(paths: list[str]) -> list[int]:
+    """For each rank, the leader (lowest rank) of the ranks saving into the same directory."""
+    first: dict[str, int] = {}
+    return [first.setdefault(p, r) for r, p in enumerate(paths)]
+
+
+def save_collective(
+    comm: Comm,
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    step: int | None,
+    node: str,
+    save_id: str | None = None,
+    created: str = "",
+    writer: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    threads: int = 2,
+    levels: dict[str, Any] | None = None,
+    fault: FaultHook | None = None,
+) -> tuple[Manifest, SavePlan]:
+    """Collective: every rank of ``comm`` calls it, once per checkpoint, with its own ``state``
+    and the final directory it writes to (``path``: this rank's node-local copy, or the shared
+    one). Returns the manifest (the same on every rank) and the plan.
+
+    Values (non-tensor leaves) are taken from rank 0; every rank must have the same names.
+    Raises :class:`SaveFailedError` on every rank if any rank failed; then nothing was committed.
+    """
+    hook = fault or (lambda _point: None)
+    mine_exc: BaseException | None = None
+    final = Path(path).absolute()
+    error: str | None = None
+    local: LocalState | None = None
+    try:
+        local = check_state(state)
+        decl = [h.to_json() for h in local.holdings()]
+    except CkptError as exc:
+        error, decl, mine_exc = f"{type(exc).__name__}: {exc}", [], exc
+    hook("declared")
+    info = comm.allgather_json(
+        {
+            "decl": decl,
+            "path": str(final),
+            "node": node,
+            "error": error,
+            "save_id": save_id or os.urandom(16).hex(),
+            "created": created,
+        }
+    )
+    failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
+    if failures:
+        raise SaveFailedError(failures, mine_exc)
+    assert local is not None
+    save_id = info[0]["save_id"]  # rank 0's proposal, the same everywhere
+    created = info[0]["created"]
+    plan = make_plan(
+        [[Holding.from_json(d) for d in i["decl"]] for i in info], chunk_bytes, shard_bytes
+    )
+    leaders = groups_of([i["path"] for i in info])
+    is_leader = leaders[comm.rank] == comm.rank
+    staging = commit.staging_dir(final, save_id)
+    refs: dict[str, list[list[Any]]] = {}
+    try:
+        if is_leader:
+            commit.prepare(final, save_id, overwrite)
+    except (CkptError, OSError) as exc:
+        error, mine_exc = f"{type(exc).__name__}: {exc}", exc
+    _vote(
+        comm, error, [], None, mine_exc
+    )  # every leader has a staging directory, or nobody goes on
+    hook("staged")
+    try:
+        mine = plan.for_rank(comm.rank)
+        jobs_by_region = []
+        made: set[Path] = set()
+        for t, r in mine:
+            geo = Geometry(
+                "/".join(t.name), by_name(t.dtype).numpy, t.shape, t.shard_shape, t.chunk_shape
+            )
+            data = _region_data(local, t, r.offset, r.shape)
+            jobs_by_region.append((t, r, plan_region(staging, geo, data, r.offset, made)))
+        all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            files = iter(run_jobs(all_jobs, pool if threads > 1 else None, fsync))
+        for t, r, jobs in jobs_by_region:
+            refs.setdefault("/".join(t.name), []).append(
+                [list(r.offset), [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)]]
+            )
+        hook("written")
+    except (CkptError, OSError) as exc:
+        error, mine_exc = f"{type(exc).__name__}: {exc}", exc
+    all_refs = _vote(comm, error, refs, staging if is_leader else None, mine_exc)
+    manifest = _build_manifest(
+        plan,
+        local if comm.rank == 0 else None,
+        all_refs,
+        info,
+        save_id,
+        comm,
+        step,
+        created,
+        writer or {},
+        levels or {},
+    )
+    hook("manifest")
+    try:
+        if is_leader:
+            _write_metadata(staging, manifest, fsync)
+            hook("committing")
+            commit.finalize(staging, final, dump_manifest(manifest), save_id)
+        hook("committed")
+    except (CkptError, OSError) as exc:
+        error, mine_exc = f"{type(exc).__name__}: {exc}", exc
+    _vote(comm, error, [], staging if is_leader else None, mine_exc)
+    return manifest, plan
+
+
+def _vote(
+    comm: Comm,
+    error: str | None,
+    payload: Any,
+    cleanup: Path | None,
+    mine_exc: BaseException | None,
+) -> list[Any]:
+    """Collective: share each rank's error and payload; if any rank failed, remove this rank's
+    staging directory (leaders) and raise :class:`SaveFailedError` everywhere."""
+    gathered = comm.allgather_json({"error": error, "payload": payload})
+    failures = {r: g["error"] for r, g in enumerate(gathered) if g["error"]}
+    if failures:
+        if cleanup is not None:
+            commit.abort(cleanup)
+        raise SaveFailedError(failures, mine_exc)
+    return [g["payload"] for g in gathered]
+
+
+def _build_manifest(
+    plan: SavePlan,
+    local0: LocalState | None,
+    all_refs: list[Any],
+    info: list[dict[str, Any]],
+    save_id: str,
+    comm: Comm,
+    step: int | None,
+    created: str,
+    writer: dict[str, Any],
+    levels: dict[str, Any],
+) -> Manifest:
+    """The same manifest on every rank: tensors from the plan and the gathered file lists,
+    values and order from rank 0 (broadcast)."""
+    order_values = comm.bcast_json(
+        None
+        if local0 is None
+        else {
+            "order": [[list(n), kind] for n, kind in local0.order],
+            "values": [[list(n), encode_value(v, display(n))] for n, v in local0.values.items()],
+        },
+        root=0,
+    )
+    from ckptfmt.manifest.values import decode_value
+
+    values = {tuple(n): decode_value(v, nf, display(n)) for n, (v, nf) in order_values["values"]}
+    files_at: dict[tuple[str, tuple[int, ...]], tuple[FileRef, ...]] = {}
+    for rank_refs in all_refs:
+        for path, regions in rank_refs.items():
+            for offset, files in regions:
+                files_at[(path, tuple(offset))] = tuple(FileRef(p, s, c) for p, s, c in files)
+    plans = {t.name: t for t in plan.tensors}
+    entries: list[Entry] = []
+    for n, kind in order_values["order"]:
+        name = tuple(n)
+        if kind == "group":
+            entries.append(GroupEntry(name))
+        elif kind == "value":
+            entries.append(ValueEntry(name, values[name]))
+        else:
+            t = plans[name]
+            path = "/".join(name)
+            regions = tuple(
+                Region(r.offset, r.shape, r.writer, files_at[(path, r.offset)]) for r in t.regions
+            )
+            entries.append(
+                TensorEntry(name, path, t.dtype, t.shape, t.shard_shape, t.chunk_shape, regions)
+            )
+    missing = set(plans) - {e.name for e in entries if isinstance(e, TensorEntry)}
+    if missing:
+        raise UsageError(f"tensors held by other ranks but not by rank 0: {sorted(missing)}")
+    return Manifest(
+        save_id=save_id,
+        step=step,
+        created=created,
+        world_size=comm.size,
+        ranks=tuple(RankInfo(r, i["node"]) for r, i in enumerate(info)),
+        entries=tuple(entries),
+        levels=levels,
+        writer=writer,
+    )
+
+
+def _write_metadata(root: Path, manifest: Manifest, fsync: bool) -> None:
+    """The zarr group and array documents of the whole hierarchy."""
+    names = [e.name for e in manifest.entries]
+    groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always
+    groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
+    for g in sorted(groups, key=len):
+        (root / "/".join(g)).mkdir(parents=True, exist_ok=True)
+        write_json(root / "/".join(g) / "zarr.json", group_doc(), fsync)
+    for t in manifest.tensors():
+        (root / t.path).mkdir(parents=True, exist_ok=True)
+        doc = array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
+        write_json(root / t.path / "zarr.json", doc, fsync)
+
+
+def region_nbytes(t: TensorEntry | TensorPlan, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * by_name(t.dtype).itemsize

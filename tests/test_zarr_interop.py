@@ -1,0 +1,139 @@
+"""A ckptfmt checkpoint is a zarr v3 hierarchy: zarr-python (in a process that never imports
+ckptfmt itself) and TensorStore read every tensor with the right shape, dtype and bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import iter_tensors, make_state, raw_bytes
+
+import ckptfmt
+from ckptfmt.dtypes import of_array
+
+READER = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    import numpy as np
+    import zarr
+
+    group = zarr.open_group(sys.argv[1], mode="r")
+    out = {}
+    for name, node in group.members(max_depth=None):
+        if isinstance(node, zarr.Array):
+            data = node[...]
+            data = np.asarray(data)
+            out[name] = {
+                "shape": list(data.shape),
+                "array_shape": list(node.shape),
+                "dtype": str(data.dtype),
+                "byteorder": data.dtype.byteorder,
+                "sha256": hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest(),
+            }
+    print(json.dumps(out))
+    """
+)
+
+
+def sha(a: np.ndarray) -> str:
+    return hashlib.sha256(raw_bytes(a)).hexdigest()
+
+
+def zarr_read(tmp_path: Path, root: Path) -> dict[str, Any]:
+    assert "ckptfmt" not in READER  # the reading program knows nothing of ckptfmt
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", READER, str(root.resolve())],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+GRIDS = {"small": {"chunk_bytes": 24, "shard_bytes": 96}, "default": {}}
+
+
+@pytest.fixture(scope="module", params=sorted(GRIDS))
+def ckpt(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, np.ndarray]]:
+    state = make_state(3)
+    root = tmp_path_factory.mktemp("interop") / "c"
+    ckptfmt.save(state, root, fsync=False, **GRIDS[request.param])
+    return root, dict(iter_tensors(state))
+
+
+def test_zarr_python_reads_every_tensor(
+    tmp_path: Path, ckpt: tuple[Path, dict[str, np.ndarray]]
+) -> None:
+    root, tensors = ckpt
+    got = zarr_read(tmp_path, root)
+    assert sorted(got) == sorted(tensors)
+    for name, arr in tensors.items():
+        g = got[name]
+        assert g["shape"] == g["array_shape"] == list(arr.shape), name
+        assert g["dtype"] == of_array(arr.dtype).name, name
+        assert g["byteorder"] in "<=|", name  # little-endian
+        assert g["sha256"] == sha(arr), name
+    # the corner cases are part of the state
+    assert got["scalar"]["shape"] == [] and got["empty_t"]["shape"] == [3, 0, 2]
+    assert {"bfloat16", "float8_e4m3fn", "float8_e5m2", "complex128", "bool"} <= {
+        g["dtype"] for g in got.values()
+    }
+
+
+def test_tensorstore_reads_every_tensor(ckpt: tuple[Path, dict[str, np.ndarray]]) -> None:
+    ts = pytest.importorskip("tensorstore")
+    root, tensors = ckpt
+    for name, arr in tensors.items():
+        store = ts.open(
+            {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / name)}},
+            read=True,
+        ).result()
+        data = np.asarray(store.read().result())
+        assert store.dtype.name == of_array(arr.dtype).name, name
+        assert tuple(store.shape) == arr.shape, name
+        assert data.shape == arr.shape, name
+        assert raw_bytes(data) == raw_bytes(arr), name
+
+
+def test_tensorstore_reads_a_slice(ckpt: tuple[Path, dict[str, np.ndarray]]) -> None:
+    ts = pytest.importorskip("tensorstore")
+    root, tensors = ckpt
+    arr = tensors["model/layer.0/weight"]
+    store = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(root / "model/layer.0/weight")},
+        },
+        read=True,
+    ).result()
+    assert raw_bytes(np.asarray(store[2:7, 1:5, 1].read().result())) == raw_bytes(arr[2:7, 1:5, 1])
+
+
+def test_zarr_python_reads_zero_d_and_empty(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    state = {
+        "zero_d": np.array(-0.0, np.float32),
+        "bf": np.array(1.25, np.float64),
+        "empty": np.zeros((0, 4), np.int64),
+        "empty3": np.zeros((2, 0, 1), np.complex64),
+    }
+    ckptfmt.save(state, root, fsync=False)
+    got = zarr_read(tmp_path, root)
+    assert sorted(got) == sorted(state)
+    for name, arr in state.items():
+        assert got[name]["shape"] == list(arr.shape), name
+        assert got[name]["dtype"] == str(arr.dtype), name
+        assert got[name]["sha256"] == sha(arr), name
