@@ -209,9 +209,7 @@ def save_collective(
             commit.prepare(final, save_id, overwrite)
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
-    _vote(
-        comm, error, [], None, mine_exc
-    )  # every leader has a staging directory, or nobody goes on
+    vote(comm, error, [], None, mine_exc)  # every leader has a staging directory, or nobody goes on
     hook("staged")
     try:
         mine = plan.for_rank(comm.rank)
@@ -233,7 +231,7 @@ def save_collective(
         hook("written")
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
-    all_refs = _vote(comm, error, refs, staging if is_leader else None, mine_exc)
+    all_refs = vote(comm, error, refs, staging if is_leader else None, mine_exc)
     manifest = _build_manifest(
         plan,
         local if comm.rank == 0 else None,
@@ -249,17 +247,17 @@ def save_collective(
     hook("manifest")
     try:
         if is_leader:
-            _write_metadata(staging, manifest, fsync)
+            write_metadata(staging, manifest, fsync)
             hook("committing")
             commit.finalize(staging, final, dump_manifest(manifest), save_id)
         hook("committed")
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
-    _vote(comm, error, [], staging if is_leader else None, mine_exc)
+    vote(comm, error, [], staging if is_leader else None, mine_exc)
     return manifest, plan
 
 
-def _vote(
+def vote(
     comm: Comm,
     error: str | None,
     payload: Any,
@@ -340,7 +338,7 @@ def _build_manifest(
     )
 
 
-def _write_metadata(root: Path, manifest: Manifest, fsync: bool) -> None:
+def write_metadata(root: Path, manifest: Manifest, fsync: bool) -> None:
     """The zarr group and array documents of the whole hierarchy."""
     names = [e.name for e in manifest.entries]
     groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always

@@ -23,7 +23,7 @@ from ckptfmt.errors import DestinationExistsError
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.files import fsync_dir, write_gather
 
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{32}$")
+LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{32}$")
 
 
 def is_committed(path: Path) -> bool:
@@ -91,7 +91,7 @@ def clean_leftovers(parent: Path) -> list[Path]:
     if not parent.is_dir():
         return removed
     for child in sorted(parent.iterdir()):
-        m = _LEFTOVER.match(child.name)
+        m = LEFTOVER.match(child.name)
         if not m or not child.is_dir():
             continue
         final = parent / m["name"]

@@ -1,0 +1,228 @@
+"""Storage levels: node-local level 1, shared level 3, the flush between them, and their listing.
+
+Level 1 is a directory on each node (``local_dir``, which may contain ``{node}`` so that one
+machine can simulate several nodes); a rank only ever touches its own node's directory. Level 3 is
+one shared directory. A checkpoint of step ``s`` lives at ``<level root>/step-<s>`` on each level
+(``storage/steps.py``). The manager records where the levels are in ``ckptfmt-levels.json`` at
+the level-3 root, so that ``ckptfmt list`` can find them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.errors import CkptError, UsageError
+from ckptfmt.manifest.codec import dump_manifest
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.comm import Comm
+from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, vote, write_metadata
+from ckptfmt.reader import read_manifest
+from ckptfmt.storage import commit
+from ckptfmt.storage.files import fsync_dir
+from ckptfmt.storage.steps import list_step_dirs, step_dir_name
+
+LEVELS_FILE = "ckptfmt-levels.json"
+NODE_ENV = "CKPTFMT_NODE"
+
+
+def resolve_node(node: str | None = None) -> str:
+    """This process's failure domain: ``node`` if given, else the ``CKPTFMT_NODE`` environment
+    variable (stable across restarts; how tests simulate several nodes on one machine), else the
+    host name. Read here once, by the manager's constructor, and nowhere else."""
+    name = node or os.environ.get(NODE_ENV) or socket.gethostname()
+    if not name or "/" in name or name in (".", ".."):
+        raise UsageError(f"invalid node name {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class Levels:
+    """Where the levels of one job are."""
+
+    local_dir: str | None  # may contain "{node}"
+    shared_dir: Path | None
+
+    def local_root(self, node: str) -> Path | None:
+        if self.local_dir is None:
+            return None
+        return Path(self.local_dir.replace("{node}", node)).absolute()
+
+    def record(self, nodes: list[str]) -> None:
+        """Write ``ckptfmt-levels.json`` at the shared root (rank 0, once per job start)."""
+        if self.shared_dir is None:
+            return
+        self.shared_dir.mkdir(parents=True, exist_ok=True)
+        doc = {"local_dir": self.local_dir, "nodes": sorted(set(nodes))}
+        tmp = self.shared_dir / f".{LEVELS_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self.shared_dir / LEVELS_FILE)
+
+
+def copy_file(src: Path, dst: Path, fsync: bool = True) -> None:
+    """Copy one file (kernel-side where possible) and make it durable."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    if fsync:
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def flush_collective(
+    comm: Comm,
+    manifest: Manifest,
+    local_path: Path,
+    shared_root: Path,
+    *,
+    fsync: bool = True,
+    fault: FaultHook | None = None,
+) -> Path:
+    """Collective: copy a committed level-1 checkpoint to the shared level, every rank copying the
+    files it wrote from its own node's directory; rank 0 commits the copy once every rank's files
+    are in place (same protocol as a save: staging directory, votes, manifest last, rename).
+
+    Raises :class:`SaveFailedError` on every rank if any rank failed; the shared level then holds
+    no trace of this step beyond what was there before.
+    """
+    hook = fault or (lambda _point: None)
+    final = shared_root.absolute() / step_dir_name(manifest.step or 0)
+    staging = commit.staging_dir(final, manifest.save_id)
+    error: str | None = None
+    mine: BaseException | None = None
+    try:
+        if comm.rank == 0:
+            if commit.is_committed(final):
+                existing = read_manifest(final)
+                if existing.save_id == manifest.save_id:
+                    error = "already flushed"
+            if error is None:
+                commit.prepare(final, manifest.save_id, overwrite=True)
+    except (CkptError, OSError) as exc:
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    already = comm.bcast_json(error == "already flushed", root=0)
+    if already:
+        return final
+    vote(comm, error, [], None, mine)
+    hook("flush-staged")
+    try:
+        for t in manifest.tensors():
+            for r in t.regions:
+                if r.rank != comm.rank:
+                    continue
+                for f in r.files:
+                    copy_file(local_path / f.path, staging / f.path, fsync)
+        hook("flush-copied")
+    except OSError as exc:
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    vote(comm, error, [], staging if comm.rank == 0 else None, mine)
+    try:
+        if comm.rank == 0:
+            write_metadata(staging, manifest, fsync)
+            hook("flush-committing")
+            commit.finalize(staging, final, dump_manifest(manifest), manifest.save_id)
+            fsync_dir(final.parent)
+    except (CkptError, OSError) as exc:
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    vote(comm, error, [], staging if comm.rank == 0 else None, mine)
+    hook("flushed")
+    return final
+
+
+def retain(root: Path | None, keep: int, protect: set[int]) -> list[int]:
+    """Remove all but the newest ``keep`` committed steps under ``root`` (never a protected one);
+    return the steps removed. Called by one rank per directory."""
+    if root is None or keep <= 0:
+        return []
+    committed = [(s, p) for s, p in list_step_dirs(root) if commit.is_committed(p)]
+    removed = []
+    for step, path in committed[:-keep]:
+        if step in protect:
+            continue
+        doomed = path.parent / f".{path.name}.old-{os.urandom(16).hex()}"
+        os.rename(path, doomed)  # out of sight first: a reader never sees half a checkpoint
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(step)
+    return removed
+
+
+# --- listing (``ckptfmt list``) ------------------------------------------------------------------
+
+
+def _state_of(path: Path, node: str | None) -> tuple[str, str]:
+    """(state, detail) of one step directory: complete, damaged, or flushing/partial."""
+    try:
+        m = read_manifest(path)
+    except CkptError as exc:
+        return "damaged", str(exc)
+    missing = 0
+    for t in m.tensors():
+        for r in t.regions:
+            if node is not None and m.ranks[r.rank].node != node:
+                continue  # that node's files live in that node's directory
+            for f in r.files:
+                p = path / f.path
+                if not p.is_file() or p.stat().st_size != f.size:
+                    missing += 1
+    if missing:
+        return "damaged", f"{missing} file(s) missing or of the wrong size"
+    return "complete", f"save {m.save_id[:8]}"
+
+
+def list_levels(shared_root: Path) -> dict[str, Any]:
+    """What is saved where, for ``ckptfmt list``: every step found on level 3 and on the level-1
+    directories recorded in ``ckptfmt-levels.json`` (those visible from here)."""
+    doc: dict[str, Any] = {"shared": str(shared_root), "nodes": {}, "steps": {}}
+    cfg_file = shared_root / LEVELS_FILE
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    levels = Levels(cfg.get("local_dir"), shared_root)
+    nodes = cfg.get("nodes", [])
+
+    steps: dict[str, dict[str, Any]] = {}
+
+    def entry(step: int) -> dict[str, Any]:
+        return steps.setdefault(str(step), {"level3": "absent", "level1": {}})
+
+    if shared_root.is_dir():
+        for step, path in list_step_dirs(shared_root):
+            state, detail = _state_of(path, None)
+            entry(step)["level3"] = "flushed" if state == "complete" else f"damaged: {detail}"
+        for child in shared_root.iterdir():
+            m = commit.LEFTOVER.match(child.name)
+            if m and m["kind"] == "tmp" and m["name"].startswith("step-"):
+                e = entry(int(m["name"][5:]))
+                if e["level3"] == "absent":
+                    e["level3"] = "flushing"
+    for node in nodes:
+        root = levels.local_root(node)
+        visible = root is not None and root.is_dir()
+        doc["nodes"][node] = str(root) if visible else "not visible from here"
+        if not visible:
+            continue
+        assert root is not None
+        for step, path in list_step_dirs(root):
+            state, detail = _state_of(path, node)
+            entry(step)["level1"][node] = state if state == "complete" else f"damaged: {detail}"
+    for e in steps.values():
+        for node in nodes:
+            e["level1"].setdefault(node, "absent")
+    doc["steps"] = dict(sorted(steps.items(), key=lambda kv: int(kv[0])))
+    return doc
+
+
+__all__ = [
+    "LEVELS_FILE",
+    "Levels",
+    "SaveFailedError",
+    "flush_collective",
+    "list_levels",
+    "resolve_node",
+    "retain",
+]

@@ -1,0 +1,434 @@
+"""``CheckpointManager``: multi-level, asynchronous checkpoints for a training loop.
+
+    mgr = CheckpointManager(local_dir="/local/ckpt", shared_dir="/shared/ckpt", comm=MpiComm(),
+                            flush_every=10)
+    step = mgr.restore(state)            # collective: newest usable step, or None
+    for step in ...:
+        mgr.save(step, state)            # returns once the state is copied into host buffers
+    mgr.close()                          # waits; flushes the newest checkpoint to level 3
+
+Every rank of ``comm`` makes the same calls in the same order (they are collective). Saving goes
+on in one background thread per rank that talks to the other ranks on a duplicated communicator;
+the next ``save`` waits for the previous one. A failed save (a full disk, a dead directory) is
+voted on by all ranks, leaves earlier checkpoints untouched, and is reported at the next call: as
+a :class:`CheckpointWarning` by default (training goes on), or raised with ``on_error="raise"``.
+Anything else escaping the background thread aborts the whole job (``comm.start_background``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import queue
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from ckptfmt.errors import CkptError, UsageError
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.comm import Comm, SingleComm, start_background
+from ckptfmt.parallel.levels import Levels, flush_collective, resolve_node, retain
+from ckptfmt.parallel.load import LoadFailedError, load_collective
+from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective
+from ckptfmt.state import Shard, flatten, is_tensor, unflatten
+from ckptfmt.storage import commit
+from ckptfmt.storage.steps import list_step_dirs, step_dir_name
+
+log = logging.getLogger("ckptfmt")
+
+
+class CheckpointWarning(UserWarning):
+    """A background save failed; training goes on with the previous checkpoints intact."""
+
+
+@dataclass
+class RestoreReport:
+    """What ``restore`` chose and why."""
+
+    step: int | None = None
+    level: int | None = None
+    path: str | None = None
+    tried: list[str] = field(default_factory=list)  # reasons the newer candidates were refused
+
+
+class CheckpointManager:
+    """Multi-level checkpoints: level 1 on each node's ``local_dir``, flushed every
+    ``flush_every``-th save to ``shared_dir`` (level 3). Either level may be omitted.
+
+    ``local_dir`` may contain ``{node}``; the node is ``node``, else the ``CKPTFMT_NODE``
+    environment variable, else the host name. Constructing the manager is collective.
+    """
+
+    def __init__(
+        self,
+        local_dir: str | Path | None = None,
+        shared_dir: str | Path | None = None,
+        *,
+        comm: Comm | None = None,
+        node: str | None = None,
+        flush_every: int = 1,
+        keep_local: int = 2,
+        keep_shared: int = 3,
+        async_save: bool = True,
+        on_error: str = "warn",
+        exit_flush: bool = True,
+        exit_flush_budget_s: float = 120.0,
+        handle_sigterm: bool = True,
+        fsync: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        threads: int = 2,
+        fault: FaultHook | None = None,
+    ) -> None:
+        if local_dir is None and shared_dir is None:
+            raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
+        if on_error not in ("warn", "raise"):
+            raise UsageError("on_error is 'warn' or 'raise'")
+        if flush_every < 1:
+            raise UsageError("flush_every must be at least 1")
+        self.comm = comm or SingleComm()
+        self.node = resolve_node(node)
+        self.levels = Levels(
+            None if local_dir is None else str(local_dir),
+            None if shared_dir is None else Path(shared_dir).absolute(),
+        )
+        self.local_root = self.levels.local_root(self.node)
+        self.flush_every = flush_every
+        self.keep_local, self.keep_shared = keep_local, keep_shared
+        self.async_save, self.on_error = async_save, on_error
+        self.exit_flush, self.exit_flush_budget_s = exit_flush, exit_flush_budget_s
+        self.options = {
+            "fsync": fsync,
+            "chunk_bytes": chunk_bytes,
+            "shard_bytes": shard_bytes,
+            "threads": threads,
+        }
+        self.fault = fault
+        self.restored_state: dict[str, Any] | None = None
+        self.last_restore: RestoreReport | None = None
+        self.failed_saves: list[tuple[int, CkptError]] = []
+        self._pending: list[tuple[int, CkptError]] = []
+        self._buffers: dict[tuple[str, ...], np.ndarray] = {}
+        self._saves = 0
+        self._newest_local: Manifest | None = None
+        self._flushed: set[str] = set()  # save ids on level 3
+        self._flush_rate = 0.0  # bytes/s of the last flush
+        self._closed = False
+        nodes = self.comm.allgather_json(self.node)
+        self._node_leader = nodes.index(self.node) == self.comm.rank
+        if self.comm.rank == 0:
+            self.levels.record(nodes)
+        self._bg = self.comm.dup()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._worker = start_background(self._bg, self._work, f"ckptfmt-saver-{self.comm.rank}")
+        self._previous_sigterm: Any = None
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        atexit.register(self._at_exit)
+
+    # --- the training-loop API -------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Collective: checkpoint ``state`` as ``step``. Returns once the state is copied into
+        host buffers (asynchronous mode); writing, committing and flushing go on behind."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise UsageError(f"step must be a non-negative int, got {step!r}")
+        self._check_open()
+        self.wait()
+        staged = self._stage(state)
+        self._idle.clear()
+        job = lambda: self._save_job(step, staged)  # noqa: E731
+        if self.async_save:
+            self._jobs.put(job)
+        else:
+            self._jobs.put(job)
+            self._idle.wait()
+            self._report()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; report a failed one (see ``on_error``)."""
+        self._idle.wait()
+        self._report()
+
+    def latest(self) -> int | None:
+        """The newest step committed on this rank's level-1 directory or on level 3 (a local
+        view, not collective; ``restore`` decides collectively)."""
+        steps = [s for s, p in self._committed(self.local_root)]
+        steps += [s for s, p in self._committed(self.levels.shared_dir)]
+        return max(steps) if steps else None
+
+    def restore(self, state: Mapping[str, Any] | None = None) -> int | None:
+        """Collective: load the newest step that every rank can load, and return it (None when
+        there is none). Level 1 is tried first (every rank's data present, every checksum good),
+        then level 3, then older steps. ``state``, when given, is updated in place (arrays
+        copied into, other values replaced; ``Shard`` leaves say which region this rank wants);
+        the loaded state is also kept as ``restored_state``. Leftovers of crashed saves are
+        removed first."""
+        self._check_open()
+        self.wait()
+        self._clean_leftovers()
+        wants = self._wants(state)
+        local = {s for s, _ in self._committed(self.local_root)}
+        shared = {s for s, _ in self._committed(self.levels.shared_dir)}
+        candidates = sorted(
+            {
+                s
+                for both in self.comm.allgather_json([sorted(local), sorted(shared)])
+                for x in both
+                for s in x
+            },
+            reverse=True,
+        )
+        report = RestoreReport()
+        for step in candidates:
+            for level, root in ((1, self.local_root), (3, self.levels.shared_dir)):
+                if root is None:
+                    continue
+                path = root / step_dir_name(step)
+                try:
+                    loaded, manifest = load_collective(self.comm, path, wants)
+                except LoadFailedError as exc:
+                    report.tried.append(f"step {step} level {level}: {exc}")
+                    continue
+                report.step, report.level, report.path = step, level, str(path)
+                self._apply(state, loaded)
+                self.restored_state = loaded
+                if level == 1:
+                    self._newest_local = manifest
+                else:
+                    self._flushed.add(manifest.save_id)
+                self.last_restore = report
+                self._log_restore(report)
+                return int(step)
+        self.last_restore = report
+        self._log_restore(report)
+        return None
+
+    def close(self, flush: bool | None = None) -> None:
+        """Wait for the save in flight and, unless told not to, flush the newest level-1
+        checkpoint to level 3 if it is not there yet (collective)."""
+        if self._closed:
+            return
+        self.wait()
+        if self.exit_flush if flush is None else flush:
+            self._flush_newest(self.exit_flush_budget_s)
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(timeout=60)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- staging (the only part the training loop waits for) -------------------------------------
+
+    def _stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        leaves = []
+        for name, leaf in flatten(state):
+            if is_tensor(leaf):
+                data = leaf.data if isinstance(leaf, Shard) else np.asarray(leaf)
+                buf = self._buffers.get(name)
+                if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
+                    buf = np.empty(data.shape, dtype=data.dtype)
+                    self._buffers[name] = buf
+                np.copyto(buf, data, casting="no")
+                staged: Any = (
+                    Shard(buf, leaf.offset, leaf.global_shape) if isinstance(leaf, Shard) else buf
+                )
+                leaves.append((name, staged))
+            else:
+                leaves.append((name, copy.deepcopy(leaf)))
+        return unflatten(leaves)
+
+    # --- the background thread -------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            finally:
+                self._idle.set()
+
+    def _save_job(self, step: int, staged: dict[str, Any]) -> None:
+        """Background, collective on the duplicated communicator: write level 1 (or level 3 when
+        there is no level 1), flush when due, apply retention."""
+        target_root = self.local_root or self.levels.shared_dir
+        assert target_root is not None
+        try:
+            manifest, _ = save_collective(
+                self._bg,
+                staged,
+                target_root / step_dir_name(step),
+                step=step,
+                node=self.node,
+                overwrite=True,
+                levels={"1" if self.local_root else "3": {}},
+                fault=self.fault,
+                **self.options,  # type: ignore[arg-type]
+            )
+        except SaveFailedError as exc:
+            self._pending.append((step, exc))
+            return
+        self._saves += 1
+        if self.local_root is None:
+            self._flushed.add(manifest.save_id)
+        else:
+            self._newest_local = manifest
+            if self.levels.shared_dir is not None and self._saves % self.flush_every == 0:
+                self._flush(manifest, self._bg)
+        protect = {step}
+        if self._node_leader:
+            retain(self.local_root, self.keep_local, protect)
+        if self._bg.rank == 0:
+            retain(self.levels.shared_dir, self.keep_shared, protect)
+
+    def _flush(self, manifest: Manifest, comm: Comm) -> None:
+        assert self.local_root is not None and self.levels.shared_dir is not None
+        started = time.perf_counter()
+        try:
+            flush_collective(
+                comm,
+                manifest,
+                self.local_root / step_dir_name(manifest.step or 0),
+                self.levels.shared_dir,
+                fsync=bool(self.options["fsync"]),
+                fault=self.fault,
+            )
+        except SaveFailedError as exc:
+            self._pending.append((manifest.step or 0, exc))
+            return
+        nbytes = sum(f.size for _, f in manifest.files())
+        self._flush_rate = nbytes / max(time.perf_counter() - started, 1e-6)
+        self._flushed.add(manifest.save_id)
+
+    def _flush_newest(self, budget_s: float) -> None:
+        """Collective (main thread): flush the newest level-1 checkpoint if level 3 lacks it and
+        the last measured flush rate says it fits in ``budget_s``."""
+        m = self._newest_local
+        if m is None or self.levels.shared_dir is None or m.save_id in self._flushed:
+            return
+        nbytes = sum(f.size for _, f in m.files())
+        estimate = nbytes / self._flush_rate if self._flush_rate else 0.0
+        if not self.comm.all_true(estimate <= budget_s):
+            log.warning(
+                "ckptfmt: not flushing step %s at exit: ~%.0f s needed, budget %.0f s",
+                m.step,
+                estimate,
+                budget_s,
+            )
+            return
+        self._flush(m, self.comm)
+        if self.comm.rank == 0:
+            retain(self.levels.shared_dir, self.keep_shared, {m.step or 0})
+        self._report()
+        if self.comm.rank == 0 and m.save_id in self._flushed:
+            log.info("ckptfmt: flushed step %s to level 3 at exit", m.step)
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _report(self) -> None:
+        pending, self._pending = self._pending, []
+        for step, exc in pending:
+            self.failed_saves.append((step, exc))
+            if self.on_error == "raise":
+                raise exc
+            warnings.warn(
+                f"checkpoint of step {step} failed: {exc}", CheckpointWarning, stacklevel=3
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError("this CheckpointManager is closed")
+
+    @staticmethod
+    def _committed(root: Path | None) -> list[tuple[int, Path]]:
+        if root is None:
+            return []
+        return [(s, p) for s, p in list_step_dirs(root) if commit.is_committed(p)]
+
+    def _clean_leftovers(self) -> None:
+        if self._node_leader and self.local_root is not None:
+            commit.clean_leftovers(self.local_root)
+        if self.comm.rank == 0 and self.levels.shared_dir is not None:
+            commit.clean_leftovers(self.levels.shared_dir)
+        self.comm.barrier()
+
+    @staticmethod
+    def _wants(
+        state: Mapping[str, Any] | None,
+    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+        if state is None:
+            return {}
+        return {
+            display(name): (leaf.offset, leaf.data.shape)
+            for name, leaf in flatten(state)
+            if isinstance(leaf, Shard)
+        }
+
+    @staticmethod
+    def _apply(state: Mapping[str, Any] | None, loaded: dict[str, Any]) -> None:
+        """Update ``state`` in place from ``loaded`` (same structure)."""
+        if state is None:
+            return
+        for key, value in loaded.items():
+            target = state.get(key) if isinstance(state, Mapping) else None
+            if isinstance(value, dict) and isinstance(target, Mapping) and value:
+                CheckpointManager._apply(target, value)
+            elif isinstance(target, Shard):
+                np.copyto(target.data, value.reshape(target.data.shape))
+            elif isinstance(target, np.ndarray) and target.shape == np.shape(value):
+                np.copyto(target, value)
+            else:
+                state[key] = value  # type: ignore[index]
+
+    def _log_restore(self, report: RestoreReport) -> None:
+        if self.comm.rank != 0:
+            return
+        for reason in report.tried:
+            log.warning("ckptfmt: restore: %s", reason)
+        if report.step is None:
+            log.warning("ckptfmt: restore: no usable checkpoint; starting fresh")
+        else:
+            log.warning(
+                "ckptfmt: restored step %s from level %s (%s)%s",
+                report.step,
+                report.level,
+                report.path,
+                "" if not report.tried else f" after {len(report.tried)} refused attempt(s)",
+            )
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """The scheduler's warning: flush the newest checkpoint within the budget, then let the
+        previous handler (by default: terminate) run."""
+        try:
+            self.close(flush=True)
+        finally:
+            previous = self._previous_sigterm
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.raise_signal(signum)
+
+    def _at_exit(self) -> None:
+        try:
+            self.close()
+        except CkptError as exc:
+            log.warning("ckptfmt: at exit: %s", exc)
