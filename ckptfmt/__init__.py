@@ -14,9 +14,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from ckptfmt import errors
 from ckptfmt.checkpoint import load, save
 from ckptfmt.errors import CkptError
+from ckptfmt.parallel.comm import Comm, SingleComm
+from ckptfmt.parallel.levels import list_levels
+from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
 from ckptfmt.reader import Checkpoint, TensorView, latest, open_checkpoint
+from ckptfmt.state import Shard
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.verify import VerifyReport, verify
 
@@ -24,6 +29,13 @@ open = open_checkpoint
 
 __all__ = [
     "Checkpoint",
+    "CheckpointManager",
+    "CheckpointWarning",
+    "Comm",
+    "Shard",
+    "SingleComm",
+    "errors",
+    "list_levels",
     "CkptError",
     "TensorView",
     "VerifyReport",

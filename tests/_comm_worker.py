@@ -160,16 +160,22 @@ def dup(comm: Any, out: Path) -> dict[str, Any]:
         try:
             for i in range(DUP_ROUNDS):
                 docs = c.allgather_json({"who": who, "i": i, "rank": r})
-                check(docs == [{"who": who, "i": i, "rank": j} for j in range(n)],
-                      f"{who} allgather_json round {i}: {docs}")
+                check(
+                    docs == [{"who": who, "i": i, "rank": j} for j in range(n)],
+                    f"{who} allgather_json round {i}: {docs}",
+                )
                 blobs = c.allgather_bytes(payload(r, n, salt + i))
-                check(blobs == [payload(j, n, salt + i) for j in range(n)],
-                      f"{who} allgather_bytes round {i}")
+                check(
+                    blobs == [payload(j, n, salt + i) for j in range(n)],
+                    f"{who} allgather_bytes round {i}",
+                )
                 if i % 10 == 0:
                     got = np.zeros(RING_BYTES, np.uint8)
                     c.sendrecv(ring_array(r, salt + i), (r + 1) % n, got, (r - 1) % n, tag=0)
-                    check(np.array_equal(got, ring_array((r - 1) % n, salt + i)),
-                          f"{who} ring round {i}")
+                    check(
+                        np.array_equal(got, ring_array((r - 1) % n, salt + i)),
+                        f"{who} ring round {i}",
+                    )
                 counts[who] += 1
         except Exception as exc:  # reported by the main thread, which then fails the rank
             errors.append(f"{who}: {type(exc).__name__}: {exc}")

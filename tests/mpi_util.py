@@ -70,8 +70,16 @@ def run_torchrun(
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(n), "--monitor-interval", "0.2", str(script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        "--monitor-interval",
+        "0.2",
+        str(script),
+        *args,
     ]
     return _run(cmd, timeout, env)
 
@@ -79,9 +87,7 @@ def run_torchrun(
 def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
     """Fail the calling test, showing the job's output, unless it exited with status 0."""
     if result.returncode != 0:
-        pytest.fail(
-            f"exit status {result.returncode}\n{describe(result)}", pytrace=False
-        )
+        pytest.fail(f"exit status {result.returncode}\n{describe(result)}", pytrace=False)
 
 
 def describe(result: subprocess.CompletedProcess[str]) -> str:
@@ -104,7 +110,12 @@ def _run(
     start = time.monotonic()
     try:
         result = subprocess.run(
-            full, cwd=REPO, env=run_env, capture_output=True, text=True, errors="replace",
+            full,
+            cwd=REPO,
+            env=run_env,
+            capture_output=True,
+            text=True,
+            errors="replace",
             # a backstop only: `timeout` signals the whole process group well before this
             timeout=timeout + _KILL_AFTER_S + 30,
         )

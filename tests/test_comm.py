@@ -79,8 +79,9 @@ def check_dup(out: Path, n: int) -> None:
         assert overlap > 0, f"the two threads never ran at the same time: {spans}"
 
 
-def check_background_abort(result: subprocess.CompletedProcess[str], elapsed: float,
-                           out: Path, n: int) -> None:
+def check_background_abort(
+    result: subprocess.CompletedProcess[str], elapsed: float, out: Path, n: int
+) -> None:
     text = describe(result)
     assert result.returncode != 0, text
     assert elapsed < 60, f"the abort took {elapsed:.1f} s\n{text}"

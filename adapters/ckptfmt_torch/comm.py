@@ -36,7 +36,10 @@ class TorchComm(Comm):
                 "TorchComm needs torch.distributed initialised: call "
                 "torch.distributed.init_process_group('gloo') first"
             )
-        self.group: dist.ProcessGroup = dist.group.WORLD if group is None else group
+        resolved = dist.group.WORLD if group is None else group
+        if resolved is None:
+            raise UsageError("torch.distributed has no default process group")
+        self.group: dist.ProcessGroup = resolved
         self.rank = int(dist.get_rank(self.group))
         if self.rank < 0:
             raise UsageError("this process is not a member of the TorchComm's group")

@@ -98,6 +98,7 @@ class Comm(abc.ABC):
         return all(self.allgather_json(bool(flag)))
 
     def min_int(self, value: int) -> int:
+        """Collective: the smallest ``value`` of all ranks."""
         return int(min(self.allgather_json(int(value))))
 
 
@@ -128,7 +129,9 @@ class SingleComm(Comm):
     ) -> None:
         _check_peer(dest, 1)
         _check_peer(source, 1)
-        recvbuf[...] = sendbuf
+        if sendbuf.nbytes != recvbuf.nbytes:
+            raise UsageError(f"sendrecv of {sendbuf.nbytes} bytes into {recvbuf.nbytes}")
+        recvbuf.reshape(-1).view(np.uint8)[...] = sendbuf.reshape(-1).view(np.uint8)
 
     def dup(self) -> SingleComm:
         return SingleComm()

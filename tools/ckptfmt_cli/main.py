@@ -123,6 +123,26 @@ def verify_command(ctx: click.Context, path: Path, as_json: bool, quiet: bool) -
     ctx.exit(ExitStatus.OK if report.healthy else ExitStatus.DAMAGED)
 
 
+@cli.command("list")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def list_command(path: Path, as_json: bool) -> None:
+    """Show the steps saved under the level-3 (shared) root PATH and their state on each level.
+
+    Level 3: flushed, flushing (a copy in progress or torn), damaged, absent. Level 1, for each
+    node recorded in PATH/ckptfmt-levels.json whose directory is visible from here: complete
+    (manifest and that node's files present with the right sizes), damaged, absent. Reads only
+    manifests and file sizes; `ckptfmt verify` checks the data.
+    """
+    if not path.is_dir():
+        raise ckptfmt.errors.NotACheckpointError(str(path), "no such directory")
+    doc = ckptfmt.list_levels(path)
+    if as_json:
+        _json_out(doc)
+    else:
+        render.level_table(render.stdout_console(), doc)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``ckptfmt`` script and ``python -m ckptfmt_cli``; exits the process."""
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptfmt")

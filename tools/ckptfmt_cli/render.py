@@ -140,3 +140,19 @@ def verify_summary(console: Console, report: VerifyReport) -> None:
             "(they do not make it damaged, but nothing vouches for them):", style="yellow"))
         for f in report.unexpected_files:
             console.print(Text("  ") + plain(f))
+
+
+def level_table(console: Console, doc: dict[str, Any]) -> None:
+    """The table of ``ckptfmt list``: one row per step, one column per level-1 node and level 3."""
+    nodes = list(doc["nodes"])
+    table = Table(title=f"steps under {doc['shared']}")
+    table.add_column("step", justify="right")
+    for node in nodes:
+        table.add_column(f"level 1: {node}")
+    table.add_column("level 3")
+    for step, e in doc["steps"].items():
+        table.add_row(step, *(plain(e["level1"].get(n, "absent")) for n in nodes),
+                      plain(e["level3"]))
+    console.print(table)
+    for node, where in doc["nodes"].items():
+        console.print(plain(f"node {node}: {where}"))
