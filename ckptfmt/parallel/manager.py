@@ -180,21 +180,25 @@ class CheckpointManager:
         self.wait()
         self._clean_leftovers()
         wants = self._wants(state)
-        local = {s for s, _ in self._committed(self.local_root)}
-        shared = {s for s, _ in self._committed(self.levels.shared_dir)}
-        candidates = sorted(
-            {
-                s
-                for both in self.comm.allgather_json([sorted(local), sorted(shared)])
-                for x in both
-                for s in x
-            },
-            reverse=True,
-        )
+        local = [s for s, _ in self._committed(self.local_root)]
+        shared = [s for s, _ in self._committed(self.levels.shared_dir)]
+        seen = self.comm.allgather_json({"node": self.node, "l1": local, "l3": shared})
+        candidates = sorted({s for x in seen for s in x["l1"] + x["l3"]}, reverse=True)
         report = RestoreReport()
         for step in candidates:
             for level, root in ((1, self.local_root), (3, self.levels.shared_dir)):
                 if root is None:
+                    continue
+                key = "l1" if level == 1 else "l3"
+                lacking = [r for r, x in enumerate(seen) if step not in x[key]]
+                if level == 3 and len(lacking) == len(seen):
+                    continue  # never flushed: not a candidate on this level
+                if lacking:  # known to fail without reading anything
+                    nodes = sorted({seen[r]["node"] for r in lacking})
+                    report.tried.append(
+                        f"step {step} level {level}: no committed copy on node(s) "
+                        f"{', '.join(nodes)} (ranks {', '.join(map(str, lacking))})"
+                    )
                     continue
                 path = root / step_dir_name(step)
                 try:
@@ -402,16 +406,15 @@ class CheckpointManager:
         if self.comm.rank != 0:
             return
         for reason in report.tried:
-            log.warning("ckptfmt: restore: %s", reason)
+            log.warning("ckptfmt: restore: refused %s", reason)
         if report.step is None:
-            log.warning("ckptfmt: restore: no usable checkpoint; starting fresh")
+            log.info("ckptfmt: restore: no usable checkpoint; starting fresh")
         else:
-            log.warning(
-                "ckptfmt: restored step %s from level %s (%s)%s",
+            (log.warning if report.tried else log.info)(
+                "ckptfmt: restored step %s from level %s (%s)",
                 report.step,
                 report.level,
                 report.path,
-                "" if not report.tried else f" after {len(report.tried)} refused attempt(s)",
             )
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
