@@ -92,9 +92,8 @@ def main() -> int:
     else:
         r = mgr.last_restore
         assert r is not None
-        say(f"  restored step {restored} from level {r.level}", flush=True)
-        for reason in r.tried:
-            say(f"    refused {reason}", flush=True)
+        say(f"  restored step {restored} from level {r.level} ({len(r.tried)} newer copies "
+            "refused, see the log above)", flush=True)
         start = restored + 1
     for step in range(start, a.steps + 1):
         loss = train_step(state["model"], step, world)
