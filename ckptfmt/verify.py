@@ -1,8 +1,8 @@
 """``ckptfmt.verify``: re-read every byte of a checkpoint and report what is damaged.
 
 Checked: the manifest against ``spec/manifest.schema.json`` and the format's rules; every zarr
-metadata document against the manifest; every data file's presence, size and whole-file CRC32C,
-its shard index CRC, and every inner chunk's CRC32C. Each problem names the file and the tensors it
+metadata document against the manifest; every data file's presence, size, data CRC32C (of all
+its chunk payloads), shard index CRC and inner-chunk CRC32Cs. Each problem names the file and the tensors it
 affects. Files the manifest does not list are reported separately (they do not make a checkpoint
 damaged, but nothing vouches for them).
 """
@@ -157,7 +157,7 @@ def verify(
         ):
             raise MetadataMismatchError("", "expected a zarr v3 group document")
 
-    groups = {e.name[:k] for e in manifest.entries for k in range(len(e.name))}
+    groups = {e.name[:k] for e in manifest.entries for k in range(len(e.name))} | {()}
     groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
     for g in sorted(groups):
         rel = "/".join((*g, "zarr.json"))

@@ -196,6 +196,11 @@ class _Reader:
 
 def manifest_from_json(doc: Any) -> Manifest:
     top = _Reader(doc, "")
+    if top.get("format", str) != FORMAT_ID:
+        raise ManifestError(f"format is not {FORMAT_ID!r}", "/format")
+    version = top.obj.get("format_version")
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        raise FormatVersionError(version, SUPPORTED_VERSIONS)  # before any other rule
     top.only(
         "format",
         "format_version",
@@ -209,11 +214,6 @@ def manifest_from_json(doc: Any) -> Manifest:
     )
     if "step" not in top.obj:
         raise ManifestError("missing (null when the checkpoint has no step)", "/step")
-    if top.get("format", str) != FORMAT_ID:
-        raise ManifestError(f"format is not {FORMAT_ID!r}", "/format")
-    version = top.obj.get("format_version")
-    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
-        raise FormatVersionError(version, SUPPORTED_VERSIONS)
     save_id = top.get("save_id", str)
     if not _SAVE_ID.match(save_id):
         raise ManifestError("save_id must be 32 lowercase hex digits", "/save_id")
@@ -356,13 +356,33 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
             if cell in claimed:
                 raise ManifestError("regions overlap", rp)
             claimed.add(cell)
-            files.append(FileRef(fpath, fr.integer("size", 0, MAX_TENSOR_BYTES), int(crc, 16)))
+            size = fr.integer("size", 0, MAX_TENSOR_BYTES)
+            if size < _min_file_size(shape, shard, chunk, DTYPES[dtype].itemsize, cell):
+                raise ManifestError("file too small for its chunks and index", fr.at("size"))
+            files.append(FileRef(fpath, size, int(crc, 16)))
         regions.append(Region(offset, rshape, rank, tuple(files)))
     if math.prod(shape) and len(claimed) != math.prod(grid):
         raise ManifestError("regions do not cover the tensor", f"{r.pointer}/regions")
     if not math.prod(shape) and regions:
         raise ManifestError("an empty tensor has no regions", f"{r.pointer}/regions")
     return TensorEntry(name, path, dtype, shape, shard, chunk, tuple(regions), per_rank)
+
+
+def _min_file_size(
+    shape: tuple[int, ...],
+    shard: tuple[int, ...],
+    chunk: tuple[int, ...],
+    itemsize: int,
+    cell: tuple[int, ...],
+) -> int:
+    """The smallest valid shard file: its in-bounds chunks with their CRCs and the index. Checking
+    it bounds what a reader allocates by what the disk really holds."""
+    if not shape:
+        return itemsize + 4
+    extents = [min(h, s - c * h) for c, h, s in zip(cell, shard, shape)]
+    present = math.prod(-(-e // c) for e, c in zip(extents, chunk))
+    n_slots = math.prod(h // c for h, c in zip(shard, chunk))
+    return present * (math.prod(chunk) * itemsize + 4) + 16 * n_slots + 4
 
 
 def _check_tree(entries: list[Entry]) -> None:

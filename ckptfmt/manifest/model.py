@@ -12,7 +12,8 @@ JSON = Any  # a value json.dumps accepts (after non-finite floats are taken out)
 
 @dataclass(frozen=True)
 class FileRef:
-    """One stored file: its path relative to the checkpoint root, size and whole-file CRC32C."""
+    """One stored file: its path relative to the checkpoint root, its size, and the CRC32C of its
+    inner-chunk payloads in slot order (``spec/FORMAT.md`` §10; not of the whole file)."""
 
     path: str
     size: int

@@ -32,7 +32,7 @@ from ckptfmt.codecs.grid import (
 )
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import UsageError
-from ckptfmt.manifest.limits import MAX_CHUNKS_PER_SHARD
+from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, MAX_CHUNKS_PER_SHARD
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
 
@@ -255,12 +255,12 @@ def _plan_sharded(
             raise UsageError(f"rank {rank}'s region of {'/'.join(name)!r} is outside the tensor")
     shard = []
     for a in range(nd):
-        g = shape[a]
+        g = 0  # grid lines needed at every interior holder boundary, not at the array's end
         for _, (off, rs) in boxes:
             for b in (off[a], off[a] + rs[a]):
                 if 0 < b < shape[a]:
                     g = math.gcd(g, b)
-        shard.append(max(1, g))
+        shard.append(max(1, g or shape[a]))
     # shards larger than the target are cut further along the first axis that allows it
     while math.prod(shard) * item > shard_bytes:
         axis = next((a for a in range(nd) if shard[a] > 1), None)
@@ -278,6 +278,11 @@ def _plan_sharded(
     chunk = tuple(_largest_divisor_at_most(s, c) for s, c in zip(shard_t, chunk0))
     if math.prod(s // c for s, c in zip(shard_t, chunk)) > MAX_CHUNKS_PER_SHARD:
         chunk = shard_t  # awkward extents: one chunk per shard rather than a huge index
+        if math.prod(chunk) * item > MAX_CHUNK_BYTES:
+            raise UsageError(
+                f"cannot grid {'/'.join(name)!r}: its holders' boundaries allow no chunk within "
+                f"the limits; use a smaller shard_bytes"
+            )
     owned = []
     for cell in cells((0,) * nd, grid_shape(shape, shard_t)) if math.prod(shape) else []:
         lo, hi = _cell_box(cell, shard_t, shape)

@@ -200,6 +200,11 @@ def save_collective(
     plan = make_plan(
         [[Holding.from_json(d) for d in i["decl"]] for i in info], chunk_bytes, shard_bytes
     )
+    held_by_0 = {tuple(d["name"]) for d in info[0]["decl"]}
+    missing = [t.name for t in plan.tensors if t.name not in held_by_0]
+    if missing:  # rank 0 orders the manifest: it must know every tensor (every rank sees this)
+        shown = ", ".join("/".join(n) for n in missing[:5])
+        raise SaveFailedError({0: f"rank 0 does not declare tensor(s) {shown}"})
     leaders = groups_of([i["path"] for i in info])
     is_leader = leaders[comm.rank] == comm.rank
     staging = commit.staging_dir(final, save_id)
@@ -209,7 +214,8 @@ def save_collective(
             commit.prepare(final, save_id, overwrite)
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
-    vote(comm, error, [], None, mine_exc)  # every leader has a staging directory, or nobody goes on
+    # every leader has a staging directory, or nobody goes on (and none is left behind)
+    vote(comm, error, [], staging if is_leader else None, mine_exc)
     hook("staged")
     try:
         mine = plan.for_rank(comm.rank)

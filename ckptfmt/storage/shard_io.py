@@ -3,10 +3,10 @@
 The writer turns a region's array into whole shard files: every in-bounds inner chunk present, in
 slot order, each followed by its CRC32C, then the index. Chunks that are contiguous runs of the
 array (the default grid makes all but edge chunks so) go to ``writev`` as views of the array's
-own memory; the file CRC is combined from the chunk CRCs (``codecs/crc32c.py``).
+own memory; the manifest's data CRC is combined from the chunk CRCs (``codecs/crc32c.py``).
 
 The reader has a fast path for files laid out the way ckptfmt writes them: one ``preadv`` of the
-whole file straight into the destination array, then every chunk CRC and the file CRC checked.
+whole file straight into the destination array, then every chunk CRC and the data CRC checked.
 Any other valid layout goes through :func:`decode_shard`, which reads the file into memory.
 """
 
