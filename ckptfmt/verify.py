@@ -2,9 +2,9 @@
 
 Checked: the manifest against ``spec/manifest.schema.json`` and the format's rules; every zarr
 metadata document against the manifest; every data file's presence, size, data CRC32C (of all
-its chunk payloads), shard index CRC and inner-chunk CRC32Cs. Each problem names the file and the tensors it
-affects. Files the manifest does not list are reported separately (they do not make a checkpoint
-damaged, but nothing vouches for them).
+its chunk payloads), shard index CRC and inner-chunk CRC32Cs. Each problem names the file and
+the tensors it affects. Files the manifest does not list are reported separately (they do not
+make a checkpoint damaged, but nothing vouches for them).
 """
 
 from __future__ import annotations
