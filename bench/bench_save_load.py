@@ -42,6 +42,16 @@ GIB = 1 << 30
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": BF16}
 DEFAULT_TARGETS = {"shm": "/dev/shm/ckptfmt-bench", "disk": "/tmp/ckptfmt-bench"}
+MIN_REPS_UNDER_BUDGET = 5
+
+# --malloc warm: keep freed heap memory inside the process so every load writes into warm pages.
+# One arena (threads share it), no mmap'd chunks (a freed large array would go back to the
+# kernel, and from there to the hypervisor after ~2 s), and never trim the heap.
+WARM_MALLOC_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+}
 
 
 # --- the state ------------------------------------------------------------------------------------
@@ -421,11 +431,23 @@ def main(argv: list[str] | None = None) -> int:
                          "'bytes' = more layers so the bytes match float32")
     ap.add_argument("--methods", default=None,
                     help="comma list of method keys (default all; raw is always included)")
+    ap.add_argument("--malloc", choices=("warm", "default"), default="warm",
+                    help="warm (default): re-exec with glibc malloc settings that keep freed memory "
+                         "in the process, so loads do not pay for pages the hypervisor took back; "
+                         "default: leave malloc alone (loads then also measure fresh-page faults)")
+    ap.add_argument("--budget-min", type=float, default=9.0,
+                    help="stop adding timed rounds (but not below 5, or --reps if fewer) when the "
+                         "next one would end after this many minutes; 0 = no limit (default 9)")
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--no-check", action="store_true", help="skip the bit-exact check of loads")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/save_load.json; "
                     "save_load_quick.json with --quick); a .md table is written beside it")
     args = ap.parse_args(argv)
+    if args.malloc == "warm" and any(os.environ.get(k) != v for k, v in WARM_MALLOC_ENV.items()):
+        if argv is not None:
+            ap.error("--malloc warm needs a fresh process: run the script, not main(argv)")
+        env = {**os.environ, **WARM_MALLOC_ENV}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
     size_gib = args.size_gib if args.size_gib is not None else (0.0625 if args.quick else 1.0)
     reps = args.reps if args.reps is not None else (3 if args.quick else 7)
@@ -451,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         all_methods = [m for m in all_methods if m.key in keep]
     labels = {m.key: m.label for m in all_methods}
 
+    t_start = time.perf_counter()
     # states, built (and so touched) before anything is timed
     fp32_model = model_for(int(size_gib * GIB), 4)
     cases: dict[str, Case] = {}
@@ -480,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
            for t in targets}
     load_trace = []
     carry = Carry()
+    round_times: list[float] = []
     started = time.perf_counter()
     try:
         for r in range(args.warmup + reps):
@@ -496,8 +520,16 @@ def main(argv: list[str] | None = None) -> int:
                         run_one(m, cases[d], base, f"{d}-{r}", disk,
                                 check=(r == 0 and not args.no_check), rec=sink, carry=carry)
             elapsed = time.perf_counter() - started
+            round_times.append(elapsed - sum(round_times))
             print(f"# round {r + 1}/{args.warmup + reps} ({'timed' if timed else 'warm-up'}) "
                   f"done at {elapsed:.0f}s, loadavg {loadavg()}", flush=True)
+            done = r + 1 - args.warmup
+            budget_s = args.budget_min * 60 - (started - t_start)
+            if (args.budget_min > 0 and done >= min(reps, MIN_REPS_UNDER_BUDGET) and done < reps
+                    and elapsed + max(round_times) > budget_s):
+                print(f"# stopping after {done} timed rounds: another would pass "
+                      f"--budget-min {args.budget_min}", flush=True)
+                break
     finally:
         carry.clear()
         for base in targets.values():
@@ -522,9 +554,13 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "save_load",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": round(time.perf_counter() - started, 1),
+        "wall_s": round(time.perf_counter() - t_start, 1),
         "config": {
-            "size_gib": size_gib, "reps": reps, "warmup": args.warmup,
+            "size_gib": size_gib, "reps_requested": reps,
+            "reps_done": len(next(iter(next(iter(rec.values())).values()))["raw"]["save"]),
+            "warmup": args.warmup, "malloc": args.malloc,
+            "malloc_env": {k: os.environ.get(k) for k in WARM_MALLOC_ENV},
+            "budget_min": args.budget_min,
             "targets": {k: str(v) for k, v in targets.items()}, "dtypes": dtypes,
             "bf16_scale": args.bf16_scale, "methods": labels,
             "ckptfmt_writer_threads": writer_threads(),

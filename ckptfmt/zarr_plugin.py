@@ -1,12 +1,13 @@
 """zarr-python data-type plugin: ``bfloat16``, ``float8_e4m3fn`` and ``float8_e5m2``.
 
-zarr-python loads this module through the ``zarr.data_type`` entry point declared in
-``pyproject.toml``; installing ckptfmt is enough for ``zarr.open_array`` to read these arrays, and
-the reading code never imports ckptfmt. The names are the ones TensorStore's zarr3 driver uses;
+Installing ckptfmt is enough for ``zarr.open_array`` to read these arrays; the reading code never
+imports ckptfmt. zarr-python is meant to load this module through the ``zarr.data_type`` entry
+point declared in ``pyproject.toml``; zarr 3.1 does not (see the note at the end of this module),
+so a start-up hook registers the classes when zarr is imported. The names are the ones TensorStore's zarr3 driver uses;
 the numpy types come from ``ml_dtypes``. Fill values are JSON numbers or zarr's float strings
 (``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"0x..."``); zarr v2 is not supported for them.
 
-This module imports zarr and is imported only by zarr: the rest of ckptfmt does not depend on it.
+This module imports zarr and is imported only for zarr: the rest of ckptfmt does not depend on it.
 """
 
 from __future__ import annotations
