@@ -4,8 +4,9 @@ Installing ckptfmt is enough for ``zarr.open_array`` to read these arrays; the r
 imports ckptfmt. zarr-python is meant to load this module through the ``zarr.data_type`` entry
 point declared in ``pyproject.toml``; zarr 3.1 does not (see the note at the end of this module),
 so a start-up hook registers the classes when zarr is imported. The names are the ones
-TensorStore's zarr3 driver uses; the numpy types come from ``ml_dtypes``. Fill values are JSON numbers or zarr's float strings
-(``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"0x..."``); zarr v2 is not supported for them.
+TensorStore's zarr3 driver uses; the numpy types come from ``ml_dtypes``. Fill values are JSON
+numbers or zarr's float strings (``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"0x..."``); zarr v2
+is not supported for them.
 
 This module imports zarr and is imported only for zarr: the rest of ckptfmt does not depend on it.
 """
