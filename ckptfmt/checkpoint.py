@@ -11,7 +11,8 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
 from ckptfmt.parallel.comm import SingleComm
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
-from ckptfmt.reader import read_manifest, read_tensor
+from ckptfmt.reader import read_manifest, tensor_reads
 from ckptfmt.state import unflatten
 from ckptfmt.storage.files import Inside
 
@@ -104,13 +105,19 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     manifest = read_manifest(root)
     src = Inside(root)
     leaves: list[tuple[tuple[str, ...], Any]] = []
+    jobs: list[Callable[[], None]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
-            leaves.append((e.name, read_tensor(src, e)))
+            out, tensor_jobs = tensor_reads(src, e)
+            jobs += tensor_jobs
+            leaves.append((e.name, out))
         elif isinstance(e, ValueEntry):
             leaves.append((e.name, e.value))
         elif isinstance(e, GroupEntry):
             leaves.append((e.name, {}))
         else:
             leaves.append((e.name, list(e.values)))
+    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()  # the first damage found is raised
     return unflatten(leaves)

@@ -7,8 +7,10 @@ is opened), and every data byte is checked against its CRC32C as it is read.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,18 @@ from ckptfmt.manifest.model import (
     GroupEntry,
     Manifest,
     PerRankValueEntry,
+    Region,
     TensorEntry,
     ValueEntry,
 )
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.shard_io import Geometry, decode_shard, read_file, read_region
+from ckptfmt.storage.shard_io import (
+    Geometry,
+    decode_shard,
+    read_file,
+    read_region,
+    region_reads,
+)
 from ckptfmt.storage.steps import list_step_dirs
 
 
@@ -52,20 +61,42 @@ def geometry(t: TensorEntry) -> Geometry:
     return Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
 
 
-def read_tensor(src: Inside, t: TensorEntry) -> np.ndarray:
-    """A whole tensor, every byte verified."""
+def read_tensor(src: Inside, t: TensorEntry, pool: Executor | None = None) -> np.ndarray:
+    """A whole tensor, every byte verified (shard files read concurrently with ``pool``)."""
+    out, jobs = tensor_reads(src, t)
+    if pool is None or len(jobs) < 2:
+        for job in jobs:
+            job()
+    else:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
+    return out
+
+
+def tensor_reads(src: Inside, t: TensorEntry) -> tuple[np.ndarray, list[Callable[[], None]]]:
+    """The destination of a whole tensor and the jobs (one per shard file) that fill it.
+
+    File sizes are checked against the manifest before the tensor's memory is allocated, so a
+    hostile manifest cannot make a reader allocate what the disk does not hold."""
     geo = geometry(t)
-    for r in t.regions:  # claimed sizes against the disk before allocating the claimed shape
+    for r in t.regions:
         for ref in r.files:
             src.check_size(ref.path, ref.size, (display(t.name),))
     out = np.empty(t.shape, dtype=geo.dtype)
+    jobs: list[Callable[[], None]] = []
     for r in t.regions:
         view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))] if t.shape else out
-        target = view if view.flags.c_contiguous else np.empty(r.shape, dtype=geo.dtype)
-        read_region(src, geo, r.files, r.offset, target, (display(t.name),))
-        if target is not view:
-            view[...] = target
-    return out
+        if view.flags.c_contiguous:
+            jobs += region_reads(src, geo, r.files, r.offset, view, (display(t.name),))
+        else:  # a region narrower than the tensor on a trailing axis: read, then place
+            jobs.append(functools.partial(_read_and_place, src, geo, r, view, display(t.name)))
+    return out, jobs
+
+
+def _read_and_place(src: Inside, geo: Geometry, r: Region, view: np.ndarray, name: str) -> None:
+    target = np.empty(r.shape, dtype=geo.dtype)
+    read_region(src, geo, r.files, r.offset, target, (name,))
+    view[...] = target
 
 
 def _normalize_key(

@@ -12,10 +12,11 @@ Any other valid layout goes through :func:`decode_shard`, which reads the file i
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,7 @@ def plan_region(
     made_dirs = set() if made_dirs is None else made_dirs
     lo = geo.cell_of(offset)
     hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, data.shape, geo.shard_shape))
-    jobs = []
+    jobs: list[ShardJob] = []
     for rel in np.ndindex(*(b - a for a, b in zip(lo, hi))) if lo else [()]:
         cell = tuple(a + c for a, c in zip(lo, rel))
         key = shard_key(geo.path, cell)
@@ -278,16 +279,46 @@ def read_region(
     tensors: Sequence[str] = (),
 ) -> None:
     """Fill ``out`` (the region at ``offset``, C-contiguous) from its shard files, verifying every
-    chunk CRC and every file's size and CRC."""
+    chunk CRC and every file's size and data CRC."""
+    for job in region_reads(src, geo, files, offset, out, tensors):
+        job()
+
+
+def region_reads(
+    src: Inside,
+    geo: Geometry,
+    files: Sequence[FileRef],
+    offset: Sequence[int],
+    out: np.ndarray,
+    tensors: Sequence[str] = (),
+) -> list[Callable[[], None]]:
+    """One job per shard file of a region (see :func:`read_region`); independent of each other,
+    so a caller may run them concurrently (preadv and CRC32C release the GIL)."""
     lo = geo.cell_of(offset)
     hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, out.shape, geo.shard_shape))
     cell_iter = np.ndindex(*(b - a for a, b in zip(lo, hi))) if lo else iter([()])
+    jobs: list[Callable[[], None]] = []
     for ref, rel in zip(files, cell_iter):
         cell = tuple(a + c for a, c in zip(lo, rel))
-        if not _read_shard_fast(src, geo, ref, cell, offset, out, tensors):
-            blob = read_file(src, ref, tensors)
-            for s, chunk in decode_shard(blob, geo, cell, ref, tensors):
-                _place(chunk, s, offset, out)
+        jobs.append(
+            functools.partial(_read_shard, src, geo, ref, cell, tuple(offset), out, tuple(tensors))
+        )
+    return jobs
+
+
+def _read_shard(
+    src: Inside,
+    geo: Geometry,
+    ref: FileRef,
+    cell: tuple[int, ...],
+    origin: tuple[int, ...],
+    out: np.ndarray,
+    tensors: tuple[str, ...],
+) -> None:
+    if not _read_shard_fast(src, geo, ref, cell, origin, out, tensors):
+        blob = read_file(src, ref, tensors)
+        for s, chunk in decode_shard(blob, geo, cell, ref, tensors):
+            _place(chunk, s, origin, out)
 
 
 def _place(chunk: np.ndarray, s: ChunkSlot, origin: Sequence[int], out: np.ndarray) -> None:
@@ -331,35 +362,30 @@ def _read_shard_fast(
                     return False  # valid zarr perhaps, but not our packed layout
             if size != len(slots) * step + n_idx:
                 return False
-        buffers: list[memoryview] = []
-        targets: list[np.ndarray | None] = []
-        crcs = bytearray(CRC_BYTES * len(slots))
-        for i, s in enumerate(slots):
+        data_crc = FileCrc()
+        crc_buf = bytearray(CRC_BYTES)
+        pos = 0
+        for s in slots:  # chunk by chunk: its CRC is computed while it is still in cache
             lo, hi = _local(s.box_lo, origin), _local(s.box_hi, origin)
+            tmp: np.ndarray | None = None
             if not s.padded and is_contiguous_box(out.shape, lo, hi):
                 start, stop = flat_range(out.shape, lo, hi)
-                view = byte_view(out.reshape(-1)[start:stop])
-                targets.append(None)
+                payload = byte_view(out.reshape(-1)[start:stop])
             else:
                 tmp = np.empty(geo.chunk_shape, dtype=out.dtype)
-                view = byte_view(tmp)
-                targets.append(tmp)
-            buffers += [view, memoryview(crcs)[i * CRC_BYTES : (i + 1) * CRC_BYTES]]
-        try:
-            read_scatter(fd, buffers, 0)
-        except EOFError:
-            raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
-        data_crc = FileCrc()
-        for i, s in enumerate(slots):
-            payload = buffers[2 * i]
+                payload = byte_view(tmp)
+            try:
+                read_scatter(fd, [payload, memoryview(crc_buf)], pos)
+            except EOFError:
+                raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
+            pos += len(payload) + CRC_BYTES
             actual = crc32c(payload)
-            (stored,) = _CRC.unpack_from(crcs, i * CRC_BYTES)
+            (stored,) = _CRC.unpack_from(crc_buf, 0)
             if actual != stored:
                 raise ChecksumError(ref.path, f"chunk {s.slot}", stored, actual, tensors)
             data_crc.add(actual, len(payload))
-            tmp_chunk = targets[i]
-            if tmp_chunk is not None:
-                _place(tmp_chunk, s, origin, out)
+            if tmp is not None:
+                _place(tmp, s, origin, out)
         _check_data_crc(data_crc.crc, ref, tensors)
         return True
     finally:
