@@ -6,17 +6,14 @@ code path writes every checkpoint; ``load`` reads every tensor whole, verifying 
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import socket
 import sys
-import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckptfmt import __version__
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.errors import UsageError
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
@@ -29,18 +26,6 @@ from ckptfmt.storage.files import Inside
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt supports little-endian hosts only")
-
-
-def new_save_id() -> str:
-    return uuid.uuid4().hex
-
-
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def writer_info() -> dict[str, Any]:
-    return {"library": "ckptfmt", "version": __version__}
 
 
 def save(
@@ -74,9 +59,6 @@ def save(
             path,
             step=step,
             node=socket.gethostname(),
-            save_id=new_save_id(),
-            created=utc_now(),
-            writer=writer_info(),
             overwrite=overwrite,
             fsync=fsync,
             chunk_bytes=chunk_bytes,

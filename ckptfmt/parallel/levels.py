@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import CkptError, UsageError
+from ckptfmt.errors import CkptError, NotACheckpointError, UsageError
 from ckptfmt.manifest.codec import dump_manifest
-from ckptfmt.manifest.model import Manifest
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.parallel.comm import Comm
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, vote, write_metadata
-from ckptfmt.reader import read_manifest
+from ckptfmt.reader import geometry, read_manifest
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import fsync_dir
-from ckptfmt.storage.steps import list_step_dirs, step_dir_name
+from ckptfmt.storage.files import Inside, fsync_dir, write_gather
+from ckptfmt.storage.shard_io import decode_shard, read_file
+from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
 
 LEVELS_FILE = "ckptfmt-levels.json"
 NODE_ENV = "CKPTFMT_NODE"
@@ -64,16 +65,38 @@ class Levels:
         os.replace(tmp, self.shared_dir / LEVELS_FILE)
 
 
-def copy_file(src: Path, dst: Path, fsync: bool = True) -> None:
-    """Copy one file (kernel-side where possible) and make it durable."""
+def copy_verified(src: Inside, t: TensorEntry, ref: FileRef, dst: Path, fsync: bool = True) -> None:
+    """Copy one shard file after checking every CRC in it: damage on level 1 is refused, not
+    propagated to level 3."""
+    blob = read_file(src, ref, (display(t.name),))
+    decode_shard(blob, geometry(t), shard_cell(ref.path), ref, (display(t.name),))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
-    if fsync:
-        fd = os.open(dst, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    write_gather(dst, [blob], fsync)
+
+
+def shard_cell(key: str) -> tuple[int, ...]:
+    """The grid index of a shard key (``path/c/i/j`` -> ``(i, j)``; ``path/c`` -> ``()``)."""
+    tail = key.rsplit("/c", 1)[1]
+    return tuple(int(x) for x in tail.split("/")[1:])
+
+
+def _already_flushed(final: Path, manifest: Manifest) -> bool:
+    """Whether ``final`` is a committed copy of this very save with every file in place."""
+    if not commit.is_committed(final):
+        return False
+    try:
+        existing = read_manifest(final)
+    except CkptError:
+        return False  # an unreadable copy is replaced, never a reason to give up
+    if existing.save_id != manifest.save_id:
+        return False
+    src = Inside(final)
+    try:
+        for t, ref in existing.files():
+            src.check_size(ref.path, ref.size, (display(t.name),))
+    except CkptError:
+        return False
+    return True
 
 
 def flush_collective(
@@ -99,11 +122,9 @@ def flush_collective(
     mine: BaseException | None = None
     try:
         if comm.rank == 0:
-            if commit.is_committed(final):
-                existing = read_manifest(final)
-                if existing.save_id == manifest.save_id:
-                    error = "already flushed"
-            if error is None:
+            if _already_flushed(final, manifest):
+                error = "already flushed"
+            else:
                 commit.prepare(final, manifest.save_id, overwrite=True)
     except (CkptError, OSError) as exc:
         error, mine = f"{type(exc).__name__}: {exc}", exc
@@ -113,14 +134,15 @@ def flush_collective(
     vote(comm, error, [], None, mine)
     hook("flush-staged")
     try:
+        src = Inside(local_path)
         for t in manifest.tensors():
             for r in t.regions:
                 if r.rank != comm.rank:
                     continue
                 for f in r.files:
-                    copy_file(local_path / f.path, staging / f.path, fsync)
+                    copy_verified(src, t, f, staging / f.path, fsync)
         hook("flush-copied")
-    except OSError as exc:
+    except (CkptError, OSError) as exc:
         error, mine = f"{type(exc).__name__}: {exc}", exc
     vote(comm, error, [], staging if comm.rank == 0 else None, mine)
     try:
@@ -146,9 +168,7 @@ def retain(root: Path | None, keep: int, protect: set[int]) -> list[int]:
     for step, path in committed[:-keep]:
         if step in protect:
             continue
-        doomed = path.parent / f".{path.name}.old-{os.urandom(16).hex()}"
-        os.rename(path, doomed)  # out of sight first: a reader never sees half a checkpoint
-        shutil.rmtree(doomed, ignore_errors=True)
+        commit.remove(path)  # out of sight first: a reader never sees half a checkpoint
         removed.append(step)
     return removed
 
@@ -160,6 +180,8 @@ def _state_of(path: Path, node: str | None) -> tuple[str, str]:
     """(state, detail) of one step directory: complete, damaged, or flushing/partial."""
     try:
         m = read_manifest(path)
+    except NotACheckpointError:
+        return "not committed", "no manifest"
     except CkptError as exc:
         return "damaged", str(exc)
     missing = 0
@@ -186,6 +208,7 @@ def list_levels(shared_root: Path) -> dict[str, Any]:
     nodes = cfg.get("nodes", [])
 
     steps: dict[str, dict[str, Any]] = {}
+    invisible: list[str] = []
 
     def entry(step: int) -> dict[str, Any]:
         return steps.setdefault(str(step), {"level3": "absent", "level1": {}})
@@ -193,10 +216,11 @@ def list_levels(shared_root: Path) -> dict[str, Any]:
     if shared_root.is_dir():
         for step, path in list_step_dirs(shared_root):
             state, detail = _state_of(path, None)
-            entry(step)["level3"] = "flushed" if state == "complete" else f"damaged: {detail}"
+            labels = {"complete": "flushed", "not committed": "not committed"}
+            entry(step)["level3"] = labels.get(state, f"damaged: {detail}")
         for child in shared_root.iterdir():
             m = commit.LEFTOVER.match(child.name)
-            if m and m["kind"] == "tmp" and m["name"].startswith("step-"):
+            if m and m["kind"] == "tmp" and STEP_NAME.match(m["name"]):
                 e = entry(int(m["name"][5:]))
                 if e["level3"] == "absent":
                     e["level3"] = "flushing"
@@ -205,14 +229,16 @@ def list_levels(shared_root: Path) -> dict[str, Any]:
         visible = root is not None and root.is_dir()
         doc["nodes"][node] = str(root) if visible else "not visible from here"
         if not visible:
+            invisible.append(node)
             continue
         assert root is not None
         for step, path in list_step_dirs(root):
             state, detail = _state_of(path, node)
-            entry(step)["level1"][node] = state if state == "complete" else f"damaged: {detail}"
+            ok = state in ("complete", "not committed")
+            entry(step)["level1"][node] = state if ok else f"damaged: {detail}"
     for e in steps.values():
         for node in nodes:
-            e["level1"].setdefault(node, "absent")
+            e["level1"].setdefault(node, "not visible" if node in invisible else "absent")
     doc["steps"] = dict(sorted(steps.items(), key=lambda kv: int(kv[0])))
     return doc
 

@@ -66,12 +66,14 @@ def load_collective(
     comm: Comm,
     path: str | os.PathLike[str],
     wants: Mapping[str, Box | None] | None = None,
+    group: str | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy).
 
     ``wants`` maps tensor names ('/'-joined) to a region ``(offset, shape)`` or None (the whole
-    tensor); tensors not named are loaded whole. Returns the nested state (regions as arrays of
-    the region's shape) and the manifest.
+    tensor); tensors not named are loaded whole. ``group``: ranks with equal keys see the same
+    directory (as in ``save_collective``). Returns the nested state (regions as arrays of the
+    region's shape) and the manifest.
     """
     root = Path(path).absolute()
     error: str | None = None
@@ -86,6 +88,7 @@ def load_collective(
     info = comm.allgather_json(
         {
             "path": str(root),
+            "group": group if group is not None else str(root),
             "error": error,
             "wants": want_json,
             "save_id": manifest.save_id if manifest else None,
@@ -104,7 +107,7 @@ def load_collective(
                 f"{comm.size} (resharding is not supported yet)"
             }
         )
-    leaders = groups_of([i["path"] for i in info])
+    leaders = groups_of([i["group"] for i in info])
     src = Inside(root)
     out: dict[str, np.ndarray] = {}
     tag = 0

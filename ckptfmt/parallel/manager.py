@@ -202,7 +202,9 @@ class CheckpointManager:
                     continue
                 path = root / step_dir_name(step)
                 try:
-                    loaded, manifest = load_collective(self.comm, path, wants)
+                    loaded, manifest = load_collective(
+                        self.comm, path, wants, group=self._group_key(level == 1)
+                    )
                 except LoadFailedError as exc:
                     report.tried.append(f"step {step} level {level}: {exc}")
                     continue
@@ -282,6 +284,7 @@ class CheckpointManager:
                 target_root / step_dir_name(step),
                 step=step,
                 node=self.node,
+                group=self._group_key(self.local_root is not None),
                 overwrite=True,
                 levels={"1" if self.local_root else "3": {}},
                 fault=self.fault,
@@ -360,6 +363,10 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise UsageError("this CheckpointManager is closed")
+
+    def _group_key(self, node_local: bool) -> str:
+        """Which ranks see the same directory: a node's ranks on level 1, everyone on level 3."""
+        return f"node:{self.node}" if node_local else "shared"
 
     @staticmethod
     def _committed(root: Path | None) -> list[tuple[int, Path]]:

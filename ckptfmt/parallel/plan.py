@@ -5,10 +5,11 @@ region (global offset and shape, as FSDP or tensor parallelism produce). :func:`
 all ranks' declarations into the same plan on every rank:
 
 * Tensors some rank holds whole are deduplicated and cut on the default shard grid; their shard
-  cells are spread over the holders so that no rank writes more than its fair share plus one
-  shard. When every rank holds every such tensor (plain data parallelism) the cells are cut into
-  contiguous runs by cumulative bytes (the linear partition), so each rank writes few, large
-  regions; otherwise each cell goes to the least-loaded holder.
+  cells are spread over the holders so that every rank writes its even share to within one shard.
+  When every rank holds every such tensor (plain data parallelism) the cells are cut into
+  contiguous runs by cumulative bytes (the linear partition: a cell goes to the rank whose share
+  its midpoint falls in), so each rank writes few, large regions; otherwise each cell, largest
+  first, goes to the least-loaded holder.
 * Tensors held only in regions get a shard grid whose lines include every holder boundary (the
   shard extent on each axis divides the gcd of the boundaries), so each shard lies inside one
   holder's region and that holder writes it (the least loaded, when regions are replicated).

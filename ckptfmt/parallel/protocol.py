@@ -21,6 +21,7 @@ rank can see another node's directory).
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -139,10 +140,23 @@ def _region_data(
     return view if view.flags.c_contiguous else np.ascontiguousarray(view)
 
 
-def groups_of(paths: list[str]) -> list[int]:
-    """For each rank, the leader (lowest rank) of the ranks saving into the same directory."""
+def utc_now() -> str:
+    """RFC 3339 UTC time to the second, as the manifest's ``created``."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def writer_info() -> dict[str, Any]:
+    """The manifest's ``writer``: which software wrote the checkpoint."""
+    from ckptfmt import __version__
+
+    return {"library": "ckptfmt", "version": __version__}
+
+
+def groups_of(keys: list[str]) -> list[int]:
+    """For each rank, the leader (lowest rank) of the ranks whose group keys are equal (the ranks
+    that see the same directory)."""
     first: dict[str, int] = {}
-    return [first.setdefault(p, r) for r, p in enumerate(paths)]
+    return [first.setdefault(k, r) for r, k in enumerate(keys)]
 
 
 def save_collective(
@@ -161,11 +175,16 @@ def save_collective(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     threads: int = 2,
     levels: dict[str, Any] | None = None,
+    group: str | None = None,
     fault: FaultHook | None = None,
 ) -> tuple[Manifest, SavePlan]:
     """Collective: every rank of ``comm`` calls it, once per checkpoint, with its own ``state``
     and the final directory it writes to (``path``: this rank's node-local copy, or the shared
     one). Returns the manifest (the same on every rank) and the plan.
+
+    Ranks with the same ``group`` key see the same directory (default: the absolute path, right
+    on one machine; on a cluster, node-local paths are equal strings on different nodes, so the
+    caller passes the node for level 1 and one key for the shared level).
 
     Values (non-tensor leaves) are taken from rank 0; every rank must have the same names.
     Raises :class:`SaveFailedError` on every rank if any rank failed; then nothing was committed.
@@ -185,10 +204,11 @@ def save_collective(
         {
             "decl": decl,
             "path": str(final),
+            "group": group if group is not None else str(final),
             "node": node,
             "error": error,
             "save_id": save_id or os.urandom(16).hex(),
-            "created": created,
+            "created": created or utc_now(),
         }
     )
     failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
@@ -205,7 +225,7 @@ def save_collective(
     if missing:  # rank 0 orders the manifest: it must know every tensor (every rank sees this)
         shown = ", ".join("/".join(n) for n in missing[:5])
         raise SaveFailedError({0: f"rank 0 does not declare tensor(s) {shown}"})
-    leaders = groups_of([i["path"] for i in info])
+    leaders = groups_of([i["group"] for i in info])
     is_leader = leaders[comm.rank] == comm.rank
     staging = commit.staging_dir(final, save_id)
     refs: dict[str, list[list[Any]]] = {}
@@ -247,7 +267,7 @@ def save_collective(
         comm,
         step,
         created,
-        writer or {},
+        writer or writer_info(),
         levels or {},
     )
     hook("manifest")

@@ -23,7 +23,7 @@ from ckptfmt.errors import DestinationExistsError
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.files import fsync_dir, write_gather
 
-LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{32}$")
+LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{32}$")
 
 
 def is_committed(path: Path) -> bool:
@@ -75,6 +75,15 @@ def finalize(staging: Path, final: Path, manifest: bytes, save_id: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def remove(path: Path) -> None:
+    """Delete a committed checkpoint so that no reader ever sees half of it: rename it to a
+    ``.name.del-*`` dot-name first (``clean_leftovers`` finishes an interrupted removal)."""
+    doomed = path.parent / f".{path.name}.del-{os.urandom(16).hex()}"
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def abort(staging: Path) -> None:
     """Remove a staging directory after a failed save."""
     shutil.rmtree(staging, ignore_errors=True)
@@ -85,7 +94,8 @@ def clean_leftovers(parent: Path) -> list[Path]:
 
     A ``.name.tmp-*`` directory is a save that never committed. A ``.name.old-*`` directory is a
     replaced checkpoint: removed if ``name`` is committed, else renamed back (the crash came between
-    the two renames of an overwrite).
+    the two renames of an overwrite). A ``.name.del-*`` directory is a checkpoint that retention
+    was deleting: removed.
     """
     removed: list[Path] = []
     if not parent.is_dir():

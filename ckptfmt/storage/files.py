@@ -87,18 +87,27 @@ class Inside:
 
     The manifest's paths are already checked to be shard keys (no '..', not absolute), but the
     tree itself may hold symbolic links; a link that leads out of the checkpoint is treated as a
-    missing file. Each directory is resolved once; the file itself is opened with O_NOFOLLOW.
+    missing file. Each directory is checked once, with one ``lstat`` when its parent is known to be
+    inside (a symbolic link is resolved in full); the file itself is opened with O_NOFOLLOW.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root))
-        self._dirs: dict[str, bool] = {}
+        self._dirs: dict[str, bool] = {"": True}
 
     def _dir_ok(self, rel_dir: str) -> bool:
         ok = self._dirs.get(rel_dir)
         if ok is None:
-            real = os.path.realpath(self.root / rel_dir)
-            ok = real == str(self.root) or real.startswith(str(self.root) + os.sep)
+            parent = rel_dir.rsplit("/", 1)[0] if "/" in rel_dir else ""
+            ok = self._dir_ok(parent)
+            if ok:
+                try:
+                    st = os.lstat(self.root / rel_dir)
+                except OSError:
+                    st = None
+                if st is not None and stat.S_ISLNK(st.st_mode):
+                    real = os.path.realpath(self.root / rel_dir)
+                    ok = real == str(self.root) or real.startswith(str(self.root) + os.sep)
             self._dirs[rel_dir] = ok
         return ok
 
@@ -123,14 +132,14 @@ class Inside:
         """Raise a DamagedError unless ``rel`` is a regular file of ``size`` bytes."""
         from ckptfmt.errors import MissingFileError, SizeMismatchError
 
+        rel_dir = rel.rsplit("/", 1)[0] if "/" in rel else ""
         try:
-            fd = self.open_fd(rel)
-        except FileNotFoundError:
-            raise MissingFileError(rel, tensors) from None
-        try:
-            actual = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+            st = os.lstat(self.root / rel) if self._dir_ok(rel_dir) else None
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise MissingFileError(rel, tensors)
+        actual = st.st_size
         if actual != size:
             raise SizeMismatchError(rel, size, actual, tensors)
 

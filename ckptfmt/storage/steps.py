@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_STEP = re.compile(r"^step-(\d{10,})$")
+STEP_NAME = re.compile(r"^step-(\d{10,})$")
 
 
 def step_dir_name(step: int) -> str:
@@ -26,7 +26,7 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        m = _STEP.match(child.name)
+        m = STEP_NAME.match(child.name)
         if m and child.is_dir() and step_dir_name(int(m[1])) == child.name:
             found.append((int(m[1]), child))
     return sorted(found)
