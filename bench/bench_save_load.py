@@ -95,15 +95,15 @@ def model_for(target_bytes: int, itemsize: int, vocab: int = 50304, ctx: int = 2
     p = target_bytes / itemsize
     a, b = 12 * layers_hint, vocab + ctx
     d = (-b + math.sqrt(b * b + 4 * a * p)) / (2 * a)
-    d = max(64, int(round(d / 64)) * 64)
+    d = max(64, round(d / 64) * 64)
     per_layer = 12 * d * d + 13 * d
     fixed = (vocab + ctx + 2) * d
-    layers = max(1, int(round((p - fixed) / per_layer)))
+    layers = max(1, round((p - fixed) / per_layer))
     return Model(d, layers, vocab, ctx)
 
 
 def make_state(model: Model, dtype: np.dtype, seed: int) -> dict[str, np.ndarray]:
-    """Flat ``name -> array`` of random N(0, 0.02) values (written here, so every page is touched)."""
+    """Flat ``name -> array`` of N(0, 0.02) random values (written here: every page touched)."""
     rng = np.random.default_rng(seed)
     state = {}
     for name, shape in model.shapes().items():
@@ -114,7 +114,7 @@ def make_state(model: Model, dtype: np.dtype, seed: int) -> dict[str, np.ndarray
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """``{"h.0.attn.c_attn.weight": a}`` -> ``{"h": {"0": {"attn": {"c_attn": {"weight": a}}}}}``."""
+    """``{"h.0.attn.weight": a}`` -> ``{"h": {"0": {"attn": {"weight": a}}}}``."""
     root: dict[str, Any] = {}
     for name, a in flat.items():
         node = root
@@ -292,7 +292,8 @@ def check_equal(case: Case, obj: Any, what: str) -> None:
     for k, a in case.flat.items():
         b = got[k]
         if b.dtype != a.dtype or b.shape != a.shape or not bits_equal(a, b):
-            raise AssertionError(f"{what}: {k} differs ({b.dtype} {b.shape} vs {a.dtype} {a.shape})")
+            raise AssertionError(
+                f"{what}: {k} differs ({b.dtype} {b.shape} vs {a.dtype} {a.shape})")
 
 
 def remove(path: Path) -> None:
@@ -304,7 +305,7 @@ def remove(path: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-# --- running ---------------------------------------------------------------------------------------
+# --- running --------------------------------------------------------------------------------------
 
 
 class Carry:
@@ -405,7 +406,18 @@ def git_info() -> dict[str, Any]:
                                   check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return ""
-    return {"head": git("rev-parse", "HEAD"), "dirty_files": git("status", "--porcelain").splitlines()}
+    return {"head": git("rev-parse", "HEAD"),
+            "dirty_files": git("status", "--porcelain").splitlines()}
+
+
+def source_digest() -> str:
+    """sha256 over ckptfmt's Python sources as measured (the tree may hold uncommitted edits)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((REPO / "ckptfmt").rglob("*.py")):
+        h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def loadavg() -> list[float]:
@@ -432,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=None,
                     help="comma list of method keys (default all; raw is always included)")
     ap.add_argument("--malloc", choices=("warm", "default"), default="warm",
-                    help="warm (default): re-exec with glibc malloc settings that keep freed memory "
-                         "in the process, so loads do not pay for pages the hypervisor took back; "
+                    help="warm (default): re-exec with glibc malloc settings that keep freed "
+                         "memory in the process, so loads do not pay for pages the hypervisor "
+                         "took back; "
                          "default: leave malloc alone (loads then also measure fresh-page faults)")
     ap.add_argument("--budget-min", type=float, default=9.0,
                     help="stop adding timed rounds (but not below 5, or --reps if fewer) when the "
@@ -474,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     labels = {m.key: m.label for m in all_methods}
 
     t_start = time.perf_counter()
+    sources_sha = source_digest()
     # states, built (and so touched) before anything is timed
     fp32_model = model_for(int(size_gib * GIB), 4)
     cases: dict[str, Case] = {}
@@ -572,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_count": os.cpu_count(), "numpy": np.__version__,
             "torch": __import__("torch").__version__,
             "safetensors": __import__("safetensors").__version__,
-            "ckptfmt": ckptfmt.__version__, "git": git_info(), "loadavg_per_round": load_trace,
+            "ckptfmt": ckptfmt.__version__, "git": git_info(),
+            "ckptfmt_sources_sha256": sources_sha, "loadavg_per_round": load_trace,
         },
         "definitions": {
             "gb_per_s": "tensor bytes / median seconds / 1e9",

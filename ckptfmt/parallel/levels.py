@@ -24,7 +24,7 @@ from ckptfmt.parallel.comm import Comm
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, vote, write_metadata
 from ckptfmt.reader import geometry, read_manifest
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import Inside, fsync_dir, write_gather
+from ckptfmt.storage.files import Inside, write_gather
 from ckptfmt.storage.shard_io import decode_shard, read_file
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
 
@@ -149,8 +149,7 @@ def flush_collective(
         if comm.rank == 0:
             write_metadata(staging, manifest, fsync)
             hook("flush-committing")
-            commit.finalize(staging, final, dump_manifest(manifest), manifest.save_id)
-            fsync_dir(final.parent)
+            commit.finalize(staging, final, dump_manifest(manifest), manifest.save_id, fsync)
     except (CkptError, OSError) as exc:
         error, mine = f"{type(exc).__name__}: {exc}", exc
     vote(comm, error, [], staging if comm.rank == 0 else None, mine)

@@ -275,7 +275,7 @@ def save_collective(
         if is_leader:
             write_metadata(staging, manifest, fsync)
             hook("committing")
-            commit.finalize(staging, final, dump_manifest(manifest), save_id)
+            commit.finalize(staging, final, dump_manifest(manifest), save_id, fsync)
         hook("committed")
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc

@@ -61,16 +61,23 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def finalize(staging: Path, final: Path, manifest: bytes, save_id: str) -> None:
-    """Write the manifest last, make the tree durable, and rename it into place atomically."""
-    write_gather(staging / MANIFEST_NAME, [manifest])
-    fsync_tree(staging)
+def finalize(
+    staging: Path, final: Path, manifest: bytes, save_id: str, fsync: bool = True
+) -> None:
+    """Write the manifest last, make the tree durable, and rename it into place atomically.
+
+    ``fsync=False`` (for benchmarks and throw-away runs) skips every fsync but keeps the order
+    and the renames: atomic for readers, not durable across a power loss."""
+    write_gather(staging / MANIFEST_NAME, [manifest], fsync)
+    if fsync:
+        fsync_tree(staging)
     old: Path | None = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{save_id}"
         os.rename(final, old)
     os.rename(staging, final)
-    fsync_dir(final.parent)
+    if fsync:
+        fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
