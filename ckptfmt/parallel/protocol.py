@@ -21,6 +21,7 @@ rank can see another node's directory).
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import math
 import os
@@ -229,9 +230,16 @@ def save_collective(
     is_leader = leaders[comm.rank] == comm.rank
     staging = commit.staging_dir(final, save_id)
     refs: dict[str, list[list[Any]]] = {}
+    order_values = comm.bcast_json(_order_and_values(local) if comm.rank == 0 else None, root=0)
+    # the zarr documents depend on the plan alone: leaders write them before the data, so that
+    # only the manifest and the rename remain once every rank has written
+    skeleton = _build_manifest(
+        plan, order_values, None, info, save_id, comm.size, step, created, {}, {}
+    )
     try:
         if is_leader:
             commit.prepare(final, save_id, overwrite)
+            write_metadata(staging, skeleton, fsync)
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
     # every leader has a staging directory, or nobody goes on (and none is left behind)
@@ -248,8 +256,11 @@ def save_collective(
             data = _region_data(local, t, r.offset, r.shape)
             jobs_by_region.append((t, r, plan_region(staging, geo, data, r.offset, made)))
         all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            files = iter(run_jobs(all_jobs, pool if threads > 1 else None, fsync))
+        # the thread budget is per node: ranks sharing a node share its cores
+        on_node = sum(1 for i in info if i["node"] == node)
+        workers = max(1, threads // on_node)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            files = iter(run_jobs(all_jobs, pool if workers > 1 else None, fsync))
         for t, r, jobs in jobs_by_region:
             refs.setdefault("/".join(t.name), []).append(
                 [list(r.offset), [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)]]
@@ -260,11 +271,11 @@ def save_collective(
     all_refs = vote(comm, error, refs, staging if is_leader else None, mine_exc)
     manifest = _build_manifest(
         plan,
-        local if comm.rank == 0 else None,
+        order_values,
         all_refs,
         info,
         save_id,
-        comm,
+        comm.size,
         step,
         created,
         writer or writer_info(),
@@ -273,7 +284,6 @@ def save_collective(
     hook("manifest")
     try:
         if is_leader:
-            write_metadata(staging, manifest, fsync)
             hook("committing")
             commit.finalize(staging, final, dump_manifest(manifest), save_id, fsync)
         hook("committed")
@@ -301,34 +311,37 @@ def vote(
     return [g["payload"] for g in gathered]
 
 
+def _order_and_values(local: LocalState) -> dict[str, Any]:
+    """Rank 0's entry order and JSON values, as broadcast to every rank."""
+    return {
+        "order": [[list(n), kind] for n, kind in local.order],
+        "values": [[list(n), encode_value(v, display(n))] for n, v in local.values.items()],
+    }
+
+
 def _build_manifest(
     plan: SavePlan,
-    local0: LocalState | None,
-    all_refs: list[Any],
+    order_values: dict[str, Any],
+    all_refs: list[Any] | None,
     info: list[dict[str, Any]],
     save_id: str,
-    comm: Comm,
+    world_size: int,
     step: int | None,
     created: str,
     writer: dict[str, Any],
     levels: dict[str, Any],
 ) -> Manifest:
-    """The same manifest on every rank: tensors from the plan and the gathered file lists,
-    values and order from rank 0 (broadcast)."""
-    order_values = comm.bcast_json(
-        None
-        if local0 is None
-        else {
-            "order": [[list(n), kind] for n, kind in local0.order],
-            "values": [[list(n), encode_value(v, display(n))] for n, v in local0.values.items()],
-        },
-        root=0,
-    )
+    """The same manifest on every rank: tensors from the plan and the gathered file lists
+    (``None``: a skeleton without files, enough for the zarr documents), values and order from
+    rank 0."""
     from ckptfmt.manifest.values import decode_value
 
-    values = {tuple(n): decode_value(v, nf, display(n)) for n, (v, nf) in order_values["values"]}
+    values = {
+        tuple(n): decode_value(copy.deepcopy(v), nf, display(n))  # decode_value fills in place
+        for n, (v, nf) in order_values["values"]
+    }
     files_at: dict[tuple[str, tuple[int, ...]], tuple[FileRef, ...]] = {}
-    for rank_refs in all_refs:
+    for rank_refs in all_refs or []:
         for path, regions in rank_refs.items():
             for offset, files in regions:
                 files_at[(path, tuple(offset))] = tuple(FileRef(p, s, c) for p, s, c in files)
@@ -344,7 +357,8 @@ def _build_manifest(
             t = plans[name]
             path = "/".join(name)
             regions = tuple(
-                Region(r.offset, r.shape, r.writer, files_at[(path, r.offset)]) for r in t.regions
+                Region(r.offset, r.shape, r.writer, files_at.get((path, r.offset), ()))
+                for r in t.regions
             )
             entries.append(
                 TensorEntry(name, path, t.dtype, t.shape, t.shard_shape, t.chunk_shape, regions)
@@ -356,7 +370,7 @@ def _build_manifest(
         save_id=save_id,
         step=step,
         created=created,
-        world_size=comm.size,
+        world_size=world_size,
         ranks=tuple(RankInfo(r, i["node"]) for r, i in enumerate(info)),
         entries=tuple(entries),
         levels=levels,

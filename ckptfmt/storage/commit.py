@@ -61,9 +61,7 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def finalize(
-    staging: Path, final: Path, manifest: bytes, save_id: str, fsync: bool = True
-) -> None:
+def finalize(staging: Path, final: Path, manifest: bytes, save_id: str, fsync: bool = True) -> None:
     """Write the manifest last, make the tree durable, and rename it into place atomically.
 
     ``fsync=False`` (for benchmarks and throw-away runs) skips every fsync but keeps the order

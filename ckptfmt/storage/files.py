@@ -147,7 +147,10 @@ class Inside:
         """Up to ``limit`` bytes of ``rel`` (FileNotFoundError as for :meth:`open_fd`)."""
         fd = self.open_fd(rel)
         try:
+            # never ask for more than the file holds (+1 to see that it is longer than expected):
+            # a hostile manifest may claim any size, and a read buffer is allocated up front
+            want = min(limit, os.fstat(fd).st_size + 1)
             with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read(limit)
+                return f.read(want)
         finally:
             os.close(fd)
