@@ -23,8 +23,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from _worker_common import make_comm
 
-REPO = Path(__file__).resolve().parents[1]
 BCAST_BYTES = 20 * 1000 * 1000
 RING_BYTES = 100_003
 DUP_ROUNDS = 60
@@ -213,22 +213,6 @@ def background_abort(comm: Any, out: Path) -> dict[str, Any]:
 
 
 SCENARIOS = {"collectives": collectives, "dup": dup, "background_abort": background_abort}
-
-
-def make_comm(kind: str) -> Any:
-    if kind == "mpi":
-        from ckptfmt.parallel.mpi import MpiComm
-
-        return MpiComm()
-    if kind == "torch":
-        import torch.distributed as dist
-
-        sys.path.insert(0, str(REPO / "adapters"))  # until the editable install maps it
-        from ckptfmt_torch.comm import TorchComm
-
-        dist.init_process_group("gloo")
-        return TorchComm()
-    raise SystemExit(f"unknown comm kind {kind!r}")
 
 
 def main(argv: list[str]) -> int:

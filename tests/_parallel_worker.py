@@ -30,8 +30,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from _worker_common import make_comm
 
-REPO = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 256 << 10  # small shards: every big tensor spans several shard files
 CHUNK_BYTES = 64 << 10
 CRASH_EXIT = 9
@@ -348,22 +348,6 @@ def do_sigterm(comm: Any, task: dict[str, Any], node: str, out: Path) -> dict[st
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(2)  # the handler runs at once; the process must not get past here
     return {"survived": True}
-
-
-def make_comm(kind: str) -> Any:
-    if kind == "mpi":
-        from ckptfmt.parallel.mpi import MpiComm
-
-        return MpiComm()
-    if kind == "torch":
-        import torch.distributed as dist
-
-        sys.path.insert(0, str(REPO / "adapters"))  # until the editable install maps it
-        from ckptfmt_torch.comm import TorchComm
-
-        dist.init_process_group("gloo")
-        return TorchComm()
-    raise SystemExit(f"unknown comm kind {kind!r}")
 
 
 def main(argv: list[str]) -> int:

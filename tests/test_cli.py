@@ -33,10 +33,15 @@ ARRAYS = {
 
 def state() -> dict[str, Any]:
     return {
-        "model": {"layer0": {"weight": ARRAYS["model/layer0/weight"],
-                             "bias": ARRAYS["model/layer0/bias"]}},
-        "optim": {"state": {"count": ARRAYS["optim/state/count"]}, "lr": 0.125,
-                  "name": "adamw", "betas": [0.9, 0.999]},
+        "model": {
+            "layer0": {"weight": ARRAYS["model/layer0/weight"], "bias": ARRAYS["model/layer0/bias"]}
+        },
+        "optim": {
+            "state": {"count": ARRAYS["optim/state/count"]},
+            "lr": 0.125,
+            "name": "adamw",
+            "betas": [0.9, 0.999],
+        },
         "rng": ARRAYS["rng"],
         "empty": ARRAYS["empty"],
         "epoch": 3,
@@ -82,8 +87,13 @@ def test_inspect_table_names_every_tensor_and_value(ckpt: Path) -> None:
     for dtype in ("float32", "bfloat16", "int64", "uint8", "float16"):
         assert dtype in out
     assert "(4, 6)" in out and "(0, 3)" in out
-    for name, shown in (("optim/lr", "0.125"), ("optim/name", "'adamw'"), ("epoch", "3"),
-                        ("loss", "nan"), ("optim/betas", "[0.9, 0.999]")):
+    for name, shown in (
+        ("optim/lr", "0.125"),
+        ("optim/name", "'adamw'"),
+        ("epoch", "3"),
+        ("loss", "nan"),
+        ("optim/betas", "[0.9, 0.999]"),
+    ):
         line = next(line for line in out.splitlines() if f" {name} " in line)
         assert shown in line
     assert "42" in out  # the step
@@ -119,8 +129,12 @@ def test_inspect_json_has_shapes_dtypes_and_bytes(ckpt: Path) -> None:
     assert tensors["model/layer0/weight"]["files"] > 1  # the small shards did split it
 
     values = {v["name"]: v for v in doc["values"]}
-    assert values["optim/lr"] == {"name": "optim/lr", "type": "float", "per_rank": False,
-                                  "repr": "0.125"}
+    assert values["optim/lr"] == {
+        "name": "optim/lr",
+        "type": "float",
+        "per_rank": False,
+        "repr": "0.125",
+    }
     assert values["loss"]["repr"] == "nan"
     assert values["optim/name"]["type"] == "str"
 
@@ -153,28 +167,39 @@ def test_inspect_shows_writer_ranks_and_nodes_of_a_multi_rank_checkpoint(ckpt: P
     # as three ranks on two nodes would have written it: the weight's shard rows split between
     # ranks 0 and 2
     doc = json.loads((ckpt / "ckptfmt.json").read_bytes())
-    doc["world"] = {"size": 3, "ranks": [{"rank": 0, "node": "n0"}, {"rank": 1, "node": "n0"},
-                                         {"rank": 2, "node": "n1"}]}
+    doc["world"] = {
+        "size": 3,
+        "ranks": [{"rank": 0, "node": "n0"}, {"rank": 1, "node": "n0"}, {"rank": 2, "node": "n1"}],
+    }
     entry = next(e for e in doc["entries"] if e["name"] == ["model", "layer0", "weight"])
     (region,) = entry["regions"]
     rows = entry["shard_shape"][0]
     per_row = len(region["files"]) // -(-4 // rows)  # files per row of shards
     entry["regions"] = [
         {"offset": [0, 0], "shape": [rows, 6], "rank": 0, "files": region["files"][:per_row]},
-        {"offset": [rows, 0], "shape": [4 - rows, 6], "rank": 2,
-         "files": region["files"][per_row:]},
+        {
+            "offset": [rows, 0],
+            "shape": [4 - rows, 6],
+            "rank": 2,
+            "files": region["files"][per_row:],
+        },
     ]
     (ckpt / "ckptfmt.json").write_text(json.dumps(doc))
 
     out = json.loads(run("inspect", "--json", ckpt).stdout)
-    assert out["world"] == {"size": 3, "nodes": [{"node": "n0", "ranks": [0, 1]},
-                                                 {"node": "n1", "ranks": [2]}]}
+    assert out["world"] == {
+        "size": 3,
+        "nodes": [{"node": "n0", "ranks": [0, 1]}, {"node": "n1", "ranks": [2]}],
+    }
     weight = next(t for t in out["tensors"] if t["name"] == "model/layer0/weight")
     assert weight["regions"] == 2 and weight["writer_ranks"] == [0, 2]
     table = run("inspect", ckpt).stdout
     assert "3 rank(s) on 2 node(s): n0 [0-1], n1 [2]" in table
-    assert next(line for line in table.splitlines() if "model/layer0/weight" in line).rstrip(
-        " │").endswith("0,2")
+    assert (
+        next(line for line in table.splitlines() if "model/layer0/weight" in line)
+        .rstrip(" │")
+        .endswith("0,2")
+    )
     assert run("verify", ckpt).exit_code == ExitStatus.OK
 
 
@@ -198,8 +223,9 @@ def test_verify_healthy_exits_0(ckpt: Path) -> None:
 
     doc = json.loads(run("verify", "--json", ckpt).stdout)
     assert doc["healthy"] is True and doc["problems"] == []
-    assert doc["files_checked"] == sum(len(shard_files(ckpt, n)) for n, a in ARRAYS.items()
-                                       if a.size)
+    assert doc["files_checked"] == sum(
+        len(shard_files(ckpt, n)) for n, a in ARRAYS.items() if a.size
+    )
 
 
 def test_verify_names_the_flipped_file_and_its_tensor(ckpt: Path) -> None:
@@ -218,8 +244,12 @@ def test_verify_names_the_flipped_file_and_its_tensor(ckpt: Path) -> None:
     doc = json.loads(result.stdout)
     assert doc["healthy"] is False
     assert doc["problems"] == [
-        {"file": rel, "kind": "checksum", "reason": doc["problems"][0]["reason"],
-         "tensors": ["model/layer0/weight"]}
+        {
+            "file": rel,
+            "kind": "checksum",
+            "reason": doc["problems"][0]["reason"],
+            "tensors": ["model/layer0/weight"],
+        }
     ]
     assert "CRC32C" in doc["problems"][0]["reason"]
     assert doc["damaged_tensors"] == ["model/layer0/weight"]
@@ -305,8 +335,9 @@ def assert_one_line_error(result: Result, status: int, *needles: str) -> None:
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_a_nonexistent_path_exits_3(tmp_path: Path, command: str) -> None:
     result = run(command, tmp_path / "nope")
-    assert_one_line_error(result, ExitStatus.UNREADABLE, "not a readable checkpoint",
-                          "no such directory")
+    assert_one_line_error(
+        result, ExitStatus.UNREADABLE, "not a readable checkpoint", "no such directory"
+    )
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])
@@ -405,23 +436,32 @@ def ckptfmt_command() -> list[str]:
 
 
 def test_the_installed_script_runs(ckpt: Path) -> None:
-    proc = subprocess.run([*ckptfmt_command(), "inspect", "--json", str(ckpt)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*ckptfmt_command(), "inspect", "--json", str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert {t["name"] for t in json.loads(proc.stdout)["tensors"]} == set(ARRAYS)
 
     victim = shard_files(ckpt, "model/layer0/bias")[0]
     flip_bit(victim, byte=victim.stat().st_size - 1)  # in the shard index, this time
-    proc = subprocess.run([*ckptfmt_command(), "verify", str(ckpt)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*ckptfmt_command(), "verify", str(ckpt)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1
     assert victim.relative_to(ckpt).as_posix() in proc.stdout
 
 
 def test_python_dash_m_exits_3_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "ckptfmt.json").write_text("[1, 2")
-    proc = subprocess.run([sys.executable, "-m", "ckptfmt_cli", "verify", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptfmt_cli", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 3
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr

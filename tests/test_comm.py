@@ -211,12 +211,8 @@ def test_torch_background_failure_ends_the_job(tmp_path: Path) -> None:
 @pytest.mark.torch
 def test_torch_comm_needs_an_initialised_process_group() -> None:
     pytest.importorskip("torch")
-    sys.path.insert(0, str(REPO / "adapters"))  # until the editable install maps ckptfmt_torch
-    try:
-        from ckptfmt_torch.comm import TorchComm
-    finally:
-        sys.path.remove(str(REPO / "adapters"))
     import torch.distributed as dist
+    from ckptfmt_torch.comm import TorchComm
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
