@@ -67,6 +67,7 @@ def load_collective(
     path: str | os.PathLike[str],
     wants: Mapping[str, Box | None] | None = None,
     group: str | None = None,
+    expect_step: int | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy).
 
@@ -80,6 +81,8 @@ def load_collective(
     manifest: Manifest | None = None
     try:
         manifest = read_manifest(root)
+        if expect_step is not None and manifest.step != expect_step:
+            error = f"{root} holds step {manifest.step}, not {expect_step} (a misplaced copy)"
     except CkptError as exc:
         error = f"{type(exc).__name__}: {exc}"
     want_json = {

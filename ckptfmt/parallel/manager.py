@@ -203,7 +203,11 @@ class CheckpointManager:
                 path = root / step_dir_name(step)
                 try:
                     loaded, manifest = load_collective(
-                        self.comm, path, wants, group=self._group_key(level == 1)
+                        self.comm,
+                        path,
+                        wants,
+                        group=self._group_key(level == 1),
+                        expect_step=step,
                     )
                 except LoadFailedError as exc:
                     report.tried.append(f"step {step} level {level}: {exc}")

@@ -1,0 +1,107 @@
+"""CheckpointManager in one process (the many-rank behaviour is in test_parallel.py)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptfmt
+from ckptfmt import CheckpointManager, CheckpointWarning
+from ckptfmt.parallel.protocol import SaveFailedError
+from ckptfmt.storage.steps import step_dir_name
+
+
+def state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((64, 33)).astype(np.float32), "step": seed, "h": [seed]}
+
+
+def manager(tmp_path: Path, **kw: object) -> CheckpointManager:
+    opts: dict = {"node": "n0", "handle_sigterm": False, "fsync": False, "exit_flush": False}
+    opts.update(kw)
+    return CheckpointManager(tmp_path / "l1" / "{node}", tmp_path / "l3", **opts)
+
+
+def test_async_save_snapshots_the_state_at_save_time(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, flush_every=2)
+    s = state(1)
+    expected = s["w"].copy()
+    mgr.save(1, s)
+    s["w"] += 100  # the training loop goes on at once
+    mgr.save(2, s)
+    mgr.wait()
+    assert mgr.latest() == 2
+    one = ckptfmt.load(tmp_path / "l1" / "n0" / step_dir_name(1))
+    assert one["w"].tobytes() == expected.tobytes()
+    assert ckptfmt.verify(tmp_path / "l3" / step_dir_name(2)).healthy  # the 2nd save flushed
+    assert not (tmp_path / "l3" / step_dir_name(1)).exists()
+    mgr.close()
+
+
+def test_restore_fills_the_given_state_in_place(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    mgr.save(7, state(7))
+    mgr.close()
+    fresh = manager(tmp_path)
+    target = state(0)
+    buffer = target["w"]
+    assert fresh.restore(target) == 7
+    assert target["w"] is buffer  # arrays are copied into, not replaced
+    assert target["w"].tobytes() == state(7)["w"].tobytes()
+    assert target["step"] == 7 and target["h"] == [7]
+    assert fresh.last_restore is not None and fresh.last_restore.level == 1
+    fresh.close()
+
+
+def test_a_failed_save_warns_at_the_next_call_and_keeps_older_checkpoints(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    mgr.save(1, state(1))
+    mgr.wait()
+    blocker = tmp_path / "l1" / "n0" / step_dir_name(2)
+    blocker.write_text("not a directory")  # the next save cannot create its step directory
+    mgr.save(2, state(2))
+    with pytest.warns(CheckpointWarning, match="step 2"):
+        mgr.wait()
+    assert mgr.failed_saves and mgr.failed_saves[0][0] == 2
+    assert ckptfmt.load(tmp_path / "l1" / "n0" / step_dir_name(1))["step"] == 1
+    blocker.unlink()
+    mgr.close()
+
+
+def test_on_error_raise_raises_at_the_next_call(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, on_error="raise")
+    (tmp_path / "l1" / "n0").mkdir(parents=True)
+    (tmp_path / "l1" / "n0" / step_dir_name(3)).write_text("x")
+    mgr.save(3, state(3))
+    with pytest.raises(SaveFailedError):
+        mgr.save(4, state(4))  # the next call reports the failure of step 3
+    mgr.close()
+
+
+def test_a_copy_under_the_wrong_step_name_is_refused(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    mgr.save(1, state(1))
+    mgr.save(2, state(2))
+    mgr.close()
+    root = tmp_path / "l1" / "n0"
+    shutil.copytree(root / step_dir_name(1), root / step_dir_name(9))  # misplaced
+    fresh = manager(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert fresh.restore() == 2
+    assert fresh.last_restore is not None
+    assert any("step 9" in reason and "not 9" in reason for reason in fresh.last_restore.tried)
+    fresh.close()
+
+
+def test_close_flushes_the_newest_checkpoint(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, flush_every=100, exit_flush=True)
+    mgr.save(5, state(5))
+    mgr.close()
+    assert ckptfmt.load(tmp_path / "l3" / step_dir_name(5))["step"] == 5
+    with pytest.raises(ckptfmt.errors.UsageError):
+        mgr.save(6, state(6))  # closed
