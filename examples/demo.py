@@ -78,7 +78,7 @@ def flip_bit(file: Path, offset: int, bit: int = 3) -> None:
 
 
 def main() -> int:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "demo-output")
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "demo-output").absolute()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     path = out / ckptfmt.step_dir_name(1000)
@@ -102,7 +102,7 @@ def main() -> int:
     files = len(manifest.files())
     print(
         f"saved to {path} in {dt:.2f} s ({nbytes / 1e9 / dt:.2f} GB/s), {files} shard files, "
-        f"CRC32C on every 1 MiB chunk and every file, manifest written last, committed by rename"
+        f"a CRC32C on every 1 MiB chunk, manifest written last, committed by rename"
     )
 
     banner("3. inspect")
