@@ -74,7 +74,7 @@ def mul_arrays(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def pair_table(c: int) -> np.ndarray:
     """65,536-entry uint16 table: two adjacent bytes (as a native uint16) times ``c``, bytewise."""
     pairs = np.arange(65536, dtype=np.uint16).view(np.uint8)
-    t = MUL[c][pairs].view(np.uint16)
+    t: np.ndarray = MUL[c][pairs].view(np.uint16)
     t.setflags(write=False)
     return t
 

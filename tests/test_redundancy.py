@@ -1,0 +1,352 @@
+"""Redundancy sets and schemes (ckptfmt.redundancy; spec/redundancy.md).
+
+Exhaustive erasure tests: for every scheme and set size 2..8, every combination of lost blocks up
+to the scheme's tolerance rebuilds bit-exact, and every combination of one more raises
+UnrecoverableError naming what is lost. A small reference decoder written from the spec alone
+(per-byte Python arithmetic, nothing shared with gf256.py) decodes what ``rs`` encodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptfmt.errors import CkptError, UsageError
+from ckptfmt.redundancy import (
+    SCHEMES,
+    Partner,
+    ReedSolomon,
+    UnrecoverableError,
+    Xor,
+    gf256,
+    layout,
+    make_sets,
+    scheme,
+)
+
+# --- reference arithmetic, from the spec only ----------------------------------------------------
+
+
+def ref_mul(a: int, b: int) -> int:
+    p = 0
+    while b:
+        if b & 1:
+            p ^= a
+        a <<= 1
+        if a & 0x100:
+            a ^= 0x11D
+        b >>= 1
+    return p
+
+
+def ref_inv(a: int) -> int:
+    r = 1
+    for _ in range(254):  # a^254 = a^-1 in GF(2^8)
+        r = ref_mul(r, a)
+    return r
+
+
+def ref_solve(rows: list[list[int]], rhs: list[list[int]]) -> list[list[int]]:
+    """Solve rows . X = rhs over GF(2^8) by Gauss-Jordan; rows k x k, rhs k x n."""
+    k = len(rows)
+    a = [list(r) + list(b) for r, b in zip(rows, rhs)]
+    for c in range(k):
+        p = next(i for i in range(c, k) if a[i][c])
+        a[c], a[p] = a[p], a[c]
+        f = ref_inv(a[c][c])
+        a[c] = [ref_mul(f, v) for v in a[c]]
+        for i in range(k):
+            if i != c and a[i][c]:
+                g = a[i][c]
+                a[i] = [v ^ ref_mul(g, w) for v, w in zip(a[i], a[c])]
+    return [r[k:] for r in a]
+
+
+def ref_rank(rows: list[list[int]]) -> int:
+    a = [list(r) for r in rows]
+    rank = 0
+    for c in range(len(a[0]) if a else 0):
+        p = next((i for i in range(rank, len(a)) if a[i][c]), None)
+        if p is None:
+            continue
+        a[rank], a[p] = a[p], a[rank]
+        f = ref_inv(a[rank][c])
+        a[rank] = [ref_mul(f, v) for v in a[rank]]
+        for i in range(len(a)):
+            if i != rank and a[i][c]:
+                g = a[i][c]
+                a[i] = [v ^ ref_mul(g, w) for v, w in zip(a[i], a[rank])]
+        rank += 1
+    return rank
+
+
+def test_reference_decoder_reads_rs_from_the_spec() -> None:
+    k, m, n = 3, 2, 7
+    rng = np.random.default_rng(7)
+    data = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(k)]
+    parity = ReedSolomon(m).encode(data)
+    # spec: parity row i, column j = 1 / ((k + i) XOR j)
+    cauchy = [[ref_inv((k + i) ^ j) for j in range(k)] for i in range(m)]
+    for i in range(m):
+        expect = [0] * n
+        for j in range(k):
+            expect = [e ^ ref_mul(cauchy[i][j], int(b)) for e, b in zip(expect, data[j])]
+        assert parity[i].tolist() == expect
+    # lose data members 0 and 2; decode from member 1 and both parity blocks
+    gen = [[1 if c == r else 0 for c in range(k)] for r in range(k)] + cauchy
+    use = [1, 3, 4]
+    blocks = [data[1].tolist(), parity[0].tolist(), parity[1].tolist()]
+    solved = ref_solve([gen[u] for u in use], blocks)
+    for j in range(k):
+        assert solved[j] == data[j].tolist()
+
+
+# --- GF(2^8) --------------------------------------------------------------------------------------
+
+byte = st.integers(0, 255)
+
+
+@given(byte, byte, byte)
+def test_field_axioms(a: int, b: int, c: int) -> None:
+    assert gf256.mul(a, b) == ref_mul(a, b) == gf256.mul(b, a)
+    assert gf256.mul(gf256.mul(a, b), c) == gf256.mul(a, gf256.mul(b, c))
+    assert gf256.mul(a, b ^ c) == gf256.mul(a, b) ^ gf256.mul(a, c)
+    assert gf256.mul(a, 1) == a and gf256.mul(a, 0) == 0
+    if a:
+        assert gf256.mul(a, gf256.inv(a)) == 1
+        assert gf256.inv(a) == ref_inv(a)
+
+
+def test_tables() -> None:
+    assert gf256.EXP[8] == 0x1D  # x^8 = x^4 + x^3 + x^2 + 1
+    assert sorted(gf256.EXP[:255].tolist()) == list(range(1, 256))  # 2 generates the group
+    with pytest.raises(ZeroDivisionError):
+        gf256.inv(0)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, 4097, dtype=np.uint8)
+    for c in (0, 1, 2, 0x8E, 255):
+        want = np.array([ref_mul(c, int(v)) for v in x], np.uint8)
+        assert np.array_equal(gf256.mul_arrays(np.uint8(c), x), want)
+        assert np.array_equal(gf256.pair_table(c)[x[:-1].view(np.uint16)].view(np.uint8), want[:-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 6).flatmap(
+        lambda n: st.lists(st.lists(byte, min_size=n, max_size=n), min_size=n, max_size=n)
+    )
+)
+def test_mat_inv(rows: list[list[int]]) -> None:
+    a = np.array(rows, np.uint8)
+    n = len(rows)
+    if ref_rank(rows) < n:
+        with pytest.raises(ZeroDivisionError):
+            gf256.mat_inv(a)
+        return
+    ai = gf256.mat_inv(a)
+    eye = np.eye(n, dtype=np.uint8)
+    assert np.array_equal(gf256.mat_mul(a, ai), eye)
+    assert np.array_equal(gf256.mat_mul(ai, a), eye)
+
+
+def test_scr_vandermonde_test_vector() -> None:
+    g = gf256.scr_vandermonde_matrix(4, 2)
+    assert np.array_equal(g[:4], np.eye(4, dtype=np.uint8))
+    assert g[4:].tolist() == [[27, 28, 18, 20], [28, 27, 20, 18]]
+    # the spec's test vector for ckptfmt's own (Cauchy) matrix
+    assert gf256.cauchy_matrix(4, 2)[4:].tolist() == [[71, 167, 122, 186], [167, 71, 186, 122]]
+
+
+def _singular_rows(g: np.ndarray, k: int) -> tuple[int, ...] | None:
+    for rows in itertools.combinations(range(g.shape[0]), k):
+        try:
+            gf256.mat_inv(g[list(rows)])
+        except ZeroDivisionError:
+            return rows
+    return None
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 5), (4, 5), (6, 5), (5, 6), (8, 5), (3, 8)])
+def test_cauchy_is_mds(k: int, m: int) -> None:
+    assert _singular_rows(gf256.cauchy_matrix(k, m), k) is None
+    # the reduced Vandermonde of SCR is MDS too (distinct points; column operations keep minors)
+    assert _singular_rows(gf256.scr_vandermonde_matrix(k, m), k) is None
+
+
+def test_isal_vandermonde_is_not_mds_for_m_5() -> None:
+    g = gf256.isal_rs_matrix(6, 5)
+    rows = _singular_rows(g, 6)
+    assert rows is not None  # e.g. rows (1, 2, 4, 6, 7, 10)
+    assert ref_rank([[int(v) for v in g[r]] for r in rows]) < 6
+
+
+# --- schemes: exhaustive erasures -----------------------------------------------------------------
+
+CASES = (
+    [("partner", None, k) for k in range(2, 9)]
+    + [("xor", None, k) for k in range(2, 9)]
+    + [("rs", m, k) for m in (1, 2, 3) for k in range(2, 9) if k > m]
+)
+
+
+def _data(k: int, n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(k)]
+
+
+@pytest.mark.parametrize(("name", "m", "k"), CASES)
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_every_erasure_up_to_tolerance(name: str, m: int | None, k: int, n: int) -> None:
+    s = scheme(name, m)
+    data = _data(k, n, seed=1000 * k + n)
+    allb = data + s.encode(data)
+    assert len(allb) == k + s.n_parity(k)
+    t = s.tolerates(k)
+    for size in range(t + 1):
+        for lost in itertools.combinations(range(len(allb)), size):
+            survivors = {i: b for i, b in enumerate(allb) if i not in lost}
+            got = s.rebuild(k, survivors, lost)
+            assert sorted(got) == list(lost)
+            for i in lost:
+                assert got[i].dtype == np.uint8 and np.array_equal(got[i], allb[i]), (lost, i)
+    for lost in itertools.combinations(range(len(allb)), t + 1):
+        survivors = {i: b for i, b in enumerate(allb) if i not in lost}
+        if isinstance(s, Partner) and not any(i in lost and i + k in lost for i in range(k)):
+            got = s.rebuild(k, survivors, lost)  # each member kept one of its two copies
+            assert all(np.array_equal(got[i], allb[i]) for i in lost)
+            continue
+        with pytest.raises(UnrecoverableError) as exc:
+            s.rebuild(k, survivors, lost)
+        assert exc.value.lost == lost and exc.value.tolerates == t
+        assert isinstance(exc.value, CkptError)
+        assert f"data members {[i for i in lost if i < k]}" in str(exc.value)
+
+
+@pytest.mark.parametrize("k", range(2, 9))
+def test_partner_survives_a_node(k: int) -> None:
+    data = _data(k, 33, seed=k)
+    allb = data + Partner().encode(data)
+    for node in range(k):  # node i holds member i and the copy of member i-1
+        lost = (node, k + (node - 1) % k)
+        got = Partner().rebuild(k, {i: b for i, b in enumerate(allb) if i not in lost}, lost)
+        assert all(np.array_equal(got[i], allb[i]) for i in lost)
+
+
+@pytest.mark.parametrize("name", ["xor", "rs"])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100])
+def test_sliced_paths(monkeypatch: pytest.MonkeyPatch, name: str, n: int) -> None:
+    monkeypatch.setattr(gf256, "SLICE", 16)  # exercise slice edges and odd tails cheaply
+    s = scheme(name, 3 if name == "rs" else None)
+    k = 5
+    data = _data(k, n, seed=n)
+    allb = data + s.encode(data)
+    lost = tuple(range(s.tolerates(k)))
+    got = s.rebuild(k, {i: b for i, b in enumerate(allb) if i not in lost}, lost)
+    assert all(np.array_equal(got[i], allb[i]) for i in lost)
+    if name == "rs":
+        lost = (1, 5, 7)
+        got = s.rebuild(k, {i: b for i, b in enumerate(allb) if i not in lost}, lost)
+        assert all(np.array_equal(got[i], allb[i]) for i in lost)
+
+
+def test_registry_and_errors() -> None:
+    assert {"partner": Partner, "xor": Xor, "rs": ReedSolomon} == SCHEMES
+    assert scheme("rs", 3).tolerates(6) == 3
+    with pytest.raises(UsageError):
+        scheme("raid")
+    with pytest.raises(UsageError):
+        scheme("xor", 2)
+    with pytest.raises(UsageError):
+        Xor().encode([np.zeros(3, np.uint8), np.zeros(4, np.uint8)])
+    with pytest.raises(UsageError):
+        Xor().rebuild(2, {0: np.zeros(1, np.uint8), 1: np.zeros(1, np.uint8)}, [5])
+
+
+# --- placement ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("k", "m"), [(k, m) for k in range(2, 9) for m in (1, 2, 3) if k > m])
+def test_layout_survives_any_m_nodes(k: int, m: int) -> None:
+    rng = np.random.default_rng(k * 10 + m)
+    sizes = [int(v) for v in rng.integers(0, 50, k)]
+    lay = layout(k, m, sizes)
+    assert lay.padded == lay.chunk * (k - m) >= max(sizes) and lay.padded - max(sizes) < k - m
+    members = [np.zeros(lay.padded, np.uint8) for _ in range(k)]
+    for i, n in enumerate(sizes):
+        members[i][:n] = rng.integers(0, 256, n, dtype=np.uint8)
+    s = ReedSolomon(m) if m > 1 else Xor()
+    c = lay.chunk
+    stored: dict[int, dict[tuple[int, int], np.ndarray]] = {i: {} for i in range(k)}
+    for r in range(lay.rows):  # node -> {(row, slot): bytes}; slot k-m+p is parity p
+        held = [members[mem][t * c : (t + 1) * c] for mem, t in lay.data[r]]
+        for t, (mem, _) in enumerate(lay.data[r]):
+            stored[mem][(r, t)] = held[t]
+        for p, b in enumerate(s.encode(held)):
+            stored[lay.parity[r][p]][(r, k - m + p)] = b
+    assert all(len(v) == lay.rows for v in stored.values())  # one chunk of each stripe per node
+    for dead in itertools.combinations(range(k), m):
+        for r in range(lay.rows):
+            alive = {
+                slot: b
+                for node in range(k)
+                if node not in dead
+                for (row, slot), b in stored[node].items()
+                if row == r
+            }
+            lost = [slot for node in dead for (row, slot) in stored[node] if row == r]
+            got = s.rebuild(k - m, alive, lost)
+            for slot in lost:
+                if slot < k - m:
+                    mem, t = lay.data[r][slot]
+                    assert np.array_equal(got[slot], members[mem][t * c : (t + 1) * c])
+
+
+# --- sets -----------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=80), st.integers(1, 8), st.integers(1, 8))
+def test_sets_properties(node_ids: list[int], set_size: int, min_size: int) -> None:
+    nodes = [f"n{i}" for i in node_ids]
+    if min_size > set_size:
+        with pytest.raises(UsageError):
+            make_sets(nodes, set_size, min_size)
+        return
+    try:
+        sets = make_sets(nodes, set_size, min_size)
+    except UsageError:
+        # exactly when the busiest node needs more sets of min_size than there are ranks
+        assert len(nodes) < max(map(node_ids.count, node_ids)) * min_size
+        return
+    assert len(nodes) >= max(map(node_ids.count, node_ids)) * min_size
+    flat = sorted(r for s in sets for r in s)
+    assert flat == list(range(len(nodes)))
+    for s in sets:
+        assert len({nodes[r] for r in s}) == len(s)
+        assert min_size <= len(s) <= len(set(nodes))
+    assert make_sets(nodes, set_size, min_size) == sets
+
+
+@given(st.integers(1, 12), st.integers(1, 6), st.integers(1, 8))
+def test_sets_even_nodes(n_nodes: int, per_node: int, set_size: int) -> None:
+    nodes = [f"h{r // per_node}" for r in range(n_nodes * per_node)]
+    sets = make_sets(nodes, set_size, 1)
+    for s in sets:
+        assert set_size <= len(s) < 2 * set_size or len(s) == n_nodes < set_size
+        assert len({r % per_node for r in s}) == 1  # same index inside their nodes
+
+
+def test_sets_examples() -> None:
+    nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    assert make_sets(nodes, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert make_sets(nodes, 8, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # index rule: rank 5 (second on node e) joins the smallest set without a rank of node e
+    assert make_sets(["a", "b", "c", "d", "e", "e"], 2, 2) == [[0, 1, 2, 5], [3, 4]]
+    # the index rule would leave rank 1 alone: deal rule, 2 sets
+    assert make_sets(["a", "a", "b", "c", "d"], 3, 2) == [[0, 2, 4], [1, 3]]
+    with pytest.raises(UsageError, match="2 node"):
+        make_sets(["a", "b", "a", "b"], 4, 3)
