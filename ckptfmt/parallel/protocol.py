@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import math
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -390,7 +389,3 @@ def write_metadata(root: Path, manifest: Manifest, fsync: bool) -> None:
         (root / t.path).mkdir(parents=True, exist_ok=True)
         doc = array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
         write_json(root / t.path / "zarr.json", doc, fsync)
-
-
-def region_nbytes(t: TensorEntry | TensorPlan, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * by_name(t.dtype).itemsize

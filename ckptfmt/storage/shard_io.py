@@ -155,19 +155,6 @@ def run_jobs(jobs: Sequence[ShardJob], pool: Executor | None, fsync: bool = True
     return list(pool.map(lambda j: j.run(fsync), jobs))
 
 
-def write_region(
-    root: Path,
-    geo: Geometry,
-    data: np.ndarray,
-    offset: Sequence[int],
-    made_dirs: set[Path] | None = None,
-    fsync: bool = True,
-    pool: Executor | None = None,
-) -> list[FileRef]:
-    """Plan and write one region's shard files (see :func:`plan_region`)."""
-    return run_jobs(plan_region(root, geo, data, offset, made_dirs), pool, fsync)
-
-
 def _write_shard(
     target: Path,
     key: str,
