@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ckptfmt.codecs.grid import shard_cell
 from ckptfmt.codecs.zarr_meta import check_array_doc
 from ckptfmt.errors import DamagedError, ManifestError, MetadataMismatchError, MissingFileError
 from ckptfmt.manifest.codec import MANIFEST_NAME
@@ -176,7 +177,7 @@ def verify(
         for r in t.regions:
             for ref in r.files:
                 expected.add(ref.path)
-                cell = tuple(int(x) for x in ref.path.rsplit("/c", 1)[1].split("/")[1:])
+                cell = shard_cell(ref.path)
                 try:
                     blob = read_file(src, ref, name)
                     decode_shard(blob, geo, cell, ref, name)

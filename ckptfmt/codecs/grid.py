@@ -82,6 +82,12 @@ def shard_key(array_path: str, index: Sequence[int]) -> str:
     return f"{array_path}/c/" + "/".join(str(i) for i in index)
 
 
+def shard_cell(key: str) -> tuple[int, ...]:
+    """Inverse of :func:`shard_key`: ``path/c/i/j`` -> ``(i, j)``; ``path/c`` -> ``()``."""
+    tail = key.rsplit("/c", 1)[1]
+    return tuple(int(x) for x in tail.split("/")[1:])
+
+
 @dataclass(frozen=True)
 class ChunkSlot:
     """One inner chunk of a shard: its position in the shard index and its box in the array.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptfmt.codecs.grid import shard_cell
 from ckptfmt.errors import CkptError, NotACheckpointError, UsageError
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.limits import display
@@ -72,12 +73,6 @@ def copy_verified(src: Inside, t: TensorEntry, ref: FileRef, dst: Path, fsync: b
     decode_shard(blob, geometry(t), shard_cell(ref.path), ref, (display(t.name),))
     dst.parent.mkdir(parents=True, exist_ok=True)
     write_gather(dst, [blob], fsync)
-
-
-def shard_cell(key: str) -> tuple[int, ...]:
-    """The grid index of a shard key (``path/c/i/j`` -> ``(i, j)``; ``path/c`` -> ``()``)."""
-    tail = key.rsplit("/c", 1)[1]
-    return tuple(int(x) for x in tail.split("/")[1:])
 
 
 def _already_flushed(final: Path, manifest: Manifest) -> bool:
