@@ -41,20 +41,24 @@ from ckptfmt.storage.shard_io import (
 from ckptfmt.storage.steps import list_step_dirs
 
 
-def read_manifest(root: Path) -> Manifest:
-    """Read and check the manifest of the committed checkpoint at ``root``."""
+def read_manifest_bytes(root: Path) -> bytes:
+    """The manifest file of the committed checkpoint at ``root``, as stored."""
     if not root.is_dir():
         reason = "no such directory" if not root.exists() else "not a directory"
         raise NotACheckpointError(str(root), reason)
     try:
-        data = Inside(root).read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
+        return Inside(root).read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
     except FileNotFoundError:
         raise NotACheckpointError(
             str(root), f"no {MANIFEST_NAME} (never committed, torn before commit, or not ours)"
         ) from None
     except OSError as exc:
         raise NotACheckpointError(str(root), f"cannot read {MANIFEST_NAME}: {exc}") from None
-    return parse_manifest(data, str(root / MANIFEST_NAME))
+
+
+def read_manifest(root: Path) -> Manifest:
+    """Read and check the manifest of the committed checkpoint at ``root``."""
+    return parse_manifest(read_manifest_bytes(root), str(root / MANIFEST_NAME))
 
 
 def geometry(t: TensorEntry) -> Geometry:

@@ -22,10 +22,10 @@ from typing import Any
 from ckptfmt.codecs.grid import shard_cell
 from ckptfmt.codecs.zarr_meta import check_array_doc
 from ckptfmt.errors import DamagedError, ManifestError, MetadataMismatchError, MissingFileError
-from ckptfmt.manifest.codec import MANIFEST_NAME
-from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
+from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry
-from ckptfmt.reader import geometry, read_manifest
+from ckptfmt.reader import geometry, read_manifest_bytes
 from ckptfmt.storage.files import Inside
 from ckptfmt.storage.shard_io import decode_shard, read_file
 
@@ -89,11 +89,11 @@ def manifest_schema() -> dict[str, Any]:
     return json.loads(text)  # type: ignore[no-any-return]
 
 
-def check_schema(root: Path) -> None:
-    """Validate the manifest file against the JSON schema; raise :class:`ManifestError`."""
+def check_schema(data: bytes, root: Path) -> None:
+    """Validate the manifest's bytes against the JSON schema; raise :class:`ManifestError`."""
     import jsonschema
 
-    doc = json.loads(Inside(root).read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1))
+    doc = json.loads(data)
     validator = jsonschema.Draft202012Validator(manifest_schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     if error is not None:
@@ -144,8 +144,9 @@ def verify(
     manifest; every other finding goes into the report.
     """
     root = Path(path)
-    manifest = read_manifest(root)
-    check_schema(root)
+    data = read_manifest_bytes(root)  # read once: parsed and checked, then schema-validated
+    manifest = parse_manifest(data, str(root / MANIFEST_NAME))
+    check_schema(data, root)
     src = Inside(root)
     report = VerifyReport(str(root), manifest)
     expected = {MANIFEST_NAME}
