@@ -21,7 +21,7 @@ from ckptfmt.parallel.comm import Comm, SingleComm
 from ckptfmt.parallel.levels import list_levels
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
 from ckptfmt.reader import Checkpoint, TensorView, latest, open_checkpoint
-from ckptfmt.state import Shard
+from ckptfmt.state import PerRank, Shard
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.verify import VerifyReport, verify
 
@@ -32,6 +32,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointWarning",
     "Comm",
+    "PerRank",
     "Shard",
     "SingleComm",
     "errors",

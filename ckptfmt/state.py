@@ -70,6 +70,18 @@ class Shard:
         object.__setattr__(self, "global_shape", shape)
 
 
+@dataclass(frozen=True)
+class PerRank:
+    """A leaf of which every rank holds its own copy (an RNG state, a data-loader position):
+    ``value`` is a JSON-able value or an array (every rank the same shape and dtype).
+
+    Saved as a per-rank value entry, or a ``per_rank`` tensor whose leading axis is the rank
+    (``spec/FORMAT.md`` §12); a collective load gives each rank its own ``value`` back, unwrapped.
+    """
+
+    value: Any
+
+
 def is_tensor(leaf: Any) -> bool:
     if isinstance(leaf, Shard):
         return True

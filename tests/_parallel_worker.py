@@ -139,14 +139,42 @@ def fsdp_state(step: int, rank: int, size: int, template: bool = False) -> dict[
     }
 
 
+def per_rank_state(step: int, rank: int) -> dict[str, Any]:
+    """Each rank's own RNG-like bytes and data position (``ckptfmt.PerRank`` leaves)."""
+    from ckptfmt import PerRank
+
+    rng = np.random.default_rng([step, rank, 7])
+    return {
+        "rng": PerRank(bits(rng, np.uint8, (64,))),
+        "data": PerRank({"rank": rank, "index": step * 10 + rank, "seed": [rank, 1.5]}),
+    }
+
+
+def dp_whole(step: int, size: int) -> dict[str, Any]:
+    """What one process loads from a whole copy of a ``dp`` save by ``size`` ranks: per-rank
+    arrays stacked along a leading rank axis, per-rank values as a list in rank order."""
+    mine = [per_rank_state(step, r) for r in range(size)]
+    return {
+        **dp_state(step),
+        "per_rank": {
+            "rng": np.stack([p["rng"].value for p in mine]),
+            "data": [p["data"].value for p in mine],
+        },
+    }
+
+
 def make_state(kind: str, step: int, rank: int, size: int) -> dict[str, Any]:
     if kind == "big":
         return big_state(step)
-    return dp_state(step) if kind == "dp" else fsdp_state(step, rank, size)
+    if kind == "dp":
+        return {**dp_state(step), "per_rank": per_rank_state(step, rank)}
+    return fsdp_state(step, rank, size)
 
 
 def template_of(kind: str, rank: int, size: int) -> dict[str, Any]:
     """A state of the right structure, shapes and dtypes with every byte zero and other values."""
+    from ckptfmt import PerRank
+
     if kind == "fsdp":
         return fsdp_state(0, rank, size, template=True)
     if kind == "big":
@@ -154,9 +182,10 @@ def template_of(kind: str, rank: int, size: int) -> dict[str, Any]:
         scribble(state, 0)
         state["step"] = -1
         return state
-    state = dp_state(0)
+    state = make_state("dp", 0, rank, size)
     scribble(state, 0)
     state["opt"] = {"step": -1, "lr": 0.0, "name": "", "betas": []}
+    state["per_rank"]["data"] = PerRank(None)
     return state
 
 
@@ -167,11 +196,13 @@ def sha(a: np.ndarray) -> str:
 def digest(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Every leaf by '/'-joined name: tensors (a Shard's data) as dtype, shape and SHA-256 of
     their bytes; values as they are; empty mappings as ``{}``."""
-    from ckptfmt import Shard
+    from ckptfmt import PerRank, Shard
 
     out: dict[str, Any] = {}
     for key, leaf in state.items():
         name = f"{prefix}{key}"
+        if isinstance(leaf, PerRank):  # restored in place, or unwrapped by a load
+            leaf = leaf.value
         if isinstance(leaf, dict) and leaf:
             out.update(digest(leaf, name + "/"))
         elif isinstance(leaf, (Shard, np.ndarray, np.generic)):
@@ -187,6 +218,7 @@ def scribble(state: dict[str, Any], byte: int = 0xA5) -> None:
     from ckptfmt import Shard
 
     for leaf in state.values():
+        leaf = getattr(leaf, "value", leaf)  # a PerRank's array
         if isinstance(leaf, dict):
             scribble(leaf, byte)
         elif isinstance(leaf, (Shard, np.ndarray)):

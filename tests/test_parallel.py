@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import pytest
 from _parallel_worker import (
     FSDP_TENSORS,
     digest,
-    dp_state,
+    dp_whole,
     fsdp_full,
     fsdp_replicated,
     make_state,
@@ -166,7 +167,7 @@ def check_level1_layout(root: Path, step: int, n: int) -> Manifest:
     return m
 
 
-def check_level3(root: Path, step: int, want: dict[str, Any]) -> Manifest:
+def check_level3(root: Path, step: int, want: Any) -> Manifest:
     """Level 3's copy of ``step`` is committed, verifies with nothing extra and loads in one
     process bit-exactly equal to ``want``."""
     path = l3(root) / step_dir_name(step)
@@ -176,7 +177,7 @@ def check_level3(root: Path, step: int, want: dict[str, Any]) -> Manifest:
     assert report.unexpected_files == []
     m = read_manifest(path)
     assert files_under(path) == data_files(m) | metadata_files(m)
-    assert_state_equal(ckptfmt.load(path), want)
+    assert_state_equal(ckptfmt.load(path), want(m.world_size) if callable(want) else want)
     return m
 
 
@@ -324,7 +325,7 @@ def test_dp_level3_verifies_and_loads_in_one_process(mpi_run: Run) -> None:
     root = mpi_run.roots["dp"]
     assert committed_steps(l3(root)) == [1, 2, 3]
     for step in (1, 2, 3):
-        check_level3(root, step, dp_state(step))
+        check_level3(root, step, partial(dp_whole, step))
 
 
 @pytest.mark.mpi
@@ -379,7 +380,7 @@ def test_node_loss_newest_step_from_level3(mpi_run: Run) -> None:
     for r, res in enumerate(results(mpi_run.out, "loss-flushed-restore", n)):
         assert res["failed_saves"] == [], f"rank {r}"
     check_level1_layout(root, 4, n)
-    check_level3(root, 4, dp_state(4))
+    check_level3(root, 4, partial(dp_whole, 4))
 
 
 @pytest.mark.mpi
@@ -393,7 +394,7 @@ def test_node_loss_newest_step_not_flushed_falls_back(mpi_run: Run) -> None:
     for reason in refused_l1:
         assert_blames_node(reason, lost, n)
     assert all(t.startswith(("step 3 ", "step 2 level 1")) for t in rep["tried"]), rep["tried"]
-    check_level3(root, 2, dp_state(2))
+    check_level3(root, 2, partial(dp_whole, 2))
 
 
 @pytest.mark.mpi
@@ -517,7 +518,7 @@ def test_torchrun_save_restore_bit_exact(tmp_path: Path) -> None:
     for step in (2, 3):
         check_level1_layout(run.roots["dp"], step, n)
     check_level1_layout(run.roots["fsdp"], 5, n)
-    check_level3(run.roots["dp"], 3, dp_state(3))
+    check_level3(run.roots["dp"], 3, partial(dp_whole, 3))
     check_level3(run.roots["fsdp"], 5, fsdp_whole(5))
     for t in ("dp", "fsdp"):
         for job in ("save", "restore"):
@@ -602,9 +603,9 @@ def test_crash_at_fault_point_restores_old_or_new_never_a_mix(point: str, tmp_pa
     no_audit_violations(out, "restore", n)
     assert leftovers(root, n) == []
     # the old checkpoint is untouched on level 3
-    check_level3(root, 1, dp_state(1))
+    check_level3(root, 1, partial(dp_whole, 1))
     if point in FLUSHED_AT:
-        check_level3(root, 2, dp_state(2))
+        check_level3(root, 2, partial(dp_whole, 2))
     doc = cli_list(root)
     for s, e in doc["steps"].items():
         states = [e["level3"], *e["level1"].values()]
@@ -686,5 +687,5 @@ def test_sigterm_flushes_newest_to_level3(tmp_path: Path) -> None:
     for node in nodes(n):
         assert committed_steps(l1(root, node)) == [1, 2]
     assert committed_steps(l3(root)) == [2], describe(proc)
-    check_level3(root, 2, dp_state(2))
+    check_level3(root, 2, partial(dp_whole, 2))
     assert leftovers(root, n) == []

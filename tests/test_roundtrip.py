@@ -821,3 +821,27 @@ def test_manifest_roundtrips_through_json(saved: tuple[Path, dict[str, Any]]) ->
     json.loads(data, parse_constant=lambda t: pytest.fail(f"non-JSON token {t}"))
     m = parse_manifest(data)
     assert dump_manifest(m) == data
+
+
+def test_per_rank_leaves_in_one_process(tmp_path: Path) -> None:
+    """``PerRank`` leaves: a per-rank tensor (leading rank axis) and a per-rank value; one process
+    sees its own row / value back through a collective load, and the whole through ``load``."""
+    from ckptfmt import PerRank
+    from ckptfmt.parallel.comm import SingleComm
+    from ckptfmt.parallel.load import load_collective
+    from ckptfmt.reader import read_manifest
+
+    rng_state = np.arange(12, dtype=np.uint32).reshape(3, 4)
+    ckptfmt.save(
+        {"rng": PerRank(rng_state), "pos": PerRank({"epoch": 2, "index": 17})}, tmp_path / "c"
+    )
+    m = read_manifest(tmp_path / "c")
+    rng_entry = next(e for e in m.tensors() if e.name == ("rng",))
+    assert rng_entry.per_rank and rng_entry.shape == (1, 3, 4)
+    whole = ckptfmt.load(tmp_path / "c")
+    assert np.array_equal(whole["rng"], rng_state[None]) and whole["pos"] == [
+        {"epoch": 2, "index": 17}
+    ]
+    own, _ = load_collective(SingleComm(), tmp_path / "c")
+    assert own["rng"].shape == (3, 4) and np.array_equal(own["rng"], rng_state)
+    assert own["pos"] == {"epoch": 2, "index": 17}

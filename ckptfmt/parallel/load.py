@@ -119,9 +119,12 @@ def load_collective(
         geo = geometry(t)
         whole: Box = ((0,) * len(t.shape), t.shape)
         boxes: list[Box] = []
-        for i in info:
+        for k, i in enumerate(info):
             w = i["wants"].get(name)
-            boxes.append(whole if w is None else (tuple(w[0]), tuple(w[1])))
+            if w is None and t.per_rank:  # each rank its own row
+                boxes.append(((k,) + (0,) * (len(t.shape) - 1), (1, *t.shape[1:])))
+            else:
+                boxes.append(whole if w is None else (tuple(w[0]), tuple(w[1])))
         mine = boxes[comm.rank]
         out[name] = np.empty(mine[1], dtype=geo.dtype)
         for r in t.regions:
@@ -162,7 +165,9 @@ def load_collective(
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
-            leaves.append((e.name, out[display(e.name)]))
+            arr = out[display(e.name)]
+            own_row = e.per_rank and display(e.name) not in (wants or {})
+            leaves.append((e.name, arr.reshape(e.shape[1:]) if own_row else arr))
         elif isinstance(e, ValueEntry):
             leaves.append((e.name, e.value))
         elif isinstance(e, GroupEntry):

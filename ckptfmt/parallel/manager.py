@@ -40,7 +40,7 @@ from ckptfmt.parallel.comm import Comm, SingleComm, start_background
 from ckptfmt.parallel.levels import Levels, flush_collective, resolve_node, retain
 from ckptfmt.parallel.load import LoadFailedError, load_collective
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective
-from ckptfmt.state import Shard, flatten, is_tensor, unflatten
+from ckptfmt.state import PerRank, Shard, flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 
@@ -406,6 +406,11 @@ class CheckpointManager:
             target = state.get(key) if isinstance(state, Mapping) else None
             if isinstance(value, dict) and isinstance(target, Mapping) and value:
                 CheckpointManager._apply(target, value)
+            elif isinstance(target, PerRank):
+                if isinstance(target.value, np.ndarray) and target.value.shape == np.shape(value):
+                    np.copyto(target.value, value)
+                else:
+                    state[key] = PerRank(value)  # type: ignore[index]
             elif isinstance(target, Shard):
                 np.copyto(target.data, value.reshape(target.data.shape))
             elif isinstance(target, np.ndarray) and target.shape == np.shape(value):

@@ -26,7 +26,7 @@ import datetime as _dt
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from ckptfmt.manifest.model import (
     FileRef,
     GroupEntry,
     Manifest,
+    PerRankValueEntry,
     RankInfo,
     Region,
     TensorEntry,
@@ -51,7 +52,7 @@ from ckptfmt.manifest.model import (
 from ckptfmt.manifest.values import encode_value
 from ckptfmt.parallel.comm import Comm
 from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
-from ckptfmt.state import Shard, flatten, is_tensor
+from ckptfmt.state import PerRank, Shard, flatten, is_tensor
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import write_json
 from ckptfmt.storage.shard_io import Geometry, plan_region, run_jobs
@@ -92,9 +93,10 @@ class LocalState:
     """One rank's checked state: tensors (with the region held), values and empty groups, in
     the order given."""
 
-    order: list[tuple[Name, str]]  # (name, "tensor" | "value" | "group")
+    order: list[tuple[Name, str]]  # (name, "tensor" | "value" | "group" | "per_rank_*")
     tensors: dict[Name, tuple[np.ndarray, DType, tuple[int, ...], tuple[int, ...] | None]]
     values: dict[Name, Any]
+    per_rank_values: dict[Name, Any] = field(default_factory=dict)
 
     def holdings(self) -> list[Holding]:
         out = []
@@ -104,12 +106,23 @@ class LocalState:
         return out
 
 
-def check_state(state: Mapping[str, Any]) -> LocalState:
-    """Check every leaf before anything touches the disk."""
+def check_state(state: Mapping[str, Any], rank: int = 0, size: int = 1) -> LocalState:
+    """Check every leaf before anything touches the disk. ``rank`` of ``size`` places this rank's
+    :class:`PerRank` arrays as row ``rank`` of their per-rank tensors."""
     local = LocalState([], {}, {})
     for name, leaf in flatten(state):
         shown = display(name)
-        if is_tensor(leaf):
+        if isinstance(leaf, PerRank):
+            if is_tensor(leaf.value) and not isinstance(leaf.value, Shard):
+                arr, dtype = as_storable(leaf.value, shown)
+                at = (rank,) + (0,) * arr.ndim
+                local.tensors[name] = (arr[None], dtype, (size, *arr.shape), at)
+                local.order.append((name, "per_rank_tensor"))
+            else:
+                encode_value(leaf.value, shown)  # raises for what JSON cannot hold
+                local.per_rank_values[name] = leaf.value
+                local.order.append((name, "per_rank_value"))
+        elif is_tensor(leaf):
             if isinstance(leaf, Shard):
                 arr, dtype = as_storable(leaf.data, shown)
                 local.tensors[name] = (arr, dtype, leaf.global_shape, leaf.offset)
@@ -195,14 +208,18 @@ def save_collective(
     error: str | None = None
     local: LocalState | None = None
     try:
-        local = check_state(state)
+        local = check_state(state, comm.rank, comm.size)
         decl = [h.to_json() for h in local.holdings()]
+        per_rank = [
+            [list(n), *encode_value(v, display(n))] for n, v in local.per_rank_values.items()
+        ]
     except CkptError as exc:
-        error, decl, mine_exc = f"{type(exc).__name__}: {exc}", [], exc
+        error, decl, per_rank, mine_exc = f"{type(exc).__name__}: {exc}", [], [], exc
     hook("declared")
     info = comm.allgather_json(
         {
             "decl": decl,
+            "per_rank": per_rank,
             "path": str(final),
             "group": group if group is not None else str(final),
             "node": node,
@@ -212,9 +229,16 @@ def save_collective(
         }
     )
     failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
+    names0 = [n for n, *_ in info[0]["per_rank"]]
+    for rank, i in enumerate(info):
+        if not failures and [n for n, *_ in i["per_rank"]] != names0:
+            failures[rank] = "its per-rank values are not those of rank 0 (same names, same order)"
     if failures:
         raise SaveFailedError(failures, mine_exc)
     assert local is not None
+    per_rank_values = {
+        tuple(n): [i["per_rank"][k][1:] for i in info] for k, n in enumerate(names0)
+    }
     save_id = info[0]["save_id"]  # rank 0's proposal, the same everywhere
     created = info[0]["created"]
     plan = make_plan(
@@ -233,7 +257,7 @@ def save_collective(
     # the zarr documents depend on the plan alone: leaders write them before the data, so that
     # only the manifest and the rename remain once every rank has written
     skeleton = _build_manifest(
-        plan, order_values, None, info, save_id, comm.size, step, created, {}, {}
+        plan, order_values, None, info, save_id, comm.size, step, created, {}, {}, per_rank_values
     )
     try:
         if is_leader:
@@ -279,6 +303,7 @@ def save_collective(
         created,
         writer or writer_info(),
         levels or {},
+        per_rank_values,
     )
     hook("manifest")
     try:
@@ -329,6 +354,7 @@ def _build_manifest(
     created: str,
     writer: dict[str, Any],
     levels: dict[str, Any],
+    per_rank_values: dict[Name, list[Any]],
 ) -> Manifest:
     """The same manifest on every rank: tensors from the plan and the gathered file lists
     (``None``: a skeleton without files, enough for the zarr documents), values and order from
@@ -352,6 +378,16 @@ def _build_manifest(
             entries.append(GroupEntry(name))
         elif kind == "value":
             entries.append(ValueEntry(name, values[name]))
+        elif kind == "per_rank_value":
+            shown = display(name)
+            entries.append(
+                PerRankValueEntry(
+                    name,
+                    tuple(
+                        decode_value(copy.deepcopy(v), nf, shown) for v, nf in per_rank_values[name]
+                    ),
+                )
+            )
         else:
             t = plans[name]
             path = "/".join(name)
@@ -360,7 +396,16 @@ def _build_manifest(
                 for r in t.regions
             )
             entries.append(
-                TensorEntry(name, path, t.dtype, t.shape, t.shard_shape, t.chunk_shape, regions)
+                TensorEntry(
+                    name,
+                    path,
+                    t.dtype,
+                    t.shape,
+                    t.shard_shape,
+                    t.chunk_shape,
+                    regions,
+                    per_rank=kind == "per_rank_tensor",
+                )
             )
     missing = set(plans) - {e.name for e in entries if isinstance(e, TensorEntry)}
     if missing:
