@@ -1,0 +1,172 @@
+"""``save`` / ``load`` of a PyTorch state dict, in place, the way torch.distributed.checkpoint
+does it; ``restore`` for the core's ``CheckpointManager``.
+
+    ckptfmt_torch.save({"model": model, "optim": optimizer, "step": 100}, "ckpt/step-100")
+    ckptfmt_torch.load({"model": model, "optim": optimizer, "step": 0}, "ckpt/step-100")
+
+With ``torch.distributed`` initialised every rank of the default group calls them (collective):
+each rank writes its share (replicated tensors are deduplicated, DTensor shards written at their
+global offsets) and reads the part it holds. All the protocol is the core's; this module only
+converts (``ckptfmt_torch.convert``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptfmt import __version__
+from ckptfmt.checkpoint import writer_threads
+from ckptfmt.errors import UsageError
+from ckptfmt.manifest.model import GroupEntry, PerRankValueEntry, TensorEntry, ValueEntry
+from ckptfmt.parallel.comm import Comm, SingleComm
+from ckptfmt.parallel.levels import resolve_node
+from ckptfmt.parallel.load import load_collective
+from ckptfmt.parallel.manager import CheckpointManager
+from ckptfmt.parallel.protocol import SaveFailedError, save_collective
+from ckptfmt.reader import open_checkpoint
+from ckptfmt.state import unflatten
+from ckptfmt_torch.convert import from_state, to_state, wants_of
+
+_GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
+
+
+def default_comm() -> Comm:
+    """Not collective, except the first time under a non-gloo backend (then every rank of the
+    default group must call it): the ``Comm`` that ``save``/``load`` use when given none.
+
+    A single process without ``torch.distributed`` gets ``SingleComm``; a gloo default group its
+    ``TorchComm``; another backend (NCCL) a gloo group over the same ranks, made once.
+    """
+    from ckptfmt_torch.comm import TorchComm
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return SingleComm()
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _GLOO:
+        backend = str(dist.get_backend())
+        group = None if "gloo" in backend else dist.new_group(backend="gloo")
+        _GLOO[key] = TorchComm(group)
+    return _GLOO[key]
+
+
+def writer_info() -> dict[str, Any]:
+    return {
+        "library": "ckptfmt",
+        "version": __version__,
+        "adapter": "ckptfmt_torch",
+        "torch": torch.__version__,
+    }
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    comm: Comm | None = None,
+    step: int | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+    node: str | None = None,
+) -> None:
+    """Collective (every rank of ``comm``, by default of torch.distributed's default group):
+    save ``state_dict`` as one committed checkpoint directory at ``path``.
+
+    ``state_dict`` maps names to tensors (DTensors: each rank its shard), objects with
+    ``state_dict()`` (modules, optimizers, schedulers, ``TrainingState``), ``ckptfmt.PerRank``
+    leaves (each rank its own) and JSON-able values, nested in dicts. ``path`` is one directory
+    every rank sees (shared storage); for node-local levels use ``CheckpointManager``. Nothing is
+    pickled: anything else raises :class:`ckptfmt.errors.UnsupportedValueError` before a byte is
+    written. The tensors are read in place (no copy); do not modify them until ``save`` returns.
+    """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise UsageError(f"step must be a non-negative int or None, got {step!r}")
+    comm = comm or default_comm()
+    state = to_state(state_dict)
+    try:
+        save_collective(
+            comm,
+            state,
+            path,
+            step=step,
+            node=resolve_node(node),
+            overwrite=overwrite,
+            fsync=fsync,
+            writer=writer_info(),
+            threads=writer_threads(),
+        )
+    except SaveFailedError as exc:
+        if comm.size == 1 and exc.cause is not None:  # one process: its own error, not the vote's
+            raise exc.cause from None
+        raise
+
+
+def load(
+    state_dict: MutableMapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    comm: Comm | None = None,
+) -> int | None:
+    """Collective (as ``save``): load the checkpoint at ``path`` into ``state_dict`` in place and
+    return its step.
+
+    Tensors are copied into (a DTensor's local shard gets its region of the saved tensor),
+    stateful objects get ``load_state_dict``, values are replaced, ``PerRank`` leaves get this
+    rank's own value. Every name in ``state_dict`` must be in the checkpoint; names only the
+    checkpoint has are added. Every byte read is verified. A process loading alone may read a
+    checkpoint saved by several ranks from shared storage (per-rank entries then give rank 0's).
+    """
+    comm = comm or default_comm()
+    wants = wants_of(to_state(state_dict))
+    if comm.size == 1 and open_checkpoint(path).manifest.world_size != 1:
+        loaded, step = _load_alone(path, wants)
+    else:
+        loaded, manifest = load_collective(comm, path, wants)
+        step = manifest.step
+    from_state(state_dict, loaded)
+    return step
+
+
+def restore(manager: CheckpointManager, state_dict: MutableMapping[str, Any]) -> int | None:
+    """Collective: ``manager.restore`` for a PyTorch state dict (in place, as ``load``); returns
+    the restored step, or None (``state_dict`` untouched) when there is no usable checkpoint.
+
+    Save with ``manager.save(step, ckptfmt_torch.to_state(state_dict))``: ``to_state`` gives
+    views of the tensors, which the manager copies into its staging buffers before it returns.
+    """
+    step = manager.restore(to_state(state_dict))
+    if step is not None:
+        assert manager.restored_state is not None
+        from_state(state_dict, manager.restored_state)
+    return step
+
+
+def _load_alone(
+    path: str | os.PathLike[str], wants: Mapping[str, Any]
+) -> tuple[dict[str, Any], int | None]:
+    """One process reading a checkpoint of several ranks: each wanted region by lazy reads."""
+    ck = open_checkpoint(path)
+    leaves: list[tuple[tuple[str, ...], Any]] = []
+    for e in ck.manifest.entries:
+        shown = "/".join(e.name)
+        if isinstance(e, TensorEntry):
+            view = ck[shown]
+            if shown in wants:
+                offset, shape = wants[shown]
+                leaves.append((e.name, view[tuple(slice(o, o + n) for o, n in zip(offset, shape))]))
+            elif e.per_rank:
+                leaves.append((e.name, view[0:1].reshape(e.shape[1:])))
+            else:
+                leaves.append((e.name, view.read()))
+        elif isinstance(e, ValueEntry):
+            leaves.append((e.name, e.value))
+        elif isinstance(e, GroupEntry):
+            leaves.append((e.name, {}))
+        elif isinstance(e, PerRankValueEntry):
+            leaves.append((e.name, e.values[0]))
+    return unflatten(leaves), ck.step
