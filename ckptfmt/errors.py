@@ -165,3 +165,29 @@ class CorruptShardError(DamagedError):
 
 class MetadataMismatchError(DamagedError):
     """A zarr metadata document disagrees with the manifest."""
+
+
+class UnrecoverableDamageError(DamagedError):
+    """Data is lost beyond what the checkpoint's redundancy can rebuild (or it has none).
+
+    ``lost_ranks`` are the ranks whose data is missing or damaged, ``nodes`` their nodes at save
+    time, ``tensors`` the tensors with data written by those ranks (what cannot be restored from
+    this copy), ``file`` the checkpoint (a directory, or a ``{node}`` template).
+    """
+
+    def __init__(
+        self,
+        file: str,
+        reason: str,
+        lost_ranks: Sequence[int] = (),
+        nodes: Sequence[str] = (),
+        tensors: Sequence[str] = (),
+    ) -> None:
+        self.lost_ranks = tuple(lost_ranks)
+        self.nodes = tuple(nodes)
+        where = (
+            f" (ranks {', '.join(map(str, self.lost_ranks))} on node(s) {', '.join(self.nodes)})"
+            if self.lost_ranks
+            else ""
+        )
+        super().__init__(file, f"{reason}{where}", tensors)

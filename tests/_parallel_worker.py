@@ -296,6 +296,7 @@ def make_manager(comm: Any, task: dict[str, Any], node: str, fault: Any = None) 
         keep_shared=task.get("keep_shared", 3),
         on_error="raise",
         fault=fault,
+        redundancy=task.get("redundancy"),
         **grid,
     )
 
@@ -337,7 +338,14 @@ def do_restore(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
         "step": step,
         "report": None
         if rep is None
-        else {"step": rep.step, "level": rep.level, "path": rep.path, "tried": rep.tried},
+        else {
+            "step": rep.step,
+            "level": rep.level,
+            "path": rep.path,
+            "tried": rep.tried,
+            "rebuilt": rep.rebuilt,
+            "unrecoverable": rep.unrecoverable,
+        },
         "digest": digest(state),
         "problems": problems,
     }

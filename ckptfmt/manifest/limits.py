@@ -29,7 +29,9 @@ MAX_JSON_DEPTH = 64
 
 # Names a component may not take: zarr's and ckptfmt's own metadata documents and chunk folder
 # names would collide with it on disk, "." and ".." would leave the node's folder.
-RESERVED_COMPONENTS = frozenset({"zarr.json", "ckptfmt.json", ".zattrs", ".zgroup", ".zarray"})
+RESERVED_COMPONENTS = frozenset(
+    {"zarr.json", "ckptfmt.json", ".zattrs", ".zgroup", ".zarray", "ckptfmt-redundancy"}
+)
 
 
 def check_component(component: object, full: Sequence[object] = ()) -> str:

@@ -33,18 +33,23 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ckptfmt.errors import CkptError, UsageError
+from ckptfmt.errors import CkptError, UnrecoverableDamageError, UsageError
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.comm import Comm, SingleComm, start_background
+from ckptfmt.parallel.encode import member_sets
 from ckptfmt.parallel.levels import Levels, flush_collective, resolve_node, retain
 from ckptfmt.parallel.load import LoadFailedError, load_collective
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective
+from ckptfmt.parallel.rebuild import rebuild_collective
+from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.state import PerRank, Shard, flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 
 log = logging.getLogger("ckptfmt")
+
+RedundancySpec = None | str | Redundancy | Policy | list[dict[str, Any]] | Path
 
 
 class CheckpointWarning(UserWarning):
@@ -59,11 +64,21 @@ class RestoreReport:
     level: int | None = None
     path: str | None = None
     tried: list[str] = field(default_factory=list)  # reasons the newer candidates were refused
+    rebuilt: list[str] = field(default_factory=list)  # what was rebuilt from redundancy
+    unrecoverable: list[dict[str, Any]] = field(default_factory=list)  # ranks/tensors lost
+    rebuild_seconds: float = 0.0
 
 
 class CheckpointManager:
     """Multi-level checkpoints: level 1 on each node's ``local_dir``, flushed every
     ``flush_every``-th save to ``shared_dir`` (level 3). Either level may be omitted.
+
+    ``redundancy`` protects level 1 across nodes: a scheme id (``"partner"``, ``"xor"``,
+    ``"rs"``) or :class:`Redundancy` for every save, or a :class:`Policy` / list of descriptors
+    (``[{"every": 1, "redundancy": "xor"}, {"every": 10, "redundancy": "rs", "m": 2},
+    {"every": 100, "flush": True}]``) or a JSON file of one. ``restore`` rebuilds lost or damaged
+    level-1 data from it before falling back to level 3. ``flush_every`` defaults to every save,
+    or, when the policy has ``flush`` descriptors, to what they say.
 
     ``local_dir`` may contain ``{node}``; the node is ``node``, else the ``CKPTFMT_NODE``
     environment variable, else the host name. Constructing the manager is collective.
@@ -76,7 +91,8 @@ class CheckpointManager:
         *,
         comm: Comm | None = None,
         node: str | None = None,
-        flush_every: int = 1,
+        flush_every: int | None = None,
+        redundancy: RedundancySpec = None,
         keep_local: int = 2,
         keep_shared: int = 3,
         async_save: bool = True,
@@ -94,8 +110,11 @@ class CheckpointManager:
             raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
         if on_error not in ("warn", "raise"):
             raise UsageError("on_error is 'warn' or 'raise'")
-        if flush_every < 1:
-            raise UsageError("flush_every must be at least 1")
+        self.policy = Policy.of(redundancy)
+        if flush_every is None:  # every save, unless the policy's descriptors say when
+            flush_every = 0 if any(d.flush for d in self.policy.descriptors) else 1
+        elif isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise UsageError("flush_every must be an int >= 1")
         self.comm = comm or SingleComm()
         self.node = resolve_node(node)
         self.levels = Levels(
@@ -126,6 +145,11 @@ class CheckpointManager:
         self._closed = False
         nodes = self.comm.allgather_json(self.node)
         self._node_leader = nodes.index(self.node) == self.comm.rank
+        if self.local_root is not None:
+            for red in self.policy.all_redundancies():
+                member_sets(red, nodes)  # the same verdict on every rank: raises for all
+        elif self.policy.all_redundancies():
+            raise UsageError("redundancy protects level 1: give a local_dir")
         if self.comm.rank == 0:
             self.levels.record(nodes)
         self._bg = self.comm.dup()
@@ -193,25 +217,34 @@ class CheckpointManager:
                 lacking = [r for r, x in enumerate(seen) if step not in x[key]]
                 if level == 3 and len(lacking) == len(seen):
                     continue  # never flushed: not a candidate on this level
-                if lacking:  # known to fail without reading anything
-                    nodes = sorted({seen[r]["node"] for r in lacking})
-                    report.tried.append(
-                        f"step {step} level {level}: no committed copy on node(s) "
-                        f"{', '.join(nodes)} (ranks {', '.join(map(str, lacking))})"
-                    )
-                    continue
                 path = root / step_dir_name(step)
-                try:
-                    loaded, manifest = load_collective(
-                        self.comm,
-                        path,
-                        wants,
-                        group=self._group_key(level == 1),
-                        expect_step=step,
+                rebuilt = False
+                if lacking:
+                    nodes = sorted({seen[r]["node"] for r in lacking})
+                    missing = (
+                        f"no committed copy on node(s) {', '.join(nodes)} "
+                        f"(ranks {', '.join(map(str, lacking))})"
                     )
+                    if level == 3 or len(lacking) == len(seen):
+                        report.tried.append(f"step {step} level {level}: {missing}")
+                        continue
+                    if not self._rebuild(path, step, missing, report):
+                        continue
+                    rebuilt = True
+                try:
+                    loaded, manifest = self._load(path, wants, level, step)
                 except LoadFailedError as exc:
-                    report.tried.append(f"step {step} level {level}: {exc}")
-                    continue
+                    if level == 3 or rebuilt:
+                        report.tried.append(f"step {step} level {level}: {exc}")
+                        continue
+                    # damaged on some node: rebuild what parity covers, then load again
+                    if not self._rebuild(path, step, str(exc), report):
+                        continue
+                    try:
+                        loaded, manifest = self._load(path, wants, level, step)
+                    except LoadFailedError as exc2:
+                        report.tried.append(f"step {step} level {level}: {exc2}")
+                        continue
                 report.step, report.level, report.path = step, level, str(path)
                 self._apply(state, loaded)
                 self.restored_state = loaded
@@ -225,6 +258,37 @@ class CheckpointManager:
         self.last_restore = report
         self._log_restore(report)
         return None
+
+    def _load(
+        self, path: Path, wants: dict[str, Any], level: int, step: int
+    ) -> tuple[dict[str, Any], Manifest]:
+        return load_collective(
+            self.comm, path, wants, group=self._group_key(level == 1), expect_step=step
+        )
+
+    def _rebuild(self, path: Path, step: int, why: str, report: RestoreReport) -> bool:
+        """Collective: rebuild this level-1 step from its redundancy; False (with the reasons
+        in ``report``) when it cannot be."""
+        try:
+            result, _ = rebuild_collective(
+                self.comm, path, self._group_key(True), bool(self.options["fsync"])
+            )
+        except (UnrecoverableDamageError, SaveFailedError) as exc:
+            report.tried.append(f"step {step} level 1: {why}; cannot rebuild: {exc}")
+            if isinstance(exc, UnrecoverableDamageError):
+                report.unrecoverable.append(
+                    {
+                        "step": step,
+                        "ranks": list(exc.lost_ranks),
+                        "nodes": list(exc.nodes),
+                        "tensors": list(exc.tensors),
+                    }
+                )
+            return False
+        if result.repaired:
+            report.rebuilt.append(f"step {step} level 1: {why}; {result.describe()}")
+            report.rebuild_seconds += result.seconds
+        return True
 
     def close(self, flush: bool | None = None) -> None:
         """Wait for the save in flight and, unless told not to, flush the newest level-1
@@ -281,6 +345,8 @@ class CheckpointManager:
         there is no level 1), flush when due, apply retention."""
         target_root = self.local_root or self.levels.shared_dir
         assert target_root is not None
+        number = self._saves + 1
+        red = self.policy.redundancy_for(number) if self.local_root is not None else None
         try:
             manifest, _ = save_collective(
                 self._bg,
@@ -292,6 +358,7 @@ class CheckpointManager:
                 overwrite=True,
                 levels={"1" if self.local_root else "3": {}},
                 fault=self.fault,
+                redundancy=red,
                 **self.options,  # type: ignore[arg-type]
             )
         except SaveFailedError as exc:
@@ -302,7 +369,8 @@ class CheckpointManager:
             self._flushed.add(manifest.save_id)
         else:
             self._newest_local = manifest
-            if self.levels.shared_dir is not None and self._saves % self.flush_every == 0:
+            due = self.flush_every and self._saves % self.flush_every == 0
+            if self.levels.shared_dir is not None and (due or self.policy.flush_for(number)):
                 self._flush(manifest, self._bg)
         protect = {step}
         if self._node_leader:
@@ -423,6 +491,8 @@ class CheckpointManager:
             return
         for reason in report.tried:
             log.warning("ckptfmt: restore: refused %s", reason)
+        for line in report.rebuilt:
+            log.warning("ckptfmt: restore: %s", line)
         if report.step is None:
             log.info("ckptfmt: restore: no usable checkpoint; starting fresh")
         else:

@@ -52,6 +52,7 @@ from ckptfmt.manifest.model import (
 from ckptfmt.manifest.values import encode_value
 from ckptfmt.parallel.comm import Comm
 from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
+from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.state import PerRank, Shard, flatten, is_tensor
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import write_json
@@ -190,6 +191,7 @@ def save_collective(
     levels: dict[str, Any] | None = None,
     group: str | None = None,
     fault: FaultHook | None = None,
+    redundancy: Redundancy | None = None,
 ) -> tuple[Manifest, SavePlan]:
     """Collective: every rank of ``comm`` calls it, once per checkpoint, with its own ``state``
     and the final directory it writes to (``path``: this rank's node-local copy, or the shared
@@ -198,6 +200,10 @@ def save_collective(
     Ranks with the same ``group`` key see the same directory (default: the absolute path, right
     on one machine; on a cluster, node-local paths are equal strings on different nodes, so the
     caller passes the node for level 1 and one key for the shared level).
+
+    With ``redundancy`` (level-1 saves), once every rank's data files are written the ranks
+    encode it across the nodes (``parallel/encode.py``), each writing its parity file into its
+    own staging directory, and the manifest records it under ``levels["1"]["redundancy"]``.
 
     Values (non-tensor leaves) are taken from rank 0; every rank must have the same names.
     Raises :class:`SaveFailedError` on every rank if any rank failed; then nothing was committed.
@@ -236,9 +242,7 @@ def save_collective(
     if failures:
         raise SaveFailedError(failures, mine_exc)
     assert local is not None
-    per_rank_values = {
-        tuple(n): [i["per_rank"][k][1:] for i in info] for k, n in enumerate(names0)
-    }
+    per_rank_values = {tuple(n): [i["per_rank"][k][1:] for i in info] for k, n in enumerate(names0)}
     save_id = info[0]["save_id"]  # rank 0's proposal, the same everywhere
     created = info[0]["created"]
     plan = make_plan(
@@ -292,6 +296,22 @@ def save_collective(
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
     all_refs = vote(comm, error, refs, staging if is_leader else None, mine_exc)
+    if redundancy is not None:
+        levels = dict(levels or {})
+        levels["1"] = dict(levels.get("1", {}))
+        levels["1"]["redundancy"] = _encode(
+            comm,
+            redundancy,
+            plan,
+            order_values,
+            all_refs,
+            info,
+            staging,
+            is_leader,
+            fsync,
+            per_rank_values,
+        )
+        hook("encoded")
     manifest = _build_manifest(
         plan,
         order_values,
@@ -315,6 +335,46 @@ def save_collective(
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
     vote(comm, error, [], staging if is_leader else None, mine_exc)
     return manifest, plan
+
+
+def _encode(
+    comm: Comm,
+    red: Redundancy,
+    plan: SavePlan,
+    order_values: dict[str, Any],
+    all_refs: list[Any],
+    info: list[dict[str, Any]],
+    staging: Path,
+    is_leader: bool,
+    fsync: bool,
+    per_rank_values: dict[Name, list[Any]],
+) -> dict[str, Any]:
+    """Collective: encode the redundancy of the files just written; the record's JSON."""
+    from ckptfmt.parallel.encode import encode_collective, make_record, member_sets
+
+    files_only = _build_manifest(
+        plan, order_values, all_refs, info, "0" * 32, comm.size, None, "", {}, {}, per_rank_values
+    )
+    nodes = [i["node"] for i in info]
+    cleanup = staging if is_leader else None
+    error: str | None = None
+    mine: BaseException | None = None
+    parity: dict[str, Any] = {}
+    try:
+        parity = encode_collective(
+            comm,
+            red,
+            files_only,
+            staging,
+            nodes,
+            fsync,
+            lambda err: vote(comm, err, [], cleanup, None),
+        )
+    except (CkptError, OSError) as exc:
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    gathered = vote(comm, error, parity, cleanup, mine)
+    record = make_record(red, files_only, member_sets(red, nodes), gathered)
+    return record.to_json()
 
 
 def vote(

@@ -1,0 +1,219 @@
+"""Rebuilding lost level-1 data from the redundancy of its set, collectively, at restart
+(``spec/redundancy.md`` §6).
+
+``rebuild_collective`` (every rank calls it, with its own node's level-1 root):
+
+1. each rank reads the step's manifest from its node, if committed; ``allgather`` of the save ids;
+   the lowest rank holding one broadcasts its manifest (ranks whose copy is another save count
+   as lost);
+2. each rank reads its member data (every CRC checked) and its parity file; ``allgather`` of what
+   is intact;
+3. every rank plans the same rebuild (``redundancy/stripes.plan_rebuild``); if a set lost more
+   than its scheme tolerates, every rank raises :class:`UnrecoverableDamageError` naming the
+   ranks, nodes and tensors lost;
+4. a node whose step directory is gone gets a fresh staging directory (its lowest rank), with
+   the zarr metadata; vote;
+5. the ops run (messages between the members of each set, in one global order); each rank writes
+   what it rebuilt (its data files, its parity), each file checked against the manifest's CRCs;
+   vote;
+6. recreated directories are committed with the same manifest; vote.
+
+Afterwards the step loads from level 1 as if nothing had been lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.errors import CkptError, DamagedError, UnrecoverableDamageError
+from ckptfmt.manifest.codec import parse_manifest
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.comm import Comm
+from ckptfmt.parallel.protocol import groups_of, vote, write_metadata
+from ckptfmt.reader import read_manifest_bytes
+from ckptfmt.redundancy.engine import MemberBuffers, run_ops, scratch
+from ckptfmt.redundancy.record import RedundancyRecord, record_of
+from ckptfmt.redundancy.schemes import UnrecoverableError
+from ckptfmt.redundancy.stripes import Op, plan_rebuild
+from ckptfmt.storage import commit
+from ckptfmt.storage.files import Inside
+from ckptfmt.storage.members import assess_member, buffer_sizes, write_member, write_parity
+
+
+@dataclass
+class RebuildReport:
+    """What a rebuild found and did (the same on every rank, except ``received_bytes``)."""
+
+    lost_data: list[int] = field(default_factory=list)  # ranks whose data was rebuilt
+    lost_parity: list[int] = field(default_factory=list)  # ranks whose parity was rebuilt
+    recreated_nodes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    received_bytes: int = 0
+
+    @property
+    def repaired(self) -> bool:
+        return bool(self.lost_data or self.lost_parity)
+
+    def describe(self) -> str:
+        if not self.repaired:
+            return "nothing lost"
+        parts = []
+        if self.lost_data:
+            parts.append(f"data of rank(s) {', '.join(map(str, self.lost_data))}")
+        if self.lost_parity:
+            parts.append(f"parity of rank(s) {', '.join(map(str, self.lost_parity))}")
+        nodes = (
+            f"; recreated node(s) {', '.join(self.recreated_nodes)}" if self.recreated_nodes else ""
+        )
+        return f"rebuilt {' and '.join(parts)}{nodes} in {self.seconds:.2f} s"
+
+
+def lost_tensors(manifest: Manifest, ranks: set[int]) -> list[str]:
+    """Tensors with data written by any of ``ranks``."""
+    return sorted(
+        {display(t.name) for t in manifest.tensors() for r in t.regions if r.rank in ranks}
+    )
+
+
+def plan_all(
+    record: RedundancyRecord, status: list[dict[str, Any]], where: str, manifest: Manifest
+) -> list[tuple[int, list[Op]]]:
+    """The ops of every set (by set index) from every rank's status; raises
+    :class:`UnrecoverableDamageError` when a set cannot be rebuilt."""
+    plans = []
+    unrecoverable: list[str] = []
+    lost_ranks: set[int] = set()
+    for i, s in enumerate(record.sets):
+        data_lost = [j for j, r in enumerate(s.members) if not status[r]["data_ok"]]
+        parity_lost = [
+            (j, p)
+            for j, r in enumerate(s.members)
+            for p, ok in enumerate(status[r]["parity_ok"])
+            if not ok
+        ]
+        if not data_lost and not parity_lost:
+            continue
+        try:
+            plans.append((i, plan_rebuild(record.scheme, s.n, record.m, data_lost, parity_lost)))
+        except UnrecoverableError as exc:
+            ranks = [s.members[j] for j in data_lost]
+            lost_ranks.update(ranks)
+            parity_ranks = sorted({s.members[j] for j, _ in parity_lost})
+            unrecoverable.append(
+                f"set {i} (ranks {list(s.members)}): data of ranks {ranks} and parity of ranks "
+                f"{parity_ranks} lost, {record.scheme} tolerates {exc.tolerates} per stripe"
+            )
+    if unrecoverable:
+        nodes = sorted({manifest.ranks[r].node for r in lost_ranks})
+        raise UnrecoverableDamageError(
+            where,
+            "beyond what its redundancy rebuilds: " + "; ".join(unrecoverable),
+            sorted(lost_ranks),
+            nodes,
+            lost_tensors(manifest, lost_ranks),
+        )
+    return plans
+
+
+def rebuild_collective(
+    comm: Comm, path: Path, group: str, fsync: bool = True
+) -> tuple[RebuildReport, Manifest]:
+    """Collective: make the level-1 step directory ``path`` (this rank's node's copy; ``group``
+    as in ``save_collective``: ranks with equal keys share it) whole again from the redundancy
+    recorded in its manifest. Returns the report and the manifest.
+
+    Raises :class:`UnrecoverableDamageError` on every rank when no node holds the step, the save
+    has no redundancy, or more is lost than it tolerates; other failures raise
+    ``SaveFailedError`` on every rank. Nothing that was intact is changed."""
+    started = time.perf_counter()
+    path = path.absolute()
+    data: bytes | None = None
+    save_id: str | None = None
+    try:
+        data = read_manifest_bytes(path)
+        save_id = parse_manifest(data, str(path)).save_id
+    except CkptError:
+        data = None
+    info = comm.allgather_json({"save_id": save_id, "group": group})
+    holders = [r for r, i in enumerate(info) if i["save_id"]]
+    if not holders:
+        raise UnrecoverableDamageError(str(path), "no node holds a committed copy of this step")
+    mine_text = data.decode("utf-8") if comm.rank == holders[0] and data else None
+    text = comm.bcast_json(mine_text, holders[0])
+    manifest = parse_manifest(text.encode("utf-8"), str(path))
+    record = record_of(manifest)
+    if record is None:
+        raise UnrecoverableDamageError(str(path), "the save has no redundancy to rebuild from")
+    if manifest.world_size != comm.size:
+        raise UnrecoverableDamageError(
+            str(path),
+            f"saved by {manifest.world_size} ranks, rebuilding with {comm.size} is not supported",
+        )
+    intact_dir = save_id == manifest.save_id
+    n_data, n_parity = buffer_sizes(record, comm.rank)
+    bufs = MemberBuffers(scratch(n_data, "data"), scratch(n_parity, "parity"))
+    damage, parity_ok = assess_member(
+        Inside(path) if intact_dir else None, manifest, record, comm.rank, bufs.data, bufs.parity
+    )
+    status = comm.allgather_json(
+        {"data_ok": not damage, "parity_ok": parity_ok, "intact_dir": intact_dir}
+    )
+    report = RebuildReport(
+        lost_data=[r for r, s in enumerate(status) if not s["data_ok"]],
+        lost_parity=[r for r, s in enumerate(status) if not all(s["parity_ok"])],
+    )
+    if not report.repaired:
+        return report, manifest
+    plans = plan_all(record, status, str(path), manifest)
+    leaders = groups_of([i["group"] for i in info])
+    recreate = not intact_dir
+    report.recreated_nodes = sorted(
+        {manifest.ranks[r].node for r, s in enumerate(status) if not s["intact_dir"]}
+    )
+    is_leader = leaders[comm.rank] == comm.rank
+    staging = commit.staging_dir(path, manifest.save_id)
+    error: str | None = None
+    mine: BaseException | None = None
+    try:
+        if recreate and is_leader:
+            if path.exists() and not commit.is_committed(path):
+                commit.remove(path)  # a torn directory of this step: nothing in it is vouched for
+            commit.prepare(path, manifest.save_id, overwrite=True)
+            write_metadata(staging, manifest, fsync)
+    except (CkptError, OSError) as exc:
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    cleanup = staging if recreate and is_leader else None
+    vote(comm, error, [], cleanup, mine)
+    rset, j = record.set_of(comm.rank)
+    if not status[comm.rank]["data_ok"]:
+        bufs.data[:] = 0
+    step = len(bufs.parity) // max(len(parity_ok), 1)
+    for p, ok in enumerate(parity_ok):
+        if not ok:
+            bufs.parity[p * step : (p + 1) * step] = 0
+    for i, ops in plans:
+        s = record.sets[i]
+        local = {j: bufs} if i == record.sets.index(rset) else {}
+        report.received_bytes += run_ops(ops, s.members, s.sizes, s.chunk, local, comm)
+    try:
+        target = staging if recreate else path
+        if not status[comm.rank]["data_ok"]:
+            only = None if recreate else [e.file for e in damage if isinstance(e, DamagedError)]
+            write_member(target, manifest, comm.rank, bufs.data, only, fsync)
+        if not all(parity_ok):
+            write_parity(target, rset.parity[j], bufs.parity, fsync)
+    except (CkptError, OSError) as exc:
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    vote(comm, error, [], cleanup, mine)
+    try:
+        if recreate and is_leader:
+            commit.finalize(staging, path, text.encode("utf-8"), manifest.save_id, fsync)
+    except (CkptError, OSError) as exc:
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    vote(comm, error, [], cleanup, mine)
+    report.seconds = time.perf_counter() - started
+    return report, manifest

@@ -1,0 +1,113 @@
+"""Running the ops of :mod:`ckptfmt.redundancy.stripes` over member buffers in memory.
+
+Members whose buffers are local are computed on directly; an op between a local and a remote
+member becomes a message over ``transport`` (a :class:`ckptfmt.parallel.comm.Comm`). Every rank
+runs the same op list in the same order, so a blocking send always meets its receive: the
+earliest op not yet done has both ends waiting on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ckptfmt.errors import UsageError
+from ckptfmt.redundancy import gf256
+from ckptfmt.redundancy.stripes import WHOLE, Op
+
+TAG = 0x52  # one tag for all rebuild traffic: ops between two ranks arrive in order
+
+
+class Transport(Protocol):
+    def send(self, buf: np.ndarray, dest: int, tag: int = 0) -> None: ...
+
+    def recv(self, buf: np.ndarray, source: int, tag: int = 0) -> None: ...
+
+
+@dataclass
+class MemberBuffers:
+    """One member's data (zero-padded to the set's padded length; partner: its own length) and
+    its parity file's bytes."""
+
+    data: np.ndarray
+    parity: np.ndarray
+
+
+def mul_xor_into(out: np.ndarray, c: int, block: np.ndarray) -> None:
+    """``out ^= c * block`` bytewise over GF(2^8) (``gf256.mul_xor_into`` when present)."""
+    fast = getattr(gf256, "mul_xor_into", None)
+    if fast is not None:
+        fast(out, c, block)
+        return
+    if c == 1:
+        np.bitwise_xor(out, block, out=out)
+    elif c:
+        for start in range(0, out.size, gf256.SLICE):
+            o = out[start : start + gf256.SLICE]
+            np.bitwise_xor(o, gf256.MUL[c][block[start : start + gf256.SLICE]], out=o)
+
+
+def view(buf: MemberBuffers, kind: str, index: int, chunk: int, whole: int) -> np.ndarray:
+    """The bytes an op names: chunk ``index`` of the member's data or parity, or (``WHOLE``)
+    the first ``whole`` bytes."""
+    arr = buf.data if kind == "data" else buf.parity
+    if index == WHOLE:
+        return arr[:whole]
+    return arr[index * chunk : (index + 1) * chunk]
+
+
+_scratch = threading.local()
+
+
+def scratch(nbytes: int, purpose: str = "recv") -> np.ndarray:
+    """A reused uint8 buffer of at least ``nbytes`` for this thread (fresh pages fault in slowly
+    here, so buffers live across saves); returns its first ``nbytes``."""
+    pool: dict[str, np.ndarray] = _scratch.__dict__.setdefault("pool", {})
+    buf = pool.get(purpose)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1), np.uint8)
+        pool[purpose] = buf
+    return buf[:nbytes]
+
+
+def run_ops(
+    ops: Sequence[Op],
+    members: Sequence[int],
+    sizes: Sequence[int],
+    chunk: int,
+    local: Mapping[int, MemberBuffers],
+    transport: Transport | None = None,
+) -> int:
+    """Run ``ops`` for one set (members by position; ``members[pos]`` is the rank) over the
+    ``local`` buffers; return the bytes received from other ranks. Collective over the set's
+    ranks when some members are not local."""
+    n = len(members)
+    received = 0
+    for op in ops:
+        src_here, dst_here = op.src in local, op.dst in local
+        if not (src_here or dst_here):
+            continue
+        # partner: whole data of member j is sizes[j] bytes; its copy (parity) is of j - 1
+        whole = sizes[op.src] if op.src_kind == "data" else sizes[(op.src - 1) % n]
+        if src_here:
+            src = view(local[op.src], op.src_kind, op.src_index, chunk, whole)
+        if dst_here:
+            dst = view(local[op.dst], op.dst_kind, op.dst_index, chunk, whole)
+        if src_here and dst_here:
+            mul_xor_into(dst, op.coef, src)
+        elif src_here:
+            if transport is None:
+                raise UsageError("a rebuild op needs a remote member but there is no transport")
+            transport.send(src, members[op.dst], TAG)
+        else:
+            if transport is None:
+                raise UsageError("a rebuild op needs a remote member but there is no transport")
+            tmp = scratch(dst.size)
+            transport.recv(tmp, members[op.src], TAG)
+            received += tmp.size
+            mul_xor_into(dst, op.coef, tmp)
+    return received

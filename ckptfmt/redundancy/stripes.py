@@ -1,0 +1,147 @@
+"""Stripe geometry of a redundancy set and the pure planning of a rebuild
+(``spec/redundancy.md`` §4).
+
+A set of ``n`` members with ``m`` parity chunks per stripe (``xor``: m = 1, ``rs``: m) has ``n``
+stripes; stripe ``r`` is a codeword of ``c = n - m`` data positions and ``m`` parity positions:
+data position ``t`` is chunk ``t`` of member ``(r + m + t) mod n``, parity ``p`` is chunk ``p`` of
+member ``(r + p) mod n``'s parity file. ``partner`` has one "stripe" per member: member ``j``'s
+data, copied whole as member ``(j + 1) mod n``'s parity file.
+
+A rebuild is a list of :class:`Op`: ``dst[dst_kind][dst_index] ^= coef * src[src_kind][src_index]``
+over GF(2^8), on zeroed destinations, in list order (lost data first, then lost parity, which
+may need rebuilt data). Encoding is the rebuild of every parity chunk from intact data. The same
+list drives the collective rebuild (ops whose ends are on different ranks become messages) and
+the offline one (everything local).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ckptfmt.errors import UsageError
+from ckptfmt.redundancy import gf256
+from ckptfmt.redundancy.schemes import UnrecoverableError
+
+WHOLE = -1  # partner: the whole member data / the whole copy
+
+
+def data_member(n: int, m: int, r: int, t: int) -> int:
+    """The member whose chunk ``t`` is data position ``t`` of stripe ``r``."""
+    return (r + m + t) % n
+
+
+def parity_member(n: int, r: int, p: int) -> int:
+    """The member storing parity ``p`` of stripe ``r``."""
+    return (r + p) % n
+
+
+def parity_stripe(n: int, j: int, p: int) -> int:
+    """The stripe whose parity ``p`` member ``j`` stores (as chunk ``p`` of its parity file)."""
+    return (j - p) % n
+
+
+@lru_cache(maxsize=256)
+def generator(scheme: str, c: int, m: int) -> np.ndarray:
+    """The systematic ``(c + m) x c`` generator: identity over the parity rows (xor: a row of
+    ones; rs: the Cauchy block of :func:`gf256.cauchy_matrix`)."""
+    if scheme == "xor":
+        g = np.zeros((c + 1, c), np.uint8)
+        g[:c] = np.eye(c, dtype=np.uint8)
+        g[c] = 1
+    elif scheme == "rs":
+        g = gf256.cauchy_matrix(c, m)
+    else:
+        raise UsageError(f"no generator matrix for scheme {scheme!r}")
+    g.setflags(write=False)
+    return g
+
+
+@dataclass(frozen=True)
+class Op:
+    """``dst.<dst_kind>[dst_index] ^= coef * src.<src_kind>[src_index]`` (members by position;
+    kinds ``"data"``/``"parity"``; an index is a chunk index, or :data:`WHOLE`)."""
+
+    src: int
+    src_kind: str
+    src_index: int
+    dst: int
+    dst_kind: str
+    dst_index: int
+    coef: int
+
+
+def plan_rebuild(
+    scheme: str,
+    n: int,
+    m: int,
+    data_lost: Collection[int],
+    parity_lost: Collection[tuple[int, int]],
+) -> list[Op]:
+    """The ops that rebuild the lost data of members ``data_lost`` and the lost parity chunks
+    ``parity_lost`` (``(member, p)``) of one set. Raises :class:`UnrecoverableError` (naming the
+    lost members by position, parity as ``n + member``) when some stripe lost more than it
+    tolerates."""
+    data_lost, parity_lost = set(data_lost), set(parity_lost)
+    if scheme == "partner":
+        return _plan_partner(n, data_lost, parity_lost)
+    c = n - m
+    if c < 1:
+        raise UsageError(f"a set of {n} cannot carry {m} parity chunks per stripe")
+    g = generator(scheme, c, m)
+    ops: list[Op] = []
+    for r in range(n):
+        lost_t = [t for t in range(c) if data_member(n, m, r, t) in data_lost]
+        if not lost_t:
+            continue
+        alive = [t for t in range(c) if t not in lost_t] + [
+            c + p for p in range(m) if (parity_member(n, r, p), p) not in parity_lost
+        ]
+        if len(alive) < c:
+            _unrecoverable(scheme, n, m, data_lost, parity_lost)
+        use = alive[:c]
+        decode = gf256.mat_inv(g[use])
+        for t in lost_t:
+            for u, pos in enumerate(use):
+                coef = int(decode[t, u])
+                if coef == 0:
+                    continue
+                if pos < c:
+                    src, kind, index = data_member(n, m, r, pos), "data", pos
+                else:
+                    src, kind, index = parity_member(n, r, pos - c), "parity", pos - c
+                ops.append(Op(src, kind, index, data_member(n, m, r, t), "data", t, coef))
+    for j, p in sorted(parity_lost):
+        r = parity_stripe(n, j, p)
+        for t in range(c):
+            coef = int(g[c + p, t])
+            if coef:
+                ops.append(Op(data_member(n, m, r, t), "data", t, j, "parity", p, coef))
+    return ops
+
+
+def _plan_partner(n: int, data_lost: set[int], parity_lost: set[tuple[int, int]]) -> list[Op]:
+    ops = []
+    for j in sorted(data_lost):
+        holder = (j + 1) % n
+        if (holder, 0) in parity_lost:
+            _unrecoverable("partner", n, 0, data_lost, parity_lost)
+        ops.append(Op(holder, "parity", WHOLE, j, "data", WHOLE, 1))
+    for j, _p in sorted(parity_lost):
+        ops.append(Op((j - 1) % n, "data", WHOLE, j, "parity", WHOLE, 1))
+    return ops
+
+
+def _unrecoverable(
+    scheme: str, n: int, m: int, data_lost: set[int], parity_lost: set[tuple[int, int]]
+) -> None:
+    lost = sorted(data_lost) + sorted({n + j for j, _ in parity_lost})
+    raise UnrecoverableError(scheme, lost, max(m, 1), n)
+
+
+def encode_plan(scheme: str, n: int, m: int) -> list[Op]:
+    """Encoding as a rebuild of every parity chunk from intact data."""
+    return plan_rebuild(scheme, n, m, (), [(j, p) for j in range(n) for p in range(max(m, 1))])

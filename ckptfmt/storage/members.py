@@ -1,0 +1,168 @@
+"""Member data and parity files of a redundancy set, between disk and memory
+(``spec/redundancy.md`` §2, §5).
+
+A member's data is its data files in manifest order, back to back; it is read into (and written
+back out of) one buffer, zero-padded beyond its length. Reads check sizes and, when asked, every
+CRC (a damaged member counts as lost); writes of rebuilt data check every CRC first, so a rebuild
+never stores bytes the manifest does not vouch for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from ckptfmt.codecs.crc32c import crc32c
+from ckptfmt.codecs.grid import shard_cell
+from ckptfmt.errors import ChecksumError, DamagedError, MissingFileError, SizeMismatchError
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.redundancy.record import ParityFile, RedundancyRecord, member_files
+from ckptfmt.storage.files import Inside, fsync_dir, read_scatter, write_gather
+from ckptfmt.storage.shard_io import Geometry, decode_shard
+
+
+def _read_exact(
+    src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]
+) -> None:
+    try:
+        fd = src.open_fd(rel)
+    except FileNotFoundError:
+        raise MissingFileError(rel, tensors) from None
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise SizeMismatchError(rel, size, actual, tensors)
+        read_scatter(fd, [out.data], 0)
+    except EOFError:
+        raise SizeMismatchError(rel, size, -1, tensors) from None
+    finally:
+        os.close(fd)
+
+
+def read_member(
+    src: Inside, manifest: Manifest, rank: int, out: np.ndarray, verify: bool = True
+) -> list[DamagedError]:
+    """Read ``rank``'s data files into ``out`` (uint8, at least the member's length; the rest is
+    zeroed). Returns the damage found (missing, wrong size, with ``verify`` a failed CRC), one
+    error per damaged file; an empty list means the member is intact."""
+    damage: list[DamagedError] = []
+    off = 0
+    for t, ref in member_files(manifest, rank):
+        view = out[off : off + ref.size]
+        shown = (display(t.name),)
+        try:
+            _read_exact(src, ref.path, ref.size, view, shown)
+            if verify:
+                geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
+                decode_shard(memoryview(view), geo, shard_cell(ref.path), ref, shown)  # type: ignore[arg-type]
+        except DamagedError as exc:
+            damage.append(exc)
+        except OSError as exc:
+            damage.append(DamagedError(ref.path, f"cannot be read: {exc}", shown))
+        off += ref.size
+    out[off:] = 0
+    return damage
+
+
+def write_member(
+    root: Path,
+    manifest: Manifest,
+    rank: int,
+    data: np.ndarray,
+    only: Iterable[str] | None = None,
+    fsync: bool = True,
+) -> list[str]:
+    """Write ``rank``'s data files (all, or those whose paths are in ``only``) from its member
+    data ``data`` into the directory ``root``, each checked against its CRCs first and replaced
+    atomically (a temporary name, then rename). Returns the paths written."""
+    wanted = None if only is None else set(only)
+    written = []
+    off = 0
+    for t, ref in member_files(manifest, rank):
+        blob = data[off : off + ref.size]
+        off += ref.size
+        if wanted is not None and ref.path not in wanted:
+            continue
+        shown = (display(t.name),)
+        geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
+        decode_shard(memoryview(blob), geo, shard_cell(ref.path), ref, shown)  # type: ignore[arg-type]
+        _replace(root / ref.path, blob, fsync)
+        written.append(ref.path)
+    return written
+
+
+def parity_chunks(pf: ParityFile) -> int:
+    return len(pf.crc32c)
+
+
+def read_parity(src: Inside, pf: ParityFile, out: np.ndarray) -> list[bool]:
+    """Read a parity file into ``out`` (uint8, ``pf.size`` bytes); which of its chunks are intact
+    (all False when the file is missing or of the wrong size)."""
+    n = parity_chunks(pf)
+    try:
+        _read_exact(src, pf.path, pf.size, out[: pf.size], ())
+    except (DamagedError, OSError):
+        return [False] * n
+    step = pf.size // n if n else 0
+    return [crc32c(out[i * step : (i + 1) * step]) == pf.crc32c[i] for i in range(n)]
+
+
+def check_parity(pf: ParityFile, data: np.ndarray) -> None:
+    """Raise :class:`ChecksumError` unless every chunk of ``data`` matches ``pf``'s CRCs."""
+    n = parity_chunks(pf)
+    step = pf.size // n if n else 0
+    for i in range(n):
+        actual = crc32c(data[i * step : (i + 1) * step])
+        if actual != pf.crc32c[i]:
+            raise ChecksumError(pf.path, f"rebuilt parity chunk {i}", pf.crc32c[i], actual)
+
+
+def write_parity(root: Path, pf: ParityFile, data: np.ndarray, fsync: bool = True) -> None:
+    """Write a parity file (checked against its CRCs first), replacing it atomically."""
+    check_parity(pf, data[: pf.size])
+    _replace(root / pf.path, data[: pf.size], fsync)
+
+
+def _replace(path: Path, data: np.ndarray, fsync: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.rebuild-{os.getpid()}")
+    if tmp.exists():
+        tmp.unlink()
+    write_gather(tmp, [data.data], fsync)
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def assess_member(
+    src: Inside | None,
+    manifest: Manifest,
+    record: RedundancyRecord,
+    rank: int,
+    data: np.ndarray,
+    parity: np.ndarray,
+) -> tuple[list[DamagedError], list[bool]]:
+    """Read ``rank``'s member data (every CRC checked) into ``data`` and its parity file into
+    ``parity`` from the step directory ``src`` (None: the directory is gone or holds another
+    save). Returns the damaged data files and which parity chunks are intact."""
+    rset, j = record.set_of(rank)
+    pf = rset.parity[j]
+    if src is None:
+        files = member_files(manifest, rank)
+        missing: list[DamagedError] = [
+            MissingFileError(f.path, (display(t.name),)) for t, f in files
+        ]
+        return missing or [MissingFileError("(no step directory)")], [False] * len(pf.crc32c)
+    return read_member(src, manifest, rank, data, verify=True), read_parity(src, pf, parity)
+
+
+def buffer_sizes(record: RedundancyRecord, rank: int) -> tuple[int, int]:
+    """(data, parity) buffer bytes for ``rank``: its padded data and its parity file."""
+    rset, j = record.set_of(rank)
+    if record.scheme == "partner":
+        return rset.sizes[j], rset.parity[j].size
+    return (rset.n - record.m) * rset.chunk, rset.parity[j].size
