@@ -1,0 +1,211 @@
+"""Offline repair of a level-1 checkpoint from its redundancy, in one process, no MPI
+(``ckptfmt rebuild``; ``spec/redundancy.md`` §6).
+
+A level-1 checkpoint is spread over node-local directories, one per node: name them with a
+``{node}`` template (``/local/{node}/ckpt/step-0000000100``), a mapping from node to directory,
+or one directory that holds every node's files. Every member's data is read (each CRC checked) and
+every parity file; what is missing or damaged is rebuilt set by set (one set in memory at a time)
+and written back: damaged files are replaced one by one (temporary name, then rename), a node's
+directory that is gone is recreated whole (staging directory, metadata, files, manifest last,
+rename), exactly as the collective rebuild at restart does. Beyond the tolerance nothing is
+written and :class:`UnrecoverableDamageError` names the ranks, nodes and tensors lost.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.errors import CkptError, UnrecoverableDamageError, UsageError
+from ckptfmt.manifest.codec import parse_manifest
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.protocol import write_metadata
+from ckptfmt.parallel.rebuild import plan_all
+from ckptfmt.reader import read_manifest_bytes
+from ckptfmt.redundancy.engine import MemberBuffers, run_ops
+from ckptfmt.redundancy.record import RedundancyRecord, record_of
+from ckptfmt.storage import commit
+from ckptfmt.storage.files import Inside
+from ckptfmt.storage.members import assess_member, buffer_sizes, write_member, write_parity
+
+NodeDirs = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]]
+
+
+@dataclass
+class RepairReport:
+    """What :func:`rebuild` found and did."""
+
+    where: str
+    step: int | None = None
+    scheme: str | None = None
+    lost_data: list[int] = field(default_factory=list)
+    lost_parity: list[int] = field(default_factory=list)
+    recreated: list[str] = field(default_factory=list)  # directories made anew
+    files_written: list[str] = field(default_factory=list)  # "<dir>: <file>"
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def repaired(self) -> bool:
+        return bool(self.lost_data or self.lost_parity)
+
+
+def node_dirs(spec: NodeDirs) -> tuple[Manifest, bytes, dict[str, Path]]:
+    """The manifest (and its bytes) of a level-1 checkpoint and each node's directory.
+
+    ``spec``: a ``{node}`` template, a mapping node -> directory, or one directory for all. The
+    manifest comes from the first committed directory (in node order) that parses."""
+    if isinstance(spec, Mapping):
+        given = {str(k): Path(v) for k, v in spec.items()}
+        candidates = list(given.values())
+    else:
+        text = os.fspath(spec)
+        if "{node}" in text:
+            pattern = glob.escape(text).replace(glob.escape("{node}"), "*")
+            candidates = [Path(p) for p in sorted(glob.glob(pattern))]
+        else:
+            candidates = [Path(text)]
+        given = {}
+    errors = []
+    for path in candidates:
+        try:
+            data = read_manifest_bytes(path)
+            manifest = parse_manifest(data, str(path))
+        except CkptError as exc:
+            errors.append(str(exc))
+            continue
+        nodes = sorted({r.node for r in manifest.ranks})
+        if isinstance(spec, Mapping):
+            missing = [n for n in nodes if n not in given]
+            if missing:
+                raise UsageError(f"no directory given for node(s) {', '.join(missing)}")
+            return manifest, data, {n: given[n] for n in nodes}
+        text = os.fspath(spec)
+        if "{node}" in text:
+            return manifest, data, {n: Path(text.replace("{node}", n)) for n in nodes}
+        return manifest, data, {n: Path(text) for n in nodes}
+    from ckptfmt.errors import NotACheckpointError
+
+    shown = os.fspath(spec) if not isinstance(spec, Mapping) else ", ".join(map(str, candidates))
+    raise NotACheckpointError(
+        shown, "no committed copy found" + (f" ({'; '.join(errors[:3])})" if errors else "")
+    )
+
+
+def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> RepairReport:
+    """Repair a level-1 checkpoint offline (module docstring). Returns the report; raises
+    :class:`UnrecoverableDamageError` when the damage is beyond the redundancy (nothing is
+    written then), :class:`NotACheckpointError` when no directory holds a readable manifest."""
+    started = time.perf_counter()
+    manifest, data, dirs = node_dirs(spec)
+    shown = os.fspath(spec) if not isinstance(spec, Mapping) else "the node directories"
+    report = RepairReport(shown, manifest.step)
+    record = record_of(manifest)
+    intact_dir: dict[Path, bool] = {}
+    for d in set(dirs.values()):
+        try:
+            intact_dir[d] = parse_manifest(read_manifest_bytes(d)).save_id == manifest.save_id
+        except CkptError:
+            intact_dir[d] = False
+    dir_of = {r.rank: dirs[r.node] for r in manifest.ranks}
+    if record is None:
+        return _check_without_redundancy(manifest, dir_of, intact_dir, report, shown)
+    report.scheme = record.scheme
+    # one pass over every set to learn what is lost (and fail before writing anything)
+    status: list[dict[str, Any]] = []
+    for rank in range(manifest.world_size):
+        bufs = _buffers(record, rank)
+        src = Inside(dir_of[rank]) if intact_dir[dir_of[rank]] else None
+        damage, parity_ok = assess_member(src, manifest, record, rank, bufs.data, bufs.parity)
+        report.bytes_read += bufs.data.size + bufs.parity.size
+        status.append({"data_ok": not damage, "parity_ok": parity_ok, "damage": damage})
+    report.lost_data = [r for r, s in enumerate(status) if not s["data_ok"]]
+    report.lost_parity = [r for r, s in enumerate(status) if not all(s["parity_ok"])]
+    plans = plan_all(record, status, shown, manifest)
+    if not report.repaired or dry_run:
+        report.seconds = time.perf_counter() - started
+        return report
+    recreate = sorted({d for d, ok in intact_dir.items() if not ok}, key=str)
+    staging = {d: commit.staging_dir(d.absolute(), manifest.save_id) for d in recreate}
+    try:
+        for d in recreate:
+            final = d.absolute()
+            if final.exists() and not commit.is_committed(final):
+                commit.remove(final)
+            commit.prepare(final, manifest.save_id, overwrite=True)
+            write_metadata(staging[d], manifest, fsync)
+        for i, ops in plans:
+            s = record.sets[i]
+            local = {}
+            for j, rank in enumerate(s.members):  # read again: one set in memory at a time
+                bufs = _buffers(record, rank)
+                src = Inside(dir_of[rank]) if intact_dir[dir_of[rank]] else None
+                assess_member(src, manifest, record, rank, bufs.data, bufs.parity)
+                if not status[rank]["data_ok"]:
+                    bufs.data[:] = 0
+                step = bufs.parity.size // max(len(status[rank]["parity_ok"]), 1)
+                for p, ok in enumerate(status[rank]["parity_ok"]):
+                    if not ok:
+                        bufs.parity[p * step : (p + 1) * step] = 0
+                local[j] = bufs
+            run_ops(ops, s.members, s.sizes, s.chunk, local)
+            for j, rank in enumerate(s.members):
+                d = dir_of[rank]
+                target = staging.get(d, d)
+                if not status[rank]["data_ok"]:
+                    only = None if d in staging else [e.file for e in status[rank]["damage"]]
+                    for f in write_member(target, manifest, rank, local[j].data, only, fsync):
+                        report.files_written.append(f"{d}: {f}")
+                if not all(status[rank]["parity_ok"]):
+                    write_parity(target, s.parity[j], local[j].parity, fsync)
+                    report.files_written.append(f"{d}: {s.parity[j].path}")
+        for d in recreate:
+            commit.finalize(staging[d], d.absolute(), data, manifest.save_id, fsync)
+            report.recreated.append(str(d))
+    except BaseException:
+        for st in staging.values():
+            commit.abort(st)
+        raise
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _buffers(record: RedundancyRecord, rank: int) -> MemberBuffers:
+    n_data, n_parity = buffer_sizes(record, rank)
+    return MemberBuffers(np.zeros(n_data, np.uint8), np.zeros(n_parity, np.uint8))
+
+
+def _check_without_redundancy(
+    manifest: Manifest,
+    dir_of: dict[int, Path],
+    intact_dir: dict[Path, bool],
+    report: RepairReport,
+    shown: str,
+) -> RepairReport:
+    """No redundancy: healthy (nothing to do) or unrecoverable."""
+    from ckptfmt.parallel.rebuild import lost_tensors
+    from ckptfmt.redundancy.record import member_size
+    from ckptfmt.storage.members import read_member
+
+    lost = []
+    for rank in range(manifest.world_size):
+        d = dir_of[rank]
+        buf = np.zeros(member_size(manifest, rank), np.uint8)
+        if not intact_dir[d] or read_member(Inside(d), manifest, rank, buf, verify=True):
+            lost.append(rank)
+    if lost:
+        raise UnrecoverableDamageError(
+            shown,
+            "damaged, and the save has no redundancy to rebuild from",
+            lost,
+            sorted({manifest.ranks[r].node for r in lost}),
+            lost_tensors(manifest, set(lost)),
+        )
+    return report
