@@ -29,6 +29,7 @@ from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.protocol import write_metadata
 from ckptfmt.parallel.rebuild import plan_all
 from ckptfmt.reader import read_manifest_bytes
+from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops
 from ckptfmt.redundancy.record import RedundancyRecord, record_of
 from ckptfmt.storage import commit
@@ -209,3 +210,59 @@ def _check_without_redundancy(
             lost_tensors(manifest, set(lost)),
         )
     return report
+
+
+def encode_offline(
+    manifest: Manifest,
+    dir_of: Mapping[int, str | os.PathLike[str]],
+    red: Redundancy,
+    fsync: bool = True,
+) -> Manifest:
+    """Encode redundancy for a checkpoint whose data files are already written, in one process:
+    ``dir_of[rank]`` is the (staging) directory holding rank ``rank``'s files; each rank's parity
+    file is written there. Returns ``manifest`` with the record in ``levels["1"]`` (the caller
+    writes it and commits). The sets follow ``manifest.ranks``' nodes, as a save's do. Used by
+    ``ckptfmt reshard``; one set in memory at a time."""
+    from dataclasses import replace
+
+    from ckptfmt.codecs.crc32c import crc32c
+    from ckptfmt.parallel.encode import make_record, member_sets, set_geometry
+    from ckptfmt.redundancy.record import parity_path
+    from ckptfmt.redundancy.stripes import encode_plan
+    from ckptfmt.storage.files import write_gather
+    from ckptfmt.storage.members import read_member
+
+    sets = member_sets(red, [r.node for r in manifest.ranks])
+    parity: dict[int, dict[str, Any]] = {}
+    for members in sets:
+        sizes, chunk, parity_bytes = set_geometry(red, manifest, members)
+        n = len(members)
+        local = {}
+        for j, rank in enumerate(members):
+            if red.scheme == "partner":
+                bufs = MemberBuffers(np.zeros(sizes[j], np.uint8), np.zeros(sizes[j - 1], np.uint8))
+            else:
+                bufs = MemberBuffers(
+                    np.zeros((n - red.m) * chunk, np.uint8), np.zeros(parity_bytes, np.uint8)
+                )
+            damage = read_member(Inside(Path(dir_of[rank])), manifest, rank, bufs.data, True)
+            if damage:
+                raise damage[0]
+            local[j] = bufs
+        run_ops(encode_plan(red.scheme, n, red.m), members, sizes, chunk, local)
+        for j, rank in enumerate(members):
+            buf = local[j].parity
+            k = max(red.m, 1)
+            step = buf.size // k
+            path = Path(dir_of[rank]) / parity_path(rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_gather(path, [buf.data], fsync)
+            parity[rank] = {
+                "path": parity_path(rank),
+                "size": int(buf.size),
+                "crc32c": [crc32c(buf[p * step : (p + 1) * step]) for p in range(k)],
+            }
+    record = make_record(red, manifest, sets, [parity[r] for r in range(manifest.world_size)])
+    levels = dict(manifest.levels)
+    levels["1"] = {**dict(levels.get("1", {})), "redundancy": record.to_json()}
+    return replace(manifest, levels=levels)
