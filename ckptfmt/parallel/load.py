@@ -1,65 +1,113 @@
-"""Collective load of one checkpoint: every rank gets what it wants, reading only its own
-directory and receiving the rest from the ranks that wrote it.
+"""Collective load of one checkpoint by any number of ranks: every rank gets what it wants,
+reading only the inner chunks it needs from its own directory and receiving the rest.
 
 Every rank calls :func:`load_collective` with the directory it can see (its node's level-1 copy,
-or the shared level-3 copy) and what it wants of each tensor (the whole tensor, or a region).
-For each stored region, in manifest order: if every rank wants all of it, its writer reads it
-(verified) and broadcasts it; otherwise each wanting rank that shares the writer's directory reads
-it itself, and the writer sends it to the others. Damage found by any rank is voted on at the end,
-so no rank is left waiting; then every rank raises.
+or the shared level-3 copy) and what it wants of each tensor (the whole tensor, or a box). The
+job may have another size than the one that saved (``spec/reshard.md``):
+
+1. Each rank reads and checks the manifest and finds out which saved nodes' files its directory
+   holds (given by ``node`` for a level-1 copy; else one file per saved node is looked up). The
+   ranks exchange that, their wanted boxes and their options (one all-gather).
+2. Every rank computes the same plan (``ckptfmt.reshard``): for each tensor the inner chunks each
+   rank needs, and who reads them (``reshard.route``): a file every rank needs whole is read by
+   one rank and broadcast; otherwise a rank reads its own chunks where its directory holds the
+   file, and one rank that holds it reads and sends them where it does not. If some needed file
+   is held by no current rank, every rank raises :class:`UnreachableNodesError` naming the saved
+   nodes (the caller then tries the level-3 copy). Per-rank entries follow the rules of
+   ``reshard.per_rank`` (an explicit error, or a warning when dropping was asked for).
+3. Each rank reads its chunks (verified; concurrently, a few threads per host).
+4. Broadcasts and sends in one global order, the same on every rank (so no rank waits for a
+   transfer that another rank has not reached).
+5. Damage found by any rank is voted on at the end, so no rank is left waiting; then every
+   rank raises :class:`LoadFailedError`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+import socket
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ckptfmt.errors import CkptError, DamagedError
+from ckptfmt.codecs.grid import flat_range, is_contiguous_box
+from ckptfmt.errors import CkptError, DamagedError, UsageError
 from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
+from ckptfmt.manifest.model import (
+    GroupEntry,
+    Manifest,
+    PerRankValueEntry,
+    TensorEntry,
+    ValueEntry,
+)
 from ckptfmt.parallel.comm import Comm
-from ckptfmt.parallel.protocol import groups_of
 from ckptfmt.reader import geometry, read_manifest
+from ckptfmt.reshard import per_rank as rules
+from ckptfmt.reshard.per_rank import PerRankWarning, RankMap
+from ckptfmt.reshard.plan import Box, FileRead, Layout, check_box
+from ckptfmt.reshard.route import Delivery, FileTask, TensorRoute, route
 from ckptfmt.state import unflatten
+from ckptfmt.storage.chunk_reads import read_chunks
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.shard_io import read_region
+from ckptfmt.storage.shard_io import Geometry
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
+_TAGS = 1 << 15  # MPI guarantees tags up to 32767
 
 
 class LoadFailedError(CkptError):
     """A collective load failed on some rank (``failures``: rank -> message)."""
 
-    def __init__(self, failures: dict[int, str]) -> None:
+    def __init__(self, failures: dict[int, str], message: str | None = None) -> None:
         self.failures = failures
-        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-        super().__init__(f"load failed on {len(failures)} rank(s): {lines}")
+        if message is None:
+            lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+            message = f"load failed on {len(failures)} rank(s): {lines}"
+        super().__init__(message)
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
-    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= low for low, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - low for low, h in zip(lo, hi))
+class UnreachableNodesError(LoadFailedError):
+    """Files the current ranks need were written on saved nodes whose directory no current rank
+    sees (a level-1 copy of a node that is gone or not part of the job). ``nodes``: those nodes;
+    ``writers``: their saved ranks. Another copy (level 3) may still load."""
+
+    def __init__(self, nodes: Sequence[str], writers: Sequence[int]) -> None:
+        self.nodes = tuple(nodes)
+        self.writers = tuple(writers)
+        shown = ", ".join(map(str, writers[:16])) + (" …" if len(writers) > 16 else "")
+        super().__init__(
+            {},
+            f"no current rank sees the files written on node(s) {', '.join(nodes)} "
+            f"(saved ranks {shown})",
+        )
 
 
-def _copy(dst: np.ndarray, dst_box: Box, src: np.ndarray, src_box: Box) -> None:
-    """Copy the overlap of two boxes (global coordinates) from ``src`` into ``dst``."""
-    inter = _intersect(dst_box, src_box) if dst_box[1] else (dst_box if not src_box[1] else None)
-    if inter is None:
-        return
-    if not dst_box[1]:  # 0-d
-        dst[...] = src
-        return
-    lo, shape = inter
-    dst[tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, dst_box[0], shape))] = src[
-        tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, src_box[0], shape))
-    ]
+def _visible_nodes(src: Inside, m: Manifest, node: str | None) -> list[str]:
+    """The saved nodes whose data files this rank's directory holds: ``node``'s alone when the
+    caller says the directory is that node's level-1 copy; otherwise the nodes of which one
+    data file is there (one look-up per node, nothing read)."""
+    probes: dict[str, tuple[str, int]] = {}
+    for t in m.tensors():
+        for r in t.regions:
+            if r.files:
+                probes.setdefault(m.ranks[r.rank].node, (r.files[0].path, r.files[0].size))
+    if node is not None:
+        return [node] if node in probes else []
+    out = []
+    for n, (path, size) in probes.items():
+        try:
+            src.check_size(path, size)
+        except DamagedError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                out.append(n)  # there, but damaged: reading it will say so
+            continue
+        out.append(n)
+    return out
 
 
 def load_collective(
@@ -68,33 +116,50 @@ def load_collective(
     wants: Mapping[str, Box | None] | None = None,
     group: str | None = None,
     expect_step: int | None = None,
+    *,
+    node: str | None = None,
+    rank_map: RankMap = None,
+    per_rank: str = "error",
+    threads: int = 2,
 ) -> tuple[dict[str, Any], Manifest]:
-    """Collective: load the checkpoint every rank sees at ``path`` (its own copy).
+    """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
+    number of ranks.
 
-    ``wants`` maps tensor names ('/'-joined) to a region ``(offset, shape)`` or None (the whole
-    tensor); tensors not named are loaded whole. ``group``: ranks with equal keys see the same
-    directory (as in ``save_collective``). Returns the nested state (regions as arrays of the
-    region's shape) and the manifest.
+    ``wants`` maps tensor names ('/'-joined) to a box ``(offset, shape)`` or None (the whole
+    tensor); tensors not named are loaded whole. ``node``: the directory is this node's level-1
+    copy (it holds the files of the saved ranks of ``node``); without it, which saved nodes'
+    files the directory holds is looked up (one file per node). ``group`` is accepted for
+    callers of the same-size load and not needed any more. ``rank_map`` and ``per_rank``
+    ("error" or "drop") decide what happens to per-rank entries when the number of ranks
+    changed (``reshard.per_rank``); every rank must pass the same. ``threads``: concurrent
+    readers per host. Returns the nested state (boxes as arrays of the box's shape, per-rank
+    entries as this rank's own item) and the manifest.
     """
+    del group  # which files a directory holds is found out, not assumed (see above)
     root = Path(path).absolute()
+    src = Inside(root)
     error: str | None = None
     manifest: Manifest | None = None
+    visible: list[str] | None = None
     try:
         manifest = read_manifest(root)
         if expect_step is not None and manifest.step != expect_step:
             error = f"{root} holds step {manifest.step}, not {expect_step} (a misplaced copy)"
+        else:
+            visible = _visible_nodes(src, manifest, node)
     except CkptError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    want_json = {
-        k: (None if v is None else [list(v[0]), list(v[1])]) for k, v in (wants or {}).items()
-    }
     info = comm.allgather_json(
         {
-            "path": str(root),
-            "group": group if group is not None else str(root),
             "error": error,
-            "wants": want_json,
+            "wants": {
+                k: (None if v is None else [list(v[0]), list(v[1])])
+                for k, v in (wants or {}).items()
+            },
             "save_id": manifest.save_id if manifest else None,
+            "visible": visible,
+            "host": socket.gethostname(),
+            "options": [rules.rank_map_json(rank_map), per_rank],
         }
     )
     failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
@@ -103,75 +168,276 @@ def load_collective(
     if failures:
         raise LoadFailedError(failures)
     assert manifest is not None
-    if manifest.world_size != comm.size:
-        raise LoadFailedError(
-            {
-                comm.rank: f"saved by {manifest.world_size} ranks, loading with "
-                f"{comm.size} (resharding is not supported yet)"
-            }
-        )
-    leaders = groups_of([i["group"] for i in info])
-    src = Inside(root)
-    out: dict[str, np.ndarray] = {}
-    tag = 0
-    for t in manifest.tensors():
-        name = display(t.name)
-        geo = geometry(t)
-        whole: Box = ((0,) * len(t.shape), t.shape)
-        boxes: list[Box] = []
-        for k, i in enumerate(info):
-            w = i["wants"].get(name)
-            if w is None and t.per_rank:  # each rank its own row
-                boxes.append(((k,) + (0,) * (len(t.shape) - 1), (1, *t.shape[1:])))
-            else:
-                boxes.append(whole if w is None else (tuple(w[0]), tuple(w[1])))
-        mine = boxes[comm.rank]
-        out[name] = np.empty(mine[1], dtype=geo.dtype)
-        for r in t.regions:
-            rbox: Box = (r.offset, r.shape)
-            wanting = [k for k, b in enumerate(boxes) if _intersect(b, rbox) or not t.shape]
-            if not wanting:
-                continue
-            everyone = all(b == whole for b in boxes)
-            buf: np.ndarray | None = None
-            if comm.rank == r.rank or (
-                not everyone and comm.rank in wanting and leaders[comm.rank] == leaders[r.rank]
-            ):
-                buf = np.zeros(r.shape, dtype=geo.dtype)
-                if error is None:
-                    try:
-                        read_region(src, geo, r.files, r.offset, buf, (name,))
-                    except (DamagedError, OSError) as exc:
-                        error = f"{type(exc).__name__}: {exc}"
-            if everyone and comm.size > 1:
-                if buf is None:
-                    buf = np.empty(r.shape, dtype=geo.dtype)
-                comm.bcast_buffer(buf.reshape(-1).view(np.uint8), r.rank)
-            elif comm.size > 1:
-                remote = [k for k in wanting if leaders[k] != leaders[r.rank]]
-                if comm.rank == r.rank and buf is not None:
-                    for k in remote:
-                        comm.send(buf.reshape(-1).view(np.uint8), k, tag)
-                elif comm.rank in remote:
-                    buf = np.empty(r.shape, dtype=geo.dtype)
-                    comm.recv(buf.reshape(-1).view(np.uint8), r.rank, tag)
-                tag += 1
-            if buf is not None and comm.rank in wanting:
-                _copy(out[name], mine, buf, rbox)
+    if any(i["options"] != info[0]["options"] for i in info):
+        raise UsageError("every rank must pass the same rank_map and per_rank options")
+    resolution = rules.resolve(
+        [display(e.name) for e in manifest.entries if _is_per_rank(e)],
+        manifest.world_size,
+        comm.size,
+        rank_map,
+        per_rank,
+    )
+    if resolution.warning:
+        warnings.warn(resolution.warning, PerRankWarning, stacklevel=2)
+    sees = [
+        {w for w, ri in enumerate(manifest.ranks) if ri.node in set(i["visible"])} for i in info
+    ]
+    plans = _plan(manifest, info, resolution.sources, sees)
+    same_host = sum(1 for i in info if i["host"] == info[comm.rank]["host"])
+    loaded, error = _execute(comm, src, plans, max(1, threads // same_host))
     gathered = comm.allgather_json(error)
     failures = {r: e for r, e in enumerate(gathered) if e}
     if failures:
         raise LoadFailedError(failures)
+    mine = resolution.sources[comm.rank]
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
-            arr = out[display(e.name)]
-            own_row = e.per_rank and display(e.name) not in (wants or {})
-            leaves.append((e.name, arr.reshape(e.shape[1:]) if own_row else arr))
+            if not e.per_rank:
+                leaves.append((e.name, loaded[display(e.name)]))
+            elif mine is not None:
+                leaves.append((e.name, loaded[display(e.name)].reshape(e.shape[1:])))
         elif isinstance(e, ValueEntry):
             leaves.append((e.name, e.value))
         elif isinstance(e, GroupEntry):
             leaves.append((e.name, {}))
-        else:
-            leaves.append((e.name, e.values[comm.rank]))
+        elif mine is not None:
+            leaves.append((e.name, e.values[mine]))
     return unflatten(leaves), manifest
+
+
+def _is_per_rank(e: object) -> bool:
+    return isinstance(e, PerRankValueEntry) or (isinstance(e, TensorEntry) and e.per_rank)
+
+
+class _Plan:
+    """One tensor's part of the load: its geometry, every rank's box and the route."""
+
+    def __init__(self, t: TensorEntry, boxes: list[Box], r: TensorRoute) -> None:
+        self.t, self.boxes, self.route = t, boxes, r
+        self.name = display(t.name)
+        self.geo: Geometry = geometry(t)
+
+
+def _plan(
+    m: Manifest,
+    info: list[dict[str, Any]],
+    sources: Sequence[int | None],
+    sees: list[set[int]],
+) -> list[_Plan]:
+    """Every rank's boxes and the route of every tensor (the same on every rank); raises the
+    same error on every rank for a box outside its tensor or files no rank sees."""
+    load = [0] * len(info)
+    out = []
+    unseen: set[int] = set()
+    for t in m.tensors():
+        name = display(t.name)
+        whole: Box = ((0,) * len(t.shape), t.shape)
+        boxes: list[Box] = []
+        for rank, i in enumerate(info):
+            w = i["wants"].get(name)
+            if t.per_rank:
+                if w is not None:
+                    raise UsageError(f"rank {rank} wants a box of per-rank tensor {name!r}")
+                row = sources[rank]
+                rest = t.shape[1:]
+                boxes.append(
+                    ((row, *(0,) * len(rest)), (1, *rest))
+                    if row is not None
+                    else ((0,) * len(t.shape), (0, *rest))
+                )
+                continue
+            box: Box = whole if w is None else (tuple(w[0]), tuple(w[1]))
+            check_box(t.shape, box, f"rank {rank}'s box of {name!r}")
+            boxes.append(box)
+        geo = geometry(t)
+        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes)
+        unseen.update(r.unseen)
+        out.append(_Plan(t, boxes, r))
+    if unseen:
+        writers = sorted(unseen)
+        nodes = sorted({m.ranks[w].node for w in writers})
+        raise UnreachableNodesError(nodes, writers)
+    return out
+
+
+def _execute(
+    comm: Comm, src: Inside, plans: list[_Plan], threads: int
+) -> tuple[dict[str, np.ndarray], str | None]:
+    """Steps 3 and 4: this rank's reads, then the transfers in global order. Returns the
+    arrays (by name) and this rank's first error (damage is voted on by the caller)."""
+    me = comm.rank
+    outs: dict[str, np.ndarray] = {}
+    errors: list[str] = []
+    lock = threading.Lock()
+    jobs: list[Callable[[], None]] = []
+    bcast_bufs: dict[tuple[int, int], np.ndarray] = {}
+    send_bufs: dict[tuple[int, int], np.ndarray] = {}
+    for pi, p in enumerate(plans):
+        out = np.empty(p.boxes[me][1], dtype=p.geo.dtype)
+        outs[p.name] = out
+        slices: dict[int, np.ndarray] = {}  # id(task) -> its part of the broadcast buffer
+        mine = p.route.bcast_tasks(me)
+        if mine:
+            buf = np.empty(sum(len(t.slots) for t in mine) * p.geo.chunk_nbytes, np.uint8)
+            bcast_bufs[(pi, me)] = buf
+            pos = 0
+            for t in mine:
+                n = len(t.slots) * p.geo.chunk_nbytes
+                slices[id(t)] = buf[pos : pos + n]
+                pos += n
+        packs: dict[tuple[int, int], np.ndarray] = {}  # (id(task), dest) -> its part of a send
+        for s, d, items in p.route.messages():
+            if s != me:
+                continue
+            flat = np.empty(sum(dl.nelems for _, dl in items), dtype=p.geo.dtype)
+            send_bufs[(pi, d)] = flat
+            pos = 0
+            for t, dl in items:
+                packs[(id(t), d)] = flat[pos : pos + dl.nelems]
+                pos += dl.nelems
+        for t in p.route.tasks_of(me):
+            jobs.append(
+                functools.partial(
+                    _read_task,
+                    src,
+                    p,
+                    t,
+                    out,
+                    slices.get(id(t)),
+                    [(dl, packs[(id(t), dl.dest)]) for dl in t.deliveries],
+                    errors,
+                    lock,
+                )
+            )
+    if threads > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
+    else:
+        for job in jobs:
+            job()
+    tag = 0
+    for pi, p in enumerate(plans):
+        out = outs[p.name]
+        origin = p.boxes[me][0]
+        for root in p.route.bcast_roots():
+            tasks = p.route.bcast_tasks(root)
+            got = bcast_bufs.get((pi, root))
+            buf = (
+                got
+                if got is not None
+                else np.empty(sum(len(t.slots) for t in tasks) * p.geo.chunk_nbytes, np.uint8)
+            )
+            comm.bcast_buffer(buf, root)
+            if root != me:
+                _place_broadcast(p, tasks, buf, out, origin, me)
+        for s, d, items in p.route.messages():
+            if me == s:
+                comm.send(send_bufs[(pi, d)].reshape(-1).view(np.uint8), d, tag)
+            elif me == d:
+                flat = np.empty(sum(dl.nelems for _, dl in items), dtype=p.geo.dtype)
+                comm.recv(flat.view(np.uint8), s, tag)
+                _unpack(flat, [dl for _, dl in items], out, origin)
+            tag = (tag + 1) % _TAGS
+    return outs, (errors[0] if errors else None)
+
+
+def _chunk(geo: Geometry, raw: np.ndarray | memoryview) -> np.ndarray:
+    return np.frombuffer(raw, dtype=geo.dtype).reshape(geo.chunk_shape)
+
+
+def _read_task(
+    src: Inside,
+    p: _Plan,
+    task: FileTask,
+    out: np.ndarray,
+    bcast: np.ndarray | None,
+    deliveries: list[tuple[Delivery, np.ndarray]],
+    errors: list[str],
+    lock: threading.Lock,
+) -> None:
+    """Read one file task's chunks (verified) and put each piece where it goes: this rank's
+    own into ``out``, the others' into their send buffers or the broadcast buffer."""
+    geo, nb = p.geo, p.geo.chunk_nbytes
+    origin = p.boxes[task.reader][0]
+    own = {pc.slot: pc for pc in (task.own.pieces if task.own else ())}
+    out_bytes = out.reshape(-1).view(np.uint8)
+    targets: list[memoryview] = []
+    direct: set[int] = set()
+    n_scratch = 0
+    if bcast is None:
+        for s in task.slots:
+            pc = own.get(s)
+            if pc is not None and pc.shape == geo.chunk_shape:
+                lo = tuple(a - o for a, o in zip(pc.lo, origin))
+                hi = tuple(a + n for a, n in zip(lo, pc.shape))
+                if is_contiguous_box(out.shape, lo, hi):
+                    start, _ = flat_range(out.shape, lo, hi)
+                    start *= geo.dtype.itemsize
+                    targets.append(memoryview(out_bytes[start : start + nb]))  # type: ignore[arg-type]
+                    direct.add(s)
+                    continue
+            targets.append(memoryview(b""))  # filled below
+            n_scratch += 1
+        scratch = np.empty(n_scratch * nb, np.uint8)
+        k = 0
+        for i, s in enumerate(task.slots):
+            if s not in direct:
+                targets[i] = memoryview(scratch[k * nb : (k + 1) * nb])  # type: ignore[arg-type]
+                k += 1
+    else:
+        targets = [
+            memoryview(bcast[i * nb : (i + 1) * nb])  # type: ignore[arg-type]
+            for i in range(len(task.slots))
+        ]
+    t = p.t
+    ref = t.regions[task.file.region].files[task.file.file]
+    try:
+        read_chunks(src, geo, ref, task.file.cell, task.slots, targets, task.whole, (p.name,))
+    except (CkptError, OSError) as exc:
+        with lock:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        return
+    chunks = {s: _chunk(geo, targets[i]) for i, s in enumerate(task.slots)}
+    for s, pc in own.items():
+        if s not in direct:
+            out[pc.dst(origin)] = chunks[s][pc.src()]
+    for dl, flat in deliveries:
+        pos = 0
+        for pc in dl.pieces:
+            flat[pos : pos + pc.nelems] = chunks[pc.slot][pc.src()].reshape(-1)
+            pos += pc.nelems
+
+
+def _place_broadcast(
+    p: _Plan,
+    tasks: list[FileTask],
+    buf: np.ndarray,
+    out: np.ndarray,
+    origin: tuple[int, ...],
+    me: int,
+) -> None:
+    """Copy this rank's pieces out of a broadcast of whole chunks."""
+    nb = p.geo.chunk_nbytes
+    mine: dict[tuple[int, int], FileRead] = {fr.key: fr for fr in p.route.reads[me]}
+    pos = 0
+    for t in tasks:
+        fr = mine.get(t.file.key)
+        if fr is not None:
+            index = {s: i for i, s in enumerate(t.slots)}
+            for pc in fr.pieces:
+                at = pos + index[pc.slot] * nb
+                out[pc.dst(origin)] = _chunk(p.geo, buf[at : at + nb])[pc.src()]
+        pos += len(t.slots) * nb
+
+
+def _unpack(
+    flat: np.ndarray, deliveries: list[Delivery], out: np.ndarray, origin: tuple[int, ...]
+) -> None:
+    """Place received pieces (packed in delivery order) into ``out``."""
+    pos = 0
+    for dl in deliveries:
+        for pc in dl.pieces:
+            out[pc.dst(origin)] = flat[pos : pos + pc.nelems].reshape(pc.shape)
+            pos += pc.nelems

@@ -1,0 +1,152 @@
+"""Who reads which chunks, and what goes over the communicator (a pure function).
+
+Given the read plans of every current rank for one tensor (``plan.plan_reads`` of its wanted
+box) and which saved writers' files each current rank can open (its own directory: on level 3
+every file, on level 1 the files of its node's writers), :func:`route` decides, the same on every
+rank:
+
+1. A file whose every in-bounds chunk every rank needs (replicated state, more than one rank):
+   one rank that can open it reads it whole and broadcasts the chunks.
+2. Otherwise each rank that needs part of the file and can open it reads its own chunks itself,
+   and nothing else of the file.
+3. The ranks that need part of it but cannot open it (another node's level-1 copy) are served by
+   one rank that can: it reads the union of their chunks (and its own) once and sends each its
+   pieces, packed.
+
+The reader of cases 1 and 3 is the file's writer rank when that rank exists and can open the file
+(a job restarted at its saved size behaves as before), else a rank that reads the file anyway,
+else the least-loaded rank that can open it (bytes assigned so far; ties: the lowest rank).
+Files that no current rank can open are reported in ``unseen`` (by writer rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from dataclasses import dataclass
+
+from ckptfmt.reshard.plan import Box, FileRead, Layout, Piece, plan_reads
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Pieces of one file that a reader packs and sends to ``dest`` (which cannot open it)."""
+
+    dest: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nelems(self) -> int:
+        return sum(p.nelems for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class FileTask:
+    """One rank reads chunks ``slots`` of one file once: for its own box (``own``: its read
+    plan of the file, None if it needs none of it), for the ranks in ``deliveries``, or for
+    everyone (``bcast``: every in-bounds chunk, broadcast)."""
+
+    reader: int
+    file: FileRead  # geometry of the file (cell, writer, present chunks)
+    slots: tuple[int, ...]
+    own: FileRead | None
+    deliveries: tuple[Delivery, ...]
+    bcast: bool
+
+    @property
+    def whole(self) -> bool:
+        return len(self.slots) == self.file.n_present
+
+
+@dataclass(frozen=True)
+class TensorRoute:
+    """The route of one tensor: each rank's read plan, the file tasks (file order), and the
+    writer ranks of needed files that no current rank can open."""
+
+    reads: tuple[tuple[FileRead, ...], ...]
+    tasks: tuple[FileTask, ...]
+    unseen: tuple[int, ...]
+
+    def tasks_of(self, rank: int) -> list[FileTask]:
+        return [t for t in self.tasks if t.reader == rank]
+
+    def bcast_roots(self) -> list[int]:
+        return sorted({t.reader for t in self.tasks if t.bcast})
+
+    def bcast_tasks(self, root: int) -> list[FileTask]:
+        return [t for t in self.tasks if t.bcast and t.reader == root]
+
+    def messages(self) -> list[tuple[int, int, list[tuple[FileTask, Delivery]]]]:
+        """Point-to-point transfers ``(source, dest, [(task, delivery)])``, ordered by
+        ``(source, dest)``, items in file order."""
+        out: dict[tuple[int, int], list[tuple[FileTask, Delivery]]] = {}
+        for t in self.tasks:
+            for d in t.deliveries:
+                out.setdefault((t.reader, d.dest), []).append((t, d))
+        return [(s, d, items) for (s, d), items in sorted(out.items())]
+
+
+def route(
+    layout: Layout,
+    wants: Sequence[Box],
+    sees: Sequence[Set[int]],
+    load: list[int],
+    chunk_nbytes: int,
+) -> TensorRoute:
+    """Route the reads of one tensor for ``len(wants)`` current ranks.
+
+    ``wants[d]`` is rank d's box; ``sees[d]`` the saved writer ranks whose files rank d can
+    open; ``load[d]`` the bytes rank d reads so far (updated). Deterministic.
+    """
+    size = len(wants)
+    cache: dict[Box, tuple[FileRead, ...]] = {}
+    for w in wants:
+        if w not in cache:  # replicas want the same box: plan it once
+            cache[w] = plan_reads(layout, w)
+    reads = tuple(cache[w] for w in wants)
+    by_key: dict[tuple[int, int], dict[int, FileRead]] = {}
+    for d, rs in enumerate(reads):
+        for fr in rs:
+            by_key.setdefault(fr.key, {})[d] = fr
+    tasks: list[FileTask] = []
+    unseen: set[int] = set()
+    for key in sorted(by_key):
+        needing = by_key[key]
+        any_read = next(iter(needing.values()))
+        writer = any_read.writer
+        seers = [k for k in range(size) if writer in sees[k]]
+        if not seers:
+            unseen.add(writer)
+            continue
+        if size > 1 and len(needing) == size and all(fr.whole for fr in needing.values()):
+            root = _choose(seers, writer, needing, load)
+            load[root] += any_read.n_present * chunk_nbytes
+            tasks.append(FileTask(root, any_read, any_read.slots, needing[root], (), True))
+            continue
+        remote = [d for d in sorted(needing) if d not in seers]
+        helper = _choose(seers, writer, needing, load) if remote else None
+        for d in sorted(needing):
+            if d in seers and d != helper:
+                fr = needing[d]
+                load[d] += len(fr.pieces) * chunk_nbytes
+                tasks.append(FileTask(d, fr, fr.slots, fr, (), False))
+        if helper is not None:
+            own = needing.get(helper)
+            slots = set(own.slots if own else ())
+            for d in remote:
+                slots.update(needing[d].slots)
+            load[helper] += len(slots) * chunk_nbytes
+            deliveries = tuple(Delivery(d, needing[d].pieces) for d in remote)
+            tasks.append(
+                FileTask(helper, any_read, tuple(sorted(slots)), own, deliveries, False)
+            )
+    tasks.sort(key=lambda t: (t.file.key, t.reader))
+    return TensorRoute(reads, tuple(tasks), tuple(sorted(unseen)))
+
+
+def _choose(
+    seers: list[int], writer: int, needing: dict[int, FileRead], load: list[int]
+) -> int:
+    if writer in seers:
+        return writer
+    readers = [k for k in seers if k in needing] or seers
+    return min(readers, key=lambda k: (load[k], k))

@@ -1,0 +1,142 @@
+"""Reading some inner chunks of a shard file, each verified (the reader of a reshard plan).
+
+:func:`read_chunks` opens one shard file, checks its size against the manifest, reads and checks
+its index (CRC and placement, ``spec/FORMAT.md`` §8), then reads the requested chunks, coalescing
+chunks that lie back to back into one ``preadv`` straight into the caller's buffers, and checks
+each chunk's CRC32C. When the request covers every in-bounds chunk of the file, the file's data
+CRC (§10) is checked as well. Nothing else of the file is read.
+
+:func:`record_reads` counts what is read (files, chunks, bytes, and which chunks of which file),
+so that tests and benchmarks can check that a rank read only what it needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ckptfmt.codecs.crc32c import crc32c
+from ckptfmt.codecs.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
+from ckptfmt.errors import ChecksumError, CorruptShardError, MissingFileError, SizeMismatchError
+from ckptfmt.manifest.model import FileRef
+from ckptfmt.storage.files import Inside, read_scatter
+from ckptfmt.storage.shard_io import Geometry
+
+_CRC = struct.Struct("<I")
+_BATCH = 2 << 20  # bytes per coalesced read
+
+
+@dataclass
+class ReadLog:
+    """What :func:`read_chunks` read while recording: totals and ``(file, slots)`` per read."""
+
+    files: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    reads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+
+_lock = threading.Lock()
+_logs: list[ReadLog] = []
+
+
+@contextlib.contextmanager
+def record_reads() -> Iterator[ReadLog]:
+    """Record every :func:`read_chunks` of this process (all threads) while in the block."""
+    log = ReadLog()
+    with _lock:
+        _logs.append(log)
+    try:
+        yield log
+    finally:
+        with _lock:
+            _logs.remove(log)
+
+
+def _note(path: str, slots: Sequence[int], nbytes: int) -> None:
+    if not _logs:
+        return
+    with _lock:
+        for log in _logs:
+            log.files += 1
+            log.chunks += len(slots)
+            log.bytes += nbytes
+            log.reads.append((path, tuple(slots)))
+
+
+def read_chunks(
+    src: Inside,
+    geo: Geometry,
+    ref: FileRef,
+    cell: tuple[int, ...],
+    slots: Sequence[int],
+    targets: Sequence[memoryview],
+    whole: bool,
+    tensors: Sequence[str] = (),
+) -> None:
+    """Fill ``targets[i]`` (a writable byte view of one chunk's payload, ``geo.chunk_nbytes``
+    bytes) with inner chunk ``slots[i]`` (ascending) of the shard file ``ref`` at grid ``cell``,
+    every chunk's CRC32C checked; with ``whole`` (``slots`` are all in-bounds chunks) the file's
+    data CRC too. Raises a :class:`~ckptfmt.errors.DamagedError` naming the file."""
+    try:
+        fd = src.open_fd(ref.path)
+    except FileNotFoundError:
+        raise MissingFileError(ref.path, tensors) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != ref.size:
+            raise SizeMismatchError(ref.path, ref.size, size, tensors)
+        nb = geo.chunk_nbytes + CRC_BYTES
+        if not geo.shape:  # 0-d: the element and its CRC, no index
+            spans = [(0, nb)]
+            index_read = 0
+        else:
+            n_idx = index_nbytes(geo.n_slots)
+            if size < n_idx:
+                raise CorruptShardError(ref.path, "shorter than its index", tensors)
+            table = decode_index(
+                os.pread(fd, n_idx, size - n_idx), geo.n_slots, size, ref.path, tensors
+            )
+            index_read = n_idx
+            spans = []
+            for s in slots:
+                off, n = int(table[s, 0]), int(table[s, 1])
+                if off == EMPTY:
+                    raise CorruptShardError(ref.path, f"inner chunk {s} is missing", tensors)
+                if n != nb:
+                    raise CorruptShardError(
+                        ref.path, f"chunk at {off} has {n} bytes, expected {nb}", tensors
+                    )
+                spans.append((off, n))
+        crcs = [bytearray(CRC_BYTES) for _ in slots]
+        data_crc = FileCrc()
+        i = 0
+        while i < len(spans):
+            # chunks stored back to back go in one preadv, up to a batch that stays in cache
+            # while its CRCs are computed
+            j = i + 1
+            while j < len(spans) and spans[j][0] == spans[j - 1][0] + nb and (j - i) * nb < _BATCH:
+                j += 1
+            bufs: list[memoryview] = []
+            for k in range(i, j):
+                bufs += [targets[k], memoryview(crcs[k])]
+            try:
+                read_scatter(fd, bufs, spans[i][0])
+            except EOFError:
+                raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
+            for k in range(i, j):
+                actual = crc32c(targets[k])
+                (want,) = _CRC.unpack_from(crcs[k], 0)
+                if actual != want:
+                    raise ChecksumError(ref.path, f"chunk {slots[k]}", want, actual, tensors)
+                data_crc.add(actual, len(targets[k]))
+            i = j
+        if whole and data_crc.crc != ref.crc32c:
+            raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, data_crc.crc, tensors)
+        _note(ref.path, slots, index_read + len(spans) * nb)
+    finally:
+        os.close(fd)
