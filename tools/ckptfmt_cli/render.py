@@ -42,6 +42,17 @@ def shape_text(shape: list[int]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+def _redundancy_text(red: dict[str, Any] | None) -> str:
+    if red is None:
+        return "none"
+    scheme = red["scheme"] + (f" (m={red['m']})" if red["scheme"] == "rs" else "")
+    sets = "; ".join(rank_ranges(s) for s in red["sets"])
+    return (
+        f"{scheme} over {len(red['sets'])} set(s) of ranks {sets}; parity "
+        f"{human_bytes(red['parity_bytes'])} ({100 * red['overhead']:.1f}% of the data) on level 1"
+    )
+
+
 def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False) -> None:
     """Print the inspect document as a header, a tensor table, a value table and totals."""
     head = Table.grid(padding=(0, 2))
@@ -63,6 +74,7 @@ def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False)
          or "unknown"),
         ("world", world),
         ("levels", ", ".join(doc["levels"]) or "none recorded"),
+        ("redundancy", _redundancy_text(doc.get("redundancy"))),
     ):
         head.add_row(key, plain(value))
     console.print(head)

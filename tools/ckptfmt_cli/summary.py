@@ -12,11 +12,13 @@ from typing import Any
 from ckptfmt import Checkpoint
 from ckptfmt.manifest.model import (
     GroupEntry,
+    Manifest,
     PerRankValueEntry,
     Region,
     TensorEntry,
     ValueEntry,
 )
+from ckptfmt.redundancy.record import record_of
 
 REPR_CHARS = 60
 
@@ -101,6 +103,7 @@ def describe(ckpt: Checkpoint, *, regions: bool = False) -> dict[str, Any]:
             "nodes": [{"node": node, "ranks": ranks} for node, ranks in nodes.items()],
         },
         "levels": sorted(m.levels),
+        "redundancy": _redundancy(m),
         "totals": {
             "tensors": len(tensors),
             "values": len(values),
@@ -111,6 +114,22 @@ def describe(ckpt: Checkpoint, *, regions: bool = False) -> dict[str, Any]:
         "tensors": tensors,
         "values": values,
         "empty_groups": groups,
+    }
+
+
+def _redundancy(m: Manifest) -> dict[str, Any] | None:
+    """The level-1 redundancy record in brief (None when the save has none)."""
+    rec = record_of(m)
+    if rec is None:
+        return None
+    data = sum(sum(s.sizes) for s in rec.sets)
+    parity = sum(f.size for s in rec.sets for f in s.parity)
+    return {
+        "scheme": rec.scheme,
+        "m": rec.m,
+        "sets": [list(s.members) for s in rec.sets],
+        "parity_bytes": parity,
+        "overhead": parity / data if data else 0.0,
     }
 
 
