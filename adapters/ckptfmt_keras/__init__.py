@@ -1,0 +1,66 @@
+"""Keras 3 / TensorFlow adapter for ckptfmt: Keras and TensorFlow state <-> named numpy arrays.
+
+    import ckptfmt_keras as ck
+
+    ck.save("ckpt/step-100", model, counters={"epoch": 3})   # model + optimizer, bit-exact
+    counters = ck.load("ckpt/step-100", model)               # into a model built the same way
+    ck.to_arrays(model)                                      # {"mlp/dense/kernel": ndarray, ...}
+    ck.assign(model, arrays, name_map=..., transform=...)    # by name, nothing cast
+
+    model.compile(optimizer=ck.distributed_optimizer(keras.optimizers.Adam(), comm), ...)
+    model.fit(..., callbacks=[ck.BackupAndRestore("/shared/ckpt", save_freq=100, comm=comm)])
+
+The checkpoints are ordinary ckptfmt checkpoints: ``ckptfmt.open`` or plain zarr read them in a
+process that never imports TensorFlow. Conversion only; saving, levels and restoring are the core's
+(``ckptfmt.CheckpointManager``).
+"""
+
+from __future__ import annotations
+
+from ckptfmt_keras.callback import BackupAndRestore
+from ckptfmt_keras.checkpoint import (
+    load,
+    load_variables,
+    restore_training_state,
+    save,
+    save_variables,
+    training_state,
+)
+from ckptfmt_keras.convert import (
+    StateMismatchError,
+    assign,
+    flat_names,
+    named_variables,
+    nest,
+    to_arrays,
+)
+from ckptfmt_keras.data import ResumableDataset
+from ckptfmt_keras.parallel import (
+    ReplicaWarning,
+    average_arrays,
+    average_gradients,
+    broadcast_variables,
+    distributed_optimizer,
+)
+
+__all__ = [
+    "BackupAndRestore",
+    "ReplicaWarning",
+    "ResumableDataset",
+    "StateMismatchError",
+    "assign",
+    "average_arrays",
+    "average_gradients",
+    "broadcast_variables",
+    "distributed_optimizer",
+    "flat_names",
+    "load",
+    "load_variables",
+    "named_variables",
+    "nest",
+    "restore_training_state",
+    "save",
+    "save_variables",
+    "to_arrays",
+    "training_state",
+]

@@ -1,0 +1,325 @@
+"""``BackupAndRestore``: Keras's callback of that name, on ckptfmt's multi-level checkpoints, for
+one process or every worker of a data-parallel job.
+
+    model.fit(data.tf_dataset(), epochs=10, callbacks=[
+        BackupAndRestore("/shared/ckpt", save_freq=100, local_dir="/local/ckpt/{node}",
+                         comm=MpiComm(), dataset=data)])
+
+It takes ``keras.callbacks.BackupAndRestore``'s arguments (``backup_dir``, ``save_freq``,
+``double_checkpoint``, ``delete_checkpoint``) and these:
+
+- ``local_dir``: level 1, node-local (may contain ``{node}``), each checkpoint copied to
+  ``backup_dir`` (level 3) every ``flush_every``-th save in the background; without it every save
+  goes to ``backup_dir`` directly. ``keep_local`` / ``keep_shared`` checkpoints are kept on each
+  level (default 1, or 2 with ``double_checkpoint``). ``redundancy`` (``"partner"``, ``"xor"``,
+  ``"rs"``, or a policy) protects level 1 across nodes; it and ``flush_every`` mean what they
+  mean to ``ckptfmt.CheckpointManager``, which does all the saving.
+- ``comm``: the ranks (``ckptfmt.parallel.mpi.MpiComm()``; one process when omitted). Every
+  worker holds the whole model and passes all of it; ckptfmt writes each tensor once, the
+  writing spread over all workers. Every call is collective: all workers run ``fit`` alike.
+- ``dataset``: anything with ``set_epoch(epoch)`` (``ResumableDataset``), called at every epoch's
+  start.
+
+What it saves: the model's variables, the optimizer's, each worker's metric accumulators (so a
+resumed epoch reports what an uninterrupted one would), and the counters ``epoch``, ``step``
+(batches done in that epoch), ``global_step`` and ``optimizer_iterations``. Saves are
+asynchronous: ``fit`` waits only while the variables are copied out.
+
+How ``fit`` resumes, at ``on_train_begin``: the newest checkpoint every worker can load (level 1
+first, then level 3, then older ones) is loaded into the model and optimizer; ``fit`` starts at
+its epoch (as Keras's callback does); the ``step`` batches of that epoch already trained are then
+taken from the data and passed over without training, so the data must give the same batches in
+the same order for an epoch each time (``ResumableDataset``, or arrays with ``shuffle=False``).
+With nothing to restore and several workers, every replica starts from rank 0's weights.
+
+On ``on_train_end`` the newest checkpoint is flushed to ``backup_dir`` and, with
+``delete_checkpoint`` (Keras's default), everything is deleted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+
+from ckptfmt.errors import UsageError
+from ckptfmt.parallel.comm import Comm, SingleComm
+from ckptfmt.parallel.manager import CheckpointManager, RestoreReport
+from ckptfmt.state import PerRank
+from ckptfmt_keras.checkpoint import restore_training_state
+from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
+from ckptfmt_keras.parallel import (
+    ReplicaWarning,
+    agree,
+    broadcast_variables,
+    is_distributed,
+)
+
+# Managers of fits that ended by an exception (no on_train_end), by backup directory: the next
+# fit on that directory in this process closes the old one before it restores.
+_OPEN: dict[str, CheckpointManager] = {}
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Back up the training state while ``fit`` runs and resume it, at the right epoch and step,
+    when ``fit`` runs again after a crash. See the module docstring."""
+
+    def __init__(
+        self,
+        backup_dir: str | Path,
+        save_freq: str | int | bool = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+        *,
+        local_dir: str | Path | None = None,
+        flush_every: int | None = None,
+        keep_local: int | None = None,
+        keep_shared: int | None = None,
+        redundancy: Any = None,
+        comm: Comm | None = None,
+        node: str | None = None,
+        dataset: Any = None,
+        include_optimizer: bool = True,
+        include_metrics: bool = True,
+        async_save: bool = True,
+        fsync: bool = True,
+        on_error: str = "warn",
+    ) -> None:
+        super().__init__()
+        if not backup_dir:
+            raise UsageError("Empty `backup_dir` argument passed")
+        if save_freq not in ("epoch", False) and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise UsageError(
+                f"save_freq is 'epoch', a positive number of batches or False, not {save_freq!r}"
+            )
+        if dataset is not None and not callable(getattr(dataset, "set_epoch", None)):
+            raise UsageError("dataset must have a set_epoch(epoch) method")
+        keep = 2 if double_checkpoint else 1
+        self.backup_dir = Path(backup_dir)
+        self.save_freq = save_freq
+        self.double_checkpoint = double_checkpoint
+        self.delete_checkpoint = delete_checkpoint
+        self.comm = comm or SingleComm()
+        self.dataset = dataset
+        self.include_optimizer = include_optimizer
+        self.include_metrics = include_metrics
+        self._manager_options: dict[str, Any] = {
+            "local_dir": None if local_dir is None else str(local_dir),
+            "shared_dir": self.backup_dir,
+            "comm": self.comm,
+            "node": node,
+            "flush_every": flush_every,
+            "keep_local": keep if keep_local is None else keep_local,
+            "keep_shared": keep if keep_shared is None else keep_shared,
+            "async_save": async_save,
+            "on_error": on_error,
+            "fsync": fsync,
+            "redundancy": redundancy,
+        }
+        self.manager: CheckpointManager | None = None
+        self.last_restore: RestoreReport | None = None
+        self.restored_counters: dict[str, int] | None = None
+        self.replica_fixes: list[tuple[int, list[str]]] = []  # (global step, names)
+        self._epoch = self._step = self._global = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, batches to pass over)
+        self._pending_metrics: dict[str, Any] | None = None
+        self._set_initial_epoch = False
+
+    # --- fit's hooks -----------------------------------------------------------------------------
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        model = self.model
+        if not model.built:
+            raise UsageError(
+                "build the model before fit() (call it on a batch, or give it an Input) so "
+                "that its variables exist to be restored"
+            )
+        opt = self._optimizer()
+        if self.comm.size > 1 and opt is not None and is_distributed(opt) and model.jit_compile:
+            raise UsageError(
+                "the gradient exchange cannot run under XLA: compile with jit_compile=False"
+            )
+        key = str(self.backup_dir.absolute())
+        stale = _OPEN.pop(key, None)
+        if stale is not None:  # a fit that ended by an exception left it open
+            stale.close(flush=False)
+        self.manager = _OPEN[key] = CheckpointManager(**self._manager_options)
+        self._epoch = self._step = self._global = 0
+        self._resume, self._pending_metrics = None, None
+        step = self.manager.restore()
+        self.last_restore = self.manager.last_restore
+        if step is None:
+            self.restored_counters = None
+            broadcast_variables(model, self.comm)  # replicas start from rank 0's weights
+            if opt is not None and opt.built:
+                broadcast_variables(opt, self.comm)
+            return
+        state = self.manager.restored_state or {}
+        counters = restore_training_state(
+            model, state, optimizer=opt if self.include_optimizer else None
+        )
+        self.restored_counters = counters
+        self._epoch, self._step = counters["epoch"], counters["step"]
+        self._global = counters["global_step"]
+        if self._epoch:
+            model._initial_epoch = self._epoch
+            self._set_initial_epoch = True
+        if self._step:
+            self._resume = (self._epoch, self._step)
+            self._pass_over(self._step)
+            if self.include_metrics and "metrics" in state:
+                self._pending_metrics = state["metrics"]
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        if self.dataset is not None:
+            self.dataset.set_epoch(epoch)
+        self._epoch, self._step = epoch, 0
+        if self._resume is not None and self._resume[0] == epoch:
+            self._step = self._resume[1]  # passed over by the wrapped train function
+        else:
+            self._pending_metrics = None
+        self._resume = None
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        done = batch + 1
+        if done <= self._step:  # a batch passed over while resuming
+            return
+        before = self._global
+        self._global += done - self._step
+        self._step = done
+        freq = self.save_freq
+        if not isinstance(freq, (str, bool)) and self._global // freq > before // freq:
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._epoch, self._step = epoch + 1, 0
+        if self.save_freq == "epoch":
+            self._save()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._restore_train_function()
+        if self._set_initial_epoch:
+            self.model._initial_epoch = None
+            self._set_initial_epoch = False
+        if self.manager is None:
+            return
+        manager, self.manager = self.manager, None
+        _OPEN.pop(str(self.backup_dir.absolute()), None)
+        manager.close(flush=not self.delete_checkpoint)
+        if self.delete_checkpoint:
+            self._delete(manager)
+
+    # --- saving ----------------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        """Collective: copy the state out (the only part ``fit`` waits for) and hand it to the
+        manager, which writes it in the background."""
+        assert self.manager is not None
+        opt = self._optimizer() if self.include_optimizer else None
+        model_vars = named_variables(self.model)
+        arrays = {f"model/{n}": np.asarray(v.numpy()) for n, v in model_vars.items()}
+        opt_vars = named_variables(opt) if opt is not None else {}
+        arrays.update({f"optimizer/{n}": np.asarray(v.numpy()) for n, v in opt_vars.items()})
+        differ = agree(arrays, self.comm)
+        if differ:
+            self._fix_replicas(differ, arrays, model_vars, opt_vars)
+        state: dict[str, Any] = nest(arrays)
+        if opt is not None and "optimizer" not in state:
+            state["optimizer"] = {}
+        if self.include_metrics:
+            state["metrics"] = nest(
+                {
+                    name: PerRank(np.asarray(v.numpy()))
+                    for name, v in named_variables(self.model.metrics_variables).items()
+                }
+            )
+        state["counters"] = {
+            "epoch": self._epoch,
+            "step": self._step,
+            "global_step": self._global,
+            "optimizer_iterations": int(opt.iterations.numpy()) if opt is not None else 0,
+        }
+        self.manager.save(self._global, state)
+
+    def _fix_replicas(
+        self,
+        differ: list[str],
+        arrays: dict[str, np.ndarray],
+        model_vars: dict[str, Any],
+        opt_vars: dict[str, Any],
+    ) -> None:
+        """Replicas that drifted apart (non-trainable state each worker updates from its own
+        batches): every worker takes rank 0's values, so the checkpoint is one consistent state
+        and resuming gives what the uninterrupted run has."""
+        for name in differ:
+            kind, _, var = name.partition("/")
+            (model_vars if kind == "model" else opt_vars)[var].assign(arrays[name])
+        self.replica_fixes.append((self._global, differ))
+        if self.comm.rank == 0:
+            warnings.warn(
+                f"replicas differed in {len(differ)} variable(s) at step {self._global} "
+                f"({', '.join(differ[:5])}); rank 0's values taken",
+                ReplicaWarning,
+                stacklevel=3,
+            )
+
+    # --- resuming --------------------------------------------------------------------------------
+
+    def _restore_metrics(self, batch: Any) -> None:
+        """At the resumed epoch's first batch (after ``fit`` reset the metrics): set this
+        worker's saved accumulators. Compiled metrics create their variables when first used,
+        so build them first from the batch's shapes, as ``fit`` itself does (nothing runs)."""
+        saved, self._pending_metrics = self._pending_metrics or {}, None
+        compiled = getattr(self.model, "_compile_metrics", None)
+        if compiled is not None and not compiled.built:
+            self.model._symbolic_build(data_batch=batch)
+        assign(self.model.metrics_variables, flat_names(saved), strict=False)
+
+    def _pass_over(self, batches: int) -> None:
+        """Wrap ``model.train_function`` (built by ``fit`` before ``on_train_begin``) so that the
+        first ``batches`` batches are taken from the data without training; then unwrap."""
+        model = self.model
+        original = getattr(model.train_function, "_ckptfmt_original", model.train_function)
+        per_call = int(getattr(model, "steps_per_execution", 1) or 1)
+        remaining = [batches]
+
+        def train_function(iterator: Any) -> dict[str, Any]:
+            for _ in range(per_call):
+                batch = next(iterator)
+                if self._pending_metrics is not None:
+                    self._restore_metrics(batch)
+            remaining[0] -= per_call
+            if remaining[0] <= 0:
+                model.train_function = original
+            return {}
+
+        train_function._ckptfmt_original = original  # type: ignore[attr-defined]
+        model.train_function = train_function
+
+    def _restore_train_function(self) -> None:
+        model = self.model
+        original = getattr(model.train_function, "_ckptfmt_original", None)
+        if original is not None:
+            model.train_function = original
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _optimizer(self) -> Any:
+        return getattr(self.model, "optimizer", None)
+
+    def _delete(self, manager: CheckpointManager) -> None:
+        """Collective: remove every level's directory (rank 0 the shared one, the lowest rank of
+        each node its node's)."""
+        nodes = self.comm.allgather_json(manager.node)
+        self.comm.barrier()
+        if manager.local_root is not None and nodes.index(manager.node) == self.comm.rank:
+            shutil.rmtree(manager.local_root, ignore_errors=True)
+        if self.comm.rank == 0:
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+        self.comm.barrier()

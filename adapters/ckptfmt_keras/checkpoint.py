@@ -1,0 +1,128 @@
+"""A Keras model's training state as one ckptfmt state, and its single-process save and load.
+
+The layout (each ``/`` a level of the checkpoint, every tensor a plain zarr array)::
+
+    model/<variable path>        every variable of the model (trainable, non-trainable, seed states)
+    optimizer/<variable name>    every variable of the optimizer (iterations and slots)
+    metrics/<variable path>      the metrics' accumulators (only when asked: the callback does)
+    counters/epoch, counters/step, ...   JSON integers (epoch, step within it, global step,
+                                 optimizer iterations)
+
+Nothing of the model's structure or code is stored: the program builds the model, this fills it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+
+import ckptfmt
+from ckptfmt.manifest.model import Manifest
+from ckptfmt_keras.convert import NameMap, Transform, assign, nest, to_arrays
+
+AUTO = "auto"
+
+
+def _optimizer(model: keras.Model, optimizer: Any) -> Any:
+    return getattr(model, "optimizer", None) if optimizer == AUTO else optimizer
+
+
+def training_state(
+    model: keras.Model,
+    *,
+    optimizer: Any = AUTO,
+    counters: Mapping[str, int] | None = None,
+    metrics: bool = False,
+) -> dict[str, Any]:
+    """The state ckptfmt saves for ``model``: its variables, its optimizer's (``"auto"``: the
+    compiled one, if any; ``None``: none), optionally its metrics' accumulators, and
+    ``counters`` (JSON values). Arrays are copies, taken now."""
+    state: dict[str, Any] = {"model": nest(to_arrays(model))}
+    opt = _optimizer(model, optimizer)
+    if opt is not None:
+        state["optimizer"] = nest(to_arrays(opt))
+    if metrics:
+        state["metrics"] = nest(to_arrays(model.metrics_variables))
+    if counters:
+        state["counters"] = {k: int(v) for k, v in counters.items()}
+    return state
+
+
+def restore_training_state(
+    model: keras.Model,
+    state: Mapping[str, Any],
+    *,
+    optimizer: Any = AUTO,
+    metrics: bool = False,
+    strict: bool = True,
+) -> dict[str, int]:
+    """Copy a state of :func:`training_state` into ``model`` (and its optimizer, built first if
+    it is not yet, and its metrics when asked); return the counters. Bit-exact; nothing is
+    changed if the names, shapes or dtypes do not match (with ``strict``, every variable must be
+    in the state)."""
+    assign(model, state.get("model", {}), strict=strict)
+    opt = _optimizer(model, optimizer)
+    if opt is not None and "optimizer" in state:
+        if not opt.built:  # slots exist only once built; build them to receive the values
+            opt.build(model.trainable_variables)
+        assign(opt, state["optimizer"], strict=strict)
+    if metrics and "metrics" in state:
+        assign(model.metrics_variables, state["metrics"], strict=False)
+    return {k: int(v) for k, v in dict(state.get("counters", {})).items()}
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: keras.Model,
+    *,
+    optimizer: Any = AUTO,
+    counters: Mapping[str, int] | None = None,
+    step: int | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> Manifest:
+    """Save ``model`` (and its optimizer) as a ckptfmt checkpoint at ``path`` (one process;
+    several ranks use ``BackupAndRestore`` or ``ckptfmt.CheckpointManager``)."""
+    state = training_state(model, optimizer=optimizer, counters=counters)
+    return ckptfmt.save(state, path, step=step, overwrite=overwrite, fsync=fsync)
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: keras.Model,
+    *,
+    optimizer: Any = AUTO,
+    strict: bool = True,
+) -> dict[str, int]:
+    """Load a checkpoint written by :func:`save` into ``model`` (and its optimizer); every byte
+    is verified. Returns the saved counters (empty when there were none)."""
+    return restore_training_state(model, ckptfmt.load(path), optimizer=optimizer, strict=strict)
+
+
+def save_variables(
+    path: str | os.PathLike[str],
+    obj: Any,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> Manifest:
+    """Save the variables of any object ``to_arrays`` takes (a ``tf.Module``, a Keras layer or
+    optimizer, a mapping or list of variables), by name, as a ckptfmt checkpoint."""
+    return ckptfmt.save(nest(to_arrays(obj)), path, step=step, overwrite=overwrite, fsync=fsync)
+
+
+def load_variables(
+    path: str | os.PathLike[str],
+    obj: Any,
+    *,
+    strict: bool = True,
+    name_map: NameMap | None = None,
+    transform: Transform | None = None,
+) -> list[str]:
+    """Assign the tensors of the checkpoint at ``path`` to the variables of ``obj`` by name
+    (see ``assign``; only the tensors used are read, each verified); return the names set."""
+    return assign(obj, ckptfmt.open(path), strict=strict, name_map=name_map, transform=transform)

@@ -1,0 +1,253 @@
+"""Keras 3 / TensorFlow variables <-> named numpy arrays, bit for bit.
+
+What gets which names (components joined by ``/``; each becomes a level of the checkpoint):
+
+- a Keras layer or model: its variables' ``path`` (``"mlp/dense/kernel"``), the paths Keras
+  gives, stable as long as the model is built the same way (give layers explicit names where a
+  program builds several models: Keras numbers unnamed ones, ``dense``, ``dense_1``, ... in the
+  order they are created); the states of seed generators (dropout), which Keras numbers across
+  the process, are named after the layers owning them (``"mlp/dropout/seed_generator_state"``);
+- a Keras optimizer: its variables' ``path`` without the optimizer's name, which Keras numbers
+  (``"iteration"``, ``"mlp_dense_kernel_momentum"``; a ``LossScaleOptimizer`` has its own and
+  its inner optimizer's under ``"inner_optimizer/"``);
+- a ``tf.Module``: the attribute path to each variable (``"encoder/layers/0/w"``), which is how
+  ``tf.train.Checkpoint`` finds them too (a variable's own ``name`` need not be unique);
+- a mapping: its keys (values are variables);
+- a sequence of variables: each one's ``path`` (Keras) or ``name`` without ``:0`` (TensorFlow).
+
+Values are copied exactly: ``bfloat16`` as ``ml_dtypes.bfloat16`` (what TensorFlow's own numpy
+conversion gives), NaN payloads and ``-0.0`` kept. ``assign`` never casts and never reshapes: a
+mismatch is an error, found before any variable is changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ckptfmt.errors import UsageError
+from ckptfmt.reader import Checkpoint
+
+NameMap = Mapping[str, str] | Callable[[str], str | None]
+Transform = Callable[[str, np.ndarray], np.ndarray]
+
+
+class StateMismatchError(UsageError):
+    """Arrays and variables do not match: names missing on either side, or shapes or dtypes that
+    differ (``mismatched``: name -> (what the variable has, what the array has))."""
+
+    def __init__(
+        self,
+        missing: list[str],
+        unexpected: list[str],
+        mismatched: dict[str, tuple[str, str]],
+    ) -> None:
+        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+        parts = []
+        if missing:
+            parts.append(f"no array for {len(missing)} variable(s): {_few(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} array(s) match no variable: {_few(unexpected)}")
+        for name, (want, got) in list(mismatched.items())[:5]:
+            parts.append(f"{name}: the variable is {want}, the array {got}")
+        if len(mismatched) > 5:
+            parts.append(f"... {len(mismatched) - 5} more mismatches")
+        super().__init__("; ".join(parts))
+
+
+def _few(names: list[str], n: int = 8) -> str:
+    shown = ", ".join(names[:n])
+    return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+# --- names ----------------------------------------------------------------------------------------
+
+
+def _variable_name(v: Any) -> str:
+    if isinstance(v, keras.Variable):
+        return str(v.path)
+    name = str(v.name)
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, (keras.Variable, tf.Variable))
+
+
+def _seed_state_names(layer: Any) -> dict[int, str]:
+    """Names for the states of the layers' seed generators (dropout, noise): Keras numbers them
+    across the whole process (``seed_generator_7/seed_generator_state``), so they are named
+    after the layers that own them instead: ``<model>/<layer>/.../seed_generator_state``
+    (``seed_generator_<i>_state`` for a layer with several)."""
+    names: dict[int, str] = {}
+
+    def walk(owner: Any, prefix: str) -> None:
+        generators = list(getattr(owner, "_seed_generators", []))
+        for i, gen in enumerate(generators):
+            leaf = "seed_generator_state" if len(generators) == 1 else f"seed_generator_{i}_state"
+            names.setdefault(id(gen.state), f"{prefix}/{leaf}")
+        for child in owner._flatten_layers(include_self=False, recursive=False):
+            walk(child, f"{prefix}/{child.name}")
+
+    walk(layer, layer.name)
+    return names
+
+
+def _optimizer_variables(opt: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """An optimizer's variables named without the optimizer's own name, which Keras numbers
+    across the process (``adam_3/iteration`` -> ``iteration``); a wrapped optimizer's (the
+    ``LossScaleOptimizer``'s) under ``inner_optimizer/``."""
+    inner = getattr(opt, "inner_optimizer", None)
+    inner_ids = {id(v) for v in inner.variables} if inner is not None else set()
+    own = f"{opt.name}/"
+    pairs = []
+    for v in opt.variables:
+        if id(v) not in inner_ids:
+            name = _variable_name(v)
+            pairs.append((prefix + (name[len(own) :] if name.startswith(own) else name), v))
+    if inner is not None:
+        pairs += _optimizer_variables(inner, f"{prefix}inner_optimizer/")
+    return pairs
+
+
+def named_variables(obj: Any) -> dict[str, Any]:
+    """The variables of ``obj`` by name (see the module docstring for the naming), in the
+    object's own order. Raises ``UsageError`` when two variables would share a name."""
+    if isinstance(obj, keras.layers.Layer):
+        seeds = _seed_state_names(obj)
+        pairs = [(seeds.get(id(v)) or _variable_name(v), v) for v in obj.variables]
+    elif isinstance(obj, keras.optimizers.Optimizer):
+        pairs = _optimizer_variables(obj)
+    elif isinstance(obj, tf.Module):
+        pairs = [
+            ("/".join(str(p) for p in path), v)
+            for path, v in obj._flatten(predicate=_is_variable, with_path=True)
+        ]
+    elif isinstance(obj, Mapping):
+        pairs = [(str(k), v) for k, v in obj.items()]
+    elif _is_variable(obj):
+        pairs = [(_variable_name(obj), obj)]
+    elif isinstance(obj, Iterable):
+        pairs = [(_variable_name(v), v) for v in obj]
+    else:
+        raise UsageError(f"cannot find variables in a {type(obj).__name__}")
+    out: dict[str, Any] = {}
+    for name, v in pairs:
+        if not _is_variable(v):
+            raise UsageError(f"{name!r} is a {type(v).__name__}, not a variable")
+        if name in out and out[name] is not v:
+            raise UsageError(
+                f"two variables are named {name!r}; name the layers (or variables) apart"
+            )
+        out[name] = v
+    return out
+
+
+def numpy_dtype(v: Any) -> np.dtype:
+    """The numpy dtype of a Keras or TensorFlow variable (``ml_dtypes.bfloat16`` for bfloat16)."""
+    return np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype)
+
+
+# --- variables -> arrays --------------------------------------------------------------------------
+
+
+def to_arrays(obj: Any) -> dict[str, np.ndarray]:
+    """A copy of every variable of ``obj`` as a numpy array, by name (flat, ``/``-joined)."""
+    return {name: np.asarray(v.numpy()) for name, v in named_variables(obj).items()}
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}``: the nested mapping ckptfmt saves."""
+    root: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, last = name.split("/")
+        node = root
+        for p in parents:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"{name!r}: {p!r} is both a variable and a prefix of another")
+            node = child
+        if last in node:
+            raise UsageError(f"{name!r}: a variable's name is a prefix of another's")
+        node[last] = value
+    return root
+
+
+def flat_names(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Inverse of :func:`nest`; a ``ckptfmt.Checkpoint`` gives its tensors (lazy views). An
+    empty mapping (a group with nothing in it) contributes nothing."""
+    if isinstance(nested, Checkpoint):
+        return {
+            n[len(prefix) :]: view for n, view in nested.tensors().items() if n.startswith(prefix)
+        }
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        if isinstance(value, Mapping):
+            out.update(flat_names(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# --- arrays -> variables --------------------------------------------------------------------------
+
+
+def assign(
+    obj: Any,
+    arrays: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    name_map: NameMap | None = None,
+    transform: Transform | None = None,
+) -> list[str]:
+    """Copy ``arrays`` into the variables of ``obj`` by name; return the names assigned.
+
+    ``arrays`` is flat (``"mlp/dense/kernel"``) or nested (what ``ckptfmt.load`` returns), or a
+    ``ckptfmt.Checkpoint`` (read lazily, only the tensors used). ``name_map`` maps a variable's
+    name to the name of its array in ``arrays`` (a mapping, or a function returning ``None`` for
+    "no array"): how a checkpoint written by another framework, with other names, is read.
+    ``transform(name, array)`` may change an array first (a transpose, say). With ``strict``,
+    every variable must get an array and, without ``name_map``, every array a variable.
+
+    Shapes and dtypes must match exactly: nothing is cast, so what is loaded is bit-exact. Every
+    check is made before any variable is changed.
+    """
+    variables = named_variables(obj)
+    source = flat_names(arrays)
+    plan: list[tuple[str, Any, Any]] = []
+    missing: list[str] = []
+    mismatched: dict[str, tuple[str, str]] = {}
+    used: set[str] = set()
+    for name, v in variables.items():
+        if name_map is None:
+            src: str | None = name
+        elif callable(name_map):
+            src = name_map(name)
+        else:
+            src = name_map.get(name)
+        if src is None or src not in source:
+            if strict:
+                missing.append(name if src is None or src == name else f"{name} (<- {src})")
+            continue
+        used.add(src)
+        value = np.asarray(source[src])
+        if transform is not None:
+            value = np.asarray(transform(name, value))
+        want_shape, want_dtype = tuple(v.shape), numpy_dtype(v)
+        if value.shape != want_shape or value.dtype != want_dtype:
+            mismatched[name] = (
+                f"{want_dtype}{list(want_shape)}",
+                f"{value.dtype}{list(value.shape)}",
+            )
+            continue
+        plan.append((name, v, value))
+    unexpected = sorted(set(source) - used) if strict and name_map is None else []
+    if missing or unexpected or mismatched:
+        raise StateMismatchError(missing, unexpected, mismatched)
+    for _, v, value in plan:
+        v.assign(value)
+    return [name for name, _, _ in plan]
