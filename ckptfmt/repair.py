@@ -48,7 +48,8 @@ class RepairReport:
     scheme: str | None = None
     lost_data: list[int] = field(default_factory=list)
     lost_parity: list[int] = field(default_factory=list)
-    recreated: list[str] = field(default_factory=list)  # directories made anew
+    lost_nodes: list[str] = field(default_factory=list)  # the nodes of those ranks
+    recreated: list[str] = field(default_factory=list)  # directories made anew (dry run: to be)
     files_written: list[str] = field(default_factory=list)  # "<dir>: <file>"
     bytes_read: int = 0
     seconds: float = 0.0
@@ -129,11 +130,14 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
         status.append({"data_ok": not damage, "parity_ok": parity_ok, "damage": damage})
     report.lost_data = [r for r, s in enumerate(status) if not s["data_ok"]]
     report.lost_parity = [r for r, s in enumerate(status) if not all(s["parity_ok"])]
+    lost = set(report.lost_data) | set(report.lost_parity)
+    report.lost_nodes = sorted({manifest.ranks[r].node for r in lost})
     plans = plan_all(record, status, shown, manifest)
+    recreate = sorted({d for d, ok in intact_dir.items() if not ok}, key=str)
     if not report.repaired or dry_run:
+        report.recreated = [str(d) for d in recreate] if report.repaired else []
         report.seconds = time.perf_counter() - started
         return report
-    recreate = sorted({d for d, ok in intact_dir.items() if not ok}, key=str)
     staging = {d: commit.staging_dir(d.absolute(), manifest.save_id) for d in recreate}
     try:
         for d in recreate:

@@ -5,6 +5,9 @@ metadata document against the manifest; every data file's presence, size, data C
 its chunk payloads), shard index CRC and inner-chunk CRC32Cs. Each problem names the file and
 the tensors it affects. Files the manifest does not list are reported separately (they do not
 make a checkpoint damaged, but nothing vouches for them).
+
+A level-1 checkpoint spread over node-local directories (a ``{node}`` template or a mapping node
+-> directory) is checked node by node, with its redundancy: :mod:`ckptfmt.verify_parity`.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -32,25 +35,35 @@ from ckptfmt.storage.shard_io import decode_shard, read_file
 
 @dataclass(frozen=True)
 class Problem:
-    """One damaged or missing file."""
+    """One damaged or missing file. ``node``: the node whose level-1 directory holds it, when a
+    checkpoint is verified node by node (else None)."""
 
     file: str
-    kind: str  # missing | size | checksum | corrupt | metadata
+    kind: str  # missing | size | checksum | corrupt | metadata | unreadable | parity
     reason: str
     tensors: tuple[str, ...] = ()
+    node: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "file": self.file,
             "kind": self.kind,
             "reason": self.reason,
             "tensors": list(self.tensors),
         }
+        if self.node is not None:
+            doc["node"] = self.node
+        return doc
 
 
 @dataclass
 class VerifyReport:
-    """What :func:`verify` found. ``healthy`` is true when there are no problems."""
+    """What :func:`verify` found. ``healthy`` is true when there are no problems.
+
+    ``nodes``: node -> directory when verified node by node (else None). ``redundancy``: the
+    level-1 redundancy record in brief and its ``status``: ``"checked"`` (every parity file read,
+    its CRCs and its agreement with the members' data checked) or ``"not present on this level"``
+    (a level-3 copy: no parity files, by design); None when the save has no redundancy."""
 
     path: str
     manifest: Manifest
@@ -58,6 +71,8 @@ class VerifyReport:
     unexpected_files: list[str] = field(default_factory=list)
     files_checked: int = 0
     bytes_checked: int = 0
+    nodes: dict[str, str] | None = None
+    redundancy: dict[str, Any] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -79,6 +94,8 @@ class VerifyReport:
             "problems": [p.to_json() for p in self.problems],
             "damaged_tensors": self.damaged_tensors,
             "unexpected_files": self.unexpected_files,
+            "nodes": self.nodes,
+            "redundancy": self.redundancy,
         }
 
 
@@ -134,21 +151,12 @@ def _check_array(doc: Any, rel: str, t: TensorEntry) -> None:
     check_array_doc(doc, rel, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
 
 
-def verify(
-    path: str | os.PathLike[str],
-    progress: Callable[[int], None] | None = None,
-) -> VerifyReport:
-    """Check a whole checkpoint. ``progress(n)`` is called with each file's size once it is read.
-
-    Raises :class:`NotACheckpointError` or :class:`ManifestError` when there is no readable
-    manifest; every other finding goes into the report.
-    """
-    root = Path(path)
-    data = read_manifest_bytes(root)  # read once: parsed and checked, then schema-validated
-    manifest = parse_manifest(data, str(root / MANIFEST_NAME))
-    check_schema(data, root)
-    src = Inside(root)
-    report = VerifyReport(str(root), manifest)
+def check_metadata(
+    src: Inside, manifest: Manifest, node: str | None = None
+) -> tuple[list[Problem], set[str]]:
+    """Check every zarr metadata document of ``manifest`` in the directory ``src``. Returns the
+    problems (labelled with ``node``) and the paths of the documents (with the manifest's)."""
+    problems: list[Problem] = []
     expected = {MANIFEST_NAME}
 
     def want_group(doc: Any) -> None:
@@ -161,19 +169,62 @@ def verify(
 
     groups = {e.name[:k] for e in manifest.entries for k in range(len(e.name))} | {()}
     groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
+    found: list[Problem | None] = []
     for g in sorted(groups):
         rel = "/".join((*g, "zarr.json"))
         expected.add(rel)
-        problem = _check_doc(src, rel, (), want_group)
-        if problem:
-            report.problems.append(problem)
+        found.append(_check_doc(src, rel, (), want_group))
     for t in manifest.tensors():
-        name = (display(t.name),)
         rel = f"{t.path}/zarr.json"
         expected.add(rel)
-        problem = _check_doc(src, rel, name, functools.partial(_check_array, rel=rel, t=t))
-        if problem:
-            report.problems.append(problem)
+        check = functools.partial(_check_array, rel=rel, t=t)
+        found.append(_check_doc(src, rel, (display(t.name),), check))
+    for p in found:
+        if p is not None:
+            problems.append(replace(p, node=node) if node is not None else p)
+    return problems, expected
+
+
+def unexpected_files(root: Path, expected: set[str]) -> list[str]:
+    """Files under ``root`` (relative, sorted) that are not in ``expected``."""
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
+            if rel not in expected:
+                out.append(rel)
+    return sorted(out)
+
+
+def verify(
+    path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check a whole checkpoint. ``progress(n)`` is called with each file's size once it is read.
+
+    ``path``: the checkpoint's directory; or, for a level-1 checkpoint spread over node-local
+    directories, a ``{node}`` template (``/local/{node}/ckpt/step-0000000100``) or a mapping
+    node -> directory, checked node by node with its parity (:mod:`ckptfmt.verify_parity`).
+    A single directory is checked as a whole checkpoint; when its manifest records level-1
+    redundancy but it holds no parity files (a level-3 copy), the report says the redundancy is
+    not present on this level, which is not a problem.
+
+    Raises :class:`NotACheckpointError` or :class:`ManifestError` when there is no readable
+    manifest; every other finding goes into the report.
+    """
+    if isinstance(path, Mapping) or "{node}" in os.fspath(path):
+        from ckptfmt.verify_parity import verify_nodes
+
+        return verify_nodes(path, progress)
+    root = Path(path)
+    data = read_manifest_bytes(root)  # read once: parsed and checked, then schema-validated
+    manifest = parse_manifest(data, str(root / MANIFEST_NAME))
+    check_schema(data, root)
+    src = Inside(root)
+    report = VerifyReport(str(root), manifest)
+    report.problems, expected = check_metadata(src, manifest)
+    for t in manifest.tensors():
+        name = (display(t.name),)
         geo = geometry(t)
         for r in t.regions:
             for ref in r.files:
@@ -190,10 +241,8 @@ def verify(
                 report.files_checked += 1
                 if progress:
                     progress(ref.size)
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
-            if rel not in expected:
-                report.unexpected_files.append(rel)
-    report.unexpected_files.sort()
+    from ckptfmt.verify_parity import check_single_dir
+
+    check_single_dir(root, manifest, report, expected)
+    report.unexpected_files = unexpected_files(root, expected)
     return report

@@ -26,8 +26,11 @@ from rich.progress import (
 
 import ckptfmt
 from ckptfmt import VerifyReport
+from ckptfmt.repair import NodeDirs, node_dirs
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
+from ckptfmt_cli.rebuild_cmd import node_spec, rebuild_command
+from ckptfmt_cli.reshard_cmd import reshard_command
 from ckptfmt_cli.summary import describe
 
 
@@ -90,11 +93,11 @@ def inspect_command(path: Path, as_json: bool, regions: bool) -> None:
         render.inspect_tables(render.stdout_console(), doc, regions=regions)
 
 
-def _verify(path: Path, show_progress: bool) -> VerifyReport:
+def _verify(path: NodeDirs, show_progress: bool) -> VerifyReport:
     console = render.stderr_terminal() if show_progress else None
     if console is None:
         return ckptfmt.verify(path)
-    total = sum(f.size for _, f in ckptfmt.open(path).manifest.files())
+    total = sum(f.size for _, f in node_dirs(path)[0].files())
     columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(binary_units=True),
                TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:
@@ -103,19 +106,28 @@ def _verify(path: Path, show_progress: bool) -> VerifyReport:
 
 
 @cli.command("verify")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", required=False)
+@click.option("--node", "nodes", multiple=True, metavar="NAME=DIR",
+              help="Level 1: the step directory of node NAME (repeat for every node); not PATH.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress bar and no report (--json still prints): only the exit status.")
 @click.pass_context
-def verify_command(ctx: click.Context, path: Path, as_json: bool, quiet: bool) -> None:
+def verify_command(
+    ctx: click.Context, path: str | None, nodes: tuple[str, ...], as_json: bool, quiet: bool
+) -> None:
     """Re-read every byte of the checkpoint at PATH and report what is damaged.
 
     Checks the manifest, every zarr metadata document, and every data file's presence, size and
     CRC32C checksums. Each damaged or missing file is named with the tensors it affects. Files the
     manifest does not list are warnings. A progress bar is shown on stderr when it is a terminal.
+
+    A level-1 checkpoint spread over node-local directories is checked node by node: PATH with
+    {node} in place of the node's name (or --node NAME=DIR for each node). Its parity files are
+    checked too (their CRC32Cs, and that they are the parity of the data); a level-3 copy holds
+    none, by design.
     """
-    report = _verify(path, show_progress=not quiet)
+    report = _verify(node_spec(path, nodes), show_progress=not quiet)
     if as_json:
         _json_out(report.to_json())
     elif not quiet:
@@ -141,6 +153,10 @@ def list_command(path: Path, as_json: bool) -> None:
         _json_out(doc)
     else:
         render.level_table(render.stdout_console(), doc)
+
+
+cli.add_command(rebuild_command)
+cli.add_command(reshard_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -135,17 +135,28 @@ def verify_summary(console: Console, report: VerifyReport) -> None:
         console.print(Text("DAMAGED", style="bold red") + where)
         console.print(f"{len(report.problems)} problem(s); {read}")
         table = Table(title="Problems", title_justify="left", title_style="bold")
+        if report.nodes is not None:
+            table.add_column("node", overflow="fold")
         table.add_column("file", overflow="fold")
         table.add_column("problem")
         table.add_column("reason", overflow="fold")
         table.add_column("tensors affected", overflow="fold")
         for p in report.problems:
-            table.add_row(plain(p.file), p.kind, plain(p.reason),
+            node = [plain(p.node or "-")] if report.nodes is not None else []
+            table.add_row(*node, plain(p.file), p.kind, plain(p.reason),
                           plain(", ".join(p.tensors) or "-"))
         console.print(table)
         if report.damaged_tensors:
             console.print(Text("damaged tensors: ", style="bold")
                           + plain(", ".join(report.damaged_tensors)))
+    red = report.redundancy
+    if red is not None:
+        scheme = red["scheme"] + (f" (m={red['m']})" if red["scheme"] == "rs" else "")
+        line = f"level-1 redundancy: {scheme}, {len(red['sets'])} set(s): {red['status']}"
+        if red["sets_not_compared"]:
+            line += (f"; parity of set(s) {', '.join(map(str, red['sets_not_compared']))} not "
+                     "compared with the data (the data is damaged)")
+        console.print(plain(line))
     if report.unexpected_files:
         console.print(Text(
             f"warning: {len(report.unexpected_files)} file(s) not listed in the manifest "
