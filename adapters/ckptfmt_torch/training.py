@@ -21,6 +21,14 @@ def _own(v: Any) -> Any:
     return v.value if isinstance(v, PerRank) else v
 
 
+def _array(v: Any, dtype: Any) -> np.ndarray:
+    """A per-rank array as loaded (numpy, or a tensor when loaded into a plain dict), copied."""
+    v = _own(v)
+    if isinstance(v, torch.Tensor):
+        v = v.numpy()
+    return np.array(v, dtype=dtype)
+
+
 def rng_state() -> dict[str, Any]:
     """This rank's random generators as ``PerRank`` leaves (each rank saves and gets back its
     own): torch's CPU generator, every CUDA device's when CUDA is available, numpy's global
@@ -54,23 +62,23 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Set this rank's generators from what :func:`rng_state` gave (``PerRank`` leaves or their
     loaded values)."""
-    torch.set_rng_state(torch.from_numpy(np.array(_own(state["torch"]), dtype=np.uint8)))
+    torch.set_rng_state(torch.from_numpy(_array(state["torch"], np.uint8)))
     meta = _own(state["numpy"]["meta"])
     np.random.set_state(
         {
             "bit_generator": meta["bit_generator"],
-            "state": {"key": np.array(_own(state["numpy"]["key"])), "pos": meta["pos"]},
+            "state": {"key": _array(state["numpy"]["key"], np.uint32), "pos": meta["pos"]},
             "has_gauss": meta["has_gauss"],
             "gauss": meta["gauss"],
         }
     )
-    words = np.asarray(_own(state["python"]["words"]))
+    words = _array(state["python"]["words"], np.uint32)
     py = _own(state["python"]["meta"])
     if words.shape != (_PY_WORDS,):
         raise UsageError(f"Python random state of shape {list(words.shape)}, not [{_PY_WORDS}]")
     random.setstate((py["version"], tuple(int(w) for w in words), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
-        cuda = torch.from_numpy(np.array(_own(state["cuda"]), dtype=np.uint8))
+        cuda = torch.from_numpy(_array(state["cuda"], np.uint8))
         torch.cuda.set_rng_state_all(list(cuda.unbind(0)))
 
 
