@@ -7,7 +7,9 @@ job may have another size than the one that saved (``spec/reshard.md``):
 
 1. Each rank reads and checks the manifest and finds out which saved nodes' files its directory
    holds (given by ``node`` for a level-1 copy; else one file per saved node is looked up). The
-   ranks exchange that, their wanted boxes and their options (one all-gather).
+   ranks exchange that, their wanted boxes and their options (one all-gather). A rank whose
+   directory holds no checkpoint at all (a node new to the job) gets the manifest from the first
+   rank that has one and all its data over the Comm.
 2. Every rank computes the same plan (``ckptfmt.reshard``): for each tensor the inner chunks each
    rank needs, and who reads them (``reshard.route``): a file every rank needs whole is read by
    one rank and broadcast; otherwise a rank reads its own chunks where its directory holds the
@@ -37,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.grid import flat_range, is_contiguous_box
-from ckptfmt.errors import CkptError, DamagedError, UsageError
+from ckptfmt.errors import CkptError, DamagedError, NotACheckpointError, UsageError
+from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import (
     GroupEntry,
@@ -47,7 +50,7 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.parallel.comm import Comm
-from ckptfmt.reader import geometry, read_manifest
+from ckptfmt.reader import geometry, read_manifest_bytes
 from ckptfmt.reshard import per_rank as rules
 from ckptfmt.reshard.per_rank import PerRankWarning, RankMap
 from ckptfmt.reshard.plan import Box, FileRead, Layout, check_box
@@ -139,39 +142,62 @@ def load_collective(
     root = Path(path).absolute()
     src = Inside(root)
     error: str | None = None
+    absent: str | None = None  # no checkpoint here at all (a node new to the job, say)
+    data = b""
     manifest: Manifest | None = None
-    visible: list[str] | None = None
+    visible: list[str] = []
     try:
-        manifest = read_manifest(root)
+        data = read_manifest_bytes(root)
+        manifest = parse_manifest(data, str(root / MANIFEST_NAME))
         if expect_step is not None and manifest.step != expect_step:
             error = f"{root} holds step {manifest.step}, not {expect_step} (a misplaced copy)"
         else:
             visible = _visible_nodes(src, manifest, node)
+    except NotACheckpointError as exc:
+        absent = f"{type(exc).__name__}: {exc}"
     except CkptError as exc:
         error = f"{type(exc).__name__}: {exc}"
     info = comm.allgather_json(
         {
             "error": error,
+            "absent": absent,
             "wants": {
                 k: (None if v is None else [list(v[0]), list(v[1])])
                 for k, v in (wants or {}).items()
             },
             "save_id": manifest.save_id if manifest else None,
+            "manifest_bytes": len(data),
             "visible": visible,
             "host": socket.gethostname(),
             "options": [rules.rank_map_json(rank_map), per_rank],
         }
     )
+    present = [r for r, i in enumerate(info) if i["absent"] is None]
     failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
-    if not failures and len({i["save_id"] for i in info}) != 1:
-        failures = {r: f"has save {i['save_id']}" for r, i in enumerate(info)}
+    if not present:
+        failures = {r: i["absent"] for r, i in enumerate(info)}
+    if not failures and len({info[r]["save_id"] for r in present}) != 1:
+        failures = {r: f"has save {info[r]['save_id']}" for r in present}
     if failures:
         raise LoadFailedError(failures)
+    if len(present) < comm.size:
+        # ranks without a copy take the manifest of the first rank that has one (its data
+        # reaches them over the Comm like any other rank's that cannot open a file)
+        buf = (
+            np.frombuffer(data, np.uint8).copy()
+            if comm.rank == present[0]
+            else np.empty(info[present[0]]["manifest_bytes"], np.uint8)
+        )
+        comm.bcast_buffer(buf, present[0])
+        if manifest is None:
+            manifest = parse_manifest(buf.tobytes(), f"rank {present[0]}'s {MANIFEST_NAME}")
     assert manifest is not None
     if any(i["options"] != info[0]["options"] for i in info):
         raise UsageError("every rank must pass the same rank_map and per_rank options")
+    # a per-rank tensor that every rank names in ``wants`` is loaded as plain boxes
+    named = set.intersection(*(set(i["wants"]) for i in info))
     resolution = rules.resolve(
-        [display(e.name) for e in manifest.entries if _is_per_rank(e)],
+        [display(e.name) for e in manifest.entries if _is_per_rank(e, named)],
         manifest.world_size,
         comm.size,
         rank_map,
@@ -193,7 +219,7 @@ def load_collective(
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
-            if not e.per_rank:
+            if not e.per_rank or display(e.name) in (wants or {}):
                 leaves.append((e.name, loaded[display(e.name)]))
             elif mine is not None:
                 leaves.append((e.name, loaded[display(e.name)].reshape(e.shape[1:])))
@@ -206,8 +232,12 @@ def load_collective(
     return unflatten(leaves), manifest
 
 
-def _is_per_rank(e: object) -> bool:
-    return isinstance(e, PerRankValueEntry) or (isinstance(e, TensorEntry) and e.per_rank)
+def _is_per_rank(e: object, named: set[str]) -> bool:
+    """Whether ``e`` is loaded as each rank's own item: a per-rank value, or a per-rank tensor
+    of which no rank asks for a box."""
+    if isinstance(e, PerRankValueEntry):
+        return True
+    return isinstance(e, TensorEntry) and e.per_rank and display(e.name) not in named
 
 
 class _Plan:
@@ -236,9 +266,7 @@ def _plan(
         boxes: list[Box] = []
         for rank, i in enumerate(info):
             w = i["wants"].get(name)
-            if t.per_rank:
-                if w is not None:
-                    raise UsageError(f"rank {rank} wants a box of per-rank tensor {name!r}")
+            if t.per_rank and w is None:  # its own row (a box named explicitly is a box)
                 row = sources[rank]
                 rest = t.shape[1:]
                 boxes.append(

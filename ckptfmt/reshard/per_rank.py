@@ -97,8 +97,10 @@ def sources(saved: int, current: int, rank_map: RankMap) -> tuple[int | None, ..
     else:
         pairs = {}
         for k, v in rank_map.items():
-            if isinstance(k, bool) or isinstance(v, bool) or not (
-                isinstance(k, int) and isinstance(v, int)
+            if (
+                isinstance(k, bool)
+                or isinstance(v, bool)
+                or not (isinstance(k, int) and isinstance(v, int))
             ):
                 raise UsageError(f"rank map entry {k!r}: {v!r} is not saved rank -> current rank")
             if not 0 <= k < saved or not 0 <= v < current:

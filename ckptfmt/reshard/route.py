@@ -136,16 +136,12 @@ def route(
                 slots.update(needing[d].slots)
             load[helper] += len(slots) * chunk_nbytes
             deliveries = tuple(Delivery(d, needing[d].pieces) for d in remote)
-            tasks.append(
-                FileTask(helper, any_read, tuple(sorted(slots)), own, deliveries, False)
-            )
+            tasks.append(FileTask(helper, any_read, tuple(sorted(slots)), own, deliveries, False))
     tasks.sort(key=lambda t: (t.file.key, t.reader))
     return TensorRoute(reads, tuple(tasks), tuple(sorted(unseen)))
 
 
-def _choose(
-    seers: list[int], writer: int, needing: dict[int, FileRead], load: list[int]
-) -> int:
+def _choose(seers: list[int], writer: int, needing: dict[int, FileRead], load: list[int]) -> int:
     if writer in seers:
         return writer
     readers = [k for k in seers if k in needing] or seers

@@ -18,6 +18,7 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ckptfmt.codecs.crc32c import crc32c
 from ckptfmt.codecs.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
@@ -32,12 +33,14 @@ _BATCH = 2 << 20  # bytes per coalesced read
 
 @dataclass
 class ReadLog:
-    """What :func:`read_chunks` read while recording: totals and ``(file, slots)`` per read."""
+    """What :func:`read_chunks` read while recording: totals (``bytes`` counts the index and the
+    chunks with their CRCs) and each read."""
 
     files: int = 0
     chunks: int = 0
     bytes: int = 0
-    reads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    reads: list[tuple[str, str, str, tuple[int, ...]]] = field(default_factory=list)
+    """``(thread name, checkpoint root, file, slots)`` of each read."""
 
 
 _lock = threading.Lock()
@@ -57,15 +60,16 @@ def record_reads() -> Iterator[ReadLog]:
             _logs.remove(log)
 
 
-def _note(path: str, slots: Sequence[int], nbytes: int) -> None:
+def _note(root: Path, path: str, slots: Sequence[int], nbytes: int) -> None:
     if not _logs:
         return
+    entry = (threading.current_thread().name, str(root), path, tuple(slots))
     with _lock:
         for log in _logs:
             log.files += 1
             log.chunks += len(slots)
             log.bytes += nbytes
-            log.reads.append((path, tuple(slots)))
+            log.reads.append(entry)
 
 
 def read_chunks(
@@ -77,11 +81,13 @@ def read_chunks(
     targets: Sequence[memoryview],
     whole: bool,
     tensors: Sequence[str] = (),
-) -> None:
+) -> list[int]:
     """Fill ``targets[i]`` (a writable byte view of one chunk's payload, ``geo.chunk_nbytes``
     bytes) with inner chunk ``slots[i]`` (ascending) of the shard file ``ref`` at grid ``cell``,
     every chunk's CRC32C checked; with ``whole`` (``slots`` are all in-bounds chunks) the file's
-    data CRC too. Raises a :class:`~ckptfmt.errors.DamagedError` naming the file."""
+    data CRC too. Returns the chunks' CRC32Cs (so that a caller reading a file in several parts
+    can check its data CRC once it has every chunk). Raises a
+    :class:`~ckptfmt.errors.DamagedError` naming the file."""
     try:
         fd = src.open_fd(ref.path)
     except FileNotFoundError:
@@ -114,6 +120,7 @@ def read_chunks(
                 spans.append((off, n))
         crcs = [bytearray(CRC_BYTES) for _ in slots]
         data_crc = FileCrc()
+        got: list[int] = []
         i = 0
         while i < len(spans):
             # chunks stored back to back go in one preadv, up to a batch that stays in cache
@@ -134,9 +141,11 @@ def read_chunks(
                 if actual != want:
                     raise ChecksumError(ref.path, f"chunk {slots[k]}", want, actual, tensors)
                 data_crc.add(actual, len(targets[k]))
+                got.append(actual)
             i = j
         if whole and data_crc.crc != ref.crc32c:
             raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, data_crc.crc, tensors)
-        _note(ref.path, slots, index_read + len(spans) * nb)
+        _note(src.root, ref.path, slots, index_read + len(spans) * nb)
+        return got
     finally:
         os.close(fd)

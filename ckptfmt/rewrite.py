@@ -1,0 +1,434 @@
+"""Offline reshard: rewrite a checkpoint for another number of ranks (``ckptfmt reshard``), in
+one process, no MPI (``spec/reshard.md`` §4).
+
+The destination is what a save by ``ranks`` ranks on the given nodes would have written: the
+ownership plan (``parallel.plan.make_plan``) of those ranks' holdings — every rank holds every
+tensor whole (data parallel), except tensors named by ``rows`` patterns, which the ranks hold in
+row blocks (``numpy.array_split``'s: the first ``rows % ranks`` ranks get one more row, as FSDP's
+even split does), and per-rank tensors, whose row ``k`` rank ``k`` holds. So each rank of the new
+job reads its own data back from its own files again, and on level 1 from its own node.
+
+Each new shard file is made from the inner chunks of the source that its box needs
+(``reshard.plan_reads``), every chunk's CRC checked as it is read; every source file read in
+full, over one or several new files, has its data CRC checked once its last chunk is in. Files
+are written into staging directories and committed by rename, manifest last (``spec/FORMAT.md``
+§13). With ``redundancy`` the parity of the new sets is encoded before the commit
+(``repair.encode_offline``). The destination is one directory, or with ``{node}`` one level-1
+directory per new node (each holding the metadata and its own ranks' files).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.codecs.crc32c import combine
+from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, cells, grid_shape
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import ChecksumError, UsageError
+from ckptfmt.manifest.codec import dump_manifest
+from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
+from ckptfmt.manifest.model import (
+    Entry,
+    FileRef,
+    Manifest,
+    PerRankValueEntry,
+    RankInfo,
+    Region,
+    TensorEntry,
+)
+from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
+from ckptfmt.parallel.protocol import utc_now, write_metadata, writer_info
+from ckptfmt.redundancy.config import Redundancy
+from ckptfmt.repair import encode_offline, node_dirs
+from ckptfmt.reshard.per_rank import RankMap, resolve
+from ckptfmt.reshard.plan import Box, Layout, plan_reads
+from ckptfmt.storage import commit
+from ckptfmt.storage.chunk_reads import read_chunks
+from ckptfmt.storage.files import Inside
+from ckptfmt.storage.shard_io import Geometry, plan_region
+
+Name = tuple[str, ...]
+
+
+@dataclass
+class ReshardReport:
+    """What :func:`reshard` wrote."""
+
+    source: str
+    destination: list[str]
+    step: int | None
+    saved_ranks: int
+    ranks: int
+    nodes: list[str]
+    tensors: int
+    data_bytes: int  # the tensors' bytes
+    bytes_read: int  # chunk payload bytes read from the source (a chunk two boxes cut: twice)
+    bytes_written: int  # data files written
+    seconds: float
+    rows: list[str] = field(default_factory=list)  # tensors held in row blocks
+    dropped: list[str] = field(default_factory=list)  # per-rank entries left out
+    warning: str | None = None
+    redundancy: dict[str, Any] | None = None
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.data_bytes / 1e6 / max(self.seconds, 1e-9)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "destination": self.destination,
+            "step": self.step,
+            "saved_ranks": self.saved_ranks,
+            "ranks": self.ranks,
+            "nodes": self.nodes,
+            "tensors": self.tensors,
+            "data_bytes": self.data_bytes,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 6),
+            "mb_per_s": round(self.mb_per_s, 1),
+            "rows": self.rows,
+            "dropped": self.dropped,
+            "warning": self.warning,
+            "redundancy": self.redundancy,
+        }
+
+
+def rows_of(n_rows: int, rank: int, size: int) -> tuple[int, int]:
+    """``(start, count)`` of rank ``rank``'s row block (``numpy.array_split``'s split)."""
+    base, extra = divmod(n_rows, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def check_nodes(nodes: Sequence[str], ranks: int) -> list[str]:
+    if len(nodes) != ranks:
+        raise UsageError(f"{len(nodes)} node names for {ranks} ranks")
+    for n in nodes:
+        if not n or "/" in n or n in (".", "..") or n != n.strip():
+            raise UsageError(f"invalid node name {n!r}")
+    return list(nodes)
+
+
+class _SourceCrcs:
+    """Chunk CRCs of source files read in parts; a file's data CRC is checked once all of its
+    in-bounds chunks have been read (in slot order)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: dict[str, dict[int, tuple[int, int]]] = {}
+        self.done: set[str] = set()
+
+    def add(
+        self,
+        ref: FileRef,
+        slots: Sequence[int],
+        crcs: Sequence[int],
+        n_present: int,
+        nb: int,
+        tensor: str,
+    ) -> None:
+        with self.lock:
+            if ref.path in self.done:
+                return
+            got = self.seen.setdefault(ref.path, {})
+            got.update({s: (c, nb) for s, c in zip(slots, crcs)})
+            if len(got) < n_present:
+                return
+            crc = 0
+            for s in sorted(got):
+                c, n = got[s]
+                crc = combine(crc, c, n)
+            self.done.add(ref.path)
+            del self.seen[ref.path]
+        if crc != ref.crc32c:
+            raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, crc, (tensor,))
+
+
+def reshard(
+    src: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+    dst: str | os.PathLike[str],
+    ranks: int,
+    *,
+    nodes: Sequence[str] | None = None,
+    rows: Sequence[str] = (),
+    rank_map: RankMap = None,
+    per_rank: str = "error",
+    redundancy: Redundancy | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    fsync: bool = True,
+    threads: int = 2,
+    progress: Callable[[int], None] | None = None,
+) -> ReshardReport:
+    """Rewrite the checkpoint ``src`` for ``ranks`` ranks into ``dst`` (module docstring).
+
+    ``src``: a complete checkpoint directory (a level-3 copy), or level-1 copies as a ``{node}``
+    template or a mapping node -> directory. ``nodes[k]``: rank k's node (default: all on
+    ``"n0"``). ``rows``: glob patterns of '/'-joined tensor names held in row blocks.
+    ``rank_map``/``per_rank``: what becomes of per-rank entries (``reshard.per_rank``); an entry
+    that some new rank would get no item of is left out only with ``per_rank="drop"``.
+    ``progress(n)`` is called with the tensor bytes of each shard file written.
+    """
+    started = time.perf_counter()
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1 << 20:
+        raise UsageError(f"ranks must be an int from 1 to 2^20, got {ranks!r}")
+    if not 1 <= chunk_bytes <= min(shard_bytes, MAX_CHUNK_BYTES):
+        raise UsageError(
+            f"need 1 <= chunk_bytes <= shard_bytes and chunk_bytes <= {MAX_CHUNK_BYTES}"
+        )
+    node_list = check_nodes(nodes if nodes is not None else ["n0"] * ranks, ranks)
+    manifest, _, src_dirs = node_dirs(src)
+    sources = {n: Inside(p) for n, p in src_dirs.items()}
+    entries = manifest.entries
+    per_rank_names = [
+        display(e.name)
+        for e in entries
+        if isinstance(e, PerRankValueEntry) or (isinstance(e, TensorEntry) and e.per_rank)
+    ]
+    res = resolve(per_rank_names, manifest.world_size, ranks, rank_map, per_rank)
+    keep_per_rank = all(s is not None for s in res.sources)
+    dropped = [] if keep_per_rank else per_rank_names
+    kept = [e for e in entries if keep_per_rank or display(e.name) not in set(per_rank_names)]
+    by_rows = sorted(
+        display(e.name)
+        for e in kept
+        if isinstance(e, TensorEntry)
+        and not e.per_rank
+        and e.shape
+        and any(fnmatch.fnmatchcase(display(e.name), p) for p in rows)
+    )
+    plan = make_plan(
+        _declarations(kept, ranks, set(by_rows)), chunk_bytes=chunk_bytes, shard_bytes=shard_bytes
+    )
+    save_id = os.urandom(16).hex()
+    if "{node}" in os.fspath(dst):
+        finals = {n: Path(os.fspath(dst).replace("{node}", n)).absolute() for n in node_list}
+    else:
+        one = Path(dst).absolute()
+        finals = {n: one for n in node_list}
+    staging: dict[Path, Path] = {}
+    try:
+        for final in dict.fromkeys(finals.values()):
+            staging[final] = commit.prepare(final, save_id, overwrite)
+        dir_of = {k: staging[finals[node_list[k]]] for k in range(ranks)}
+        skeleton = _manifest(manifest, kept, plan, {}, res.sources, node_list, save_id, ranks)
+        for d in staging.values():
+            write_metadata(d, skeleton, fsync)
+        refs, read, written = _write_files(
+            manifest, plan, res.sources, sources, dir_of, threads, fsync, progress
+        )
+        out = _manifest(manifest, kept, plan, refs, res.sources, node_list, save_id, ranks)
+        if "{node}" in os.fspath(dst):
+            out = replace(out, levels={"1": {}})
+        if redundancy is not None:
+            out = encode_offline(out, dir_of, redundancy, fsync)
+        data = dump_manifest(out)
+        for final, d in staging.items():
+            commit.finalize(d, final, data, save_id, fsync)
+    except BaseException:
+        for d in staging.values():
+            commit.abort(d)
+        raise
+    return ReshardReport(
+        source=os.fspath(src) if not isinstance(src, Mapping) else "node directories",
+        destination=[str(p) for p in staging],
+        step=manifest.step,
+        saved_ranks=manifest.world_size,
+        ranks=ranks,
+        nodes=node_list,
+        tensors=len(out.tensors()),
+        data_bytes=sum(t.size * by_name(t.dtype).itemsize for t in out.tensors()),
+        bytes_read=read,
+        bytes_written=written,
+        seconds=time.perf_counter() - started,
+        rows=by_rows,
+        dropped=dropped,
+        warning=res.warning,
+        redundancy=None if redundancy is None else redundancy.to_json(),
+    )
+
+
+def _declarations(entries: Sequence[Entry], ranks: int, by_rows: set[str]) -> list[list[Holding]]:
+    """What each new rank would hold of each tensor."""
+    out: list[list[Holding]] = [[] for _ in range(ranks)]
+    for e in entries:
+        if not isinstance(e, TensorEntry):
+            continue
+        for k in range(ranks):
+            if e.per_rank:
+                shape = (ranks, *e.shape[1:])
+                box: Box | None = ((k, *(0,) * (len(shape) - 1)), (1, *shape[1:]))
+                out[k].append(Holding(e.name, e.dtype, shape, box))
+                continue
+            box = None
+            if display(e.name) in by_rows:
+                start, count = rows_of(e.shape[0], k, ranks)
+                box = ((start, *(0,) * (len(e.shape) - 1)), (count, *e.shape[1:]))
+            out[k].append(Holding(e.name, e.dtype, e.shape, box))
+    return out
+
+
+def _manifest(
+    m: Manifest,
+    kept: Sequence[Entry],
+    plan: SavePlan,
+    refs: Mapping[tuple[Name, tuple[int, ...]], tuple[FileRef, ...]],
+    sources: Sequence[int | None],
+    nodes: list[str],
+    save_id: str,
+    ranks: int,
+) -> Manifest:
+    plans = {t.name: t for t in plan.tensors}
+    entries: list[Entry] = []
+    for e in kept:
+        if isinstance(e, TensorEntry):
+            t = plans[e.name]
+            regions = tuple(
+                Region(r.offset, r.shape, r.writer, refs.get((e.name, r.offset), ()))
+                for r in t.regions
+            )
+            entries.append(
+                TensorEntry(
+                    e.name,
+                    e.path,
+                    e.dtype,
+                    t.shape,
+                    t.shard_shape,
+                    t.chunk_shape,
+                    regions,
+                    e.per_rank,
+                )
+            )
+        elif isinstance(e, PerRankValueEntry):
+            entries.append(
+                PerRankValueEntry(e.name, tuple(e.values[s] for s in sources if s is not None))
+            )
+        else:
+            entries.append(e)
+    writer = {
+        **writer_info(),
+        "resharded_from": {"save_id": m.save_id, "world_size": m.world_size},
+    }
+    return Manifest(
+        save_id=save_id,
+        step=m.step,
+        created=utc_now(),
+        world_size=ranks,
+        ranks=tuple(RankInfo(k, nodes[k]) for k in range(ranks)),
+        entries=tuple(entries),
+        levels={},
+        writer=writer,
+    )
+
+
+def _write_files(
+    m: Manifest,
+    plan: SavePlan,
+    sources: Sequence[int | None],
+    src_of_node: Mapping[str, Inside],
+    dir_of: Mapping[int, Path],
+    threads: int,
+    fsync: bool,
+    progress: Callable[[int], None] | None,
+) -> tuple[dict[tuple[Name, tuple[int, ...]], tuple[FileRef, ...]], int, int]:
+    """Write every new shard file (each from the source chunks its box needs); returns the
+    files of each region, bytes read and bytes written."""
+    olds = {t.name: t for t in m.tensors()}
+    crcs = _SourceCrcs()
+    made: set[Path] = set()
+    counters = [0, 0]
+    lock = threading.Lock()
+    jobs: list[tuple[Name, tuple[int, ...], Callable[[], FileRef]]] = []
+
+    def one_cell(t: TensorPlan, old: TensorEntry, writer: int, cell: tuple[int, ...]) -> FileRef:
+        geo = Geometry.of("/".join(t.name), t.dtype, t.shape, t.shard_shape, t.chunk_shape)
+        lo = tuple(c * h for c, h in zip(cell, t.shard_shape))
+        hi = tuple(min(a + h, s) for a, h, s in zip(lo, t.shard_shape, t.shape))
+        data = np.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=geo.dtype)
+        nread = 0
+        if old.per_rank:  # new row r is saved rank sources[r]'s row
+            for r in range(lo[0], hi[0]):
+                s = sources[r]
+                assert s is not None  # entries some rank has no source for were left out
+                box = ((s, *lo[1:]), (1, *(b - a for a, b in zip(lo[1:], hi[1:]))))
+                nread += _read_box(old, box, data[r - lo[0] : r - lo[0] + 1], m, src_of_node, crcs)
+        else:
+            nread += _read_box(old, (lo, data.shape), data, m, src_of_node, crcs)
+        (job,) = plan_region(dir_of[writer], geo, data, lo, made)
+        ref = job.run(fsync)
+        with lock:
+            counters[0] += nread
+            counters[1] += ref.size
+        if progress is not None:
+            progress(data.nbytes)
+        return ref
+
+    for t in plan.tensors:
+        old = olds[t.name]
+        for r in t.regions:  # a 0-d tensor's one region has the one cell ()
+            first = tuple(o // h for o, h in zip(r.offset, t.shard_shape))
+            n = grid_shape(r.shape, t.shard_shape)
+            for rel in cells((0,) * len(n), n):
+                cell = tuple(a + b for a, b in zip(first, rel))
+                jobs.append((t.name, r.offset, _bind(one_cell, t, old, r.writer, cell)))
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        futures = [pool.submit(fn) for _, _, fn in jobs]
+        results = [f.result() for f in futures]
+    refs: dict[tuple[Name, tuple[int, ...]], list[FileRef]] = {}
+    for (name, offset, _), ref in zip(jobs, results):
+        refs.setdefault((name, offset), []).append(ref)
+    return {k: tuple(v) for k, v in refs.items()}, counters[0], counters[1]
+
+
+def _bind(fn: Callable[..., FileRef], *args: Any) -> Callable[[], FileRef]:
+    return lambda: fn(*args)
+
+
+def _read_box(
+    t: TensorEntry,
+    box: Box,
+    out: np.ndarray,
+    m: Manifest,
+    src_of_node: Mapping[str, Inside],
+    crcs: _SourceCrcs,
+) -> int:
+    """Fill ``out`` with the box of source tensor ``t``; returns the bytes read."""
+    geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
+    nb = geo.chunk_nbytes
+    name = display(t.name)
+    total = 0
+    for fr in plan_reads(Layout.of(t), box):
+        ref = t.regions[fr.region].files[fr.file]
+        buf = np.empty(len(fr.pieces) * nb, np.uint8)
+        targets = [memoryview(buf[i * nb : (i + 1) * nb]) for i in range(len(fr.pieces))]  # type: ignore[arg-type]
+        got = read_chunks(
+            src_of_node[m.ranks[fr.writer].node],
+            geo,
+            ref,
+            fr.cell,
+            fr.slots,
+            targets,
+            fr.whole,
+            (name,),
+        )
+        crcs.add(ref, fr.slots, got, fr.n_present, nb, name)
+        total += len(fr.pieces) * nb
+        for i, p in enumerate(fr.pieces):
+            chunk = buf[i * nb : (i + 1) * nb].view(geo.dtype).reshape(geo.chunk_shape)
+            out[p.dst(box[0])] = chunk[p.src()]
+    return total
+
+
+__all__ = ["ReshardReport", "reshard", "rows_of"]

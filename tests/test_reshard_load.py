@@ -1,0 +1,336 @@
+"""``load_collective`` with another number of ranks than saved, in process (ranks are threads,
+``inproc_comm.ThreadComm``; ``test_reshard.py`` runs the same under a real ``mpiexec``).
+
+Saved by N thread-ranks with ``save_collective`` (data-parallel and FSDP-like uneven row blocks,
+bfloat16 and 0-d and empty tensors, values, an empty group), loaded by M: every rank gets its
+box bit-exactly; on level 3 a rank reads exactly the inner chunks its box touches (replicated
+tensors: each chunk once, by one rank, broadcast); on level 1 (one directory per simulated node)
+a rank reads only in its own node's directory, only chunks that it or a rank of another node
+needs; a saved node no current rank sees is named in the error; per-rank entries follow the
+rules of ``spec/reshard.md`` (mapped, an explicit error, or a warning listing what was dropped).
+The chunks a box needs are recomputed here by brute force over the manifest's geometry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from inproc_comm import run_threads
+
+from ckptfmt import PerRank, Shard
+from ckptfmt.manifest.model import Manifest, TensorEntry
+from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
+from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.reader import read_manifest
+from ckptfmt.reshard.per_rank import PerRankError, PerRankWarning
+from ckptfmt.storage.chunk_reads import ReadLog, record_reads
+
+SHARD_BYTES = 8 << 10
+CHUNK_BYTES = 1 << 10
+ROWS = {
+    "w13": (np.float32, (13, 70)),
+    "w10": (ml_dtypes.bfloat16, (10, 3, 50)),
+    "w3": (np.int16, (3, 40)),
+}
+
+
+def node_of(rank: int, size: int) -> str:
+    return f"n{rank * 2 // size}"
+
+
+def bits(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    dt = np.dtype(dtype)
+    raw = rng.integers(0, 256, size=math.prod(shape) * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+def full_state() -> dict[str, Any]:
+    """What every tensor holds, whole."""
+    rng = np.random.default_rng(7)
+    out: dict[str, Any] = {name: bits(rng, dt, shape) for name, (dt, shape) in ROWS.items()}
+    out["rep"] = bits(rng, np.float32, (40, 100))
+    out["rep16"] = bits(rng, ml_dtypes.bfloat16, (777,))
+    out["scalar"] = bits(rng, np.float64, ())
+    out["empty"] = np.zeros((0, 4), np.float32)
+    return out
+
+
+def rows_of(n_rows: int, rank: int, size: int) -> tuple[int, int]:
+    """``(start, count)`` as np.array_split: the first ``n_rows % size`` ranks get one more."""
+    base, extra = divmod(n_rows, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def rank_state(rank: int, size: int) -> dict[str, Any]:
+    full = full_state()
+    shards = {}
+    for name in ROWS:
+        start, count = rows_of(full[name].shape[0], rank, size)
+        off = (start,) + (0,) * (full[name].ndim - 1)
+        shards[name] = Shard(full[name][start : start + count].copy(), off, full[name].shape)
+    return {
+        "shards": shards,
+        "model": {"rep": full["rep"], "rep16": full["rep16"], "scalar": full["scalar"]},
+        "empty": full["empty"],
+        "opt": {"step": 3, "lr": 0.5},
+        "group": {},
+    }
+
+
+def wants_of(rank: int, size: int) -> dict[str, Any]:
+    full = full_state()
+    out = {}
+    for name in ROWS:
+        start, count = rows_of(full[name].shape[0], rank, size)
+        out[f"shards/{name}"] = (
+            (start,) + (0,) * (full[name].ndim - 1),
+            (count, *full[name].shape[1:]),
+        )
+    return out
+
+
+def save(tmp: Path, n: int, level: int, extra: Any = None) -> Path:
+    """Save the state with ``n`` thread-ranks; return the step path (level 1: a template)."""
+
+    def body(comm: Any) -> Manifest:
+        node = node_of(comm.rank, comm.size)
+        state = rank_state(comm.rank, comm.size)
+        if extra:
+            state.update(extra(comm.rank))
+        where = tmp / (f"l1/{node}" if level == 1 else "l3") / "step-1"
+        m, _ = save_collective(
+            comm,
+            state,
+            where,
+            step=1,
+            node=node,
+            fsync=False,
+            threads=1,
+            chunk_bytes=CHUNK_BYTES,
+            shard_bytes=SHARD_BYTES,
+            group=node if level == 1 else "shared",
+        )
+        return m
+
+    run_threads(n, body)
+    return tmp / ("l1/{node}" if level == 1 else "l3") / "step-1"
+
+
+def load(path: Path, m: int, **kw: Any) -> tuple[list[Any], ReadLog]:
+    def body(comm: Any) -> Any:
+        node = node_of(comm.rank, comm.size)
+        where = Path(str(path).replace("{node}", node))
+        opts = dict(kw)
+        if opts.pop("pass_node", False):
+            opts["node"] = node
+        return load_collective(comm, where, wants_of(comm.rank, comm.size), threads=1, **opts)
+
+    with record_reads() as log:
+        out = run_threads(m, body)
+    return out, log
+
+
+def check_loaded(results: list[Any], m: int) -> None:
+    full = full_state()
+    for rank, (state, _) in enumerate(results):
+        for name in ROWS:
+            start, count = rows_of(full[name].shape[0], rank, m)
+            got = state["shards"][name]
+            assert got.dtype == full[name].dtype
+            assert got.tobytes() == full[name][start : start + count].tobytes(), (rank, name)
+        for name in ("rep", "rep16", "scalar"):
+            assert state["model"][name].tobytes() == full[name].tobytes(), (rank, name)
+            assert state["model"][name].shape == full[name].shape
+        assert state["empty"].shape == (0, 4)
+        assert state["opt"] == {"step": 3, "lr": 0.5} and state["group"] == {}
+
+
+def needed(manifest: Manifest, name: str, box: Any) -> set[tuple[str, int]]:
+    """(file, slot) of every in-bounds inner chunk that intersects ``box`` (brute force)."""
+    t = next(e for e in manifest.tensors() if "/".join(e.name) == name)
+    if not t.shape:
+        return {(t.regions[0].files[0].path, 0)}
+    out = set()
+    lo, ext = box
+    per = [h // c for h, c in zip(t.shard_shape, t.chunk_shape)]
+    for r in t.regions:
+        cells = itertools.product(
+            *(range(o // h, -(-(o + n) // h)) for o, n, h in zip(r.offset, r.shape, t.shard_shape))
+        )
+        for cell, f in zip(cells, r.files):
+            for slot, inner in enumerate(itertools.product(*(range(p) for p in per))):
+                c_lo = [
+                    i * h + k * c for i, h, k, c in zip(cell, t.shard_shape, inner, t.chunk_shape)
+                ]
+                if any(a >= s for a, s in zip(c_lo, t.shape)):
+                    continue
+                if all(
+                    a < o + n and o < a + c and n > 0
+                    for a, c, o, n in zip(c_lo, t.chunk_shape, lo, ext)
+                ):
+                    out.add((f.path, slot))
+    return out
+
+
+def reads_by_rank(log: ReadLog) -> dict[int, list[tuple[str, str, int]]]:
+    """rank -> [(root, file, slot)] from the log (thread names ``rank<r>``)."""
+    out: dict[int, list[tuple[str, str, int]]] = {}
+    for thread, root, path, slots in log.reads:
+        assert thread.startswith("rank"), f"a read outside a rank's thread: {thread}"
+        out.setdefault(int(thread[4:]), []).extend((root, path, s) for s in slots)
+    return out
+
+
+def whole_box(t: TensorEntry) -> Any:
+    return ((0,) * len(t.shape), t.shape)
+
+
+PAIRS = [(4, 2), (4, 3), (2, 4), (1, 4), (3, 2), (2, 2)]
+
+
+@pytest.mark.parametrize(("n", "m"), PAIRS)
+def test_level3_each_rank_reads_exactly_the_chunks_of_its_box(
+    tmp_path: Path, n: int, m: int
+) -> None:
+    path = save(tmp_path, n, 3)
+    results, log = load(path, m)
+    check_loaded(results, m)
+    manifest = read_manifest(path)
+    got = reads_by_rank(log)
+    everyone: list[tuple[str, int]] = []
+    for rank in range(m):
+        mine = [(f, s) for _, f, s in got.get(rank, [])]
+        assert len(mine) == len(set(mine)), f"rank {rank} read a chunk twice"
+        sharded = {x for x in mine if x[0].startswith("shards/")}
+        want = set()
+        for name, box in wants_of(rank, m).items():
+            want |= needed(manifest, name, box)
+        assert sharded == want, (
+            f"rank {rank}: read {sorted(sharded - want)[:3]}, missed {sorted(want - sharded)[:3]}"
+        )
+        everyone += [x for x in mine if not x[0].startswith("shards/")]
+    # replicated tensors: every chunk read once in all, by one rank, and broadcast
+    whole = set()
+    for t in manifest.tensors():
+        if not t.path.startswith("shards/"):
+            whole |= needed(manifest, t.path, whole_box(t)) if t.size else set()
+    assert sorted(everyone) == sorted(whole)
+
+
+@pytest.mark.parametrize(("n", "m"), PAIRS)
+def test_level1_reads_stay_on_the_node(tmp_path: Path, n: int, m: int) -> None:
+    path = save(tmp_path, n, 1)
+    results, log = load(path, m, pass_node=True)
+    check_loaded(results, m)
+    manifest = read_manifest(Path(str(path).replace("{node}", "n0")))
+    wants = [wants_of(r, m) for r in range(m)]
+    for rank, reads in reads_by_rank(log).items():
+        node = node_of(rank, m)
+        own_dir = str((tmp_path / "l1" / node / "step-1").resolve())
+        for root, f, s in reads:
+            assert root == own_dir, f"rank {rank} on {node} read in {root}"
+            # needed by this rank, or by a rank of another node (which cannot read it)
+            users = [
+                r
+                for r in range(m)
+                if any(
+                    (f, s) in needed(manifest, name, box)
+                    for name, box in wants[r].items()
+                    if f.startswith(name + "/")
+                )
+                or not f.startswith("shards/")
+            ]
+            assert rank in users or any(node_of(u, m) != node for u in users), (rank, f, s)
+
+
+def test_level1_without_node_finds_the_files_itself(tmp_path: Path) -> None:
+    path = save(tmp_path, 4, 1)
+    results, _ = load(path, 2)  # no node=: each rank looks up which nodes' files it holds
+    check_loaded(results, 2)
+
+
+def test_unreachable_node_is_named(tmp_path: Path) -> None:
+    """4 ranks on n0, n0, n1, n1 saved to level 1; one rank restarts on n0 alone."""
+    path = save(tmp_path, 4, 1)
+    with pytest.raises(UnreachableNodesError) as exc:
+        load(path, 1, pass_node=True)
+    assert exc.value.nodes == ("n1",) and exc.value.writers == (2, 3)
+    assert isinstance(exc.value, LoadFailedError) and "n1" in str(exc.value)
+
+
+def test_damage_on_a_partial_read_is_found_and_voted(tmp_path: Path) -> None:
+    path = save(tmp_path, 2, 3)
+    manifest = read_manifest(path)
+    t = next(e for e in manifest.tensors() if e.path == "shards/w13")
+    victim = path / t.regions[-1].files[-1].path
+    raw = bytearray(victim.read_bytes())
+    raw[0] ^= 1  # first chunk of the last file of w13 (rows the last rank of 3 wants)
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(LoadFailedError) as exc:
+        load(path, 3)
+    assert "shards/w13" in str(exc.value) and "CRC32C" in str(exc.value)
+
+
+# --- per-rank state ------------------------------------------------------------------------------
+
+
+def per_rank_extra(rank: int) -> dict[str, Any]:
+    return {
+        "rng": PerRank(np.arange(6, dtype=np.uint32) + 100 * rank),
+        "loader": PerRank({"epoch": 1, "index": 10 * rank}),
+    }
+
+
+def test_per_rank_entries_same_size_are_each_ranks_own(tmp_path: Path) -> None:
+    path = save(tmp_path, 3, 3, per_rank_extra)
+    results, _ = load(path, 3)
+    for rank, (state, _) in enumerate(results):
+        assert np.array_equal(state["rng"], np.arange(6, dtype=np.uint32) + 100 * rank)
+        assert state["loader"] == {"epoch": 1, "index": 10 * rank}
+
+
+def test_per_rank_entries_without_a_map_are_an_explicit_error(tmp_path: Path) -> None:
+    path = save(tmp_path, 4, 3, per_rank_extra)
+    with pytest.raises(PerRankError) as exc:
+        load(path, 2)
+    assert set(exc.value.entries) == {"rng", "loader"}
+    assert exc.value.dropped == (0, 1, 2, 3) and exc.value.missing == (0, 1)
+
+
+def test_per_rank_entries_mapped(tmp_path: Path) -> None:
+    path = save(tmp_path, 4, 3, per_rank_extra)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results, _ = load(path, 2, rank_map={3: 0, 1: 1}, per_rank="drop")
+    check_loaded(results, 2)
+    for rank, old in ((0, 3), (1, 1)):
+        state = results[rank][0]
+        assert np.array_equal(state["rng"], np.arange(6, dtype=np.uint32) + 100 * old)
+        assert state["loader"] == {"epoch": 1, "index": 10 * old}
+    texts = [str(w.message) for w in caught if issubclass(w.category, PerRankWarning)]
+    assert len(texts) == 2 and all("rng" in t and "loader" in t and "0, 2" in t for t in texts)
+
+
+def test_per_rank_entries_dropped_only_on_request_and_listed(tmp_path: Path) -> None:
+    path = save(tmp_path, 2, 3, per_rank_extra)
+    with pytest.raises(PerRankError):
+        load(path, 4, rank_map="identity")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results, _ = load(path, 4, rank_map="identity", per_rank="drop")
+    check_loaded(results, 4)
+    for rank in range(4):
+        state = results[rank][0]
+        if rank < 2:
+            assert state["loader"] == {"epoch": 1, "index": 10 * rank}
+        else:
+            assert "rng" not in state and "loader" not in state
+    texts = [str(w.message) for w in caught if issubclass(w.category, PerRankWarning)]
+    assert texts and all("current rank(s) 2, 3 get none" in t for t in texts)
