@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,3 +163,208 @@ def test_torn(expected: dict[str, Any]) -> None:
     for fn in (ckptfmt.load, ckptfmt.open, ckptfmt.verify):
         with pytest.raises(NotACheckpointError):
             fn(root)
+
+
+# --- level-1 fixtures with redundancy (spec/redundancy.md; made by redundancy_fixtures.py) -------
+
+LEVEL1 = ("level1-partner", "level1-xor", "level1-rs2")
+BEYOND = "level1-xor-beyond"
+
+
+def run_cli(*args: str | Path) -> Any:
+    from ckptfmt_cli.main import cli
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    return result
+
+
+def copy_fixture(name: str, tmp_path: Path) -> Path:
+    root = tmp_path / name
+    shutil.copytree(FIXTURES / name, root)
+    return root
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes (directories only through their files)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def merged(root: Path, nodes: list[str], dest: Path) -> Path:
+    """One directory with every node's files (all nodes hold the same manifest and metadata)."""
+    for node in nodes:
+        shutil.copytree(root / node, dest, dirs_exist_ok=True)
+    return dest
+
+
+def test_level1_fixtures_are_small_and_documented(expected: dict[str, Any]) -> None:
+    for name in (*LEVEL1, BEYOND):
+        exp = expected[name]
+        root = FIXTURES / exp["path"]
+        assert sum(len(b) for b in tree(root).values()) < 64 << 10, name
+        for d in exp["damage"]:
+            where = root / d["node"]
+            if "file" not in d:
+                assert not where.exists(), (name, d)
+            elif d["what"] == "removed":
+                assert not (where / d["file"]).exists(), (name, d)
+            else:
+                assert (where / d["file"]).is_file(), (name, d)
+        present = [n for n in exp["nodes"] if (root / n).is_dir()]
+        manifests = {(root / n / "ckptfmt.json").read_bytes() for n in present}
+        assert len(manifests) == 1, name  # the same manifest on every node
+        ck = ckptfmt.open(root / present[0])
+        assert ck.manifest.save_id == exp["save_id"] and ck.step == exp["step"]
+        assert {r.node for r in ck.manifest.ranks} == set(exp["nodes"])
+        red = ck.manifest.levels["1"]["redundancy"]
+        assert red["scheme"] == exp["redundancy"]["scheme"] and red["m"] == exp["redundancy"]["m"]
+        assert [s["members"] for s in red["sets"]] == exp["redundancy"]["sets"]
+
+
+@pytest.mark.parametrize("name", LEVEL1)
+def test_level1_fixture_verify_finds_the_damage(
+    expected: dict[str, Any], name: str, tmp_path: Path
+) -> None:
+    exp = expected[name]
+    root = copy_fixture(name, tmp_path)
+    report = ckptfmt.verify(str(root / "{node}"))
+    assert not report.healthy
+    found = {(p.node, p.file): p for p in report.problems}
+    for d in exp["damage"]:
+        if "file" not in d:  # a whole directory: one problem naming the node
+            p = found[(d["node"], "ckptfmt.json")]
+            assert p.kind == "missing" and "no copy of the step" in p.reason
+        else:
+            p = found[(d["node"], d["file"])]
+            assert p.kind == (
+                "parity"
+                if d["file"].startswith("ckptfmt-redundancy/")
+                else "missing"
+                if d["what"] == "removed"
+                else "checksum"
+            ), p
+    assert len(report.problems) == len(exp["damage"]), report.problems
+    assert report.to_json()["redundancy"]["status"] == "checked"
+
+
+@pytest.mark.parametrize("name", LEVEL1)
+def test_level1_fixture_rebuilds_bit_exact(
+    expected: dict[str, Any], name: str, tmp_path: Path
+) -> None:
+    exp = expected[name]
+    root = copy_fixture(name, tmp_path)
+    template = str(root / "{node}")
+
+    result = run_cli("rebuild", "--json", "--no-fsync", template)
+    assert result.exit_code == exp["rebuild_exit_status"] == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "repaired" and doc["step"] == exp["step"]
+    assert doc["scheme"] == exp["redundancy"]["scheme"]
+    assert doc["lost_data_ranks"] == exp["lost_data_ranks"]
+    assert doc["lost_parity_ranks"] == exp["lost_parity_ranks"]
+    assert sorted(Path(d).name for d in doc["recreated"]) == exp["recreated_nodes"]
+    assert doc["files_written"]
+
+    result = run_cli("verify", "--json", template)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["healthy"] and report["problems"] == [] and report["unexpected_files"] == []
+    assert report["redundancy"]["status"] == "checked"
+    assert report["redundancy"]["sets_not_compared"] == []
+
+    # every tensor, read from all the nodes' files together, is the healthy original's
+    whole = merged(root, list(exp["nodes"]), tmp_path / "merged")
+    state = ckptfmt.load(whole)
+    for t in exp["healthy_tensors"]:
+        arr = get(state, t["name"])
+        assert isinstance(arr, np.ndarray), t["name"]
+        assert str(arr.dtype) == t["dtype"] and list(arr.shape) == t["shape"], t["name"]
+        assert sha256_le(arr) == t["sha256"], t["name"]
+    # the gathered directory (parity included) verifies as one level-1 directory too
+    gathered = ckptfmt.verify(whole)
+    assert gathered.healthy and gathered.unexpected_files == [], gathered.problems
+    assert gathered.redundancy is not None and gathered.redundancy["status"] == "checked"
+
+    again = run_cli("rebuild", template)
+    assert again.exit_code == 0 and "healthy, nothing to do" in again.stdout
+
+
+def test_level1_fixture_beyond_tolerance_names_ranks_and_tensors(
+    expected: dict[str, Any], tmp_path: Path
+) -> None:
+    exp = expected[BEYOND]
+    root = copy_fixture(BEYOND, tmp_path)
+    template = str(root / "{node}")
+    before = tree(tmp_path)
+
+    result = run_cli("rebuild", "--no-fsync", template)
+    assert result.exit_code == exp["rebuild_exit_status"] == 1, result.output
+    out = result.stdout
+    assert "UNRECOVERABLE" in out and "nothing was written" in out
+    assert f"lost ranks: {', '.join(map(str, exp['lost_ranks']))}" in out
+    assert f"lost nodes: {', '.join(exp['lost_nodes'])}" in out
+    assert f"lost tensors: {', '.join(exp['lost_tensors'])}" in out
+
+    result = run_cli("rebuild", "--json", template)
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "unrecoverable" and doc["written"] is False
+    assert doc["lost_ranks"] == exp["lost_ranks"]
+    assert doc["lost_nodes"] == exp["lost_nodes"]
+    assert doc["lost_tensors"] == exp["lost_tensors"]
+    assert tree(tmp_path) == before  # nothing written
+    listing = sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+    assert listing == sorted(
+        p.relative_to(FIXTURES / BEYOND).as_posix() for p in (FIXTURES / BEYOND).rglob("*")
+    )  # no staging left behind
+    assert run_cli("verify", "-q", template).exit_code == 1
+
+
+def test_zarr_python_reads_a_rebuilt_node_directory(
+    expected: dict[str, Any], tmp_path: Path
+) -> None:
+    """zarr-python lists the groups of a rebuilt node directory in spite of its
+    ``ckptfmt-redundancy/`` (a directory without ``zarr.json``: skipped, with a warning as for
+    ``ckptfmt.json``), and reads the rebuilt node's regions bit for bit; all the nodes' files
+    together read as the healthy original. (Regions on other nodes read as the fill value: zarr
+    treats an absent shard as unwritten, it cannot tell a lost one.)"""
+    from test_zarr_interop import zarr_read
+
+    from ckptfmt.repair import rebuild
+
+    name = "level1-rs2"
+    exp = expected[name]
+    root = copy_fixture(name, tmp_path)
+    report = rebuild(str(root / "{node}"), fsync=False)
+    assert [Path(d).name for d in report.recreated] == ["n1"]
+    node_dir = root / "n1"
+    assert (node_dir / "ckptfmt-redundancy").is_dir()
+    want = {"/".join(t["name"]): t for t in exp["healthy_tensors"]}
+
+    whole = merged(root, list(exp["nodes"]), tmp_path / "merged")
+    (tmp_path / "whole").mkdir()
+    got = zarr_read(tmp_path / "whole", whole)
+    assert sorted(got) == sorted(want)
+    for t, w in want.items():
+        assert got[t]["sha256"] == w["sha256"] and got[t]["shape"] == w["shape"], t
+
+    # the node's own view: its ranks' regions, zeros (the fill value) elsewhere
+    state = ckptfmt.load(whole)  # bit-exact: the digests above
+    manifest = ckptfmt.open(node_dir).manifest
+    ranks_here = {r.rank for r in manifest.ranks if r.node == "n1"}
+    (tmp_path / "node").mkdir()
+    got = zarr_read(tmp_path / "node", node_dir)
+    assert sorted(got) == sorted(want)  # every array is listed: all metadata is on every node
+    covered = 0
+    for t in manifest.tensors():
+        full = np.asarray(get(state, list(t.name)))
+        view = np.zeros_like(full)
+        for r in t.regions:
+            if r.rank in ranks_here:
+                box = tuple(slice(o, o + n) for o, n in zip(r.offset, r.shape))
+                view[box] = full[box]
+                covered += 1
+        assert got["/".join(t.name)]["sha256"] == sha256_le(view), t.name
+    assert covered  # the rebuilt node's ranks wrote regions, and zarr-python reads them
