@@ -8,11 +8,13 @@ in this one job (a launch costs more than a task)::
                             "root": DIR, "state": "dp" | "fsdp", ...}, ...]}
 
 Each task works on ``<root>/l1/{node}`` (level 1, one directory per simulated node) and
-``<root>/l3`` (level 3). Rank ``r`` of ``n`` is on node ``n{r * 2 // n}`` (two simulated nodes).
-Each rank writes ``<out>/<task>.rank<r>.json``: what it restored (digests of every tensor, the
-values, the step, ``mgr.last_restore``), the problems it found itself, and the paths under
-another node's level-1 directory that it touched (an audit hook watches every open, listing,
-rename and removal of this process). The parent test checks all of it again against the
+``<root>/l3`` (level 3). Rank ``r`` of ``n`` is on node ``n{r * k // n}`` with ``k`` simulated
+nodes: the task's ``"nodes"``, default 2. A task may also name ``"redundancy"`` (passed to the
+manager as it is). Each rank writes ``<out>/<task>.rank<r>.json``: what it restored (digests of
+every tensor, the values, the step, ``mgr.last_restore``), the problems it found itself, the
+paths under another node's level-1 directory that it touched (an audit hook watches every open,
+listing, rename and removal of this process), and the paths inside level-3 step directories
+that it touched. The parent test checks all of it again against the
 expected states, which the functions below define for both sides.
 """
 
@@ -41,12 +43,12 @@ CRASH_DELAY_S = 0.5  # the crashing rank lingers so that the others run as far a
 # --- expected states (shared with the parent test) ---------------------------------------------
 
 
-def node_of(rank: int, size: int) -> str:
-    return f"n{rank * 2 // size}"
+def node_of(rank: int, size: int, n_nodes: int = 2) -> str:
+    return f"n{rank * n_nodes // size}"
 
 
-def nodes(size: int) -> list[str]:
-    return sorted({node_of(r, size) for r in range(size)})
+def nodes(size: int, n_nodes: int = 2) -> list[str]:
+    return sorted({node_of(r, size, n_nodes) for r in range(size)})
 
 
 def bits(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -245,21 +247,27 @@ _PATH_EVENTS = {
 
 class Audit:
     """Records every path this process touches under another node's level-1 directory, and
-    (so that a test can tell the hook is working) how many it touched under its own."""
+    (so that a test can tell the hook is working) how many it touched under its own; also every
+    path inside a level-3 step directory (``<root>/l3/step-*`` or a staging ``.step-*``), which
+    a restore from level 1 must never read."""
 
     def __init__(self) -> None:
         self.forbidden: tuple[str, ...] = ()
         self.own: str | None = None
+        self.l3: str | None = None
         self.violations: list[list[str]] = []
         self.own_events = 0
+        self.l3_events: list[list[str]] = []
         sys.addaudithook(self.hook)
 
     def watch(self, root: str, node: str, all_nodes: list[str]) -> None:
         l1 = os.path.join(os.path.abspath(root), "l1")
         self.forbidden = tuple(os.path.join(l1, n) for n in all_nodes if n != node)
         self.own = os.path.join(l1, node)
+        self.l3 = os.path.join(os.path.abspath(root), "l3") if self.forbidden else None
         self.violations = []
         self.own_events = 0
+        self.l3_events = []
 
     def hook(self, event: str, args: tuple[Any, ...]) -> None:
         where = _PATH_EVENTS.get(event)
@@ -274,6 +282,10 @@ class Audit:
                 self.violations.append([event, path, threading.current_thread().name])
             elif self.own and (path == self.own or path.startswith(self.own + os.sep)):
                 self.own_events += 1
+            elif self.l3 and path.startswith(self.l3 + os.sep):
+                first = path[len(self.l3) + 1 :].split(os.sep, 1)[0]
+                if first.startswith(("step-", ".step-")):
+                    self.l3_events.append([event, path, threading.current_thread().name])
 
 
 # --- tasks ---------------------------------------------------------------------------------------
@@ -368,6 +380,8 @@ def do_crash(comm: Any, task: dict[str, Any], node: str, out: Path) -> dict[str,
             os._exit(CRASH_EXIT)
 
     mgr = make_manager(comm, task, node, fault)
+    if task["point"] == "encode-sendrecv" and comm.rank == task["crash_rank"]:
+        crash_in_encoding(fault, armed)
     save_steps(mgr, task, comm.rank, comm.size, task.get("before", [1]))
     mgr.wait()
     armed.set()
@@ -375,6 +389,27 @@ def do_crash(comm: Any, task: dict[str, Any], node: str, out: Path) -> dict[str,
     mgr.wait()
     mgr.close(flush=False)
     return {"survived": True}
+
+
+def crash_in_encoding(fault: Any, armed: threading.Event) -> None:
+    """Once ``armed``, this rank calls ``fault("encode-sendrecv")`` right after its first
+    redundancy-encoding message (``encode.ENCODE_TAG``) has gone both ways: a crash with its
+    parity not yet complete or written, the other ranks inside their own exchanges. A
+    transport-level fault, patched on the class so that the manager's duplicated communicator
+    has it too."""
+    from ckptfmt.parallel import encode
+    from ckptfmt.parallel.mpi import MpiComm
+
+    plain = MpiComm.sendrecv
+
+    def sendrecv(
+        self: Any, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0
+    ) -> None:
+        plain(self, sendbuf, dest, recvbuf, source, tag)
+        if tag == encode.ENCODE_TAG and armed.is_set():
+            fault("encode-sendrecv")
+
+    MpiComm.sendrecv = sendrecv  # type: ignore[method-assign]
 
 
 def do_sigterm(comm: Any, task: dict[str, Any], node: str, out: Path) -> dict[str, Any]:
@@ -396,9 +431,9 @@ def main(argv: list[str]) -> int:
     out = Path(plan["out"])
     audit = Audit()
     comm = make_comm(kind)
-    node = node_of(comm.rank, comm.size)
     for task in plan["tasks"]:
-        audit.watch(task["root"], node, nodes(comm.size))
+        node = node_of(comm.rank, comm.size, task.get("nodes", 2))
+        audit.watch(task["root"], node, nodes(comm.size, task.get("nodes", 2)))
         action = task["action"]
         if action == "save":
             res = do_save(comm, task, node)
@@ -416,6 +451,7 @@ def main(argv: list[str]) -> int:
             node=node,
             audit_violations=audit.violations,
             audit_own_events=audit.own_events,
+            l3_events=audit.l3_events,
         )
         audit.watch("", node, [])  # stop watching while writing results
         (out / f"{task['name']}.rank{comm.rank}.json").write_text(json.dumps(res))

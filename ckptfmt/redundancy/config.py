@@ -109,11 +109,17 @@ class Policy:
     @classmethod
     def of(
         cls,
-        spec: str | Path | Redundancy | Policy | Sequence[Mapping[str, Any] | Descriptor] | None,
+        spec: str
+        | Path
+        | Redundancy
+        | Policy
+        | Mapping[str, Any]
+        | Sequence[Mapping[str, Any] | Descriptor]
+        | None,
     ) -> Policy:
         """From None (no redundancy), one redundancy for every save (a scheme id, a
-        :class:`Redundancy`), a list of descriptor mappings, or a JSON file's path
-        (``*.json``: a list of descriptor mappings)."""
+        :class:`Redundancy`, a mapping such as ``{"scheme": "rs", "m": 2}``), a list of
+        descriptor mappings, or a JSON file's path (``*.json``: a list of descriptor mappings)."""
         if spec is None:
             return cls()
         if isinstance(spec, Policy):
@@ -124,7 +130,7 @@ class Policy:
             except (OSError, ValueError) as exc:
                 raise UsageError(f"cannot read the redundancy policy {spec}: {exc}") from None
             return cls.of(doc)
-        if isinstance(spec, (str, Redundancy)):
+        if isinstance(spec, (str, Redundancy, Mapping)):  # one redundancy for every save
             return cls((Descriptor(1, Redundancy.of(spec)),))
         if not isinstance(spec, Sequence):
             raise UsageError(f"a policy is a list of descriptors, got {spec!r}")
