@@ -92,7 +92,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         super().__init__()
         if not backup_dir:
             raise UsageError("Empty `backup_dir` argument passed")
-        if save_freq not in ("epoch", False) and (
+        if save_freq != "epoch" and save_freq is not False and (
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
             raise UsageError(
@@ -254,14 +254,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         model_vars: dict[str, Any],
         opt_vars: dict[str, Any],
     ) -> None:
-        """Replicas that drifted apart (non-trainable state each worker updates from its own
-        batches): every worker takes rank 0's values, so the checkpoint is one consistent state
-        and resuming gives what the uninterrupted run has."""
+        """Replicas that drifted apart: every worker takes rank 0's values, so the checkpoint is
+        one consistent state and resuming gives what the uninterrupted run has. Expected for
+        non-trainable state that each worker updates from its own batches (batch normalization
+        statistics, as with Horovod); a warning when trainable or optimizer variables differ,
+        which averaged gradients never cause."""
+        opt_names = {f"optimizer/{n}" for n in opt_vars}
         for name in differ:
             kind, _, var = name.partition("/")
             (model_vars if kind == "model" else opt_vars)[var].assign(arrays[name])
         self.replica_fixes.append((self._global, differ))
-        if self.comm.rank == 0:
+        trainable = {f"model/{n}" for n in named_variables(self.model.trainable_variables)}
+        if self.comm.rank == 0 and any(n in trainable or n in opt_names for n in differ):
             warnings.warn(
                 f"replicas differed in {len(differ)} variable(s) at step {self._global} "
                 f"({', '.join(differ[:5])}); rank 0's values taken",

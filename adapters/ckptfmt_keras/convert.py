@@ -7,9 +7,9 @@ What gets which names (components joined by ``/``; each becomes a level of the c
   program builds several models: Keras numbers unnamed ones, ``dense``, ``dense_1``, ... in the
   order they are created); the states of seed generators (dropout), which Keras numbers across
   the process, are named after the layers owning them (``"mlp/dropout/seed_generator_state"``);
-- a Keras optimizer: its variables' ``path`` without the optimizer's name, which Keras numbers
-  (``"iteration"``, ``"mlp_dense_kernel_momentum"``; a ``LossScaleOptimizer`` has its own and
-  its inner optimizer's under ``"inner_optimizer/"``);
+- a Keras optimizer: its variables' own names, their paths without the name scopes of the
+  optimizer, which Keras numbers (``"iteration"``, ``"mlp_dense_kernel_momentum"``; a
+  ``LossScaleOptimizer`` has its own and its inner optimizer's under ``"inner_optimizer/"``);
 - a ``tf.Module``: the attribute path to each variable (``"encoder/layers/0/w"``), which is how
   ``tf.train.Checkpoint`` finds them too (a variable's own ``name`` need not be unique);
 - a mapping: its keys (values are variables);
@@ -98,17 +98,19 @@ def _seed_state_names(layer: Any) -> dict[int, str]:
 
 
 def _optimizer_variables(opt: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """An optimizer's variables named without the optimizer's own name, which Keras numbers
-    across the process (``adam_3/iteration`` -> ``iteration``); a wrapped optimizer's (the
-    ``LossScaleOptimizer``'s) under ``inner_optimizer/``."""
+    """An optimizer's variables by their own names (``iteration``, ``learning_rate``, a slot's
+    ``<model variable path with _>_momentum``): their paths start with the name scopes in force
+    when the optimizer was built (``adam_3/``, ``loss_scale_optimizer/sgd/``), which Keras
+    numbers across the process and which differ between building on the first step and
+    building ahead. A wrapped optimizer's (the ``LossScaleOptimizer``'s) are under
+    ``inner_optimizer/``."""
     inner = getattr(opt, "inner_optimizer", None)
     inner_ids = {id(v) for v in inner.variables} if inner is not None else set()
-    own = f"{opt.name}/"
     pairs = []
     for v in opt.variables:
         if id(v) not in inner_ids:
-            name = _variable_name(v)
-            pairs.append((prefix + (name[len(own) :] if name.startswith(own) else name), v))
+            name = str(v.name) if isinstance(v, keras.Variable) else _variable_name(v)
+            pairs.append((prefix + name, v))
     if inner is not None:
         pairs += _optimizer_variables(inner, f"{prefix}inner_optimizer/")
     return pairs

@@ -1,0 +1,504 @@
+"""The Keras 3 / TensorFlow adapter in one process: model, optimizer and counters bit-exact
+(bfloat16 layers, mixed precision with loss scaling, NaN payloads), the same values as Keras's
+own ``save_weights`` / ``.keras`` files, refusals that change nothing, ``tf.Module`` state, a
+checkpoint read with no TensorFlow import, the PyTorch name-map example, ``ResumableDataset``,
+the gradient exchange wired into the compiled train step, and ``BackupAndRestore`` resuming
+``fit`` mid-epoch after a crash. Several workers under ``mpiexec``: ``test_keras_parallel.py``."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import ckptfmt_keras as ck  # noqa: E402
+from conftest import REPO  # noqa: E402
+from inproc_comm import run_threads  # noqa: E402
+
+import ckptfmt  # noqa: E402
+from ckptfmt.errors import UsageError  # noqa: E402
+from ckptfmt.parallel.comm import Comm  # noqa: E402
+
+pytestmark = pytest.mark.tf
+
+F32_SPECIAL = np.array(
+    [0x7FC00001, 0xFFC12345, 0x7F800001, 0x80000000, 0x00000001, 0xFF800000], dtype=np.uint32
+).view(np.float32)
+BF16_SPECIAL = np.array([0x7FC1, 0xFF81, 0x7F81, 0x8000, 0x0001, 0xFF80], dtype=np.uint16).view(
+    ml_dtypes.bfloat16
+)
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def build(name: str = "mlp", *, dropout: bool = True, bf16: bool = True) -> Any:
+    """A small MLP with explicitly named layers (so that its variable paths do not depend on how
+    many models this process built before), a bfloat16 layer and a dropout seed state."""
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="h")]
+    if dropout:
+        layers.append(keras.layers.Dropout(0.2, seed=3, name="drop"))
+    layers.append(keras.layers.Dense(6, name="out", dtype="bfloat16" if bf16 else None))
+    return keras.Sequential(layers, name=name)
+
+
+def compiled(model: Any, optimizer: Any = None, **kwargs: Any) -> Any:
+    model.compile(
+        optimizer=optimizer or keras.optimizers.Adam(1e-2),
+        loss="mse",
+        metrics=["mae"],
+        jit_compile=False,
+        **kwargs,
+    )
+    return model
+
+
+def xy(n: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 8)).astype(np.float32)
+    return x, (x[:, :6] * 0.3).astype(np.float32)
+
+
+def train(model: Any, steps: int = 4) -> Any:
+    x, y = xy(8 * steps)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def arrays_of(*objs: Any) -> dict[str, bytes]:
+    """Every variable's dtype, shape and bytes by name (what bit-exactness compares)."""
+    out = {}
+    for prefix, obj in zip("mo", objs):
+        for name, a in ck.to_arrays(obj).items():
+            out[f"{prefix}:{name}"] = (str(a.dtype), a.shape, a.tobytes())
+    return out
+
+
+def fill_special(obj: Any) -> None:
+    """Put NaN payloads, -0.0, subnormals and infinities into every float variable."""
+    for v in ck.named_variables(obj).values():
+        dt = ck.convert.numpy_dtype(v)
+        if dt not in (np.float32, ml_dtypes.bfloat16) or not v.shape:
+            continue
+        special = F32_SPECIAL if dt == np.float32 else BF16_SPECIAL
+        a = np.asarray(v.numpy()).copy()
+        flat = a.reshape(-1)
+        flat[: len(special)] = special[: flat.size]
+        v.assign(a)
+
+
+# --- the state, bit for bit ----------------------------------------------------------------------
+
+
+def test_save_load_bit_exact(tmp_path: Path) -> None:
+    model = train(compiled(build()))
+    fill_special(model)
+    fill_special(model.optimizer)
+    want = arrays_of(model, model.optimizer)
+    ck.save(tmp_path / "c", model, counters={"epoch": 3, "step": 7}, step=11)
+
+    fresh = compiled(build())
+    assert arrays_of(fresh) != {k: v for k, v in want.items() if k.startswith("m:")}
+    counters = ck.load(tmp_path / "c", fresh)
+    assert counters == {"epoch": 3, "step": 7}
+    assert arrays_of(fresh, fresh.optimizer) == want
+    names = set(ckptfmt.open(tmp_path / "c").keys())
+    assert {
+        "model/mlp/h/kernel",
+        "model/mlp/out/kernel",
+        "model/mlp/drop/seed_generator_state",
+        "optimizer/iteration",
+        "optimizer/mlp_out_kernel_momentum",
+        "counters/epoch",
+    } <= names
+    assert ckptfmt.open(tmp_path / "c")["model/mlp/out/kernel"].dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_and_loss_scaling(tmp_path: Path, policy: str) -> None:
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        opt = keras.optimizers.SGD(0.1, momentum=0.9)
+        if policy == "mixed_float16":
+            opt = keras.optimizers.LossScaleOptimizer(opt)
+        model = train(compiled(build(bf16=False), opt))
+        want = arrays_of(model, model.optimizer)
+        ck.save(tmp_path / "c", model)
+        fresh_opt = keras.optimizers.SGD(0.1, momentum=0.9)
+        if policy == "mixed_float16":
+            fresh_opt = keras.optimizers.LossScaleOptimizer(fresh_opt)
+        fresh = compiled(build(bf16=False), fresh_opt)
+        ck.load(tmp_path / "c", fresh)
+        assert arrays_of(fresh, fresh.optimizer) == want
+        keys = set(ckptfmt.open(tmp_path / "c").keys())
+        if policy == "mixed_float16":
+            assert {"optimizer/dynamic_scale", "optimizer/inner_optimizer/iteration"} <= keys
+        # training goes on identically from the restored state
+        train(model, 2)
+        train(fresh, 2)
+        assert arrays_of(fresh, fresh.optimizer) == arrays_of(model, model.optimizer)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_same_values_as_keras_own_files(tmp_path: Path) -> None:
+    """``save_weights`` / ``load_weights`` (HDF5) and the ``.keras`` archive (with the optimizer)
+    give every variable the values ckptfmt gives it."""
+    model = train(compiled(build(dropout=False)))
+    model.save_weights(tmp_path / "w.weights.h5")
+    model.save(tmp_path / "m.keras")
+    ck.save(tmp_path / "c", model)
+
+    by_keras = compiled(build(dropout=False))
+    by_keras.optimizer.build(by_keras.trainable_variables)  # else Keras skips its variables
+    by_keras.load_weights(tmp_path / "w.weights.h5")
+    by_ckptfmt = compiled(build(dropout=False))
+    ck.load(tmp_path / "c", by_ckptfmt)
+    want = arrays_of(model, model.optimizer)
+    assert arrays_of(by_ckptfmt, by_ckptfmt.optimizer) == want
+    assert arrays_of(by_keras, by_keras.optimizer) == want
+
+    archived = keras.models.load_model(tmp_path / "m.keras")
+    got = [np.asarray(v.numpy()).tobytes() for v in by_ckptfmt.optimizer.variables]
+    keras_opt = [np.asarray(v.numpy()).tobytes() for v in archived.optimizer.variables]
+    assert got == keras_opt
+
+
+def test_mismatches_change_nothing(tmp_path: Path) -> None:
+    """Every case offers zeros for the variables that do match, so a partial assignment would
+    show; none happens, and the error names what is wrong."""
+    model = train(compiled(build()))
+    before = arrays_of(model)
+    zeros = {k: np.zeros_like(v) for k, v in ck.to_arrays(model).items()}
+    cases = {
+        "missing": ({k: v for k, v in zeros.items() if k != "mlp/out/bias"}, "missing"),
+        "unexpected": ({**zeros, "mlp/extra/kernel": np.zeros(3, np.float32)}, "unexpected"),
+        "shape": ({**zeros, "mlp/h/kernel": zeros["mlp/h/kernel"].T.copy()}, "mismatched"),
+        "dtype": ({**zeros, "mlp/out/kernel": np.zeros((16, 6), np.float32)}, "mismatched"),
+    }
+    for kind, (bad, field) in cases.items():
+        with pytest.raises(ck.StateMismatchError) as info:
+            ck.assign(model, bad)
+        named = getattr(info.value, field)
+        assert list(named) == [
+            {"missing": "mlp/out/bias", "unexpected": "mlp/extra/kernel"}.get(
+                kind, "mlp/h/kernel" if kind == "shape" else "mlp/out/kernel"
+            )
+        ], kind
+        assert arrays_of(model) == before, f"{kind}: a variable changed"
+    assert len(ck.assign(model, cases["missing"][0], strict=False)) == len(zeros) - 1
+    assert arrays_of(model) != before
+
+
+def test_tf_module_and_plain_variables(tmp_path: Path) -> None:
+    class Block(tf.Module):
+        def __init__(self, n: int) -> None:
+            self.w = tf.Variable(tf.random.normal((n, n)), name="w")
+            self.b = tf.Variable(tf.zeros((n,), dtype=tf.bfloat16), name="w")  # same name
+
+    class Net(tf.Module):
+        def __init__(self) -> None:
+            self.blocks = [Block(3), Block(4)]
+            self.scale = tf.Variable(2.5, name="scale")
+            self.steps = tf.Variable(7, dtype=tf.int64)
+
+    net = Net()
+    net.blocks[1].b.assign(tf.constant(BF16_SPECIAL[:4]))
+    ck.save_variables(tmp_path / "m", net)
+    assert set(ck.to_arrays(net)) == {
+        "blocks/0/b",
+        "blocks/0/w",
+        "blocks/1/b",
+        "blocks/1/w",
+        "scale",
+        "steps",
+    }
+    other = Net()
+    ck.load_variables(tmp_path / "m", other)
+    assert arrays_of(other) == arrays_of(net)
+
+    by_name = {"a": tf.Variable([1.0, 2.0]), "b": keras.Variable(np.int32(3))}
+    assert set(ck.to_arrays(by_name)) == {"a", "b"}
+    with pytest.raises(UsageError, match="two variables"):
+        ck.to_arrays([tf.Variable(1.0, name="x"), tf.Variable(2.0, name="x")])
+
+
+def test_opens_without_tensorflow(tmp_path: Path) -> None:
+    """A Keras checkpoint is plain arrays: ckptfmt.open and zarr read it in a process that never
+    imports TensorFlow or Keras, bfloat16 included."""
+    model = train(compiled(build()))
+    ck.save(tmp_path / "c", model)
+    want = {
+        f"{prefix}/{n}": hashlib.sha256(a.tobytes()).hexdigest()
+        for prefix, obj in (("model", model), ("optimizer", model.optimizer))
+        for n, a in ck.to_arrays(obj).items()
+    }
+    code = textwrap.dedent(
+        f"""
+        import hashlib, json, sys
+        import numpy as np, zarr
+        import ckptfmt
+        ck = ckptfmt.open({str(tmp_path / "c")!r})
+        group = zarr.open_group({str(tmp_path / "c")!r}, mode="r")
+        out = {{}}
+        for name, view in ck.tensors().items():
+            a = view.read()
+            z = np.asarray(group[name][...])
+            assert z.dtype == a.dtype and z.tobytes() == a.tobytes(), name
+            out[name] = [str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()]
+        banned = [m for m in ("tensorflow", "keras", "torch") if m in sys.modules]
+        print(json.dumps({{"tensors": out, "banned": banned}}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["banned"] == []
+    assert {n: h for n, (_, h) in got["tensors"].items()} == want
+    assert got["tensors"]["model/mlp/out/kernel"][0] == "bfloat16"
+
+
+@pytest.mark.torch
+def test_pytorch_checkpoint_by_name_map() -> None:
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "keras_from_torch.py")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "kernels are the transposed torch weights, bit for bit" in proc.stdout
+
+
+# --- data and the gradient exchange ---------------------------------------------------------------
+
+
+def test_resumable_dataset_order_is_a_function_of_the_epoch() -> None:
+    x = np.arange(100, dtype=np.float32)[:, None]
+    y = np.arange(100, dtype=np.int64)
+    workers = [ck.ResumableDataset(x, y, batch_size=4, seed=9, rank=r, size=3) for r in range(3)]
+    assert [len(w) for w in workers] == [8, 8, 8]  # 33 samples each, 8 whole batches
+    for epoch in (0, 1):
+        rows = [w.indices(epoch) for w in workers]
+        flat = np.concatenate([r.reshape(-1) for r in rows])
+        assert len(set(flat.tolist())) == flat.size  # no sample twice in an epoch
+    assert not np.array_equal(workers[0].indices(0), workers[0].indices(1))
+    again = ck.ResumableDataset(x, y, batch_size=4, seed=9, rank=1, size=3)
+    assert np.array_equal(again.indices(5), workers[1].indices(5))
+
+    ds = workers[2].tf_dataset()
+    assert int(ds.cardinality()) == 8
+    for epoch in (3, 0):
+        workers[2].set_epoch(epoch)
+        got = [(bx.numpy(), by.numpy()) for bx, by in ds]
+        want = [workers[2].batch(epoch, s) for s in range(8)]
+        assert len(got) == 8
+        for (gx, gy), (wx, wy) in zip(got, want):
+            assert np.array_equal(gx, wx) and np.array_equal(gy, wy)
+            assert np.array_equal(gx[:, 0].astype(np.int64), gy)
+
+
+def test_average_arrays_on_thread_ranks() -> None:
+    def inputs(rank: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(rank)
+        return [
+            rng.standard_normal((3, 5)).astype(np.float32),
+            rng.standard_normal(7).astype(ml_dtypes.bfloat16),
+            rng.standard_normal(2),
+        ]
+
+    got = run_threads(3, lambda comm: ck.average_arrays(inputs(comm.rank), comm))
+    for i in range(3):
+        parts = [inputs(r)[i] for r in range(3)]
+        acc = np.float64 if parts[0].dtype == np.float64 else np.float32
+        want = ((parts[0].astype(acc) + parts[1].astype(acc)) + parts[2].astype(acc)) / acc(3)
+        for r in range(3):
+            assert got[r][i].dtype == parts[0].dtype
+            assert got[r][i].tobytes() == want.astype(parts[0].dtype).tobytes()
+    with pytest.raises(UsageError):
+        run_threads(2, lambda comm: ck.average_arrays([np.zeros(2, np.int32)], comm))
+
+
+class TwinComm(Comm):
+    """Rank 0 of two whose twin always holds the same data: an allgather gives two copies. So
+    averaging must give back exactly what went in ((x + x) / 2 == x), and every exchange the
+    compiled train step makes is counted."""
+
+    rank, size = 0, 2
+
+    def __init__(self) -> None:
+        self.exchanges = 0
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        self.exchanges += 1
+        return [data, data]
+
+    def dup(self) -> TwinComm:
+        return self
+
+    def barrier(self) -> None:
+        pass
+
+    def bcast_buffer(self, buf: np.ndarray, root: int) -> None:
+        pass
+
+    def send(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
+        raise AssertionError("not used")
+
+    recv = send
+
+    def sendrecv(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("not used")
+
+    def abort(self, code: int = 1) -> Any:
+        raise AssertionError("not used")
+
+
+def test_gradient_exchange_runs_in_the_compiled_train_step() -> None:
+    plain = train(compiled(build()), 5)
+    comm = TwinComm()
+    opt = ck.distributed_optimizer(keras.optimizers.Adam(1e-2), comm)
+    assert type(opt).__name__ == "Adam" and isinstance(opt, keras.optimizers.Adam)
+    twin = train(compiled(build(), opt), 5)
+    assert comm.exchanges == 5  # one per step (bfloat16 gradients are summed in float32 too)
+    assert arrays_of(twin, twin.optimizer) == arrays_of(plain, plain.optimizer)
+    with pytest.raises(UsageError, match="already"):
+        ck.distributed_optimizer(opt, comm)
+
+
+def test_broadcast_and_agree_on_thread_ranks() -> None:
+    def body(comm: Any) -> tuple[list[str], bytes]:
+        arrays = {
+            "same": np.arange(4, dtype=np.float32),
+            "differs": np.full(3, comm.rank, dtype=ml_dtypes.bfloat16),
+        }
+        differ = ck.parallel.agree(arrays, comm)
+        return differ, arrays["differs"].tobytes()
+
+    for differ, data in run_threads(3, body):
+        assert differ == ["differs"]
+        assert data == np.zeros(3, ml_dtypes.bfloat16).tobytes()
+
+
+# --- BackupAndRestore ----------------------------------------------------------------------------
+
+
+class Crash(keras.callbacks.Callback):
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after, self.seen = after, 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.seen += 1
+        if self.seen == self.after:
+            raise RuntimeError("crash")
+
+
+def history_bits(history: Any) -> dict[str, list[str]]:
+    return {k: [repr(float(v)) for v in vs] for k, vs in history.history.items()}
+
+
+@pytest.mark.parametrize(
+    "data_kind, save_freq, per_execution, crash_after",
+    [
+        ("resumable", 5, 1, 17),  # saves at 5, 10, 15: resumes at epoch 1, step 3
+        ("arrays", 4, 2, 9),  # 2 batches an execution; saves at 4, 8, 12, 16; crash at 18
+        ("resumable", "epoch", 1, 20),  # resumes at the start of epoch 1
+    ],
+)
+def test_fit_resumes_mid_epoch_bit_exact(
+    tmp_path: Path, data_kind: str, save_freq: Any, per_execution: int, crash_after: int
+) -> None:
+    x, y = xy(96, seed=4)
+    epochs, batch = 3, 8  # 12 steps an epoch
+
+    def run(backup_dir: Path, crash: int | None = None, delete: bool = False) -> Any:
+        model = compiled(build(), steps_per_execution=per_execution)
+        data = ck.ResumableDataset(x, y, batch_size=batch, seed=5)
+        cb = ck.BackupAndRestore(
+            backup_dir,
+            save_freq=save_freq,
+            delete_checkpoint=delete,
+            dataset=data if data_kind == "resumable" else None,
+            fsync=False,
+        )
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        if data_kind == "resumable":
+            h = model.fit(data.tf_dataset(), epochs=epochs, verbose=0, callbacks=cbs)
+        else:
+            h = model.fit(
+                x, y, batch_size=batch, shuffle=False, epochs=epochs, verbose=0, callbacks=cbs
+            )
+        return model, h, cb
+
+    reference, ref_history, _ = run(tmp_path / "ref")
+    with pytest.raises(RuntimeError, match="crash"):
+        run(tmp_path / "ckpt", crash=crash_after)
+    resumed, history, cb = run(tmp_path / "ckpt", delete=True)
+
+    assert cb.restored_counters is not None
+    steps_done = {5: 15, 4: 16, "epoch": 12}[save_freq]
+    assert cb.restored_counters["global_step"] == steps_done
+    assert (cb.restored_counters["epoch"], cb.restored_counters["step"]) == divmod(steps_done, 12)
+    assert cb.restored_counters["optimizer_iterations"] == steps_done
+    assert arrays_of(resumed, resumed.optimizer) == arrays_of(reference, reference.optimizer)
+    # the resumed epochs report what the uninterrupted run reported (metrics restored too)
+    got, want = history_bits(history), history_bits(ref_history)
+    assert {k: v[-len(got[k]) :] for k, v in want.items()} == got
+    assert len(got["loss"]) == epochs - cb.restored_counters["epoch"]
+    assert not (tmp_path / "ckpt").exists()  # delete_checkpoint
+    assert (
+        resumed._initial_epoch is None
+        and getattr(resumed.train_function, "_ckptfmt_original", None) is None
+    )
+
+
+def test_callback_arguments() -> None:
+    keras_args = set(inspect.signature(keras.callbacks.BackupAndRestore).parameters)
+    ours = set(inspect.signature(ck.BackupAndRestore).parameters)
+    assert keras_args <= ours
+    assert {"local_dir", "redundancy", "comm", "dataset", "flush_every"} <= ours
+    for bad in (0, -1, True, "batch", 1.5):
+        with pytest.raises(UsageError):
+            ck.BackupAndRestore("d", save_freq=bad)
+    with pytest.raises(UsageError):
+        ck.BackupAndRestore("")
+    with pytest.raises(UsageError):
+        ck.BackupAndRestore("d", dataset=object())
+
+
+def test_unbuilt_model_and_xla_are_refused(tmp_path: Path) -> None:
+    x, y = xy(16)
+    sub = keras.Sequential([keras.layers.Dense(2)])
+    sub.compile("sgd", "mse")
+    with pytest.raises(UsageError, match="build the model"):
+        sub.fit(x, y[:, :2], verbose=0, callbacks=[ck.BackupAndRestore(tmp_path / "a")])
+    model = compiled(build())
+    model.compile(
+        optimizer=ck.distributed_optimizer(keras.optimizers.SGD(), TwinComm()),
+        loss="mse",
+        jit_compile=True,
+    )
+    cb = ck.BackupAndRestore(tmp_path / "b", comm=TwinComm())
+    with pytest.raises(UsageError, match="jit_compile"):
+        model.fit(x, y, verbose=0, callbacks=[cb])
