@@ -1,0 +1,115 @@
+"""Real level-1 checkpoints with redundancy, made in this process: the collective save of
+several simulated nodes, every rank a thread (``inproc_comm``), no MPI.
+
+``save_level1(root, redundancy, nodes)`` saves :func:`rank_state` of every rank ``r`` into
+``root/<nodes[r]>`` and returns the ``{node}`` template; :func:`whole` is what all the nodes'
+files together hold (tensor name -> array), :func:`merge` gathers the nodes' files in one
+directory (where ``ckptfmt.load`` reads them all), :func:`tree` snapshots a directory's files.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from inproc_comm import run_threads
+
+from ckptfmt import PerRank, Shard
+from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.redundancy.config import Redundancy
+
+NODES8 = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]  # sets [0,2,4,6], [1,3,5,7] (size 4)
+NODES4 = ["n0", "n1", "n2", "n3"]
+ROWS = 23  # the sharded tensor's rows: uneven over any number of ranks
+
+
+def _bits(seed: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).view(dt).reshape(shape)
+
+
+def whole(size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Every tensor of the save, whole."""
+    return {
+        "model/embed": _bits([seed, 1], np.float32, (30, 7)),
+        "model/norm": _bits([seed, 2], ml_dtypes.bfloat16, (45,)),
+        "model/w": _bits([seed, 3], np.float32, (ROWS, 5)),
+        "rng": np.stack([_bits([seed, 4, r], np.uint8, (11,)) for r in range(size)]),
+    }
+
+
+def rows_of(rank: int, size: int) -> tuple[int, int]:
+    base, extra = divmod(ROWS, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def rank_state(rank: int, size: int, seed: int = 0) -> dict[str, Any]:
+    g = whole(size, seed)
+    start, count = rows_of(rank, size)
+    return {
+        "model": {
+            "embed": g["model/embed"],
+            "norm": g["model/norm"],
+            "w": Shard(g["model/w"][start : start + count].copy(), (start, 0), (ROWS, 5)),
+        },
+        "rng": PerRank(g["rng"][rank]),
+        "step": 5,
+    }
+
+
+def save_level1(
+    root: Path,
+    redundancy: Any,
+    nodes: list[str] = NODES8,
+    seed: int = 0,
+    set_size: int = 4,
+) -> str:
+    """Save to ``root/<node>`` (small shards: several files per rank); the ``{node}`` template."""
+    red = Redundancy.of(
+        {"scheme": redundancy, "set_size": set_size}
+        if isinstance(redundancy, str)
+        else {"set_size": set_size, **redundancy}
+    )
+
+    def body(comm: Any) -> None:
+        save_collective(
+            comm,
+            rank_state(comm.rank, comm.size, seed),
+            root / nodes[comm.rank],
+            step=5,
+            node=nodes[comm.rank],
+            fsync=False,
+            chunk_bytes=40,
+            shard_bytes=160,
+            threads=1,
+            levels={"1": {}},
+            redundancy=red,
+        )
+
+    run_threads(len(nodes), body)
+    return str(root / "{node}")
+
+
+def merge(root: Path, nodes: list[str], dest: Path) -> Path:
+    for node in sorted(set(nodes)):
+        shutil.copytree(root / node, dest, dirs_exist_ok=True)
+    return dest
+
+
+def tree(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root``: its bytes and modification time (ns)."""
+    return {
+        p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def flip(path: Path, byte: int = 3, mask: int = 0x20) -> None:
+    data = bytearray(path.read_bytes())
+    data[byte] ^= mask
+    path.write_bytes(bytes(data))
