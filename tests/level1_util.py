@@ -68,12 +68,12 @@ def save_level1(
     seed: int = 0,
     set_size: int = 4,
 ) -> str:
-    """Save to ``root/<node>`` (small shards: several files per rank); the ``{node}`` template."""
-    red = Redundancy.of(
-        {"scheme": redundancy, "set_size": set_size}
-        if isinstance(redundancy, str)
-        else {"set_size": set_size, **redundancy}
-    )
+    """Save to ``root/<node>`` (small shards: several files per rank) with ``redundancy`` (a
+    scheme id, a mapping, or None: none); the ``{node}`` template."""
+    red = None
+    if redundancy is not None:
+        spec = {"scheme": redundancy} if isinstance(redundancy, str) else dict(redundancy)
+        red = Redundancy.of({"set_size": set_size, **spec})
 
     def body(comm: Any) -> None:
         save_collective(
