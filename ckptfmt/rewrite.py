@@ -23,6 +23,7 @@ import fnmatch
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -153,6 +154,35 @@ class _SourceCrcs:
             del self.seen[ref.path]
         if crc != ref.crc32c:
             raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, crc, (tensor,))
+
+
+class _ChunkCache:
+    """Recently read source chunks (verified), so that a chunk that several new shards need is
+    read once: a finer new grid than the source's chunks would otherwise read each source chunk
+    once per new shard it overlaps. Least recently used first out, up to ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.lock = threading.Lock()
+        self.max_bytes = max_bytes
+        self.size = 0
+        self.chunks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+
+    def get(self, key: tuple[str, int]) -> np.ndarray | None:
+        with self.lock:
+            got = self.chunks.get(key)
+            if got is not None:
+                self.chunks.move_to_end(key)
+            return got
+
+    def put(self, key: tuple[str, int], chunk: np.ndarray) -> None:
+        with self.lock:
+            if key in self.chunks or chunk.nbytes > self.max_bytes:
+                return
+            self.chunks[key] = chunk
+            self.size += chunk.nbytes
+            while self.size > self.max_bytes:
+                _, old = self.chunks.popitem(last=False)
+                self.size -= old.nbytes
 
 
 def reshard(
@@ -347,6 +377,7 @@ def _write_files(
     files of each region, bytes read and bytes written."""
     olds = {t.name: t for t in m.tensors()}
     crcs = _SourceCrcs()
+    cache = _ChunkCache()
     made: set[Path] = set()
     counters = [0, 0]
     lock = threading.Lock()
@@ -363,9 +394,11 @@ def _write_files(
                 s = sources[r]
                 assert s is not None  # entries some rank has no source for were left out
                 box = ((s, *lo[1:]), (1, *(b - a for a, b in zip(lo[1:], hi[1:]))))
-                nread += _read_box(old, box, data[r - lo[0] : r - lo[0] + 1], m, src_of_node, crcs)
+                nread += _read_box(
+                    old, box, data[r - lo[0] : r - lo[0] + 1], m, src_of_node, crcs, cache
+                )
         else:
-            nread += _read_box(old, (lo, data.shape), data, m, src_of_node, crcs)
+            nread += _read_box(old, (lo, data.shape), data, m, src_of_node, crcs, cache)
         (job,) = plan_region(dir_of[writer], geo, data, lo, made)
         ref = job.run(fsync)
         with lock:
@@ -403,6 +436,7 @@ def _read_box(
     m: Manifest,
     src_of_node: Mapping[str, Inside],
     crcs: _SourceCrcs,
+    cache: _ChunkCache,
 ) -> int:
     """Fill ``out`` with the box of source tensor ``t``; returns the bytes read."""
     geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
@@ -411,23 +445,30 @@ def _read_box(
     total = 0
     for fr in plan_reads(Layout.of(t), box):
         ref = t.regions[fr.region].files[fr.file]
-        buf = np.empty(len(fr.pieces) * nb, np.uint8)
-        targets = [memoryview(buf[i * nb : (i + 1) * nb]) for i in range(len(fr.pieces))]  # type: ignore[arg-type]
-        got = read_chunks(
-            src_of_node[m.ranks[fr.writer].node],
-            geo,
-            ref,
-            fr.cell,
-            fr.slots,
-            targets,
-            fr.whole,
-            (name,),
-        )
-        crcs.add(ref, fr.slots, got, fr.n_present, nb, name)
-        total += len(fr.pieces) * nb
-        for i, p in enumerate(fr.pieces):
-            chunk = buf[i * nb : (i + 1) * nb].view(geo.dtype).reshape(geo.chunk_shape)
-            out[p.dst(box[0])] = chunk[p.src()]
+        chunks = {s: cache.get((ref.path, s)) for s in fr.slots}
+        missing = [s for s, c in chunks.items() if c is None]
+        if missing:
+            buf = np.empty(len(missing) * nb, np.uint8)
+            views = [buf[i * nb : (i + 1) * nb] for i in range(len(missing))]
+            got = read_chunks(
+                src_of_node[m.ranks[fr.writer].node],
+                geo,
+                ref,
+                fr.cell,
+                missing,
+                [memoryview(v) for v in views],  # type: ignore[arg-type]
+                len(missing) == fr.n_present,
+                (name,),
+            )
+            crcs.add(ref, missing, got, fr.n_present, nb, name)
+            total += len(missing) * nb
+            for s, v in zip(missing, views):
+                chunks[s] = v
+                cache.put((ref.path, s), v)
+        for p in fr.pieces:
+            chunk = chunks[p.slot]
+            assert chunk is not None
+            out[p.dst(box[0])] = chunk.view(geo.dtype).reshape(geo.chunk_shape)[p.src()]
     return total
 
 
