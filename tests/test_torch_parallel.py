@@ -140,15 +140,21 @@ def test_killed_run_restores_to_the_same_training(tmp_path: Path, mode: str, n: 
 
 def check_single_process_load(path: Path, full_model: str) -> None:
     """This process alone loads the multi-rank checkpoint into a plain model (no process
-    group): whole tensors, bitwise the reference's unsharded model."""
+    group): whole tensors, bitwise the reference's unsharded model. The ranks' own RNG states
+    and data positions have no place in one process: dropped only when asked."""
     import ckptfmt_torch
+
+    from ckptfmt.reshard import PerRankError
 
     torch.manual_seed(77)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1.0)
     ts = ckptfmt_torch.TrainingState(model, opt, rng=False)
     before = full_model_digest(model)
-    step = ckptfmt_torch.load({"train": ts}, path)
+    with pytest.raises(PerRankError):
+        ckptfmt_torch.load({"train": ts}, path)
+    assert full_model_digest(model) == before
+    step = ckptfmt_torch.load({"train": ts}, path, per_rank="drop")
     assert step == STEPS
     assert before != full_model
     assert full_model_digest(model) == full_model

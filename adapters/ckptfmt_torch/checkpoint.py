@@ -22,14 +22,12 @@ import torch.distributed as dist
 from ckptfmt import __version__
 from ckptfmt.checkpoint import writer_threads
 from ckptfmt.errors import UsageError
-from ckptfmt.manifest.model import GroupEntry, PerRankValueEntry, TensorEntry, ValueEntry
 from ckptfmt.parallel.comm import Comm, SingleComm
 from ckptfmt.parallel.levels import resolve_node
 from ckptfmt.parallel.load import load_collective
 from ckptfmt.parallel.manager import CheckpointManager
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
-from ckptfmt.reader import open_checkpoint
-from ckptfmt.state import unflatten
+from ckptfmt.reshard.per_rank import RankMap
 from ckptfmt_torch.convert import from_state, to_state, wants_of
 
 _GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
@@ -111,25 +109,25 @@ def load(
     path: str | os.PathLike[str],
     *,
     comm: Comm | None = None,
+    rank_map: RankMap = None,
+    per_rank: str = "error",
 ) -> int | None:
     """Collective (as ``save``): load the checkpoint at ``path`` into ``state_dict`` in place and
     return its step.
 
-    Tensors are copied into (a DTensor's local shard gets its region of the saved tensor),
-    stateful objects get ``load_state_dict``, values are replaced, ``PerRank`` leaves get this
-    rank's own value. Every name in ``state_dict`` must be in the checkpoint; names only the
-    checkpoint has are added. Every byte read is verified. A process loading alone may read a
-    checkpoint saved by several ranks from shared storage (per-rank entries then give rank 0's).
+    Tensors are copied into (a DTensor's local shard gets its box of the saved tensor, whatever
+    the layout or number of ranks that saved it), stateful objects get ``load_state_dict``,
+    values are replaced, ``PerRank`` leaves get this rank's own value. Every name in
+    ``state_dict`` must be in the checkpoint; names only the checkpoint has are added. Every byte
+    read is verified. With another number of ranks than the save's, per-rank entries (RNG
+    states, data positions) need ``rank_map`` (saved rank -> current rank, or ``"identity"``) or
+    ``per_rank="drop"``, which leaves this rank's own ``PerRank`` leaves as they are.
     """
     comm = comm or default_comm()
     wants = wants_of(to_state(state_dict))
-    if comm.size == 1 and open_checkpoint(path).manifest.world_size != 1:
-        loaded, step = _load_alone(path, wants)
-    else:
-        loaded, manifest = load_collective(comm, path, wants)
-        step = manifest.step
-    from_state(state_dict, loaded)
-    return step
+    loaded, manifest = load_collective(comm, path, wants, rank_map=rank_map, per_rank=per_rank)
+    from_state(state_dict, loaded, keep_per_rank=per_rank == "drop")
+    return manifest.step
 
 
 def restore(manager: CheckpointManager, state_dict: MutableMapping[str, Any]) -> int | None:
@@ -144,29 +142,3 @@ def restore(manager: CheckpointManager, state_dict: MutableMapping[str, Any]) ->
         assert manager.restored_state is not None
         from_state(state_dict, manager.restored_state)
     return step
-
-
-def _load_alone(
-    path: str | os.PathLike[str], wants: Mapping[str, Any]
-) -> tuple[dict[str, Any], int | None]:
-    """One process reading a checkpoint of several ranks: each wanted region by lazy reads."""
-    ck = open_checkpoint(path)
-    leaves: list[tuple[tuple[str, ...], Any]] = []
-    for e in ck.manifest.entries:
-        shown = "/".join(e.name)
-        if isinstance(e, TensorEntry):
-            view = ck[shown]
-            if shown in wants:
-                offset, shape = wants[shown]
-                leaves.append((e.name, view[tuple(slice(o, o + n) for o, n in zip(offset, shape))]))
-            elif e.per_rank:
-                leaves.append((e.name, view[0:1].reshape(e.shape[1:])))
-            else:
-                leaves.append((e.name, view.read()))
-        elif isinstance(e, ValueEntry):
-            leaves.append((e.name, e.value))
-        elif isinstance(e, GroupEntry):
-            leaves.append((e.name, {}))
-        elif isinstance(e, PerRankValueEntry):
-            leaves.append((e.name, e.values[0]))
-    return unflatten(leaves), ck.step

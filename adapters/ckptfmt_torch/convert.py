@@ -259,14 +259,21 @@ def wants_of(state: Mapping[str, Any]) -> dict[str, Box]:
     return out
 
 
-def from_state(target: MutableMapping[Any, Any], loaded: Mapping[str, Any], path: str = "") -> None:
+def from_state(
+    target: MutableMapping[Any, Any],
+    loaded: Mapping[str, Any],
+    path: str = "",
+    *,
+    keep_per_rank: bool = False,
+) -> None:
     """Put a loaded ckptfmt state back into a PyTorch state dict, in place.
 
     Tensors (and a DTensor's local shard) are copied into; a stateful object gets
     ``load_state_dict`` with its own ``state_dict()`` filled from the checkpoint; other values are
     replaced (tuples stay tuples where the target had them). Every name of ``target`` must be in
     the checkpoint; names only the checkpoint has are added (a fresh optimizer's empty state
-    takes its entries that way).
+    takes its entries that way). ``keep_per_rank``: ``PerRank`` leaves the load left out (it
+    dropped them, as asked, for another number of ranks) keep their values.
     """
     if not isinstance(loaded, Mapping):
         raise UsageError(f"{path or 'the state'}: the checkpoint holds a value, not a mapping")
@@ -274,8 +281,10 @@ def from_state(target: MutableMapping[Any, Any], loaded: Mapping[str, Any], path
         key = _key(k, path)
         name = _join(path, key)
         if key not in loaded:
+            if keep_per_rank and _only_per_rank(target[k]):
+                continue
             raise UsageError(f"the checkpoint has no entry {name!r}")
-        target[k] = _put(target[k], loaded[key], name)
+        target[k] = _put(target[k], loaded[key], name, keep_per_rank)
     int_keys = bool(target) and all(isinstance(k, int) for k in target)
     known = {_key(k, path) for k in target}
     for key, value in loaded.items():
@@ -284,7 +293,13 @@ def from_state(target: MutableMapping[Any, Any], loaded: Mapping[str, Any], path
             target[new] = materialize(value)
 
 
-def _put(t: Any, value: Any, name: str) -> Any:
+def _only_per_rank(t: Any) -> bool:
+    if isinstance(t, PerRank):
+        return True
+    return isinstance(t, Mapping) and bool(t) and all(_only_per_rank(v) for v in t.values())
+
+
+def _put(t: Any, value: Any, name: str, keep_per_rank: bool = False) -> Any:
     """``t`` updated from ``value`` (the same object when updated in place)."""
     if is_dtensor(t):
         copy_into(t.to_local(), value, name)
@@ -293,7 +308,7 @@ def _put(t: Any, value: Any, name: str) -> Any:
         copy_into(t, value, name)
         return t
     if isinstance(t, PerRank):  # the loaded value is this rank's own
-        return PerRank(_put(t.value, value, name))
+        return PerRank(_put(t.value, value, name, keep_per_rank))
     if isinstance(t, Shard):
         np.copyto(t.data, np.asarray(value).reshape(t.data.shape))
         return t
@@ -302,13 +317,13 @@ def _put(t: Any, value: Any, name: str) -> Any:
         return t
     if is_stateful(t):
         sd = t.state_dict()
-        from_state(sd, value, name)
+        from_state(sd, value, name, keep_per_rank=keep_per_rank)
         if isinstance(t, torch.optim.Optimizer):
             _int_state_keys(sd)
         t.load_state_dict(sd)
         return t
     if isinstance(t, MutableMapping) and isinstance(value, Mapping):
-        from_state(t, value, name)
+        from_state(t, value, name, keep_per_rank=keep_per_rank)
         return t
     return like(t, value)
 
