@@ -1,5 +1,5 @@
 """Offline repair of a level-1 checkpoint from its redundancy, in one process, no MPI
-(``ckptfmt rebuild``; ``spec/redundancy.md`` §6).
+(``ckptfmt rebuild``; ``spec/redundancy.md`` §7).
 
 A level-1 checkpoint is spread over node-local directories, one per node: name them with a
 ``{node}`` template (``/local/{node}/ckpt/step-0000000100``), a mapping from node to directory,
@@ -7,8 +7,10 @@ or one directory that holds every node's files. Every member's data is read (eac
 every parity file; what is missing or damaged is rebuilt set by set (one set in memory at a time)
 and written back: damaged files are replaced one by one (temporary name, then rename), a node's
 directory that is gone is recreated whole (staging directory, metadata, files, manifest last,
-rename), exactly as the collective rebuild at restart does. Beyond the tolerance nothing is
-written and :class:`UnrecoverableDamageError` names the ranks, nodes and tensors lost.
+rename), exactly as the collective rebuild at restart does. Zarr documents missing or damaged in
+a committed directory are written anew from the manifest (every node holds the same ones). Beyond
+the tolerance nothing is written and :class:`UnrecoverableDamageError` names the ranks, nodes and
+tensors lost.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class RepairReport:
     lost_data: list[int] = field(default_factory=list)
     lost_parity: list[int] = field(default_factory=list)
     lost_nodes: list[str] = field(default_factory=list)  # the nodes of those ranks
+    # zarr documents missing or damaged in committed directories, "<dir>: <file>" (rewritten
+    # from the manifest: they are the same on every node)
+    metadata: list[str] = field(default_factory=list)
     recreated: list[str] = field(default_factory=list)  # directories made anew (dry run: to be)
     files_written: list[str] = field(default_factory=list)  # "<dir>: <file>"
     bytes_read: int = 0
@@ -56,7 +61,7 @@ class RepairReport:
 
     @property
     def repaired(self) -> bool:
-        return bool(self.lost_data or self.lost_parity)
+        return bool(self.lost_data or self.lost_parity or self.metadata)
 
 
 def node_dirs(spec: NodeDirs) -> tuple[Manifest, bytes, dict[str, Path]]:
@@ -117,8 +122,14 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
         except CkptError:
             intact_dir[d] = False
     dir_of = {r.rank: dirs[r.node] for r in manifest.ranks}
+    docs = _damaged_docs(manifest, intact_dir)
+    report.metadata = [f"{d}: {rel}" for d, rels in docs.items() for rel in rels]
     if record is None:
-        return _check_without_redundancy(manifest, dir_of, intact_dir, report, shown)
+        _check_without_redundancy(manifest, dir_of, intact_dir, report, shown)
+        if not dry_run:
+            _rewrite_docs(docs, manifest, fsync, report)
+        report.seconds = time.perf_counter() - started
+        return report
     report.scheme = record.scheme
     # one pass over every set to learn what is lost (and fail before writing anything)
     status: list[dict[str, Any]] = []
@@ -146,6 +157,7 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
                 commit.remove(final)
             commit.prepare(final, manifest.save_id, overwrite=True)
             write_metadata(staging[d], manifest, fsync)
+        _rewrite_docs(docs, manifest, fsync, report)
         for i, ops in plans:
             s = record.sets[i]
             local = {}
@@ -187,14 +199,51 @@ def _buffers(record: RedundancyRecord, rank: int) -> MemberBuffers:
     return MemberBuffers(np.zeros(n_data, np.uint8), np.zeros(n_parity, np.uint8))
 
 
+def _damaged_docs(manifest: Manifest, intact_dir: dict[Path, bool]) -> dict[Path, list[str]]:
+    """The zarr documents missing or damaged in each committed directory."""
+    from ckptfmt.verify import check_metadata
+
+    out = {}
+    for d in sorted((d for d, ok in intact_dir.items() if ok), key=str):
+        problems, _ = check_metadata(Inside(d), manifest)
+        if problems:
+            out[d] = sorted({p.file for p in problems})
+    return out
+
+
+def _rewrite_docs(
+    docs: dict[Path, list[str]], manifest: Manifest, fsync: bool, report: RepairReport
+) -> None:
+    """Write the documents ``docs`` anew from the manifest, each replaced atomically: the same
+    bytes as the save wrote (``protocol.write_metadata``)."""
+    import json
+
+    from ckptfmt.codecs.zarr_meta import array_doc, group_doc
+    from ckptfmt.dtypes import by_name
+    from ckptfmt.storage.members import replace_file
+
+    arrays = {f"{t.path}/zarr.json": t for t in manifest.tensors()}
+    for d, rels in docs.items():
+        for rel in rels:
+            t = arrays.get(rel)
+            doc = (
+                group_doc()
+                if t is None
+                else array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
+            )
+            blob = json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
+            replace_file(d / rel, np.frombuffer(blob, np.uint8), fsync)
+            report.files_written.append(f"{d}: {rel}")
+
+
 def _check_without_redundancy(
     manifest: Manifest,
     dir_of: dict[int, Path],
     intact_dir: dict[Path, bool],
     report: RepairReport,
     shown: str,
-) -> RepairReport:
-    """No redundancy: healthy (nothing to do) or unrecoverable."""
+) -> None:
+    """No redundancy: the data is intact, or :class:`UnrecoverableDamageError`."""
     from ckptfmt.parallel.rebuild import lost_tensors
     from ckptfmt.redundancy.record import member_size
     from ckptfmt.storage.members import read_member
@@ -213,7 +262,6 @@ def _check_without_redundancy(
             sorted({manifest.ranks[r].node for r in lost}),
             lost_tensors(manifest, set(lost)),
         )
-    return report
 
 
 def encode_offline(

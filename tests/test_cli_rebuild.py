@@ -97,11 +97,12 @@ def test_json_report(saved: dict[str, Path], tmp_path: Path) -> None:
     doc = json.loads(result.stdout)
     assert set(doc) == {
         "path", "status", "dry_run", "step", "scheme", "lost_data_ranks", "lost_parity_ranks",
-        "lost_nodes", "recreated", "files_written", "bytes_read", "seconds",
+        "lost_nodes", "damaged_metadata", "recreated", "files_written", "bytes_read", "seconds",
     }  # fmt: skip
     assert doc["path"] == template and doc["status"] == "repaired" and doc["dry_run"] is False
     assert doc["lost_data_ranks"] == [4, 5] and doc["lost_parity_ranks"] == [4, 5]
     assert doc["lost_nodes"] == ["n2"] and doc["recreated"] == [str(root / "n2")]
+    assert doc["damaged_metadata"] == []
     written = {f.split(": ", 1)[1] for f in doc["files_written"]}
     assert {"ckptfmt-redundancy/4", "ckptfmt-redundancy/5"} <= written
     assert all(f.startswith(f"{root / 'n2'}: ") for f in doc["files_written"])
@@ -251,3 +252,42 @@ def test_help_lists_the_rebuild_statuses() -> None:
     assert "--dry-run" in out and "--node NAME=DIR" in out and "{node}" in out
     assert "For rebuild:" in out and "Exit statuses (every command)" in out
     assert "rebuild" in run("--help").stdout
+
+
+# --- zarr documents, and what a failed write leaves ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["xor", "none"])
+def test_damaged_zarr_documents_are_written_anew(
+    saved: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    root, template = copy(saved, name, tmp_path)
+    healthy = {k: v[0] for k, v in tree(root).items()}
+    (root / "n1" / "model" / "w" / "zarr.json").unlink()
+    (root / "n2" / "zarr.json").write_text("{}")
+    (root / "n3" / "model" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "array"}')
+    assert run("verify", "-q", template).exit_code == ExitStatus.DAMAGED
+    doc = json.loads(run("rebuild", "--dry-run", "--json", template).stdout)
+    assert doc["status"] == "repairable" and doc["lost_data_ranks"] == []
+    assert doc["damaged_metadata"] == [
+        f"{root / 'n1'}: model/w/zarr.json",
+        f"{root / 'n2'}: zarr.json",
+        f"{root / 'n3'}: model/zarr.json",
+    ]
+    result = run("rebuild", "--no-fsync", template)
+    assert result.exit_code == ExitStatus.OK, result.output
+    assert "zarr documents missing or damaged (3), written anew from the manifest" in result.stdout
+    assert {k: v[0] for k, v in tree(root).items()} == healthy  # the very bytes the save wrote
+    assert run("verify", "-q", template).exit_code == ExitStatus.OK
+
+
+def test_a_failed_write_leaves_no_temporary_file(saved: dict[str, Path], tmp_path: Path) -> None:
+    from ckptfmt.repair import rebuild
+
+    root, template = copy(saved, "xor", tmp_path)
+    victim = data_file(root, 2)
+    victim.unlink()
+    victim.mkdir()  # a directory where the file was: the rename onto it fails
+    with pytest.raises(OSError):
+        rebuild(template, fsync=False)
+    assert [p.name for p in victim.parent.iterdir()] == [victim.name]

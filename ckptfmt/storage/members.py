@@ -90,7 +90,7 @@ def write_member(
         shown = (display(t.name),)
         geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
         decode_shard(memoryview(blob), geo, shard_cell(ref.path), ref, shown)  # type: ignore[arg-type]
-        _replace(root / ref.path, blob, fsync)
+        replace_file(root / ref.path, blob, fsync)
         written.append(ref.path)
     return written
 
@@ -124,16 +124,22 @@ def check_parity(pf: ParityFile, data: np.ndarray) -> None:
 def write_parity(root: Path, pf: ParityFile, data: np.ndarray, fsync: bool = True) -> None:
     """Write a parity file (checked against its CRCs first), replacing it atomically."""
     check_parity(pf, data[: pf.size])
-    _replace(root / pf.path, data[: pf.size], fsync)
+    replace_file(root / pf.path, data[: pf.size], fsync)
 
 
-def _replace(path: Path, data: np.ndarray, fsync: bool) -> None:
+def replace_file(path: Path, data: np.ndarray, fsync: bool) -> None:
+    """Write ``data`` to ``path`` through a temporary name and a rename (never half a file);
+    the temporary file is removed if that fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.rebuild-{os.getpid()}")
     if tmp.exists():
         tmp.unlink()
-    write_gather(tmp, [data.data], fsync)
-    os.replace(tmp, path)
+    try:
+        write_gather(tmp, [data.data], fsync)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     if fsync:
         fsync_dir(path.parent)
 

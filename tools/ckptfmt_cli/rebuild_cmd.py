@@ -59,6 +59,7 @@ def report_json(report: RepairReport, dry_run: bool) -> dict[str, Any]:
         "lost_data_ranks": report.lost_data,
         "lost_parity_ranks": report.lost_parity,
         "lost_nodes": report.lost_nodes,
+        "damaged_metadata": report.metadata,
         "recreated": report.recreated,
         "files_written": report.files_written,
         "bytes_read": report.bytes_read,
@@ -95,7 +96,12 @@ def report_text(report: RepairReport, dry_run: bool) -> list[str]:
         lost.append(f"data of rank(s) {_ranks(report.lost_data)}")
     if report.lost_parity:
         lost.append(f"parity of rank(s) {_ranks(report.lost_parity)}")
-    lines.append(f"  lost: {'; '.join(lost)} (node(s) {', '.join(report.lost_nodes)})")
+    if lost:
+        lines.append(f"  lost: {'; '.join(lost)} (node(s) {', '.join(report.lost_nodes)})")
+    if report.metadata:
+        lines.append(f"  zarr documents missing or damaged ({len(report.metadata)}), "
+                     "written anew from the manifest:")
+        lines.extend(f"    {f}" for f in report.metadata)
     verb = "to recreate" if dry_run else "recreated"
     lines.extend(f"  {verb}: {d}" for d in report.recreated)
     if not dry_run:
