@@ -92,8 +92,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         super().__init__()
         if not backup_dir:
             raise UsageError("Empty `backup_dir` argument passed")
-        if save_freq != "epoch" and save_freq is not False and (
-            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        if (
+            save_freq != "epoch"
+            and save_freq is not False
+            and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1)
         ):
             raise UsageError(
                 f"save_freq is 'epoch', a positive number of batches or False, not {save_freq!r}"
