@@ -8,7 +8,9 @@ UnrecoverableError naming what is lost. A small reference decoder written from t
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from ckptfmt.redundancy import (
     UnrecoverableError,
     Xor,
     gf256,
+    isal,
     layout,
     make_sets,
     scheme,
@@ -350,3 +353,273 @@ def test_sets_examples() -> None:
     assert make_sets(["a", "a", "b", "c", "d"], 3, 2) == [[0, 2, 4], [1, 3]]
     with pytest.raises(UsageError, match="2 node"):
         make_sets(["a", "b", "a", "b"], 4, 3)
+
+
+# --- ISA-L backend (ckptfmt.redundancy.isal, from pyeclib's wheel) --------------------------------
+# Skipped only where pyeclib is not installed; where it is (CI), ISA-L must load and every test
+# below runs against the real library.
+
+HAVE_PYECLIB = importlib.util.find_spec("pyeclib") is not None
+needs_pyeclib = pytest.mark.skipif(not HAVE_PYECLIB, reason="pyeclib (bundles ISA-L) not installed")
+
+
+@pytest.fixture
+def isal_backend() -> Iterator[None]:
+    assert isal.available(), isal.load_error()
+    gf256.set_backend("isal")
+    yield
+    gf256.set_backend("auto")
+
+
+def _unaligned(rng: np.random.Generator, n: int, offset: int) -> np.ndarray:
+    """n random bytes starting ``offset`` bytes past a 64-byte boundary."""
+    raw = np.empty(n + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    a = raw[start : start + n]
+    a[:] = rng.integers(0, 256, n, dtype=np.uint8)
+    return a
+
+
+@needs_pyeclib
+def test_isal_loads() -> None:
+    assert isal.available(), isal.load_error()
+    assert isal.load_error() is None
+    path = isal.library_path()
+    assert path is not None and path.endswith(isal.LIBRARY_NAME)
+    assert isal.version()
+    assert gf256.backend() == "isal"  # "auto" picks it
+
+
+@needs_pyeclib
+def test_isal_field_is_0x11d() -> None:
+    # scalar: every product
+    got = np.array([[isal.gf_mul(a, b) for b in range(256)] for a in range(256)], np.uint8)
+    assert np.array_equal(got, gf256.MUL)
+    # vector kernels: all 256 constants at once (one output row each), 64-byte SIMD path and tail
+    x = np.tile(np.arange(256, dtype=np.uint8), 3)[:700]
+    outs = [np.full(x.size, 0xA5, np.uint8) for _ in range(256)]
+    isal.encode_data(isal.init_tables(np.arange(256, dtype=np.uint8)[:, None]), [x], outs)
+    for c in range(256):
+        assert np.array_equal(outs[c], gf256.MUL[c][x]), c
+        assert np.array_equal(isal.mul_table(c), isal.init_tables(np.array([[c]], np.uint8)).buf)
+
+
+@needs_pyeclib
+@pytest.mark.parametrize(("k", "m"), [(1, 1), (4, 2), (8, 2), (7, 1), (6, 5), (200, 56)])
+def test_isal_cauchy_matrix_is_ours(k: int, m: int) -> None:
+    assert np.array_equal(isal.cauchy1_matrix(k, m), gf256.cauchy_matrix(k, m))
+
+
+SIZES = [0, 1, 2, 15, 31, 63, 64, 65, 127, 128, 1000, 4097, (1 << 20) + 1, (3 << 20) + 77]
+SHAPES = [(1, 1), (3, 2), (8, 2), (7, 1), (10, 7), (20, 3)]  # (inputs, outputs)
+
+
+@needs_pyeclib
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize(("k", "rows"), SHAPES)
+def test_isal_mul_add_blocks_equals_numpy(isal_backend: None, n: int, k: int, rows: int) -> None:
+    if n > 1 << 20 and k * rows > 24:
+        n = 1 << 20 | 1  # keep the largest shapes quick; > 1 MiB still
+    rng = np.random.default_rng(n * 31 + k * 7 + rows)
+    coeffs = rng.integers(0, 256, (rows, k)).astype(np.uint8)
+    coeffs[0, 0] = 0
+    coeffs[-1, -1] = 1  # the numpy path's special cases
+    for offset in (0, 1, 33):  # 64-byte aligned and not
+        inputs = [_unaligned(rng, n, (offset + 5 * t) % 64) for t in range(k)]
+        fast = [_unaligned(rng, n, offset) for _ in range(rows)]  # garbage: must be overwritten
+        slow = [np.full(n, 0x5A, np.uint8) for _ in range(rows)]
+        gf256.mul_add_blocks(coeffs, inputs, fast)
+        gf256._mul_add_blocks_numpy(coeffs, inputs, slow)
+        for r in range(rows):
+            assert np.array_equal(fast[r], slow[r]), (offset, r)
+    if n and n <= 4097:  # against the table directly
+        want = np.zeros(n, np.uint8)
+        for t in range(k):
+            want ^= gf256.MUL[coeffs[0, t]][inputs[t]]
+        assert np.array_equal(fast[0], want)
+
+
+@needs_pyeclib
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(0, 300),
+    st.integers(0, 63),
+    st.integers(1, 9),
+    st.integers(1, 8),
+    st.integers(0, 2**32 - 1),
+)
+def test_isal_mul_add_blocks_property(n: int, offset: int, k: int, rows: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    coeffs = rng.integers(0, 256, (rows, k)).astype(np.uint8)
+    inputs = [_unaligned(rng, n, offset) for _ in range(k)]
+    fast = [np.empty(n, np.uint8) for _ in range(rows)]
+    slow = [np.empty(n, np.uint8) for _ in range(rows)]
+    gf256.set_backend("isal")
+    try:
+        gf256.mul_add_blocks(coeffs, inputs, fast)
+    finally:
+        gf256.set_backend("auto")
+    gf256._mul_add_blocks_numpy(coeffs, inputs, slow)
+    assert all(np.array_equal(a, b) for a, b in zip(fast, slow))
+
+
+@needs_pyeclib
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1001, (1 << 20) + 3])
+def test_isal_mul_xor_into_equals_numpy(isal_backend: None, n: int) -> None:
+    rng = np.random.default_rng(n)
+    block = _unaligned(rng, n, 7)
+    base = _unaligned(rng, n, 3)
+    constants = range(256) if n <= 1001 else (0, 1, 2, 0x8E, 255)
+    for c in constants:
+        fast = base.copy()
+        gf256.mul_xor_into(fast, c, block)
+        slow = base.copy()
+        if c:
+            gf256._mul_xor_into_numpy(slow, c, block)
+        assert np.array_equal(fast, slow), c
+        if n <= 1001:
+            assert np.array_equal(fast, base ^ gf256.MUL[c][block]), c
+    same = base.copy()
+    gf256.mul_xor_into(same, 0, block)
+    assert np.array_equal(same, base)
+    xored = base.copy()
+    gf256.mul_xor_into(xored, 1, block)
+    assert np.array_equal(xored, base ^ block)
+
+
+def test_mul_xor_into_numpy_backend() -> None:
+    rng = np.random.default_rng(5)
+    block = rng.integers(0, 256, 4099, dtype=np.uint8)
+    base = rng.integers(0, 256, 4099, dtype=np.uint8)
+    gf256.set_backend("numpy")
+    try:
+        assert gf256.backend() == "numpy"
+        for c in (0, 1, 2, 0x1D, 0x8E, 255):
+            out = base.copy()
+            gf256.mul_xor_into(out, c, block)
+            assert np.array_equal(out, base ^ gf256.MUL[c][block]), c
+    finally:
+        gf256.set_backend("auto")
+
+
+@needs_pyeclib
+@pytest.mark.parametrize(("k", "m"), [(2, 1), (4, 2), (5, 3), (8, 2), (7, 1)])
+@pytest.mark.parametrize("n", [0, 1, 37, 1000, 65537])
+def test_reed_solomon_same_bytes_with_either_backend(k: int, m: int, n: int) -> None:
+    assert isal.available(), isal.load_error()
+    s = ReedSolomon(m)
+    data = _data(k, n, seed=k * 100 + m * 10 + n)
+    encoded: dict[str, list[np.ndarray]] = {}
+    rebuilt: dict[str, dict[tuple[int, ...], dict[int, np.ndarray]]] = {}
+    try:
+        for name in ("isal", "numpy"):
+            gf256.set_backend(name)
+            assert gf256.backend() == name
+            allb = data + s.encode(data)
+            encoded[name] = allb
+            rebuilt[name] = {}
+            for size in range(1, m + 1):
+                for lost in itertools.combinations(range(k + m), size):
+                    survivors = {i: b for i, b in enumerate(allb) if i not in lost}
+                    rebuilt[name][lost] = s.rebuild(k, survivors, lost)
+    finally:
+        gf256.set_backend("auto")
+    assert all(np.array_equal(a, b) for a, b in zip(encoded["isal"], encoded["numpy"]))
+    for lost, got in rebuilt["isal"].items():
+        for i in lost:
+            assert np.array_equal(got[i], rebuilt["numpy"][lost][i])
+            assert np.array_equal(got[i], encoded["numpy"][i]), (lost, i)
+
+
+@needs_pyeclib
+@pytest.mark.parametrize("use", [(1, 3, 4), (3, 4, 0), (2, 4, 1)])
+def test_reference_decoder_reads_isal_parity(isal_backend: None, use: tuple[int, ...]) -> None:
+    k, m, n = 3, 2, 150  # >= 64 bytes: ISA-L's SIMD kernels, not its scalar tail
+    rng = np.random.default_rng(11)
+    data = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(k)]
+    parity = ReedSolomon(m).encode(data)
+    cauchy = [[ref_inv((k + i) ^ j) for j in range(k)] for i in range(m)]
+    gen = [[1 if c == r else 0 for c in range(k)] for r in range(k)] + cauchy
+    allb = [d.tolist() for d in data] + [p.tolist() for p in parity]
+    solved = ref_solve([gen[u] for u in use], [allb[u] for u in use])
+    for j in range(k):
+        assert solved[j] == data[j].tolist()
+
+
+@needs_pyeclib
+def test_pyeclib_isa_l_rs_cauchy_is_the_same_code() -> None:
+    """The spec note: pyeclib's own ``isa_l_rs_cauchy`` parity is ckptfmt's ``rs`` parity."""
+    ec_iface = pytest.importorskip("pyeclib.ec_iface")
+    k, m = 8, 2
+    driver = ec_iface.ECDriver(k=k, m=m, ec_type="isa_l_rs_cauchy")
+    rng = np.random.default_rng(3)
+    for n in (8 * 4096, 1_000_003):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        frags = driver.encode(data.tobytes())
+        header = 80  # liberasurecode's fragment header; the payload follows
+        payload = [np.frombuffer(f, np.uint8)[header:] for f in frags]
+        size = payload[0].size
+        padded = np.zeros(k * size, np.uint8)
+        padded[:n] = data
+        blocks = [padded[t * size : (t + 1) * size] for t in range(k)]
+        assert all(np.array_equal(payload[t], blocks[t]) for t in range(k))
+        parity = ReedSolomon(m).encode(blocks)
+        assert np.array_equal(parity[0], payload[k]) and np.array_equal(parity[1], payload[k + 1])
+
+
+@needs_pyeclib
+def test_isal_wrapper_checks() -> None:
+    t = isal.init_tables(np.array([[1, 2], [3, 4]], np.uint8))
+    a, b = np.zeros(100, np.uint8), np.zeros(100, np.uint8)
+    o1, o2 = np.zeros(100, np.uint8), np.zeros(100, np.uint8)
+    isal.encode_data(t, [a, b], [o1, o2])
+    with pytest.raises(UsageError, match="C-contiguous"):
+        isal.encode_data(t, [np.zeros(200, np.uint8)[::2], b], [o1, o2])
+    with pytest.raises(UsageError, match="uint8"):
+        isal.encode_data(t, [a.view(np.int8), b], [o1, o2])
+    with pytest.raises(UsageError, match="lengths"):
+        isal.encode_data(t, [a, b[:99]], [o1, o2])
+    with pytest.raises(UsageError, match="lengths"):
+        isal.encode_data(t, [a, b], [o1, o2[:50]])
+    with pytest.raises(UsageError, match="2 inputs"):
+        isal.encode_data(t, [a], [o1, o2])
+    ro = np.zeros(100, np.uint8)
+    ro.setflags(write=False)
+    with pytest.raises(UsageError, match="writable"):
+        isal.encode_data(t, [a, b], [o1, ro])
+    with pytest.raises(UsageError, match="input 2"):
+        isal.encode_data_update(t, 2, a, [o1, o2])
+    with pytest.raises(UsageError):
+        isal.init_tables(np.zeros((0, 3), np.uint8))
+    with pytest.raises(UsageError):
+        isal.mul_table(256)
+
+
+def test_gf256_checks_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UsageError):
+        gf256.set_backend("avx")
+    ins = [np.arange(10, dtype=np.uint8), np.arange(10, dtype=np.uint8)]
+    with pytest.raises(UsageError, match="coefficients of shape"):
+        gf256.mul_add_blocks(np.ones((1, 3), np.uint8), ins, [np.zeros(10, np.uint8)])
+    with pytest.raises(UsageError, match="expected 10"):
+        gf256.mul_add_blocks(np.ones((1, 2), np.uint8), ins, [np.zeros(9, np.uint8)])
+    with pytest.raises(UsageError, match=r"0\.\.255"):
+        gf256.mul_xor_into(np.zeros(10, np.uint8), 256, ins[0])
+    wide = np.arange(40, dtype=np.uint8)
+    with pytest.raises(UsageError, match="contiguous"):  # on every backend
+        gf256.mul_add_blocks(np.array([[3]], np.uint8), [wide[::2]], [np.zeros(20, np.uint8)])
+    with pytest.raises(UsageError, match="uint8"):
+        gf256.mul_xor_into(np.zeros(20, np.int16), 3, wide[:20])
+    # without ISA-L, "auto" is numpy and "isal" is refused; results are unchanged
+    monkeypatch.setattr(isal, "_LIB", None)
+    assert not isal.available()
+    assert gf256.backend() == "numpy"
+    with pytest.raises(UsageError, match="not available"):
+        gf256.set_backend("isal")
+    data = _data(4, 333, seed=4)
+    parity = ReedSolomon(2).encode(data)
+    lost = (0, 3)
+    got = ReedSolomon(2).rebuild(
+        4, {i: b for i, b in enumerate(data + parity) if i not in lost}, lost
+    )
+    assert all(np.array_equal(got[i], data[i]) for i in lost)

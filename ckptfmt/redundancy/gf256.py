@@ -4,6 +4,9 @@ Elements are bytes; addition is XOR; multiplication is polynomial multiplication
 tabulated once as a 256 x 256 product table (64 KiB). Bulk work multiplies whole byte arrays by
 one constant through a 65,536-entry *pair table* per constant (two bytes per lookup), the fastest
 pure-numpy form measured (``/work/shared/BACKGROUND.md``: ~1 GB/s for RS 8+2 on one core).
+Where ISA-L is available (:mod:`ckptfmt.redundancy.isal`, from the optional ``pyeclib`` wheel),
+the bulk functions :func:`mul_add_blocks` and :func:`mul_xor_into` run on it instead, with the same
+bytes as the numpy path (``bench/README.md``: many times faster); :func:`set_backend` pins one.
 
 Encoding matrices (``spec/redundancy.md``, "Reed-Solomon"): :func:`cauchy_matrix` is the one ckptfmt
 writes; :func:`scr_vandermonde_matrix` rebuilds SCR/redset's for comparison and tests.
@@ -11,12 +14,14 @@ writes; :func:`scr_vandermonde_matrix` rebuilds SCR/redset's for comparison and 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
 
 from ckptfmt.errors import UsageError
+from ckptfmt.redundancy import isal
 
 POLY = 0x11D
 SLICE = 1 << 20  # bytes per slice in bulk operations: keeps the working set in cache
@@ -162,20 +167,154 @@ def _check_km(k: int, m: int) -> None:
         raise UsageError(f"need k >= 1, m >= 0, k + m <= 256; got k={k}, m={m}")
 
 
+BACKENDS = ("auto", "isal", "numpy")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Choose what computes :func:`mul_add_blocks` and :func:`mul_xor_into`: ``"isal"`` (raises
+    :class:`UsageError` when ISA-L is not available), ``"numpy"``, or ``"auto"`` (the default:
+    ISA-L when available). Process-wide; for tests and benchmarks."""
+    global _backend
+    if name not in BACKENDS:
+        raise UsageError(f"unknown GF(2^8) backend {name!r} (known: {list(BACKENDS)})")
+    if name == "isal" and not isal.available():
+        raise UsageError(f"ISA-L is not available: {isal.load_error()}")
+    _backend = name
+
+
+def backend() -> str:
+    """The backend in use: ``"isal"`` or ``"numpy"``."""
+    if _backend == "numpy" or (_backend == "auto" and not isal.available()):
+        return "numpy"
+    return "isal"
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A per-thread scratch buffer of at least ``n`` bytes, kept between calls: freshly
+    allocated memory is slow to fault in on the machines measured (``bench/README.md``)."""
+    buf: np.ndarray | None = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, 1), np.uint8)
+        _local.buf = buf
+    return buf[:n]
+
+
+@lru_cache(maxsize=256)
+def _isal_tables(shape: tuple[int, int], coeffs: bytes) -> isal.Tables:
+    return isal.init_tables(np.frombuffer(coeffs, np.uint8).reshape(shape))
+
+
+def _check_blocks(arrays: Sequence[np.ndarray], n: int, what: str, *, writable: bool) -> None:
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 1:
+            raise UsageError(f"{what}[{i}] must be a 1-D numpy uint8 array")
+        if not a.flags.c_contiguous:
+            raise UsageError(f"{what}[{i}] must be contiguous")
+        if a.size != n:
+            raise UsageError(f"{what}[{i}] has {a.size} bytes, expected {n}")
+        if writable and not a.flags.writeable:
+            raise UsageError(f"{what}[{i}] must be writable")
+
+
 def mul_add_blocks(
     coeffs: np.ndarray, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]
 ) -> None:
     """``outputs[r] = sum_t coeffs[r, t] * inputs[t]`` over GF(2^8), bytewise, in place.
 
-    All arrays are 1-D uint8 of one length. Works through :data:`SLICE`-byte slices with two
-    scratch buffers, so no allocation grows with the data.
+    ``coeffs`` is ``len(outputs) x len(inputs)``; all arrays are contiguous 1-D uint8 of one
+    length (else :class:`UsageError`, before anything is written); the outputs must not overlap
+    the inputs. Runs on ISA-L (``ec_encode_data``) when :func:`backend` is ``"isal"``, else on
+    numpy (:func:`_mul_add_blocks_numpy`); the bytes are the same.
     """
+    c = np.asarray(coeffs)
+    if c.shape != (len(outputs), len(inputs)):
+        raise UsageError(
+            f"coefficients of shape {c.shape} for {len(inputs)} inputs and {len(outputs)} outputs"
+        )
+    if (
+        c.dtype != np.uint8
+        and c.size
+        and (c.dtype.kind not in "iu" or c.min() < 0 or c.max() > 255)
+    ):
+        raise UsageError("coefficients must be integers 0..255")
+    n = getattr(outputs[0], "size", -1) if outputs else 0
+    n = getattr(inputs[0], "size", -1) if inputs else n
+    _check_blocks(inputs, n, "inputs", writable=False)
+    _check_blocks(outputs, n, "outputs", writable=True)
+    if not outputs or n == 0:
+        return
+    if not inputs:  # the empty sum
+        for out in outputs:
+            out[:] = 0
+        return
+    if backend() == "isal":
+        isal.encode_data(_isal_tables(c.shape, c.astype(np.uint8).tobytes()), inputs, outputs)
+        return
+    _mul_add_blocks_numpy(c, inputs, outputs)
+
+
+def mul_xor_into(out: np.ndarray, c: int, block: np.ndarray) -> None:
+    """``out ^= c * block`` over GF(2^8), bytewise, in place (c = 0: nothing; c = 1: XOR).
+
+    Both contiguous 1-D uint8 of one length, not overlapping. ISA-L (``ec_encode_data_update``
+    with one row) when :func:`backend` is ``"isal"``, else numpy pair tables.
+    """
+    if not 0 <= c <= 255:
+        raise UsageError(f"a GF(2^8) constant is 0..255, got {c}")
+    n = getattr(block, "size", -1)
+    _check_blocks([block], n, "block", writable=False)
+    _check_blocks([out], n, "out", writable=True)
+    if c == 0 or block.size == 0:
+        return
+    if backend() == "isal":
+        isal.encode_data_update(_isal_tables((1, 1), bytes([c])), 0, block, [out])
+        return
+    _mul_xor_into_numpy(out, c, block)
+
+
+def _mul_xor_into_numpy(out: np.ndarray, c: int, block: np.ndarray) -> None:
+    """The numpy form of :func:`mul_xor_into` (no checks)."""
+    n = block.size
+    if c == 0 or n == 0:
+        return
+    if c == 1:
+        for start in range(0, n, SLICE):
+            o = out[start : start + SLICE]
+            np.bitwise_xor(o, block[start : start + SLICE], out=o)
+        return
+    step = min(SLICE, n)
+    step += step & 1
+    tmp = _scratch(step)
+    table = pair_table(c)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        even = (stop - start) & ~1
+        i = block[start:stop]
+        t8 = tmp[: stop - start]
+        if even:
+            np.take(table, i[:even].view(np.uint16), out=tmp[:even].view(np.uint16))
+        if even != stop - start:
+            t8[even:] = MUL[c][i[even:]]
+        o = out[start:stop]
+        np.bitwise_xor(o, t8, out=o)
+
+
+def _mul_add_blocks_numpy(
+    coeffs: np.ndarray, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]
+) -> None:
+    """The numpy form of :func:`mul_add_blocks` (no checks): through :data:`SLICE`-byte
+    slices and pair tables, with one reused scratch buffer, so no allocation grows with the
+    data."""
     n = inputs[0].size if inputs else 0
     if n == 0 or not outputs:
         return
     step = min(SLICE, n)
     step += step & 1
-    tmp = np.empty(step, np.uint8)
+    tmp = _scratch(step)
     for out in outputs:
         out[:] = 0
     for start in range(0, n, step):
