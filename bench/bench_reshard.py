@@ -3,17 +3,18 @@
 the same state saved by M ranks; and the throughput of ``ckptfmt reshard``.
 
 The state is FSDP-like: 2-D float32 tensors (~256 MB in all by default, rows a multiple of 4)
-that each rank holds in row blocks (``numpy.array_split``'s split of its job's size). The driver
-(this script without ``--worker``) does everything:
+that each rank holds in row blocks (``numpy.array_split``'s split of its job's size); a second,
+data-parallel state (~128 MB, ``--dp-mb``) every rank holds whole. The driver (this script
+without ``--worker``) does everything:
 
 1. saves the state with N = 4 and N = 2 ranks (``save_collective`` under ``mpiexec``), each into
    a level-3 directory (shared by all ranks) and level-1 directories (two simulated nodes,
    ``n{rank * 2 // size}``);
 2. under ``mpiexec -n M`` for M = 2 and 4: ``load_collective`` of the N-rank checkpoint and of the
    M-rank one (``4->2`` vs ``2->2``, ``2->4`` vs ``4->4``), each rank wanting its own rows of the
-   M-rank split, from level 3 and from level 1; rounds interleaved, the order rotating; a round's
-   time is the slowest rank's (barrier before, all-gather of the times after); the first round
-   also checks every loaded byte;
+   M-rank split (DP: everything), from level 3 and from level 1; rounds interleaved, the order
+   rotating; a round's time is the slowest rank's (barrier before, all-gather of the times
+   after); the first round also checks every loaded byte;
 3. in this process: ``ckptfmt.rewrite.reshard`` (what ``ckptfmt reshard`` runs) of the 4-rank
    checkpoint for 2 ranks and of the 2-rank one for 4 (rows split, fsync off and on), against
    ``ckptfmt.load`` + ``ckptfmt.save`` of the same state (read everything, write everything) and
@@ -92,6 +93,11 @@ def state(rows: int, rank: int, size: int) -> dict[str, Any]:
     }
 
 
+def dp_state(rows: int) -> dict[str, Any]:
+    """The data-parallel variant: every rank holds every tensor whole."""
+    return {f"w{t}": block(t, 0, rows) for t in range(TENSORS)}
+
+
 # --- MPI workers --------------------------------------------------------------------------------
 
 
@@ -106,34 +112,36 @@ def worker(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     rows = args.rows
     if args.worker == "save":
-        st = state(rows, comm.rank, comm.size)
-        for level in (3, 1):
-            where = root / f"c{comm.size}" / ("l3" if level == 3 else f"l1/{node}") / STEP
-            save_collective(
-                comm, st, where, step=1, node=node, fsync=False,
-                group="shared" if level == 3 else node,
-            )  # fmt: skip
+        kinds = [("c", state(rows, comm.rank, comm.size))]
+        if args.dp_rows:
+            kinds.append(("d", dp_state(args.dp_rows)))
+        for kind, st in kinds:
+            for level in (3, 1):
+                where = root / f"{kind}{comm.size}" / ("l3" if level == 3 else f"l1/{node}") / STEP
+                save_collective(
+                    comm, st, where, step=1, node=node, fsync=False,
+                    group="shared" if level == 3 else node,
+                )  # fmt: skip
         return 0
     # load: every (source, level) case, rounds interleaved with a rotating order
     cases = [(src, level) for src in args.sources.split(",") for level in (3, 1)]
     times: dict[str, list[float]] = {f"{s}-l{lv}": [] for s, lv in cases}
     read_bytes: dict[str, int] = {}
-    my_wants = wants(rows, comm.rank, comm.size)
     for rep in range(args.reps + 1):
         order = cases[rep % len(cases) :] + cases[: rep % len(cases)]
         for src, level in order:
             path = root / src / ("l3" if level == 3 else f"l1/{node}") / STEP
             comm.barrier()
+            dp = src.startswith("d")
+            my_wants = {} if dp else wants(rows, comm.rank, comm.size)
             with record_reads() as log:
                 t0 = time.perf_counter()
-                out, _ = load_collective(
-                    comm, path, my_wants, node=node if level == 1 else None
-                )
+                out, _ = load_collective(comm, path, my_wants, node=node if level == 1 else None)
                 dt = time.perf_counter() - t0
             slowest = max(comm.allgather_json(dt))
             key = f"{src}-l{level}"
             if rep == 0:  # warm-up round: check every byte, count what was read
-                start, count = rows_of(rows, comm.rank, comm.size)
+                start, count = (0, args.dp_rows) if dp else rows_of(rows, comm.rank, comm.size)
                 ok = all(
                     np.array_equal(out[f"w{t}"].view(np.uint32),
                                    block(t, start, count).view(np.uint32))
@@ -210,20 +218,28 @@ def med(xs: list[float]) -> float:
 def markdown(res: dict[str, Any]) -> str:
     mb = res["data_bytes"] / 1e6
     lines = [
-        f"State: {TENSORS} float32 tensors of {res['rows']} x {COLS} ({mb:.0f} MB), row blocks "
-        f"per rank; /dev/shm; medians of {res['reps']} rounds; {res['cpus']} CPU cores.",
+        f"State: {TENSORS} float32 tensors of {res['rows']} x {COLS} ({mb:.0f} MB) in row blocks "
+        f"per rank (FSDP), and {TENSORS} of {res['dp_rows']} x {COLS} held whole by every rank "
+        f"(DP); /dev/shm; medians of {res['reps']} rounds; {res['cpus']} CPU cores; load "
+        f"average {res['loadavg_end'][0]:.1f} at the end.",
         "",
-        "| load at M ranks | level | from the N-rank checkpoint | from the M-rank one | ratio |",
-        "|---|---|---|---|---|",
+        "| state | load at M ranks | level | from the N-rank checkpoint | from the M-rank one "
+        "| ratio |",
+        "|---|---|---|---|---|---|",
     ]
-    for m, n in ((2, 4), (4, 2)):
-        part = res["load"][str(m)]
-        for level in (3, 1):
-            a = med(part["times"][f"c{n}-l{level}"])
-            b = med(part["times"][f"c{m}-l{level}"])
-            lines.append(
-                f"| {n}->{m} vs {m}->{m} | {level} | {a:.3f} s | {b:.3f} s | {a / b:.2f}x |"
-            )
+    kinds = [("FSDP rows", "c", mb)] + (
+        [("DP whole", "d", res["dp_bytes"] / 1e6)] if res["dp_rows"] else []
+    )
+    for label, k, size in kinds:
+        for m, n in ((2, 4), (4, 2)):
+            part = res["load"][str(m)]
+            for level in (3, 1):
+                a = med(part["times"][f"{k}{n}-l{level}"])
+                b = med(part["times"][f"{k}{m}-l{level}"])
+                lines.append(
+                    f"| {label} ({size:.0f} MB) | {n}->{m} vs {m}->{m} | {level} | {a:.3f} s "
+                    f"| {b:.3f} s | {a / b:.2f}x |"
+                )
     lines += [
         "",
         "| rewrite (one process) | median | MB/s | vs load + save |",
@@ -239,11 +255,13 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=256)
+    ap.add_argument("--dp-mb", type=float, default=128, help="data-parallel variant (0: none)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dir", default="/dev/shm/ckptfmt-bench-reshard")
     ap.add_argument("--out", default=str(BENCH / "results" / "reshard.json"))
     ap.add_argument("--worker", choices=["save", "load"], help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--dp-rows", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--sources", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -255,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     rows = rows_for(args.size_mb)
-    common = ["--dir", str(root), "--rows", str(rows)]
+    dp_rows = rows_for(args.dp_mb) if args.dp_mb else 0
+    common = ["--dir", str(root), "--rows", str(rows), "--dp-rows", str(dp_rows)]
     started = time.time()
     try:
         for n in (4, 2):
@@ -263,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         load: dict[str, Any] = {}
         for m, n in ((2, 4), (4, 2)):
             part = root / f"part{m}.json"
-            mpi(m, "--worker", "load", *common, "--sources", f"c{n},c{m}",
+            sources = f"c{n},c{m}" + (f",d{n},d{m}" if dp_rows else "")
+            mpi(m, "--worker", "load", *common, "--sources", sources,
                 "--reps", str(args.reps), "--part", str(part))  # fmt: skip
             load[str(m)] = json.loads(part.read_text())
         rewrite = time_reshard(root, rows, args.reps)
@@ -275,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         "cols": COLS,
         "tensors": TENSORS,
         "data_bytes": rows * COLS * 4 * TENSORS,
+        "dp_rows": dp_rows,
+        "dp_bytes": dp_rows * COLS * 4 * TENSORS,
         "reps": args.reps,
         "cpus": os.cpu_count(),
         "loadavg_end": os.getloadavg(),
@@ -286,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     res["medians"] = {
         **{
-            f"load {n}->{m} l{lv}": med(load[str(m)]["times"][f"c{n}-l{lv}"])
+            f"load {kind} {n}->{m} l{lv}": med(load[str(m)]["times"][f"{k}{n}-l{lv}"])
+            for kind, k in (("fsdp", "c"), ("dp", "d"))
+            if k == "c" or dp_rows
             for m in (2, 4)
             for n in (2, 4)
             for lv in (3, 1)

@@ -233,8 +233,8 @@ def load_collective(
 
 
 def _is_per_rank(e: object, named: set[str]) -> bool:
-    """Whether ``e`` is loaded as each rank's own item: a per-rank value, or a per-rank tensor
-    of which no rank asks for a box."""
+    """Whether ``e`` is loaded as each rank's own item (and so follows the per-rank rules): a
+    per-rank value, or a per-rank tensor that not every rank asks a box of."""
     if isinstance(e, PerRankValueEntry):
         return True
     return isinstance(e, TensorEntry) and e.per_rank and display(e.name) not in named
