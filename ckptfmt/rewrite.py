@@ -130,6 +130,11 @@ class _SourceCrcs:
         self.seen: dict[str, dict[int, tuple[int, int]]] = {}
         self.done: set[str] = set()
 
+    def checked(self, ref: FileRef) -> None:
+        with self.lock:
+            self.done.add(ref.path)
+            self.seen.pop(ref.path, None)
+
     def add(
         self,
         ref: FileRef,
@@ -460,7 +465,10 @@ def _read_box(
                 len(missing) == fr.n_present,
                 (name,),
             )
-            crcs.add(ref, missing, got, fr.n_present, nb, name)
+            if len(missing) == fr.n_present:  # read whole: read_chunks checked the data CRC
+                crcs.checked(ref)
+            else:
+                crcs.add(ref, missing, got, fr.n_present, nb, name)
             total += len(missing) * nb
             for s, v in zip(missing, views):
                 chunks[s] = v
