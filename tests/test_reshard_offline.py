@@ -145,3 +145,47 @@ def test_per_rank_entries_follow_the_rules(tmp_path: Path) -> None:
     )
     got = check_equal(tmp_path / "dst")
     assert "rng" not in got and "loader" not in got
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+
+def run_cli(*args: str) -> Any:
+    from ckptfmt_cli.main import cli
+    from click.testing import CliRunner
+
+    return CliRunner().invoke(cli, list(args), prog_name="ckptfmt")
+
+
+def test_cli_exit_statuses(tmp_path: Path) -> None:
+    src = save(tmp_path, 2, 3, per_rank_extra)
+    dst = str(tmp_path / "dst")
+    grid = ["--chunk-bytes", "1024", "--shard-bytes", "8192", "--no-fsync"]
+    for bad in (
+        ["--ranks", "2", "--nodes", "a,b,c"],  # three names for two ranks
+        ["--ranks", "2", "--nodes", "a,b", "--ranks-per-node", "1"],
+        ["--ranks", "2", "--m", "2"],  # --m without --redundancy
+        ["--ranks", "2", "--rank-map", "0-1"],
+        ["--ranks", "2", "--rank-map", "0:0,1:0"],  # not injective
+        ["--ranks", "0"],
+        ["--ranks", "3"],  # per-rank entries, no map: an explicit usage error
+        ["--ranks", "3", "--nodes", "a,b,a/b", "--rank-map", "identity", "--drop-per-rank"],
+    ):
+        result = run_cli("reshard", str(src), dst, *bad, *grid)
+        assert result.exit_code == 2, (bad, result.output)
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "dst").exists()
+    assert run_cli("reshard", str(tmp_path / "nothing"), dst, "--ranks", "2").exit_code == 3
+    ok = run_cli("reshard", str(src), dst, "--ranks", "3", "--rank-map", "identity",
+                 "--drop-per-rank", "--rows", "shards/*", *grid)  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    assert "2 rank(s) -> 3 rank(s)" in ok.output
+    assert "Warning: per-rank entries" in ok.output and "current rank(s) 2 get none" in ok.output
+    assert run_cli("verify", dst).exit_code == 0
+    again = run_cli("reshard", str(src), dst, "--ranks", "2", *grid)
+    assert again.exit_code == 2 and "already" in again.output  # refuses to overwrite
+    _flip(src / read_manifest(src).tensors()[0].regions[0].files[0].path)
+    damaged = run_cli("reshard", str(src), str(tmp_path / "dst2"), "--ranks", "2",
+                      "--rank-map", "identity", *grid)  # fmt: skip
+    assert damaged.exit_code == 1, damaged.output
+    assert not (tmp_path / "dst2").exists()
