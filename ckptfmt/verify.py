@@ -196,6 +196,40 @@ def unexpected_files(root: Path, expected: set[str]) -> list[str]:
     return sorted(out)
 
 
+def check_data(
+    src: Inside,
+    manifest: Manifest,
+    report: VerifyReport,
+    expected: set[str],
+    progress: Callable[[int], None] | None = None,
+    ranks: Mapping[int, str] | None = None,
+) -> None:
+    """Read and check every data file in ``src`` (only those of ``ranks``, labelled with their
+    node, when given) into ``report``, one file in memory at a time; add their paths to
+    ``expected``."""
+    for t in manifest.tensors():
+        name = (display(t.name),)
+        geo = geometry(t)
+        for r in t.regions:
+            if ranks is not None and r.rank not in ranks:
+                continue
+            node = None if ranks is None else ranks[r.rank]
+            for ref in r.files:
+                expected.add(ref.path)
+                cell = shard_cell(ref.path)
+                try:
+                    blob = read_file(src, ref, name)
+                    decode_shard(blob, geo, cell, ref, name)
+                    report.bytes_checked += len(blob)
+                except DamagedError as exc:
+                    report.problems.append(Problem(ref.path, _kind(exc), exc.reason, name, node))
+                except OSError as exc:  # unreadable: permissions, I/O error
+                    report.problems.append(Problem(ref.path, "unreadable", str(exc), name, node))
+                report.files_checked += 1
+                if progress:
+                    progress(ref.size)
+
+
 def verify(
     path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
     progress: Callable[[int], None] | None = None,
@@ -223,24 +257,7 @@ def verify(
     src = Inside(root)
     report = VerifyReport(str(root), manifest)
     report.problems, expected = check_metadata(src, manifest)
-    for t in manifest.tensors():
-        name = (display(t.name),)
-        geo = geometry(t)
-        for r in t.regions:
-            for ref in r.files:
-                expected.add(ref.path)
-                cell = shard_cell(ref.path)
-                try:
-                    blob = read_file(src, ref, name)
-                    decode_shard(blob, geo, cell, ref, name)
-                    report.bytes_checked += len(blob)
-                except DamagedError as exc:
-                    report.problems.append(Problem(ref.path, _kind(exc), exc.reason, name))
-                except OSError as exc:  # unreadable: permissions, I/O error
-                    report.problems.append(Problem(ref.path, "unreadable", str(exc), name))
-                report.files_checked += 1
-                if progress:
-                    progress(ref.size)
+    check_data(src, manifest, report, expected, progress)
     from ckptfmt.verify_parity import check_single_dir
 
     check_single_dir(root, manifest, report, expected)

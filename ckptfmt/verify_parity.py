@@ -4,10 +4,15 @@
 node's directory must hold a committed copy of the step with the same manifest, every zarr
 metadata document, the data files of that node's ranks (every CRC checked) and, when the save has
 redundancy, their parity files under ``ckptfmt-redundancy/``. Each parity chunk is checked
-against its CRC32C in the record, and then, set by set (one set in memory at a time), against the
-members' data: the parity is encoded afresh (``stripes.encode_plan`` run by ``engine.run_ops``)
-and compared byte for byte, so a parity file that its CRCs vouch for but that does not belong to
-this data (a bad encode, a file swapped in from elsewhere with its record) is still found.
+against its CRC32C in the record, and, set by set, against the members' data: the parity is
+encoded afresh (``stripes.encode_plan`` run by ``engine.run_ops``) and compared byte for byte, so
+a parity file that its CRCs vouch for but that does not belong to this data (a bad encode, a file
+swapped in from elsewhere with its record) is still found.
+
+Memory stays bounded: data files are checked one at a time; a set is re-encoded in windows of
+:data:`WINDOW` bytes of each chunk (the same byte range of every chunk of every member is one small
+set of the same code, so ``encode_plan`` runs on it unchanged), during one pass over the parity
+files that also computes their CRCs.
 
 Every parity finding is a :class:`~ckptfmt.verify.Problem` of kind ``"parity"`` with no tensors:
 the data is intact, but a lost node could no longer be rebuilt (``ckptfmt rebuild`` repairs it).
@@ -35,7 +40,6 @@ from ckptfmt.reader import read_manifest_bytes
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops
 from ckptfmt.redundancy.record import (
     PARITY_DIR,
-    ParityFile,
     RedundancyRecord,
     RedundancySet,
     member_files,
@@ -43,18 +47,12 @@ from ckptfmt.redundancy.record import (
 )
 from ckptfmt.redundancy.stripes import encode_plan
 from ckptfmt.storage.files import Inside, read_scatter
-from ckptfmt.storage.members import buffer_sizes, read_member
-from ckptfmt.verify import (
-    Problem,
-    VerifyReport,
-    _kind,
-    check_metadata,
-    check_schema,
-    unexpected_files,
-)
+from ckptfmt.verify import Problem, VerifyReport, check_data, check_metadata, check_schema
+from ckptfmt.verify import unexpected_files as unexpected_in
 
 NOT_PRESENT = "not present on this level"
 CHECKED = "checked"
+WINDOW = 1 << 18  # bytes of each chunk re-encoded at once: n * (n - m + m) windows in memory
 
 Progress = Callable[[int], None] | None
 
@@ -88,89 +86,43 @@ def verify_nodes(
     check_schema(data, Path(shown))
     record = record_of(manifest)
     report = VerifyReport(shown, manifest, nodes={n: str(d) for n, d in dirs.items()})
+    node_of = {r.rank: r.node for r in manifest.ranks}
     by_dir: dict[Path, list[str]] = {}
     for node, d in dirs.items():
         by_dir.setdefault(d, []).append(node)
     src_of_dir: dict[Path, Inside | None] = {}
-    expected: dict[Path, set[str]] = {}
     for d, nodes in by_dir.items():
         label = ",".join(nodes)
-        ranks = [r.rank for r in manifest.ranks if r.node in nodes]
+        ranks = {r: n for r, n in node_of.items() if n in nodes}
         lost = f"the data{' and parity' if record else ''} of rank(s) {_ranks(ranks)} are lost"
         tensors = tuple(lost_tensors(manifest, set(ranks)))
+        src_of_dir[d] = None
         try:
             mine = read_manifest_bytes(d)
             other = parse_manifest(mine, str(d / MANIFEST_NAME))
         except CkptError as exc:
-            reason = getattr(exc, "reason", str(exc))
-            report.problems.append(
-                Problem(
-                    MANIFEST_NAME,
-                    "missing",
-                    f"no copy of the step in {d} ({reason}): {lost}",
-                    tensors,
-                    label,
-                )
-            )
-            src_of_dir[d] = None
+            reason = f"no copy of the step in {d} ({getattr(exc, 'reason', exc)}): {lost}"
+            report.problems.append(Problem(MANIFEST_NAME, "missing", reason, tensors, label))
             continue
         if other.save_id != manifest.save_id:
-            report.problems.append(
-                Problem(
-                    MANIFEST_NAME,
-                    "metadata",
-                    f"{d} holds another save ({other.save_id}, not {manifest.save_id}): {lost}",
-                    tensors,
-                    label,
-                )
-            )
-            src_of_dir[d] = None
+            reason = f"{d} holds another save ({other.save_id}, not {manifest.save_id}): {lost}"
+            report.problems.append(Problem(MANIFEST_NAME, "metadata", reason, tensors, label))
             continue
         if mine != data:
-            report.problems.append(
-                Problem(
-                    MANIFEST_NAME,
-                    "metadata",
-                    "differs from the manifest of the same save on the other node(s)",
-                    (),
-                    label,
-                )
-            )
-        src = Inside(d)
-        src_of_dir[d] = src
-        problems, expected[d] = check_metadata(src, manifest, label)
+            reason = "differs from the manifest of the same save on the other node(s)"
+            report.problems.append(Problem(MANIFEST_NAME, "metadata", reason, (), label))
+        src = src_of_dir[d] = Inside(d)
+        problems, expected = check_metadata(src, manifest, label)
         report.problems.extend(problems)
-    dir_of = {r.rank: dirs[r.node] for r in manifest.ranks}
-    node_of = {r.rank: r.node for r in manifest.ranks}
-    for rank, d in dir_of.items():
-        if d in expected:
-            expected[d].update(f.path for _, f in member_files(manifest, rank))
-    if record is None:
-        for rank in range(manifest.world_size):
-            here = src_of_dir[dir_of[rank]]
-            if here is not None:
-                buf = np.zeros(sum(f.size for _, f in member_files(manifest, rank)), np.uint8)
-                _check_member(here, manifest, rank, buf, report, node_of[rank], progress)
-    else:
-        report.redundancy = summary(record, CHECKED)
-        for i, rset in enumerate(record.sets):
-            _check_set(
-                i,
-                rset,
-                record,
-                manifest,
-                report,
-                progress,
-                lambda r: src_of_dir[dir_of[r]],
-                node_of.get,
-                None,
-            )
-            for j, rank in enumerate(rset.members):
-                if dir_of[rank] in expected:
-                    expected[dir_of[rank]].add(rset.parity[j].path)
-    for d, exp in expected.items():
-        report.unexpected_files.extend(f"{d}/{rel}" for rel in unexpected_files(d, exp))
+        check_data(src, manifest, report, expected, progress, ranks)
+        if record is not None:
+            expected.update(record.set_of(r)[0].parity[record.set_of(r)[1]].path for r in ranks)
+        report.unexpected_files.extend(f"{d}/{rel}" for rel in unexpected_in(d, expected))
     report.unexpected_files.sort()
+    if record is not None:
+        report.redundancy = summary(record, CHECKED)
+        dir_of = {rank: dirs[node] for rank, node in node_of.items()}
+        _check_sets(record, manifest, report, lambda r: src_of_dir[dir_of[r]], node_of.get)
     return report
 
 
@@ -187,141 +139,195 @@ def check_single_dir(
         report.redundancy = summary(record, NOT_PRESENT)
         return
     report.redundancy = summary(record, CHECKED)
-    damaged = {p.file for p in report.problems}
     src = Inside(root)
-    for i, rset in enumerate(record.sets):
-        _check_set(i, rset, record, manifest, report, None, lambda r: src, lambda r: None, damaged)
-        expected.update(f.path for f in rset.parity)
+    _check_sets(record, manifest, report, lambda r: src, lambda r: None)
+    expected.update(f.path for s in record.sets for f in s.parity)
 
 
-def _ranks(ranks: list[int]) -> str:
+def _ranks(ranks: Mapping[int, str] | list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _check_member(
-    src: Inside,
-    manifest: Manifest,
-    rank: int,
-    out: np.ndarray,
-    report: VerifyReport,
-    node: str | None,
-    progress: Progress,
-) -> bool:
-    """Read and check ``rank``'s data files into ``out``; report what is damaged."""
-    damage = read_member(src, manifest, rank, out, verify=True)
-    bad = {e.file for e in damage}
-    for e in damage:
-        report.problems.append(Problem(e.file, _kind(e), e.reason, e.tensors, node))
-    files = member_files(manifest, rank)
-    report.files_checked += len(files)
-    report.bytes_checked += sum(f.size for _, f in files if f.path not in bad)
-    if progress:
-        progress(sum(f.size for _, f in files))
-    return not damage
-
-
-def _check_set(
-    index: int,
-    rset: RedundancySet,
+def _check_sets(
     record: RedundancyRecord,
     manifest: Manifest,
     report: VerifyReport,
-    progress: Progress,
     src_of: Callable[[int], Inside | None],
     node_of: Callable[[int], str | None],
-    known_damaged: set[str] | None,
 ) -> None:
-    """Check one set: its members' data (unless ``known_damaged`` lists the files already found
-    damaged), every parity chunk's CRC, then the parity against its re-encoding (only possible
-    when every member's data is intact; else the set is listed in ``sets_not_compared``)."""
-    bufs: dict[int, MemberBuffers] = {}
-    data_ok: list[bool] = []
-    parity_ok: list[list[bool]] = []
-    for j, rank in enumerate(rset.members):
-        n_data, n_parity = buffer_sizes(record, rank)
-        bufs[j] = MemberBuffers(np.zeros(n_data, np.uint8), np.zeros(n_parity, np.uint8))
-        src, node = src_of(rank), node_of(rank)
-        if src is None:  # the node's directory is gone: reported once, as a whole
-            data_ok.append(False)
-            parity_ok.append([False] * len(rset.parity[j].crc32c))
-            continue
-        if known_damaged is None:
-            data_ok.append(_check_member(src, manifest, rank, bufs[j].data, report, node, progress))
-        else:
-            damage = read_member(src, manifest, rank, bufs[j].data, verify=False)
-            mine = {f.path for _, f in member_files(manifest, rank)}
-            data_ok.append(not damage and not mine & known_damaged)
-        ok, problems = _check_parity_file(src, rset.parity[j], bufs[j].parity, node)
-        parity_ok.append(ok)
-        report.problems.extend(problems)
-    if not all(data_ok):
-        if report.redundancy is not None:
+    """Check every set's parity files (module docstring). A member's data counts as intact when
+    its directory is there and ``report`` has no problem with any of its files."""
+    bad = {(p.node, p.file) for p in report.problems}
+    for index, rset in enumerate(record.sets):
+        data_ok = []
+        for rank in rset.members:
+            files = member_files(manifest, rank)
+            node = node_of(rank)
+            present = src_of(rank) is not None
+            data_ok.append(present and not any((node, f.path) in bad for _, f in files))
+        checker = _SetCheck(record, manifest, rset, src_of, node_of)
+        try:
+            compared = checker.run(all(data_ok))
+        finally:
+            checker.close()
+        report.problems.extend(checker.problems)
+        if not compared and report.redundancy is not None:
             report.redundancy["sets_not_compared"].append(index)
-        return
-    fresh = {j: MemberBuffers(b.data, np.zeros_like(b.parity)) for j, b in bufs.items()}
-    ops = encode_plan(record.scheme, rset.n, record.m)
-    run_ops(ops, rset.members, rset.sizes, rset.chunk, fresh)
-    for j, rank in enumerate(rset.members):
-        pf = rset.parity[j]
-        step = pf.size // len(pf.crc32c)
-        for p, chunk_ok in enumerate(parity_ok[j]):
-            a = bufs[j].parity[p * step : (p + 1) * step]
-            b = fresh[j].parity[p * step : (p + 1) * step]
-            if chunk_ok and not np.array_equal(a, b):
-                first = int(np.flatnonzero(a != b)[0])
-                report.problems.append(
-                    Problem(
-                        pf.path,
-                        "parity",
-                        f"chunk {p} passes its CRC32C but is not the parity of the set's data "
-                        f"(ranks {_ranks(list(rset.members))}, set {index}): it differs from a "
-                        f"fresh encoding from byte {p * step + first}",
-                        (),
-                        node_of(rank),
-                    )
-                )
 
 
-def _check_parity_file(
-    src: Inside, pf: ParityFile, out: np.ndarray, node: str | None
-) -> tuple[list[bool], list[Problem]]:
-    """Read a parity file into ``out``; which of its chunks match their CRC32C, and the
-    problems found (kind ``"parity"``)."""
-    n = len(pf.crc32c)
+class _SetCheck:
+    """One set: one pass over its parity files in windows, computing each chunk's CRC32C and,
+    when every member's data is intact, comparing each window with a fresh encoding."""
 
-    def whole(reason: str) -> tuple[list[bool], list[Problem]]:
-        return [False] * n, [Problem(pf.path, "parity", reason, (), node)]
+    def __init__(
+        self,
+        record: RedundancyRecord,
+        manifest: Manifest,
+        rset: RedundancySet,
+        src_of: Callable[[int], Inside | None],
+        node_of: Callable[[int], str | None],
+    ) -> None:
+        self.record, self.manifest, self.rset = record, manifest, rset
+        self.src_of, self.node_of = src_of, node_of
+        self.problems: list[Problem] = []
+        self.fds: dict[tuple[int, str], int] = {}  # (member, path) -> open descriptor
 
-    try:
-        fd = src.open_fd(pf.path)
-    except FileNotFoundError:
-        return whole("missing")
-    except OSError as exc:
-        return whole(f"cannot be read: {exc}")
-    try:
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def _problem(self, j: int, reason: str) -> None:
+        node = self.node_of(self.rset.members[j])
+        self.problems.append(Problem(self.rset.parity[j].path, "parity", reason, (), node))
+
+    def _open(self, j: int, path: str, size: int) -> int | str:
+        """A descriptor of member ``j``'s file ``path`` of ``size`` bytes, or why not."""
+        src = self.src_of(self.rset.members[j])
+        if src is None:
+            return "its node's directory is gone"
+        try:
+            fd = src.open_fd(path)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as exc:
+            return f"cannot be read: {exc}"
+        self.fds[(j, path)] = fd
         actual = os.fstat(fd).st_size
-        if actual != pf.size:
-            return whole(f"size {actual} bytes, expected {pf.size}")
-        read_scatter(fd, [out[: pf.size].data], 0)
-    except EOFError:
-        return whole("shorter than its size while being read")
-    except OSError as exc:
-        return whole(f"cannot be read: {exc}")
-    finally:
-        os.close(fd)
-    step = pf.size // n
-    ok, problems = [], []
-    for p in range(n):
-        got = crc32c(out[p * step : (p + 1) * step])
-        ok.append(got == pf.crc32c[p])
-        if got != pf.crc32c[p]:
-            problems.append(
-                Problem(
-                    pf.path,
-                    "parity",
-                    f"chunk {p} CRC32C mismatch (expected {pf.crc32c[p]:08x}, got {got:08x})",
-                    (),
-                    node,
-                )
-            )
-    return ok, problems
+        return fd if actual == size else f"size {actual} bytes, expected {size}"
+
+    def _read(self, j: int, path: str, start: int, out: np.ndarray) -> None:
+        if out.size:
+            read_scatter(self.fds[(j, path)], [out.data], start)
+
+    def _read_member(self, j: int, start: int, out: np.ndarray) -> None:
+        """Bytes ``[start, start + len(out))`` of member ``j``'s data (zeros past its end)."""
+        out[:] = 0
+        end, off = start + out.size, 0
+        for _, ref in member_files(self.manifest, self.rset.members[j]):
+            lo, hi = max(start, off), min(end, off + ref.size)
+            if lo < hi:
+                if (j, ref.path) not in self.fds:
+                    opened = self._open(j, ref.path, ref.size)
+                    if isinstance(opened, str):
+                        raise OSError(f"{ref.path}: {opened}")
+                self._read(j, ref.path, lo - off, out[lo - start : hi - start])
+            off += ref.size
+
+    def run(self, compare: bool) -> bool:
+        """Check the CRCs of every parity file; with ``compare``, the bytes too. Returns
+        whether the parity was compared with the data."""
+        rset, record = self.rset, self.record
+        n, m, chunk = rset.n, record.m, rset.chunk
+        partner = record.scheme == "partner"
+        k = len(rset.parity[0].crc32c)  # chunks per parity file
+        readable = []
+        for j, pf in enumerate(rset.parity):
+            opened = self._open(j, pf.path, pf.size)
+            if isinstance(opened, str):
+                if self.src_of(rset.members[j]) is not None:  # a gone directory: reported once
+                    self._problem(j, opened)
+                readable.append(False)
+            else:
+                readable.append(True)
+        span = max(rset.sizes) if partner else chunk  # bytes of each chunk to go through
+        crcs = [[0] * k for _ in range(n)]
+        first_diff: dict[tuple[int, int], int] = {}
+        try:
+            for o in range(0, span, WINDOW):
+                w = min(WINDOW, span - o)
+                if partner:
+                    sizes = [max(0, min(w, s - o)) for s in rset.sizes]
+                    stored = {
+                        j: np.zeros(sizes[(j - 1) % n], np.uint8) for j in range(n) if readable[j]
+                    }
+                    for j, buf in stored.items():
+                        self._read(j, rset.parity[j].path, o, buf)
+                        crcs[j][0] = crc32c(buf, crcs[j][0])
+                else:
+                    sizes = list(rset.sizes)  # unused by chunk-indexed ops
+                    stored = {j: np.zeros(m * w, np.uint8) for j in range(n) if readable[j]}
+                    for j, buf in stored.items():
+                        for p in range(m):
+                            part = buf[p * w : (p + 1) * w]
+                            self._read(j, rset.parity[j].path, p * chunk + o, part)
+                            crcs[j][p] = crc32c(part, crcs[j][p])
+                if compare:
+                    self._compare(o, w, sizes, stored, first_diff)
+        except (OSError, EOFError) as exc:  # changed under us since the data was checked
+            self._problem(0, f"the set could not be read through: {exc}")
+            return False
+        step = rset.parity[0].size // k if k else 0
+        for j, pf in enumerate(rset.parity):
+            if not readable[j]:
+                continue
+            for p in range(k):
+                if crcs[j][p] != pf.crc32c[p]:
+                    self._problem(
+                        j,
+                        f"chunk {p} CRC32C mismatch (expected {pf.crc32c[p]:08x}, "
+                        f"got {crcs[j][p]:08x})",
+                    )
+                elif (j, p) in first_diff:
+                    members = _ranks(list(rset.members))
+                    self._problem(
+                        j,
+                        f"chunk {p} passes its CRC32C but is not the parity of the set's data "
+                        f"(ranks {members}): it differs from a fresh encoding from byte "
+                        f"{p * step + first_diff[(j, p)]}",
+                    )
+        return compare
+
+    def _compare(
+        self,
+        o: int,
+        w: int,
+        sizes: list[int],
+        stored: dict[int, np.ndarray],
+        first_diff: dict[tuple[int, int], int],
+    ) -> None:
+        """Encode bytes ``[o, o + w)`` of every chunk afresh and compare with ``stored``."""
+        rset, record = self.rset, self.record
+        n, m = rset.n, record.m
+        partner = record.scheme == "partner"
+        local = {}
+        for j in range(n):
+            if partner:
+                data = np.empty(sizes[j], np.uint8)
+                self._read_member(j, o, data)
+                parity = np.zeros(sizes[(j - 1) % n], np.uint8)
+            else:
+                c = n - m
+                data = np.empty(c * w, np.uint8)
+                for t in range(c):
+                    self._read_member(j, t * rset.chunk + o, data[t * w : (t + 1) * w])
+                parity = np.zeros(m * w, np.uint8)
+            local[j] = MemberBuffers(data, parity)
+        run_ops(encode_plan(record.scheme, n, m), rset.members, sizes, w, local)
+        for j, buf in stored.items():
+            fresh = local[j].parity
+            step = buf.size // max(m, 1)
+            for p in range(max(m, 1)):
+                a, b = buf[p * step : (p + 1) * step], fresh[p * step : (p + 1) * step]
+                if (j, p) not in first_diff and not np.array_equal(a, b):
+                    first_diff[(j, p)] = o + int(np.flatnonzero(a != b)[0])
