@@ -99,8 +99,10 @@ def report_text(report: RepairReport, dry_run: bool) -> list[str]:
     if lost:
         lines.append(f"  lost: {'; '.join(lost)} (node(s) {', '.join(report.lost_nodes)})")
     if report.metadata:
-        lines.append(f"  zarr documents missing or damaged ({len(report.metadata)}), "
-                     "written anew from the manifest:")
+        lines.append(
+            f"  zarr documents missing or damaged ({len(report.metadata)}), "
+            "written anew from the manifest:"
+        )
         lines.extend(f"    {f}" for f in report.metadata)
     verb = "to recreate" if dry_run else "recreated"
     lines.extend(f"  {verb}: {d}" for d in report.recreated)
@@ -115,13 +117,22 @@ def report_text(report: RepairReport, dry_run: bool) -> list[str]:
 
 @click.command("rebuild", epilog=REBUILD_EXITS + help_epilog())
 @click.argument("path", required=False)
-@click.option("--node", "nodes", multiple=True, metavar="NAME=DIR",
-              help="The step directory of node NAME (repeat for every node); instead of PATH.")
-@click.option("--dry-run", is_flag=True,
-              help="Find what is lost and whether it can be rebuilt; write nothing.")
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="The step directory of node NAME (repeat for every node); instead of PATH.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Find what is lost and whether it can be rebuilt; write nothing.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-@click.option("--no-fsync", is_flag=True,
-              help="Do not fsync what is written (faster; not crash-safe).")
+@click.option(
+    "--no-fsync", is_flag=True, help="Do not fsync what is written (faster; not crash-safe)."
+)
 @click.pass_context
 def rebuild_command(
     ctx: click.Context,
