@@ -186,9 +186,14 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
         for d in recreate:
             commit.finalize(staging[d], d.absolute(), data, manifest.save_id, fsync)
             report.recreated.append(str(d))
-    except BaseException:
+    except BaseException as exc:
         for st in staging.values():
             commit.abort(st)
+        if isinstance(exc, OSError) and not isinstance(exc, CkptError):
+            # e.g. a directory where a file belongs: damage the repair cannot write over
+            raise UnrecoverableDamageError(
+                shown, f"cannot write the rebuilt files: {exc}", report.lost_data
+            ) from None
         raise
     report.seconds = time.perf_counter() - started
     return report

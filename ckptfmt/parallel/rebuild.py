@@ -1,5 +1,5 @@
 """Rebuilding lost level-1 data from the redundancy of its set, collectively, at restart
-(``spec/redundancy.md`` §6).
+(``spec/redundancy.md`` §7).
 
 ``rebuild_collective`` (every rank calls it, with its own node's level-1 root):
 
