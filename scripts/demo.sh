@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set everything up, then run the demo: save a model-sized state, inspect, verify, damage, verify.
+# Set everything up, then run the demo: PyTorch DDP on 4 ranks over 2 simulated nodes loses a node
+# and resumes bitwise from XOR parity; then a model-sized state saved, inspected, verified, damaged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

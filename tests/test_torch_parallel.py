@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 from _torch_worker import Net, full_model_digest  # noqa: E402
 from mpi_util import REPO, describe, run_torchrun  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.mpi]
+pytestmark = pytest.mark.torch
 
 WORKER = str(REPO / "tests" / "_torch_worker.py")
 STEPS = 10
