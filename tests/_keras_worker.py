@@ -7,9 +7,10 @@ import costs more than a task). Tasks:
 - ``{"name", "action": "average"}``: ``average_arrays`` on rank-dependent arrays (float32,
   bfloat16, float16, float64), both reductions; each rank checks the result against the rank-order
   sum it computes itself from every rank's inputs, and that all ranks got the same bytes.
-- ``{"name", "action": "train", "root", "epochs", "save_freq", "reduction", "kill": [rank, step]
-  | null, "dump_saves": bool, "dp_check": bool}``: the model of :func:`build_model` trained with
-  ``distributed_optimizer`` on this rank's share of :func:`dataset` through ``BackupAndRestore``
+- ``{"name", "action": "train", "root", "epochs", "save_freq", "reduction", "redundancy",
+  "kill": [rank, step] | null, "dump_saves": bool, "dp_check": bool}``: the model of
+  :func:`build_model` trained with ``distributed_optimizer`` on this rank's share of
+  :func:`dataset` through ``BackupAndRestore``
   (level 1 at ``<root>/l1/{node}``, level 3 at ``<root>/l3``; rank ``r`` of ``n`` on node
   ``n{r * 2 // n}``). With ``kill``, every rank waits for the save in flight at that global step
   and then that rank kills itself with SIGKILL (mid-epoch). Writes, under ``<out>/<name>/``: the
@@ -161,6 +162,7 @@ def train_task(keras: Any, ckptfmt: Any, comm: Any, task: dict[str, Any], out: P
         comm=comm,
         node=node_of(rank, size),
         dataset=data,
+        redundancy=task.get("redundancy"),
         fsync=False,
     )
 
@@ -174,7 +176,7 @@ def train_task(keras: Any, ckptfmt: Any, comm: Any, task: dict[str, Any], out: P
         last = -1
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            step = backup._global  # the global step (batches trained), as the callback counts
+            step = backup.global_step  # the global step (batches trained), as the callback counts
             if step == self.last:  # a batch passed over while resuming
                 return
             self.last = step
@@ -200,7 +202,12 @@ def train_task(keras: Any, ckptfmt: Any, comm: Any, task: dict[str, Any], out: P
         "restored": backup.restored_counters,
         "report": None
         if report is None
-        else {"step": report.step, "level": report.level, "tried": report.tried},
+        else {
+            "step": report.step,
+            "level": report.level,
+            "tried": report.tried,
+            "rebuilt": list(report.rebuilt),
+        },
         "history": {k: [repr(float(v)) for v in vs] for k, vs in history.history.items()},
         "replica_fixes": backup.replica_fixes,
     }

@@ -502,3 +502,12 @@ def test_unbuilt_model_and_xla_are_refused(tmp_path: Path) -> None:
     cb = ck.BackupAndRestore(tmp_path / "b", comm=TwinComm())
     with pytest.raises(UsageError, match="jit_compile"):
         model.fit(x, y, verbose=0, callbacks=[cb])
+
+
+def test_redundancy_reaches_the_manager(tmp_path: Path) -> None:
+    """``redundancy`` is the core's: on one node there is nothing to protect against, and the
+    core says so (with several nodes, ``test_keras_parallel.py`` rebuilds a lost one)."""
+    x, y = xy(16)
+    cb = ck.BackupAndRestore(tmp_path / "l3", local_dir=tmp_path / "l1", redundancy="xor")
+    with pytest.raises(UsageError, match="redundancy 'xor'"):
+        compiled(build()).fit(x, y, verbose=0, callbacks=[cb])

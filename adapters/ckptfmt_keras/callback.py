@@ -133,6 +133,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._pending_metrics: dict[str, Any] | None = None
         self._set_initial_epoch = False
 
+    @property
+    def global_step(self) -> int:
+        """Batches trained so far, over all epochs and restarts (what the next save is named)."""
+        return self._global
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, batches done in it)``, as the next save would record it."""
+        return self._epoch, self._step
+
     # --- fit's hooks -----------------------------------------------------------------------------
 
     def on_train_begin(self, logs: Any = None) -> None:
