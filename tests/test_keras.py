@@ -232,6 +232,16 @@ def test_tf_module_and_plain_variables(tmp_path: Path) -> None:
     ck.load_variables(tmp_path / "m", other)
     assert arrays_of(other) == arrays_of(net)
 
+    # a custom training loop with the core's manager (what the package docstring shows)
+    with ckptfmt.CheckpointManager(shared_dir=tmp_path / "mgr", fsync=False) as mgr:
+        mgr.save(7, {"module": ck.nest(ck.to_arrays(net)), "step": 7})
+    third = Net()
+    with ckptfmt.CheckpointManager(shared_dir=tmp_path / "mgr") as mgr:
+        assert mgr.restore() == 7
+        assert mgr.restored_state is not None
+        ck.assign(third, mgr.restored_state["module"])
+    assert arrays_of(third) == arrays_of(net)
+
     by_name = {"a": tf.Variable([1.0, 2.0]), "b": keras.Variable(np.int32(3))}
     assert set(ck.to_arrays(by_name)) == {"a", "b"}
     with pytest.raises(UsageError, match="two variables"):

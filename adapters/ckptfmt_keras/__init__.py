@@ -10,6 +10,12 @@
     model.compile(optimizer=ck.distributed_optimizer(keras.optimizers.Adam(), comm), ...)
     model.fit(..., callbacks=[ck.BackupAndRestore("/shared/ckpt", save_freq=100, comm=comm)])
 
+    # a custom loop (a tf.Module, say) with the core's manager directly:
+    mgr = ckptfmt.CheckpointManager(local_dir="/local/{node}", shared_dir="/shared", comm=comm)
+    if mgr.restore() is not None:
+        ck.assign(module, mgr.restored_state["module"])
+    mgr.save(step, {"module": ck.nest(ck.to_arrays(module)), "step": step})
+
 The checkpoints are ordinary ckptfmt checkpoints: ``ckptfmt.open`` or plain zarr read them in a
 process that never imports TensorFlow. Conversion only; saving, levels and restoring are the core's
 (``ckptfmt.CheckpointManager``).
