@@ -412,11 +412,13 @@ def main(argv: list[str] | None = None) -> int:
         str(part),
     ]
     t0 = time.perf_counter()
+    load_start = os.getloadavg()
     done = subprocess.run(cmd, cwd=REPO, env={**os.environ, **WARM_MALLOC, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
         print(f"torchrun failed with exit status {done.returncode}", file=sys.stderr)
         return done.returncode
     result = report(json.loads(part.read_text()), args, time.perf_counter() - t0)
+    result["loadavg_start"] = load_start
     part.unlink()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"# written {args.out}")

@@ -136,6 +136,28 @@ def test_killed_run_restores_to_the_same_training(tmp_path: Path, mode: str, n: 
         assert b["final_loaded"]["digest"] == a["final"]["digest"], f"rank {r}: whole state"
         assert b["dcp_loaded"]["tensors"] == a["final"]["tensors"], f"rank {r}: DCP"
     check_single_process_load(tmp_path / "final", ref[0]["final"]["full_model"])
+    check_writers(tmp_path / "final", mode, n)
+
+
+def check_writers(path: Path, mode: str, n: int) -> None:
+    """Who wrote what: DDP replicas once, spread over every rank; an FSDP2 parameter by the
+    ranks holding its shards, each at its global offset; RNG states one row per rank."""
+    import ckptfmt
+
+    m = ckptfmt.open(path).manifest
+    tensors = {t.path: t for t in m.tensors()}
+    shared = [t for t in tensors.values() if not t.per_rank]
+    assert {r.rank for t in shared for r in t.regions} == set(range(n))
+    w = tensors["train/model/fc1.weight"]
+    if mode == "fsdp":  # 32 rows, Shard(0): rank r writes rows [32 r / n, 32 (r + 1) / n)
+        assert sorted((r.offset[0], r.rank) for r in w.regions) == [
+            (32 * k // n, k) for k in range(n)
+        ]
+    else:  # small enough for one shard: one replica writes it
+        assert len(w.regions) == 1
+    rows = tensors["train/rng/torch"]
+    assert rows.per_rank and rows.shape[0] == n
+    assert sorted((r.offset[0], r.rank) for r in rows.regions) == [(k, k) for k in range(n)]
 
 
 def check_single_process_load(path: Path, full_model: str) -> None:
