@@ -14,6 +14,14 @@ rank's gradients and sums them in rank order, on any ``Comm``; ``"allreduce"`` u
 fixed world size, but the order of the sum is MPI's). Low-precision gradients (bfloat16, float16)
 are summed in float32 and rounded once. The exchange runs as a ``tf.numpy_function`` inside the
 compiled train step, so the model must not be XLA-compiled (``jit_compile=False``).
+
+Why this and not ``tf.distribute.MultiWorkerMirroredStrategy``: that strategy needs a
+``TF_CONFIG`` with a gRPC server per worker (ports, a cluster spec) and its own collective
+runtime, which a job started by ``mpiexec`` does not have; a worker that dies leaves the others
+blocked in gRPC, where under ``python -m mpi4py`` the whole job ends; and the order of its sums
+is its collective runtime's, not one this package can state. Averaging through the same ``Comm``
+the checkpoints use keeps one launcher, one set of ranks, and a summation order that is defined,
+so a resumed run repeats the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
