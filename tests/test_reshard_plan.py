@@ -303,12 +303,14 @@ def test_whole_files_and_partial_files() -> None:
 # --- routing -------------------------------------------------------------------------------------
 
 
-def simulate(layout: Layout, wants: list[Any], sees: list[set[int]], g: np.ndarray) -> Any:
+def simulate(
+    layout: Layout, wants: list[Any], sees: list[set[int]], g: np.ndarray, same_size: bool = False
+) -> Any:
     """Run a route in memory: reads from simulated chunks, broadcasts, sends."""
     itemsize = 8
     nb = math.prod(layout.chunk_shape) * itemsize
     load = [0] * len(wants)
-    r = route(layout, wants, sees, load, nb)
+    r = route(layout, wants, sees, load, nb, same_size)
     outs = [np.zeros(w[1], dtype=g.dtype) for w in wants]
     hits = [np.zeros(w[1], dtype=np.int64) for w in wants]
     reads_by_rank: Counter[tuple[int, Any, int]] = Counter()
@@ -368,7 +370,7 @@ def test_route_delivers_each_rank_its_box_once(data: st.DataObject) -> None:
     if data.draw(st.booleans()):  # level 3: every rank sees every file
         sees = [set(writers) for _ in wants]
     g = source(layout.shape)
-    r, outs, hits = simulate(layout, wants, sees, g)
+    r, outs, hits = simulate(layout, wants, sees, g, data.draw(st.booleans()))
     needed = {fr.writer for rs in r.reads for fr in rs}
     visible = set().union(*sees)
     assert set(r.unseen) == needed - visible
@@ -387,8 +389,21 @@ def test_replicas_at_level3_read_each_file_once_and_broadcast() -> None:
     whole = ((0, 0), (8, 3))
     r = route(layout, [whole, whole], [{0, 1, 2, 3}] * 2, [0, 0], 24)
     assert all(t.bcast and t.whole for t in r.tasks)
-    # the writers 0 and 1 still exist and read their own files; 2 and 3 go to the least loaded
-    assert [t.reader for t in r.tasks] == [0, 1, 0, 1]
+    assert [t.reader for t in r.tasks] == [0, 1, 0, 1]  # the least loaded, in file order
+
+
+def test_a_job_of_another_size_spreads_its_reads_over_all_ranks() -> None:
+    """2 writers, 4 current ranks, replicas: the reading is not left to ranks 0 and 1; at
+    the saved size the writers read their own files (as the save's plan spread them)."""
+    regions = tuple(SavedRegion((4 * i, 0), (4, 3), i // 2, 2) for i in range(4))
+    layout = Layout((16, 3), (2, 3), (1, 3), regions)
+    whole = ((0, 0), (16, 3))
+    r = route(layout, [whole] * 4, [{0, 1}] * 4, [0] * 4, 24)
+    assert sorted(t.reader for t in r.tasks) == [0, 0, 1, 1, 2, 2, 3, 3]
+    r = route(layout, [whole] * 2, [{0, 1}] * 2, [0] * 2, 24, same_size=True)
+    assert [(t.file.writer, t.reader) for t in r.tasks] == [
+        (w, w) for w in (0, 0, 0, 0, 1, 1, 1, 1)
+    ]
 
 
 def test_level1_reads_stay_on_the_node_and_are_sent_across() -> None:

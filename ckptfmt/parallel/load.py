@@ -279,7 +279,7 @@ def _plan(
             check_box(t.shape, box, f"rank {rank}'s box of {name!r}")
             boxes.append(box)
         geo = geometry(t)
-        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes)
+        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes, m.world_size == len(info))
         unseen.update(r.unseen)
         out.append(_Plan(t, boxes, r))
     if unseen:

@@ -13,9 +13,11 @@ rank:
    one rank that can: it reads the union of their chunks (and its own) once and sends each its
    pieces, packed.
 
-The reader of cases 1 and 3 is the file's writer rank when that rank exists and can open the file
-(a job restarted at its saved size behaves as before), else a rank that reads the file anyway,
-else the least-loaded rank that can open it (bytes assigned so far; ties: the lowest rank).
+The reader of cases 1 and 3 is, in a job of the saved size, the file's writer rank when it can
+open the file (the save's plan already spread the files evenly over the ranks); otherwise a rank
+that reads part of the file anyway, else any rank that can open it: the least loaded (bytes
+assigned so far; ties: the lowest rank). So a job of another size spreads its reads over all its
+ranks, not only over those whose rank numbers wrote.
 Files that no current rank can open are reported in ``unseen`` (by writer rank).
 """
 
@@ -91,11 +93,13 @@ def route(
     sees: Sequence[Set[int]],
     load: list[int],
     chunk_nbytes: int,
+    same_size: bool = False,
 ) -> TensorRoute:
     """Route the reads of one tensor for ``len(wants)`` current ranks.
 
     ``wants[d]`` is rank d's box; ``sees[d]`` the saved writer ranks whose files rank d can
-    open; ``load[d]`` the bytes rank d reads so far (updated). Deterministic.
+    open; ``load[d]`` the bytes rank d reads so far (updated); ``same_size``: the job has the
+    saved number of ranks (writer ranks read their own files). Deterministic.
     """
     size = len(wants)
     cache: dict[Box, tuple[FileRead, ...]] = {}
@@ -118,12 +122,12 @@ def route(
             unseen.add(writer)
             continue
         if size > 1 and len(needing) == size and all(fr.whole for fr in needing.values()):
-            root = _choose(seers, writer, needing, load)
+            root = _choose(seers, writer if same_size else -1, needing, load)
             load[root] += any_read.n_present * chunk_nbytes
             tasks.append(FileTask(root, any_read, any_read.slots, needing[root], (), True))
             continue
         remote = [d for d in sorted(needing) if d not in seers]
-        helper = _choose(seers, writer, needing, load) if remote else None
+        helper = _choose(seers, writer if same_size else -1, needing, load) if remote else None
         for d in sorted(needing):
             if d in seers and d != helper:
                 fr = needing[d]
