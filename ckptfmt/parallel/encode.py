@@ -32,7 +32,7 @@ from ckptfmt.redundancy.record import (
 from ckptfmt.redundancy.sets import make_sets
 from ckptfmt.redundancy.stripes import generator
 from ckptfmt.storage.files import Inside, write_gather
-from ckptfmt.storage.members import read_member
+from ckptfmt.storage.members import read_exact, read_member
 
 ENCODE_TAG = 0x45
 
@@ -81,13 +81,17 @@ def encode_collective(
     nodes: list[str],
     fsync: bool,
     vote: Any,
+    preread: int | None = None,
 ) -> dict[str, Any]:
     """Collective over all ranks of ``comm``: encode this rank's share of its set's redundancy
     and write its parity file into ``staging`` (its node's staging directory). Returns this
     rank's parity file as JSON (``path``, ``size``, ``crc32c`` list) for the record.
 
     ``vote(error)`` is the save's collective vote (raises everywhere if any rank failed); it is
-    called once after reading, before any message, so no rank waits on a rank that failed."""
+    called once after reading, before any message, so no rank waits on a rank that failed.
+    ``preread``: the caller already read this rank's member data (that many bytes) into the
+    thread's ``scratch(.., "data")`` buffer and voted on it (``read_own_files``); then neither the
+    read nor that vote happen here."""
     sets = member_sets(red, nodes)
     members = next(s for s in sets if comm.rank in s)
     j, n = members.index(comm.rank), len(members)
@@ -100,13 +104,16 @@ def encode_collective(
         data = scratch((n - red.m) * chunk, "data")
         parity = scratch(parity_bytes, "parity")
         parity[:] = 0
-    try:
-        damage = read_member(Inside(staging), manifest, comm.rank, data, verify=False)
-        if damage:
-            error = f"cannot read back its files for redundancy: {damage[0]}"
-    except (CkptError, OSError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    vote(error)
+    if preread is None:
+        try:
+            damage = read_member(Inside(staging), manifest, comm.rank, data, verify=False)
+            if damage:
+                error = f"cannot read back its files for redundancy: {damage[0]}"
+        except (CkptError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        vote(error)
+    else:
+        data[preread:] = 0  # the padding
     if red.scheme == "partner":
         comm.sendrecv(data, members[(j + 1) % n], parity, members[(j - 1) % n], ENCODE_TAG)
         crcs = [crc32c(parity)]
@@ -132,3 +139,17 @@ def encode_collective(
     (staging / path).parent.mkdir(parents=True, exist_ok=True)
     write_gather(staging / path, [parity.data], fsync)
     return {"path": path, "size": int(parity.size), "crc32c": [int(x) for x in crcs]}
+
+
+def read_own_files(staging: Path, files: list[tuple[str, int]]) -> int:
+    """Read this rank's just-written data files (``(path, size)`` in manifest order) into the
+    thread's ``scratch(.., "data")`` buffer, before the save's data vote, so that the encoding
+    needs no vote of its own; returns the bytes read (for ``encode_collective(preread=...)``)."""
+    total = sum(size for _, size in files)
+    data = scratch(total, "data")
+    src = Inside(staging)
+    off = 0
+    for path, size in files:
+        read_exact(src, path, size, data[off : off + size], ())
+        off += size
+    return total

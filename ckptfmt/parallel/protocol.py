@@ -51,6 +51,7 @@ from ckptfmt.manifest.model import (
 )
 from ckptfmt.manifest.values import encode_value
 from ckptfmt.parallel.comm import Comm
+from ckptfmt.parallel.encode import read_own_files
 from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.state import PerRank, Shard, flatten, is_tensor
@@ -272,6 +273,7 @@ def save_collective(
     # every leader has a staging directory, or nobody goes on (and none is left behind)
     vote(comm, error, [], staging if is_leader else None, mine_exc)
     hook("staged")
+    preread: int | None = None
     try:
         mine = plan.for_rank(comm.rank)
         jobs_by_region = []
@@ -293,6 +295,8 @@ def save_collective(
                 [list(r.offset), [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)]]
             )
         hook("written")
+        if redundancy is not None:  # read back for the encoding now, voted on with the data
+            preread = read_own_files(staging, _own_files(skeleton, refs, comm.rank))
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
     all_refs = vote(comm, error, refs, staging if is_leader else None, mine_exc)
@@ -310,6 +314,7 @@ def save_collective(
             is_leader,
             fsync,
             per_rank_values,
+            preread,
         )
         hook("encoded")
     manifest = _build_manifest(
@@ -348,6 +353,7 @@ def _encode(
     is_leader: bool,
     fsync: bool,
     per_rank_values: dict[Name, list[Any]],
+    preread: int | None,
 ) -> dict[str, Any]:
     """Collective: encode the redundancy of the files just written; the record's JSON."""
     from ckptfmt.parallel.encode import encode_collective, make_record, member_sets
@@ -369,12 +375,28 @@ def _encode(
             nodes,
             fsync,
             lambda err: vote(comm, err, [], cleanup, None),
+            preread,
         )
     except (CkptError, OSError) as exc:
         error, mine = f"{type(exc).__name__}: {exc}", exc
     gathered = vote(comm, error, parity, cleanup, mine)
     record = make_record(red, files_only, member_sets(red, nodes), gathered)
     return record.to_json()
+
+
+def _own_files(skeleton: Manifest, refs: dict[str, Any], rank: int) -> list[tuple[str, int]]:
+    """This rank's data files ``(path, size)`` in manifest order (its member data, in the order
+    of ``redundancy.record.member_files``), from the skeleton's regions and its own file lists."""
+    by_region = {
+        (path, tuple(offset)): files for path, regions in refs.items() for offset, files in regions
+    }
+    return [
+        (f[0], f[1])
+        for t in skeleton.tensors()
+        for r in t.regions
+        if r.rank == rank
+        for f in by_region[(t.path, r.offset)]
+    ]
 
 
 def vote(

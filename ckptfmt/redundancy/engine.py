@@ -65,12 +65,15 @@ _scratch = threading.local()
 
 def scratch(nbytes: int, purpose: str = "recv") -> np.ndarray:
     """A reused uint8 buffer of at least ``nbytes`` for this thread (fresh pages fault in slowly
-    here, so buffers live across saves); returns its first ``nbytes``."""
+    here, so buffers live across saves); returns its first ``nbytes``. Growing keeps the
+    contents."""
     pool: dict[str, np.ndarray] = _scratch.__dict__.setdefault("pool", {})
     buf = pool.get(purpose)
     if buf is None or buf.size < nbytes:
-        buf = np.empty(max(nbytes, 1), np.uint8)
-        pool[purpose] = buf
+        grown = np.empty(max(nbytes, 1), np.uint8)
+        if buf is not None:  # keep what is in it: a caller may grow a buffer it filled
+            grown[: buf.size] = buf
+        buf = pool[purpose] = grown
     return buf[:nbytes]
 
 

@@ -25,7 +25,7 @@ from ckptfmt.storage.files import Inside, fsync_dir, read_scatter, write_gather
 from ckptfmt.storage.shard_io import Geometry, decode_shard
 
 
-def _read_exact(
+def read_exact(
     src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]
 ) -> None:
     try:
@@ -55,7 +55,7 @@ def read_member(
         view = out[off : off + ref.size]
         shown = (display(t.name),)
         try:
-            _read_exact(src, ref.path, ref.size, view, shown)
+            read_exact(src, ref.path, ref.size, view, shown)
             if verify:
                 geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
                 decode_shard(memoryview(view), geo, shard_cell(ref.path), ref, shown)  # type: ignore[arg-type]
@@ -104,7 +104,7 @@ def read_parity(src: Inside, pf: ParityFile, out: np.ndarray) -> list[bool]:
     (all False when the file is missing or of the wrong size)."""
     n = parity_chunks(pf)
     try:
-        _read_exact(src, pf.path, pf.size, out[: pf.size], ())
+        read_exact(src, pf.path, pf.size, out[: pf.size], ())
     except (DamagedError, OSError):
         return [False] * n
     step = pf.size // n if n else 0
