@@ -192,7 +192,10 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
         if isinstance(exc, OSError) and not isinstance(exc, CkptError):
             # e.g. a directory where a file belongs: damage the repair cannot write over
             raise UnrecoverableDamageError(
-                shown, f"cannot write the rebuilt files: {exc}", report.lost_data
+                shown,
+                f"cannot write the rebuilt files: {exc}",
+                report.lost_data,
+                sorted({manifest.ranks[r].node for r in report.lost_data}),
             ) from None
         raise
     report.seconds = time.perf_counter() - started

@@ -282,12 +282,13 @@ def test_damaged_zarr_documents_are_written_anew(
 
 
 def test_a_failed_write_leaves_no_temporary_file(saved: dict[str, Path], tmp_path: Path) -> None:
+    from ckptfmt.errors import UnrecoverableDamageError
     from ckptfmt.repair import rebuild
 
     root, template = copy(saved, "xor", tmp_path)
     victim = data_file(root, 2)
     victim.unlink()
     victim.mkdir()  # a directory where the file was: the rename onto it fails
-    with pytest.raises(OSError):
+    with pytest.raises(UnrecoverableDamageError, match="cannot write the rebuilt files"):
         rebuild(template, fsync=False)
     assert [p.name for p in victim.parent.iterdir()] == [victim.name]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -35,6 +35,7 @@ class MemberBuffers:
 
     data: np.ndarray
     parity: np.ndarray
+    tmp: dict[int, np.ndarray] = field(default_factory=dict)  # decoding scratch chunks
 
 
 def mul_xor_into(out: np.ndarray, c: int, block: np.ndarray) -> None:
@@ -54,6 +55,10 @@ def mul_xor_into(out: np.ndarray, c: int, block: np.ndarray) -> None:
 def view(buf: MemberBuffers, kind: str, index: int, chunk: int, whole: int) -> np.ndarray:
     """The bytes an op names: chunk ``index`` of the member's data or parity, or (``WHOLE``)
     the first ``whole`` bytes."""
+    if kind == "tmp":
+        if index not in buf.tmp:
+            buf.tmp[index] = np.zeros(chunk, np.uint8)
+        return buf.tmp[index]
     arr = buf.data if kind == "data" else buf.parity
     if index == WHOLE:
         return arr[:whole]
@@ -102,10 +107,14 @@ def run_ops(
             dst = view(local[op.dst], op.dst_kind, op.dst_index, chunk, whole)
         if src_here and dst_here:
             mul_xor_into(dst, op.coef, src)
+            if op.src_kind == "tmp":
+                del local[op.src].tmp[op.src_index]  # used once
         elif src_here:
             if transport is None:
                 raise UsageError("a rebuild op needs a remote member but there is no transport")
             transport.send(src, members[op.dst], TAG)
+            if op.src_kind == "tmp":
+                del local[op.src].tmp[op.src_index]  # used once
         else:
             if transport is None:
                 raise UsageError("a rebuild op needs a remote member but there is no transport")

@@ -9,9 +9,10 @@ data, copied whole as member ``(j + 1) mod n``'s parity file.
 
 A rebuild is a list of :class:`Op`: ``dst[dst_kind][dst_index] ^= coef * src[src_kind][src_index]``
 over GF(2^8), on zeroed destinations, in list order (lost data first, then lost parity, which
-may need rebuilt data). Encoding is the rebuild of every parity chunk from intact data. The same
-list drives the collective rebuild (ops whose ends are on different ranks become messages) and
-the offline one (everything local).
+may need rebuilt data). A lost data chunk is decoded into a ``"tmp"`` chunk of one surviving
+member of its stripe and then sent to its own member. Encoding is the rebuild of every parity
+chunk from intact data. The same list drives the collective rebuild (ops whose ends are on
+different ranks become messages) and the offline one (everything local).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def generator(scheme: str, c: int, m: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Op:
     """``dst.<dst_kind>[dst_index] ^= coef * src.<src_kind>[src_index]`` (members by position;
-    kinds ``"data"``/``"parity"``; an index is a chunk index, or :data:`WHOLE`)."""
+    kinds ``"data"``/``"parity"``/``"tmp"``; an index is a chunk index, :data:`WHOLE`, or for
+    ``"tmp"`` a scratch chunk's key)."""
 
     src: int
     src_kind: str
@@ -104,16 +106,20 @@ def plan_rebuild(
             _unrecoverable(scheme, n, m, data_lost, parity_lost)
         use = alive[:c]
         decode = gf256.mat_inv(g[use])
+        # the last surviving position's member decodes (for xor mostly the parity's, a different
+        # member for each stripe) and sends the result on: the lost member takes in its own
+        # size, not c times it, and the stripes' gathers run side by side
+        decoder = _member_at(n, m, r, c, use[-1])
         for t in lost_t:
+            tmp = r * c + t
             for u, pos in enumerate(use):
                 coef = int(decode[t, u])
                 if coef == 0:
                     continue
-                if pos < c:
-                    src, kind, index = data_member(n, m, r, pos), "data", pos
-                else:
-                    src, kind, index = parity_member(n, r, pos - c), "parity", pos - c
-                ops.append(Op(src, kind, index, data_member(n, m, r, t), "data", t, coef))
+                src = _member_at(n, m, r, c, pos)
+                kind, index = ("data", pos) if pos < c else ("parity", pos - c)
+                ops.append(Op(src, kind, index, decoder, "tmp", tmp, coef))
+            ops.append(Op(decoder, "tmp", tmp, data_member(n, m, r, t), "data", t, 1))
     for j, p in sorted(parity_lost):
         r = parity_stripe(n, j, p)
         for t in range(c):
@@ -121,6 +127,11 @@ def plan_rebuild(
             if coef:
                 ops.append(Op(data_member(n, m, r, t), "data", t, j, "parity", p, coef))
     return ops
+
+
+def _member_at(n: int, m: int, r: int, c: int, pos: int) -> int:
+    """The member holding codeword position ``pos`` of stripe ``r``."""
+    return data_member(n, m, r, pos) if pos < c else parity_member(n, r, pos - c)
 
 
 def _plan_partner(n: int, data_lost: set[int], parity_lost: set[tuple[int, int]]) -> list[Op]:
