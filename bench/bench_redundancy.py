@@ -182,6 +182,9 @@ def instrument(comm: Any) -> Profile:
     size = lambda *a, **k: a[-1].size  # noqa: E731  (the block multiplied)
     # encoding (ckptfmt/parallel/encode.py)
     encode.read_member = timed("read", encode.read_member)
+    import ckptfmt.parallel.protocol as protocol
+
+    protocol.read_own_files = timed("read", protocol.read_own_files)  # type: ignore[attr-defined]
     encode.mul_xor_into = timed("gf", encode.mul_xor_into, size)
     encode.crc32c = timed("crc", encode.crc32c)
     encode.write_gather = timed("write", encode.write_gather)
@@ -189,8 +192,9 @@ def instrument(comm: Any) -> Profile:
     plain_encode = encode.encode_collective
 
     def encode_collective(*a: Any, **kw: Any) -> Any:
-        *head, vote = a  # the save's vote callback: its wait is the encoding's vote
-        return plain_encode(*head, timed("vote", vote), **kw)
+        # the save's vote callback (7th argument): its wait is the encoding's vote
+        head, vote, tail = a[:6], a[6], a[7:]
+        return plain_encode(*head, timed("vote", vote), *tail, **kw)
 
     encode.encode_collective = section("encode", encode_collective)
     # the rebuild (ckptfmt/parallel/rebuild.py; ops run in ckptfmt/redundancy/engine.py)
