@@ -48,6 +48,7 @@ METHODS = {  # key -> (kind, label)
     "async_dcp": ("async", "dcp.async_save (thread)"),
     "memcpy": ("async", "memcpy of the state (floor)"),
     "load_ckptfmt": ("load", "ckptfmt_torch.load (in place)"),
+    "load_ckptfmt_alone": ("load", "ckptfmt_torch.load, each rank alone (comm=SingleComm())"),
     "load_torch": ("load", "torch.load on every rank + copy in"),
     "load_dcp": ("load", "torch.distributed.checkpoint.load (in place)"),
 }
@@ -140,7 +141,7 @@ def rank_main(args: argparse.Namespace) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckptfmt import CheckpointManager
+    from ckptfmt import CheckpointManager, SingleComm
 
     dist.init_process_group("gloo")
     comm = ckptfmt_torch.TorchComm()
@@ -240,12 +241,15 @@ def rank_main(args: argparse.Namespace) -> int:
         else:
             src = {
                 "load_ckptfmt": outputs["ck"],
+                "load_ckptfmt_alone": outputs["ck"],
                 "load_torch": outputs["pt"],
                 "load_dcp": outputs["dcp"],
             }[key]
             scramble()
             if key == "load_ckptfmt":
                 dt, _ = timed(lambda: ckptfmt_torch.load(sd, src, comm=comm))
+            elif key == "load_ckptfmt_alone":  # every rank reads the whole shared copy itself
+                dt, _ = timed(lambda: ckptfmt_torch.load(sd, src, comm=SingleComm()))
             elif key == "load_torch":
                 dt, _ = timed(lambda: copy_in(sd, torch.load(src, weights_only=True)))
             else:
