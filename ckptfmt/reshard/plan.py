@@ -23,6 +23,7 @@ When a read covers all of a file's in-bounds chunks the file's data CRC (§10) i
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,27 +122,58 @@ class Piece:
 @dataclass(frozen=True)
 class FileRead:
     """Inner chunks to read from one shard file: region ``region``'s ``file``-th file (grid
-    ``cell``, written by ``writer``), one piece per chunk, ascending slots."""
+    ``cell``, written by ``writer``), for the part ``[lo, hi)`` (global) of the wanted box that
+    lies in it. ``pieces`` (one per chunk, ascending slots) are made on first use: a reader of
+    its own box needs them, the other ranks' plans mostly need how many chunks they read."""
 
     region: int
     file: int
     cell: Shape
     writer: int
-    pieces: tuple[Piece, ...]
     n_present: int  # in-bounds chunks of the file
+    lo: Shape
+    hi: Shape
+    shard_shape: Shape
+    chunk_shape: Shape
 
     @property
     def key(self) -> tuple[int, int]:
         return self.region, self.file
 
+    def _inner(self) -> tuple[Shape, Shape, Shape]:
+        origin = tuple(i * h for i, h in zip(self.cell, self.shard_shape))
+        k_lo = tuple((a - o) // c for a, o, c in zip(self.lo, origin, self.chunk_shape))
+        k_hi = tuple(cdiv(b - o, c) for b, o, c in zip(self.hi, origin, self.chunk_shape))
+        return origin, k_lo, k_hi
+
     @property
-    def slots(self) -> tuple[int, ...]:
-        return tuple(p.slot for p in self.pieces)
+    def n_chunks(self) -> int:
+        """How many inner chunks are read (without making the pieces)."""
+        _, k_lo, k_hi = self._inner()
+        return math.prod(b - a for a, b in zip(k_lo, k_hi))
 
     @property
     def whole(self) -> bool:
         """Whether every in-bounds chunk is read (the file's data CRC can be checked)."""
-        return len(self.pieces) == self.n_present
+        return self.n_chunks == self.n_present
+
+    @functools.cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        origin, k_lo, k_hi = self._inner()
+        chunk = self.chunk_shape
+        per = tuple(h // c for h, c in zip(self.shard_shape, chunk))
+        out = []
+        for inner in _cells(k_lo, k_hi):
+            c_lo = tuple(o + i * c for o, i, c in zip(origin, inner, chunk))
+            p_lo = tuple(max(a, x) for a, x in zip(self.lo, c_lo))
+            p_hi = tuple(min(b, x + c) for b, x, c in zip(self.hi, c_lo, chunk))
+            shape = tuple(b - a for a, b in zip(p_lo, p_hi))
+            out.append(Piece(ravel(inner, per), c_lo, p_lo, shape))
+        return tuple(out)
+
+    @functools.cached_property
+    def slots(self) -> tuple[int, ...]:
+        return tuple(p.slot for p in self.pieces)
 
 
 def check_box(shape: Sequence[int], box: Box, what: str = "wanted box") -> None:
@@ -163,15 +195,13 @@ def plan_reads(layout: Layout, want: Box) -> tuple[FileRead, ...]:
     check_box(layout.shape, want)
     if not layout.shape:
         return tuple(
-            FileRead(i, 0, (), r.rank, (Piece(0, (), (), ()),), 1)
-            for i, r in enumerate(layout.regions)
+            FileRead(i, 0, (), r.rank, 1, (), (), (), ()) for i, r in enumerate(layout.regions)
         )
     w_lo, w_ext = want
     if 0 in w_ext:
         return ()
     w_hi = tuple(a + n for a, n in zip(w_lo, w_ext))
     shard, chunk, shape = layout.shard_shape, layout.chunk_shape, layout.shape
-    per = layout.chunks_per_shard
     out: list[FileRead] = []
     for ri, reg in enumerate(layout.regions):
         lo = tuple(max(a, b) for a, b in zip(w_lo, reg.offset))
@@ -186,22 +216,6 @@ def plan_reads(layout: Layout, want: Box) -> tuple[FileRead, ...]:
             origin = tuple(i * h for i, h in zip(cell, shard))
             b_lo = tuple(max(a, o) for a, o in zip(lo, origin))
             b_hi = tuple(min(b, o + h, s) for b, o, h, s in zip(hi, origin, shard, shape))
-            pieces = []
-            for inner in _cells(
-                tuple((a - o) // c for a, o, c in zip(b_lo, origin, chunk)),
-                tuple(cdiv(b - o, c) for b, o, c in zip(b_hi, origin, chunk)),
-            ):
-                c_lo = tuple(o + i * c for o, i, c in zip(origin, inner, chunk))
-                p_lo = tuple(max(a, x) for a, x in zip(b_lo, c_lo))
-                p_hi = tuple(min(b, x + c) for b, x, c in zip(b_hi, c_lo, chunk))
-                pieces.append(
-                    Piece(
-                        ravel(inner, per),
-                        c_lo,
-                        p_lo,
-                        tuple(b - a for a, b in zip(p_lo, p_hi)),
-                    )
-                )
             rel = tuple(c - f for c, f in zip(cell, first))
             out.append(
                 FileRead(
@@ -209,8 +223,11 @@ def plan_reads(layout: Layout, want: Box) -> tuple[FileRead, ...]:
                     ravel(rel, extents),
                     cell,
                     reg.rank,
-                    tuple(pieces),
                     layout.present_slots(cell),
+                    b_lo,
+                    b_hi,
+                    shard,
+                    chunk,
                 )
             )
     return tuple(out)

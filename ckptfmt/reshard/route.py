@@ -23,6 +23,7 @@ Files that no current rank can open are reported in ``unseen`` (by writer rank).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
@@ -31,10 +32,15 @@ from ckptfmt.reshard.plan import Box, FileRead, Layout, Piece, plan_reads
 
 @dataclass(frozen=True)
 class Delivery:
-    """Pieces of one file that a reader packs and sends to ``dest`` (which cannot open it)."""
+    """The pieces of one file that a reader packs and sends to ``dest`` (which cannot open it):
+    ``dest``'s read plan of the file."""
 
     dest: int
-    pieces: tuple[Piece, ...]
+    read: FileRead
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        return self.read.pieces
 
     @property
     def nelems(self) -> int:
@@ -45,18 +51,27 @@ class Delivery:
 class FileTask:
     """One rank reads chunks ``slots`` of one file once: for its own box (``own``: its read
     plan of the file, None if it needs none of it), for the ranks in ``deliveries``, or for
-    everyone (``bcast``: every in-bounds chunk, broadcast)."""
+    everyone (``bcast``: every in-bounds chunk, broadcast). ``slots`` is worked out on first
+    use (only the ranks that take part in the task need it)."""
 
     reader: int
     file: FileRead  # geometry of the file (cell, writer, present chunks)
-    slots: tuple[int, ...]
     own: FileRead | None
     deliveries: tuple[Delivery, ...]
     bcast: bool
 
+    @functools.cached_property
+    def slots(self) -> tuple[int, ...]:
+        if self.bcast:  # every rank reads the file whole: any rank's plan lists every chunk
+            return self.file.slots
+        out = set(self.own.slots if self.own else ())
+        for d in self.deliveries:
+            out.update(d.read.slots)
+        return tuple(sorted(out))
+
     @property
     def whole(self) -> bool:
-        return len(self.slots) == self.file.n_present
+        return self.bcast or len(self.slots) == self.file.n_present
 
 
 @dataclass(frozen=True)
@@ -124,23 +139,22 @@ def route(
         if size > 1 and len(needing) == size and all(fr.whole for fr in needing.values()):
             root = _choose(seers, writer if same_size else -1, needing, load)
             load[root] += any_read.n_present * chunk_nbytes
-            tasks.append(FileTask(root, any_read, any_read.slots, needing[root], (), True))
+            tasks.append(FileTask(root, any_read, needing[root], (), True))
             continue
         remote = [d for d in sorted(needing) if d not in seers]
         helper = _choose(seers, writer if same_size else -1, needing, load) if remote else None
         for d in sorted(needing):
             if d in seers and d != helper:
                 fr = needing[d]
-                load[d] += len(fr.pieces) * chunk_nbytes
-                tasks.append(FileTask(d, fr, fr.slots, fr, (), False))
+                load[d] += fr.n_chunks * chunk_nbytes
+                tasks.append(FileTask(d, fr, fr, (), False))
         if helper is not None:
             own = needing.get(helper)
-            slots = set(own.slots if own else ())
-            for d in remote:
-                slots.update(needing[d].slots)
-            load[helper] += len(slots) * chunk_nbytes
-            deliveries = tuple(Delivery(d, needing[d].pieces) for d in remote)
-            tasks.append(FileTask(helper, any_read, tuple(sorted(slots)), own, deliveries, False))
+            # the chunks of the union, bounded without listing them (the same on every rank)
+            n = sum(needing[d].n_chunks for d in ([helper] if own else []) + remote)
+            load[helper] += min(n, any_read.n_present) * chunk_nbytes
+            deliveries = tuple(Delivery(d, needing[d]) for d in remote)
+            tasks.append(FileTask(helper, any_read, own, deliveries, False))
     tasks.sort(key=lambda t: (t.file.key, t.reader))
     return TensorRoute(reads, tuple(tasks), tuple(sorted(unseen)))
 
