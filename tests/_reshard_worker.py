@@ -186,6 +186,7 @@ def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[st
                 node=node if task.get("pass_node") else None,
                 rank_map=rank_map,
                 per_rank=task.get("per_rank", "error"),
+                replicas=task.get("replicas", "read"),
             )
             res["digest"] = digest(state)
         except Exception as exc:

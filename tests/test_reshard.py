@@ -152,6 +152,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
                 )
             )
             tasks.append(load_task("cli2-load", load_path(r, "cli2", 3)))
+            bcast = {"rank_map": "identity", "per_rank": "drop", "replicas": "bcast"}
+            tasks.append(load_task("4to2-bcast", load_path(r, "s4", 3), **bcast))
         if m in (2, 3):
             tasks.append(
                 {"name": f"restore-4to{m}", "action": "restore", "root": str(r.root("s4p"))}
@@ -216,9 +218,25 @@ def test_load_at_another_size_is_bit_exact(
 def test_level3_each_rank_reads_exactly_its_chunks(
     runs: Runs, m: int, task: str, root: str, n: int, level: int
 ) -> None:
-    """Sharded tensors: each rank reads exactly the inner chunks its rows touch. Replicated
-    ones: every chunk read once in the whole job (and broadcast)."""
+    """Sharded tensors: each rank reads exactly the inner chunks its rows touch; replicated
+    ones: each rank reads every chunk itself (``replicas="read"``, the default) or every chunk
+    is read once in the whole job and broadcast (``replicas="bcast"``, the ``-bcast`` task)."""
+    check_level3_reads(runs, m, task, root, n, level, bcast=False)
+
+
+def test_level3_replicas_broadcast_read_each_chunk_once(runs: Runs) -> None:
+    check_digests(runs.results("4to2-bcast", 2), 2, [0, 1])
+    check_level3_reads(runs, 2, "4to2-bcast", "s4", 4, 3, bcast=True)
+
+
+def check_level3_reads(
+    runs: Runs, m: int, task: str, root: str, n: int, level: int, bcast: bool
+) -> None:
     manifest = manifest_of(runs, root, level)
+    whole: set[tuple[str, int]] = set()
+    for t in manifest.tensors():
+        if not t.path.startswith("shards/") and t.size and not t.per_rank:
+            whole |= needed(manifest, t.path, ((0,) * len(t.shape), t.shape))
     everyone: list[tuple[str, int]] = []
     for rank, res in enumerate(runs.results(task, m)):
         mine = [(p, s) for _, p, slots in res["reads"] for s in slots]
@@ -230,12 +248,12 @@ def test_level3_each_rank_reads_exactly_its_chunks(
         if rank < n:  # its per-rank row: saved rank ``rank``'s (identity map)
             want |= needed(manifest, "rng", ((rank, 0), (1, 6)))
         assert own == want, (rank, sorted(own ^ want)[:4])
-        everyone += [x for x in mine if x not in own]
-    whole: set[tuple[str, int]] = set()
-    for t in manifest.tensors():
-        if not t.path.startswith("shards/") and t.size and not t.per_rank:
-            whole |= needed(manifest, t.path, ((0,) * len(t.shape), t.shape))
-    assert sorted(everyone) == sorted(whole), "replicated chunks: each read once in the job"
+        rest = [x for x in mine if x not in own]
+        if not bcast:
+            assert sorted(rest) == sorted(whole), f"rank {rank} did not read its replicas itself"
+        everyone += rest
+    if bcast:
+        assert sorted(everyone) == sorted(whole), "replicated chunks: each read once in the job"
 
 
 @pytest.mark.parametrize(

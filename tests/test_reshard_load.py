@@ -195,15 +195,28 @@ def whole_box(t: TensorEntry) -> Any:
 PAIRS = [(4, 2), (4, 3), (2, 4), (1, 4), (3, 2), (2, 2)]
 
 
+def replicated_chunks(manifest: Manifest) -> set[tuple[str, int]]:
+    whole: set[tuple[str, int]] = set()
+    for t in manifest.tensors():
+        if not t.path.startswith("shards/") and t.size:
+            whole |= needed(manifest, t.path, whole_box(t))
+    return whole
+
+
+@pytest.mark.parametrize("replicas", ["read", "bcast"])
 @pytest.mark.parametrize(("n", "m"), PAIRS)
 def test_level3_each_rank_reads_exactly_the_chunks_of_its_box(
-    tmp_path: Path, n: int, m: int
+    tmp_path: Path, n: int, m: int, replicas: str
 ) -> None:
+    """Each rank reads exactly the chunks its rows touch and, by default, every chunk of the
+    replicated tensors itself; with ``replicas="bcast"`` each replicated chunk is read once in
+    the whole job (and broadcast)."""
     path = save(tmp_path, n, 3)
-    results, log = load(path, m)
+    results, log = load(path, m, replicas=replicas)
     check_loaded(results, m)
     manifest = read_manifest(path)
     got = reads_by_rank(log)
+    whole = replicated_chunks(manifest)
     everyone: list[tuple[str, int]] = []
     for rank in range(m):
         mine = [(f, s) for _, f, s in got.get(rank, [])]
@@ -215,13 +228,12 @@ def test_level3_each_rank_reads_exactly_the_chunks_of_its_box(
         assert sharded == want, (
             f"rank {rank}: read {sorted(sharded - want)[:3]}, missed {sorted(want - sharded)[:3]}"
         )
-        everyone += [x for x in mine if not x[0].startswith("shards/")]
-    # replicated tensors: every chunk read once in all, by one rank, and broadcast
-    whole = set()
-    for t in manifest.tensors():
-        if not t.path.startswith("shards/"):
-            whole |= needed(manifest, t.path, whole_box(t)) if t.size else set()
-    assert sorted(everyone) == sorted(whole)
+        rest = [x for x in mine if not x[0].startswith("shards/")]
+        if replicas == "read" or m == 1:
+            assert sorted(rest) == sorted(whole), f"rank {rank} did not read its replicas itself"
+        everyone += rest
+    if replicas == "bcast":
+        assert sorted(everyone) == sorted(whole), "a replicated chunk read twice in the job"
 
 
 @pytest.mark.parametrize(("n", "m"), PAIRS)

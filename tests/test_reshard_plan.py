@@ -304,13 +304,18 @@ def test_whole_files_and_partial_files() -> None:
 
 
 def simulate(
-    layout: Layout, wants: list[Any], sees: list[set[int]], g: np.ndarray, same_size: bool = False
+    layout: Layout,
+    wants: list[Any],
+    sees: list[set[int]],
+    g: np.ndarray,
+    same_size: bool = False,
+    broadcast: bool = False,
 ) -> Any:
     """Run a route in memory: reads from simulated chunks, broadcasts, sends."""
     itemsize = 8
     nb = math.prod(layout.chunk_shape) * itemsize
     load = [0] * len(wants)
-    r = route(layout, wants, sees, load, nb, same_size)
+    r = route(layout, wants, sees, load, nb, same_size, broadcast)
     outs = [np.zeros(w[1], dtype=g.dtype) for w in wants]
     hits = [np.zeros(w[1], dtype=np.int64) for w in wants]
     reads_by_rank: Counter[tuple[int, Any, int]] = Counter()
@@ -370,7 +375,15 @@ def test_route_delivers_each_rank_its_box_once(data: st.DataObject) -> None:
     if data.draw(st.booleans()):  # level 3: every rank sees every file
         sees = [set(writers) for _ in wants]
     g = source(layout.shape)
-    r, outs, hits = simulate(layout, wants, sees, g, data.draw(st.booleans()))
+    broadcast = data.draw(st.booleans())
+    r, outs, hits = simulate(layout, wants, sees, g, data.draw(st.booleans()), broadcast)
+    if not broadcast:  # a rank that can open a file reads what it needs of it itself
+        assert not any(t.bcast for t in r.tasks)
+        readers = {(t.reader, t.file.key) for t in r.tasks if t.own is not None}
+        for d, rs in enumerate(r.reads):
+            for fr in rs:
+                if fr.writer in sees[d]:
+                    assert (d, fr.key) in readers, "a rank that can open a file did not read it"
     needed = {fr.writer for rs in r.reads for fr in rs}
     visible = set().union(*sees)
     assert set(r.unseen) == needed - visible
@@ -387,9 +400,28 @@ def test_replicas_at_level3_read_each_file_once_and_broadcast() -> None:
         (8, 3), (2, 3), (1, 3), tuple(SavedRegion((2 * i, 0), (2, 3), i, 1) for i in range(4))
     )
     whole = ((0, 0), (8, 3))
-    r = route(layout, [whole, whole], [{0, 1, 2, 3}] * 2, [0, 0], 24)
+    r = route(layout, [whole, whole], [{0, 1, 2, 3}] * 2, [0, 0], 24, broadcast=True)
     assert all(t.bcast and t.whole for t in r.tasks)
     assert [t.reader for t in r.tasks] == [0, 1, 0, 1]  # the least loaded, in file order
+
+
+def test_replicas_read_for_themselves_by_default() -> None:
+    """Without broadcast every rank that can open a file reads it itself (no bytes over the
+    communicator); a rank that cannot is sent its pieces by one that can."""
+    layout = Layout(
+        (8, 3), (2, 3), (1, 3), tuple(SavedRegion((2 * i, 0), (2, 3), i, 1) for i in range(4))
+    )
+    whole = ((0, 0), (8, 3))
+    r = route(layout, [whole] * 3, [{0, 1, 2, 3}] * 3, [0] * 3, 24)
+    assert not r.messages() and sorted((t.file.key, t.reader) for t in r.tasks) == [
+        ((f, 0), d) for f in range(4) for d in range(3)
+    ]
+    r = route(layout, [whole] * 3, [{0, 1}, {0, 1}, {2, 3}], [0] * 3, 24)
+    # ranks 0 and 1 see the files of writers 0 and 1, rank 2 those of 2 and 3: each file goes
+    # to the ranks that cannot open it from one that can (the least loaded; ties: the lowest)
+    sent = [(s, d, len(items)) for s, d, items in r.messages()]
+    assert sent == [(0, 2, 2), (2, 0, 2), (2, 1, 2)]
+    assert not any(t.bcast for t in r.tasks)
 
 
 def test_a_job_of_another_size_spreads_its_reads_over_all_ranks() -> None:
@@ -398,9 +430,9 @@ def test_a_job_of_another_size_spreads_its_reads_over_all_ranks() -> None:
     regions = tuple(SavedRegion((4 * i, 0), (4, 3), i // 2, 2) for i in range(4))
     layout = Layout((16, 3), (2, 3), (1, 3), regions)
     whole = ((0, 0), (16, 3))
-    r = route(layout, [whole] * 4, [{0, 1}] * 4, [0] * 4, 24)
+    r = route(layout, [whole] * 4, [{0, 1}] * 4, [0] * 4, 24, broadcast=True)
     assert sorted(t.reader for t in r.tasks) == [0, 0, 1, 1, 2, 2, 3, 3]
-    r = route(layout, [whole] * 2, [{0, 1}] * 2, [0] * 2, 24, same_size=True)
+    r = route(layout, [whole] * 2, [{0, 1}] * 2, [0] * 2, 24, same_size=True, broadcast=True)
     assert [(t.file.writer, t.reader) for t in r.tasks] == [
         (w, w) for w in (0, 0, 0, 0, 1, 1, 1, 1)
     ]

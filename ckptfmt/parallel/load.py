@@ -11,11 +11,12 @@ job may have another size than the one that saved (``spec/reshard.md``):
    directory holds no checkpoint at all (a node new to the job) gets the manifest from the first
    rank that has one and all its data over the Comm.
 2. Every rank computes the same plan (``ckptfmt.reshard``): for each tensor the inner chunks each
-   rank needs, and who reads them (``reshard.route``): a file every rank needs whole is read by
-   one rank and broadcast; otherwise a rank reads its own chunks where its directory holds the
-   file, and one rank that holds it reads and sends them where it does not. If some needed file
-   is held by no current rank, every rank raises :class:`UnreachableNodesError` naming the saved
-   nodes (the caller then tries the level-3 copy). Per-rank entries follow the rules of
+   rank needs, and who reads them (``reshard.route``): a rank reads its own chunks where its
+   directory holds the file, and one rank that holds it reads and sends them where it does not
+   (with ``replicas="bcast"``, a file every rank needs whole is read by one rank and
+   broadcast). If some needed file is held by no current rank, every rank raises
+   :class:`UnreachableNodesError` naming the saved nodes (the caller then tries the level-3
+   copy). Per-rank entries follow the rules of
    ``reshard.per_rank`` (an explicit error, or a warning when dropping was asked for).
 3. Each rank reads its chunks (verified; concurrently, a few threads per host).
 4. Broadcasts and sends in one global order, the same on every rank (so no rank waits for a
@@ -123,6 +124,7 @@ def load_collective(
     node: str | None = None,
     rank_map: RankMap = None,
     per_rank: str = "error",
+    replicas: str = "read",
     threads: int = 2,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
@@ -134,9 +136,11 @@ def load_collective(
     files the directory holds is looked up (one file per node). ``group`` is accepted for
     callers of the same-size load and not needed any more. ``rank_map`` and ``per_rank``
     ("error" or "drop") decide what happens to per-rank entries when the number of ranks
-    changed (``reshard.per_rank``); every rank must pass the same. ``threads``: concurrent
-    readers per host. Returns the nested state (boxes as arrays of the box's shape, per-rank
-    entries as this rank's own item) and the manifest.
+    changed (``reshard.per_rank``); every rank must pass the same. ``replicas``: "read" (every
+    rank reads what it needs from its own directory; other nodes' data comes over the Comm) or
+    "bcast" (a file every rank needs whole is read by one rank and broadcast: fewer readers of
+    shared storage). ``threads``: concurrent readers per host. Returns the nested state (boxes
+    as arrays of the box's shape, per-rank entries as this rank's own item) and the manifest.
     """
     del group  # which files a directory holds is found out, not assumed (see above)
     root = Path(path).absolute()
@@ -169,7 +173,7 @@ def load_collective(
             "manifest_bytes": len(data),
             "visible": visible,
             "host": socket.gethostname(),
-            "options": [rules.rank_map_json(rank_map), per_rank],
+            "options": [rules.rank_map_json(rank_map), per_rank, replicas],
         }
     )
     present = [r for r, i in enumerate(info) if i["absent"] is None]
@@ -193,7 +197,9 @@ def load_collective(
             manifest = parse_manifest(buf.tobytes(), f"rank {present[0]}'s {MANIFEST_NAME}")
     assert manifest is not None
     if any(i["options"] != info[0]["options"] for i in info):
-        raise UsageError("every rank must pass the same rank_map and per_rank options")
+        raise UsageError("every rank must pass the same rank_map, per_rank and replicas options")
+    if replicas not in ("read", "bcast"):
+        raise UsageError(f"replicas is 'read' or 'bcast', got {replicas!r}")
     # a per-rank tensor that every rank names in ``wants`` is loaded as plain boxes
     named = set.intersection(*(set(i["wants"]) for i in info))
     resolution = rules.resolve(
@@ -208,7 +214,7 @@ def load_collective(
     sees = [
         {w for w, ri in enumerate(manifest.ranks) if ri.node in set(i["visible"])} for i in info
     ]
-    plans = _plan(manifest, info, resolution.sources, sees)
+    plans = _plan(manifest, info, resolution.sources, sees, replicas == "bcast")
     same_host = sum(1 for i in info if i["host"] == info[comm.rank]["host"])
     loaded, error = _execute(comm, src, plans, max(1, threads // same_host))
     gathered = comm.allgather_json(error)
@@ -254,6 +260,7 @@ def _plan(
     info: list[dict[str, Any]],
     sources: Sequence[int | None],
     sees: list[set[int]],
+    broadcast: bool,
 ) -> list[_Plan]:
     """Every rank's boxes and the route of every tensor (the same on every rank); raises the
     same error on every rank for a box outside its tensor or files no rank sees."""
@@ -279,7 +286,8 @@ def _plan(
             check_box(t.shape, box, f"rank {rank}'s box of {name!r}")
             boxes.append(box)
         geo = geometry(t)
-        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes, m.world_size == len(info))
+        same_size = m.world_size == len(info)
+        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes, same_size, broadcast)
         unseen.update(r.unseen)
         out.append(_Plan(t, boxes, r))
     if unseen:

@@ -5,15 +5,17 @@ box) and which saved writers' files each current rank can open (its own director
 every file, on level 1 the files of its node's writers), :func:`route` decides, the same on every
 rank:
 
-1. A file whose every in-bounds chunk every rank needs (replicated state, more than one rank):
-   one rank that can open it reads it whole and broadcasts the chunks.
-2. Otherwise each rank that needs part of the file and can open it reads its own chunks itself,
-   and nothing else of the file.
-3. The ranks that need part of it but cannot open it (another node's level-1 copy) are served by
+1. Each rank that needs part of the file and can open it reads its own chunks itself, and
+   nothing else of the file (ranks of one node that want the same file read it from the same
+   page cache; no bytes go over the communicator).
+2. The ranks that need part of it but cannot open it (another node's level-1 copy) are served by
    one rank that can: it reads the union of their chunks (and its own) once and sends each its
    pieces, packed.
+3. With ``broadcast`` (for replicated state on shared storage that many readers would overload,
+   and a fast interconnect): a file whose every in-bounds chunk every rank needs is instead read
+   whole by one rank that can open it and broadcast to all.
 
-The reader of cases 1 and 3 is, in a job of the saved size, the file's writer rank when it can
+The reader of cases 2 and 3 is, in a job of the saved size, the file's writer rank when it can
 open the file (the save's plan already spread the files evenly over the ranks); otherwise a rank
 that reads part of the file anyway, else any rank that can open it: the least loaded (bytes
 assigned so far; ties: the lowest rank). So a job of another size spreads its reads over all its
@@ -109,12 +111,14 @@ def route(
     load: list[int],
     chunk_nbytes: int,
     same_size: bool = False,
+    broadcast: bool = False,
 ) -> TensorRoute:
     """Route the reads of one tensor for ``len(wants)`` current ranks.
 
     ``wants[d]`` is rank d's box; ``sees[d]`` the saved writer ranks whose files rank d can
     open; ``load[d]`` the bytes rank d reads so far (updated); ``same_size``: the job has the
-    saved number of ranks (writer ranks read their own files). Deterministic.
+    saved number of ranks (writer ranks read their own files); ``broadcast``: files every rank
+    needs whole are read once and broadcast (case 2 above). Deterministic.
     """
     size = len(wants)
     cache: dict[Box, tuple[FileRead, ...]] = {}
@@ -136,7 +140,12 @@ def route(
         if not seers:
             unseen.add(writer)
             continue
-        if size > 1 and len(needing) == size and all(fr.whole for fr in needing.values()):
+        if (
+            broadcast
+            and size > 1
+            and len(needing) == size
+            and all(fr.whole for fr in needing.values())
+        ):
             root = _choose(seers, writer if same_size else -1, needing, load)
             load[root] += any_read.n_present * chunk_nbytes
             tasks.append(FileTask(root, any_read, needing[root], (), True))
