@@ -12,9 +12,10 @@ without ``--worker``) does everything:
    ``n{rank * 2 // size}``);
 2. under ``mpiexec -n M`` for M = 2 and 4: ``load_collective`` of the N-rank checkpoint and of the
    M-rank one (``4->2`` vs ``2->2``, ``2->4`` vs ``4->4``), each rank wanting its own rows of the
-   M-rank split (DP: everything), from level 3 and from level 1; rounds interleaved, the order
-   rotating; a round's time is the slowest rank's (barrier before, all-gather of the times
-   after); the first round also checks every loaded byte;
+   M-rank split (DP: everything, and DP with ``replicas="bcast"`` from level 3), from level 3
+   and from level 1; rounds interleaved, the order rotating; a round's time is the slowest
+   rank's (barrier before, all-gather of the times after); the first round also checks every
+   loaded byte;
 3. in this process: ``ckptfmt.rewrite.reshard`` (what ``ckptfmt reshard`` runs) of the 4-rank
    checkpoint for 2 ranks and of the 2-rank one for 4 (rows split, fsync off and on), against
    ``ckptfmt.load`` + ``ckptfmt.save`` of the same state (read everything, write everything) and
@@ -124,19 +125,32 @@ def worker(args: argparse.Namespace) -> int:
                 )  # fmt: skip
         return 0
     # load: every (source, level) case, rounds interleaved with a rotating order
-    cases = [(src, level) for src in args.sources.split(",") for level in (3, 1)]
+    # "d4b": the checkpoint d4 loaded with replicas="bcast" (level 3 only)
+    cases = [
+        (src, level)
+        for src in args.sources.split(",")
+        for level in (3, 1)
+        if not (src.endswith("b") and level == 1)
+    ]
     times: dict[str, list[float]] = {f"{s}-l{lv}": [] for s, lv in cases}
     read_bytes: dict[str, int] = {}
     for rep in range(args.reps + 1):
         order = cases[rep % len(cases) :] + cases[: rep % len(cases)]
         for src, level in order:
-            path = root / src / ("l3" if level == 3 else f"l1/{node}") / STEP
+            bcast = src.endswith("b")
+            path = root / src.rstrip("b") / ("l3" if level == 3 else f"l1/{node}") / STEP
             comm.barrier()
             dp = src.startswith("d")
             my_wants = {} if dp else wants(rows, comm.rank, comm.size)
             with record_reads() as log:
                 t0 = time.perf_counter()
-                out, _ = load_collective(comm, path, my_wants, node=node if level == 1 else None)
+                out, _ = load_collective(
+                    comm,
+                    path,
+                    my_wants,
+                    node=node if level == 1 else None,
+                    replicas="bcast" if bcast else "read",
+                )
                 dt = time.perf_counter() - t0
             slowest = max(comm.allgather_json(dt))
             key = f"{src}-l{level}"
@@ -233,15 +247,17 @@ def markdown(res: dict[str, Any]) -> str:
         "| ratio (medians, fastest) |",
         "|---|---|---|---|---|---|",
     ]
-    kinds = [("FSDP rows", "c", mb)]
+    kinds = [("FSDP rows", "c", "", mb, (3, 1))]
     if res["dp_rows"]:
-        kinds.append(("DP whole", "d", res["dp_bytes"] / 1e6))
-    for label, k, size in kinds:
+        dp_mb = res["dp_bytes"] / 1e6
+        kinds.append(("DP whole", "d", "", dp_mb, (3, 1)))
+        kinds.append(("DP whole, bcast", "d", "b", dp_mb, (3,)))
+    for label, k, suffix, size, levels in kinds:
         for m, n in ((2, 4), (4, 2)):
             part = res["load"][str(m)]
-            for level in (3, 1):
-                a = part["times"][f"{k}{n}-l{level}"]
-                b = part["times"][f"{k}{m}-l{level}"]
+            for level in levels:
+                a = part["times"][f"{k}{n}{suffix}-l{level}"]
+                b = part["times"][f"{k}{m}{suffix}-l{level}"]
                 lines.append(
                     f"| {label} ({size:.0f} MB) | {n}->{m} vs {m}->{m} | {level} | {cell(a)} "
                     f"| {cell(b)} | {med(a) / med(b):.2f}x, {min(a) / min(b):.2f}x |"
@@ -292,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         load: dict[str, Any] = {}
         for m, n in ((2, 4), (4, 2)):
             part = root / f"part{m}.json"
-            sources = f"c{n},c{m}" + (f",d{n},d{m}" if dp_rows else "")
+            sources = f"c{n},c{m}" + (f",d{n},d{m},d{n}b,d{m}b" if dp_rows else "")
             mpi(m, "--worker", "load", *common, "--sources", sources,
                 "--reps", str(args.reps), "--part", str(part))  # fmt: skip
             load[str(m)] = json.loads(part.read_text())
@@ -318,12 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     res["medians"] = {
         **{
-            f"load {kind} {n}->{m} l{lv}": med(load[str(m)]["times"][f"{k}{n}-l{lv}"])
-            for kind, k in (("fsdp", "c"), ("dp", "d"))
-            if k == "c" or dp_rows
-            for m in (2, 4)
-            for n in (2, 4)
-            for lv in (3, 1)
+            f"load {key} at {m}": med(v)
+            for m, part in load.items()
+            for key, v in part["times"].items()
         },
         **{k: med(v) for k, v in rewrite["times"].items()},
     }
