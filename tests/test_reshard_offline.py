@@ -71,6 +71,19 @@ def test_rewrite_is_verified_bitwise_and_owned_as_an_m_rank_save(
     assert leftovers(tmp_path) == []
 
 
+def test_rewrite_from_level1_copies(tmp_path: Path) -> None:
+    """SRC as the level-1 copies of the saved nodes (a {node} template): each file is read from
+    its writer's node's directory; a node's copy missing is named, nothing is written."""
+    src = save(tmp_path, 4, 1)
+    reshard(str(src), tmp_path / "dst", 3, rows=["shards/*"], **GRID)
+    check_equal(tmp_path / "dst")
+    shutil.rmtree(tmp_path / "l1" / "n1")
+    with pytest.raises(DamagedError) as exc:
+        reshard(str(src), tmp_path / "dst2", 3, rows=["shards/*"], **GRID)
+    assert "missing" in str(exc.value)
+    assert not (tmp_path / "dst2").exists() and leftovers(tmp_path) == []
+
+
 def test_replicated_only_rewrite_spreads_the_writing(tmp_path: Path) -> None:
     src = save(tmp_path, 4, 3)
     reshard(src, tmp_path / "dst", 2, **GRID)
