@@ -333,7 +333,11 @@ def test_lost_nodes_rebuilt_and_restored_from_level1(run: Run) -> None:
         assert rep["tried"] == [] and rep["unrecoverable"] == [], (name, rep)
         [line] = rep["rebuilt"]
         shown = ", ".join(map(str, lost))
-        assert line.startswith(f"step {sc.restored} level 1: no committed copy on node(s) "), line
+        lost_nodes = ", ".join(sorted(sc.lose))
+        assert line.startswith(
+            f"step {sc.restored} level 1: no current rank sees the files written on node(s) "
+            f"{lost_nodes} (saved ranks {shown})"
+        ), line
         assert f"rebuilt data of rank(s) {shown} and parity of rank(s) {shown}" in line, line
         assert f"recreated node(s) {', '.join(sc.lose)} in " in line, line
 

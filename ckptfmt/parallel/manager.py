@@ -43,13 +43,14 @@ from ckptfmt.parallel.load import LoadFailedError, load_collective
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective
 from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.redundancy.config import Policy, Redundancy
+from ckptfmt.reshard.per_rank import RankMap
 from ckptfmt.state import PerRank, Shard, flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 
 log = logging.getLogger("ckptfmt")
 
-RedundancySpec = None | str | Redundancy | Policy | list[dict[str, Any]] | Path
+RedundancySpec = None | str | Redundancy | Policy | Mapping[str, Any] | list[dict[str, Any]] | Path
 
 
 class CheckpointWarning(UserWarning):
@@ -193,13 +194,24 @@ class CheckpointManager:
         steps += [s for s, p in self._committed(self.levels.shared_dir)]
         return max(steps) if steps else None
 
-    def restore(self, state: Mapping[str, Any] | None = None) -> int | None:
+    def restore(
+        self,
+        state: Mapping[str, Any] | None = None,
+        *,
+        rank_map: RankMap = None,
+        per_rank: str = "error",
+    ) -> int | None:
         """Collective: load the newest step that every rank can load, and return it (None when
-        there is none). Level 1 is tried first (every rank's data present, every checksum good),
-        then level 3, then older steps. ``state``, when given, is updated in place (arrays
-        copied into, other values replaced; ``Shard`` leaves say which region this rank wants);
-        the loaded state is also kept as ``restored_state``. Leftovers of crashed saves are
-        removed first."""
+        there is none). Level 1 is tried first (every rank's data present or rebuildable from
+        the save's redundancy, every checksum good), then level 3, then older steps. ``state``,
+        when given, is updated in place (arrays copied into, other values replaced; ``Shard``
+        leaves say which region this rank wants); the loaded state is also kept as
+        ``restored_state``. Leftovers of crashed saves are removed first.
+
+        The job may have another number of ranks than the save (``spec/reshard.md``): each rank
+        gets its ``Shard`` boxes or whole tensors; per-rank entries follow ``rank_map`` (saved
+        rank -> current rank) or raise :class:`PerRankError` listing what cannot be carried
+        over, unless ``per_rank="drop"`` (a warning lists it instead)."""
         self._check_open()
         self.wait()
         self._clean_leftovers()
@@ -218,30 +230,28 @@ class CheckpointManager:
                 if level == 3 and len(lacking) == len(seen):
                     continue  # never flushed: not a candidate on this level
                 path = root / step_dir_name(step)
-                rebuilt = False
-                if lacking:
+                if lacking and (level == 3 or len(lacking) == len(seen)):
                     nodes = sorted({seen[r]["node"] for r in lacking})
-                    missing = (
-                        f"no committed copy on node(s) {', '.join(nodes)} "
-                        f"(ranks {', '.join(map(str, lacking))})"
+                    report.tried.append(
+                        f"step {step} level {level}: no committed copy on node(s) "
+                        f"{', '.join(nodes)} (ranks {', '.join(map(str, lacking))})"
                     )
-                    if level == 3 or len(lacking) == len(seen):
-                        report.tried.append(f"step {step} level {level}: {missing}")
-                        continue
-                    if not self._rebuild(path, step, missing, report):
-                        continue
-                    rebuilt = True
+                    continue
+                # some ranks without a copy may be new to the job (another size, another node):
+                # the load finds out whether every saved node's files are visible to some rank
                 try:
-                    loaded, manifest = self._load(path, wants, level, step)
+                    loaded, manifest = self._load(path, wants, level, step, rank_map, per_rank)
                 except LoadFailedError as exc:
-                    if level == 3 or rebuilt:
+                    if level == 3:
                         report.tried.append(f"step {step} level {level}: {exc}")
                         continue
-                    # damaged on some node: rebuild what parity covers, then load again
+                    # lost or damaged on some node: rebuild what parity covers, load again
                     if not self._rebuild(path, step, str(exc), report):
                         continue
                     try:
-                        loaded, manifest = self._load(path, wants, level, step)
+                        loaded, manifest = self._load(
+                            path, wants, level, step, rank_map, per_rank
+                        )
                     except LoadFailedError as exc2:
                         report.tried.append(f"step {step} level {level}: {exc2}")
                         continue
@@ -260,10 +270,22 @@ class CheckpointManager:
         return None
 
     def _load(
-        self, path: Path, wants: dict[str, Any], level: int, step: int
+        self,
+        path: Path,
+        wants: dict[str, Any],
+        level: int,
+        step: int,
+        rank_map: RankMap,
+        per_rank: str,
     ) -> tuple[dict[str, Any], Manifest]:
         return load_collective(
-            self.comm, path, wants, group=self._group_key(level == 1), expect_step=step
+            self.comm,
+            path,
+            wants,
+            expect_step=step,
+            node=self.node if level == 1 else None,
+            rank_map=rank_map,
+            per_rank=per_rank,
         )
 
     def _rebuild(self, path: Path, step: int, why: str, report: RestoreReport) -> bool:
