@@ -191,3 +191,66 @@ class UnrecoverableDamageError(DamagedError):
             else ""
         )
         super().__init__(file, f"{reason}{where}", tensors)
+
+
+# --- collective operations and redundancy -------------------------------------------------
+
+
+class SaveFailedError(CkptError):
+    """A collective save failed on some rank; nothing was committed anywhere.
+
+    ``failures`` maps rank to that rank's error message.
+    """
+
+    def __init__(self, failures: dict[int, str], cause: BaseException | None = None) -> None:
+        self.failures = failures
+        self.cause = cause  # this rank's own error, if it had one
+        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        super().__init__(f"save failed on {len(failures)} rank(s): {lines}")
+
+
+class LoadFailedError(CkptError):
+    """A collective load failed on some rank (``failures``: rank -> message)."""
+
+    def __init__(self, failures: dict[int, str], message: str | None = None) -> None:
+        self.failures = failures
+        if message is None:
+            lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+            message = f"load failed on {len(failures)} rank(s): {lines}"
+        super().__init__(message)
+
+
+class UnreachableNodesError(LoadFailedError):
+    """Files the current ranks need were written on saved nodes whose directory no current rank
+    sees (a level-1 copy of a node that is gone or not part of the job). ``nodes``: those nodes;
+    ``writers``: their saved ranks. Another copy (level 3) may still load."""
+
+    def __init__(self, nodes: Sequence[str], writers: Sequence[int]) -> None:
+        self.nodes = tuple(nodes)
+        self.writers = tuple(writers)
+        shown = ", ".join(map(str, writers[:16])) + (" …" if len(writers) > 16 else "")
+        super().__init__(
+            {},
+            f"no current rank sees the files written on node(s) {', '.join(nodes)} "
+            f"(saved ranks {shown})",
+        )
+
+
+class UnrecoverableError(CkptError):
+    """More blocks of a redundancy set are lost than its scheme can rebuild.
+
+    ``lost`` are the lost block indices (``0..k-1`` data members, ``k..`` parity), ``tolerates``
+    how many losses the scheme survives, ``scheme`` its id.
+    """
+
+    def __init__(self, scheme: str, lost: Sequence[int], tolerates: int, k: int) -> None:
+        self.scheme = scheme
+        self.lost = tuple(sorted(lost))
+        self.tolerates = tolerates
+        self.k = k
+        members = [i for i in self.lost if i < k]
+        parity = [i - k for i in self.lost if i >= k]
+        super().__init__(
+            f"{scheme}: cannot rebuild: {len(self.lost)} block(s) lost (data members {members}, "
+            f"parity {parity}), the scheme tolerates {tolerates}"
+        )

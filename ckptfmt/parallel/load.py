@@ -41,6 +41,8 @@ import numpy as np
 
 from ckptfmt.codecs.grid import flat_range, is_contiguous_box
 from ckptfmt.errors import CkptError, DamagedError, NotACheckpointError, UsageError
+from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
+from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import (
@@ -62,33 +64,6 @@ from ckptfmt.storage.files import Inside
 from ckptfmt.storage.shard_io import Geometry
 
 _TAGS = 1 << 15  # MPI guarantees tags up to 32767
-
-
-class LoadFailedError(CkptError):
-    """A collective load failed on some rank (``failures``: rank -> message)."""
-
-    def __init__(self, failures: dict[int, str], message: str | None = None) -> None:
-        self.failures = failures
-        if message is None:
-            lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-            message = f"load failed on {len(failures)} rank(s): {lines}"
-        super().__init__(message)
-
-
-class UnreachableNodesError(LoadFailedError):
-    """Files the current ranks need were written on saved nodes whose directory no current rank
-    sees (a level-1 copy of a node that is gone or not part of the job). ``nodes``: those nodes;
-    ``writers``: their saved ranks. Another copy (level 3) may still load."""
-
-    def __init__(self, nodes: Sequence[str], writers: Sequence[int]) -> None:
-        self.nodes = tuple(nodes)
-        self.writers = tuple(writers)
-        shown = ", ".join(map(str, writers[:16])) + (" …" if len(writers) > 16 else "")
-        super().__init__(
-            {},
-            f"no current rank sees the files written on node(s) {', '.join(nodes)} "
-            f"(saved ranks {shown})",
-        )
 
 
 def _visible_nodes(src: Inside, m: Manifest, node: str | None) -> list[str]:

@@ -36,6 +36,7 @@ from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.codecs.zarr_meta import array_doc, group_doc
 from ckptfmt.dtypes import DType, by_name, of_array
 from ckptfmt.errors import CkptError, LimitExceededError, UsageError
+from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.limits import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, display
 from ckptfmt.manifest.model import (
@@ -61,19 +62,6 @@ from ckptfmt.storage.shard_io import Geometry, plan_region, run_jobs
 
 Name = tuple[str, ...]
 FaultHook = Callable[[str], None]
-
-
-class SaveFailedError(CkptError):
-    """A collective save failed on some rank; nothing was committed anywhere.
-
-    ``failures`` maps rank to that rank's error message.
-    """
-
-    def __init__(self, failures: dict[int, str], cause: BaseException | None = None) -> None:
-        self.failures = failures
-        self.cause = cause  # this rank's own error, if it had one
-        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-        super().__init__(f"save failed on {len(failures)} rank(s): {lines}")
 
 
 def as_storable(array: Any, name: str) -> tuple[np.ndarray, DType]:

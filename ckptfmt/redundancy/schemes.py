@@ -15,28 +15,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from ckptfmt.errors import CkptError, UsageError
+from ckptfmt.errors import UnrecoverableError as UnrecoverableError  # re-exported
+from ckptfmt.errors import UsageError
 from ckptfmt.redundancy import gf256
-
-
-class UnrecoverableError(CkptError):
-    """More blocks of a redundancy set are lost than its scheme can rebuild.
-
-    ``lost`` are the lost block indices (``0..k-1`` data members, ``k..`` parity), ``tolerates``
-    how many losses the scheme survives, ``scheme`` its id.
-    """
-
-    def __init__(self, scheme: str, lost: Sequence[int], tolerates: int, k: int) -> None:
-        self.scheme = scheme
-        self.lost = tuple(sorted(lost))
-        self.tolerates = tolerates
-        self.k = k
-        members = [i for i in self.lost if i < k]
-        parity = [i - k for i in self.lost if i >= k]
-        super().__init__(
-            f"{scheme}: cannot rebuild: {len(self.lost)} block(s) lost (data members {members}, "
-            f"parity {parity}), the scheme tolerates {tolerates}"
-        )
 
 
 class RedundancyScheme(abc.ABC):
