@@ -230,7 +230,7 @@ def rs_cases(block: int, rng: np.random.Generator, mods: dict[str, Any]) -> list
             )
 
     rs = ReedSolomon(m)
-    api = f"ckptfmt ReedSolomon.encode/rebuild ({gf256.backend()}, allocates its outputs)"
+    api = f"ckptfmt ReedSolomon.encode/rebuild ({gf256.backend()}, this process)"
     add(
         api,
         "encode",
@@ -289,6 +289,71 @@ def rs_cases(block: int, rng: np.random.Generator, mods: dict[str, Any]) -> list
                 lambda r, lost=lost: same(list(r), [data[i] for i in lost]),
             )
     return cases
+
+
+FRESH = """
+import json, sys, time
+import numpy as np
+from ckptfmt.redundancy import ReedSolomon
+block, reps = int(sys.argv[1]), int(sys.argv[2])
+k, m = 8, 2
+rng = np.random.default_rng(1)
+data = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(k)]
+rs = ReedSolomon(m)
+allb = data + rs.encode(data)
+ops = {
+    "encode": lambda: rs.encode(data),
+    "rebuild 1": lambda: rs.rebuild(k, {i: allb[i] for i in range(1, 9)}, [0]),
+    "rebuild 2": lambda: rs.rebuild(k, {i: allb[i] for i in range(2, 10)}, [0, 1]),
+}
+calls = max(1, (64 << 20) // block)
+out = {op: [] for op in ops}
+for _ in range(reps + 1):
+    for op, fn in ops.items():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[op].append((time.perf_counter() - t0) / calls)
+print(json.dumps({op: v[1:] for op, v in out.items()}))
+"""
+
+
+def fresh_process_rows(block: int, reps: int) -> list[dict[str, Any]]:
+    """ReedSolomon.encode/rebuild timed in a new interpreter: how fast the scheme API is when the
+    process's allocator has not yet been taught (by earlier large frees) to keep 1-16 MiB
+    blocks on its heap, so every output is fresh memory."""
+    r = subprocess.run(
+        [sys.executable, "-c", FRESH, str(block), str(reps)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    if r.returncode:
+        print(f"fresh-process rows skipped: {r.stderr.strip()[-300:]}", flush=True)
+        return []
+    rows = []
+    for op, samples in json.loads(r.stdout).items():
+        med = statistics.median(samples)
+        rows.append(
+            {
+                "impl": f"ckptfmt ReedSolomon.encode/rebuild ({gf256.backend()}, new process)",
+                "scheme": "rs 8+2",
+                "op": op,
+                "block_bytes": block,
+                "data_bytes": 8 * block,
+                "calls_per_sample": max(1, (64 << 20) // block),
+                "rounds_used": len(samples),
+                "quiet_only": False,
+                "median_s": med,
+                "gbps_median": 8 * block / med / 1e9,
+                "gbps_cpu_median": None,
+                "gbps_best": 8 * block / min(samples) / 1e9,
+                "gbps_worst": 8 * block / max(samples) / 1e9,
+                "samples_s": samples,
+            }
+        )
+    return rows
 
 
 def pyeclib_cases(stripe: int, rng: np.random.Generator, ec_iface: Any) -> list[Case]:
@@ -637,6 +702,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         del cases
+    for b in blocks:
+        print(f"ReedSolomon in a new process, blocks of {size_label(b)} ...", flush=True)
+        results += fresh_process_rows(b, args.reps)
     kernels: dict[str, str] = {}
     if isal.available():  # each dispatcher picks its kernel on its first call
         gf256.mul_xor_into(np.zeros(64, np.uint8), 3, np.ones(64, np.uint8))
