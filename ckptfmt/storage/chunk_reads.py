@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ckptfmt.codecs.crc32c import crc32c
 from ckptfmt.codecs.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
-from ckptfmt.errors import ChecksumError, CorruptShardError, MissingFileError, SizeMismatchError
+from ckptfmt.errors import ChecksumError, CorruptShardError, SizeMismatchError
 from ckptfmt.manifest.model import FileRef
 from ckptfmt.storage.files import Inside, read_scatter
 from ckptfmt.storage.shard_io import Geometry
@@ -88,14 +88,9 @@ def read_chunks(
     data CRC too. Returns the chunks' CRC32Cs (so that a caller reading a file in several parts
     can check its data CRC once it has every chunk). Raises a
     :class:`~ckptfmt.errors.DamagedError` naming the file."""
+    fd = src.open_exact(ref.path, ref.size, tensors)
+    size = ref.size
     try:
-        fd = src.open_fd(ref.path)
-    except FileNotFoundError:
-        raise MissingFileError(ref.path, tensors) from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != ref.size:
-            raise SizeMismatchError(ref.path, ref.size, size, tensors)
         nb = geo.chunk_nbytes + CRC_BYTES
         if not geo.shape:  # 0-d: the element and its CRC, no index
             spans = [(0, nb)]

@@ -128,6 +128,21 @@ class Inside:
             raise FileNotFoundError(rel)
         return fd
 
+    def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> int:
+        """An O_RDONLY descriptor of ``rel``, which must be a regular file of ``size`` bytes:
+        :class:`MissingFileError` / :class:`SizeMismatchError` otherwise (nothing left open)."""
+        from ckptfmt.errors import MissingFileError, SizeMismatchError
+
+        try:
+            fd = self.open_fd(rel)
+        except FileNotFoundError:
+            raise MissingFileError(rel, tensors) from None
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            os.close(fd)
+            raise SizeMismatchError(rel, size, actual, tensors)
+        return fd
+
     def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
         """Raise a DamagedError unless ``rel`` is a regular file of ``size`` bytes."""
         from ckptfmt.errors import MissingFileError, SizeMismatchError

@@ -28,14 +28,8 @@ from ckptfmt.storage.shard_io import Geometry, decode_shard
 def read_exact(
     src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]
 ) -> None:
+    fd = src.open_exact(rel, size, tensors)
     try:
-        fd = src.open_fd(rel)
-    except FileNotFoundError:
-        raise MissingFileError(rel, tensors) from None
-    try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise SizeMismatchError(rel, size, actual, tensors)
         read_scatter(fd, [out.data], 0)
     except EOFError:
         raise SizeMismatchError(rel, size, -1, tensors) from None

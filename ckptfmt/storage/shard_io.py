@@ -325,14 +325,9 @@ def _read_shard_fast(
     tensors: Sequence[str],
 ) -> bool:
     """Read a shard laid out as ckptfmt writes it directly into ``out``; False if it is not."""
+    fd = src.open_exact(ref.path, ref.size, tensors)
+    size = ref.size
     try:
-        fd = src.open_fd(ref.path)
-    except FileNotFoundError:
-        raise MissingFileError(ref.path, tensors) from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != ref.size:
-            raise SizeMismatchError(ref.path, ref.size, size, tensors)
         index_blob = b""
         if not geo.shape:
             slots: list[ChunkSlot] = [ChunkSlot(0, (), (), False)]

@@ -177,22 +177,10 @@ def reshard_command(
     console = None if quiet or as_json else render.stderr_terminal()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PerRankWarning)  # reported below, once
+        args = (src, dst, ranks, names, rows, mapping, drop_per_rank, red)
+        opts = (chunk_bytes, shard_bytes, overwrite, no_fsync)
         if console is None:
-            report = _run(
-                src,
-                dst,
-                ranks,
-                names,
-                rows,
-                mapping,
-                drop_per_rank,
-                red,
-                chunk_bytes,
-                shard_bytes,
-                overwrite,
-                no_fsync,
-                None,
-            )
+            report = _run(*args, *opts, None)
         else:
             total = sum(t.size * _itemsize(t.dtype) for t in node_dirs(src)[0].tensors())
             columns = (
@@ -203,21 +191,7 @@ def reshard_command(
             )
             with Progress(*columns, console=console, transient=True) as bar:
                 task = bar.add_task("reshard", total=total)
-                report = _run(
-                    src,
-                    dst,
-                    ranks,
-                    names,
-                    rows,
-                    mapping,
-                    drop_per_rank,
-                    red,
-                    chunk_bytes,
-                    shard_bytes,
-                    overwrite,
-                    no_fsync,
-                    lambda n: bar.advance(task, n),
-                )
+                report = _run(*args, *opts, lambda n: bar.advance(task, n))
     if report.warning:
         click.echo(one_line(f"Warning: {report.warning}"), err=True)
     if as_json:
