@@ -384,16 +384,31 @@ class TwinComm(Comm):
         raise AssertionError("not used")
 
 
-def test_gradient_exchange_runs_in_the_compiled_train_step() -> None:
-    plain = train(compiled(build()), 5)
-    comm = TwinComm()
-    opt = ck.distributed_optimizer(keras.optimizers.Adam(1e-2), comm)
-    assert type(opt).__name__ == "Adam" and isinstance(opt, keras.optimizers.Adam)
-    twin = train(compiled(build(), opt), 5)
+@pytest.mark.parametrize("kind", ["adam", "loss_scale"])
+def test_gradient_exchange_runs_in_the_compiled_train_step(tmp_path: Path, kind: str) -> None:
+    def optimizer() -> Any:
+        if kind == "adam":
+            return keras.optimizers.Adam(1e-2)
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+
+    keras.mixed_precision.set_global_policy("mixed_float16" if kind == "loss_scale" else "float32")
+    try:
+        plain = train(compiled(build(bf16=kind == "adam"), optimizer()), 5)
+        comm = TwinComm()
+        opt = ck.distributed_optimizer(optimizer(), comm)
+        assert type(opt).__name__ == type(optimizer()).__name__
+        twin = train(compiled(build(bf16=kind == "adam"), opt), 5)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     assert comm.exchanges == 5  # one per step (bfloat16 gradients are summed in float32 too)
     assert arrays_of(twin, twin.optimizer) == arrays_of(plain, plain.optimizer)
     with pytest.raises(UsageError, match="already"):
         ck.distributed_optimizer(opt, comm)
+    if kind == "adam":  # a saved model names the optimizer's own class, not the wrapper
+        twin.save(tmp_path / "m.keras")
+        assert (
+            type(keras.models.load_model(tmp_path / "m.keras").optimizer) is keras.optimizers.Adam
+        )
 
 
 def test_broadcast_and_agree_on_thread_ranks() -> None:
