@@ -19,6 +19,13 @@ It takes ``keras.callbacks.BackupAndRestore``'s arguments (``backup_dir``, ``sav
   writing spread over all workers. Every call is collective: all workers run ``fit`` alike.
 - ``dataset``: anything with ``set_epoch(epoch)`` (``ResumableDataset``), called at every epoch's
   start.
+- ``rank_map``, ``per_rank``: for a job of another number of workers than the one that saved
+  (``spec/reshard.md`` §3), passed to ``CheckpointManager.restore``. The model and optimizer are
+  replicated and load at any size; each worker's metric accumulators are per-rank entries, so
+  such a restore fails with ``PerRankError`` unless a map (saved rank -> current rank) carries
+  them over or ``per_rank="drop"`` drops them (a ``PerRankWarning`` lists what). Resume such a
+  job from a checkpoint saved at an epoch's end: the batches of an epoch depend on the number
+  of workers, so a ``step`` within an epoch means other batches at another size.
 
 What it saves: the model's variables, the optimizer's, each worker's metric accumulators (so a
 resumed epoch reports what an uninterrupted one would), and the counters ``epoch``, ``step``
@@ -49,6 +56,7 @@ import numpy as np
 from ckptfmt.errors import UsageError
 from ckptfmt.parallel.comm import Comm, SingleComm
 from ckptfmt.parallel.manager import CheckpointManager, RestoreReport
+from ckptfmt.reshard.per_rank import RankMap
 from ckptfmt.state import PerRank
 from ckptfmt_keras.checkpoint import restore_training_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
@@ -88,6 +96,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         async_save: bool = True,
         fsync: bool = True,
         on_error: str = "warn",
+        rank_map: RankMap = None,
+        per_rank: str = "error",
     ) -> None:
         super().__init__()
         if not backup_dir:
@@ -111,6 +121,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.dataset = dataset
         self.include_optimizer = include_optimizer
         self.include_metrics = include_metrics
+        self.rank_map, self.per_rank = rank_map, per_rank
         self._manager_options: dict[str, Any] = {
             "local_dir": None if local_dir is None else str(local_dir),
             "shared_dir": self.backup_dir,
@@ -164,7 +175,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.manager = _OPEN[key] = CheckpointManager(**self._manager_options)
         self._epoch = self._step = self._global = 0
         self._resume, self._pending_metrics = None, None
-        step = self.manager.restore()
+        step = self.manager.restore(rank_map=self.rank_map, per_rank=self.per_rank)
         self.last_restore = self.manager.last_restore
         if step is None:
             self.restored_counters = None
