@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -105,3 +106,45 @@ def test_close_flushes_the_newest_checkpoint(tmp_path: Path) -> None:
     assert ckptfmt.load(tmp_path / "l3" / step_dir_name(5))["step"] == 5
     with pytest.raises(ckptfmt.errors.UsageError):
         mgr.save(6, state(6))  # closed
+
+
+def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: Path) -> None:
+    """4 ranks save to level 1 only; 2 ranks restore it and close with a flush: level 3 must not
+    get a copy holding only the files of the ranks that happen to be here (it would not
+    verify); the flush is not attempted and, called directly, refused."""
+    from inproc_comm import run_threads
+
+    from ckptfmt.parallel.levels import flush_collective
+    from ckptfmt.parallel.manager import CheckpointManager as Manager
+    from ckptfmt.reader import read_manifest
+
+    root = tmp_path
+
+    def save(comm: Any) -> None:
+        m = Manager(f"{root}/l1/{{node}}", f"{root}/l3", comm=comm, node=f"n{comm.rank % 2}",
+                    flush_every=100, async_save=False, fsync=False, exit_flush=False,
+                    handle_sigterm=False)
+        m.save(7, {"w": np.arange(4000, dtype=np.float32), "d": np.full(7000, 3, np.float32)})
+        m.close(flush=False)
+
+    def restore(comm: Any) -> tuple[Any, ...]:
+        m = Manager(f"{root}/l1/{{node}}", f"{root}/l3", comm=comm, node=f"n{comm.rank}",
+                    async_save=False, fsync=False, handle_sigterm=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = m.restore()
+            m.close(flush=True)
+        manifest = read_manifest(root / "l1" / f"n{comm.rank}" / "step-0000000007")
+        try:
+            flush_collective(comm, manifest, root / "l1" / f"n{comm.rank}", root / "l3")
+            refused = ""
+        except SaveFailedError as exc:
+            refused = str(exc)
+        return step, [str(w.message) for w in caught], refused
+
+    run_threads(4, save)
+    results = run_threads(2, restore)
+    for step, caught, refused in results:
+        assert step == 7 and caught == []
+        assert "cannot flush a save of 4 ranks with 2" in refused
+    assert not (root / "l3" / "step-0000000007").exists()

@@ -111,6 +111,10 @@ def flush_collective(
     no trace of this step beyond what was there before.
     """
     hook = fault or (lambda _point: None)
+    if manifest.world_size != comm.size:  # every rank copies what it wrote: the same ranks
+        raise SaveFailedError(
+            {comm.rank: f"cannot flush a save of {manifest.world_size} ranks with {comm.size}"}
+        )
     final = shared_root.absolute() / step_dir_name(manifest.step or 0)
     staging = commit.staging_dir(final, manifest.save_id)
     error: str | None = None

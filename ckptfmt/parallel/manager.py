@@ -259,7 +259,10 @@ class CheckpointManager:
                 self._apply(state, loaded)
                 self.restored_state = loaded
                 if level == 1:
-                    self._newest_local = manifest
+                    # a save by another number of ranks is not this job's to flush: its files
+                    # belong to ranks that are not here (flush copies what each rank wrote)
+                    same = manifest.world_size == self.comm.size
+                    self._newest_local = manifest if same else None
                 else:
                     self._flushed.add(manifest.save_id)
                 self.last_restore = report
