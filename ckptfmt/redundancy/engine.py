@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from ckptfmt.errors import UsageError
-from ckptfmt.redundancy import gf256
+from ckptfmt.redundancy.gf256 import mul_xor_into as mul_xor_into  # re-exported
 from ckptfmt.redundancy.stripes import WHOLE, Op
 
 TAG = 0x52  # one tag for all rebuild traffic: ops between two ranks arrive in order
@@ -36,20 +36,6 @@ class MemberBuffers:
     data: np.ndarray
     parity: np.ndarray
     tmp: dict[int, np.ndarray] = field(default_factory=dict)  # decoding scratch chunks
-
-
-def mul_xor_into(out: np.ndarray, c: int, block: np.ndarray) -> None:
-    """``out ^= c * block`` bytewise over GF(2^8) (``gf256.mul_xor_into`` when present)."""
-    fast = getattr(gf256, "mul_xor_into", None)
-    if fast is not None:
-        fast(out, c, block)
-        return
-    if c == 1:
-        np.bitwise_xor(out, block, out=out)
-    elif c:
-        for start in range(0, out.size, gf256.SLICE):
-            o = out[start : start + gf256.SLICE]
-            np.bitwise_xor(o, gf256.MUL[c][block[start : start + gf256.SLICE]], out=o)
 
 
 def view(buf: MemberBuffers, kind: str, index: int, chunk: int, whole: int) -> np.ndarray:
