@@ -22,6 +22,7 @@ rank can see another node's directory).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as _dt
 import os
 from collections.abc import Callable, Mapping
@@ -288,23 +289,6 @@ def save_collective(
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
     all_refs = vote(comm, error, refs, staging if is_leader else None, mine_exc)
-    if redundancy is not None:
-        levels = dict(levels or {})
-        levels["1"] = dict(levels.get("1", {}))
-        levels["1"]["redundancy"] = _encode(
-            comm,
-            redundancy,
-            plan,
-            order_values,
-            all_refs,
-            info,
-            staging,
-            is_leader,
-            fsync,
-            per_rank_values,
-            preread,
-        )
-        hook("encoded")
     manifest = _build_manifest(
         plan,
         order_values,
@@ -318,6 +302,12 @@ def save_collective(
         levels or {},
         per_rank_values,
     )
+    if redundancy is not None:
+        record = _encode(comm, redundancy, manifest, info, staging, is_leader, fsync, preread)
+        new_levels = dict(manifest.levels)
+        new_levels["1"] = {**dict(new_levels.get("1", {})), "redundancy": record}
+        manifest = dataclasses.replace(manifest, levels=new_levels)
+        hook("encoded")
     hook("manifest")
     try:
         if is_leader:
@@ -333,22 +323,17 @@ def save_collective(
 def _encode(
     comm: Comm,
     red: Redundancy,
-    plan: SavePlan,
-    order_values: dict[str, Any],
-    all_refs: list[Any],
+    manifest: Manifest,
     info: list[dict[str, Any]],
     staging: Path,
     is_leader: bool,
     fsync: bool,
-    per_rank_values: dict[Name, list[Any]],
     preread: int | None,
 ) -> dict[str, Any]:
-    """Collective: encode the redundancy of the files just written; the record's JSON."""
+    """Collective: encode the redundancy of the files just written (``manifest``: the save's,
+    its file lists complete); the record's JSON."""
     from ckptfmt.parallel.encode import encode_collective, make_record, member_sets
 
-    files_only = _build_manifest(
-        plan, order_values, all_refs, info, "0" * 32, comm.size, None, "", {}, {}, per_rank_values
-    )
     nodes = [i["node"] for i in info]
     cleanup = staging if is_leader else None
     error: str | None = None
@@ -358,7 +343,7 @@ def _encode(
         parity = encode_collective(
             comm,
             red,
-            files_only,
+            manifest,
             staging,
             nodes,
             fsync,
@@ -368,7 +353,7 @@ def _encode(
     except (CkptError, OSError) as exc:
         error, mine = f"{type(exc).__name__}: {exc}", exc
     gathered = vote(comm, error, parity, cleanup, mine)
-    record = make_record(red, files_only, member_sets(red, nodes), gathered)
+    record = make_record(red, manifest, member_sets(red, nodes), gathered)
     return record.to_json()
 
 
