@@ -66,7 +66,7 @@ LABELS = {
 }
 # what the encoding's and the rebuild's times are split into (wrapped functions, see instrument)
 PARTS = {
-    "encode": ("read", "vote", "sendrecv", "gf", "crc", "write", "other"),
+    "encode": ("sendrecv", "gf", "crc", "write", "other"),
     "rebuild": (
         "manifest",
         "assess",
@@ -180,23 +180,14 @@ def instrument(comm: Any) -> Profile:
         return wrapper
 
     size = lambda *a, **k: a[-1].size  # noqa: E731  (the block multiplied)
-    # encoding (ckptfmt/parallel/encode.py)
-    encode.read_member = timed("read", encode.read_member)
+    # encoding (ckptfmt/parallel/encode.py, called by the save in ckptfmt/parallel/protocol.py)
     import ckptfmt.parallel.protocol as protocol
 
-    protocol.read_own_files = timed("read", protocol.read_own_files)  # type: ignore[attr-defined]
     encode.mul_xor_into = timed("gf", encode.mul_xor_into, size)
     encode.crc32c = timed("crc", encode.crc32c)
     encode.write_gather = timed("write", encode.write_gather)
     comm.sendrecv = timed("sendrecv", comm.sendrecv, lambda s, d, r, *a, **k: r.size)
-    plain_encode = encode.encode_collective
-
-    def encode_collective(*a: Any, **kw: Any) -> Any:
-        # the save's vote callback (7th argument): its wait is the encoding's vote
-        head, vote, tail = a[:6], a[6], a[7:]
-        return plain_encode(*head, timed("vote", vote), *tail, **kw)
-
-    encode.encode_collective = section("encode", encode_collective)
+    protocol.encode_collective = section("encode", protocol.encode_collective)  # type: ignore[attr-defined]
     # the rebuild (ckptfmt/parallel/rebuild.py; ops run in ckptfmt/redundancy/engine.py)
     rebuild.read_manifest_bytes = timed("manifest", rebuild.read_manifest_bytes)
     rebuild.parse_manifest = timed("manifest", rebuild.parse_manifest)
@@ -298,19 +289,16 @@ def run_save(env: Env, key: str, rnd: int, fsync: bool) -> dict[str, Any]:
         "save_s": save_s,
         "phases": {
             "data_s": marks["written"] - marks["start"],
-            "to_manifest_s": marks["manifest"] - marks["written"],  # data vote (+ encoding)
+            # the encoding, between this rank's files written and its parity file written
+            "encode_s": marks.get("encoded", marks["written"]) - marks["written"],
+            # the save's one vote (on the data and the parity) and the manifest built
+            "vote_s": marks["manifest"] - marks.get("encoded", marks["written"]),
             "commit_s": marks["committed"] - marks["manifest"],
         },
     }
     if red is None:
         return res | {"path": str(path)}
     res["encode"] = env.prof.report()
-    # the encoding inside the save: the data vote before it, the record's vote after it
-    res["phases"] |= {
-        "data_vote_s": env.prof.started - marks["written"],
-        "encode_s": env.prof.total,
-        "record_vote_s": marks["encoded"] - env.prof.ended,
-    }
     record = record_of(manifest)
     assert record is not None
     rset, j = record.set_of(env.rank)
@@ -418,7 +406,7 @@ def run_launch(args: argparse.Namespace) -> int:
     from ckptfmt.redundancy import gf256
 
     mpi = MPI.COMM_WORLD
-    comm = MpiComm(mpi)
+    comm = MpiComm(mpi, wait=args.wait)
     rank, size = comm.rank, comm.size
     if size < 3:
         raise SystemExit("rs with m=2 needs at least 3 nodes: run with 8 ranks")
@@ -554,6 +542,7 @@ def run_launch(args: argparse.Namespace) -> int:
             "lose": args.lose,
             "votes": args.votes,
             "threads": args.threads,
+            "wait": args.wait,
             "dir": str(base),
             "max_foreign": args.max_foreign,
             "budget_min": args.budget_min,
@@ -739,25 +728,20 @@ def markdown(doc: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "| fsync | save | data written s | written -> manifest s | of which: data vote / "
-        "encoding / record vote s | commit s | encoding, mean over ranks: "
-        + " / ".join(PARTS["encode"])
-        + " s |",
+        "| fsync | save | own files written s | encoding s | vote (data and parity) s | "
+        "commit s | encoding, mean over ranks: " + " / ".join(PARTS["encode"]) + " s |",
         "|---|---|---|---|---|---|---|",
     ]
     for fs, rows in ((k, v) for k, v in s.items() if k != "rounds_used"):
         for key in ("l1", *SCHEMES):
             r = rows[key]
             ph = r["phases_s"]
-            parts, split = "—", "—"
+            parts = "—"
             if key in SCHEMES:
                 parts = " / ".join(f"{r['encode_parts_mean_s'][p]:.3f}" for p in PARTS["encode"])
-                split = " / ".join(
-                    f"{ph[k]:.3f}" for k in ("data_vote_s", "encode_s", "record_vote_s")
-                )
             lines.append(
                 f"| {'on' if fs == 'True' else 'off'} | {LABELS[key]} | {ph['data_s']:.3f} | "
-                f"{ph['to_manifest_s']:.3f} | {split} | {ph['commit_s']:.3f} | {parts} |"
+                f"{ph['encode_s']:.3f} | {ph['vote_s']:.3f} | {ph['commit_s']:.3f} | {parts} |"
             )
     lines += [
         "",
@@ -786,6 +770,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--votes", type=int, default=20, help="empty votes timed per round")
     ap.add_argument("--lose", type=int, default=3, help="the rank (= node) lost (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="writer threads per rank (default 2)")
+    ap.add_argument(
+        "--wait",
+        default="polite",
+        choices=["polite", "block"],
+        help="MpiComm(wait=...): sleep between tests (default) or MPI's spinning waits",
+    )
     ap.add_argument("--dir", default=DEFAULT_DIR, help=f"tmpfs directory (default {DEFAULT_DIR})")
     ap.add_argument(
         "--max-foreign",

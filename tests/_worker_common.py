@@ -6,11 +6,12 @@ from typing import Any
 
 
 def make_comm(kind: str) -> Any:
-    """``mpi``: MpiComm over COMM_WORLD; ``torch``: TorchComm after a gloo process group."""
-    if kind == "mpi":
+    """``mpi``: MpiComm over COMM_WORLD (waits sleep between tests); ``mpi-block``: the same with
+    MPI's own blocking waits; ``torch``: TorchComm after a gloo process group."""
+    if kind in ("mpi", "mpi-block"):
         from ckptfmt.parallel.mpi import MpiComm
 
-        return MpiComm()
+        return MpiComm(wait="block" if kind == "mpi-block" else "polite")
     if kind == "torch":
         import torch.distributed as dist
         from ckptfmt_torch.comm import TorchComm

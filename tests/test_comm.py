@@ -157,9 +157,9 @@ def test_single_comm_background_failure_ends_the_process() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 4])
-def test_mpi_collectives(tmp_path: Path, n: int) -> None:
-    assert_ok(run_mpi(n, WORKER, "mpi", "collectives", str(tmp_path)))
+@pytest.mark.parametrize("n,kind", [(2, "mpi"), (4, "mpi"), (4, "mpi-block")])
+def test_mpi_collectives(tmp_path: Path, n: int, kind: str) -> None:
+    assert_ok(run_mpi(n, WORKER, kind, "collectives", str(tmp_path)))
     check_collectives(tmp_path / "collectives", n)
 
 

@@ -443,15 +443,17 @@ def test_policy_xor_saves_tolerate_one_node_rs_saves_two(run: Run) -> None:
 # case -> (fault point, the rank that dies there, ranks, simulated nodes), xor throughout.
 # "encode-sendrecv": right after the rank's first encoding message (tests/_parallel_worker.py
 # crash_in_encoding), with its parity incomplete; on 8 ranks / 4 nodes (sets of 4, three rounds
-# of messages) the other members are in the middle of the ring. No rank gets past the encoding's
-# vote, so no node may commit step 2. "encoded": after that vote, every parity file written; rank
-# 2, n1's leader, dies, so n1 never commits step 2, but nothing stops n0's leader from committing
-# it: then step 2 is whole by its redundancy and the restore rebuilds n1's copy from it.
+# of messages) the other members are in the middle of the ring. "encoded": its parity file
+# written, before the save's one vote (on the data and the parity). No rank gets past that vote,
+# so no node may commit step 2. "manifest": after the vote; rank 2, n1's leader, dies, so n1 never
+# commits step 2, but nothing stops n0's leader from committing it: then step 2 is whole by its
+# redundancy and the restore rebuilds n1's copy from it.
 ENCODE_CRASHES = {
     "encode-sendrecv-r1": ("encode-sendrecv", 1, 4, 2),
     "encode-sendrecv-r2": ("encode-sendrecv", 2, 4, 2),
     "encode-sendrecv-8ranks": ("encode-sendrecv", 3, 8, 4),
-    "encoded-r2": ("encoded", 2, 4, 2),
+    "encoded-r1": ("encoded", 1, 4, 2),
+    "manifest-r2": ("manifest", 2, 4, 2),
 }
 
 
@@ -475,7 +477,7 @@ def test_crash_while_encoding_never_leaves_a_mix(case: str, tmp_path: Path) -> N
     assert proc.returncode != 0 and took < 30, describe(proc)
     assert not (out / f"crash.rank{rank}.json").exists(), "the crashed rank went on"
     on_l1 = {nd for nd in nodes(n, k) if commit.is_committed(l1(root, nd) / step_dir_name(2))}
-    if point == "encode-sendrecv":
+    if point in ("encode-sendrecv", "encoded"):
         assert on_l1 == set(), on_l1
     else:
         assert node_of(rank, n, k) not in on_l1, on_l1

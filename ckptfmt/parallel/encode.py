@@ -1,9 +1,13 @@
 """Encoding a level-1 save's redundancy during the collective save (``spec/redundancy.md``).
 
-``save_collective`` calls :func:`encode_collective` on every rank once all data files are in the
-staging directories and every rank knows every file (the manifest without its ``levels``). Data
-moves between the members of a set over the ``Comm``, never through storage: a rank reads only
-its own files and writes only its own parity file, in its own node's directory.
+Every rank knows, from the save plan alone, how large every rank's member data will be
+(:func:`ckptfmt.storage.shard_io.shard_file_nbytes`: ckptfmt's shard files have no compression,
+so their layout is fixed by the geometry). So before writing, each rank knows its set, the set's
+chunk size and where each of its files lies in its member data (:class:`SetLayout`); its writer
+threads leave each file's bytes there as they write it, and the encoding starts as soon as the
+rank's own files are written: no read-back, and no vote between the data and the parity (the
+save's one data vote carries both). Data moves between the members of a set over the ``Comm``,
+never through storage: a rank writes only its own parity file, in its own node's directory.
 
 xor / rs: in round ``d = 1 .. n-1`` member ``j`` sends to member ``j + d`` the chunks that member
 needs for its parity and receives from ``j - d`` (a ``sendrecv`` ring per round, so every member
@@ -13,8 +17,11 @@ partner: one round, ``d = 1``, of whole member data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ckptfmt.codecs.crc32c import crc32c
 from ckptfmt.errors import CkptError, UsageError
@@ -31,22 +38,62 @@ from ckptfmt.redundancy.record import (
 )
 from ckptfmt.redundancy.sets import make_sets
 from ckptfmt.redundancy.stripes import generator
-from ckptfmt.storage.files import Inside, write_gather
-from ckptfmt.storage.members import read_exact, read_member
+from ckptfmt.storage.files import write_gather
 
 ENCODE_TAG = 0x45
+
+
+def geometry(red: Redundancy, sizes: list[int]) -> tuple[int, int]:
+    """(chunk size S, parity bytes per member) of a set whose members hold ``sizes`` bytes."""
+    longest = max(sizes)
+    if red.scheme == "partner":
+        return longest, 0
+    chunk = -(-longest // (len(sizes) - red.m))
+    return chunk, red.m * chunk
 
 
 def set_geometry(
     red: Redundancy, manifest: Manifest, members: list[int]
 ) -> tuple[list[int], int, int]:
-    """(member sizes, chunk size S, parity bytes per member) of one set."""
+    """(member sizes, chunk size S, parity bytes per member) of one set of a manifest."""
     sizes = [member_size(manifest, r) for r in members]
-    n, longest = len(members), max(sizes)
-    if red.scheme == "partner":
-        return sizes, longest, 0
-    chunk = -(-longest // (n - red.m))
-    return sizes, chunk, red.m * chunk
+    return (sizes, *geometry(red, sizes))
+
+
+@dataclass(frozen=True)
+class SetLayout:
+    """This rank's redundancy set, as the save plan fixes it before any byte is written."""
+
+    red: Redundancy
+    members: tuple[int, ...]  # ranks, by position
+    position: int  # this rank's
+    sizes: tuple[int, ...]  # member data bytes, by position
+    chunk: int
+    parity_bytes: int
+
+    @property
+    def data_bytes(self) -> int:
+        """This rank's data buffer: its member data, zero-padded to the stripes (xor/rs)."""
+        if self.red.scheme == "partner":
+            return self.sizes[self.position]
+        return (len(self.members) - self.red.m) * self.chunk
+
+
+def plan_set(red: Redundancy, nodes: list[str], member_bytes: list[int], rank: int) -> SetLayout:
+    """``rank``'s set and its geometry, from every rank's node and planned member data size."""
+    sets = member_sets(red, nodes)
+    members = next(s for s in sets if rank in s)
+    sizes = [member_bytes[r] for r in members]
+    chunk, parity_bytes = geometry(red, sizes)
+    return SetLayout(red, tuple(members), members.index(rank), tuple(sizes), chunk, parity_bytes)
+
+
+def data_buffer(layout: SetLayout) -> np.ndarray:
+    """This thread's reused buffer for the rank's member data (the writers fill its first
+    ``sizes[position]`` bytes), its padding zeroed."""
+    data = scratch(layout.data_bytes, "data")
+    data[layout.sizes[layout.position] :] = 0
+    return data
 
 
 def make_record(
@@ -73,83 +120,69 @@ def member_sets(red: Redundancy, nodes: list[str]) -> list[list[int]]:
         raise UsageError(f"redundancy {red.scheme!r}: {exc}") from None
 
 
-def encode_collective(
-    comm: Comm,
-    red: Redundancy,
-    manifest: Manifest,
-    staging: Path,
-    nodes: list[str],
-    fsync: bool,
-    vote: Any,
-    preread: int | None = None,
-) -> dict[str, Any]:
-    """Collective over all ranks of ``comm``: encode this rank's share of its set's redundancy
-    and write its parity file into ``staging`` (its node's staging directory). Returns this
-    rank's parity file as JSON (``path``, ``size``, ``crc32c`` list) for the record.
-
-    ``vote(error)`` is the save's collective vote (raises everywhere if any rank failed); it is
-    called once after reading, before any message, so no rank waits on a rank that failed.
-    ``preread``: the caller already read this rank's member data (that many bytes) into the
-    thread's ``scratch(.., "data")`` buffer and voted on it (``read_own_files``); then neither the
-    read nor that vote happen here."""
-    sets = member_sets(red, nodes)
-    members = next(s for s in sets if comm.rank in s)
-    j, n = members.index(comm.rank), len(members)
-    sizes, chunk, parity_bytes = set_geometry(red, manifest, members)
-    error: str | None = None
+def exchange(comm: Comm, layout: SetLayout, data: np.ndarray) -> np.ndarray:
+    """Collective over the ranks of this rank's set (the other sets run theirs at the same time,
+    on other ranks): this rank's parity, computed from ``data`` (:func:`data_buffer`) and the
+    chunks the other members send. Returns a view of this thread's reused parity buffer."""
+    red, members, j = layout.red, layout.members, layout.position
+    n, chunk = len(members), layout.chunk
     if red.scheme == "partner":
-        data = scratch(sizes[j], "data")
-        parity = scratch(sizes[(j - 1) % n], "parity")
-    else:
-        data = scratch((n - red.m) * chunk, "data")
-        parity = scratch(parity_bytes, "parity")
-        parity[:] = 0
-    if preread is None:
-        try:
-            damage = read_member(Inside(staging), manifest, comm.rank, data, verify=False)
-            if damage:
-                error = f"cannot read back its files for redundancy: {damage[0]}"
-        except (CkptError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        vote(error)
-    else:
-        data[preread:] = 0  # the padding
-    if red.scheme == "partner":
+        parity = scratch(layout.sizes[(j - 1) % n], "parity")
         comm.sendrecv(data, members[(j + 1) % n], parity, members[(j - 1) % n], ENCODE_TAG)
+        return parity
+    parity = scratch(layout.parity_bytes, "parity")
+    parity[:] = 0
+    m, c = red.m, n - red.m
+    g = generator(red.scheme, c, m)
+    tmp = scratch(chunk, "recv")
+    for d in range(1, n) if chunk else ():
+        for p in range(m):
+            t = (p - m - d) % n
+            if t >= c:
+                continue
+            comm.sendrecv(
+                data[t * chunk : (t + 1) * chunk],
+                members[(j + d) % n],
+                tmp,
+                members[(j - d) % n],
+                ENCODE_TAG,
+            )
+            mul_xor_into(parity[p * chunk : (p + 1) * chunk], int(g[c + p, t]), tmp)
+    return parity
+
+
+def write_parity(
+    staging: Path, rank: int, layout: SetLayout, parity: np.ndarray, fsync: bool
+) -> dict[str, Any]:
+    """Write this rank's parity file into its staging directory; its JSON for the record
+    (``path``, ``size``, ``crc32c``: one per parity chunk, partner: one for the copy)."""
+    if layout.red.scheme == "partner":
         crcs = [crc32c(parity)]
     else:
-        m, c = red.m, n - red.m
-        g = generator(red.scheme, c, m)
-        tmp = scratch(chunk, "recv")
-        for d in range(1, n) if chunk else ():
-            for p in range(m):
-                t = (p - m - d) % n
-                if t >= c:
-                    continue
-                comm.sendrecv(
-                    data[t * chunk : (t + 1) * chunk],
-                    members[(j + d) % n],
-                    tmp,
-                    members[(j - d) % n],
-                    ENCODE_TAG,
-                )
-                mul_xor_into(parity[p * chunk : (p + 1) * chunk], int(g[c + p, t]), tmp)
-        crcs = [crc32c(parity[p * chunk : (p + 1) * chunk]) for p in range(m)]
-    path = parity_path(comm.rank)
+        chunk = layout.chunk
+        crcs = [crc32c(parity[p * chunk : (p + 1) * chunk]) for p in range(layout.red.m)]
+    path = parity_path(rank)
     (staging / path).parent.mkdir(parents=True, exist_ok=True)
     write_gather(staging / path, [parity.data], fsync)
     return {"path": path, "size": int(parity.size), "crc32c": [int(x) for x in crcs]}
 
 
-def read_own_files(staging: Path, files: list[tuple[str, int]]) -> int:
-    """Read this rank's just-written data files (``(path, size)`` in manifest order) into the
-    thread's ``scratch(.., "data")`` buffer, before the save's data vote, so that the encoding
-    needs no vote of its own; returns the bytes read (for ``encode_collective(preread=...)``)."""
-    total = sum(size for _, size in files)
-    data = scratch(total, "data")
-    src = Inside(staging)
-    off = 0
-    for path, size in files:
-        read_exact(src, path, size, data[off : off + size], ())
-        off += size
-    return total
+def encode_collective(
+    comm: Comm,
+    layout: SetLayout,
+    data: np.ndarray,
+    staging: Path,
+    fsync: bool,
+    failed: bool,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Collective over the ranks of this rank's set, once its own files are written (or failed):
+    exchange, then write the parity file. A rank whose data failed (``failed``) still takes part
+    in the messages, since its set's members wait for them, but writes nothing; the save's data
+    vote then fails everywhere. Returns (the parity file's JSON, or None; an error, or None)."""
+    parity = exchange(comm, layout, data)
+    if failed:
+        return None, None
+    try:
+        return write_parity(staging, comm.rank, layout, parity, fsync), None
+    except (CkptError, OSError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"

@@ -53,13 +53,20 @@ from ckptfmt.manifest.model import (
 )
 from ckptfmt.manifest.values import encode_value
 from ckptfmt.parallel.comm import Comm
-from ckptfmt.parallel.encode import read_own_files
+from ckptfmt.parallel.encode import (
+    SetLayout,
+    data_buffer,
+    encode_collective,
+    make_record,
+    member_sets,
+    plan_set,
+)
 from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.state import PerRank, Shard, flatten, is_tensor
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import write_json
-from ckptfmt.storage.shard_io import Geometry, plan_region, run_jobs
+from ckptfmt.storage.shard_io import Geometry, plan_region, region_file_nbytes, run_jobs
 
 Name = tuple[str, ...]
 FaultHook = Callable[[str], None]
@@ -253,6 +260,10 @@ def save_collective(
     skeleton = _build_manifest(
         plan, order_values, None, info, save_id, comm.size, step, created, {}, {}, per_rank_values
     )
+    nodes = [i["node"] for i in info]
+    layout: SetLayout | None = None
+    if redundancy is not None:  # the same on every rank; raises everywhere before any write
+        layout = plan_set(redundancy, nodes, _planned_member_bytes(plan, comm.size), comm.rank)
     try:
         if is_leader:
             commit.prepare(final, save_id, overwrite)
@@ -262,33 +273,39 @@ def save_collective(
     # every leader has a staging directory, or nobody goes on (and none is left behind)
     vote(comm, error, [], staging if is_leader else None, mine_exc)
     hook("staged")
-    preread: int | None = None
+    member = data_buffer(layout) if layout is not None else None
     try:
         mine = plan.for_rank(comm.rank)
         jobs_by_region = []
         made: set[Path] = set()
         for t, r in mine:
-            geo = Geometry(
-                "/".join(t.name), by_name(t.dtype).numpy, t.shape, t.shard_shape, t.chunk_shape
-            )
             data = _region_data(local, t, r.offset, r.shape)
-            jobs_by_region.append((t, r, plan_region(staging, geo, data, r.offset, made)))
+            jobs_by_region.append((t, r, plan_region(staging, _geometry(t), data, r.offset, made)))
         all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+        into = _member_slices(skeleton, comm.rank, jobs_by_region, member)
         # the thread budget is per node: ranks sharing a node share its cores
         on_node = sum(1 for i in info if i["node"] == node)
         workers = max(1, threads // on_node)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            files = iter(run_jobs(all_jobs, pool if workers > 1 else None, fsync))
+            files = iter(run_jobs(all_jobs, pool if workers > 1 else None, fsync, into))
         for t, r, jobs in jobs_by_region:
             refs.setdefault("/".join(t.name), []).append(
                 [list(r.offset), [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)]]
             )
         hook("written")
-        if redundancy is not None:  # read back for the encoding now, voted on with the data
-            preread = read_own_files(staging, _own_files(skeleton, refs, comm.rank))
     except (CkptError, OSError) as exc:
         error, mine_exc = f"{type(exc).__name__}: {exc}", exc
-    all_refs = vote(comm, error, refs, staging if is_leader else None, mine_exc)
+    parity: dict[str, Any] | None = None
+    if layout is not None and member is not None:  # before the vote: it carries the parity too
+        parity, parity_error = encode_collective(
+            comm, layout, member, staging, fsync, failed=error is not None
+        )
+        error = error or parity_error
+        hook("encoded")
+    gathered = vote(
+        comm, error, {"refs": refs, "parity": parity}, staging if is_leader else None, mine_exc
+    )
+    all_refs = [g["refs"] for g in gathered]
     manifest = _build_manifest(
         plan,
         order_values,
@@ -303,11 +320,11 @@ def save_collective(
         per_rank_values,
     )
     if redundancy is not None:
-        record = _encode(comm, redundancy, manifest, info, staging, is_leader, fsync, preread)
+        sets = member_sets(redundancy, nodes)
+        record = make_record(redundancy, manifest, sets, [g["parity"] for g in gathered])
         new_levels = dict(manifest.levels)
-        new_levels["1"] = {**dict(new_levels.get("1", {})), "redundancy": record}
+        new_levels["1"] = {**dict(new_levels.get("1", {})), "redundancy": record.to_json()}
         manifest = dataclasses.replace(manifest, levels=new_levels)
-        hook("encoded")
     hook("manifest")
     try:
         if is_leader:
@@ -320,56 +337,42 @@ def save_collective(
     return manifest, plan
 
 
-def _encode(
-    comm: Comm,
-    red: Redundancy,
-    manifest: Manifest,
-    info: list[dict[str, Any]],
-    staging: Path,
-    is_leader: bool,
-    fsync: bool,
-    preread: int | None,
-) -> dict[str, Any]:
-    """Collective: encode the redundancy of the files just written (``manifest``: the save's,
-    its file lists complete); the record's JSON."""
-    from ckptfmt.parallel.encode import encode_collective, make_record, member_sets
-
-    nodes = [i["node"] for i in info]
-    cleanup = staging if is_leader else None
-    error: str | None = None
-    mine: BaseException | None = None
-    parity: dict[str, Any] = {}
-    try:
-        parity = encode_collective(
-            comm,
-            red,
-            manifest,
-            staging,
-            nodes,
-            fsync,
-            lambda err: vote(comm, err, [], cleanup, None),
-            preread,
-        )
-    except (CkptError, OSError) as exc:
-        error, mine = f"{type(exc).__name__}: {exc}", exc
-    gathered = vote(comm, error, parity, cleanup, mine)
-    record = make_record(red, manifest, member_sets(red, nodes), gathered)
-    return record.to_json()
+def _geometry(t: TensorPlan) -> Geometry:
+    return Geometry("/".join(t.name), by_name(t.dtype).numpy, t.shape, t.shard_shape, t.chunk_shape)
 
 
-def _own_files(skeleton: Manifest, refs: dict[str, Any], rank: int) -> list[tuple[str, int]]:
-    """This rank's data files ``(path, size)`` in manifest order (its member data, in the order
-    of ``redundancy.record.member_files``), from the skeleton's regions and its own file lists."""
-    by_region = {
-        (path, tuple(offset)): files for path, regions in refs.items() for offset, files in regions
-    }
-    return [
-        (f[0], f[1])
-        for t in skeleton.tensors()
-        for r in t.regions
-        if r.rank == rank
-        for f in by_region[(t.path, r.offset)]
-    ]
+def _planned_member_bytes(plan: SavePlan, world_size: int) -> list[int]:
+    """Every rank's member data size (its files' bytes) as the plan fixes it."""
+    sizes = [0] * world_size
+    for t in plan.tensors:
+        geo = _geometry(t)
+        for r in t.regions:
+            sizes[r.writer] += sum(region_file_nbytes(geo, r.offset, r.shape))
+    return sizes
+
+
+def _member_slices(
+    skeleton: Manifest,
+    rank: int,
+    jobs_by_region: list[tuple[TensorPlan, Any, list[Any]]],
+    member: np.ndarray | None,
+) -> list[np.ndarray | None] | None:
+    """Where in ``member`` (this rank's member data: its files in manifest order, the order of
+    ``redundancy.record.member_files``) each job's file goes, in the order of the jobs."""
+    if member is None:
+        return None
+    jobs_at = {("/".join(t.name), tuple(r.offset)): jobs for t, r, jobs in jobs_by_region}
+    slot: dict[int, np.ndarray] = {}
+    at = 0
+    for t in skeleton.tensors():
+        for r in t.regions:
+            if r.rank != rank:
+                continue
+            for job in jobs_at[(t.path, tuple(r.offset))]:
+                size = job.nbytes()
+                slot[id(job)] = member[at : at + size]
+                at += size
+    return [slot[id(j)] for _, _, jobs in jobs_by_region for j in jobs]
 
 
 def vote(

@@ -36,6 +36,7 @@ from ckptfmt.codecs.shard import (
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     ChecksumError,
+    CkptError,
     CorruptShardError,
     MissingFileError,
     SizeMismatchError,
@@ -113,10 +114,44 @@ class ShardJob:
     origin: tuple[int, ...]
     cell: tuple[int, ...]
 
-    def run(self, fsync: bool = True) -> FileRef:
+    def run(self, fsync: bool = True, into: np.ndarray | None = None) -> FileRef:
+        """Write the file. ``into`` (uint8, exactly :meth:`nbytes` long): also leave the file's
+        bytes there, and write them from it (the redundancy encoding then needs no read-back)."""
         return _write_shard(
-            self.target, self.key, self.geo, self.data, self.origin, self.cell, fsync
+            self.target, self.key, self.geo, self.data, self.origin, self.cell, fsync, into
         )
+
+    def nbytes(self) -> int:
+        return shard_file_nbytes(self.geo, self.cell)
+
+
+def shard_file_nbytes(geo: Geometry, cell: Sequence[int]) -> int:
+    """The size of the shard file of ``cell`` as :func:`_write_shard` lays it out: every
+    in-bounds chunk (edge chunks padded to the chunk shape) and its CRC, then the index. Known
+    from the geometry alone, before any byte is written."""
+    if not geo.shape:
+        return geo.dtype.itemsize + CRC_BYTES
+    n_slots, slots = geo.slots(cell)
+    return len(slots) * (geo.chunk_nbytes + CRC_BYTES) + index_nbytes(n_slots)
+
+
+def region_cells(
+    geo: Geometry, offset: Sequence[int], shape: Sequence[int]
+) -> list[tuple[int, ...]]:
+    """The shard-grid cells of a region, in C order (the order of its files)."""
+    lo = geo.cell_of(offset)
+    hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, shape, geo.shard_shape))
+    if not lo:
+        return [()]
+    return [
+        tuple(a + c for a, c in zip(lo, rel))
+        for rel in np.ndindex(*(b - a for a, b in zip(lo, hi)))
+    ]
+
+
+def region_file_nbytes(geo: Geometry, offset: Sequence[int], shape: Sequence[int]) -> list[int]:
+    """The sizes of a region's shard files, in order, before they are written."""
+    return [shard_file_nbytes(geo, cell) for cell in region_cells(geo, offset, shape)]
 
 
 def plan_region(
@@ -133,11 +168,8 @@ def plan_region(
     lie on the shard grid.
     """
     made_dirs = set() if made_dirs is None else made_dirs
-    lo = geo.cell_of(offset)
-    hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, data.shape, geo.shard_shape))
     jobs: list[ShardJob] = []
-    for rel in np.ndindex(*(b - a for a, b in zip(lo, hi))) if lo else [()]:
-        cell = tuple(a + c for a, c in zip(lo, rel))
+    for cell in region_cells(geo, offset, data.shape):
         key = shard_key(geo.path, cell)
         target = root / key
         if target.parent not in made_dirs:
@@ -147,12 +179,19 @@ def plan_region(
     return jobs
 
 
-def run_jobs(jobs: Sequence[ShardJob], pool: Executor | None, fsync: bool = True) -> list[FileRef]:
+def run_jobs(
+    jobs: Sequence[ShardJob],
+    pool: Executor | None,
+    fsync: bool = True,
+    into: Sequence[np.ndarray | None] | None = None,
+) -> list[FileRef]:
     """Write the shard files, concurrently with ``pool`` (the file system takes two streams faster
-    than one; writev and CRC32C release the GIL). Results in the order of ``jobs``."""
+    than one; writev and CRC32C release the GIL). Results in the order of ``jobs``. ``into[i]``:
+    where job ``i`` also leaves its file's bytes (:meth:`ShardJob.run`)."""
+    dests = list(into) if into is not None else [None] * len(jobs)
     if pool is None or len(jobs) < 2:
-        return [j.run(fsync) for j in jobs]
-    return list(pool.map(lambda j: j.run(fsync), jobs))
+        return [j.run(fsync, d) for j, d in zip(jobs, dests)]
+    return list(pool.map(lambda jd: jd[0].run(fsync, jd[1]), zip(jobs, dests)))
 
 
 def _write_shard(
@@ -163,6 +202,7 @@ def _write_shard(
     origin: Sequence[int],
     cell: tuple[int, ...],
     fsync: bool,
+    into: np.ndarray | None = None,
 ) -> FileRef:
     pieces: list[memoryview | bytes] = []
     data_crc = FileCrc()  # CRC32C of the chunk payloads in slot order (the manifest's crc32c)
@@ -186,6 +226,14 @@ def _write_shard(
         index = encode_index(n_slots, placed)
         pieces.append(index)
         offset += len(index)
+    if into is not None:
+        if into.size != offset:
+            raise CkptError(f"internal: {key} laid out {offset} bytes, {into.size} planned")
+        at = 0
+        for piece in pieces:
+            into[at : at + len(piece)] = np.frombuffer(piece, np.uint8)
+            at += len(piece)
+        pieces = [byte_view(into)]
     write_gather(target, pieces, fsync)
     return FileRef(key, offset, data_crc.crc)
 
