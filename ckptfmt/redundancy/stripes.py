@@ -10,7 +10,8 @@ data, copied whole as member ``(j + 1) mod n``'s parity file.
 A rebuild is a list of :class:`Op`: ``dst[dst_kind][dst_index] ^= coef * src[src_kind][src_index]``
 over GF(2^8), on zeroed destinations, in list order (lost data first, then lost parity, which
 may need rebuilt data). A lost data chunk is decoded into a ``"tmp"`` chunk of one surviving
-member of its stripe and then sent to its own member. Encoding is the rebuild of every parity
+member of its stripe and then sent to its own member; a lost parity chunk likewise is summed on
+its stripe's last data member. Encoding is the rebuild of every parity
 chunk from intact data. The same list drives the collective rebuild (ops whose ends are on
 different ranks become messages) and the offline one (everything local).
 """
@@ -82,11 +83,12 @@ def plan_rebuild(
     m: int,
     data_lost: Collection[int],
     parity_lost: Collection[tuple[int, int]],
+    via_tmp: bool = True,
 ) -> list[Op]:
     """The ops that rebuild the lost data of members ``data_lost`` and the lost parity chunks
-    ``parity_lost`` (``(member, p)``) of one set. Raises :class:`UnrecoverableError` (naming the
-    lost members by position, parity as ``n + member``) when some stripe lost more than it
-    tolerates."""
+    ``parity_lost`` (``(member, p)``) of one set (``via_tmp``: see :func:`_parity_ops`). Raises
+    :class:`UnrecoverableError` (naming the lost members by position, parity as ``n + member``)
+    when some stripe lost more than it tolerates."""
     data_lost, parity_lost = set(data_lost), set(parity_lost)
     if scheme == "partner":
         return _plan_partner(n, data_lost, parity_lost)
@@ -121,11 +123,30 @@ def plan_rebuild(
                 ops.append(Op(src, kind, index, decoder, "tmp", tmp, coef))
             ops.append(Op(decoder, "tmp", tmp, data_member(n, m, r, t), "data", t, 1))
     for j, p in sorted(parity_lost):
-        r = parity_stripe(n, j, p)
-        for t in range(c):
-            coef = int(g[c + p, t])
-            if coef:
-                ops.append(Op(data_member(n, m, r, t), "data", t, j, "parity", p, coef))
+        ops += _parity_ops(n, m, c, g, j, p, via_tmp)
+    return ops
+
+
+def _parity_ops(n: int, m: int, c: int, g: np.ndarray, j: int, p: int, via_tmp: bool) -> list[Op]:
+    """The ops that recompute parity chunk ``p`` of member ``j`` from its stripe's data. With
+    ``via_tmp``, summed into a ``"tmp"`` chunk of the stripe's last data member and sent on in
+    one message (a lost node takes in its parity beside its data, not ``c`` times its size);
+    else straight into the parity (all members local: no copy)."""
+    r = parity_stripe(n, j, p)
+    summer = data_member(n, m, r, c - 1)
+    tmp = n * c + j * m + p  # above every data-decoding key (r * c + t)
+    ops = []
+    for t in range(c):
+        coef = int(g[c + p, t])
+        if coef:
+            src = data_member(n, m, r, t)
+            ops.append(
+                Op(src, "data", t, summer, "tmp", tmp, coef)
+                if via_tmp
+                else Op(src, "data", t, j, "parity", p, coef)
+            )
+    if via_tmp:
+        ops.append(Op(summer, "tmp", tmp, j, "parity", p, 1))
     return ops
 
 
@@ -155,4 +176,5 @@ def _unrecoverable(
 
 def encode_plan(scheme: str, n: int, m: int) -> list[Op]:
     """Encoding as a rebuild of every parity chunk from intact data."""
-    return plan_rebuild(scheme, n, m, (), [(j, p) for j in range(n) for p in range(max(m, 1))])
+    lost = [(j, p) for j in range(n) for p in range(max(m, 1))]
+    return plan_rebuild(scheme, n, m, (), lost, via_tmp=False)
