@@ -73,14 +73,22 @@ class Model:
         }
         for i in range(self.layers):
             p = f"h.{i}."
-            out.update({
-                p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
-                p + "attn.c_attn.weight": (3 * d, d), p + "attn.c_attn.bias": (3 * d,),
-                p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
-                p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
-                p + "mlp.c_fc.weight": (4 * d, d), p + "mlp.c_fc.bias": (4 * d,),
-                p + "mlp.c_proj.weight": (d, 4 * d), p + "mlp.c_proj.bias": (d,),
-            })
+            out.update(
+                {
+                    p + "ln_1.weight": (d,),
+                    p + "ln_1.bias": (d,),
+                    p + "attn.c_attn.weight": (3 * d, d),
+                    p + "attn.c_attn.bias": (3 * d,),
+                    p + "attn.c_proj.weight": (d, d),
+                    p + "attn.c_proj.bias": (d,),
+                    p + "ln_2.weight": (d,),
+                    p + "ln_2.bias": (d,),
+                    p + "mlp.c_fc.weight": (4 * d, d),
+                    p + "mlp.c_fc.bias": (4 * d,),
+                    p + "mlp.c_proj.weight": (d, 4 * d),
+                    p + "mlp.c_proj.bias": (d,),
+                }
+            )
         out.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
         return out
 
@@ -88,8 +96,9 @@ class Model:
         return sum(math.prod(s) for s in self.shapes().values())
 
 
-def model_for(target_bytes: int, itemsize: int, vocab: int = 50304, ctx: int = 2048,
-              layers_hint: int = 16) -> Model:
+def model_for(
+    target_bytes: int, itemsize: int, vocab: int = 50304, ctx: int = 2048, layers_hint: int = 16
+) -> Model:
     """A GPT-like model of about ``target_bytes``: width from ``P = 12 L d^2 + (vocab+ctx) d`` with
     L = layers_hint (rounded to a multiple of 64), then the layer count that lands closest."""
     p = target_bytes / itemsize
@@ -198,6 +207,7 @@ def raw_save(threads: int, fsync: bool) -> Callable[[Case, Path], None]:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
     return save
 
 
@@ -211,12 +221,14 @@ def raw_load(threads: int) -> Callable[[Case, Path], Any]:
             return {k: read(case, path, k) for k in case.meta}
         with ThreadPoolExecutor(max_workers=threads) as pool:
             return dict(zip(case.meta, pool.map(lambda k: read(case, path, k), case.meta)))
+
     return load
 
 
 def ckpt_save(fsync: bool) -> Callable[[Case, Path], None]:
     def save(case: Case, path: Path) -> None:
         ckptfmt.save(case.nested, path, fsync=fsync)
+
     return save
 
 
@@ -226,21 +238,25 @@ def ckpt_load(case: Case, path: Path) -> Any:
 
 def torch_save(case: Case, path: Path) -> None:
     import torch
+
     torch.save(case.torch, path)
 
 
 def torch_load(case: Case, path: Path) -> Any:
     import torch
+
     return torch.load(path, weights_only=True, mmap=False)
 
 
 def st_save(case: Case, path: Path) -> None:
     from safetensors.numpy import save_file
+
     save_file(case.flat, str(path))
 
 
 def st_load(case: Case, path: Path) -> Any:
     from safetensors.numpy import load_file
+
     return load_file(str(path))
 
 
@@ -293,7 +309,8 @@ def check_equal(case: Case, obj: Any, what: str) -> None:
         b = got[k]
         if b.dtype != a.dtype or b.shape != a.shape or not bits_equal(a, b):
             raise AssertionError(
-                f"{what}: {k} differs ({b.dtype} {b.shape} vs {a.dtype} {a.shape})")
+                f"{what}: {k} differs ({b.dtype} {b.shape} vs {a.dtype} {a.shape})"
+            )
 
 
 def remove(path: Path) -> None:
@@ -332,8 +349,16 @@ class Carry:
         gc.collect()
 
 
-def run_one(m: Method, case: Case, base: Path, tag: str, disk: bool, check: bool,
-            rec: dict[str, list[float]], carry: Carry) -> None:
+def run_one(
+    m: Method,
+    case: Case,
+    base: Path,
+    tag: str,
+    disk: bool,
+    check: bool,
+    rec: dict[str, list[float]],
+    carry: Carry,
+) -> None:
     path = base / f"{m.key}-{tag}"
     remove(path)
     carry.drop_output()
@@ -355,8 +380,9 @@ def run_one(m: Method, case: Case, base: Path, tag: str, disk: bool, check: bool
         carry.result = obj
 
 
-def summarize(rec: dict[str, list[float]], nbytes: int, raw: dict[str, list[float]],
-              raw_fsync: list[float]) -> dict[str, Any]:
+def summarize(
+    rec: dict[str, list[float]], nbytes: int, raw: dict[str, list[float]], raw_fsync: list[float]
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for op in ("save", "load"):
         xs = rec[op]
@@ -389,8 +415,11 @@ def markdown(results: dict[str, Any], labels: dict[str, str]) -> str:
             gib = r["nbytes"] / GIB
             for key, s in r["methods"].items():
                 sv, ld = s["save"], s["load"]
-                load_cells = (f"{ld['median_s']:.3f} | {ld['gb_per_s']:.2f} | "
-                              f"{ld['ratio_vs_raw']:.2f}x" if ld else "— | — | —")
+                load_cells = (
+                    f"{ld['median_s']:.3f} | {ld['gb_per_s']:.2f} | {ld['ratio_vs_raw']:.2f}x"
+                    if ld
+                    else "— | — | —"
+                )
                 lines.append(
                     f"| {target} | {dtype} | {gib:.2f} | {labels[key]} | {sv['median_s']:.3f} | "
                     f"{sv['gb_per_s']:.2f} | {sv['ratio_vs_raw']:.2f}x | "
@@ -402,12 +431,16 @@ def markdown(results: dict[str, Any], labels: dict[str, str]) -> str:
 def git_info() -> dict[str, Any]:
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                                  check=True).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+            ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return ""
-    return {"head": git("rev-parse", "HEAD"),
-            "dirty_files": git("status", "--porcelain").splitlines()}
+
+    return {
+        "head": git("rev-parse", "HEAD"),
+        "dirty_files": git("status", "--porcelain").splitlines(),
+    }
 
 
 def source_digest() -> str:
@@ -429,32 +462,58 @@ def loadavg() -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--size-gib", type=float, default=None,
-                    help="float32 state size in GiB (default 1.0; 0.0625 with --quick)")
+    ap.add_argument(
+        "--size-gib",
+        type=float,
+        default=None,
+        help="float32 state size in GiB (default 1.0; 0.0625 with --quick)",
+    )
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7; 3 quick)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    ap.add_argument("--targets", default="shm,disk",
-                    help="comma list of shm, disk, or name=/path (default shm,disk)")
+    ap.add_argument(
+        "--targets",
+        default="shm,disk",
+        help="comma list of shm, disk, or name=/path (default shm,disk)",
+    )
     ap.add_argument("--shm-dir", default=DEFAULT_TARGETS["shm"])
     ap.add_argument("--disk-dir", default=DEFAULT_TARGETS["disk"])
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--bf16-scale", choices=("model", "bytes"), default="model",
-                    help="bfloat16: 'model' = same shapes as float32 (half the bytes, default); "
-                         "'bytes' = more layers so the bytes match float32")
-    ap.add_argument("--methods", default=None,
-                    help="comma list of method keys (default all; raw is always included)")
-    ap.add_argument("--malloc", choices=("warm", "default"), default="warm",
-                    help="warm (default): re-exec with glibc malloc settings that keep freed "
-                         "memory in the process, so loads do not pay for pages the hypervisor "
-                         "took back; "
-                         "default: leave malloc alone (loads then also measure fresh-page faults)")
-    ap.add_argument("--budget-min", type=float, default=9.0,
-                    help="stop adding timed rounds (but not below 5, or --reps if fewer) when the "
-                         "next one would end after this many minutes; 0 = no limit (default 9)")
+    ap.add_argument(
+        "--bf16-scale",
+        choices=("model", "bytes"),
+        default="model",
+        help="bfloat16: 'model' = same shapes as float32 (half the bytes, default); "
+        "'bytes' = more layers so the bytes match float32",
+    )
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="comma list of method keys (default all; raw is always included)",
+    )
+    ap.add_argument(
+        "--malloc",
+        choices=("warm", "default"),
+        default="warm",
+        help="warm (default): re-exec with glibc malloc settings that keep freed "
+        "memory in the process, so loads do not pay for pages the hypervisor "
+        "took back; "
+        "default: leave malloc alone (loads then also measure fresh-page faults)",
+    )
+    ap.add_argument(
+        "--budget-min",
+        type=float,
+        default=9.0,
+        help="stop adding timed rounds (but not below 5, or --reps if fewer) when the "
+        "next one would end after this many minutes; 0 = no limit (default 9)",
+    )
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--no-check", action="store_true", help="skip the bit-exact check of loads")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/save_load.json; "
-                    "save_load_quick.json with --quick); a .md table is written beside it")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default bench/results/save_load.json; "
+        "save_load_quick.json with --quick); a .md table is written beside it",
+    )
     args = ap.parse_args(argv)
     if args.malloc == "warm" and any(os.environ.get(k) != v for k, v in WARM_MALLOC_ENV.items()):
         if argv is not None:
@@ -496,16 +555,18 @@ def main(argv: list[str] | None = None) -> int:
         dt = DTYPES[d]
         model = fp32_model
         if dt == BF16 and args.bf16_scale == "bytes":
-            per_layer = 12 * model.d ** 2 + 13 * model.d
+            per_layer = 12 * model.d**2 + 13 * model.d
             extra = round(model.params() / per_layer)  # double the bytes at 2 bytes/element
             model = Model(model.d, model.layers + extra, model.vocab, model.ctx)
         models[d] = model
         t0 = time.perf_counter()
         cases[d] = Case(make_state(model, dt, seed=i))
-        print(f"# {d}: d={model.d} layers={model.layers} vocab={model.vocab} ctx={model.ctx} "
-              f"tensors={len(cases[d].flat)} bytes={cases[d].nbytes} "
-              f"({cases[d].nbytes / GIB:.3f} GiB), built in {time.perf_counter() - t0:.1f}s",
-              flush=True)
+        print(
+            f"# {d}: d={model.d} layers={model.layers} vocab={model.vocab} ctx={model.ctx} "
+            f"tensors={len(cases[d].flat)} bytes={cases[d].nbytes} "
+            f"({cases[d].nbytes / GIB:.3f} GiB), built in {time.perf_counter() - t0:.1f}s",
+            flush=True,
+        )
 
     for base in targets.values():
         if base.exists():
@@ -513,8 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         base.mkdir(parents=True)
 
     # rec[target][dtype][method] = {"save": [...], "load": [...]}
-    rec = {t: {d: {m.key: {"save": [], "load": []} for m in all_methods} for d in dtypes}
-           for t in targets}
+    rec = {
+        t: {d: {m.key: {"save": [], "load": []} for m in all_methods} for d in dtypes}
+        for t in targets
+    }
     load_trace = []
     carry = Carry()
     round_times: list[float] = []
@@ -531,18 +594,36 @@ def main(argv: list[str] | None = None) -> int:
                     pretouch(cases[d].flat)
                     for m in order:
                         sink = rec[tname][d][m.key] if timed else {"save": [], "load": []}
-                        run_one(m, cases[d], base, f"{d}-{r}", disk,
-                                check=(r == 0 and not args.no_check), rec=sink, carry=carry)
+                        run_one(
+                            m,
+                            cases[d],
+                            base,
+                            f"{d}-{r}",
+                            disk,
+                            check=(r == 0 and not args.no_check),
+                            rec=sink,
+                            carry=carry,
+                        )
             elapsed = time.perf_counter() - started
             round_times.append(elapsed - sum(round_times))
-            print(f"# round {r + 1}/{args.warmup + reps} ({'timed' if timed else 'warm-up'}) "
-                  f"done at {elapsed:.0f}s, loadavg {loadavg()}", flush=True)
+            print(
+                f"# round {r + 1}/{args.warmup + reps} ({'timed' if timed else 'warm-up'}) "
+                f"done at {elapsed:.0f}s, loadavg {loadavg()}",
+                flush=True,
+            )
             done = r + 1 - args.warmup
             budget_s = args.budget_min * 60 - (started - t_start)
-            if (args.budget_min > 0 and done >= min(reps, MIN_REPS_UNDER_BUDGET) and done < reps
-                    and elapsed + max(round_times) > budget_s):
-                print(f"# stopping after {done} timed rounds: another would pass "
-                      f"--budget-min {args.budget_min}", flush=True)
+            if (
+                args.budget_min > 0
+                and done >= min(reps, MIN_REPS_UNDER_BUDGET)
+                and done < reps
+                and elapsed + max(round_times) > budget_s
+            ):
+                print(
+                    f"# stopping after {done} timed rounds: another would pass "
+                    f"--budget-min {args.budget_min}",
+                    flush=True,
+                )
                 break
     finally:
         carry.clear()
@@ -557,8 +638,10 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = cases[d].nbytes
             results[tname][d] = {
                 "nbytes": nbytes,
-                "methods": {k: summarize(v, nbytes, rr["raw"], rr["raw_fsync"]["save"])
-                            for k, v in rr.items()},
+                "methods": {
+                    k: summarize(v, nbytes, rr["raw"], rr["raw_fsync"]["save"])
+                    for k, v in rr.items()
+                },
             }
     table = markdown(results, labels)
     print()
@@ -570,36 +653,53 @@ def main(argv: list[str] | None = None) -> int:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s": round(time.perf_counter() - t_start, 1),
         "config": {
-            "size_gib": size_gib, "reps_requested": reps,
+            "size_gib": size_gib,
+            "reps_requested": reps,
             "reps_done": len(next(iter(next(iter(rec.values())).values()))["raw"]["save"]),
-            "warmup": args.warmup, "malloc": args.malloc,
+            "warmup": args.warmup,
+            "malloc": args.malloc,
             "malloc_env": {k: os.environ.get(k) for k in WARM_MALLOC_ENV},
             "budget_min": args.budget_min,
-            "targets": {k: str(v) for k, v in targets.items()}, "dtypes": dtypes,
-            "bf16_scale": args.bf16_scale, "methods": labels,
+            "targets": {k: str(v) for k, v in targets.items()},
+            "dtypes": dtypes,
+            "bf16_scale": args.bf16_scale,
+            "methods": labels,
             "ckptfmt_writer_threads": writer_threads(),
         },
-        "models": {d: {**vars(m), "params": m.params(), "tensors": len(m.shapes()),
-                       "nbytes": cases[d].nbytes} for d, m in models.items()},
+        "models": {
+            d: {
+                **vars(m),
+                "params": m.params(),
+                "tensors": len(m.shapes()),
+                "nbytes": cases[d].nbytes,
+            }
+            for d, m in models.items()
+        },
         "environment": {
-            "python": platform.python_version(), "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "numpy": np.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "numpy": np.__version__,
             "torch": __import__("torch").__version__,
             "safetensors": __import__("safetensors").__version__,
-            "ckptfmt": ckptfmt.__version__, "git": git_info(),
-            "ckptfmt_sources_sha256": sources_sha, "loadavg_per_round": load_trace,
+            "ckptfmt": ckptfmt.__version__,
+            "git": git_info(),
+            "ckptfmt_sources_sha256": sources_sha,
+            "loadavg_per_round": load_trace,
         },
         "definitions": {
             "gb_per_s": "tensor bytes / median seconds / 1e9",
             "ratio_vs_raw": "median time of 'raw' (single stream, no fsync) / median time of the "
-                            "method; > 1 is faster than raw",
+            "method; > 1 is faster than raw",
             "ratio_vs_raw_fsync": "same against 'raw + fsync' (single stream)",
         },
         "results": results,
         "markdown": table,
     }
-    out = Path(args.out or REPO / "bench" / "results" /
-               ("save_load_quick.json" if args.quick else "save_load.json"))
+    out = Path(
+        args.out
+        or REPO / "bench" / "results" / ("save_load_quick.json" if args.quick else "save_load.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(table + "\n")

@@ -392,24 +392,29 @@ def do_crash(comm: Any, task: dict[str, Any], node: str, out: Path) -> dict[str,
 
 
 def crash_in_encoding(fault: Any, armed: threading.Event) -> None:
-    """Once ``armed``, this rank calls ``fault("encode-sendrecv")`` right after its first
-    redundancy-encoding message (``encode.ENCODE_TAG``) has gone both ways: a crash with its
+    """Once ``armed``, this rank calls ``fault("encode-sendrecv")`` right after its first round
+    of redundancy-encoding messages (``encode.ENCODE_TAG``) has gone both ways: a crash with its
     parity not yet complete or written, the other ranks inside their own exchanges. A
     transport-level fault, patched on the class so that the manager's duplicated communicator
     has it too."""
     from ckptfmt.parallel import encode
     from ckptfmt.parallel.mpi import MpiComm
 
-    plain = MpiComm.sendrecv
+    plain = MpiComm.start_exchange
 
-    def sendrecv(
-        self: Any, sendbuf: Any, dest: int, recvbuf: Any, source: int, tag: int = 0
-    ) -> None:
-        plain(self, sendbuf, dest, recvbuf, source, tag)
-        if tag == encode.ENCODE_TAG and armed.is_set():
+    class Faulty:
+        def __init__(self, pending: Any) -> None:
+            self.pending = pending
+
+        def wait(self) -> None:
+            self.pending.wait()
             fault("encode-sendrecv")
 
-    MpiComm.sendrecv = sendrecv  # type: ignore[method-assign]
+    def start_exchange(self: Any, pairs: Any, tag: int = 0) -> Any:
+        pending = plain(self, pairs, tag)
+        return Faulty(pending) if tag == encode.ENCODE_TAG and armed.is_set() else pending
+
+    MpiComm.start_exchange = start_exchange  # type: ignore[method-assign]
 
 
 def do_sigterm(comm: Any, task: dict[str, Any], node: str, out: Path) -> dict[str, Any]:

@@ -21,8 +21,8 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -64,6 +64,20 @@ class Comm(abc.ABC):
         """Point-to-point, deadlock-free in a ring: send to ``dest`` while receiving from
         ``source``."""
 
+    def start_exchange(
+        self,
+        pairs: Sequence[tuple[np.ndarray, int, np.ndarray, int]],
+        tag: int = 0,
+    ) -> Pending:
+        """Point-to-point: start the ``sendrecv`` of each ``(sendbuf, dest, recvbuf, source)``;
+        the returned handle's ``wait()`` completes them all. The buffers must stay untouched
+        until then. Lets a caller compute on one round's data while the next round moves.
+
+        This default moves nothing before ``wait()``, which then runs the pairs' ``sendrecv`` in
+        order (deadlock-free where every rank lists its pairs in the same ring order);
+        ``MpiComm`` starts them at once."""
+        return _Deferred(self, list(pairs), tag)
+
     @abc.abstractmethod
     def dup(self) -> Comm:
         """Collective: a new communicator over the same ranks, for background traffic that must
@@ -100,6 +114,24 @@ class Comm(abc.ABC):
     def min_int(self, value: int) -> int:
         """Collective: the smallest ``value`` of all ranks."""
         return int(min(self.allgather_json(int(value))))
+
+
+class Pending(Protocol):
+    """A started exchange (:meth:`Comm.start_exchange`)."""
+
+    def wait(self) -> None: ...
+
+
+class _Deferred:
+    def __init__(
+        self, comm: Comm, pairs: list[tuple[np.ndarray, int, np.ndarray, int]], tag: int
+    ) -> None:
+        self.comm, self.pairs, self.tag = comm, pairs, tag
+
+    def wait(self) -> None:
+        for sendbuf, dest, recvbuf, source in self.pairs:
+            self.comm.sendrecv(sendbuf, dest, recvbuf, source, self.tag)
+        self.pairs = []
 
 
 class SingleComm(Comm):

@@ -10,8 +10,9 @@ save's one data vote carries both). Data moves between the members of a set over
 never through storage: a rank writes only its own parity file, in its own node's directory.
 
 xor / rs: in round ``d = 1 .. n-1`` member ``j`` sends to member ``j + d`` the chunks that member
-needs for its parity and receives from ``j - d`` (a ``sendrecv`` ring per round, so every member
-sends and receives at once), multiplying each received chunk into its parity as it arrives.
+needs for its parity and receives from ``j - d`` (a ring of ``sendrecv`` per round, so every
+member sends and receives at once), and multiplies what round ``d`` brought into its parity while
+round ``d + 1`` moves (``Comm.start_exchange``, two sets of receive buffers).
 partner: one round, ``d = 1``, of whole member data.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 from ckptfmt.codecs.crc32c import crc32c
 from ckptfmt.errors import CkptError, UsageError
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.comm import Comm
+from ckptfmt.parallel.comm import Comm, Pending
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.redundancy.engine import mul_xor_into, scratch
 from ckptfmt.redundancy.record import (
@@ -134,20 +135,34 @@ def exchange(comm: Comm, layout: SetLayout, data: np.ndarray) -> np.ndarray:
     parity[:] = 0
     m, c = red.m, n - red.m
     g = generator(red.scheme, c, m)
-    tmp = scratch(chunk, "recv")
-    for d in range(1, n) if chunk else ():
-        for p in range(m):
-            t = (p - m - d) % n
-            if t >= c:
-                continue
-            comm.sendrecv(
-                data[t * chunk : (t + 1) * chunk],
-                members[(j + d) % n],
-                tmp,
-                members[(j - d) % n],
-                ENCODE_TAG,
-            )
-            mul_xor_into(parity[p * chunk : (p + 1) * chunk], int(g[c + p, t]), tmp)
+    # round d: the chunks t = (p - m - d) mod n < c that member j + d needs for its parity p
+    rounds = [[(p, (p - m - d) % n) for p in range(m) if (p - m - d) % n < c] for d in range(n)]
+    # two sets of receive buffers: round d + 1 moves while round d is multiplied in
+    recv = [[scratch(chunk, f"recv{k}.{p}") for p in range(m)] for k in range(2)]
+
+    def start(d: int) -> Pending:
+        return comm.start_exchange(
+            [
+                (
+                    data[t * chunk : (t + 1) * chunk],
+                    members[(j + d) % n],
+                    recv[d % 2][p],
+                    members[(j - d) % n],
+                )
+                for p, t in rounds[d]
+            ],
+            ENCODE_TAG,
+        )
+
+    if not chunk:
+        return parity
+    pending = start(1)
+    for d in range(1, n):
+        pending.wait()
+        if d + 1 < n:
+            pending = start(d + 1)
+        for p, t in rounds[d]:
+            mul_xor_into(parity[p * chunk : (p + 1) * chunk], int(g[c + p, t]), recv[d % 2][p])
     return parity
 
 

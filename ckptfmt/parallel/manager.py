@@ -249,9 +249,7 @@ class CheckpointManager:
                     if not self._rebuild(path, step, str(exc), report):
                         continue
                     try:
-                        loaded, manifest = self._load(
-                            path, wants, level, step, rank_map, per_rank
-                        )
+                        loaded, manifest = self._load(path, wants, level, step, rank_map, per_rank)
                     except LoadFailedError as exc2:
                         report.tried.append(f"step {step} level {level}: {exc2}")
                         continue

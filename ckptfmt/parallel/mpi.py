@@ -22,12 +22,13 @@ cores of its own).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import numpy as np
 
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.comm import Comm
+from ckptfmt.parallel.comm import Comm, Pending
 
 SPIN_S = 1e-4  # busy testing before the first sleep: a peer already there costs no sleep
 FIRST_SLEEP_S = 50e-6
@@ -55,6 +56,16 @@ def polite_wait(requests: list[Any], max_sleep_s: float = MAX_SLEEP_S) -> None:
         time.sleep(pause)
         pause = min(pause * 2, max_sleep_s)
         until = clock() + BURST_S
+
+
+class _Requests:
+    def __init__(self, comm: MpiComm, requests: list[Any]) -> None:
+        self.comm, self.requests = comm, requests
+
+    def wait(self) -> None:
+        if self.requests:
+            self.comm._complete(*self.requests)
+        self.requests = []
 
 
 class MpiComm(Comm):
@@ -114,6 +125,17 @@ class MpiComm(Comm):
         recv = self.comm.Irecv([recvbuf, self._mpi.BYTE], source=source, tag=tag)
         send = self.comm.Isend([sendbuf, self._mpi.BYTE], dest=dest, tag=tag)
         self._complete(recv, send)
+
+    def start_exchange(
+        self,
+        pairs: Sequence[tuple[np.ndarray, int, np.ndarray, int]],
+        tag: int = 0,
+    ) -> Pending:
+        requests = []
+        for sendbuf, dest, recvbuf, source in pairs:
+            requests.append(self.comm.Irecv([recvbuf, self._mpi.BYTE], source=source, tag=tag))
+            requests.append(self.comm.Isend([sendbuf, self._mpi.BYTE], dest=dest, tag=tag))
+        return _Requests(self, requests)
 
     def dup(self) -> MpiComm:
         return MpiComm(self.comm.Dup(), self.wait)

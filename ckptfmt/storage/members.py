@@ -25,9 +25,7 @@ from ckptfmt.storage.files import Inside, fsync_dir, read_scatter, write_gather
 from ckptfmt.storage.shard_io import Geometry, decode_shard
 
 
-def read_exact(
-    src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]
-) -> None:
+def read_exact(src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]) -> None:
     fd = src.open_exact(rel, size, tensors)
     try:
         read_scatter(fd, [out.data], 0)
