@@ -102,7 +102,8 @@ def make_state(model: Model, seed: int) -> dict[str, np.ndarray]:
 def quiet_barrier(mpi_comm: Any) -> None:
     """A barrier that sleeps while it waits. MPICH's blocking barrier spins on a core; on this
     2-core machine the ranks that only wait would take CPU from the ranks that write (on a real
-    cluster they spin on cores of their own). ckptfmt's own collectives still spin."""
+    cluster they spin on cores of their own). ckptfmt's ``MpiComm`` waits the same way
+    (``ckptfmt.parallel.mpi.polite_wait``)."""
     req = mpi_comm.Ibarrier()
     while not req.Test():
         time.sleep(0.0002)
