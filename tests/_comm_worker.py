@@ -139,6 +139,29 @@ def collectives(comm: Any, out: Path) -> dict[str, Any]:
     check(np.array_equal(got_ring, ring_array(left)), "sendrecv ring")
     np.save(out / f"rank{r}_ring.npy", got_ring)
 
+    # start_exchange: rounds d = 1 .. n-1 of two pairs each (to r + d, from r - d), round d + 1
+    # started before round d's buffers are checked (what the redundancy encoding does)
+    res["exchange_sha"] = []
+    bufs = [[np.zeros(RING_BYTES, np.uint8) for _ in range(2)] for _ in range(2)]
+
+    def start(d: int) -> Any:
+        pairs = [
+            (ring_array(r, k * 100 + d), (r + d) % n, bufs[d % 2][k], (r - d) % n) for k in range(2)
+        ]
+        return comm.start_exchange(pairs, tag=4)
+
+    pending = start(1) if n > 1 else None
+    for d in range(1, n):
+        pending.wait()
+        if d + 1 < n:
+            pending = start(d + 1)
+        for k in range(2):
+            check(
+                np.array_equal(bufs[d % 2][k], ring_array((r - d) % n, k * 100 + d)),
+                f"start_exchange round {d} pair {k}",
+            )
+        res["exchange_sha"].append(sha(bufs[d % 2][0].tobytes() + bufs[d % 2][1].tobytes()))
+
     t0 = time.monotonic()
     comm.barrier()
     res["barrier_s"] = time.monotonic() - t0
@@ -212,7 +235,32 @@ def background_abort(comm: Any, out: Path) -> dict[str, Any]:
     raise CheckFailed("the job was not aborted")
 
 
-SCENARIOS = {"collectives": collectives, "dup": dup, "background_abort": background_abort}
+def idle_wait(comm: Any, out: Path) -> dict[str, Any]:
+    """Rank 0 sleeps ``IDLE_S`` before a barrier and a vote; the others wait in them. Each rank
+    reports the CPU seconds its process used while waiting (the test checks that ``MpiComm``'s
+    waits sleep rather than spin)."""
+    comm.barrier()
+    if comm.rank == 0:
+        time.sleep(IDLE_S)
+    t0, c0 = time.monotonic(), time.process_time()
+    comm.barrier()
+    comm.allgather_json({"rank": comm.rank})
+    return {
+        "rank": comm.rank,
+        "size": comm.size,
+        "wall_s": time.monotonic() - t0,
+        "cpu_s": time.process_time() - c0,
+    }
+
+
+IDLE_S = 2.0
+
+SCENARIOS = {
+    "collectives": collectives,
+    "dup": dup,
+    "background_abort": background_abort,
+    "idle_wait": idle_wait,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from _comm_worker import (
     DUP_ROUNDS,
+    IDLE_S,
     bcast_array,
     bcast_doc,
     bf16_array,
@@ -48,12 +49,20 @@ def rank_results(out: Path, n: int) -> list[dict[str, Any]]:
 
 def check_collectives(out: Path, n: int) -> None:
     want_ring_bytes = {r: ring_array((r - 1) % n).tobytes() for r in range(n)}
+    want_exchange = {
+        r: [
+            sha(ring_array((r - d) % n, d).tobytes() + ring_array((r - d) % n, 100 + d).tobytes())
+            for d in range(1, n)
+        ]
+        for r in range(n)
+    }
     for r, res in enumerate(rank_results(out, n)):
         # every rank holds exactly every rank's bytes, its own and the empty one included
         assert res["allgather_len"] == [len(payload(j, n)) for j in range(n)]
         assert res["allgather_sha"] == [sha(payload(j, n)) for j in range(n)]
         assert res["allgather_empty"] == [0] * n
         assert res["allgather_json"] == [json_doc(j) for j in range(n)]
+        assert res["exchange_sha"] == want_exchange[r], f"rank {r}: start_exchange rounds"
         assert res["bcast_json"] == bcast_doc()
         assert res["all_true_yes"] is True
         assert res["all_true_no"] is False
@@ -161,6 +170,17 @@ def test_single_comm_background_failure_ends_the_process() -> None:
 def test_mpi_collectives(tmp_path: Path, n: int, kind: str) -> None:
     assert_ok(run_mpi(n, WORKER, kind, "collectives", str(tmp_path)))
     check_collectives(tmp_path / "collectives", n)
+
+
+@pytest.mark.mpi
+def test_mpi_waits_sleep_instead_of_spinning(tmp_path: Path) -> None:
+    """Ranks waiting on a late rank in a barrier and a vote use a fraction of a core (MPICH's
+    blocking waits would spin: about a core each for the whole wait)."""
+    assert_ok(run_mpi(3, WORKER, "mpi", "idle_wait", str(tmp_path)))
+    waiting = rank_results(tmp_path / "idle_wait", 3)[1:]
+    for res in waiting:
+        assert res["wall_s"] > 0.8 * IDLE_S, res  # it did wait for rank 0
+        assert res["cpu_s"] < 0.5 * res["wall_s"], res
 
 
 @pytest.mark.mpi
