@@ -121,15 +121,30 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
     root = tmp_path
 
     def save(comm: Any) -> None:
-        m = Manager(f"{root}/l1/{{node}}", f"{root}/l3", comm=comm, node=f"n{comm.rank % 2}",
-                    flush_every=100, async_save=False, fsync=False, exit_flush=False,
-                    handle_sigterm=False)
+        m = Manager(
+            f"{root}/l1/{{node}}",
+            f"{root}/l3",
+            comm=comm,
+            node=f"n{comm.rank % 2}",
+            flush_every=100,
+            async_save=False,
+            fsync=False,
+            exit_flush=False,
+            handle_sigterm=False,
+        )
         m.save(7, {"w": np.arange(4000, dtype=np.float32), "d": np.full(7000, 3, np.float32)})
         m.close(flush=False)
 
     def restore(comm: Any) -> tuple[Any, ...]:
-        m = Manager(f"{root}/l1/{{node}}", f"{root}/l3", comm=comm, node=f"n{comm.rank}",
-                    async_save=False, fsync=False, handle_sigterm=False)
+        m = Manager(
+            f"{root}/l1/{{node}}",
+            f"{root}/l3",
+            comm=comm,
+            node=f"n{comm.rank}",
+            async_save=False,
+            fsync=False,
+            handle_sigterm=False,
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step = m.restore()

@@ -30,8 +30,10 @@ EXIT_STATUSES: tuple[tuple[ExitStatus, str], ...] = (
     (ExitStatus.OK, "healthy, or done"),
     (ExitStatus.DAMAGED, "damaged: some data is missing or fails its checks"),
     (ExitStatus.USAGE, "usage error: bad arguments or options"),
-    (ExitStatus.UNREADABLE,
-     "not a readable checkpoint: no manifest, an invalid one, or an unsupported format version"),
+    (
+        ExitStatus.UNREADABLE,
+        "not a readable checkpoint: no manifest, an invalid one, or an unsupported format version",
+    ),
     (ExitStatus.INTERRUPTED, "interrupted (Ctrl-C)"),
 )
 

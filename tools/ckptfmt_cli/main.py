@@ -67,20 +67,27 @@ def _json_out(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, allow_nan=False))
 
 
-@click.group(cls=CkptGroup, epilog=help_epilog(),
-             context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(ckptfmt.__version__, "-V", "--version", prog_name="ckptfmt",
-                      message="%(prog)s %(version)s")
+@click.group(
+    cls=CkptGroup, epilog=help_epilog(), context_settings={"help_option_names": ["-h", "--help"]}
+)
+@click.version_option(
+    ckptfmt.__version__, "-V", "--version", prog_name="ckptfmt", message="%(prog)s %(version)s"
+)
 def cli() -> None:
     """Inspect and verify ckptfmt checkpoints (a zarr v3 hierarchy plus ckptfmt.json)."""
 
 
 @cli.command("inspect")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON document (stable keys) instead of tables.")
-@click.option("--regions", is_flag=True,
-              help="Also list each region: offset, shape, writer rank and files.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document (stable keys) instead of tables.",
+)
+@click.option(
+    "--regions", is_flag=True, help="Also list each region: offset, shape, writer rank and files."
+)
 def inspect_command(path: Path, as_json: bool, regions: bool) -> None:
     """Show what the checkpoint at PATH holds: tensors, values, sizes, who wrote it.
 
@@ -98,8 +105,13 @@ def _verify(path: NodeDirs, show_progress: bool) -> VerifyReport:
     if console is None:
         return ckptfmt.verify(path)
     total = sum(f.size for _, f in node_dirs(path)[0].files())
-    columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(binary_units=True),
-               TransferSpeedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("verifying"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("verify", total=total)
         return ckptfmt.verify(path, progress=lambda n: bar.advance(task, n))
@@ -107,11 +119,20 @@ def _verify(path: NodeDirs, show_progress: bool) -> VerifyReport:
 
 @cli.command("verify")
 @click.argument("path", required=False)
-@click.option("--node", "nodes", multiple=True, metavar="NAME=DIR",
-              help="Level 1: the step directory of node NAME (repeat for every node); not PATH.")
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="Level 1: the step directory of node NAME (repeat for every node); not PATH.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
-@click.option("-q", "--quiet", is_flag=True,
-              help="No progress bar and no report (--json still prints): only the exit status.")
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No progress bar and no report (--json still prints): only the exit status.",
+)
 @click.pass_context
 def verify_command(
     ctx: click.Context, path: str | None, nodes: tuple[str, ...], as_json: bool, quiet: bool

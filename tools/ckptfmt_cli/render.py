@@ -70,8 +70,10 @@ def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False)
         ("step", step),
         ("save id", doc["save_id"]),
         ("created", doc["created"]),
-        ("writer", " ".join(str(writer.get(k, "")) for k in ("library", "version")).strip()
-         or "unknown"),
+        (
+            "writer",
+            " ".join(str(writer.get(k, "")) for k in ("library", "version")).strip() or "unknown",
+        ),
         ("world", world),
         ("levels", ", ".join(doc["levels"]) or "none recorded"),
         ("redundancy", _redundancy_text(doc.get("redundancy"))),
@@ -81,13 +83,24 @@ def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False)
 
     if doc["tensors"]:
         table = Table(title="Tensors", title_justify="left", title_style="bold")
-        for col, justify in (("name", "left"), ("dtype", "left"), ("shape", "left"),
-                             ("bytes", "right"), ("regions", "right"), ("ranks", "left")):
+        for col, justify in (
+            ("name", "left"),
+            ("dtype", "left"),
+            ("shape", "left"),
+            ("bytes", "right"),
+            ("regions", "right"),
+            ("ranks", "left"),
+        ):
             table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
         for t in doc["tensors"]:
-            table.add_row(plain(t["name"]), t["dtype"], shape_text(t["shape"]),
-                          human_bytes(t["bytes"]), str(t["regions"]),
-                          rank_ranges(t["writer_ranks"]) or "-")
+            table.add_row(
+                plain(t["name"]),
+                t["dtype"],
+                shape_text(t["shape"]),
+                human_bytes(t["bytes"]),
+                str(t["regions"]),
+                rank_ranges(t["writer_ranks"]) or "-",
+            )
         console.print(table)
     if regions and doc["tensors"]:
         table = Table(title="Regions", title_justify="left", title_style="bold")
@@ -99,8 +112,13 @@ def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False)
                     plain(f"{f['path']} ({human_bytes(f['size'])}, crc32c {f['crc32c']})")
                     for f in r["files"]
                 )
-                table.add_row(plain(t["name"]), shape_text(r["offset"]), shape_text(r["shape"]),
-                              str(r["rank"]), files)
+                table.add_row(
+                    plain(t["name"]),
+                    shape_text(r["offset"]),
+                    shape_text(r["shape"]),
+                    str(r["rank"]),
+                    files,
+                )
         console.print(table)
     if doc["values"]:
         table = Table(title="Values", title_justify="left", title_style="bold")
@@ -123,11 +141,15 @@ def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False)
 def verify_summary(console: Console, report: VerifyReport) -> None:
     """Print a verify report: the verdict, every problem, and unexpected files as warnings."""
     m = report.manifest
-    where = Text(" ") + plain(report.path) + Text(
-        f" (step {'none' if m.step is None else m.step}, save id {m.save_id})"
+    where = (
+        Text(" ")
+        + plain(report.path)
+        + Text(f" (step {'none' if m.step is None else m.step}, save id {m.save_id})")
     )
-    read = (f"{report.files_checked} data file(s) checked, "
-            f"{human_bytes(report.bytes_checked)} read and verified")
+    read = (
+        f"{report.files_checked} data file(s) checked, "
+        f"{human_bytes(report.bytes_checked)} read and verified"
+    )
     if report.healthy:
         console.print(Text("healthy", style="bold green") + where)
         console.print(read)
@@ -143,24 +165,32 @@ def verify_summary(console: Console, report: VerifyReport) -> None:
         table.add_column("tensors affected", overflow="fold")
         for p in report.problems:
             node = [plain(p.node or "-")] if report.nodes is not None else []
-            table.add_row(*node, plain(p.file), p.kind, plain(p.reason),
-                          plain(", ".join(p.tensors) or "-"))
+            table.add_row(
+                *node, plain(p.file), p.kind, plain(p.reason), plain(", ".join(p.tensors) or "-")
+            )
         console.print(table)
         if report.damaged_tensors:
-            console.print(Text("damaged tensors: ", style="bold")
-                          + plain(", ".join(report.damaged_tensors)))
+            console.print(
+                Text("damaged tensors: ", style="bold") + plain(", ".join(report.damaged_tensors))
+            )
     red = report.redundancy
     if red is not None:
         scheme = red["scheme"] + (f" (m={red['m']})" if red["scheme"] == "rs" else "")
         line = f"level-1 redundancy: {scheme}, {len(red['sets'])} set(s): {red['status']}"
         if red["sets_not_compared"]:
-            line += (f"; parity of set(s) {', '.join(map(str, red['sets_not_compared']))} not "
-                     "compared with the data (the data is damaged)")
+            line += (
+                f"; parity of set(s) {', '.join(map(str, red['sets_not_compared']))} not "
+                "compared with the data (the data is damaged)"
+            )
         console.print(plain(line))
     if report.unexpected_files:
-        console.print(Text(
-            f"warning: {len(report.unexpected_files)} file(s) not listed in the manifest "
-            "(they do not make it damaged, but nothing vouches for them):", style="yellow"))
+        console.print(
+            Text(
+                f"warning: {len(report.unexpected_files)} file(s) not listed in the manifest "
+                "(they do not make it damaged, but nothing vouches for them):",
+                style="yellow",
+            )
+        )
         for f in report.unexpected_files:
             console.print(Text("  ") + plain(f))
 
@@ -174,8 +204,9 @@ def level_table(console: Console, doc: dict[str, Any]) -> None:
         table.add_column(f"level 1: {node}")
     table.add_column("level 3")
     for step, e in doc["steps"].items():
-        table.add_row(step, *(plain(e["level1"].get(n, "absent")) for n in nodes),
-                      plain(e["level3"]))
+        table.add_row(
+            step, *(plain(e["level1"].get(n, "absent")) for n in nodes), plain(e["level3"])
+        )
     console.print(table)
     for node, where in doc["nodes"].items():
         console.print(plain(f"node {node}: {where}"))

@@ -33,8 +33,9 @@ def type_name(value: Any) -> str:
     """The JSON type of a value as users know it."""
     if value is None:
         return "null"
-    return {bool: "bool", int: "int", float: "float", str: "str", list: "list",
-            dict: "dict"}.get(type(value), type(value).__name__)
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def _region(r: Region) -> dict[str, Any]:
@@ -68,10 +69,18 @@ def _tensor(t: TensorEntry, nbytes: int, regions: bool) -> dict[str, Any]:
 
 def _value(e: ValueEntry | PerRankValueEntry) -> dict[str, Any]:
     if isinstance(e, ValueEntry):
-        return {"name": "/".join(e.name), "type": type_name(e.value), "per_rank": False,
-                "repr": short_repr(e.value)}
-    return {"name": "/".join(e.name), "type": "per-rank", "per_rank": True,
-            "repr": short_repr(list(e.values))}
+        return {
+            "name": "/".join(e.name),
+            "type": type_name(e.value),
+            "per_rank": False,
+            "repr": short_repr(e.value),
+        }
+    return {
+        "name": "/".join(e.name),
+        "type": "per-rank",
+        "per_rank": True,
+        "repr": short_repr(list(e.values)),
+    }
 
 
 def describe(ckpt: Checkpoint, *, regions: bool = False) -> dict[str, Any]:
