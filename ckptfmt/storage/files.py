@@ -26,10 +26,22 @@ class StorageError(CkptError, OSError):
     """An operating-system error while writing or reading checkpoint files."""
 
 
-def write_gather(path: Path, pieces: Sequence[Buffer], fsync: bool = True) -> int:
-    """Create ``path`` (it must not exist) holding the concatenation of ``pieces``; return size."""
+COPY_BATCH = 1 << 20  # write_gather(copy_to=...): copy this much, then write it while cached
+
+
+def write_gather(
+    path: Path, pieces: Sequence[Buffer], fsync: bool = True, copy_to: Any = None
+) -> int:
+    """Create ``path`` (it must not exist) holding the concatenation of ``pieces``; return size.
+
+    ``copy_to`` (a writable uint8 array as long as the file): also leave the bytes there, copied
+    batch by batch (about ``COPY_BATCH``) just before each batch is written from the copy, while
+    it is still in the cache (a copy then a write of 32 MiB took 16% longer than the write alone
+    on the development machine; copying and writing in 1 MiB batches, 8%)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
+        if copy_to is not None:
+            return _write_copying(fd, pieces, copy_to, fsync)
         views = [memoryview(p).cast("B") for p in pieces if len(p)]
         total = sum(len(v) for v in views)
         i = 0
@@ -49,6 +61,26 @@ def write_gather(path: Path, pieces: Sequence[Buffer], fsync: bool = True) -> in
         return total
     finally:
         os.close(fd)
+
+
+def _write_copying(fd: int, pieces: Sequence[Buffer], copy_to: Any, fsync: bool) -> int:
+    import numpy as np
+
+    total = sum(len(p) for p in pieces)
+    if copy_to.size != total:
+        raise CkptError(f"internal: {total} bytes to write, a copy buffer of {copy_to.size}")
+    at = start = 0
+    for i, piece in enumerate(pieces):
+        copy_to[at : at + len(piece)] = np.frombuffer(piece, np.uint8)
+        at += len(piece)
+        if at - start >= COPY_BATCH or i == len(pieces) - 1:
+            view = memoryview(copy_to[start:at])
+            while view:
+                view = view[os.write(fd, view) :]
+            start = at
+    if fsync:
+        os.fsync(fd)
+    return total
 
 
 def read_scatter(fd: int, buffers: Sequence[memoryview], offset: int) -> None:

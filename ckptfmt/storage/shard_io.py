@@ -226,15 +226,9 @@ def _write_shard(
         index = encode_index(n_slots, placed)
         pieces.append(index)
         offset += len(index)
-    if into is not None:
-        if into.size != offset:
-            raise CkptError(f"internal: {key} laid out {offset} bytes, {into.size} planned")
-        at = 0
-        for piece in pieces:
-            into[at : at + len(piece)] = np.frombuffer(piece, np.uint8)
-            at += len(piece)
-        pieces = [byte_view(into)]
-    write_gather(target, pieces, fsync)
+    if into is not None and into.size != offset:
+        raise CkptError(f"internal: {key} laid out {offset} bytes, {into.size} planned")
+    write_gather(target, pieces, fsync, copy_to=into)
     return FileRef(key, offset, data_crc.crc)
 
 
