@@ -380,19 +380,11 @@ def run_ring(env: Env, scheme: str) -> dict[str, Any]:
             return
         c = n - m
         for d in range(1, n):
-            pairs = []
             for p in range(m):
                 t = (p - m - d) % n
                 if t < c:
-                    pairs.append(
-                        (
-                            env.pw_buf[t * chunk : (t + 1) * chunk],
-                            (j + d) % n,
-                            recv[p * chunk : (p + 1) * chunk],
-                            (j - d) % n,
-                        )
-                    )
-            env.comm.start_exchange(pairs, ENCODE_TAG).wait()
+                    pair = (env.pw_buf[t * chunk : (t + 1) * chunk], (j + d) % n, recv[:chunk])
+                    env.comm.start_exchange([(*pair, (j - d) % n)], ENCODE_TAG).wait()
 
     s, _ = barrier_time(env, body)
     return {"save_s": s}

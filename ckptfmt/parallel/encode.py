@@ -10,9 +10,9 @@ save's one data vote carries both). Data moves between the members of a set over
 never through storage: a rank writes only its own parity file, in its own node's directory.
 
 xor / rs: in round ``d = 1 .. n-1`` member ``j`` sends to member ``j + d`` the chunks that member
-needs for its parity and receives from ``j - d`` (a ring of ``sendrecv`` per round, so every
-member sends and receives at once), and multiplies what round ``d`` brought into its parity while
-round ``d + 1`` moves (``Comm.start_exchange``, two sets of receive buffers).
+needs for its parity and receives from ``j - d`` (a ring of ``sendrecv``, one per chunk, so every
+member sends and receives at once), and multiplies each received chunk into its parity while the
+next one moves (``Comm.start_exchange``, two receive buffers).
 partner: one round, ``d = 1``, of whole member data.
 """
 
@@ -135,34 +135,33 @@ def exchange(comm: Comm, layout: SetLayout, data: np.ndarray) -> np.ndarray:
     parity[:] = 0
     m, c = red.m, n - red.m
     g = generator(red.scheme, c, m)
-    # round d: the chunks t = (p - m - d) mod n < c that member j + d needs for its parity p
-    rounds = [[(p, (p - m - d) % n) for p in range(m) if (p - m - d) % n < c] for d in range(n)]
-    # two sets of receive buffers: round d + 1 moves while round d is multiplied in
-    recv = [[scratch(chunk, f"recv{k}.{p}") for p in range(m)] for k in range(2)]
+    # step (d, p): the chunk t = (p - m - d) mod n < c that member j + d needs for its parity p
+    steps = [(d, p, (p - m - d) % n) for d in range(1, n) for p in range(m) if (p - m - d) % n < c]
+    # two receive buffers: step k + 1 moves while step k is multiplied in
+    recv = [scratch(chunk, f"recv{k}") for k in range(2)]
 
-    def start(d: int) -> Pending:
+    def start(k: int) -> Pending:
+        d, _p, t = steps[k]
         return comm.start_exchange(
             [
                 (
                     data[t * chunk : (t + 1) * chunk],
                     members[(j + d) % n],
-                    recv[d % 2][p],
+                    recv[k % 2],
                     members[(j - d) % n],
                 )
-                for p, t in rounds[d]
             ],
             ENCODE_TAG,
         )
 
-    if not chunk:
+    if not chunk or not steps:
         return parity
-    pending = start(1)
-    for d in range(1, n):
+    pending = start(0)
+    for k, (_d, p, t) in enumerate(steps):
         pending.wait()
-        if d + 1 < n:
-            pending = start(d + 1)
-        for p, t in rounds[d]:
-            mul_xor_into(parity[p * chunk : (p + 1) * chunk], int(g[c + p, t]), recv[d % 2][p])
+        if k + 1 < len(steps):
+            pending = start(k + 1)
+        mul_xor_into(parity[p * chunk : (p + 1) * chunk], int(g[c + p, t]), recv[k % 2])
     return parity
 
 
