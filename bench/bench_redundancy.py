@@ -212,6 +212,7 @@ def instrument(comm: Any) -> Profile:
     rebuild.write_parity = timed("write", rebuild.write_parity)
     engine.mul_xor_into = timed("gf", engine.mul_xor_into, size)
     comm.send = timed("send", comm.send, lambda b, *a, **k: b.size)
+    comm.start_send = timed("send", comm.start_send, lambda b, *a, **k: b.size)
     comm.recv = timed("recv", comm.recv, lambda b, *a, **k: b.size)
     comm.allgather_json = timed("collectives", comm.allgather_json)
     comm.bcast_json = timed("collectives", comm.bcast_json)

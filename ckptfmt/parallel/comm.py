@@ -64,6 +64,15 @@ class Comm(abc.ABC):
         """Point-to-point, deadlock-free in a ring: send to ``dest`` while receiving from
         ``source``."""
 
+    def start_send(self, buf: np.ndarray, dest: int, tag: int = 0) -> Pending:
+        """Point-to-point: start sending ``buf`` (left untouched until the handle's ``wait()``)
+        to ``dest``; lets the caller go on while the receiver is not yet there. Messages from one
+        rank to another with one tag arrive in the order they were started. This default sends
+        now, blocking, and returns a handle with nothing left to wait for; ``MpiComm`` starts the
+        send and returns."""
+        self.send(buf, dest, tag)
+        return _Done()
+
     def start_exchange(
         self,
         pairs: Sequence[tuple[np.ndarray, int, np.ndarray, int]],
@@ -120,6 +129,11 @@ class Pending(Protocol):
     """A started exchange (:meth:`Comm.start_exchange`)."""
 
     def wait(self) -> None: ...
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
 
 
 class _Deferred:

@@ -59,13 +59,15 @@ def polite_wait(requests: list[Any], max_sleep_s: float = MAX_SLEEP_S) -> None:
 
 
 class _Requests:
-    def __init__(self, comm: MpiComm, requests: list[Any]) -> None:
+    def __init__(self, comm: MpiComm, requests: list[Any], *keep: Any) -> None:
         self.comm, self.requests = comm, requests
+        self.keep = keep  # buffers that must outlive the requests
 
     def wait(self) -> None:
         if self.requests:
             self.comm._complete(*self.requests)
         self.requests = []
+        self.keep = ()
 
 
 class MpiComm(Comm):
@@ -126,6 +128,9 @@ class MpiComm(Comm):
         send = self.comm.Isend([sendbuf, self._mpi.BYTE], dest=dest, tag=tag)
         self._complete(recv, send)
 
+    def start_send(self, buf: np.ndarray, dest: int, tag: int = 0) -> Pending:
+        return _Requests(self, [self.comm.Isend([buf, self._mpi.BYTE], dest=dest, tag=tag)], buf)
+
     def start_exchange(
         self,
         pairs: Sequence[tuple[np.ndarray, int, np.ndarray, int]],
@@ -135,7 +140,7 @@ class MpiComm(Comm):
         for sendbuf, dest, recvbuf, source in pairs:
             requests.append(self.comm.Irecv([recvbuf, self._mpi.BYTE], source=source, tag=tag))
             requests.append(self.comm.Isend([sendbuf, self._mpi.BYTE], dest=dest, tag=tag))
-        return _Requests(self, requests)
+        return _Requests(self, requests, pairs)
 
     def dup(self) -> MpiComm:
         return MpiComm(self.comm.Dup(), self.wait)
