@@ -126,7 +126,8 @@ class Comm(abc.ABC):
 
 
 class Pending(Protocol):
-    """A started exchange (:meth:`Comm.start_exchange`)."""
+    """A started send or exchange (:meth:`Comm.start_send`, :meth:`Comm.start_exchange`);
+    ``wait()`` completes it."""
 
     def wait(self) -> None: ...
 
