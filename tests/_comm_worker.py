@@ -23,7 +23,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from _worker_common import make_comm
+from _worker_common import end_torch_job, make_comm
 
 BCAST_BYTES = 20 * 1000 * 1000
 RING_BYTES = 100_003
@@ -274,9 +274,7 @@ def main(argv: list[str]) -> int:
         res = SCENARIOS[scenario](comm, out)
         (out / f"rank{comm.rank}.json").write_text(json.dumps(res))
     if kind == "torch":
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        end_torch_job()
     return 0
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from _worker_common import make_comm
+from _worker_common import end_torch_job, make_comm
 
 SHARD_BYTES = 256 << 10  # small shards: every big tensor spans several shard files
 CHUNK_BYTES = 64 << 10
@@ -462,9 +462,7 @@ def main(argv: list[str]) -> int:
         (out / f"{task['name']}.rank{comm.rank}.json").write_text(json.dumps(res))
         comm.barrier()
     if kind == "torch":
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        end_torch_job()
     return 0
 
 

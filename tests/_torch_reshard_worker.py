@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _worker_common import end_torch_job
 
 D_IN, D_HID, D_OUT = 16, 32, 6  # D_OUT rows split 2/2/2/0 over 4 FSDP ranks, 3/3 over 2
 GLOBAL_BATCH = 16
@@ -175,8 +176,7 @@ def main(argv: list[str]) -> int:
     res = run(plan)
     path = Path(plan["out"]) / f"{plan['task']}.rank{dist.get_rank()}.json"
     path.write_text(json.dumps(res, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_torch_job()
     return 0
 
 

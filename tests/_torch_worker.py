@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _worker_common import end_torch_job
 
 N_SAMPLES = 96
 D_IN, D_HID, D_OUT = 16, 32, 6  # D_OUT rows split 2/2/2/0 over 4 FSDP ranks: an empty shard
@@ -283,7 +284,7 @@ def main(argv: list[str]) -> int:
         path = out / f"{task['name']}.rank{comm.rank}.json"
         path.write_text(json.dumps(res, indent=1))
         comm.barrier()
-    dist.destroy_process_group()
+    end_torch_job()
     return 0
 
 
