@@ -173,7 +173,11 @@ def main() -> int:
         )
     dist.barrier()  # nobody tears its process groups down while another rank still works
     dist.destroy_process_group()
-    return 0
+    # everything is written: leave without interpreter finalization, where torch's gloo teardown
+    # can abort a finished rank ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
