@@ -327,6 +327,40 @@ def own_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+class RoundClock:
+    """One benchmark round's wall time and the CPU other processes took meanwhile. Every rank
+    makes one at the start of the round; :meth:`record` is collective (a sleeping barrier and an
+    allgather of the ranks' own CPU time) and returns the round's trace entry."""
+
+    def __init__(self) -> None:
+        self.t0, (self.busy0, self.steal0), self.own0 = (
+            time.perf_counter(),
+            cpu_times_s(),
+            own_cpu_s(),
+        )
+
+    def record(
+        self, mpi_comm: Any, comm: Any, rnd: int, timed: bool, order: Any, max_foreign: float
+    ) -> dict[str, Any]:
+        quiet_barrier(mpi_comm)
+        ours = sum(comm.allgather_json(own_cpu_s() - self.own0))
+        round_s = time.perf_counter() - self.t0
+        busy1, steal1 = cpu_times_s()
+        foreign = max(0.0, busy1 - self.busy0 - ours)
+        cpus = round_s * (os.cpu_count() or 1)
+        return {
+            "round": rnd,
+            "timed": timed,
+            "quiet": foreign / cpus <= max_foreign,
+            "order": order,
+            "round_s": round_s,
+            "foreign_cpu_s": foreign,
+            "foreign_cpu_share": foreign / cpus,
+            "steal_share": (steal1 - self.steal0) / cpus,
+            "loadavg": loadavg(),
+        }
+
+
 def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -427,7 +461,7 @@ def run_launch(args: argparse.Namespace) -> int:
             order = keys[rot:] + keys[:rot]
             pretouch(flat)
             quiet_barrier(mpi)
-            round_t0, (busy0, steal0), own0 = time.perf_counter(), cpu_times_s(), own_cpu_s()
+            clock = RoundClock()
             for key in order:
                 # free the previous output just before the next run needs the pages again
                 # (tmpfs pages left free for ~2 s go back to the hypervisor; bench/README.md)
@@ -451,25 +485,7 @@ def run_launch(args: argparse.Namespace) -> int:
                     rec[key].append(per_rank)
             # CPU time other processes (and the hypervisor) took during the round: the machine
             # is shared; the JSON keeps both per round
-            quiet_barrier(mpi)
-            ours = sum(comm.allgather_json(own_cpu_s() - own0))
-            round_s = time.perf_counter() - round_t0
-            busy1, steal1 = cpu_times_s()
-            foreign = max(0.0, busy1 - busy0 - ours)
-            cpus = round_s * (os.cpu_count() or 1)
-            trace.append(
-                {
-                    "round": r,
-                    "timed": timed,
-                    "quiet": foreign / cpus <= args.max_foreign,
-                    "order": order,
-                    "round_s": round_s,
-                    "foreign_cpu_s": foreign,
-                    "foreign_cpu_share": foreign / cpus,
-                    "steal_share": (steal1 - steal0) / cpus,
-                    "loadavg": loadavg(),
-                }
-            )
+            trace.append(clock.record(mpi, comm, r, timed, order, args.max_foreign))
             r += 1
             # at least --reps timed rounds; more (within the budget) until --reps of them were
             # quiet. Rank 0 decides: the ranks read /proc/stat at slightly different times.

@@ -49,8 +49,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from bench_parallel import cpu_times_s, own_cpu_s, quiet_barrier  # noqa: E402
-from bench_save_load import git_info, loadavg, source_digest  # noqa: E402
+from bench_parallel import RoundClock, quiet_barrier  # noqa: E402
+from bench_save_load import git_info, source_digest  # noqa: E402
 
 DEFAULT_DIR = "/dev/shm/ckptfmt-bench-redundancy"
 SCHEMES: dict[str, dict[str, Any]] = {
@@ -467,7 +467,7 @@ def run_launch(args: argparse.Namespace) -> int:
         while go_on:
             timed = rnd >= args.warmup
             quiet_barrier(mpi)
-            t_round, (busy0, steal0), own0 = time.perf_counter(), cpu_times_s(), own_cpu_s()
+            clock = RoundClock()
             rot = rnd % len(methods)
             order = methods[rot:] + methods[:rot]
             # parity-sized writes need the sizes from a save of that scheme: the first round
@@ -493,24 +493,8 @@ def run_launch(args: argparse.Namespace) -> int:
                         raise AssertionError(f"{key}: the rebuilt member fails its CRCs")
                     if timed:
                         samples[str(fsync)][key].append(gathered)
-            quiet_barrier(mpi)
-            ours = sum(comm.allgather_json(own_cpu_s() - own0))
-            round_s = time.perf_counter() - t_round
-            busy1, steal1 = cpu_times_s()
-            foreign = max(0.0, busy1 - busy0 - ours)
-            cpus = round_s * (os.cpu_count() or 1)
-            trace.append(
-                {
-                    "round": rnd,
-                    "timed": timed,
-                    "quiet": foreign / cpus <= args.max_foreign,
-                    "order": order,
-                    "round_s": round_s,
-                    "foreign_cpu_share": foreign / cpus,
-                    "steal_share": (steal1 - steal0) / cpus,
-                    "loadavg": loadavg(),
-                }
-            )
+            trace.append(clock.record(mpi, comm, rnd, timed, order, args.max_foreign))
+            round_s = trace[-1]["round_s"]
             rnd += 1
             n_timed = rnd - args.warmup
             n_quiet = sum(t["quiet"] for t in trace if t["timed"])
