@@ -23,6 +23,7 @@ from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.reader import read_manifest, tensor_reads
 from ckptfmt.state import unflatten
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.paths import refuse_url
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt supports little-endian hosts only")
@@ -46,6 +47,7 @@ def save(
     left at ``path`` that was not there before. This is the collective save of
     ``ckptfmt.parallel`` run by a single process.
     """
+    refuse_url(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
     if not 1 <= chunk_bytes <= min(shard_bytes, MAX_CHUNK_BYTES):
@@ -83,6 +85,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     Every byte read is checked against its CRC32C; damage raises a :class:`DamagedError` that names
     the file and the tensors it affects.
     """
+    refuse_url(path)
     root = Path(path)
     manifest = read_manifest(root)
     src = Inside(root)

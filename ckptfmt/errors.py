@@ -254,3 +254,53 @@ class UnrecoverableError(CkptError):
             f"{scheme}: cannot rebuild: {len(self.lost)} block(s) lost (data members {members}, "
             f"parity {parity}), the scheme tolerates {tolerates}"
         )
+
+
+# --- a new user's misuse, named at the call (issue 16) ---------------------------------------------
+
+
+class DtypeMismatchError(UsageError, TypeError):
+    """Saved tensors and the destinations they are loaded into differ in dtype, and the cast
+    policy (``cast=``) does not allow converting them; nothing was written into any destination.
+
+    ``mismatched``: name -> (saved dtype, destination dtype); ``cast``: the policy in force
+    (``"no"``, ``"safe"``, ``"any"``)."""
+
+    def __init__(self, mismatched: dict[str, tuple[str, str]], cast: str) -> None:
+        self.mismatched = dict(mismatched)
+        self.cast = cast
+        shown = "; ".join(
+            f"{n}: saved {s}, destination {d}" for n, (s, d) in list(self.mismatched.items())[:5]
+        )
+        more = f"; ... {len(self.mismatched) - 5} more" if len(self.mismatched) > 5 else ""
+        hint = (
+            'pass cast="safe" to convert where no value changes, cast="any" to convert anyway'
+            if cast == "no"
+            else 'not a safe cast: pass cast="any" to convert anyway (values may change)'
+        )
+        super().__init__(
+            f"dtype mismatch for {len(self.mismatched)} tensor(s): {shown}{more} ({hint})"
+        )
+
+
+class UrlNotSupportedError(UsageError):
+    """A URL (``s3://bucket/x``) was given where a file-system path is needed: object storage is
+    not supported (yet). ``url``: what was given; ``scheme``: its scheme."""
+
+    def __init__(self, url: str, scheme: str) -> None:
+        self.url = url
+        self.scheme = scheme
+        super().__init__(
+            f"{url!r}: {scheme}:// URLs are not supported; ckptfmt reads and writes file-system "
+            "paths only (mount the bucket, or save locally and copy)"
+        )
+
+
+class DestinationUnwritableError(UsageError, OSError):
+    """The destination directory cannot be made or written: a parent is a file, the file system
+    is read-only, permission is denied. ``path``: the path; ``reason``: what the system said."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot write {path!r}: {reason}")

@@ -31,6 +31,7 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.shard_io import (
     Geometry,
     decode_shard,
@@ -58,6 +59,7 @@ def read_manifest_bytes(root: Path) -> bytes:
 
 def read_manifest(root: Path) -> Manifest:
     """Read and check the manifest of the committed checkpoint at ``root``."""
+    refuse_url(root)
     return parse_manifest(read_manifest_bytes(root), str(root / MANIFEST_NAME))
 
 
@@ -263,6 +265,7 @@ def latest(root: str | os.PathLike[str]) -> tuple[int, Path] | None:
     Steps whose manifest is missing or damaged are skipped (a torn save never becomes latest);
     their data is not read here, ``verify`` does that.
     """
+    refuse_url(root)
     for step, path in reversed(list_step_dirs(Path(root))):
         try:
             read_manifest(path)

@@ -1,0 +1,155 @@
+"""The one dtype policy for loading saved tensors into existing destinations.
+
+A load into a destination (a PyTorch tensor, a Keras variable, an array the caller owns) is
+bit-exact only when the dtypes agree, so a mismatch is refused by default. The caller may ask:
+
+* ``cast="no"`` (the default; ``None`` means the same): dtypes must be equal;
+* ``cast="safe"``: convert where every value of the saved dtype is exactly representable in the
+  destination's (``bfloat16`` -> ``float32``, ``int16`` -> ``int32``, ``float8_e4m3fn`` ->
+  ``float16``), so no value changes;
+* ``cast="any"``: convert whatever numpy can convert (``float32`` -> ``bfloat16`` rounds).
+
+Every conversion made is reported (:class:`CastWarning`, carrying the list of :class:`Cast`), and a
+refusal names every mismatched tensor at once (:class:`ckptfmt.errors.DtypeMismatchError`), before
+anything is written. The adapters (``ckptfmt_torch``, ``ckptfmt_keras``) and the core call
+:func:`plan_casts` first, write only when it returns, then :func:`report_casts`.
+
+Framework-free: dtypes are numpy dtypes (``ml_dtypes`` for ``bfloat16`` and ``float8_*``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ckptfmt.errors import DtypeMismatchError, UsageError
+
+POLICIES = ("no", "safe", "any")
+"""The values ``cast=`` takes (``None`` is ``"no"``)."""
+
+_ML_FLOATS = {
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(ml_dtypes.float8_e4m3fn),
+    np.dtype(ml_dtypes.float8_e5m2),
+}
+
+
+@dataclass(frozen=True)
+class Cast:
+    """One conversion made by a load: tensor ``name`` saved as ``saved``, stored as ``target``."""
+
+    name: str
+    saved: str
+    target: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.saved} -> {self.target}"
+
+
+class CastWarning(UserWarning):
+    """A load converted some tensors to their destinations' dtypes, as ``cast=`` allowed it.
+    ``casts``: every conversion, by tensor."""
+
+    def __init__(self, casts: Iterable[Cast]) -> None:
+        self.casts = tuple(casts)
+        shown = "; ".join(str(c) for c in self.casts[:8])
+        more = f"; ... {len(self.casts) - 8} more" if len(self.casts) > 8 else ""
+        super().__init__(f"ckptfmt: cast {len(self.casts)} tensor(s) on load: {shown}{more}")
+
+
+def check_policy(cast: str | None) -> str:
+    """``cast`` as one of :data:`POLICIES`; a :class:`UsageError` for anything else."""
+    if cast is None:
+        return "no"
+    if cast not in POLICIES:
+        raise UsageError(
+            f"cast must be one of {', '.join(map(repr, POLICIES))} or None, got {cast!r}"
+        )
+    return cast
+
+
+def _float_info(dt: np.dtype) -> Any:
+    return ml_dtypes.finfo(dt) if dt in _ML_FLOATS else np.finfo(dt)
+
+
+def is_safe(saved: np.dtype, target: np.dtype) -> bool:
+    """True when every value of ``saved`` is exactly a value of ``target`` (NaN and infinities
+    included where ``saved`` has them), so converting changes no number."""
+    saved, target = np.dtype(saved), np.dtype(target)
+    if saved == target:
+        return True
+    if saved.kind == "b":
+        return target.kind in "biufc" or target in _ML_FLOATS
+    if saved not in _ML_FLOATS and target not in _ML_FLOATS:
+        return bool(np.can_cast(saved, target, casting="safe"))
+    t_float = target in _ML_FLOATS or target.kind in "fc"
+    if not t_float:
+        return False  # a float into an integer or bool is never exact
+    t_info = _float_info(target if target.kind != "c" else np.dtype(f"f{target.itemsize // 2}"))
+    if saved.kind in "iu":  # an integer: exact when its magnitude fits the significand
+        bits = saved.itemsize * 8 - (1 if saved.kind == "i" else 0)
+        return bits <= int(t_info.nmant) + 1
+    if saved.kind == "c":
+        return False  # a complex into a real (ml_dtypes floats are all real)
+    s_info = _float_info(saved)
+    # a float: at least its precision, its range and its smallest subnormal; NaN/inf kept
+    has_inf = not str(saved).endswith("fn")
+    target_inf = not str(target).endswith("fn")
+    return (
+        int(t_info.nmant) >= int(s_info.nmant)
+        and float(t_info.max) >= float(s_info.max)
+        and float(t_info.smallest_subnormal) <= float(s_info.smallest_subnormal)
+        and (target_inf or not has_inf)
+    )
+
+
+def allowed(saved: np.dtype, target: np.dtype, cast: str | None) -> bool:
+    """Whether policy ``cast`` lets a tensor saved as ``saved`` go into a ``target`` destination."""
+    policy = check_policy(cast)
+    saved, target = np.dtype(saved), np.dtype(target)
+    if saved == target:
+        return True
+    if policy == "no":
+        return False
+    if policy == "safe":
+        return is_safe(saved, target)
+    return True
+
+
+def plan_casts(pairs: Iterable[tuple[str, Any, Any]], cast: str | None) -> list[Cast]:
+    """The conversions a load of ``(name, saved dtype, destination dtype)`` triples makes under
+    policy ``cast``; raises :class:`DtypeMismatchError` naming every refused one (so the caller
+    raises before it writes into any destination)."""
+    policy = check_policy(cast)
+    casts: list[Cast] = []
+    refused: dict[str, tuple[str, str]] = {}
+    for name, saved, target in pairs:
+        s, t = np.dtype(saved), np.dtype(target)
+        if s == t:
+            continue
+        if allowed(s, t, policy):
+            casts.append(Cast(name, str(s), str(t)))
+        else:
+            refused[name] = (str(s), str(t))
+    if refused:
+        raise DtypeMismatchError(refused, policy)
+    return casts
+
+
+def report_casts(casts: list[Cast], stacklevel: int = 3) -> None:
+    """Tell the caller what a load converted (a :class:`CastWarning`); nothing when nothing was."""
+    if casts:
+        warnings.warn(CastWarning(casts), stacklevel=stacklevel)
+
+
+def convert(a: np.ndarray, target: Any) -> np.ndarray:
+    """``a`` as dtype ``target`` (``a`` itself when it already is), once the policy allowed it."""
+    target = np.dtype(target)
+    if a.dtype == target:
+        return a
+    return np.asarray(a).astype(target, casting="unsafe")
