@@ -304,3 +304,31 @@ class DestinationUnwritableError(UsageError, OSError):
         self.path = path
         self.reason = reason
         super().__init__(f"cannot write {path!r}: {reason}")
+
+
+# --- interop: foreign formats in and out (``ckptfmt export`` / ``ckptfmt import``) ----------------
+
+
+class ForeignFormatError(CkptError, ValueError):
+    """An import source is not a valid file of its format (a safetensors file, a Hugging Face
+    directory and its index, a ``torch.save`` file, a DCP directory): truncated, a header that
+    lies about offsets, overlapping tensors, an index naming missing files, a name that is not a
+    valid ckptfmt name. Nothing was written. ``path``: the file; ``reason``; ``tensor``: the
+    tensor concerned, when there is one."""
+
+    def __init__(self, path: str, reason: str, tensor: str | None = None) -> None:
+        self.path = path
+        self.reason = reason
+        self.tensor = tensor
+        which = f" (tensor {tensor!r})" if tensor is not None else ""
+        super().__init__(f"{path}: not a valid import source: {reason}{which}")
+
+
+class PickleRefusedError(UsageError):
+    """Reading ``path`` needs unpickling (DCP's ``.metadata`` is a pickle), which ckptfmt does
+    only when asked explicitly (``trust_pickle=True``, ``--trust-pickle``); nothing was read."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"refusing to unpickle {path}: {reason}")

@@ -1,0 +1,406 @@
+"""Export a committed ckptfmt checkpoint as Hugging Face safetensors (``ckptfmt export``).
+
+Because ckptfmt stores every tensor at its global shape, consolidating a checkpoint saved by
+many ranks is a streaming read, not a gather: each tensor is read whole (its regions from
+whichever ranks' files hold them, every chunk CRC checked, ``interop.source``), cast if asked,
+and written at its place in its output file; a bounded window of tensors is read ahead on
+``threads`` threads while the main thread writes, so memory stays within about one output shard
+(``window_bytes``, at most the shard size) whatever the checkpoint's size. Headers are computed
+up front from the manifest (shapes and dtypes are known), so every file is written in one pass.
+
+The output appears whole or not at all: everything is written into a staging directory
+``.<name>.export-<random>`` beside ``out`` (fsynced), then renamed to ``out``; a failure removes
+the staging directory, and a torn export leaves only a dot-named directory behind.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt import __version__
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import DamagedError, DestinationExistsError, UnsupportedDtypeError, UsageError
+from ckptfmt.interop import hf
+from ckptfmt.interop.names import Rename, export_name, renames_of, unique
+from ckptfmt.interop.safetensors_format import CODE_OF, header_bytes
+from ckptfmt.interop.source import Job, Source, open_source
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import TensorEntry
+from ckptfmt.repair import NodeDirs
+from ckptfmt.storage.files import fsync_dir
+
+FLOATS = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+CAST_TARGETS = ("bfloat16", "float16", "float32")
+DEFAULT_WINDOW = 256 << 20
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One exported tensor: the checkpoint's entry, its output name and dtype."""
+
+    entry: TensorEntry
+    name: str
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.size * by_name(self.dtype).itemsize
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_safetensors` wrote."""
+
+    source: str
+    destination: str
+    step: int | None
+    files: list[str]
+    tensors: int
+    total_size: int  # tensor bytes written (the index's metadata.total_size)
+    names: dict[str, str]  # checkpoint name -> output name
+    cast: str | None = None  # the dtype floating tensors were cast to
+    cast_tensors: int = 0
+    not_cast: list[str] = field(default_factory=list)  # integer/bool/complex: kept as they are
+    rebuilt_nodes: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "destination": self.destination,
+            "format": "safetensors",
+            "step": self.step,
+            "files": self.files,
+            "tensors": self.tensors,
+            "total_size": self.total_size,
+            "cast": self.cast,
+            "cast_tensors": self.cast_tensors,
+            "not_cast": self.not_cast,
+            "rebuilt_nodes": self.rebuilt_nodes,
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 6),
+            "names": self.names,
+        }
+
+
+def select(source: Source, rows: Sequence[str], strip: str) -> list[TensorEntry]:
+    """The tensors to export, in manifest order: those matching a ``rows`` glob ('/'-joined
+    names); by default those under ``strip`` when there are any (a ``ckptfmt_torch`` checkpoint's
+    ``model/``, not its optimizer), else every tensor."""
+    tensors = list(source.manifest.tensors())
+    if rows:
+        chosen = [t for t in tensors if any(fnmatch.fnmatchcase(display(t.name), p) for p in rows)]
+        if not chosen:
+            raise UsageError(f"no tensor matches {', '.join(rows)}")
+        return chosen
+    under = [t for t in tensors if strip and display(t.name).startswith(strip)]
+    return under or tensors
+
+
+def plan(
+    entries: Iterable[TensorEntry], strip: str, renames: Sequence[Rename], dtype: str | None
+) -> list[Planned]:
+    if dtype is not None and dtype not in CAST_TARGETS:
+        raise UsageError(f"--dtype is one of {', '.join(CAST_TARGETS)}, got {dtype!r}")
+    out = []
+    for e in entries:
+        if e.dtype not in CODE_OF:
+            raise UnsupportedDtypeError(
+                f"{e.dtype} (safetensors has no such type)", display(e.name)
+            )
+        target = dtype if dtype is not None and e.dtype in FLOATS else e.dtype
+        name = export_name(display(e.name), strip, renames)
+        if not name or name == "__metadata__":
+            raise UsageError(f"{display(e.name)!r} would be exported as {name!r}")
+        out.append(Planned(e, name, target))
+    unique(((display(p.entry.name), p.name) for p in out), "two tensors would get one name")
+    return out
+
+
+@dataclass
+class _File:
+    name: str
+    tensors: list[Planned]  # in the order of their bytes in the file
+    header: bytes
+
+
+def layout(planned: Sequence[Planned], max_bytes: int, metadata: dict[str, str]) -> list[_File]:
+    """Shards (greedy, in order) and each file's byte order: by itemsize, largest first, then in
+    order, so every tensor is aligned to its itemsize (the safetensors library's own order)."""
+    groups = hf.plan_shards([p.nbytes for p in planned], max_bytes)
+    names = hf.shard_names(len(groups))
+    files = []
+    for fname, idx in zip(names, groups):
+        ordered = sorted((planned[i] for i in idx), key=lambda p: -by_name(p.dtype).itemsize)
+        at = 0
+        rows = []
+        for p in ordered:
+            rows.append((p.name, p.dtype, p.entry.shape, at, at + p.nbytes))
+            at += p.nbytes
+        files.append(_File(fname, ordered, header_bytes(rows, metadata)))
+    return files
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise DestinationExistsError(str(out), "it exists (pass overwrite=True to replace it)")
+        if out.is_symlink() or not out.is_dir():
+            raise DestinationExistsError(str(out), "it exists and is not a directory")
+        ours = {hf.SINGLE, hf.INDEX}
+        for p in out.iterdir():
+            if not (p.name in ours or (p.name.startswith("model-") and p.suffix == ".safetensors")):
+                raise DestinationExistsError(
+                    str(out), f"it holds {p.name!r}, which an export does not write"
+                )
+
+
+def staging_of(out: Path) -> Path:
+    return out.parent / f".{out.name}.export-{os.urandom(8).hex()}"
+
+
+def publish(staging: Path, out: Path, fsync: bool) -> None:
+    """Rename the staged directory into place (an old export moved aside, then removed)."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.urandom(8).hex()}"
+        os.rename(out, old)
+    os.rename(staging, out)
+    if fsync:
+        fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class _ReadAhead:
+    """Tensors read in order on a thread pool, up to ``window`` bytes ahead of the consumer
+    (always at least the next tensor, however large)."""
+
+    def __init__(
+        self,
+        source: Source,
+        order: Sequence[TensorEntry],
+        pool: ThreadPoolExecutor,
+        window: int,
+    ) -> None:
+        self.source, self.order, self.pool, self.window = source, order, pool, window
+        self.next = 0
+        self.inflight = 0
+        self.queue: deque[tuple[TensorEntry, np.ndarray, list[Future[None]]]] = deque()
+        self.bytes_read = 0
+
+    def _fill(self) -> None:
+        while self.next < len(self.order):
+            t = self.order[self.next]
+            nb = t.size * by_name(t.dtype).itemsize
+            if self.queue and self.inflight + nb > self.window:
+                return
+            out, jobs = self.source.tensor_reads(t)
+            self.queue.append((t, out, [self.pool.submit(j) for j in jobs]))
+            self.inflight += nb
+            self.bytes_read += sum(f.size for r in t.regions for f in r.files)
+            self.next += 1
+
+    def take(self) -> tuple[TensorEntry, np.ndarray]:
+        self._fill()
+        t, out, futures = self.queue.popleft()
+        for f in futures:
+            f.result()  # the first damage found is raised
+        self.inflight -= out.nbytes
+        self._fill()
+        return t, out
+
+    def cancel(self) -> None:
+        for _, _, futures in self.queue:
+            for f in futures:
+                f.cancel()
+        for _, _, futures in self.queue:
+            for f in futures:
+                if not f.cancelled():
+                    f.exception()  # wait: no reader may still be writing into a buffer
+        self.queue.clear()
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def cast_array(a: np.ndarray, dtype: str) -> np.ndarray:
+    """``a`` as ``dtype`` (round to nearest even, as ``torch.Tensor.to`` rounds)."""
+    target = by_name(dtype).numpy
+    return a if a.dtype == target else a.astype(target)
+
+
+def export_safetensors(
+    src: NodeDirs,
+    out: str | os.PathLike[str],
+    *,
+    max_shard_size: str | int = hf.DEFAULT_MAX_SHARD,
+    rows: Sequence[str] = (),
+    strip: str = "model/",
+    renames: Iterable[str | Rename | tuple[str, str]] = (),
+    dtype: str | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+    threads: int = 2,
+    window_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ExportReport:
+    """Write the checkpoint ``src`` as a Hugging Face safetensors directory ``out`` (module
+    docstring); return what was written.
+
+    ``src``: a committed checkpoint directory (level 3), or level-1 copies as a ``{node}``
+    template or a mapping node -> directory (lost or damaged parts rebuilt from the redundancy
+    on the fly, the source left as it is). ``rows``: globs of the tensors to export (default:
+    those under ``strip``, else all). Names: ``strip`` removed, ``/`` -> ``.``, then
+    ``renames`` (``OLD=NEW`` prefix rules). ``dtype``: cast floating tensors to ``bfloat16``,
+    ``float16`` or ``float32`` (integer, bool and complex tensors are never cast; the report
+    lists them). ``max_shard_size``: ``"5GB"``-style or bytes. ``progress(n)`` is called with
+    the bytes of each tensor written. ``out`` must not exist unless ``overwrite`` (then only a
+    previous export is replaced)."""
+    started = time.perf_counter()
+    max_bytes = hf.parse_size(max_shard_size)
+    rules = renames_of(renames)
+    out_path = Path(out).absolute()
+    _check_out(out_path, overwrite)
+    source = open_source(src)
+    planned = plan(select(source, rows, strip), strip, rules, dtype)
+    meta = {
+        "format": "pt",
+        "ckptfmt_version": __version__,
+        "ckptfmt_save_id": source.manifest.save_id,
+    }
+    if source.manifest.step is not None:
+        meta["ckptfmt_step"] = str(source.manifest.step)
+    not_cast = [display(p.entry.name) for p in planned if dtype and p.entry.dtype not in FLOATS]
+    n_cast = sum(1 for p in planned if p.dtype != p.entry.dtype)
+    if dtype is not None:
+        meta["ckptfmt_cast"] = f"floating tensors to {dtype}; {len(not_cast)} non-floating kept"
+    files = layout(planned, max_bytes, meta)
+    window = max(1, min(window_bytes or DEFAULT_WINDOW, max_bytes))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_of(out_path)
+    staging.mkdir()
+    try:
+        if source.level1 and source.problems():
+            source = source.with_rebuild(staging / ".rebuilt")
+        try:
+            read = _write_files(source, files, staging, threads, window, fsync, progress)
+        except DamagedError:
+            if not source.level1 or source.rebuilt_nodes:
+                raise
+            for f in files:  # a CRC failed on level 1: rebuild from parity, then again
+                (staging / f.name).unlink(missing_ok=True)
+            source = source.with_rebuild(staging / ".rebuilt")
+            if not source.rebuilt_nodes:
+                raise
+            read = _write_files(source, files, staging, threads, window, fsync, progress)
+        total = sum(p.nbytes for p in planned)
+        if len(files) > 1:
+            weight_map = {p.name: f.name for f in files for p in f.tensors}
+            ordered = {p.name: weight_map[p.name] for p in planned}
+            blob = hf.index_doc(total, ordered, {})
+            fd = os.open(staging / hf.INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, memoryview(blob))
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        shutil.rmtree(staging / ".rebuilt", ignore_errors=True)
+        if fsync:
+            fsync_dir(staging)
+        publish(staging, out_path, fsync)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportReport(
+        source=source.shown,
+        destination=str(out_path),
+        step=source.manifest.step,
+        files=[f.name for f in files] + ([hf.INDEX] if len(files) > 1 else []),
+        tensors=len(planned),
+        total_size=total,
+        names={display(p.entry.name): p.name for p in planned},
+        cast=dtype,
+        cast_tensors=n_cast,
+        not_cast=not_cast,
+        rebuilt_nodes=source.rebuilt_nodes,
+        bytes_read=read,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _write_files(
+    source: Source,
+    files: Sequence[_File],
+    staging: Path,
+    threads: int,
+    window: int,
+    fsync: bool,
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Write every output file; returns the stored bytes read from the checkpoint."""
+    order = [p.entry for f in files for p in f.tensors]
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        reads = _ReadAhead(source, order, pool, window)
+        try:
+            for f in files:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                fd = os.open(staging / f.name, flags, 0o644)
+                try:
+                    _write_all(fd, memoryview(f.header))
+                    for p in f.tensors:
+                        _, arr = reads.take()
+                        data = cast_array(arr, p.dtype)
+                        del arr
+                        _write_all(fd, np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+                        if progress is not None:
+                            progress(p.nbytes)
+                    if fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            reads.cancel()
+            raise
+    return reads.bytes_read
+
+
+def tensors_of(
+    src: NodeDirs,
+    *,
+    rows: Sequence[str] = (),
+    strip: str = "model/",
+    renames: Iterable[str | Rename | tuple[str, str]] = (),
+    dtype: str | None = None,
+    threads: int = 2,
+) -> tuple[Source, list[tuple[str, np.ndarray]]]:
+    """Every exported tensor in memory, by output name (for writers that need them all at once:
+    ``torch.save``). Same selection, names and casts as :func:`export_safetensors`; level-1
+    sources must be whole (``ckptfmt rebuild`` them first)."""
+    source = open_source(src)
+    planned = plan(select(source, rows, strip), strip, renames_of(renames), dtype)
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        reads = _ReadAhead(source, [p.entry for p in planned], pool, 1 << 62)
+        got = []
+        for p in planned:
+            _, arr = reads.take()
+            got.append((p.name, cast_array(arr, p.dtype)))
+    return source, got
+
+
+__all__ = ["ExportReport", "Job", "export_safetensors", "tensors_of"]

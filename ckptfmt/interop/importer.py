@@ -1,0 +1,244 @@
+"""Import foreign weights as a ckptfmt checkpoint (``ckptfmt import``): safetensors files and
+Hugging Face directories here (framework-free); ``torch.save`` files and DCP directories in
+``ckptfmt_torch.interop``, which hand their tensors to :func:`import_named`.
+
+Everything about the source is checked before anything is written (every header, the index
+against the files, every name against ckptfmt's name rules), so bad input raises
+:class:`ForeignFormatError` with nothing written; the checkpoint itself is written by
+``ckptfmt.save`` (staging directory, manifest last, rename), so ``out`` appears whole or not at
+all. Safetensors data is mapped, not copied: the save writes (and checksums) straight from the
+page cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.checkpoint import save
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import ForeignFormatError, InvalidNameError
+from ckptfmt.interop import hf
+from ckptfmt.interop.names import Rename, import_name, renames_of, unique
+from ckptfmt.interop.safetensors_format import Header, read_header
+from ckptfmt.manifest.limits import display
+
+
+@dataclass
+class ImportReport:
+    """What an import wrote."""
+
+    source: str
+    destination: str
+    format: str
+    files: list[str]
+    tensors: int
+    values: int
+    total_size: int  # tensor bytes
+    names: dict[str, str]  # source name -> ckptfmt name ('/'-joined)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "destination": self.destination,
+            "format": self.format,
+            "files": self.files,
+            "tensors": self.tensors,
+            "values": self.values,
+            "total_size": self.total_size,
+            "seconds": round(self.seconds, 6),
+            "notes": self.notes,
+            "names": self.names,
+        }
+
+
+def nest(items: Iterable[tuple[str, tuple[str, ...], Any]], where: str) -> dict[str, Any]:
+    """``(source name, ckptfmt name, leaf)`` triples as the nested state ``ckptfmt.save``
+    takes; two names where one is a leaf and the other goes below it cannot both be a tree."""
+    root: dict[str, Any] = {}
+    owner: dict[tuple[str, ...], str] = {}
+    for src, name, leaf in items:
+        node = root
+        for depth, c in enumerate(name[:-1]):
+            nxt = node.setdefault(c, {})
+            if not isinstance(nxt, dict) or name[: depth + 1] in owner:
+                other = owner.get(name[: depth + 1], "?")
+                raise ForeignFormatError(where, f"{src!r} would go below tensor {other!r}", src)
+            node = nxt
+        if name[-1] in node:
+            other = owner.get(name, "a group of other tensors")
+            raise ForeignFormatError(where, f"{src!r} and {other!r} get one name", src)
+        node[name[-1]] = leaf
+        owner[name] = src
+    return root
+
+
+def ckpt_names(
+    names: Sequence[str], prefix: str, rules: Sequence[Rename], where: dict[str, str]
+) -> list[tuple[str, ...]]:
+    """Each source name's ckptfmt name; a name ckptfmt cannot hold (``../x``, ``a//b``,
+    ``__x``, control characters) is :class:`ForeignFormatError` of the file that has it."""
+    out = []
+    for n in names:
+        try:
+            out.append(import_name(n, prefix, rules))
+        except InvalidNameError as exc:
+            raise ForeignFormatError(
+                where.get(n, "?"), f"the tensor name is not allowed: {exc.reason}", n
+            ) from None
+    unique(((n, display(c)) for n, c in zip(names, out)), "two source names would get one name")
+    return out
+
+
+def import_named(
+    items: Sequence[tuple[str, Any]],
+    out: str | os.PathLike[str],
+    *,
+    source: str,
+    fmt: str,
+    files: Sequence[str] = (),
+    prefix: str = "model",
+    renames: Iterable[str | Rename | tuple[str, str]] = (),
+    overwrite: bool = False,
+    fsync: bool = True,
+    step: int | None = None,
+    started: float | None = None,
+    where: Mapping[str, str] | None = None,
+) -> ImportReport:
+    """Save ``(source name, numpy array or JSON value)`` pairs as the checkpoint ``out``: each
+    name renamed, put under ``prefix`` and split at ``/`` (``interop.names``)."""
+    started = time.perf_counter() if started is None else started
+    rules = renames_of(renames)
+    where = where if where is not None else {n: source for n, _ in items}
+    names = ckpt_names([n for n, _ in items], prefix, rules, dict(where))
+    state = nest(((n, c, v) for (n, v), c in zip(items, names)), source)
+    arrays = [v for _, v in items if isinstance(v, np.ndarray)]
+    save(state, out, step=step, overwrite=overwrite, fsync=fsync)
+    return ImportReport(
+        source=source,
+        destination=str(Path(out).absolute()),
+        format=fmt,
+        files=list(files),
+        tensors=len(arrays),
+        values=len(items) - len(arrays),
+        total_size=sum(a.nbytes for a in arrays),
+        names={n: display(c) for (n, _), c in zip(items, names)},
+        seconds=time.perf_counter() - started,
+    )
+
+
+def safetensors_files(src: Path) -> tuple[str, list[tuple[Path, list[str] | None]]]:
+    """The format (``safetensors`` or ``hf``) and files of ``src`` with, for a sharded
+    directory, the tensors its index places in each file."""
+    if src.is_dir():
+        if (src / hf.INDEX).exists():
+            return "hf", [(src / f, names) for f, names in hf.read_index(src).items()]
+        if (src / hf.SINGLE).is_file():
+            return "hf", [(src / hf.SINGLE, None)]
+        raise ForeignFormatError(str(src), f"a directory with neither {hf.INDEX} nor {hf.SINGLE}")
+    if not src.is_file():
+        raise ForeignFormatError(str(src), "no such file or directory")
+    return "safetensors", [(src, None)]
+
+
+def _map(fd: int, size: int) -> mmap.mmap | None:
+    if size == 0:
+        return None
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+
+
+def import_safetensors(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    prefix: str = "model",
+    renames: Iterable[str | Rename | tuple[str, str]] = (),
+    overwrite: bool = False,
+    fsync: bool = True,
+    step: int | None = None,
+) -> ImportReport:
+    """Import a safetensors file, or a Hugging Face directory (``model.safetensors``, or the
+    shards its ``model.safetensors.index.json`` names), as the ckptfmt checkpoint ``out``.
+
+    Names go under ``prefix`` (default ``model``: ``ckptfmt_torch.load({"model": model}, out)``
+    loads it in place) after the ``OLD=NEW`` ``renames``. Every header and the index are
+    checked first (module docstring); :class:`ForeignFormatError` with nothing written."""
+    started = time.perf_counter()
+    src_path = Path(src)
+    fmt, files = safetensors_files(src_path)
+    maps: list[mmap.mmap] = []
+    fds: list[int] = []
+    try:
+        headers: list[tuple[Path, Header, int]] = []
+        for path, listed in files:
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise ForeignFormatError(str(path), f"cannot open: {exc}") from None
+            fds.append(fd)
+            header = read_header(fd, str(path))
+            if listed is not None:
+                have = {t.name for t in header.tensors}
+                for name in listed:
+                    if name not in have:
+                        raise ForeignFormatError(
+                            str(src_path / hf.INDEX),
+                            f"the index places it in {path.name}, which does not hold it",
+                            name,
+                        )
+                extra = sorted(have - set(listed))
+                if extra:
+                    raise ForeignFormatError(
+                        str(path), "holds a tensor its directory's index does not list", extra[0]
+                    )
+            headers.append((path, header, fd))
+        items: list[tuple[str, Any]] = []
+        where: dict[str, str] = {}
+        for path, header, fd in headers:
+            mm = _map(fd, header.file_size)
+            if mm is not None:
+                maps.append(mm)
+            for t in header.tensors:
+                dt = by_name(t.dtype).numpy
+                count = t.nbytes // dt.itemsize
+                if mm is None or count == 0:
+                    arr = np.zeros(t.shape, dt)
+                else:
+                    arr = np.frombuffer(mm, dt, count, header.data_start + t.begin).reshape(t.shape)
+                if t.name in where:
+                    raise ForeignFormatError(str(path), f"also in {where[t.name]}", t.name)
+                where[t.name] = str(path)
+                items.append((t.name, arr))
+        report = import_named(
+            items,
+            out,
+            source=str(src_path),
+            fmt=fmt,
+            files=[str(p) for p, _, _ in headers],
+            prefix=prefix,
+            renames=renames,
+            overwrite=overwrite,
+            fsync=fsync,
+            step=step,
+            started=started,
+            where=where,
+        )
+        del items
+        return report
+    finally:
+        for mm in maps:
+            with contextlib.suppress(BufferError):  # an array still refers to it
+                mm.close()
+        for fd in fds:
+            os.close(fd)
