@@ -74,7 +74,7 @@ def check_policy(cast: str | None) -> str:
 
 
 def _float_info(dt: np.dtype) -> Any:
-    return ml_dtypes.finfo(dt) if dt in _ML_FLOATS else np.finfo(dt)
+    return ml_dtypes.finfo(dt) if dt in _ML_FLOATS else np.finfo(dt)  # type: ignore[no-untyped-call]
 
 
 def is_safe(saved: np.dtype, target: np.dtype) -> bool:

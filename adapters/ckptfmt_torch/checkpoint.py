@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,6 +29,8 @@ from ckptfmt.parallel.load import load_collective
 from ckptfmt.parallel.manager import CheckpointManager
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.reshard.per_rank import RankMap
+from ckptfmt.state import PerRank, Shard
+from ckptfmt.storage.paths import refuse_url
 from ckptfmt_torch.convert import from_state, to_state, wants_of
 
 _GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
@@ -84,6 +87,7 @@ def save(
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
+    refuse_url(path)
     comm = comm or default_comm()
     state = to_state(state_dict)
     try:
@@ -111,6 +115,7 @@ def load(
     comm: Comm | None = None,
     rank_map: RankMap = None,
     per_rank: str = "error",
+    cast: str | None = None,
 ) -> int | None:
     """Collective (as ``save``): load the checkpoint at ``path`` into ``state_dict`` in place and
     return its step.
@@ -122,23 +127,66 @@ def load(
     read is verified. With another number of ranks than the save's, per-rank entries (RNG
     states, data positions) need ``rank_map`` (saved rank -> current rank, or ``"identity"``) or
     ``per_rank="drop"``, which leaves this rank's own ``PerRank`` leaves as they are.
+
+    All or nothing: names, shapes, dtypes and boxes are checked before anything is written, so a
+    load that raises leaves every tensor and object of ``state_dict`` as it was. A dtype that
+    differs from the saved one is refused unless ``cast`` allows it (``"safe"``: no value
+    changes, ``"any"``; ``ckptfmt.casting``); every conversion is reported as a
+    ``ckptfmt.casting.CastWarning``.
     """
+    refuse_url(path)
     comm = comm or default_comm()
     wants = wants_of(to_state(state_dict))
     loaded, manifest = load_collective(comm, path, wants, rank_map=rank_map, per_rank=per_rank)
-    from_state(state_dict, loaded, keep_per_rank=per_rank == "drop")
+    from_state(state_dict, loaded, keep_per_rank=per_rank == "drop", cast=cast)
     return manifest.step
 
 
-def restore(manager: CheckpointManager, state_dict: MutableMapping[str, Any]) -> int | None:
+def restore(
+    manager: CheckpointManager,
+    state_dict: MutableMapping[str, Any],
+    *,
+    cast: str | None = None,
+) -> int | None:
     """Collective: ``manager.restore`` for a PyTorch state dict (in place, as ``load``); returns
     the restored step, or None (``state_dict`` untouched) when there is no usable checkpoint.
 
-    Save with ``manager.save(step, ckptfmt_torch.to_state(state_dict))``: ``to_state`` gives
-    views of the tensors, which the manager copies into its staging buffers before it returns.
+    As ``load``, all or nothing: the manager loads into buffers of its own (never into the
+    tensors), then everything is checked against ``state_dict`` before anything is written;
+    ``cast`` is ``load``'s dtype policy. Save with
+    ``manager.save(step, ckptfmt_torch.to_state(state_dict))``: ``to_state`` gives views of the
+    tensors, which the manager copies into its staging buffers before it returns.
     """
-    step = manager.restore(to_state(state_dict))
+    step = manager.restore(_detached(to_state(state_dict)))
     if step is not None:
-        assert manager.restored_state is not None
-        from_state(state_dict, manager.restored_state)
+        if manager.restored_state is None:  # pragma: no cover - restore sets it with a step
+            raise UsageError("the manager restored a step but kept no state")
+        loaded = manager.restored_state
+        from_state(state_dict, loaded, cast=cast)  # checks everything before it writes
     return step
+
+
+def _detached(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The ckptfmt state the manager is given to restore: the same names, shapes, dtypes and
+    ``Shard`` boxes, but none of the tensors' memory (the manager would copy into it before
+    anything is checked). Each array is one element seen at every index (a writable zero-stride
+    view): the manager's copy into it writes nothing anyone reads, and what it loaded is kept
+    in ``manager.restored_state``."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, Mapping):
+            out[k] = _detached(v)
+        elif isinstance(v, Shard):
+            out[k] = Shard(_sink(v.data), v.offset, v.global_shape)
+        elif isinstance(v, PerRank):
+            out[k] = PerRank(_sink(v.value) if isinstance(v.value, np.ndarray) else v.value)
+        elif isinstance(v, np.ndarray):
+            out[k] = _sink(v)
+        else:
+            out[k] = v
+    return out
+
+
+def _sink(a: np.ndarray) -> np.ndarray:
+    one = np.empty(1, a.dtype)
+    return np.lib.stride_tricks.as_strided(one, a.shape, (0,) * a.ndim, writeable=True)

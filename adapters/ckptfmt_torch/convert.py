@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ckptfmt.casting import Cast, plan_casts, report_casts
 from ckptfmt.errors import UnsupportedDtypeError, UnsupportedValueError, UsageError
 from ckptfmt.manifest.values import encode_value
 from ckptfmt.state import PerRank, Shard
@@ -114,15 +115,17 @@ def numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
     raise UnsupportedDtypeError(a.dtype)
 
 
-def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "") -> None:
-    """Copy a loaded array into a tensor in place (bit-exact when the dtypes agree; otherwise
-    converted as ``Tensor.copy_`` converts)."""
+def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "", cast: str | None = None) -> None:
+    """Copy a loaded array into a tensor in place: bit-exact when the dtypes agree; otherwise
+    only as the policy ``cast`` allows (``ckptfmt.casting``: ``"safe"``, ``"any"``), converted
+    as ``Tensor.copy_`` converts. A refused dtype or a wrong shape raises before any write."""
     src = np.asarray(src)
     if tuple(dst.shape) != src.shape:
         raise UsageError(
             f"{name or 'tensor'}: the checkpoint holds shape {list(src.shape)}, the tensor "
             f"loaded into has {list(dst.shape)}"
         )
+    plan_casts([(name or "tensor", src.dtype, torch_numpy_dtype(dst.dtype))], cast)
     with torch.no_grad():
         if dst.device.type == "cpu" and (
             _DIRECT.get(dst.dtype) == src.dtype
@@ -131,6 +134,15 @@ def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "") -> None:
             np.copyto(tensor_to_numpy(dst, name), src, casting="no")
         else:
             dst.copy_(numpy_to_tensor(np.ascontiguousarray(src)))
+
+
+def torch_numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy (``ml_dtypes``) dtype of a torch dtype; :class:`UnsupportedDtypeError` if none."""
+    if dtype in _DIRECT:
+        return np.dtype(_DIRECT[dtype])
+    if dtype in _VIA_BITS:
+        return np.dtype(_VIA_BITS[dtype][1])
+    raise UnsupportedDtypeError(dtype)
 
 
 # --- DTensor: the local shard and where it lies -------------------------------------------------
@@ -265,26 +277,182 @@ def from_state(
     path: str = "",
     *,
     keep_per_rank: bool = False,
-) -> None:
-    """Put a loaded ckptfmt state back into a PyTorch state dict, in place.
+    cast: str | None = None,
+) -> list[Cast]:
+    """Put a loaded ckptfmt state back into a PyTorch state dict, in place; return the dtype
+    conversions made (also reported as a ``ckptfmt.casting.CastWarning``).
 
-    Tensors (and a DTensor's local shard) are copied into; a stateful object gets
-    ``load_state_dict`` with its own ``state_dict()`` filled from the checkpoint; other values are
-    replaced (tuples stay tuples where the target had them). Every name of ``target`` must be in
-    the checkpoint; names only the checkpoint has are added (a fresh optimizer's empty state
-    takes its entries that way). ``keep_per_rank``: ``PerRank`` leaves the load left out (it
-    dropped them, as asked, for another number of ranks) keep their values.
+    Everything is checked before anything is written (:func:`check_state`): a missing name, a
+    shape, a dtype that ``cast`` does not allow (``ckptfmt.casting``: refused by default), a
+    module's name the checkpoint adds, an optimizer's parameter groups — so a load that fails
+    leaves every tensor, module and optimizer as it was. Then tensors (and a DTensor's local
+    shard) are copied into; a stateful object gets ``load_state_dict`` with its own
+    ``state_dict()`` filled from the checkpoint; other values are replaced (tuples stay tuples
+    where the target had them). Names only the checkpoint has are added (a fresh optimizer's
+    empty state takes its entries that way). ``keep_per_rank``: ``PerRank`` leaves the load left
+    out (dropped, as asked, for another number of ranks) keep their values; a stateful that
+    lists a name in ``ckptfmt_optional`` (``TrainingState``: its RNG streams and sampler
+    position) is given its state dict without it and decides (it warns).
     """
+    sds: dict[int, dict[str, Any]] = {}
+    casts = check_state(target, loaded, path, keep_per_rank=keep_per_rank, cast=cast, sds=sds)
+    _apply(target, loaded, path, keep_per_rank, cast, sds)
+    report_casts(casts)
+    return casts
+
+
+def check_state(
+    target: Mapping[Any, Any],
+    loaded: Any,
+    path: str = "",
+    *,
+    keep_per_rank: bool = False,
+    cast: str | None = None,
+    sds: dict[int, dict[str, Any]] | None = None,
+) -> list[Cast]:
+    """Everything :func:`from_state` would find wrong, found without writing anything: raises
+    a :class:`UsageError` naming every missing name and wrong shape (or, when only dtypes are
+    wrong, a :class:`ckptfmt.errors.DtypeMismatchError` naming them all); returns the dtype
+    conversions the load will make. ``sds`` collects the statefuls' ``state_dict()`` so that
+    the load fills the very dicts that were checked."""
+    problems: list[str] = []
+    pairs: list[tuple[str, Any, Any]] = []
+    _check(target, loaded, path, keep_per_rank, problems, pairs, {} if sds is None else sds, ())
+    if problems:
+        shown = "; ".join(problems[:10])
+        more = f"; ... {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise UsageError(f"nothing was loaded: {shown}{more}")
+    return plan_casts(pairs, cast)
+
+
+def _check(
+    target: Mapping[Any, Any],
+    loaded: Any,
+    path: str,
+    keep_per_rank: bool,
+    problems: list[str],
+    pairs: list[tuple[str, Any, Any]],
+    sds: dict[int, dict[str, Any]],
+    optional: tuple[str, ...],
+) -> None:
     if not isinstance(loaded, Mapping):
-        raise UsageError(f"{path or 'the state'}: the checkpoint holds a value, not a mapping")
+        problems.append(f"{path or 'the state'}: the checkpoint holds a value, not a mapping")
+        return
     for k in list(target):
         key = _key(k, path)
         name = _join(path, key)
         if key not in loaded:
-            if keep_per_rank and _only_per_rank(target[k]):
+            if (keep_per_rank and _only_per_rank(target[k])) or key in optional:
                 continue
-            raise UsageError(f"the checkpoint has no entry {name!r}")
-        target[k] = _put(target[k], loaded[key], name, keep_per_rank)
+            problems.append(f"the checkpoint has no entry {name!r}")
+            continue
+        _check_leaf(target[k], loaded[key], name, keep_per_rank, problems, pairs, sds)
+
+
+def _check_leaf(
+    t: Any,
+    value: Any,
+    name: str,
+    keep_per_rank: bool,
+    problems: list[str],
+    pairs: list[tuple[str, Any, Any]],
+    sds: dict[int, dict[str, Any]],
+) -> None:
+    def tensor(shape: tuple[int, ...], dtype: np.dtype, reshape: bool = False) -> None:
+        if not isinstance(value, np.ndarray):
+            problems.append(f"{name}: the checkpoint holds a {type(value).__name__}, not a tensor")
+            return
+        fits = value.size == int(np.prod(shape)) if reshape else value.shape == shape
+        if not fits:
+            problems.append(
+                f"{name}: the checkpoint holds shape {list(value.shape)}, the destination has "
+                f"{list(shape)}"
+            )
+            return
+        pairs.append((name, value.dtype, dtype))
+
+    if is_dtensor(t):
+        local = t.to_local()
+        tensor(tuple(local.shape), torch_numpy_dtype(local.dtype))
+    elif isinstance(t, torch.Tensor):
+        tensor(tuple(t.shape), torch_numpy_dtype(t.dtype))
+    elif isinstance(t, PerRank):
+        _check_leaf(t.value, value, name, keep_per_rank, problems, pairs, sds)
+    elif isinstance(t, Shard):
+        tensor(tuple(t.data.shape), t.data.dtype, reshape=True)
+    elif isinstance(t, np.ndarray) and isinstance(value, np.ndarray) and t.shape == value.shape:
+        pairs.append((name, value.dtype, t.dtype))
+    elif is_stateful(t):
+        sd = sds.setdefault(id(t), t.state_dict())
+        optional = tuple(getattr(t, "ckptfmt_optional", ()))
+        _check(sd, value, name, keep_per_rank, problems, pairs, sds, optional)
+        if isinstance(value, Mapping):
+            if isinstance(t, torch.nn.Module):
+                known = {_key(k, name) for k in sd}
+                extra = sorted(k for k in value if k not in known)
+                if extra:  # load_state_dict(strict=True) would refuse them after the copies
+                    problems.append(
+                        f"{name}: the checkpoint has {len(extra)} entr(ies) the module does not: "
+                        f"{', '.join(_join(name, k) for k in extra[:8])}"
+                    )
+            elif isinstance(t, torch.optim.Optimizer):
+                _check_optimizer(t, value, name, problems, pairs)
+    elif isinstance(t, Mapping) and isinstance(value, Mapping):
+        _check(t, value, name, keep_per_rank, problems, pairs, sds, ())
+
+
+def _check_optimizer(
+    opt: torch.optim.Optimizer,
+    value: Mapping[str, Any],
+    name: str,
+    problems: list[str],
+    pairs: list[tuple[str, Any, Any]],
+) -> None:
+    """What ``Optimizer.load_state_dict`` would refuse or cast, found first: the parameter
+    groups' sizes, and state tensors of another dtype than their parameter (torch casts them
+    to the parameter's dtype)."""
+    groups = value.get("param_groups")
+    if not isinstance(groups, list):
+        return
+    own = [len(g["params"]) for g in opt.param_groups]
+    saved = [len(g.get("params", [])) if isinstance(g, Mapping) else -1 for g in groups]
+    if own != saved:
+        problems.append(
+            f"{name}: the checkpoint's parameter groups have {saved} parameters, the optimizer's "
+            f"{own}"
+        )
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ids = [p for g in groups for p in g.get("params", [])]
+    by_id = dict(zip(ids, params))
+    state = value.get("state")
+    if not isinstance(state, Mapping):
+        return
+    for key, entry in state.items():
+        p = by_id.get(int(key)) if str(key).isdigit() else None
+        if p is None or not isinstance(entry, Mapping) or not p.is_floating_point():
+            continue
+        for slot, arr in entry.items():
+            floating = isinstance(arr, np.ndarray) and (
+                arr.dtype.kind == "f" or arr.dtype in _BITS_OF_NUMPY
+            )
+            if slot != "step" and floating:
+                pairs.append((f"{name}/state/{key}/{slot}", arr.dtype, torch_numpy_dtype(p.dtype)))
+
+
+def _apply(
+    target: MutableMapping[Any, Any],
+    loaded: Mapping[str, Any],
+    path: str,
+    keep_per_rank: bool,
+    cast: str | None,
+    sds: dict[int, dict[str, Any]],
+) -> None:
+    for k in list(target):
+        key = _key(k, path)
+        if key not in loaded:
+            continue  # checked: dropped per-rank state, or optional for its stateful
+        target[k] = _put(target[k], loaded[key], _join(path, key), keep_per_rank, cast, sds)
     int_keys = bool(target) and all(isinstance(k, int) for k in target)
     known = {_key(k, path) for k in target}
     for key, value in loaded.items():
@@ -299,31 +467,43 @@ def _only_per_rank(t: Any) -> bool:
     return isinstance(t, Mapping) and bool(t) and all(_only_per_rank(v) for v in t.values())
 
 
-def _put(t: Any, value: Any, name: str, keep_per_rank: bool = False) -> Any:
+def _put(
+    t: Any,
+    value: Any,
+    name: str,
+    keep_per_rank: bool,
+    cast: str | None,
+    sds: dict[int, dict[str, Any]],
+) -> Any:
     """``t`` updated from ``value`` (the same object when updated in place)."""
     if is_dtensor(t):
-        copy_into(t.to_local(), value, name)
+        copy_into(t.to_local(), value, name, cast)
         return t
     if isinstance(t, torch.Tensor):
-        copy_into(t, value, name)
+        copy_into(t, value, name, cast)
         return t
     if isinstance(t, PerRank):  # the loaded value is this rank's own
-        return PerRank(_put(t.value, value, name, keep_per_rank))
+        return PerRank(_put(t.value, value, name, keep_per_rank, cast, sds))
     if isinstance(t, Shard):
-        np.copyto(t.data, np.asarray(value).reshape(t.data.shape))
+        np.copyto(t.data, np.asarray(value).reshape(t.data.shape), casting="unsafe")
         return t
     if isinstance(t, np.ndarray) and isinstance(value, np.ndarray) and t.shape == value.shape:
-        np.copyto(t, value)
+        np.copyto(t, value, casting="unsafe")  # the policy was checked
         return t
     if is_stateful(t):
-        sd = t.state_dict()
-        from_state(sd, value, name, keep_per_rank=keep_per_rank)
+        sd = sds.pop(id(t), None)
+        if sd is None:
+            sd = t.state_dict()
+        _apply(sd, value, name, keep_per_rank, cast, sds)
+        for k in getattr(t, "ckptfmt_optional", ()):
+            if k not in value:  # absent from the checkpoint: the stateful decides (and says)
+                sd.pop(k, None)
         if isinstance(t, torch.optim.Optimizer):
             _int_state_keys(sd)
         t.load_state_dict(sd)
         return t
     if isinstance(t, MutableMapping) and isinstance(value, Mapping):
-        from_state(t, value, name, keep_per_rank=keep_per_rank)
+        _apply(t, value, name, keep_per_rank, cast, sds)
         return t
     return like(t, value)
 

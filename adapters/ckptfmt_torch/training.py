@@ -4,6 +4,7 @@ object; ``rng_state`` / ``set_rng_state`` for the random generators of each rank
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -97,7 +98,14 @@ class TrainingState:
     - ``rng``: this rank's generators (:func:`rng_state`), when ``rng`` is true;
     - ``data``: the sampler's position (``ResumableSampler``), this rank's own;
     - ``extra``: further statefuls or values, by name.
+
+    A checkpoint without ``rng`` or ``data`` (per-rank state left out by ``ckptfmt reshard
+    --drop-per-rank`` or a load with ``per_rank="drop"``) still loads: the generators and the
+    sampler keep the state this process gave them (fresh streams), with a warning naming what
+    was missing (``ckptfmt_optional`` tells ``ckptfmt_torch.load`` that they may be absent).
     """
+
+    ckptfmt_optional = ("rng", "data")
 
     def __init__(
         self,
@@ -161,10 +169,25 @@ class TrainingState:
         if self.scaler is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
         self.counters = dict(state_dict["counters"])
+        missing = []
         if self.rng:
-            set_rng_state(state_dict["rng"])
+            if "rng" in state_dict:
+                set_rng_state(state_dict["rng"])
+            else:
+                missing.append("'rng' (this rank's RNG streams: they start fresh, as seeded here)")
         if self.sampler is not None:
-            self.sampler.load_state_dict(_own(state_dict["data"]))
+            if "data" in state_dict:
+                self.sampler.load_state_dict(_own(state_dict["data"]))
+            else:
+                missing.append("'data' (the sampler's position: it starts its epoch afresh)")
+        if missing:
+            warnings.warn(
+                "TrainingState: the checkpoint has no per-rank "
+                + " and no ".join(missing)
+                + "; it was saved or resharded without per-rank state",
+                UserWarning,
+                stacklevel=2,
+            )
         for key, value in dict(state_dict.get("extra", {})).items():
             if key in self.extra and hasattr(self.extra[key], "load_state_dict"):
                 continue  # statefuls were loaded in place

@@ -1,0 +1,271 @@
+"""What a new PyTorch user hits (issue 16): a load that fails leaves every destination as it
+was, bit for bit; a dtype mismatch is refused unless ``cast=`` allows it, and every conversion is
+reported; URLs are refused; a ``TrainingState`` loads a checkpoint whose per-rank state was
+dropped, with fresh RNG streams and a warning naming what was missing."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ckptfmt_torch  # noqa: E402
+from ckptfmt_torch import TrainingState  # noqa: E402
+
+import ckptfmt  # noqa: E402
+from ckptfmt.casting import CastWarning  # noqa: E402
+from ckptfmt.errors import DtypeMismatchError, UrlNotSupportedError, UsageError  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def raw(t: Any) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def snapshot(obj: Any) -> dict[str, bytes]:
+    """Every tensor of a module/optimizer state (or a dict of tensors) as bytes."""
+    sd = obj.state_dict() if hasattr(obj, "state_dict") else obj
+    out: dict[str, bytes] = {}
+
+    def walk(x: Any, p: str) -> None:
+        if isinstance(x, torch.Tensor):
+            out[p] = raw(x)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{p}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{p}/{i}")
+        else:
+            out[p] = repr(x).encode()
+
+    walk(sd, "")
+    return out
+
+
+def test_failed_load_leaves_every_destination_untouched(tmp_path: Path) -> None:
+    ckptfmt_torch.save({"a": torch.arange(6.0), "b": torch.ones(3, 4)}, tmp_path / "c")
+    a = torch.full((6,), -1.5)
+    b = torch.zeros(4, 3)  # the wrong shape
+    before = raw(a)
+    with pytest.raises(UsageError, match=r"b: the checkpoint holds shape \[3, 4\]"):
+        ckptfmt_torch.load({"a": a, "b": b}, tmp_path / "c")
+    assert raw(a) == before  # `a` comes first and was not written
+
+
+def test_failed_load_names_every_problem_at_once(tmp_path: Path) -> None:
+    ckptfmt_torch.save({"a": torch.ones(2), "b": torch.ones(3)}, tmp_path / "c")
+    a, b, c = torch.zeros(5), torch.zeros(3, dtype=torch.float64), torch.zeros(1)
+    with pytest.raises(UsageError) as exc:
+        ckptfmt_torch.load({"a": a, "b": b, "c": c}, tmp_path / "c")
+    text = str(exc.value)
+    assert "a: the checkpoint holds shape [2]" in text and "no entry 'c'" in text, text
+    assert raw(a) == raw(torch.zeros(5)) and raw(b) == raw(torch.zeros(3, dtype=torch.float64))
+
+
+def test_module_and_optimizer_untouched_when_a_later_entry_fails(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ckptfmt_torch.save({"model": model, "optim": opt, "w": torch.ones(2)}, tmp_path / "c")
+    torch.manual_seed(1)
+    model2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
+    model2(torch.randn(2, 4)).sum().backward()
+    opt2.step()
+    m_before, o_before = snapshot(model2), snapshot(opt2)
+    with pytest.raises(UsageError, match="w: the checkpoint holds shape"):
+        ckptfmt_torch.load({"model": model2, "optim": opt2, "w": torch.ones(7)}, tmp_path / "c")
+    assert snapshot(model2) == m_before and snapshot(opt2) == o_before
+
+
+def test_module_with_fewer_parameters_refused_before_any_copy(tmp_path: Path) -> None:
+    """The checkpoint has a parameter the module lacks: ``load_state_dict(strict=True)`` would
+    refuse it after the other parameters were already copied in."""
+    big = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    ckptfmt_torch.save({"model": big}, tmp_path / "c")
+    small = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    before = snapshot(small)
+    with pytest.raises(UsageError, match=r"model/1\.weight"):
+        ckptfmt_torch.load({"model": small}, tmp_path / "c")
+    assert snapshot(small) == before
+
+
+def test_optimizer_groups_mismatch_refused_before_the_model_is_written(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    ckptfmt_torch.save({"model": model, "optim": opt}, tmp_path / "c")
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)  # one group, not two
+    before = snapshot(model2)
+    with pytest.raises(UsageError, match="parameter groups"):
+        ckptfmt_torch.load({"model": model2, "optim": opt2}, tmp_path / "c")
+    assert snapshot(model2) == before
+
+
+def test_dtype_mismatch_refused_by_default(tmp_path: Path) -> None:
+    saved = torch.linspace(-3, 3, 7, dtype=torch.float32) / 3
+    ckptfmt_torch.save({"w": saved, "v": torch.ones(2)}, tmp_path / "c")
+    v = torch.zeros(2)
+    w = torch.zeros(7, dtype=torch.bfloat16)
+    before = raw(w), raw(v)
+    with pytest.raises(DtypeMismatchError) as exc:
+        ckptfmt_torch.load({"v": v, "w": w}, tmp_path / "c")
+    assert exc.value.mismatched == {"w": ("float32", "bfloat16")}
+    assert 'cast="safe"' in str(exc.value)
+    assert (raw(w), raw(v)) == before
+    # float32 -> bfloat16 rounds: not a safe cast either
+    with pytest.raises(DtypeMismatchError, match='cast="any"'):
+        ckptfmt_torch.load({"v": v, "w": w}, tmp_path / "c", cast="safe")
+    assert (raw(w), raw(v)) == before
+    with pytest.warns(CastWarning) as rec:
+        ckptfmt_torch.load({"v": v, "w": w}, tmp_path / "c", cast="any")
+    assert [str(c) for c in rec[0].message.casts] == ["w: float32 -> bfloat16"]  # type: ignore[union-attr]
+    assert raw(w) == raw(saved.to(torch.bfloat16)) and raw(v) == raw(torch.ones(2))
+
+
+def test_safe_cast_is_exact_and_reported(tmp_path: Path) -> None:
+    saved = (torch.randn(64) * 100).to(torch.bfloat16)
+    ckptfmt_torch.save({"w": saved}, tmp_path / "c")
+    w = torch.zeros(64, dtype=torch.float32)
+    with pytest.raises(DtypeMismatchError):
+        ckptfmt_torch.load({"w": w}, tmp_path / "c")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ckptfmt_torch.load({"w": w}, tmp_path / "c", cast="safe")
+    casts = [c for r in rec if isinstance(r.message, CastWarning) for c in r.message.casts]
+    assert [(c.name, c.saved, c.target) for c in casts] == [("w", "bfloat16", "float32")]
+    assert torch.equal(w.to(torch.bfloat16), saved)  # every value exact
+
+
+def test_equal_dtypes_load_without_a_warning(tmp_path: Path) -> None:
+    ckptfmt_torch.save({"w": torch.ones(3, dtype=torch.bfloat16)}, tmp_path / "c")
+    w = torch.zeros(3, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckptfmt_torch.load({"w": w}, tmp_path / "c")
+    assert raw(w) == raw(torch.ones(3, dtype=torch.bfloat16))
+
+
+def test_a_bad_cast_policy_is_a_usage_error(tmp_path: Path) -> None:
+    ckptfmt_torch.save({"w": torch.ones(3)}, tmp_path / "c")
+    with pytest.raises(UsageError, match="cast must be one of"):
+        ckptfmt_torch.load({"w": torch.ones(3)}, tmp_path / "c", cast="yes")
+
+
+def test_optimizer_state_of_another_dtype_refused(tmp_path: Path) -> None:
+    """torch's ``Optimizer.load_state_dict`` casts state to the parameter's dtype: refused
+    unless asked, like a parameter."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    ckptfmt_torch.save({"optim": opt}, tmp_path / "c")
+    model2 = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt2 = torch.optim.Adam(model2.parameters())
+    with pytest.raises(DtypeMismatchError, match="exp_avg"):
+        ckptfmt_torch.load({"optim": opt2}, tmp_path / "c")
+    assert not opt2.state
+    with pytest.warns(CastWarning):
+        ckptfmt_torch.load({"optim": opt2}, tmp_path / "c", cast="any")
+    assert opt2.state
+
+
+def test_manager_restore_is_all_or_nothing(tmp_path: Path) -> None:
+    mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1")
+    mgr.save(3, ckptfmt_torch.to_state({"a": torch.arange(4.0), "b": torch.ones(2)}))
+    mgr.close()
+    a = torch.full((4,), 9.0)
+    b = torch.zeros(2, dtype=torch.float16)
+    before = raw(a), raw(b)
+    mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1")
+    try:
+        with pytest.raises(DtypeMismatchError):
+            ckptfmt_torch.restore(mgr, {"a": a, "b": b})
+        assert (raw(a), raw(b)) == before  # the manager never wrote into the tensors either
+        with pytest.warns(CastWarning):
+            assert ckptfmt_torch.restore(mgr, {"a": a, "b": b}, cast="any") == 3
+        assert raw(a) == raw(torch.arange(4.0)) and raw(b) == raw(
+            torch.ones(2, dtype=torch.float16)
+        )
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "gs://b/ckpt/step-1", "file:///tmp/x"])
+def test_urls_are_refused(tmp_path: Path, url: str) -> None:
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(UrlNotSupportedError, match="URLs are not supported"):
+            ckptfmt_torch.save({"a": torch.ones(2)}, url)
+        with pytest.raises(UrlNotSupportedError):
+            ckptfmt_torch.load({"a": torch.ones(2)}, url)
+        with pytest.raises(UrlNotSupportedError):
+            ckptfmt.save({"a": np.ones(2)}, url)
+        with pytest.raises(UrlNotSupportedError):
+            ckptfmt.load(url)
+        with pytest.raises(UrlNotSupportedError):
+            ckptfmt.open(url)
+        with pytest.raises(UrlNotSupportedError):
+            ckptfmt.latest(url)
+        assert list(tmp_path.iterdir()) == []  # no ./s3:/bucket/x made
+    finally:
+        os.chdir(cwd)
+
+
+def test_training_state_loads_without_per_rank_state(tmp_path: Path) -> None:
+    """A checkpoint whose per-rank state (RNG streams, sampler position) was dropped loads into
+    a ``TrainingState``: the model and counters are restored, the RNG streams start fresh (as
+    the program seeded them), and a warning names what was missing."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ts = TrainingState(model, counters={"step": 5})
+    sd = ts.state_dict()
+    no_rng = {k: v for k, v in sd.items() if k != "rng"}
+    ckptfmt.save(ckptfmt_torch.to_state({"train": no_rng}), tmp_path / "c")
+    torch.manual_seed(1)
+    model2 = torch.nn.Linear(3, 2)
+    ts2 = TrainingState(model2)
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state().clone()
+    with pytest.warns(UserWarning, match=r"'rng'.*fresh") as rec:
+        ckptfmt_torch.load({"train": ts2}, tmp_path / "c")
+    assert any("rng" in str(r.message) for r in rec)
+    assert ts2.counters == {"step": 5}
+    assert raw(model2.weight) == raw(model.weight)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # left as the program seeded it
+
+
+def test_training_state_still_requires_what_is_not_per_rank(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    sd = TrainingState(model).state_dict()
+    ckptfmt.save(
+        ckptfmt_torch.to_state({"train": {"rng": sd["rng"], "counters": {}}}), tmp_path / "c"
+    )
+    model2 = torch.nn.Linear(3, 2)
+    before = snapshot(model2)
+    with pytest.raises(UsageError, match="no entry 'train/model"):
+        ckptfmt_torch.load({"train": TrainingState(model2)}, tmp_path / "c")
+    assert snapshot(model2) == before
+
+
+def test_ml_dtypes_view_safe_cast_table() -> None:
+    from ckptfmt.casting import is_safe
+
+    bf16, f8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+    assert is_safe(bf16, np.dtype(np.float32)) and not is_safe(np.dtype(np.float32), bf16)
+    assert is_safe(f8, np.dtype(np.float16)) and is_safe(f8, bf16)
+    assert not is_safe(np.dtype(np.float16), bf16) and not is_safe(bf16, np.dtype(np.float16))
+    assert is_safe(np.dtype(np.int16), np.dtype(np.int32))
+    assert not is_safe(np.dtype(np.float32), np.dtype(np.int64))
