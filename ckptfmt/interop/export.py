@@ -75,12 +75,13 @@ class ExportReport:
     rebuilt_nodes: list[str] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
+    format: str = "safetensors"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
             "destination": self.destination,
-            "format": "safetensors",
+            "format": self.format,
             "step": self.step,
             "files": self.files,
             "tensors": self.tensors,
@@ -156,7 +157,9 @@ def layout(planned: Sequence[Planned], max_bytes: int, metadata: dict[str, str])
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() or out.is_symlink():
         if not overwrite:
-            raise DestinationExistsError(str(out), "it exists (pass overwrite=True to replace it)")
+            raise DestinationExistsError(
+                str(out), "it exists (--overwrite, overwrite=True, replaces a previous export)"
+            )
         if out.is_symlink() or not out.is_dir():
             raise DestinationExistsError(str(out), "it exists and is not a directory")
         ours = {hf.SINGLE, hf.INDEX}
@@ -258,6 +261,7 @@ def export_safetensors(
     threads: int = 2,
     window_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
 ) -> ExportReport:
     """Write the checkpoint ``src`` as a Hugging Face safetensors directory ``out`` (module
     docstring); return what was written.
@@ -269,8 +273,8 @@ def export_safetensors(
     ``renames`` (``OLD=NEW`` prefix rules). ``dtype``: cast floating tensors to ``bfloat16``,
     ``float16`` or ``float32`` (integer, bool and complex tensors are never cast; the report
     lists them). ``max_shard_size``: ``"5GB"``-style or bytes. ``progress(n)`` is called with
-    the bytes of each tensor written. ``out`` must not exist unless ``overwrite`` (then only a
-    previous export is replaced)."""
+    the bytes of each tensor written, ``on_plan(total)`` once with the bytes to write. ``out``
+    must not exist unless ``overwrite`` (then only a previous export is replaced)."""
     started = time.perf_counter()
     max_bytes = hf.parse_size(max_shard_size)
     rules = renames_of(renames)
@@ -290,6 +294,8 @@ def export_safetensors(
     if dtype is not None:
         meta["ckptfmt_cast"] = f"floating tensors to {dtype}; {len(not_cast)} non-floating kept"
     files = layout(planned, max_bytes, meta)
+    if on_plan is not None:
+        on_plan(sum(p.nbytes for p in planned))
     window = max(1, min(window_bytes or DEFAULT_WINDOW, max_bytes))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_of(out_path)

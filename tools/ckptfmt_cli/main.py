@@ -29,6 +29,8 @@ from ckptfmt import VerifyReport
 from ckptfmt.repair import NodeDirs, node_dirs
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
+from ckptfmt_cli.export_cmd import export_command
+from ckptfmt_cli.import_cmd import import_command
 from ckptfmt_cli.rebuild_cmd import node_spec, rebuild_command
 from ckptfmt_cli.reshard_cmd import reshard_command
 from ckptfmt_cli.summary import describe
@@ -178,6 +180,8 @@ def list_command(path: Path, as_json: bool) -> None:
 
 cli.add_command(rebuild_command)
 cli.add_command(reshard_command)
+cli.add_command(export_command)
+cli.add_command(import_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

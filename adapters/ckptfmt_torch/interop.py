@@ -1,0 +1,251 @@
+"""PyTorch's own files in and out of ckptfmt: ``torch.save`` files (both ways) and DCP
+checkpoint directories (in), for ``ckptfmt export --to torch`` and ``ckptfmt import``.
+
+The framework-free part (safetensors, the Hugging Face layout, names, writing the checkpoint)
+is ``ckptfmt.interop``; this module only turns PyTorch's containers into named arrays and back.
+
+Unpickling: a ``torch.save`` file is read only with ``torch.load(weights_only=True)``, PyTorch's
+restricted unpickler (tensors, containers, numbers, strings); anything that needs more is refused
+with :class:`ForeignFormatError`. A DCP checkpoint's ``.metadata`` is a plain pickle, and DCP's
+reader unpickles it: :func:`import_dcp` does so only with ``trust_pickle=True`` (the CLI's
+``--trust-pickle``), and raises :class:`PickleRefusedError` otherwise. Nothing else here unpickles.
+Writing a ``torch.save`` file (:func:`export_torch`) writes a pickle because the user asks for one.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptfmt.errors import (
+    DestinationExistsError,
+    ForeignFormatError,
+    PickleRefusedError,
+    UsageError,
+)
+from ckptfmt.interop.export import ExportReport, tensors_of
+from ckptfmt.interop.importer import ImportReport, import_named
+from ckptfmt.interop.names import Rename
+from ckptfmt.manifest.limits import display
+from ckptfmt.storage.files import fsync_dir
+from ckptfmt_torch.convert import numpy_to_tensor, to_state
+
+
+def export_torch(
+    src: Any,
+    out: str | os.PathLike[str],
+    *,
+    rows: Sequence[str] = (),
+    strip: str = "model/",
+    renames: Iterable[str | Rename | tuple[str, str]] = (),
+    dtype: str | None = None,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> ExportReport:
+    """Write the checkpoint ``src`` as one ``torch.save`` file ``out`` of a flat state dict
+    (``name -> tensor``: the names, selection and casts of
+    :func:`ckptfmt.interop.export_safetensors`). The whole state is in memory once (``torch.save``
+    takes it whole); the file appears by rename, complete or not at all."""
+    started = time.perf_counter()
+    out_path = Path(out).absolute()
+    if out_path.exists() and not overwrite:
+        raise DestinationExistsError(
+            str(out_path), "it exists (--overwrite, overwrite=True, replaces it)"
+        )
+    if out_path.is_dir():
+        raise DestinationExistsError(str(out_path), "it is a directory; --to torch writes a file")
+    source, named = tensors_of(src, rows=rows, strip=strip, renames=renames, dtype=dtype)
+    # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
+    state = {name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.export-{os.urandom(8).hex()}")
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(state, f)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+        if fsync:
+            fsync_dir(out_path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    entries = {display(t.name): t for t in source.manifest.tensors()}
+    names = dict(zip(_selected(source, rows, strip), (n for n, _ in named)))
+    floats = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+    not_cast = [n for n in names if dtype and entries[n].dtype not in floats]
+    return ExportReport(
+        source=source.shown,
+        destination=str(out_path),
+        step=source.manifest.step,
+        files=[out_path.name],
+        tensors=len(named),
+        total_size=sum(a.nbytes for _, a in named),
+        names=names,
+        cast=dtype,
+        cast_tensors=sum(
+            1 for n in names if dtype and entries[n].dtype in floats and entries[n].dtype != dtype
+        ),
+        not_cast=not_cast,
+        seconds=time.perf_counter() - started,
+        format="torch",
+    )
+
+
+def _selected(source: Any, rows: Sequence[str], strip: str) -> list[str]:
+    from ckptfmt.interop.export import select
+
+    return [display(t.name) for t in select(source, rows, strip)]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _leaves(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """A converted state as ``('/'-joined keys, leaf)`` pairs (empty mappings dropped)."""
+    out: list[tuple[str, Any]] = []
+    for k, v in state.items():
+        name = f"{prefix}/{k}" if prefix else k
+        if isinstance(v, Mapping):
+            out += _leaves(v, name)
+        else:
+            out.append((name, v))
+    return out
+
+
+def _auto_prefix(obj: Mapping[Any, Any], prefix: str | None) -> str:
+    """``model`` for a flat state dict of tensors (what ``model.state_dict()`` gives), nothing
+    for a nested one (``{"model": ..., "optim": ...}`` keeps its structure)."""
+    if prefix is not None:
+        return prefix
+    flat = bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+    return "model" if flat else ""
+
+
+def _convert(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if not isinstance(obj, Mapping):
+        raise ForeignFormatError(
+            path, f"holds a {type(obj).__name__}, not a state dict (a mapping)"
+        )
+    try:
+        return _leaves(to_state(obj))
+    except UsageError as exc:  # a value neither a tensor nor JSON-able, a key not a str/int
+        raise ForeignFormatError(path, str(exc)) from None
+
+
+def import_torch(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    prefix: str | None = None,
+    renames: Iterable[str | Rename | tuple[str, str]] = (),
+    overwrite: bool = False,
+    fsync: bool = True,
+    step: int | None = None,
+) -> ImportReport:
+    """Import a ``torch.save`` file (a state dict, possibly nested, of tensors and plain values)
+    as the checkpoint ``out``, read with ``torch.load(weights_only=True)`` only. ``prefix``:
+    where the names go (default: ``model`` for a flat state dict of tensors, else the file's own
+    structure); ``renames``: ``OLD=NEW`` prefix rules on the '/'-joined source names."""
+    started = time.perf_counter()
+    path = Path(src)
+    if not path.is_file():
+        raise ForeignFormatError(str(path), "no such file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise ForeignFormatError(
+            str(path),
+            "needs more than torch.load(weights_only=True) allows (ckptfmt never unpickles "
+            f"arbitrary objects): {_first_line(exc)}",
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError, AttributeError, KeyError) as exc:
+        raise ForeignFormatError(str(path), f"torch.load cannot read it: {exc}") from None
+    items = _convert(obj, str(path))
+    return import_named(
+        items,
+        out,
+        source=str(path),
+        fmt="torch",
+        files=[str(path)],
+        prefix=_auto_prefix(obj, prefix),
+        renames=renames,
+        overwrite=overwrite,
+        fsync=fsync,
+        step=step,
+        started=started,
+    )
+
+
+def import_dcp(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    trust_pickle: bool = False,
+    prefix: str | None = None,
+    renames: Iterable[str | Rename | tuple[str, str]] = (),
+    overwrite: bool = False,
+    fsync: bool = True,
+    step: int | None = None,
+) -> ImportReport:
+    """Import a ``torch.distributed.checkpoint`` directory as the checkpoint ``out``, read by
+    DCP's own ``FileSystemReader`` in this process (the whole state in memory, as DCP's
+    ``dcp_to_torch_save`` does), the nesting of the saved state dict kept.
+
+    DCP's ``.metadata`` is a pickle, which its reader unpickles: only with ``trust_pickle=True``
+    (a checkpoint from someone you trust); :class:`PickleRefusedError` otherwise, before any
+    file is opened."""
+    started = time.perf_counter()
+    path = Path(src)
+    meta = path / ".metadata"
+    if not path.is_dir() or not meta.is_file():
+        raise ForeignFormatError(str(path), "not a DCP checkpoint directory (no .metadata file)")
+    if not trust_pickle:
+        raise PickleRefusedError(
+            str(meta),
+            "DCP's .metadata is a pickle; importing it runs whatever it holds. Pass "
+            "trust_pickle=True (ckptfmt import --trust-pickle) only for a checkpoint you trust",
+        )
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            sd,
+            storage_reader=FileSystemReader(path),
+            planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+            no_dist=True,
+        )
+    except Exception as exc:  # DCP raises CheckpointException, RuntimeError, pickle errors...
+        raise ForeignFormatError(
+            str(path), f"DCP's reader cannot read it: {_first_line(exc)}"
+        ) from None
+    items = _convert(sd, str(path))
+    return import_named(
+        items,
+        out,
+        source=str(path),
+        fmt="dcp",
+        files=sorted(str(p) for p in path.iterdir() if p.is_file()),
+        prefix=_auto_prefix(sd, prefix),
+        renames=renames,
+        overwrite=overwrite,
+        fsync=fsync,
+        step=step,
+        started=started,
+    )
+
+
+__all__ = ["export_torch", "import_dcp", "import_torch"]

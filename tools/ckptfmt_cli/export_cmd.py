@@ -1,0 +1,174 @@
+"""``ckptfmt export``: a committed checkpoint as Hugging Face safetensors (or one torch.save file).
+
+Only :func:`ckptfmt.interop.export_safetensors` (and, for ``--to torch``,
+``ckptfmt_torch.interop.export_torch``) does the work; this module turns the command line into
+their arguments and their report into text or JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from ckptfmt.errors import UsageError
+from ckptfmt.interop.export import CAST_TARGETS, ExportReport, export_safetensors
+from ckptfmt_cli import render
+from ckptfmt_cli.exits import help_epilog, one_line
+from ckptfmt_cli.summary import human_bytes
+
+EXPORT_EXITS = (
+    "\b\nFor export:\n"
+    "  0    exported (lost level-1 data rebuilt on the fly, if any: the output says so)\n"
+    "  1    SRC is damaged beyond what its redundancy rebuilds; nothing appears at OUT\n"
+    "  2    usage: OUT exists, no tensor matches --rows, a name clash, a dtype safetensors\n"
+    "       lacks (complex128), a bad --max-shard-size\n"
+    "  3    SRC is not a readable checkpoint\n"
+)
+
+
+def report_text(r: ExportReport) -> list[str]:
+    step = "none" if r.step is None else r.step
+    lines = [
+        f"exported step {step}: {r.tensors} tensor(s), {human_bytes(r.total_size)} as "
+        f"{r.format} in {r.seconds:.2f} s -> {r.destination}",
+        f"  files: {', '.join(r.files)}",
+    ]
+    if r.cast:
+        lines.append(f"  cast to {r.cast}: {r.cast_tensors} floating tensor(s)")
+        if r.not_cast:
+            shown = ", ".join(r.not_cast[:8]) + (", ..." if len(r.not_cast) > 8 else "")
+            lines.append(f"  not cast (integer, bool or complex, kept as saved): {shown}")
+    if r.rebuilt_nodes:
+        lines.append(
+            f"  rebuilt from parity on the fly (source untouched): node(s) "
+            f"{', '.join(r.rebuilt_nodes)}"
+        )
+    return lines
+
+
+def _torch_export() -> Callable[..., ExportReport]:
+    try:
+        from ckptfmt_torch.interop import export_torch
+    except ImportError as exc:
+        raise UsageError(f"--to torch needs PyTorch ({exc})") from None
+    return export_torch
+
+
+@click.command("export", epilog=EXPORT_EXITS + help_epilog())
+@click.argument("src")
+@click.argument("out")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["safetensors", "torch"]),
+    default="safetensors",
+    show_default=True,
+    help="safetensors: a Hugging Face directory OUT (model.safetensors, or shards and "
+    "model.safetensors.index.json); torch: one torch.save file OUT of a flat state dict.",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    metavar="SIZE",
+    help="Largest safetensors file (5GB, 500MB, 2GiB, bytes); a larger tensor gets a file alone.",
+)
+@click.option(
+    "--rows",
+    multiple=True,
+    metavar="GLOB",
+    help="Export the tensors whose names match (like 'model/*'); repeatable. "
+    "Default: those under --strip when there are any (a ckptfmt_torch checkpoint's model), "
+    "else every tensor.",
+)
+@click.option(
+    "--strip",
+    default="model/",
+    show_default=True,
+    metavar="PREFIX",
+    help="Removed from the front of each name before '/' becomes '.' (so a ckptfmt_torch "
+    "checkpoint gives the names of model.state_dict()).",
+)
+@click.option(
+    "--rename",
+    "renames",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="Rewrite a leading OLD of an output name into NEW (after the mapping above); "
+    "repeatable, the first match wins.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(list(CAST_TARGETS)),
+    default=None,
+    help="Cast floating tensors to this dtype (round to nearest even). Integer, bool and "
+    "complex tensors are never cast; the output lists them.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace a previous export at OUT.")
+@click.option("--no-fsync", is_flag=True, help="Do not fsync (faster; not crash-safe).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no report.")
+def export_command(
+    src: str,
+    out: str,
+    to: str,
+    max_shard_size: str,
+    rows: tuple[str, ...],
+    strip: str,
+    renames: tuple[str, ...],
+    dtype: str | None,
+    overwrite: bool,
+    no_fsync: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Export the checkpoint SRC for other tools: Hugging Face safetensors in the directory OUT.
+
+    SRC is a committed checkpoint (a level-3 copy) or level-1 copies ({node} in place of the
+    node's name); what a lost or damaged node held is rebuilt from parity on the fly, into
+    scratch space, never into SRC. Each tensor is read at its global shape (whatever ranks
+    saved it), every byte checked against its CRC32C, and streamed into its file: memory
+    stays within about one output shard. OUT appears whole or not at all (staging directory,
+    then rename). Read the result with safetensors, transformers' from_pretrained, or
+    `ckptfmt import`.
+    """
+    opts: dict[str, Any] = {
+        "rows": rows,
+        "strip": strip,
+        "renames": renames,
+        "dtype": dtype,
+        "overwrite": overwrite,
+        "fsync": not no_fsync,
+    }
+    if to == "torch":
+        report = _torch_export()(src, out, **opts)
+    else:
+        console = None if quiet or as_json else render.stderr_terminal()
+        if console is None:
+            report = export_safetensors(src, out, max_shard_size=max_shard_size, **opts)
+        else:
+            columns = (
+                TextColumn("exporting"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+            )
+            with Progress(*columns, console=console, transient=True) as bar:
+                task = bar.add_task("export", total=None)
+                report = export_safetensors(
+                    src,
+                    out,
+                    max_shard_size=max_shard_size,
+                    progress=lambda n: bar.advance(task, n),
+                    on_plan=lambda total: bar.update(task, total=total),
+                    **opts,
+                )
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    elif not quiet:
+        for line in report_text(report):
+            click.echo(one_line(line))
