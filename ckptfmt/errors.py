@@ -13,7 +13,9 @@ The CLI maps the families below to exit statuses (see ``spec/FORMAT.md``, "Exit 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 
 class CkptError(Exception):
@@ -196,28 +198,164 @@ class UnrecoverableDamageError(DamagedError):
 # --- collective operations and redundancy -------------------------------------------------
 
 
-class SaveFailedError(CkptError):
-    """A collective save failed on some rank; nothing was committed anywhere.
+@dataclass(frozen=True)
+class RankFailure:
+    """What failed on one rank in a collective phase, as every rank learns it from the vote.
 
-    ``failures`` maps rank to that rank's error message.
-    """
+    ``type`` is the exception's class name (``"ValueError"``, ``"MemoryError"``,
+    ``"ChecksumError"``, ...), ``message`` its text, ``phase`` the phase of the collective
+    operation it happened in (``"stage"``, ``"plan"``, ``"write"``, ``"encode"``, ``"commit"``,
+    ``"flush"``, ``"load"``, ``"rebuild"``, ...), ``fields`` the JSON-able structured fields of a
+    :class:`CkptError` (``file``, ``tensors``, ``expected``, ...)."""
 
-    def __init__(self, failures: dict[int, str], cause: BaseException | None = None) -> None:
-        self.failures = failures
-        self.cause = cause  # this rank's own error, if it had one
-        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-        super().__init__(f"save failed on {len(failures)} rank(s): {lines}")
+    type: str
+    message: str
+    phase: str = ""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.type}: {self.message}" if self.type else self.message
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "message": self.message,
+            "phase": self.phase,
+            "fields": dict(self.fields),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> RankFailure:
+        return cls(
+            str(doc.get("type", "")),
+            str(doc.get("message", "")),
+            str(doc.get("phase", "")),
+            dict(doc.get("fields") or {}),
+        )
+
+    @classmethod
+    def of(cls, exc: BaseException, phase: str = "") -> RankFailure:
+        """The failure record of ``exc``: its type, message and JSON-able public fields."""
+        fields: dict[str, Any] = {}
+        for key, value in vars(exc).items():
+            if key.startswith("_") or key in ("args", "cause", "rank_failures", "failures"):
+                continue
+            if isinstance(value, (str, int, float, bool)) or value is None:
+                fields[key] = value
+            elif isinstance(value, (tuple, list)) and all(
+                isinstance(v, (str, int, float, bool)) for v in value
+            ):
+                fields[key] = list(value)
+        return cls(type(exc).__name__, str(exc), phase, fields)
 
 
-class LoadFailedError(CkptError):
+class CollectiveError(CkptError):
+    """A collective operation failed on some rank(s); every rank of the operation raises it.
+
+    ``rank_failures`` maps each failing rank to its :class:`RankFailure` (type, message, phase,
+    structured fields); ``failures`` maps rank to ``"Type: message"`` (the short form);
+    ``operation`` and ``step`` say which collective operation it was; ``cause`` is this rank's
+    own exception, if it had one."""
+
+    verb = "operation"
+
+    def __init__(
+        self,
+        failures: Mapping[int, str | RankFailure],
+        cause: BaseException | None = None,
+        *,
+        operation: str = "",
+        step: int | None = None,
+        message: str | None = None,
+    ) -> None:
+        self.rank_failures = {
+            int(r): f if isinstance(f, RankFailure) else RankFailure("", str(f))
+            for r, f in failures.items()
+        }
+        self.failures = {r: str(f) for r, f in self.rank_failures.items()}
+        self.cause = cause
+        self.operation = operation
+        self.step = step
+        if message is None:
+            lines = "; ".join(
+                f"rank {r}: {f}" + (f" (in {f.phase})" if f.phase else "")
+                for r, f in sorted(self.rank_failures.items())
+            )
+            of_step = f" of step {step}" if step is not None else ""
+            message = f"{self.verb}{of_step} failed on {len(self.failures)} rank(s): {lines}"
+        super().__init__(message)
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.rank_failures))
+
+
+class SaveFailedError(CollectiveError):
+    """A collective save (or flush, or rebuild write) failed on some rank; nothing of it was
+    committed anywhere. ``failures`` maps rank to that rank's error message."""
+
+    verb = "save"
+
+
+class LoadFailedError(CollectiveError):
     """A collective load failed on some rank (``failures``: rank -> message)."""
 
-    def __init__(self, failures: dict[int, str], message: str | None = None) -> None:
-        self.failures = failures
-        if message is None:
-            lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-            message = f"load failed on {len(failures)} rank(s): {lines}"
-        super().__init__(message)
+    verb = "load"
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """Some ranks did not arrive at a collective step within the deadline (``missing``: those
+    ranks, when known; ``deadline_s``: the deadline). The ranks are out of step (one called a
+    collective the others did not, or it hangs or died): the communicator cannot be trusted any
+    more."""
+
+    verb = "collective"
+
+    def __init__(
+        self,
+        missing: Sequence[int],
+        deadline_s: float,
+        *,
+        operation: str = "",
+        step: int | None = None,
+        phase: str = "",
+    ) -> None:
+        self.missing = tuple(missing)
+        self.deadline_s = deadline_s
+        self.phase = phase
+        who = (
+            f"rank(s) {', '.join(map(str, self.missing))} did not arrive"
+            if self.missing
+            else "the coordinating rank did not answer"
+        )
+        what = f"{operation or 'collective'}" + (f" of step {step}" if step is not None else "")
+        where = f" (phase {phase})" if phase else ""
+        super().__init__(
+            {r: RankFailure("CollectiveTimeoutError", "did not arrive", phase) for r in missing},
+            operation=operation,
+            step=step,
+            message=f"{what}{where}: {who} within {deadline_s:g} s",
+        )
+
+
+class ManagerBrokenError(CkptError):
+    """A ``CheckpointManager``'s communicator failed (a peer died, the transport broke, or the
+    ranks fell out of step past a deadline): it cannot make collective calls any more. Earlier
+    checkpoints are intact; restart the job to go on saving."""
+
+
+class ImplicitSingleProcessError(UsageError):
+    """No ``comm`` was given but the launcher says the job has several ranks: every rank would
+    save as "rank 0 of 1" into the same directories. ``world_size``: what the launcher says."""
+
+    def __init__(self, world_size: int, launcher: str) -> None:
+        self.world_size = world_size
+        self.launcher = launcher
+        super().__init__(
+            f"{launcher} started {world_size} ranks but no comm was given: pass "
+            "comm=ckptfmt.parallel.mpi.MpiComm() (mpiexec/srun) or "
+            "comm=ckptfmt_torch.comm.TorchComm() (torchrun), or run one process"
+        )
 
 
 class UnreachableNodesError(LoadFailedError):
@@ -231,7 +369,7 @@ class UnreachableNodesError(LoadFailedError):
         shown = ", ".join(map(str, writers[:16])) + (" …" if len(writers) > 16 else "")
         super().__init__(
             {},
-            f"no current rank sees the files written on node(s) {', '.join(nodes)} "
+            message=f"no current rank sees the files written on node(s) {', '.join(nodes)} "
             f"(saved ranks {shown})",
         )
 
@@ -332,3 +470,112 @@ class PickleRefusedError(UsageError):
         self.path = path
         self.reason = reason
         super().__init__(f"refusing to unpickle {path}: {reason}")
+
+
+# --- integrity of metadata, full storage, hostile files (issue 19) --------------------------------
+
+
+class ManifestChecksumError(DamagedError, ManifestError):
+    """A manifest whose own CRC32C does not hold, or whose checksum member is damaged or missing
+    (format version 2 on, ``spec/FORMAT.md`` §10): the file is damaged (``verify`` exit 1), and
+    nothing in it is used. ``file``: the manifest's path; ``reason``: what failed. A
+    :class:`ManifestError` too, so code that skips unreadable manifests skips it."""
+
+    def __init__(self, file: str, reason: str) -> None:
+        self.file = file
+        self.reason = reason
+        self.tensors = ()
+        self.pointer = ""
+        self.path = file
+        Exception.__init__(self, f"{file}: damaged manifest: {reason}")
+
+
+class NotRegularFileError(MissingFileError):
+    """Where a checkpoint file belongs there is something else: a FIFO, a device, a socket, a
+    directory, or a symbolic link (never followed). It is refused without being read (opening a
+    FIFO for reading would block), and counts as a missing file. ``what``: what is there."""
+
+    def __init__(self, file: str, what: str, tensors: Sequence[str] = ()) -> None:
+        self.what = what
+        DamagedError.__init__(self, file, f"missing: not a regular file ({what})", tensors)
+
+
+class StorageFullError(CkptError, OSError):
+    """A save, flush, rebuild or reshard could not write: the file system is full (``ENOSPC``,
+    bytes or inodes) or the quota is exhausted (``EDQUOT``). Also an :class:`OSError` with that
+    ``errno``, so ``except OSError`` keeps working. Whatever was staged has been removed.
+
+    ``directory``: where it was writing; ``level``: the storage level (``"1"``, ``"3"``), or a
+    description of the target, None when unknown; ``needed``: the bytes the operation writes in
+    all (a lower bound when not known exactly), None when unknown; ``free``: the bytes that were
+    free there for an unprivileged writer (None when unknown); ``free_inodes`` likewise;
+    ``file``: the file being written when it failed."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        err: int,
+        file: str | None = None,
+        level: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+        free_inodes: int | None = None,
+    ) -> None:
+        self.directory = directory
+        self.file = file
+        self.level = level
+        self.needed = needed
+        self.free = free
+        self.free_inodes = free_inodes
+        what = "quota exhausted" if err == _errno_edquot() else "no space left on device"
+        where = f" (level {level})" if level is not None and level.isdigit() else ""
+        if level is not None and not level.isdigit():
+            where = f" ({level})"
+        parts = [f"cannot write to {directory}{where}: {what}"]
+        if file is not None:
+            parts.append(f"while writing {file}")
+        if needed is not None:
+            parts.append(f"the write needs {needed} bytes")
+        if free is not None:
+            parts.append(f"{free} bytes free")
+        if free_inodes is not None:
+            parts.append(f"{free_inodes} inodes free")
+        OSError.__init__(self, err, "; ".join(parts))
+        self.strerror = "; ".join(parts)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def with_context(self, level: str | None = None, needed: int | None = None) -> StorageFullError:
+        """The same error with the level and the bytes needed filled in (by the caller that
+        knows them: the save knows the whole write, a file write only its own)."""
+        return StorageFullError(
+            self.directory,
+            err=self.errno,
+            file=self.file,
+            level=level if level is not None else self.level,
+            needed=needed if needed is not None else self.needed,
+            free=self.free,
+            free_inodes=self.free_inodes,
+        )
+
+
+def _errno_edquot() -> int:
+    import errno as _errno
+
+    return getattr(_errno, "EDQUOT", -1)
+
+
+class AllocationLimitError(CkptError, MemoryError):
+    """Reading would allocate more than the reader allows: ``nbytes`` for ``tensor`` (or in all,
+    when ``tensor`` is None) against ``limit`` (``ckptfmt.load(max_bytes=...)``; by default the
+    machine's physical memory). Checked before anything is allocated, so a manifest or
+    ``zarr.json`` that claims a huge tensor over a sparse file cannot exhaust memory."""
+
+    def __init__(self, tensor: str | None, nbytes: int, limit: int) -> None:
+        self.tensor = tensor
+        self.nbytes = nbytes
+        self.limit = limit
+        what = f"tensor {tensor!r} needs" if tensor is not None else "the tensors need"
+        super().__init__(f"{what} {nbytes} bytes, more than the limit of {limit} bytes")

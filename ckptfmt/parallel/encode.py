@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.errors import CkptError, UsageError
+from ckptfmt.errors import UsageError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.comm import Comm, Pending
 from ckptfmt.redundancy.config import Redundancy
@@ -95,6 +95,19 @@ def data_buffer(layout: SetLayout) -> np.ndarray:
     data = scratch(layout.data_bytes, "data")
     data[layout.sizes[layout.position] :] = 0
     return data
+
+
+def reserve_buffers(layout: SetLayout) -> None:
+    """Allocate this thread's reused buffers that :func:`exchange` uses, before any message
+    moves: an allocation failure is then this rank's failure in a phase that is voted on, not a
+    rank leaving its set in the middle of an exchange (its peers would wait for it forever)."""
+    n, j = len(layout.members), layout.position
+    if layout.red.scheme == "partner":
+        scratch(layout.sizes[(j - 1) % n], "parity")
+        return
+    scratch(layout.parity_bytes, "parity")
+    for k in range(2):
+        scratch(layout.chunk, f"recv{k}")
 
 
 def make_record(
@@ -188,15 +201,13 @@ def encode_collective(
     staging: Path,
     fsync: bool,
     failed: bool,
-) -> tuple[dict[str, Any] | None, str | None]:
+) -> dict[str, Any] | None:
     """Collective over the ranks of this rank's set, once its own files are written (or failed):
     exchange, then write the parity file. A rank whose data failed (``failed``) still takes part
     in the messages, since its set's members wait for them, but writes nothing; the save's data
-    vote then fails everywhere. Returns (the parity file's JSON, or None; an error, or None)."""
+    vote then fails everywhere. Returns the parity file's JSON (None when ``failed``); a failure
+    to write it raises (the caller's error boundary records it for the vote)."""
     parity = exchange(comm, layout, data)
     if failed:
-        return None, None
-    try:
-        return write_parity(staging, comm.rank, layout, parity, fsync), None
-    except (CkptError, OSError) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        return None
+    return write_parity(staging, comm.rank, layout, parity, fsync)

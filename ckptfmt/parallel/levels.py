@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.codecs.grid import shard_cell
-from ckptfmt.errors import CkptError, NotACheckpointError, UsageError
+from ckptfmt.errors import CkptError, NotACheckpointError, SaveFailedError, UsageError
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
+from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.comm import Comm
-from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, vote, write_metadata
+from ckptfmt.parallel.protocol import FaultHook, publish_commit, write_metadata
 from ckptfmt.reader import geometry, read_manifest
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, write_gather
@@ -102,37 +103,34 @@ def flush_collective(
     *,
     fsync: bool = True,
     fault: FaultHook | None = None,
+    seq: int | None = None,
 ) -> Path:
     """Collective: copy a committed level-1 checkpoint to the shared level, every rank copying the
     files it wrote from its own node's directory; rank 0 commits the copy once every rank's files
-    are in place (same protocol as a save: staging directory, votes, manifest last, rename).
+    are in place (same protocol as a save: staging directory, one vote per phase, manifest last,
+    rename).
 
-    Raises :class:`SaveFailedError` on every rank if any rank failed; the shared level then holds
-    no trace of this step beyond what was there before.
+    Raises :class:`SaveFailedError` on every rank if any rank failed (any exception); the shared
+    level then holds no trace of this step beyond what was there before.
     """
     hook = fault or (lambda _point: None)
-    if manifest.world_size != comm.size:  # every rank copies what it wrote: the same ranks
-        raise SaveFailedError(
-            {comm.rank: f"cannot flush a save of {manifest.world_size} ranks with {comm.size}"}
-        )
+    b = Boundary(comm, "flush", manifest.step, seq=seq)
     final = shared_root.absolute() / step_dir_name(manifest.step or 0)
     staging = commit.staging_dir(final, manifest.save_id)
-    error: str | None = None
-    mine: BaseException | None = None
-    try:
+    mine = staging if comm.rank == 0 else None
+    already = False
+    with b.guard("flush-stage"):
+        if manifest.world_size != comm.size:  # every rank copies what it wrote: the same ranks
+            raise UsageError(f"cannot flush a save of {manifest.world_size} ranks with {comm.size}")
         if comm.rank == 0:
-            if _already_flushed(final, manifest):
-                error = "already flushed"
-            else:
+            already = _already_flushed(final, manifest)
+            if not already:
                 commit.prepare(final, manifest.save_id, overwrite=True)
-    except (CkptError, OSError) as exc:
-        error, mine = f"{type(exc).__name__}: {exc}", exc
-    already = comm.bcast_json(error == "already flushed", root=0)
-    if already:
+    votes = b.vote("flush-stage", already, cleanup=mine if not already else None)
+    if votes[0]:
         return final
-    vote(comm, error, [], None, mine)
-    hook("flush-staged")
-    try:
+    with b.guard("flush-copy"):
+        hook("flush-staged")
         src = Inside(local_path)
         for t in manifest.tensors():
             for r in t.regions:
@@ -141,19 +139,20 @@ def flush_collective(
                 for f in r.files:
                     copy_verified(src, t, f, staging / f.path, fsync)
         hook("flush-copied")
-    except (CkptError, OSError) as exc:
-        error, mine = f"{type(exc).__name__}: {exc}", exc
-    vote(comm, error, [], staging if comm.rank == 0 else None, mine)
-    try:
+    b.vote("flush-copy", cleanup=mine)
+    with b.guard("flush-manifest"):
         if comm.rank == 0:
             write_metadata(staging, manifest, fsync)
-            hook("flush-committing")
-            commit.finalize(staging, final, dump_manifest(manifest), manifest.save_id, fsync)
-    except (CkptError, OSError) as exc:
-        error, mine = f"{type(exc).__name__}: {exc}", exc
-    vote(comm, error, [], staging if comm.rank == 0 else None, mine)
+            commit.stage_manifest(staging, dump_manifest(manifest), fsync)
+    b.vote("flush-manifest", cleanup=mine)
+    publish_commit(b, comm.rank == 0, staging, final, manifest.save_id, fsync, _flush_hook(hook))
     hook("flushed")
     return final
+
+
+def _flush_hook(hook: FaultHook) -> FaultHook:
+    """The flush's names for the commit's fault points (tests crash at ``flush-committing``)."""
+    return lambda point: hook("flush-committing") if point == "committing" else None
 
 
 def retain(root: Path | None, keep: int, protect: set[int]) -> list[int]:
@@ -168,6 +167,19 @@ def retain(root: Path | None, keep: int, protect: set[int]) -> list[int]:
             continue
         commit.remove(path)  # out of sight first: a reader never sees half a checkpoint
         removed.append(step)
+    return removed
+
+
+def retain_steps(root: Path | None, keep: set[int]) -> list[int]:
+    """Remove every committed step under ``root`` that is not in ``keep``; return those
+    removed. Called by one rank per directory, with the same ``keep`` on every node."""
+    if root is None:
+        return []
+    removed = []
+    for step, path in list_step_dirs(root):
+        if step not in keep and commit.is_committed(path):
+            commit.remove(path)  # out of sight first: a reader never sees half a checkpoint
+            removed.append(step)
     return removed
 
 
@@ -249,4 +261,5 @@ __all__ = [
     "list_levels",
     "resolve_node",
     "retain",
+    "retain_steps",
 ]

@@ -34,13 +34,14 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ckptfmt.codecs.grid import flat_range, is_contiguous_box
-from ckptfmt.errors import CkptError, DamagedError, NotACheckpointError, UsageError
+from ckptfmt.errors import DamagedError, NotACheckpointError, UsageError
 from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
 from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
@@ -52,6 +53,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
+from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.comm import Comm
 from ckptfmt.reader import geometry, read_manifest_bytes
 from ckptfmt.reshard import per_rank as rules
@@ -75,8 +77,11 @@ def _visible_nodes(src: Inside, m: Manifest, node: str | None) -> list[str]:
         for r in t.regions:
             if r.files:
                 probes.setdefault(m.ranks[r.rank].node, (r.files[0].path, r.files[0].size))
-    if node is not None:
-        return [node] if node in probes else []
+    if node is not None and node in probes:
+        return [node]
+    # no node given, or a node the save does not know (a spare that replaced a failed host
+    # under a new name holds what the rebuild wrote for the saved node it replaces): which
+    # saved nodes' files are here is looked up
     out = []
     for n, (path, size) in probes.items():
         try:
@@ -101,6 +106,7 @@ def load_collective(
     per_rank: str = "error",
     replicas: str = "read",
     threads: int = 2,
+    seq: int | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -134,10 +140,11 @@ def load_collective(
             visible = _visible_nodes(src, manifest, node)
     except NotACheckpointError as exc:
         absent = f"{type(exc).__name__}: {exc}"
-    except CkptError as exc:
+    except Exception as exc:  # any failure is voted on below, never a rank leaving
         error = f"{type(exc).__name__}: {exc}"
     info = comm.allgather_json(
         {
+            "key": ["load", expect_step, seq],
             "error": error,
             "absent": absent,
             "wants": {
@@ -153,6 +160,9 @@ def load_collective(
     )
     present = [r for r, i in enumerate(info) if i["absent"] is None]
     failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
+    for r, i in enumerate(info):
+        if i["key"] != info[0]["key"]:
+            failures[r] = f"OutOfStepError: is in {i['key']}, rank 0 in {info[0]['key']}"
     if not present:
         failures = {r: i["absent"] for r, i in enumerate(info)}
     if not failures and len({info[r]["save_id"] for r in present}) != 1:
@@ -191,11 +201,18 @@ def load_collective(
     ]
     plans = _plan(manifest, info, resolution.sources, sees, replicas == "bcast")
     same_host = sum(1 for i in info if i["host"] == info[comm.rank]["host"])
-    loaded, error = _execute(comm, src, plans, max(1, threads // same_host))
-    gathered = comm.allgather_json(error)
-    failures = {r: e for r, e in enumerate(gathered) if e}
-    if failures:
-        raise LoadFailedError(failures)
+    b = Boundary(comm, "load", manifest.step, error=LoadFailedError, seq=seq)
+    errors: list[BaseException] = []
+    with b.guard("load-allocate"):
+        bufs = _allocate(comm.rank, src, plans, errors, threading.Lock())
+    b.vote("load-allocate")
+    with b.guard("load-read"):
+        _read(bufs, max(1, threads // same_host))
+    _transfer(comm, plans, bufs)
+    if errors:
+        b.fail(errors[0], "load-read")
+    b.vote("load-read")
+    loaded = bufs.outs
     mine = resolution.sources[comm.rank]
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
@@ -272,43 +289,51 @@ def _plan(
     return out
 
 
-def _execute(
-    comm: Comm, src: Inside, plans: list[_Plan], threads: int
-) -> tuple[dict[str, np.ndarray], str | None]:
-    """Steps 3 and 4: this rank's reads, then the transfers in global order. Returns the
-    arrays (by name) and this rank's first error (damage is voted on by the caller)."""
-    me = comm.rank
-    outs: dict[str, np.ndarray] = {}
-    errors: list[str] = []
-    lock = threading.Lock()
-    jobs: list[Callable[[], None]] = []
-    bcast_bufs: dict[tuple[int, int], np.ndarray] = {}
-    send_bufs: dict[tuple[int, int], np.ndarray] = {}
+@dataclass
+class _Buffers:
+    """Every buffer one rank's part of the load needs, allocated before any read or message."""
+
+    outs: dict[str, np.ndarray] = field(default_factory=dict)
+    bcast: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    send: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    recv: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    jobs: list[Callable[[], None]] = field(default_factory=list)
+
+
+def _allocate(
+    me: int, src: Inside, plans: list[_Plan], errors: list[BaseException], lock: threading.Lock
+) -> _Buffers:
+    """Step 3a (local): allocate this rank's destination arrays and every buffer of the
+    transfers, and prepare its read jobs. Done before anything moves, so that an allocation
+    failure is a failure voted on, not a rank missing from an exchange its peers wait in."""
+    bufs = _Buffers()
     for pi, p in enumerate(plans):
         out = np.empty(p.boxes[me][1], dtype=p.geo.dtype)
-        outs[p.name] = out
+        bufs.outs[p.name] = out
         slices: dict[int, np.ndarray] = {}  # id(task) -> its part of the broadcast buffer
-        mine = p.route.bcast_tasks(me)
-        if mine:
-            buf = np.empty(sum(len(t.slots) for t in mine) * p.geo.chunk_nbytes, np.uint8)
-            bcast_bufs[(pi, me)] = buf
-            pos = 0
-            for t in mine:
-                n = len(t.slots) * p.geo.chunk_nbytes
-                slices[id(t)] = buf[pos : pos + n]
-                pos += n
+        for root in p.route.bcast_roots():
+            tasks = p.route.bcast_tasks(root)
+            buf = np.empty(sum(len(t.slots) for t in tasks) * p.geo.chunk_nbytes, np.uint8)
+            bufs.bcast[(pi, root)] = buf
+            if root == me:
+                pos = 0
+                for t in tasks:
+                    n = len(t.slots) * p.geo.chunk_nbytes
+                    slices[id(t)] = buf[pos : pos + n]
+                    pos += n
         packs: dict[tuple[int, int], np.ndarray] = {}  # (id(task), dest) -> its part of a send
         for s, d, items in p.route.messages():
-            if s != me:
-                continue
-            flat = np.empty(sum(dl.nelems for _, dl in items), dtype=p.geo.dtype)
-            send_bufs[(pi, d)] = flat
-            pos = 0
-            for t, dl in items:
-                packs[(id(t), d)] = flat[pos : pos + dl.nelems]
-                pos += dl.nelems
+            if s == me:
+                flat = np.empty(sum(dl.nelems for _, dl in items), dtype=p.geo.dtype)
+                bufs.send[(pi, d)] = flat
+                pos = 0
+                for t, dl in items:
+                    packs[(id(t), d)] = flat[pos : pos + dl.nelems]
+                    pos += dl.nelems
+            elif d == me:
+                bufs.recv[(pi, s)] = np.empty(sum(dl.nelems for _, dl in items), p.geo.dtype)
         for t in p.route.tasks_of(me):
-            jobs.append(
+            bufs.jobs.append(
                 functools.partial(
                     _read_task,
                     src,
@@ -321,37 +346,44 @@ def _execute(
                     lock,
                 )
             )
-    if threads > 1 and len(jobs) > 1:
+    return bufs
+
+
+def _read(bufs: _Buffers, threads: int) -> None:
+    """Step 3b (local): this rank's reads; damage is collected by the jobs, anything else
+    raises (the caller's boundary records it)."""
+    if threads > 1 and len(bufs.jobs) > 1:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            for future in [pool.submit(job) for job in jobs]:
+            for future in [pool.submit(job) for job in bufs.jobs]:
                 future.result()
     else:
-        for job in jobs:
+        for job in bufs.jobs:
             job()
+
+
+def _transfer(comm: Comm, plans: list[_Plan], bufs: _Buffers) -> None:
+    """Step 4 (every rank, in the same global order): the broadcasts and messages. Runs on
+    every rank even when its reads failed (its peers wait for its messages; what it sends is
+    then discarded, since the vote after it fails)."""
+    me = comm.rank
     tag = 0
     for pi, p in enumerate(plans):
-        out = outs[p.name]
+        out = bufs.outs[p.name]
         origin = p.boxes[me][0]
         for root in p.route.bcast_roots():
             tasks = p.route.bcast_tasks(root)
-            got = bcast_bufs.get((pi, root))
-            buf = (
-                got
-                if got is not None
-                else np.empty(sum(len(t.slots) for t in tasks) * p.geo.chunk_nbytes, np.uint8)
-            )
+            buf = bufs.bcast[(pi, root)]
             comm.bcast_buffer(buf, root)
             if root != me:
                 _place_broadcast(p, tasks, buf, out, origin, me)
         for s, d, items in p.route.messages():
             if me == s:
-                comm.send(send_bufs[(pi, d)].reshape(-1).view(np.uint8), d, tag)
+                comm.send(bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag)
             elif me == d:
-                flat = np.empty(sum(dl.nelems for _, dl in items), dtype=p.geo.dtype)
+                flat = bufs.recv[(pi, s)]
                 comm.recv(flat.view(np.uint8), s, tag)
                 _unpack(flat, [dl for _, dl in items], out, origin)
             tag = (tag + 1) % _TAGS
-    return outs, (errors[0] if errors else None)
 
 
 def _chunk(geo: Geometry, raw: np.ndarray | memoryview) -> np.ndarray:
@@ -365,7 +397,7 @@ def _read_task(
     out: np.ndarray,
     bcast: np.ndarray | None,
     deliveries: list[tuple[Delivery, np.ndarray]],
-    errors: list[str],
+    errors: list[BaseException],
     lock: threading.Lock,
 ) -> None:
     """Read one file task's chunks (verified) and put each piece where it goes: this rank's
@@ -406,9 +438,9 @@ def _read_task(
     ref = t.regions[task.file.region].files[task.file.file]
     try:
         read_chunks(src, geo, ref, task.file.cell, task.slots, targets, task.whole, (p.name,))
-    except (CkptError, OSError) as exc:
+    except Exception as exc:  # damage, or anything else: voted on by the caller
         with lock:
-            errors.append(f"{type(exc).__name__}: {exc}")
+            errors.append(exc)
         return
     chunks = {s: _chunk(geo, targets[i]) for i, s in enumerate(task.slots)}
     for s, pc in own.items():

@@ -33,14 +33,21 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ckptfmt.errors import CkptError, UnrecoverableDamageError, UsageError
+from ckptfmt.errors import CkptError, ManagerBrokenError, UnrecoverableDamageError, UsageError
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.comm import Comm, SingleComm, start_background
 from ckptfmt.parallel.encode import member_sets
-from ckptfmt.parallel.levels import Levels, flush_collective, resolve_node, retain
+from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
+from ckptfmt.parallel.levels import (
+    Levels,
+    flush_collective,
+    resolve_node,
+    retain,
+    retain_steps,
+)
 from ckptfmt.parallel.load import LoadFailedError, load_collective
-from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective
+from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective, validate_state
 from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.reshard.per_rank import RankMap
@@ -51,6 +58,15 @@ from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 log = logging.getLogger("ckptfmt")
 
 RedundancySpec = None | str | Redundancy | Policy | Mapping[str, Any] | list[dict[str, Any]] | Path
+
+
+def _save_number(manifest: Manifest) -> int:
+    """The job's save number a manifest records (``levels[..]["save_number"]``; 0 if none)."""
+    for level in manifest.levels.values():
+        n = level.get("save_number") if isinstance(level, Mapping) else None
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n
+    return 0
 
 
 class CheckpointWarning(UserWarning):
@@ -116,6 +132,11 @@ class CheckpointManager:
             flush_every = 0 if any(d.flush for d in self.policy.descriptors) else 1
         elif isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise UsageError("flush_every must be an int >= 1")
+        if comm is None:
+            refuse_implicit_single(launcher_world_size())
+        for d in (local_dir, shared_dir):
+            if d is not None:
+                refuse_url(str(d))
         self.comm = comm or SingleComm()
         self.node = resolve_node(node)
         self.levels = Levels(
@@ -139,7 +160,9 @@ class CheckpointManager:
         self.failed_saves: list[tuple[int, CkptError]] = []
         self._pending: list[tuple[int, CkptError]] = []
         self._buffers: dict[tuple[str, ...], np.ndarray] = {}
-        self._saves = 0
+        self._saves = 0  # the job's save number (carried across restarts by the manifests)
+        self._calls = 0  # collective calls made (save, restore, close): the votes' sequence
+        self._broken: CkptError | None = None  # the communicator failed: no collective is safe
         self._newest_local: Manifest | None = None
         self._flushed: set[str] = set()  # save ids on level 3
         self._flush_rate = 0.0  # bytes/s of the last flush
@@ -172,13 +195,27 @@ class CheckpointManager:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         self._check_open()
         self.wait()
-        staged = self._stage(state)
+        self._calls += 1
+        seq = self._calls
+        staged: dict[str, Any] = {}
+        failure: BaseException | None = None
+        usage: UsageError | None = None
+        try:
+            validate_state(state)  # deterministic misuse: raised here, whatever on_error says
+            staged = self._stage(state)
+        except UsageError as exc:
+            failure = usage = exc
+        except Exception as exc:  # e.g. MemoryError while copying: voted on like any failure
+            failure = exc
         self._idle.clear()
-        job = lambda: self._save_job(step, staged)  # noqa: E731
-        if self.async_save:
-            self._jobs.put(job)
-        else:
-            self._jobs.put(job)
+        # a rank that failed to stage still takes part in the save's first vote, which fails
+        # the step on every rank (no rank pairs this save with its next one)
+        self._jobs.put(lambda: self._save_job(step, staged, seq, failure))
+        if usage is not None:
+            self._idle.wait()
+            self._pending = [(s, e) for s, e in self._pending if s != step]
+            raise usage
+        if not self.async_save or failure is not None:
             self._idle.wait()
             self._report()
 
@@ -214,6 +251,7 @@ class CheckpointManager:
         over, unless ``per_rank="drop"`` (a warning lists it instead)."""
         self._check_open()
         self.wait()
+        self._calls += 1
         self._clean_leftovers()
         wants = self._wants(state)
         local = [s for s, _ in self._committed(self.local_root)]
@@ -254,6 +292,7 @@ class CheckpointManager:
                         report.tried.append(f"step {step} level {level}: {exc2}")
                         continue
                 report.step, report.level, report.path = step, level, str(path)
+                self._saves = max(self._saves, _save_number(manifest))
                 self._apply(state, loaded)
                 self.restored_state = loaded
                 if level == 1:
@@ -283,6 +322,7 @@ class CheckpointManager:
             self.comm,
             path,
             wants,
+            seq=self._calls,
             expect_step=step,
             node=self.node if level == 1 else None,
             rank_map=rank_map,
@@ -294,7 +334,7 @@ class CheckpointManager:
         in ``report``) when it cannot be."""
         try:
             result, _ = rebuild_collective(
-                self.comm, path, self._group_key(True), bool(self.options["fsync"])
+                self.comm, path, self._group_key(True), bool(self.options["fsync"]), self._calls
             )
         except (UnrecoverableDamageError, SaveFailedError) as exc:
             report.tried.append(f"step {step} level 1: {why}; cannot rebuild: {exc}")
@@ -360,12 +400,22 @@ class CheckpointManager:
                 return
             try:
                 job()
+            except Exception as exc:
+                # the communicator itself failed (a peer died or the transport broke): no
+                # further collective is safe; recorded before anyone waiting is released
+                broken = ManagerBrokenError(f"{type(exc).__name__}: {exc}")
+                self._broken = broken
+                self._pending.append((-1, broken))
+                log.error("ckptfmt: rank %s: background save failed: %s", self._bg.rank, broken)
             finally:
                 self._idle.set()
 
-    def _save_job(self, step: int, staged: dict[str, Any]) -> None:
+    def _save_job(
+        self, step: int, staged: dict[str, Any], seq: int, failure: BaseException | None
+    ) -> None:
         """Background, collective on the duplicated communicator: write level 1 (or level 3 when
-        there is no level 1), flush when due, apply retention."""
+        there is no level 1), flush when due, apply retention. Every failure of the save or
+        the flush (on any rank: any exception) is voted on and recorded for the next call."""
         target_root = self.local_root or self.levels.shared_dir
         assert target_root is not None
         number = self._saves + 1
@@ -379,29 +429,40 @@ class CheckpointManager:
                 node=self.node,
                 group=self._group_key(self.local_root is not None),
                 overwrite=True,
-                levels={"1" if self.local_root else "3": {}},
+                levels={"1" if self.local_root else "3": {"save_number": number}},
                 fault=self.fault,
                 redundancy=red,
+                seq=seq,
+                failure=failure,
                 **self.options,  # type: ignore[arg-type]
             )
-        except SaveFailedError as exc:
+        except CkptError as exc:
             self._pending.append((step, exc))
             return
-        self._saves += 1
+        self._saves = number
         if self.local_root is None:
             self._flushed.add(manifest.save_id)
         else:
             self._newest_local = manifest
-            due = self.flush_every and self._saves % self.flush_every == 0
+            due = self.flush_every and number % self.flush_every == 0
             if self.levels.shared_dir is not None and (due or self.policy.flush_for(number)):
-                self._flush(manifest, self._bg)
-        protect = {step}
-        if self._node_leader:
-            retain(self.local_root, self.keep_local, protect)
-        if self._bg.rank == 0:
+                self._flush(manifest, self._bg, seq)
+        self._retain(self._bg, {step})
+
+    def _retain(self, comm: Comm, protect: set[int]) -> None:
+        """Collective: the same retention on every node. Each node's leader lists its committed
+        level-1 steps; every node keeps the newest ``keep_local`` steps of all nodes together
+        (and ``protect``), so no node deletes a step another node still counts on."""
+        mine = [s for s, _ in self._committed(self.local_root)] if self._node_leader else []
+        seen = comm.allgather_json(mine)
+        if self.local_root is not None and self._node_leader:
+            everywhere = sorted({s for x in seen for s in x})
+            keep = set(everywhere[-self.keep_local :]) if self.keep_local > 0 else set(everywhere)
+            retain_steps(self.local_root, keep | protect)
+        if comm.rank == 0:
             retain(self.levels.shared_dir, self.keep_shared, protect)
 
-    def _flush(self, manifest: Manifest, comm: Comm) -> None:
+    def _flush(self, manifest: Manifest, comm: Comm, seq: int | None = None) -> None:
         assert self.local_root is not None and self.levels.shared_dir is not None
         started = time.perf_counter()
         try:
@@ -412,8 +473,9 @@ class CheckpointManager:
                 self.levels.shared_dir,
                 fsync=bool(self.options["fsync"]),
                 fault=self.fault,
+                seq=seq,
             )
-        except SaveFailedError as exc:
+        except CkptError as exc:
             self._pending.append((manifest.step or 0, exc))
             return
         nbytes = sum(f.size for _, f in manifest.files())
@@ -436,7 +498,8 @@ class CheckpointManager:
                 budget_s,
             )
             return
-        self._flush(m, self.comm)
+        self._calls += 1
+        self._flush(m, self.comm, self._calls)
         if self.comm.rank == 0:
             retain(self.levels.shared_dir, self.keep_shared, {m.step or 0})
         self._report()
@@ -458,6 +521,10 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise UsageError("this CheckpointManager is closed")
+        if self._broken is not None:
+            raise ManagerBrokenError(
+                f"this CheckpointManager cannot make collective calls any more: {self._broken}"
+            ) from self._broken
 
     def _group_key(self, node_local: bool) -> str:
         """Which ranks see the same directory: a node's ranks on level 1, everyone on level 3."""

@@ -36,7 +36,7 @@ import numpy as np
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.codecs.zarr_meta import array_doc, group_doc
 from ckptfmt.dtypes import DType, by_name, of_array
-from ckptfmt.errors import CkptError, LimitExceededError, UsageError
+from ckptfmt.errors import LimitExceededError, UsageError
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.limits import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, display
@@ -52,6 +52,7 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.manifest.values import encode_value
+from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.comm import Comm
 from ckptfmt.parallel.encode import (
     SetLayout,
@@ -60,6 +61,7 @@ from ckptfmt.parallel.encode import (
     make_record,
     member_sets,
     plan_set,
+    reserve_buffers,
 )
 from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
@@ -137,6 +139,28 @@ def check_state(state: Mapping[str, Any], rank: int = 0, size: int = 1) -> Local
     return local
 
 
+def validate_state(state: Mapping[str, Any]) -> None:
+    """Check every leaf of ``state`` as :func:`check_state` does, copying nothing: raises the
+    :class:`UsageError` a save of it would (an unsupported value type, a dtype the format
+    cannot hold, a name that breaks the rules, a value JSON cannot hold, a limit)."""
+    if not isinstance(state, Mapping):
+        raise UsageError(f"the state to save is a mapping of names to values, not {type(state)}")
+    for name, leaf in flatten(state):
+        shown = display(name)
+        value = leaf.value if isinstance(leaf, PerRank) else leaf
+        if is_tensor(value):
+            arr = value.data if isinstance(value, Shard) else value
+            if not hasattr(arr, "dtype") or not hasattr(arr, "shape"):
+                arr = np.asarray(arr)
+            of_array(np.dtype(arr.dtype), shown)
+            if len(arr.shape) > MAX_NDIM:
+                raise LimitExceededError(
+                    f"number of dimensions of {shown!r}", len(arr.shape), MAX_NDIM
+                )
+        elif not (isinstance(leaf, dict) and not leaf):
+            encode_value(value, shown)  # raises for what JSON cannot hold
+
+
 def _region_data(
     local: LocalState, t: TensorPlan, offset: tuple[int, ...], shape: tuple[int, ...]
 ) -> np.ndarray:
@@ -189,6 +213,8 @@ def save_collective(
     group: str | None = None,
     fault: FaultHook | None = None,
     redundancy: Redundancy | None = None,
+    seq: int | None = None,
+    failure: BaseException | None = None,
 ) -> tuple[Manifest, SavePlan]:
     """Collective: every rank of ``comm`` calls it, once per checkpoint, with its own ``state``
     and the final directory it writes to (``path``: this rank's node-local copy, or the shared
@@ -203,78 +229,88 @@ def save_collective(
     own staging directory, and the manifest records it under ``levels["1"]["redundancy"]``.
 
     Values (non-tensor leaves) are taken from rank 0; every rank must have the same names.
-    Raises :class:`SaveFailedError` on every rank if any rank failed; then nothing was committed.
+
+    Errors: any exception on any rank, in any phase, is voted on (``parallel/boundary.py``): every
+    rank raises :class:`SaveFailedError` naming each failing rank's error, every staging
+    directory is removed, and nothing is committed anywhere (a step already renamed into place
+    on some node is rolled back). ``failure``: this rank failed before the save (staging the
+    state); it takes part in the first vote only, which fails the save everywhere. ``seq``: the
+    caller's call number, checked by every vote like the step.
     """
     hook = fault or (lambda _point: None)
-    mine_exc: BaseException | None = None
+    b = Boundary(comm, "save", step, seq=seq, failure=failure)
     final = Path(path).absolute()
-    error: str | None = None
-    local: LocalState | None = None
-    try:
-        local = check_state(state, comm.rank, comm.size)
-        decl = [h.to_json() for h in local.holdings()]
-        per_rank = [
-            [list(n), *encode_value(v, display(n))] for n, v in local.per_rank_values.items()
-        ]
-    except CkptError as exc:
-        error, decl, per_rank, mine_exc = f"{type(exc).__name__}: {exc}", [], [], exc
-    hook("declared")
-    info = comm.allgather_json(
+    local = LocalState([], {}, {})
+    decl: list[Any] = []
+    per_rank: list[Any] = []
+    with b.guard("declare"):
+        if not b.failed:
+            local = check_state(state, comm.rank, comm.size)
+            decl = [h.to_json() for h in local.holdings()]
+            per_rank = [
+                [list(n), *encode_value(v, display(n))] for n, v in local.per_rank_values.items()
+            ]
+        hook("declared")
+    info = b.vote(
+        "declare",
         {
             "decl": decl,
             "per_rank": per_rank,
             "path": str(final),
             "group": group if group is not None else str(final),
             "node": node,
-            "error": error,
             "save_id": save_id or os.urandom(16).hex(),
             "created": created or utc_now(),
-        }
+        },
     )
-    failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
-    names0 = [n for n, *_ in info[0]["per_rank"]]
-    for rank, i in enumerate(info):
-        if not failures and [n for n, *_ in i["per_rank"]] != names0:
-            failures[rank] = "its per-rank values are not those of rank 0 (same names, same order)"
-    if failures:
-        raise SaveFailedError(failures, mine_exc)
-    assert local is not None
-    per_rank_values = {tuple(n): [i["per_rank"][k][1:] for i in info] for k, n in enumerate(names0)}
-    save_id = info[0]["save_id"]  # rank 0's proposal, the same everywhere
-    created = info[0]["created"]
-    plan = make_plan(
-        [[Holding.from_json(d) for d in i["decl"]] for i in info], chunk_bytes, shard_bytes
-    )
-    held_by_0 = {tuple(d["name"]) for d in info[0]["decl"]}
-    missing = [t.name for t in plan.tensors if t.name not in held_by_0]
-    if missing:  # rank 0 orders the manifest: it must know every tensor (every rank sees this)
-        shown = ", ".join("/".join(n) for n in missing[:5])
-        raise SaveFailedError({0: f"rank 0 does not declare tensor(s) {shown}"})
     leaders = groups_of([i["group"] for i in info])
     is_leader = leaders[comm.rank] == comm.rank
+    save_id = info[0]["save_id"]  # rank 0's proposal, the same everywhere
+    created = info[0]["created"]
     staging = commit.staging_dir(final, save_id)
-    refs: dict[str, list[list[Any]]] = {}
-    order_values = comm.bcast_json(_order_and_values(local) if comm.rank == 0 else None, root=0)
-    # the zarr documents depend on the plan alone: leaders write them before the data, so that
-    # only the manifest and the rename remain once every rank has written
-    skeleton = _build_manifest(
-        plan, order_values, None, info, save_id, comm.size, step, created, {}, {}, per_rank_values
-    )
+    mine_staging = staging if is_leader else None
     nodes = [i["node"] for i in info]
     layout: SetLayout | None = None
-    if redundancy is not None:  # the same on every rank; raises everywhere before any write
-        layout = plan_set(redundancy, nodes, _planned_member_bytes(plan, comm.size), comm.rank)
-    try:
-        if is_leader:
-            commit.prepare(final, save_id, overwrite)
-            write_metadata(staging, skeleton, fsync)
-    except (CkptError, OSError) as exc:
-        error, mine_exc = f"{type(exc).__name__}: {exc}", exc
+    member: np.ndarray | None = None
+    with b.guard("plan"):  # the same on every rank: a usage error here fails every rank alike
+        per_rank_values = _gathered_per_rank(info)
+        plan = make_plan(
+            [[Holding.from_json(d) for d in i["decl"]] for i in info], chunk_bytes, shard_bytes
+        )
+        _check_rank0_declares_all(plan, info)
+    order_values = comm.bcast_json(
+        _order_and_values(local) if comm.rank == 0 and not b.failed else None, root=0
+    )
+    with b.guard("stage"):
+        if not b.failed:
+            # the zarr documents depend on the plan alone: leaders write them before the data,
+            # so that only the manifest and the rename remain once every rank has written
+            skeleton = _build_manifest(
+                plan,
+                order_values,
+                None,
+                info,
+                save_id,
+                comm.size,
+                step,
+                created,
+                {},
+                {},
+                per_rank_values,
+            )
+            if redundancy is not None:  # the same on every rank
+                sizes = _planned_member_bytes(plan, comm.size)
+                layout = plan_set(redundancy, nodes, sizes, comm.rank)
+                reserve_buffers(layout)
+                member = data_buffer(layout)
+            if is_leader:
+                commit.prepare(final, save_id, overwrite)
+                write_metadata(staging, skeleton, fsync)
     # every leader has a staging directory, or nobody goes on (and none is left behind)
-    vote(comm, error, [], staging if is_leader else None, mine_exc)
-    hook("staged")
-    member = data_buffer(layout) if layout is not None else None
-    try:
+    b.vote("stage", cleanup=mine_staging)
+    refs: dict[str, list[list[Any]]] = {}
+    with b.guard("write"):
+        hook("staged")
         mine = plan.for_rank(comm.rank)
         jobs_by_region = []
         made: set[Path] = set()
@@ -293,48 +329,96 @@ def save_collective(
                 [list(r.offset), [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)]]
             )
         hook("written")
-    except (CkptError, OSError) as exc:
-        error, mine_exc = f"{type(exc).__name__}: {exc}", exc
     parity: dict[str, Any] | None = None
     if layout is not None and member is not None:  # before the vote: it carries the parity too
-        parity, parity_error = encode_collective(
-            comm, layout, member, staging, fsync, failed=error is not None
+        with b.guard("encode"):
+            parity = encode_collective(comm, layout, member, staging, fsync, failed=b.failed)
+            hook("encoded")
+    gathered = b.vote("write", {"refs": refs, "parity": parity}, cleanup=mine_staging)
+    manifest_bytes = b""
+    with b.guard("manifest"):
+        manifest = _build_manifest(
+            plan,
+            order_values,
+            [g["refs"] for g in gathered],
+            info,
+            save_id,
+            comm.size,
+            step,
+            created,
+            writer or writer_info(),
+            levels or {},
+            per_rank_values,
         )
-        error = error or parity_error
-        hook("encoded")
-    gathered = vote(
-        comm, error, {"refs": refs, "parity": parity}, staging if is_leader else None, mine_exc
-    )
-    all_refs = [g["refs"] for g in gathered]
-    manifest = _build_manifest(
-        plan,
-        order_values,
-        all_refs,
-        info,
-        save_id,
-        comm.size,
-        step,
-        created,
-        writer or writer_info(),
-        levels or {},
-        per_rank_values,
-    )
-    if redundancy is not None:
-        sets = member_sets(redundancy, nodes)
-        record = make_record(redundancy, manifest, sets, [g["parity"] for g in gathered])
-        new_levels = dict(manifest.levels)
-        new_levels["1"] = {**dict(new_levels.get("1", {})), "redundancy": record.to_json()}
-        manifest = dataclasses.replace(manifest, levels=new_levels)
-    hook("manifest")
-    try:
+        if redundancy is not None:
+            sets = member_sets(redundancy, nodes)
+            record = make_record(redundancy, manifest, sets, [g["parity"] for g in gathered])
+            new_levels = dict(manifest.levels)
+            new_levels["1"] = {**dict(new_levels.get("1", {})), "redundancy": record.to_json()}
+            manifest = dataclasses.replace(manifest, levels=new_levels)
+        hook("manifest")
+        manifest_bytes = dump_manifest(manifest)
+        if is_leader:
+            commit.stage_manifest(staging, manifest_bytes, fsync)
+    # every node's manifest is staged before any node's step becomes visible
+    b.vote("manifest", cleanup=mine_staging)
+    publish_commit(b, is_leader, staging, final, save_id, fsync, hook)
+    return manifest, plan
+
+
+def publish_commit(
+    b: Boundary,
+    is_leader: bool,
+    staging: Path,
+    final: Path,
+    save_id: str,
+    fsync: bool,
+    hook: FaultHook,
+) -> None:
+    """Collective (every rank, after the vote that every node's manifest is staged): each
+    group's leader renames its staged step into place; a last vote; if any node failed to, the
+    nodes that did roll it back (their previous copy of the step, if any, comes back), so a step
+    is committed on every node or on none. (A rank that dies between its rename and this vote
+    leaves a step committed on some nodes: a torn commit of a save whose every data and parity
+    file was written, which the restore rebuilds.)"""
+    old: Path | None = None
+    published = False
+    with b.guard("commit"):
         if is_leader:
             hook("committing")
-            commit.finalize(staging, final, dump_manifest(manifest), save_id, fsync)
+            old = commit.publish(staging, final, save_id, fsync)
+            published = True
         hook("committed")
-    except (CkptError, OSError) as exc:
-        error, mine_exc = f"{type(exc).__name__}: {exc}", exc
-    vote(comm, error, [], staging if is_leader else None, mine_exc)
-    return manifest, plan
+
+    def roll_back() -> None:
+        if published:
+            commit.unpublish(staging, final, old, fsync)
+        elif is_leader:
+            commit.abort(staging)
+
+    b.vote("commit", cleanup=roll_back)
+    commit.discard(old)
+
+
+def _gathered_per_rank(info: list[dict[str, Any]]) -> dict[Name, list[Any]]:
+    """Every rank's per-rank values by name; every rank must hold the same names in the same
+    order (raises the same :class:`UsageError` on every rank otherwise)."""
+    names0 = [n for n, *_ in info[0]["per_rank"]]
+    for rank, i in enumerate(info):
+        if [n for n, *_ in i["per_rank"]] != names0:
+            raise UsageError(
+                f"rank {rank}'s per-rank values are not those of rank 0 (same names, same order)"
+            )
+    return {tuple(n): [i["per_rank"][k][1:] for i in info] for k, n in enumerate(names0)}
+
+
+def _check_rank0_declares_all(plan: SavePlan, info: list[dict[str, Any]]) -> None:
+    """Rank 0 orders the manifest: it must know every tensor (the same verdict everywhere)."""
+    held_by_0 = {tuple(d["name"]) for d in info[0]["decl"]}
+    missing = [t.name for t in plan.tensors if t.name not in held_by_0]
+    if missing:
+        shown = ", ".join("/".join(n) for n in missing[:5])
+        raise UsageError(f"rank 0 does not declare tensor(s) {shown}")
 
 
 def _geometry(t: TensorPlan) -> Geometry:
@@ -373,24 +457,6 @@ def _member_slices(
                 slot[id(job)] = member[at : at + size]
                 at += size
     return [slot[id(j)] for _, _, jobs in jobs_by_region for j in jobs]
-
-
-def vote(
-    comm: Comm,
-    error: str | None,
-    payload: Any,
-    cleanup: Path | None,
-    mine_exc: BaseException | None,
-) -> list[Any]:
-    """Collective: share each rank's error and payload; if any rank failed, remove this rank's
-    staging directory (leaders) and raise :class:`SaveFailedError` everywhere."""
-    gathered = comm.allgather_json({"error": error, "payload": payload})
-    failures = {r: g["error"] for r, g in enumerate(gathered) if g["error"]}
-    if failures:
-        if cleanup is not None:
-            commit.abort(cleanup)
-        raise SaveFailedError(failures, mine_exc)
-    return [g["payload"] for g in gathered]
 
 
 def _order_and_values(local: LocalState) -> dict[str, Any]:

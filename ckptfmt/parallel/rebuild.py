@@ -32,8 +32,9 @@ from ckptfmt.errors import CkptError, DamagedError, UnrecoverableDamageError
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.comm import Comm
-from ckptfmt.parallel.protocol import groups_of, vote, write_metadata
+from ckptfmt.parallel.protocol import groups_of, publish_commit, write_metadata
 from ckptfmt.reader import read_manifest_bytes
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops, scratch
 from ckptfmt.redundancy.record import RedundancyRecord, record_of
@@ -119,16 +120,21 @@ def plan_all(
     return plans
 
 
+def _no_hook(_point: str) -> None:
+    pass
+
+
 def rebuild_collective(
-    comm: Comm, path: Path, group: str, fsync: bool = True
+    comm: Comm, path: Path, group: str, fsync: bool = True, seq: int | None = None
 ) -> tuple[RebuildReport, Manifest]:
     """Collective: make the level-1 step directory ``path`` (this rank's node's copy; ``group``
     as in ``save_collective``: ranks with equal keys share it) whole again from the redundancy
     recorded in its manifest. Returns the report and the manifest.
 
     Raises :class:`UnrecoverableDamageError` on every rank when no node holds the step, the save
-    has no redundancy, or more is lost than it tolerates; other failures raise
-    ``SaveFailedError`` on every rank. Nothing that was intact is changed."""
+    has no redundancy, or more is lost than it tolerates; any other failure on any rank (any
+    exception) is voted on and raises ``SaveFailedError`` on every rank, with the directories
+    it was recreating removed. Nothing that was intact is changed."""
     started = time.perf_counter()
     path = path.absolute()
     data: bytes | None = None
@@ -154,13 +160,22 @@ def rebuild_collective(
             f"saved by {manifest.world_size} ranks, rebuilding with {comm.size} is not supported",
         )
     intact_dir = save_id == manifest.save_id
-    n_data, n_parity = buffer_sizes(record, comm.rank)
-    bufs = MemberBuffers(scratch(n_data, "data"), scratch(n_parity, "parity"))
-    damage, parity_ok = assess_member(
-        Inside(path) if intact_dir else None, manifest, record, comm.rank, bufs.data, bufs.parity
-    )
-    status = comm.allgather_json(
-        {"data_ok": not damage, "parity_ok": parity_ok, "intact_dir": intact_dir}
+    b = Boundary(comm, "rebuild", manifest.step, seq=seq)
+    damage: list[DamagedError] = []
+    parity_ok: list[bool] = []
+    with b.guard("rebuild-assess"):
+        n_data, n_parity = buffer_sizes(record, comm.rank)
+        bufs = MemberBuffers(scratch(n_data, "data"), scratch(n_parity, "parity"))
+        damage, parity_ok = assess_member(
+            Inside(path) if intact_dir else None,
+            manifest,
+            record,
+            comm.rank,
+            bufs.data,
+            bufs.parity,
+        )
+    status = b.vote(
+        "rebuild-assess", {"data_ok": not damage, "parity_ok": parity_ok, "intact_dir": intact_dir}
     )
     report = RebuildReport(
         lost_data=[r for r, s in enumerate(status) if not s["data_ok"]],
@@ -176,18 +191,14 @@ def rebuild_collective(
     )
     is_leader = leaders[comm.rank] == comm.rank
     staging = commit.staging_dir(path, manifest.save_id)
-    error: str | None = None
-    mine: BaseException | None = None
-    try:
+    with b.guard("rebuild-stage"):
         if recreate and is_leader:
             if path.exists() and not commit.is_committed(path):
                 commit.remove(path)  # a torn directory of this step: nothing in it is vouched for
             commit.prepare(path, manifest.save_id, overwrite=True)
             write_metadata(staging, manifest, fsync)
-    except (CkptError, OSError) as exc:
-        error, mine = f"{type(exc).__name__}: {exc}", exc
     cleanup = staging if recreate and is_leader else None
-    vote(comm, error, [], cleanup, mine)
+    b.vote("rebuild-stage", cleanup=cleanup)
     rset, j = record.set_of(comm.rank)
     if not status[comm.rank]["data_ok"]:
         bufs.data[:] = 0
@@ -199,21 +210,16 @@ def rebuild_collective(
         s = record.sets[i]
         local = {j: bufs} if i == record.sets.index(rset) else {}
         report.received_bytes += run_ops(ops, s.members, s.sizes, s.chunk, local, comm)
-    try:
+    with b.guard("rebuild-write"):
         target = staging if recreate else path
         if not status[comm.rank]["data_ok"]:
             only = None if recreate else [e.file for e in damage if isinstance(e, DamagedError)]
             write_member(target, manifest, comm.rank, bufs.data, only, fsync)
         if not all(parity_ok):
             write_parity(target, rset.parity[j], bufs.parity, fsync)
-    except (CkptError, OSError) as exc:
-        error, mine = f"{type(exc).__name__}: {exc}", exc
-    vote(comm, error, [], cleanup, mine)
-    try:
         if recreate and is_leader:
-            commit.finalize(staging, path, text.encode("utf-8"), manifest.save_id, fsync)
-    except (CkptError, OSError) as exc:
-        error, mine = f"{type(exc).__name__}: {exc}", exc
-    vote(comm, error, [], cleanup, mine)
+            commit.stage_manifest(staging, text.encode("utf-8"), fsync)
+    b.vote("rebuild-write", cleanup=cleanup)
+    publish_commit(b, recreate and is_leader, staging, path, manifest.save_id, fsync, _no_hook)
     report.seconds = time.perf_counter() - started
     return report, manifest

@@ -66,9 +66,22 @@ def finalize(staging: Path, final: Path, manifest: bytes, save_id: str, fsync: b
 
     ``fsync=False`` (for benchmarks and throw-away runs) skips every fsync but keeps the order
     and the renames: atomic for readers, not durable across a power loss."""
+    stage_manifest(staging, manifest, fsync)
+    discard(publish(staging, final, save_id, fsync))
+
+
+def stage_manifest(staging: Path, manifest: bytes, fsync: bool = True) -> None:
+    """Phase 1 of a commit across nodes: write the manifest into the staging directory and make
+    the tree durable. Nothing is visible to readers yet (the staging name is a dot-name)."""
     write_gather(staging / MANIFEST_NAME, [manifest], fsync)
     if fsync:
         fsync_tree(staging)
+
+
+def publish(staging: Path, final: Path, save_id: str, fsync: bool = True) -> Path | None:
+    """Phase 2: rename the staged tree into place (an existing copy is moved aside to
+    ``.name.old-<save_id>``, not deleted, so :func:`unpublish` can put it back). Returns the
+    moved-aside copy, for :func:`discard` once every node has published."""
     old: Path | None = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{save_id}"
@@ -76,6 +89,23 @@ def finalize(staging: Path, final: Path, manifest: bytes, save_id: str, fsync: b
     os.rename(staging, final)
     if fsync:
         fsync_dir(final.parent)
+    return old
+
+
+def unpublish(staging: Path, final: Path, old: Path | None, fsync: bool = True) -> None:
+    """Roll a published step back (another node failed to publish it): out of sight first,
+    then the previous copy back in place, then removed."""
+    if final.exists() and (final / MANIFEST_NAME).is_file():
+        os.rename(final, staging)
+    if old is not None and old.exists():
+        os.rename(old, final)
+    if fsync:
+        fsync_dir(final.parent)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def discard(old: Path | None) -> None:
+    """Remove a copy that :func:`publish` moved aside, once the commit stands everywhere."""
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
