@@ -20,9 +20,9 @@ from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
 from ckptfmt.parallel.comm import SingleComm
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
-from ckptfmt.reader import read_manifest, tensor_reads
-from ckptfmt.state import unflatten
-from ckptfmt.storage.files import Inside
+from ckptfmt.reader import check_allocation, check_documents, read_manifest, tensor_reads
+from ckptfmt.state import flatten, unflatten
+from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.paths import refuse_url
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -69,9 +69,33 @@ def save(
         )
     except SaveFailedError as exc:  # one process: re-raise its own error, not the vote's
         if exc.cause is not None:
+            _raise_full(exc.cause, state, Path(path))
             raise exc.cause from None
         raise
+    except OSError as exc:
+        _raise_full(exc, state, Path(path))
+        raise
     return manifest
+
+
+def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> None:
+    """A full file system (or quota) met anywhere in the save, as :class:`StorageFullError`
+    naming the checkpoint's directory and the bytes the save needed at least (its tensors'
+    bytes; the shard indexes and metadata come on top). The staging directory is gone by now
+    (the save's vote removed it)."""
+    if not isinstance(exc, OSError):
+        return
+    full = storage_full(exc, path.absolute(), directory=path.absolute())
+    if full is None:
+        return
+    needed = sum(
+        int(getattr(leaf, "nbytes", 0) or 0)
+        for _, leaf in flatten(state)
+        if isinstance(getattr(leaf, "nbytes", None), int)
+    )
+    raise full.with_context(
+        level=f"single-process save of {path}", needed=max(needed, full.needed or 0)
+    ) from None
 
 
 def writer_threads() -> int:
@@ -79,16 +103,21 @@ def writer_threads() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> dict[str, Any]:
     """Load a whole checkpoint into memory as the nested structure that was saved, bit-exact.
 
-    Every byte read is checked against its CRC32C; damage raises a :class:`DamagedError` that names
-    the file and the tensors it affects.
+    Every byte read is checked against its CRC32C, and every ``zarr.json`` against the manifest;
+    damage raises a :class:`DamagedError` that names the file and the tensors it affects.
+    ``max_bytes``: the most the tensors may take in memory, checked against the manifest before
+    anything is allocated (:class:`AllocationLimitError`); None: the machine's physical memory
+    (or the address-space limit), 0: no limit.
     """
     refuse_url(path)
     root = Path(path)
     manifest = read_manifest(root)
     src = Inside(root)
+    check_documents(src, manifest)
+    check_allocation(manifest.tensors(), max_bytes)
     leaves: list[tuple[tuple[str, ...], Any]] = []
     jobs: list[Callable[[], None]] = []
     for e in manifest.entries:

@@ -7,9 +7,11 @@ is opened), and every data byte is checked against its CRC32C as it is read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +20,17 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.grid import cells
+from ckptfmt.codecs.zarr_meta import check_doc, documents, parse_doc
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import CkptError, NotACheckpointError, UsageError
+from ckptfmt.errors import (
+    AllocationLimitError,
+    CkptError,
+    MetadataMismatchError,
+    MissingFileError,
+    NotACheckpointError,
+    NotRegularFileError,
+    UsageError,
+)
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
 from ckptfmt.manifest.model import (
@@ -49,6 +60,8 @@ def read_manifest_bytes(root: Path) -> bytes:
         raise NotACheckpointError(str(root), reason)
     try:
         return Inside(root).read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
+    except NotRegularFileError as exc:
+        raise NotACheckpointError(str(root), f"{MANIFEST_NAME} is {exc.what}, refused") from None
     except FileNotFoundError:
         raise NotACheckpointError(
             str(root), f"no {MANIFEST_NAME} (never committed, torn before commit, or not ours)"
@@ -61,6 +74,69 @@ def read_manifest(root: Path) -> Manifest:
     """Read and check the manifest of the committed checkpoint at ``root``."""
     refuse_url(root)
     return parse_manifest(read_manifest_bytes(root), str(root / MANIFEST_NAME))
+
+
+DOC_MAX_BYTES = 1 << 20  # a zarr.json is a few hundred bytes; anything longer is not ours
+
+
+def read_doc(src: Inside, manifest: Manifest, rel: str) -> tuple[bytes, Any]:
+    """The bytes and the document of the ``zarr.json`` at ``rel``, checked against what
+    ``manifest`` implies (``codecs.zarr_meta.check_doc``: from format version 2 on, exactly that
+    document). Raises :class:`MissingFileError` (absent, a link, not a regular file) or
+    :class:`MetadataMismatchError`."""
+    try:
+        data = src.read(rel, DOC_MAX_BYTES + 1)
+    except NotRegularFileError as exc:
+        raise NotRegularFileError(rel, exc.what) from None
+    except FileNotFoundError:
+        raise MissingFileError(rel) from None
+    if len(data) > DOC_MAX_BYTES:
+        raise MetadataMismatchError(rel, f"longer than {DOC_MAX_BYTES} bytes")
+    doc = parse_doc(data, rel)
+    check_doc(manifest, rel, doc)
+    return data, doc
+
+
+def check_documents(src: Inside, manifest: Manifest) -> None:
+    """Check every ``zarr.json`` of the checkpoint in ``src`` (``ckptfmt.load`` does, so that a
+    damaged metadata document is found by a load as by ``verify``); raises the first problem,
+    a :class:`DamagedError` naming the file."""
+    for rel in documents(manifest):
+        read_doc(src, manifest, rel)
+
+
+def physical_memory() -> int:
+    """The bytes of memory this process may use at most: the machine's physical memory, or the
+    address-space limit when one is set and lower (0 when neither is known)."""
+    total = 0
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            total = min(total, soft) if total else soft
+    except (ImportError, OSError, ValueError):
+        pass
+    return total
+
+
+def check_allocation(tensors: Sequence[TensorEntry], limit: int | None) -> int:
+    """Raise :class:`AllocationLimitError` before anything is allocated when one of ``tensors``,
+    or all of them together, would take more than ``limit`` bytes (None: :func:`physical_memory`;
+    0: no limit). Returns the bytes they take."""
+    if limit is None:
+        limit = physical_memory()
+    total = 0
+    for t in tensors:
+        nbytes = t.size * by_name(t.dtype).itemsize
+        if limit and nbytes > limit:
+            raise AllocationLimitError(display(t.name), nbytes, limit)
+        total += nbytes
+    if limit and total > limit:
+        raise AllocationLimitError(None, total, limit)
+    return total
 
 
 def geometry(t: TensorEntry) -> Geometry:
@@ -161,7 +237,9 @@ class TensorView:
     def nbytes(self) -> int:
         return self.entry.size * self.dtype.itemsize
 
-    def read(self) -> np.ndarray:
+    def read(self, max_bytes: int | None = None) -> np.ndarray:
+        """The whole tensor, every byte verified; ``max_bytes`` as for ``ckptfmt.load``."""
+        check_allocation([self.entry], max_bytes)
         return read_tensor(self.src, self.entry)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -170,6 +248,10 @@ class TensorView:
 
     def __getitem__(self, key: Any) -> np.ndarray:
         bounds, dropped = _normalize_key(key, self.shape)
+        nbytes = math.prod(b - a for a, b in bounds) * self.dtype.itemsize
+        limit = physical_memory()
+        if limit and nbytes > limit:
+            raise AllocationLimitError(self.name, nbytes, limit)
         out = np.empty(tuple(b - a for a, b in bounds), dtype=self.dtype)
         if out.size:
             self._fill(bounds, out)

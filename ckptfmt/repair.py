@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.errors import CkptError, UnrecoverableDamageError, UsageError
-from ckptfmt.manifest.codec import parse_manifest
+from ckptfmt.copies import Choice, Copy, choose, copies_of, plan_offline, read_copy, write_planned
+from ckptfmt.errors import CkptError, NotACheckpointError, UnrecoverableDamageError, UsageError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.protocol import write_metadata
 from ckptfmt.parallel.rebuild import plan_all
-from ckptfmt.reader import read_manifest_bytes
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops
 from ckptfmt.redundancy.record import RedundancyRecord, record_of
@@ -51,9 +50,11 @@ class RepairReport:
     lost_data: list[int] = field(default_factory=list)
     lost_parity: list[int] = field(default_factory=list)
     lost_nodes: list[str] = field(default_factory=list)  # the nodes of those ranks
-    # zarr documents missing or damaged in committed directories, "<dir>: <file>" (rewritten
-    # from the manifest: they are the same on every node)
+    # metadata missing or damaged in committed directories, "<dir>: <file>": manifest copies
+    # (rewritten from the taken copy, ckptfmt.copies) and zarr documents (from the manifest:
+    # they are the same on every node)
     metadata: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. good manifest copies that disagree
     recreated: list[str] = field(default_factory=list)  # directories made anew (dry run: to be)
     files_written: list[str] = field(default_factory=list)  # "<dir>: <file>"
     bytes_read: int = 0
@@ -68,7 +69,13 @@ def node_dirs(spec: NodeDirs) -> tuple[Manifest, bytes, dict[str, Path]]:
     """The manifest (and its bytes) of a level-1 checkpoint and each node's directory.
 
     ``spec``: a ``{node}`` template, a mapping node -> directory, or one directory for all. The
-    manifest comes from the first committed directory (in node order) that parses."""
+    manifest is the good copy most directories hold (``ckptfmt.copies``)."""
+    choice, dirs, _ = node_copies(spec)
+    return choice.manifest, choice.data, dirs
+
+
+def node_copies(spec: NodeDirs) -> tuple[Choice, dict[str, Path], list[Copy]]:
+    """:func:`node_dirs` with the choice among the copies and every directory's copy."""
     if isinstance(spec, Mapping):
         given = {str(k): Path(v) for k, v in spec.items()}
         candidates = list(given.values())
@@ -80,30 +87,31 @@ def node_dirs(spec: NodeDirs) -> tuple[Manifest, bytes, dict[str, Path]]:
         else:
             candidates = [Path(text)]
         given = {}
-    errors = []
-    for path in candidates:
-        try:
-            data = read_manifest_bytes(path)
-            manifest = parse_manifest(data, str(path))
-        except CkptError as exc:
-            errors.append(str(exc))
-            continue
-        nodes = sorted({r.node for r in manifest.ranks})
-        if isinstance(spec, Mapping):
-            missing = [n for n in nodes if n not in given]
-            if missing:
-                raise UsageError(f"no directory given for node(s) {', '.join(missing)}")
-            return manifest, data, {n: given[n] for n in nodes}
-        text = os.fspath(spec)
-        if "{node}" in text:
-            return manifest, data, {n: Path(text.replace("{node}", n)) for n in nodes}
-        return manifest, data, {n: Path(text) for n in nodes}
-    from ckptfmt.errors import NotACheckpointError
-
-    shown = os.fspath(spec) if not isinstance(spec, Mapping) else ", ".join(map(str, candidates))
-    raise NotACheckpointError(
-        shown, "no committed copy found" + (f" ({'; '.join(errors[:3])})" if errors else "")
-    )
+    copies = copies_of(candidates)
+    try:
+        choice = choose(copies)
+    except NotACheckpointError as exc:
+        shown = (
+            os.fspath(spec) if not isinstance(spec, Mapping) else ", ".join(map(str, candidates))
+        )
+        errors = [str(c.error) for c in copies if c.error is not None]
+        raise NotACheckpointError(
+            shown, "no committed copy found" + (f" ({'; '.join(errors[:3])})" if errors else "")
+        ) from exc
+    manifest = choice.manifest
+    nodes = sorted({r.node for r in manifest.ranks})
+    if isinstance(spec, Mapping):
+        missing = [n for n in nodes if n not in given]
+        if missing:
+            raise UsageError(f"no directory given for node(s) {', '.join(missing)}")
+        return choice, {n: given[n] for n in nodes}, copies
+    text = os.fspath(spec)
+    if "{node}" in text:
+        dirs = {n: Path(text.replace("{node}", n)) for n in nodes}
+        known = {c.directory for c in copies}
+        copies += [read_copy(d) for d in dirs.values() if d not in known]
+        return choice, dirs, copies
+    return choice, {n: Path(text) for n in nodes}, copies
 
 
 def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> RepairReport:
@@ -111,23 +119,22 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
     :class:`UnrecoverableDamageError` when the damage is beyond the redundancy (nothing is
     written then), :class:`NotACheckpointError` when no directory holds a readable manifest."""
     started = time.perf_counter()
-    manifest, data, dirs = node_dirs(spec)
+    choice, dirs, copies = node_copies(spec)
+    manifest, data = choice.manifest, choice.data
     shown = os.fspath(spec) if not isinstance(spec, Mapping) else "the node directories"
-    report = RepairReport(shown, manifest.step)
+    report = RepairReport(shown, manifest.step, notes=list(choice.notes))
     record = record_of(manifest)
-    intact_dir: dict[Path, bool] = {}
-    for d in set(dirs.values()):
-        try:
-            intact_dir[d] = parse_manifest(read_manifest_bytes(d)).save_id == manifest.save_id
-        except CkptError:
-            intact_dir[d] = False
+    # a directory is intact when it holds the taken copy, or a damaged copy of its manifest
+    # (rewritten below from the taken one; its data files are checked like any other's)
+    keep = set(choice.holders) | set(choice.to_rewrite)
+    intact_dir = {d: d in keep for d in set(dirs.values())}
     dir_of = {r.rank: dirs[r.node] for r in manifest.ranks}
-    docs = _damaged_docs(manifest, intact_dir)
+    _, docs = plan_offline([c for c in copies if c.directory in intact_dir])
     report.metadata = [f"{d}: {rel}" for d, rels in docs.items() for rel in rels]
     if record is None:
         _check_without_redundancy(manifest, dir_of, intact_dir, report, shown)
         if not dry_run:
-            _rewrite_docs(docs, manifest, fsync, report)
+            _rewrite_docs(choice, docs, fsync, report)
         report.seconds = time.perf_counter() - started
         return report
     report.scheme = record.scheme
@@ -157,7 +164,7 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
                 commit.remove(final)
             commit.prepare(final, manifest.save_id, overwrite=True)
             write_metadata(staging[d], manifest, fsync)
-        _rewrite_docs(docs, manifest, fsync, report)
+        _rewrite_docs(choice, docs, fsync, report)
         for i, ops in plans:
             s = record.sets[i]
             local = {}
@@ -207,41 +214,12 @@ def _buffers(record: RedundancyRecord, rank: int) -> MemberBuffers:
     return MemberBuffers(np.zeros(n_data, np.uint8), np.zeros(n_parity, np.uint8))
 
 
-def _damaged_docs(manifest: Manifest, intact_dir: dict[Path, bool]) -> dict[Path, list[str]]:
-    """The zarr documents missing or damaged in each committed directory."""
-    from ckptfmt.verify import check_metadata
-
-    out = {}
-    for d in sorted((d for d, ok in intact_dir.items() if ok), key=str):
-        problems, _ = check_metadata(Inside(d), manifest)
-        if problems:
-            out[d] = sorted({p.file for p in problems})
-    return out
-
-
 def _rewrite_docs(
-    docs: dict[Path, list[str]], manifest: Manifest, fsync: bool, report: RepairReport
+    choice: Choice, docs: dict[Path, list[str]], fsync: bool, report: RepairReport
 ) -> None:
-    """Write the documents ``docs`` anew from the manifest, each replaced atomically: the same
-    bytes as the save wrote (``protocol.write_metadata``)."""
-    import json
-
-    from ckptfmt.codecs.zarr_meta import array_doc, group_doc
-    from ckptfmt.dtypes import by_name
-    from ckptfmt.storage.members import replace_file
-
-    arrays = {f"{t.path}/zarr.json": t for t in manifest.tensors()}
-    for d, rels in docs.items():
-        for rel in rels:
-            t = arrays.get(rel)
-            doc = (
-                group_doc()
-                if t is None
-                else array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
-            )
-            blob = json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
-            replace_file(d / rel, np.frombuffer(blob, np.uint8), fsync)
-            report.files_written.append(f"{d}: {rel}")
+    """Write the metadata files ``docs`` anew (the taken manifest copy, the documents the
+    manifest implies), each replaced atomically: the same bytes as the save wrote."""
+    report.files_written += write_planned(choice, docs, fsync)
 
 
 def _check_without_redundancy(

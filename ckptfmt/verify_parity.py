@@ -33,10 +33,9 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.errors import CkptError
-from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.errors import DamagedError
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.reader import read_manifest_bytes
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops
 from ckptfmt.redundancy.record import (
     PARITY_DIR,
@@ -75,10 +74,13 @@ def verify_nodes(
     """Verify a level-1 checkpoint given as a ``{node}`` template or a mapping node ->
     directory (module docstring). Raises :class:`NotACheckpointError` when no node holds a
     committed copy, :class:`ManifestError` when the manifest (or its record) is invalid."""
+    from ckptfmt.copies import ABSENT, GOOD
     from ckptfmt.parallel.rebuild import lost_tensors
-    from ckptfmt.repair import node_dirs
+    from ckptfmt.repair import node_copies
 
-    manifest, data, dirs = node_dirs(spec)
+    choice, dirs, copies = node_copies(spec)
+    manifest, data = choice.manifest, choice.data
+    copy_of = {c.directory: c for c in copies}
     if isinstance(spec, Mapping):
         shown = "; ".join(f"{n}={os.fspath(d)}" for n, d in sorted(spec.items()))
     else:
@@ -86,6 +88,7 @@ def verify_nodes(
     check_schema(data, Path(shown))
     record = record_of(manifest)
     report = VerifyReport(shown, manifest, nodes={n: str(d) for n, d in dirs.items()})
+    report.notes = list(choice.notes)
     node_of = {r.rank: r.node for r in manifest.ranks}
     by_dir: dict[Path, list[str]] = {}
     for node, d in dirs.items():
@@ -97,18 +100,23 @@ def verify_nodes(
         lost = f"the data{' and parity' if record else ''} of rank(s) {_ranks(ranks)} are lost"
         tensors = tuple(lost_tensors(manifest, set(ranks)))
         src_of_dir[d] = None
-        try:
-            mine = read_manifest_bytes(d)
-            other = parse_manifest(mine, str(d / MANIFEST_NAME))
-        except CkptError as exc:
+        copy = copy_of.get(d)
+        if copy is None or copy.state == ABSENT:
+            exc = copy.error if copy is not None else None
             reason = f"no copy of the step in {d} ({getattr(exc, 'reason', exc)}): {lost}"
             report.problems.append(Problem(MANIFEST_NAME, "missing", reason, tensors, label))
             continue
-        if other.save_id != manifest.save_id:
-            reason = f"{d} holds another save ({other.save_id}, not {manifest.save_id}): {lost}"
+        if copy.state != GOOD:  # damaged in place: its data is checked against the good copy
+            why = getattr(copy.error, "reason", copy.error)
+            reason = f"this node's copy is damaged ({why}); rebuild writes it anew from a good one"
+            kind = "checksum" if isinstance(copy.error, DamagedError) else "metadata"
+            report.problems.append(Problem(MANIFEST_NAME, kind, reason, (), label))
+        elif copy.manifest is not None and copy.manifest.save_id != manifest.save_id:
+            other = copy.manifest.save_id
+            reason = f"{d} holds another save ({other}, not {manifest.save_id}): {lost}"
             report.problems.append(Problem(MANIFEST_NAME, "metadata", reason, tensors, label))
             continue
-        if mine != data:
+        elif copy.data != data:
             reason = "differs from the manifest of the same save on the other node(s)"
             report.problems.append(Problem(MANIFEST_NAME, "metadata", reason, (), label))
         src = src_of_dir[d] = Inside(d)

@@ -192,7 +192,22 @@ def manifest_doc(root: Path) -> dict[str, Any]:
 
 
 def write_manifest(root: Path, doc: Any) -> None:
-    (root / "ckptfmt.json").write_text(json.dumps(doc))
+    """Write ``doc`` as the manifest, as a writer would: sealed with its checksum when its
+    format version has one (an edit that is not resealed is damage, see test_integrity_*)."""
+    (root / "ckptfmt.json").write_bytes(seal_if_sealed(doc))
+
+
+def seal_if_sealed(doc: Any) -> bytes:
+    """``doc``'s bytes: sealed with the manifest checksum when its ``format_version`` is an
+    integer from 2 on, else plain JSON without a checksum member (as version 1 is written)."""
+    from ckptfmt.manifest.codec import seal
+
+    if not isinstance(doc, dict):
+        return json.dumps(doc).encode()
+    version = doc.get("format_version")
+    if type(version) is int and version >= 2:
+        return seal(doc)
+    return json.dumps({k: v for k, v in doc.items() if k != "manifest_crc32c"}).encode()
 
 
 def tree_snapshot(root: Path) -> dict[str, bytes]:

@@ -17,6 +17,7 @@ from ckptfmt_cli import render
 from ckptfmt_cli.exits import EXIT_STATUSES, ExitStatus, exit_status
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner, Result
+from conftest import seal_if_sealed
 from rich.console import Console
 
 import ckptfmt
@@ -107,7 +108,7 @@ def test_inspect_json_has_shapes_dtypes_and_bytes(ckpt: Path) -> None:
     manifest = ckptfmt.open(ckpt).manifest
     assert doc["step"] == 42
     assert doc["save_id"] == manifest.save_id
-    assert doc["format_version"] == 1
+    assert doc["format_version"] == 2
     assert doc["levels"] == []
     assert doc["world"]["size"] == 1
     assert [n["ranks"] for n in doc["world"]["nodes"]] == [[0]]
@@ -184,7 +185,7 @@ def test_inspect_shows_writer_ranks_and_nodes_of_a_multi_rank_checkpoint(ckpt: P
             "files": region["files"][per_row:],
         },
     ]
-    (ckpt / "ckptfmt.json").write_text(json.dumps(doc))
+    (ckpt / "ckptfmt.json").write_bytes(seal_if_sealed(doc))
 
     out = json.loads(run("inspect", "--json", ckpt).stdout)
     assert out["world"] == {
@@ -358,7 +359,7 @@ def test_a_garbage_manifest_exits_3_without_traceback(ckpt: Path, command: str) 
 def test_an_unsupported_format_version_exits_3(ckpt: Path) -> None:
     doc = json.loads((ckpt / "ckptfmt.json").read_bytes())
     doc["format_version"] = 99
-    (ckpt / "ckptfmt.json").write_text(json.dumps(doc))
+    (ckpt / "ckptfmt.json").write_bytes(seal_if_sealed(doc))
     result = run("verify", ckpt)
     assert_one_line_error(result, ExitStatus.UNREADABLE, "format version 99")
 

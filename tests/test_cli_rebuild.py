@@ -13,6 +13,7 @@ import pytest
 from ckptfmt_cli.exits import ExitStatus
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner, Result
+from conftest import seal_if_sealed
 from level1_util import NODES8, flip, merge, save_level1, tree
 
 import ckptfmt
@@ -97,7 +98,8 @@ def test_json_report(saved: dict[str, Path], tmp_path: Path) -> None:
     doc = json.loads(result.stdout)
     assert set(doc) == {
         "path", "status", "dry_run", "step", "scheme", "lost_data_ranks", "lost_parity_ranks",
-        "lost_nodes", "damaged_metadata", "recreated", "files_written", "bytes_read", "seconds",
+        "lost_nodes", "damaged_metadata", "notes", "recreated", "files_written", "bytes_read",
+        "seconds",
     }  # fmt: skip
     assert doc["path"] == template and doc["status"] == "repaired" and doc["dry_run"] is False
     assert doc["lost_data_ranks"] == [4, 5] and doc["lost_parity_ranks"] == [4, 5]
@@ -240,7 +242,7 @@ def test_invalid_record_exits_3(saved: dict[str, Path], tmp_path: Path) -> None:
         path = root / node / "ckptfmt.json"
         doc: dict[str, Any] = json.loads(path.read_text())
         doc["levels"]["1"]["redundancy"]["sets"][0]["chunk"] += 1
-        path.write_text(json.dumps(doc))
+        path.write_bytes(seal_if_sealed(doc))  # as a writer would: the checksum holds
     result = run("rebuild", template)
     assert result.exit_code == ExitStatus.UNREADABLE
     assert "/levels/1/redundancy/sets/0" in result.stderr

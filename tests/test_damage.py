@@ -261,10 +261,13 @@ def test_array_metadata_edited(tmp_path: Path, edit: Any) -> None:
     assert not report.healthy
 
 
-def test_array_metadata_attributes_are_free(tmp_path: Path) -> None:
+def test_array_metadata_attributes_are_checked(tmp_path: Path) -> None:
+    """Format version 2 covers every zarr.json whole, attributes included (FORMAT.md §10);
+    version 1 left them free (tests/test_integrity_checksums.py reads such a fixture)."""
     root = make(tmp_path)
     edit_json(root / "t/zarr.json", lambda d: {**d, "attributes": {"note": "mine"}})
-    assert ckptfmt.verify(root).healthy
+    report = ckptfmt.verify(root)
+    assert [(p.file, p.kind) for p in report.problems] == [("t/zarr.json", "metadata")]
 
 
 @pytest.mark.parametrize("content", [b"", b"\xff\xfe garbage", b"{", b"[" * 100_000])
@@ -396,7 +399,7 @@ def test_manifest_bit_flips_never_escape(tmp_path: Path) -> None:
         path.write_bytes(original)
 
 
-@pytest.mark.parametrize("version", [99, 0, 2, -1, "1", 1.5, None, True, [1]])
+@pytest.mark.parametrize("version", [99, 0, 3, -1, "1", 1.5, None, True, [1]])
 @pytest.mark.parametrize("fn", ALL_READERS, ids=["load", "open", "verify"])
 def test_format_version(tmp_path: Path, fn: Any, version: Any) -> None:
     root = make(tmp_path)

@@ -14,6 +14,7 @@ import pytest
 from ckptfmt_cli.exits import ExitStatus
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner
+from conftest import seal_if_sealed
 from level1_util import NODES8, flip, merge, save_level1
 
 import ckptfmt
@@ -50,7 +51,7 @@ def rewrite_manifests(root: Path, change: Any) -> None:
     doc = json.loads((root / "n0" / "ckptfmt.json").read_text())
     change(doc)
     for node in NODES:
-        (root / node / "ckptfmt.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (root / node / "ckptfmt.json").write_bytes(seal_if_sealed(doc))
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))

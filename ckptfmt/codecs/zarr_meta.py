@@ -1,13 +1,23 @@
 """The zarr v3 metadata documents (``zarr.json``) of a checkpoint: one group at the root and at
 every mapping level, one array per tensor. They are what plain zarr readers see; the manifest is
-what ckptfmt trusts. :func:`check_array_doc` keeps the two in agreement."""
+what ckptfmt trusts. :func:`check_array_doc` and :func:`check_group_doc` keep the two in
+agreement.
+
+From format version 2 on (``spec/FORMAT.md`` §10) every document is covered: it must parse to
+exactly the document the manifest implies (:func:`expected_doc`), ``attributes`` included, so a
+damaged byte anywhere in it is found (a change that parses to the same document, such as other
+whitespace, is not damage). Version 1 let writers put anything in ``attributes`` and add
+``dimension_names``; its documents are still checked as version 1 asked.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ckptfmt.dtypes import DType, by_name
 from ckptfmt.errors import MetadataMismatchError
+from ckptfmt.manifest.model import GroupEntry, Manifest
 
 _CRC = {"name": "crc32c"}
 
@@ -64,6 +74,50 @@ def array_doc(
     }
 
 
+def doc_bytes(doc: Any) -> bytes:
+    """A metadata document's bytes as ckptfmt writes them (``storage.files.write_json``)."""
+    return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate member names")
+    return out
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
+
+
+def parse_doc(data: bytes, file: str) -> Any:
+    """A ``zarr.json`` document from its bytes: strict JSON (UTF-8, no NaN, no duplicate member
+    names); :class:`MetadataMismatchError` otherwise."""
+    try:
+        return json.loads(
+            data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant
+        )
+    except (ValueError, RecursionError) as exc:
+        raise MetadataMismatchError(file, f"not a valid JSON document: {exc}") from None
+
+
+def _canonical(doc: Any) -> str:
+    """Equal for equal JSON documents only (``json`` keeps 1, 1.0 and true apart, Python's ==
+    does not)."""
+    return json.dumps(doc, sort_keys=True, allow_nan=True, separators=(",", ":"))
+
+
+def check_group_doc(doc: object, file: str, strict: bool = True) -> None:
+    """Raise :class:`MetadataMismatchError` unless ``doc`` is the group document. ``strict``
+    (format version 2 on): exactly ``group_doc()``; else a zarr v3 group with any attributes."""
+    if strict:
+        if _canonical(doc) != _canonical(group_doc()):
+            raise MetadataMismatchError(file, "is not the group document the format implies")
+        return
+    if not isinstance(doc, dict) or doc.get("node_type") != "group" or doc.get("zarr_format") != 3:
+        raise MetadataMismatchError(file, "expected a zarr v3 group document")
+
+
 def check_array_doc(
     doc: object,
     file: str,
@@ -71,12 +125,23 @@ def check_array_doc(
     shape: tuple[int, ...],
     shard_shape: tuple[int, ...],
     chunk_shape: tuple[int, ...],
+    strict: bool = False,
 ) -> None:
     """Raise :class:`MetadataMismatchError` unless ``doc`` is exactly the array document ckptfmt
-    writes for this tensor (attributes aside)."""
+    writes for this tensor (``strict``, format version 2 on: attributes included; else
+    attributes and dimension names aside)."""
     expected = array_doc(by_name(dtype), shape, shard_shape, chunk_shape)
     if not isinstance(doc, dict):
         raise MetadataMismatchError(file, "not a JSON object")
+    if strict:
+        if _canonical(doc) != _canonical(expected):
+            diff = sorted(
+                k
+                for k in set(doc) | set(expected)
+                if _canonical(doc.get(k)) != _canonical(expected.get(k))
+            )
+            raise MetadataMismatchError(file, f"disagrees with the manifest on {', '.join(diff)}")
+        return
     ignored = ("attributes", "dimension_names")
     got = {k: v for k, v in doc.items() if k not in ignored}
     if got.get("storage_transformers") == []:  # zarr-python writes an empty list; same meaning
@@ -85,3 +150,34 @@ def check_array_doc(
     if got != want:
         diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
         raise MetadataMismatchError(file, f"disagrees with the manifest on {', '.join(diff)}")
+
+
+def documents(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """Every ``zarr.json`` a checkpoint of ``manifest`` holds (relative path -> document): the
+    root group, a group at every proper prefix of every name and at every group entry, one
+    array per tensor (``spec/FORMAT.md`` §2). Each node's level-1 directory holds all of them."""
+    names = [e.name for e in manifest.entries]
+    groups = {n[:k] for n in names for k in range(len(n))} | {()}
+    groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
+    out: dict[str, dict[str, Any]] = {}
+    for g in sorted(groups):
+        out["/".join((*g, "zarr.json"))] = group_doc()
+    for t in manifest.tensors():
+        out[f"{t.path}/zarr.json"] = array_doc(
+            by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape
+        )
+    return out
+
+
+def check_doc(manifest: Manifest, rel: str, doc: object) -> None:
+    """Check the document ``doc`` found at ``rel`` (a key of :func:`documents`) against what
+    ``manifest`` implies, by the rules of the manifest's format version."""
+    from ckptfmt.manifest.limits import CHECKSUM_SINCE
+
+    strict = manifest.format_version >= CHECKSUM_SINCE
+    tensors = {f"{t.path}/zarr.json": t for t in manifest.tensors()}
+    t = tensors.get(rel)
+    if t is None:
+        check_group_doc(doc, rel, strict)
+    else:
+        check_array_doc(doc, rel, t.dtype, t.shape, t.shard_shape, t.chunk_shape, strict)

@@ -14,10 +14,13 @@ import math
 import re
 from typing import Any
 
+from ckptfmt.codecs.crc32c import crc32c
 from ckptfmt.codecs.grid import cells, grid_shape, shard_key
 from ckptfmt.dtypes import DTYPES
-from ckptfmt.errors import CkptError, FormatVersionError, ManifestError
+from ckptfmt.errors import CkptError, FormatVersionError, ManifestChecksumError, ManifestError
 from ckptfmt.manifest.limits import (
+    CHECKSUM_SINCE,
+    FORMAT_VERSION,
     MANIFEST_MAX_BYTES,
     MAX_CHUNK_BYTES,
     MAX_CHUNKS_PER_SHARD,
@@ -47,6 +50,14 @@ MANIFEST_NAME = "ckptfmt.json"
 FORMAT_ID = "ckptfmt"
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _CRC = re.compile(r"^[0-9a-f]{8}$")
+
+# The manifest's own checksum (format version 2, spec/FORMAT.md §10): the document's last member,
+# written exactly as _TRAILER_HEAD + 8 lowercase hex digits + _TRAILER_END, so that the bytes it
+# covers (everything before it) are found without parsing the JSON.
+CHECKSUM_MEMBER = "manifest_crc32c"
+_TRAILER_HEAD = b'"' + CHECKSUM_MEMBER.encode() + b'": "'
+_TRAILER_END = b'"\n}\n'
+_TRAILER_LEN = len(_TRAILER_HEAD) + 8 + len(_TRAILER_END)
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -98,6 +109,7 @@ def _entry_json(e: Entry) -> dict[str, Any]:
 
 
 def manifest_to_json(m: Manifest) -> dict[str, Any]:
+    """The manifest as a JSON document, without its checksum (:func:`seal` adds it)."""
     return {
         "format": FORMAT_ID,
         "format_version": m.format_version,
@@ -115,8 +127,67 @@ def manifest_to_json(m: Manifest) -> dict[str, Any]:
 
 
 def dump_manifest(m: Manifest) -> bytes:
-    """The manifest file's bytes: UTF-8 JSON, strict (no NaN), keys in a fixed order."""
-    return json.dumps(manifest_to_json(m), allow_nan=False, indent=1).encode("utf-8") + b"\n"
+    """The manifest file's bytes: UTF-8 JSON, strict (no NaN), keys in a fixed order; from
+    format version 2 on, sealed with its checksum (:func:`seal`)."""
+    doc = manifest_to_json(m)
+    if m.format_version >= CHECKSUM_SINCE:
+        return seal(doc)
+    return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8") + b"\n"
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """The bytes of the manifest document ``doc`` (members in the order given; any checksum
+    member it has is dropped) followed by its checksum member: the CRC32C of every byte before
+    that member (spec/FORMAT.md §10). Also for tests and tools that write a manifest by hand."""
+    body = {k: v for k, v in doc.items() if k != CHECKSUM_MEMBER}
+    if not body:
+        raise ManifestError("an empty document cannot be sealed")
+    return seal_bytes(json.dumps(body, allow_nan=False, indent=1).encode("utf-8"))
+
+
+def seal_bytes(text: bytes) -> bytes:
+    """Seal the bytes of a JSON object that has no checksum member yet (see :func:`seal`): its
+    closing brace and the whitespace around it are replaced by the checksum member, the last."""
+    body = text.rstrip()
+    if not body.endswith(b"}"):
+        raise ManifestError("not a JSON object: cannot be sealed")
+    covered = body[:-1].rstrip() + b",\n "
+    return covered + _TRAILER_HEAD + f"{crc32c(covered):08x}".encode() + _TRAILER_END
+
+
+def check_seal(data: bytes, path: str | None = None) -> bool:
+    """Check the manifest checksum of a file's bytes before anything else is read from them.
+
+    Returns True when the file ends with an intact checksum member whose CRC32C holds (a sealed
+    manifest, format version 2 or later); False when it has no checksum member at all (format
+    version 1; the version rule then decides). Raises :class:`ManifestChecksumError` (a damaged
+    file: ``verify`` exit 1) when the checksum does not hold or the member itself is damaged:
+    its bytes are recognised while at most two of them differ from the form writers use."""
+    file = path or MANIFEST_NAME
+    at = data.rfind(_TRAILER_HEAD, max(0, len(data) - 4 * _TRAILER_LEN))
+    if at >= 0:
+        tail = data[at:]
+        digits = tail[len(_TRAILER_HEAD) : len(_TRAILER_HEAD) + 8]
+        if len(tail) != _TRAILER_LEN or tail[len(_TRAILER_HEAD) + 8 :] != _TRAILER_END:
+            raise ManifestChecksumError(file, "its checksum member is damaged (bytes differ)")
+        if not _CRC.match(digits.decode("latin-1")):
+            raise ManifestChecksumError(file, f"its checksum {digits!r} is not 8 hex digits")
+        actual = crc32c(data[:at])
+        if actual != int(digits, 16):
+            raise ManifestChecksumError(
+                file,
+                f"manifest CRC32C mismatch (recorded {digits.decode()}, computed {actual:08x})",
+            )
+        return True
+    tail = data[-_TRAILER_LEN:]
+    if len(tail) == _TRAILER_LEN:
+        template = _TRAILER_HEAD + b"\0" * 8 + _TRAILER_END
+        fixed = [
+            i for i in range(_TRAILER_LEN) if not len(_TRAILER_HEAD) <= i < len(_TRAILER_HEAD) + 8
+        ]
+        if sum(tail[i] != template[i] for i in fixed) <= 2:
+            raise ManifestChecksumError(file, "its checksum member is damaged")
+    return False
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -130,12 +201,18 @@ def parse_manifest(data: bytes, path: str | None = None) -> Manifest:
     """Parse and fully check a manifest file's bytes."""
     if len(data) > MANIFEST_MAX_BYTES:
         raise ManifestError(f"{len(data)} bytes, the limit is {MANIFEST_MAX_BYTES}", path=path)
+    sealed = check_seal(data, path)  # a damaged file is damage, whatever else is wrong with it
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except ManifestError as exc:
         raise ManifestError(exc.reason, path=path) from None
     except (ValueError, RecursionError) as exc:  # bad UTF-8, bad JSON, absurd integer literals
         raise ManifestError(f"not JSON: {exc}", path=path) from None
+    if not sealed and isinstance(doc, dict) and doc.get("format") == FORMAT_ID:
+        version = doc.get("format_version")
+        if type(version) is int and CHECKSUM_SINCE <= version <= FORMAT_VERSION:
+            # a version that carries a checksum, without one: the member is lost or mangled
+            raise ManifestChecksumError(path or MANIFEST_NAME, "its checksum member is missing")
     try:
         return manifest_from_json(doc)
     except FormatVersionError:
@@ -201,17 +278,11 @@ def manifest_from_json(doc: Any) -> Manifest:
     version = top.obj.get("format_version")
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise FormatVersionError(version, SUPPORTED_VERSIONS)  # before any other rule
-    top.only(
-        "format",
-        "format_version",
-        "save_id",
-        "step",
-        "created",
-        "writer",
-        "world",
-        "entries",
-        "levels",
-    )
+    members = ["format", "format_version", "save_id", "step", "created", "writer", "world"]
+    members += ["entries", "levels"]
+    if version >= CHECKSUM_SINCE:
+        members.append(CHECKSUM_MEMBER)  # checked on the bytes by parse_manifest
+    top.only(*members)
     if "step" not in top.obj:
         raise ManifestError("missing (null when the checkpoint has no step)", "/step")
     save_id = top.get("save_id", str)

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 from ckptfmt.errors import InvalidNameError
 
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2  # what ckptfmt writes
+SUPPORTED_VERSIONS = (1, 2)  # what it reads
+CHECKSUM_SINCE = 2  # the first version whose manifest carries its own CRC32C (FORMAT.md §10)
 
 MANIFEST_MAX_BYTES = 256 * 1024 * 1024
 MAX_ENTRIES = 1_000_000

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptfmt.manifest.limits import FORMAT_VERSION
+
 JSON = Any  # a value json.dumps accepts (after non-finite floats are taken out)
 
 
@@ -112,7 +114,7 @@ class Manifest:
     entries: tuple[Entry, ...]
     levels: dict[str, JSON] = field(default_factory=dict)
     writer: dict[str, JSON] = field(default_factory=dict)
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
 
     def tensors(self) -> list[TensorEntry]:
         return [e for e in self.entries if isinstance(e, TensorEntry)]

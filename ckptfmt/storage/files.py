@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import CkptError
+from ckptfmt.errors import CkptError, NotRegularFileError, StorageFullError
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -29,7 +29,75 @@ class StorageError(CkptError, OSError):
 COPY_BATCH = 1 << 20  # write_gather(copy_to=...): copy this much, then write it while cached
 
 
+_FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+def free_space(path: Path) -> tuple[int | None, int | None]:
+    """The bytes and inodes free for an unprivileged writer on the file system of ``path`` (or
+    of its nearest existing ancestor); None where unknown."""
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None, None
+    return st.f_bavail * st.f_frsize, st.f_favail
+
+
+def is_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system is full or the quota spent."""
+    return isinstance(exc, OSError) and exc.errno in _FULL
+
+
+def storage_full(
+    exc: OSError, path: Path, needed: int | None = None, directory: Path | None = None
+) -> StorageFullError | None:
+    """The :class:`StorageFullError` for ``exc`` raised while writing ``path`` (``needed``: the
+    bytes of that write; ``directory``: where the operation writes, by default the file's
+    directory) when the file system is full or the quota spent; None for any other error. The
+    free space is measured at once, while the file system is still full."""
+    if not is_full(exc):
+        return None
+    if directory is None:
+        directory = path if path.is_dir() else path.parent
+    free, inodes = free_space(directory)
+    return StorageFullError(
+        str(directory),
+        err=exc.errno or errno.ENOSPC,
+        file=getattr(exc, "file", None) or str(path),
+        needed=needed if needed is not None else getattr(exc, "needed", None),
+        free=free,
+        free_inodes=inodes,
+    )
+
+
 def write_gather(
+    path: Path, pieces: Sequence[Buffer], fsync: bool = True, copy_to: Any = None
+) -> int:
+    """:func:`_write_gather`, with a full file system raised as :class:`StorageFullError`."""
+    try:
+        return _write_gather(path, pieces, fsync, copy_to)
+    except OSError as exc:
+        full = storage_full(exc, path, sum(len(p) for p in pieces))
+        if full is None:
+            raise
+        raise full from None
+
+
+def make_dirs(path: Path) -> None:
+    """``path.mkdir(parents=True, exist_ok=True)``, a full file system (no inode left) raised as
+    :class:`StorageFullError`."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        full = storage_full(exc, path)
+        if full is None:
+            raise
+        raise full from None
+
+
+def _write_gather(
     path: Path, pieces: Sequence[Buffer], fsync: bool = True, copy_to: Any = None
 ) -> int:
     """Create ``path`` (it must not exist) holding the concatenation of ``pieces``; return size.
@@ -103,6 +171,7 @@ def read_scatter(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
 
 
 def write_json(path: Path, doc: Any, fsync: bool = True) -> None:
+    """A metadata document, as ``codecs.zarr_meta.doc_bytes`` gives its bytes."""
     write_gather(path, [json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")], fsync)
 
 
@@ -144,20 +213,39 @@ class Inside:
         return ok
 
     def open_fd(self, rel: str) -> int:
-        """An O_RDONLY descriptor of ``rel``; FileNotFoundError if it is absent or leads outside."""
+        """An O_RDONLY descriptor of ``rel``, a regular file; FileNotFoundError if it is absent
+        or leads outside, :class:`NotRegularFileError` (a FileNotFoundError too) if something
+        else is there: a symbolic link, a FIFO, a device, a directory.
+
+        Opened with O_NOFOLLOW (a link is never followed) and O_NONBLOCK (opening a FIFO would
+        block until a writer appears; a device might block too), then ``fstat`` must show a
+        regular file, for which O_NONBLOCK means nothing (it is cleared all the same)."""
         rel_dir = rel.rsplit("/", 1)[0] if "/" in rel else ""
         if not self._dir_ok(rel_dir):
             raise FileNotFoundError(rel)
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags = (
+            os.O_RDONLY
+            | getattr(os, "O_NOFOLLOW", 0)
+            | getattr(os, "O_CLOEXEC", 0)
+            | getattr(os, "O_NONBLOCK", 0)
+            | getattr(os, "O_NOCTTY", 0)
+        )
         try:
             fd = os.open(self.root / rel, flags)
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR):
+            if exc.errno == errno.ELOOP:
+                raise NotRegularFileError(rel, "a symbolic link") from None
+            if exc.errno == errno.ENXIO:  # a socket, or a FIFO opened for writing
+                raise NotRegularFileError(rel, "a socket or FIFO") from None
+            if exc.errno in (errno.ENOTDIR, errno.EISDIR):
                 raise FileNotFoundError(rel) from None
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory or device where a file belongs
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO, device or directory where a file belongs
             os.close(fd)
-            raise FileNotFoundError(rel)
+            raise NotRegularFileError(rel, _kind_of(mode))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
         return fd
 
     def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> int:
@@ -167,6 +255,8 @@ class Inside:
 
         try:
             fd = self.open_fd(rel)
+        except NotRegularFileError as exc:
+            raise NotRegularFileError(rel, exc.what, tensors) from None
         except FileNotFoundError:
             raise MissingFileError(rel, tensors) from None
         actual = os.fstat(fd).st_size
@@ -184,8 +274,10 @@ class Inside:
             st = os.lstat(self.root / rel) if self._dir_ok(rel_dir) else None
         except OSError:
             st = None
-        if st is None or not stat.S_ISREG(st.st_mode):
+        if st is None:
             raise MissingFileError(rel, tensors)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(rel, _kind_of(st.st_mode), tensors)
         actual = st.st_size
         if actual != size:
             raise SizeMismatchError(rel, size, actual, tensors)
@@ -201,3 +293,18 @@ class Inside:
                 return f.read(want)
         finally:
             os.close(fd)
+
+
+def _kind_of(mode: int) -> str:
+    """What a file of ``mode`` is, in words."""
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"

@@ -42,7 +42,7 @@ from ckptfmt.errors import (
     SizeMismatchError,
 )
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import Inside, read_scatter, write_gather
+from ckptfmt.storage.files import Inside, make_dirs, read_scatter, write_gather
 
 _CRC = struct.Struct("<I")
 
@@ -173,7 +173,7 @@ def plan_region(
         key = shard_key(geo.path, cell)
         target = root / key
         if target.parent not in made_dirs:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(target.parent)
             made_dirs.add(target.parent)
         jobs.append(ShardJob(target, key, geo, data, tuple(offset), cell))
     return jobs
@@ -412,5 +412,77 @@ def _read_shard_fast(
                 _place(tmp, s, origin, out)
         _check_data_crc(data_crc.crc, ref, tensors)
         return True
+    finally:
+        os.close(fd)
+
+
+VERIFY_WINDOW = 4 << 20  # bytes read at once by verify_file, whatever a file claims
+
+
+def verify_file(
+    src: Inside,
+    geo: Geometry,
+    ref: FileRef,
+    cell: tuple[int, ...],
+    tensors: Sequence[str] = (),
+    window: int = VERIFY_WINDOW,
+) -> int:
+    """Check one stored data file in bounded memory (``verify``): its size against the manifest,
+    its index (CRC, placement, every in-bounds slot present), every chunk's CRC32C and the
+    file's data CRC, reading at most ``window`` bytes (and the index, at most 1 MiB) at a time.
+    Returns the bytes read. Raises the :class:`DamagedError` that :func:`decode_shard` would."""
+    fd = src.open_exact(ref.path, ref.size, tensors)
+    try:
+        buf = np.empty(max(1, min(window, ref.size)), np.uint8)
+        crc_buf = bytearray(CRC_BYTES)
+        read = 0
+        if not geo.shape:
+            spans = [(0, ref.size)]
+            if ref.size != geo.dtype.itemsize + CRC_BYTES:
+                raise CorruptShardError(ref.path, f"{ref.size} bytes, not one element", tensors)
+        else:
+            n_idx = index_nbytes(geo.n_slots)
+            if ref.size < n_idx:
+                raise CorruptShardError(ref.path, "shorter than its index", tensors)
+            n_slots, slots = geo.slots(cell)
+            index_blob = os.pread(fd, n_idx, ref.size - n_idx)
+            read += len(index_blob)
+            if len(index_blob) != n_idx:
+                raise SizeMismatchError(ref.path, ref.size, ref.size - n_idx, tensors)
+            table = decode_index(index_blob, n_slots, ref.size, ref.path, tensors)
+            spans = []
+            for s in slots:
+                off, nb = int(table[s.slot, 0]), int(table[s.slot, 1])
+                if off == EMPTY:
+                    raise CorruptShardError(ref.path, f"inner chunk {s.slot} is missing", tensors)
+                if nb != geo.chunk_nbytes + CRC_BYTES:
+                    raise CorruptShardError(
+                        ref.path,
+                        f"chunk at {off} has {nb} bytes, expected {geo.chunk_nbytes + CRC_BYTES}",
+                        tensors,
+                    )
+                spans.append((off, nb))
+        data_crc = FileCrc()
+        for off, nb in spans:
+            payload = nb - CRC_BYTES
+            c = 0
+            for at in range(0, payload, buf.size):
+                view = buf[: min(buf.size, payload - at)]
+                try:
+                    read_scatter(fd, [memoryview(view)], off + at)  # type: ignore[arg-type]
+                except EOFError:
+                    raise SizeMismatchError(ref.path, ref.size, off + at, tensors) from None
+                c = crc32c(view, c)
+            try:
+                read_scatter(fd, [memoryview(crc_buf)], off + payload)
+            except EOFError:
+                raise SizeMismatchError(ref.path, ref.size, off + payload, tensors) from None
+            read += nb
+            (stored,) = _CRC.unpack_from(crc_buf, 0)
+            if c != stored:
+                raise ChecksumError(ref.path, f"chunk at offset {off}", stored, c, tensors)
+            data_crc.add(c, payload)
+        _check_data_crc(data_crc.crc, ref, tensors)
+        return read
     finally:
         os.close(fd)

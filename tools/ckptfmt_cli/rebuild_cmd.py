@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from ckptfmt.errors import UnrecoverableDamageError
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.repair import NodeDirs, RepairReport, rebuild
 from ckptfmt_cli.exits import ExitStatus, help_epilog, one_line
 from ckptfmt_cli.summary import human_bytes
@@ -60,6 +61,7 @@ def report_json(report: RepairReport, dry_run: bool) -> dict[str, Any]:
         "lost_parity_ranks": report.lost_parity,
         "lost_nodes": report.lost_nodes,
         "damaged_metadata": report.metadata,
+        "notes": report.notes,
         "recreated": report.recreated,
         "files_written": report.files_written,
         "bytes_read": report.bytes_read,
@@ -98,12 +100,20 @@ def report_text(report: RepairReport, dry_run: bool) -> list[str]:
         lost.append(f"parity of rank(s) {_ranks(report.lost_parity)}")
     if lost:
         lines.append(f"  lost: {'; '.join(lost)} (node(s) {', '.join(report.lost_nodes)})")
-    if report.metadata:
+    lines.extend(f"  note: {n}" for n in report.notes)
+    copies = [f for f in report.metadata if f.endswith(f": {MANIFEST_NAME}")]
+    docs = [f for f in report.metadata if f not in copies]
+    if copies:
         lines.append(
-            f"  zarr documents missing or damaged ({len(report.metadata)}), "
-            "written anew from the manifest:"
+            f"  manifest copies damaged ({len(copies)}), written anew from the good copy "
+            "(its checksum holds):"
         )
-        lines.extend(f"    {f}" for f in report.metadata)
+        lines.extend(f"    {f}" for f in copies)
+    if docs:
+        lines.append(
+            f"  zarr documents missing or damaged ({len(docs)}), written anew from the manifest:"
+        )
+        lines.extend(f"    {f}" for f in docs)
     verb = "to recreate" if dry_run else "recreated"
     lines.extend(f"  {verb}: {d}" for d in report.recreated)
     if not dry_run:
@@ -148,8 +158,10 @@ def rebuild_command(
     '/local/{node}/ckpt/step-0000000010'), or one directory holding every node's files; or name
     each node's directory with --node NAME=DIR. Every member's data and parity is read and
     checked; damaged files are replaced one by one, a node's lost directory is recreated whole
-    (committed like a save). Beyond what the redundancy tolerates nothing is written, and the
-    output names the ranks, nodes and tensors lost.
+    (committed like a save). A node's damaged copy of the manifest or of a zarr.json is written
+    anew from a good copy (the one whose checksum holds; the majority's where good copies
+    disagree, which the output says). Beyond what the redundancy tolerates nothing is
+    written, and the output names the ranks, nodes and tensors lost.
     """
     spec = node_spec(path, nodes)
     try:
