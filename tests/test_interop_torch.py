@@ -119,6 +119,13 @@ def test_export_to_torch_save(saved: tuple[Net, Path], tmp_path: Path) -> None:
     same_state(sd, dict(net.state_dict()))
     assert leftovers(tmp_path) == []
     assert run("export", ck, tmp_path / "sd.pt", "--to", "torch").exit_code == ExitStatus.USAGE
+    r = export_torch(ck, tmp_path / "bf.pt", dtype="bfloat16", fsync=False)
+    assert r.not_cast == ["model/norm.num_batches_tracked"]
+    bf = torch.load(tmp_path / "bf.pt", weights_only=True)
+    want = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in net.state_dict().items()
+    }
+    same_state(bf, want)
 
 
 def test_import_torch_save_loads_in_place(tmp_path: Path) -> None:
