@@ -3,6 +3,9 @@
 
 ``rebuild_collective`` (every rank calls it, with its own node's level-1 root):
 
+0. ``ckptfmt.copies.repair_collective``: a node's damaged copy of the manifest or of a
+   ``zarr.json`` is written anew from the good copy (checksum holds) most nodes hold;
+
 1. each rank reads the step's manifest from its node, if committed; ``allgather`` of the save ids;
    the lowest rank holding one broadcasts its manifest (ranks whose copy is another save count
    as lost);
@@ -54,10 +57,12 @@ class RebuildReport:
     recreated_nodes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     received_bytes: int = 0
+    metadata: list[str] = field(default_factory=list)  # manifest/zarr.json copies rewritten
+    notes: list[str] = field(default_factory=list)  # e.g. good manifest copies that disagree
 
     @property
     def repaired(self) -> bool:
-        return bool(self.lost_data or self.lost_parity)
+        return bool(self.lost_data or self.lost_parity or self.metadata)
 
     def describe(self) -> str:
         if not self.repaired:
@@ -67,6 +72,8 @@ class RebuildReport:
             parts.append(f"data of rank(s) {', '.join(map(str, self.lost_data))}")
         if self.lost_parity:
             parts.append(f"parity of rank(s) {', '.join(map(str, self.lost_parity))}")
+        if self.metadata:
+            parts.append(f"metadata {', '.join(self.metadata)}")
         nodes = (
             f"; recreated node(s) {', '.join(self.recreated_nodes)}" if self.recreated_nodes else ""
         )
@@ -137,6 +144,9 @@ def rebuild_collective(
     it was recreating removed. Nothing that was intact is changed."""
     started = time.perf_counter()
     path = path.absolute()
+    from ckptfmt.copies import repair_collective  # damaged manifest/zarr.json copies first
+
+    rewritten, notes = repair_collective(comm, path, group, fsync)
     data: bytes | None = None
     save_id: str | None = None
     try:
@@ -180,8 +190,10 @@ def rebuild_collective(
     report = RebuildReport(
         lost_data=[r for r, s in enumerate(status) if not s["data_ok"]],
         lost_parity=[r for r, s in enumerate(status) if not all(s["parity_ok"])],
+        metadata=rewritten,
+        notes=notes,
     )
-    if not report.repaired:
+    if not (report.lost_data or report.lost_parity):
         return report, manifest
     plans = plan_all(record, status, str(path), manifest)
     leaders = groups_of([i["group"] for i in info])
