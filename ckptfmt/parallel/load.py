@@ -55,7 +55,7 @@ from ckptfmt.manifest.model import (
 )
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.comm import Comm
-from ckptfmt.reader import geometry, read_manifest_bytes
+from ckptfmt.reader import check_documents, geometry, read_manifest_bytes
 from ckptfmt.reshard import per_rank as rules
 from ckptfmt.reshard.per_rank import PerRankWarning, RankMap
 from ckptfmt.reshard.plan import Box, FileRead, Layout, check_box
@@ -134,6 +134,7 @@ def load_collective(
     try:
         data = read_manifest_bytes(root)
         manifest = parse_manifest(data, str(root / MANIFEST_NAME))
+        check_documents(src, manifest)  # this node's zarr.json copies too (FORMAT.md §10)
         if expect_step is not None and manifest.step != expect_step:
             error = f"{root} holds step {manifest.step}, not {expect_step} (a misplaced copy)"
         else:
