@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.grid import flat_range, is_contiguous_box
-from ckptfmt.errors import DamagedError, NotACheckpointError, UsageError
+from ckptfmt.errors import DamagedError, NotACheckpointError, RankFailure, UsageError
 from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
 from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
@@ -126,7 +126,7 @@ def load_collective(
     del group  # which files a directory holds is found out, not assumed (see above)
     root = Path(path).absolute()
     src = Inside(root)
-    error: str | None = None
+    error: dict[str, Any] | None = None
     absent: str | None = None  # no checkpoint here at all (a node new to the job, say)
     data = b""
     manifest: Manifest | None = None
@@ -136,13 +136,17 @@ def load_collective(
         manifest = parse_manifest(data, str(root / MANIFEST_NAME))
         check_documents(src, manifest)  # this node's zarr.json copies too (FORMAT.md §10)
         if expect_step is not None and manifest.step != expect_step:
-            error = f"{root} holds step {manifest.step}, not {expect_step} (a misplaced copy)"
+            error = RankFailure(
+                "MisplacedCopyError",
+                f"{root} holds step {manifest.step}, not {expect_step} (a misplaced copy)",
+                "load-open",
+            ).to_json()
         else:
             visible = _visible_nodes(src, manifest, node)
     except NotACheckpointError as exc:
         absent = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # any failure is voted on below, never a rank leaving
-        error = f"{type(exc).__name__}: {exc}"
+        error = RankFailure.of(exc, "load-open").to_json()
     info = comm.allgather_json(
         {
             "key": ["load", expect_step, seq],
@@ -160,16 +164,20 @@ def load_collective(
         }
     )
     present = [r for r, i in enumerate(info) if i["absent"] is None]
-    failures = {r: i["error"] for r, i in enumerate(info) if i["error"]}
+    failures: dict[int, RankFailure | str] = {
+        r: RankFailure.from_json(i["error"]) for r, i in enumerate(info) if i["error"]
+    }
     for r, i in enumerate(info):
         if i["key"] != info[0]["key"]:
-            failures[r] = f"OutOfStepError: is in {i['key']}, rank 0 in {info[0]['key']}"
+            failures[r] = RankFailure(
+                "OutOfStepError", f"is in {i['key']}, rank 0 in {info[0]['key']}", "load-open"
+            )
     if not present:
         failures = {r: i["absent"] for r, i in enumerate(info)}
     if not failures and len({info[r]["save_id"] for r in present}) != 1:
         failures = {r: f"has save {info[r]['save_id']}" for r in present}
     if failures:
-        raise LoadFailedError(failures)
+        raise LoadFailedError(failures, operation="load", step=expect_step)
     if len(present) < comm.size:
         # ranks without a copy take the manifest of the first rank that has one (its data
         # reaches them over the Comm like any other rank's that cannot open a file)

@@ -33,7 +33,16 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ckptfmt.errors import CkptError, ManagerBrokenError, UnrecoverableDamageError, UsageError
+from ckptfmt.errors import (
+    CkptError,
+    DamagedError,
+    ManagerBrokenError,
+    ManifestError,
+    NotACheckpointError,
+    UnreachableNodesError,
+    UnrecoverableDamageError,
+    UsageError,
+)
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.comm import Comm, SingleComm, start_background
@@ -58,6 +67,29 @@ from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 log = logging.getLogger("ckptfmt")
 
 RedundancySpec = None | str | Redundancy | Policy | Mapping[str, Any] | list[dict[str, Any]] | Path
+
+
+def _damage_kinds() -> frozenset[str]:
+    """The names of the errors that mean "this copy is damaged or absent" (another copy or an
+    older step may do), as a vote reports them."""
+    out: set[str] = {"MisplacedCopyError", "OutOfStepError", ""}
+    todo: list[type] = [DamagedError, ManifestError, NotACheckpointError, UnreachableNodesError]
+    while todo:
+        cls = todo.pop()
+        out.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return frozenset(out)
+
+
+def _raise_unless_damage(exc: LoadFailedError) -> None:
+    """A load that failed for another reason than damage (an allocation failure, a bug, a
+    transport error on some rank) is not a reason to try older steps: it is raised, on every
+    rank alike (they all hold the same vote)."""
+    if isinstance(exc, UnreachableNodesError):
+        return
+    kinds = _damage_kinds()
+    if any(f.type not in kinds for f in exc.rank_failures.values()):
+        raise exc
 
 
 def _save_number(manifest: Manifest) -> int:
@@ -280,6 +312,7 @@ class CheckpointManager:
                 try:
                     loaded, manifest = self._load(path, wants, level, step, rank_map, per_rank)
                 except LoadFailedError as exc:
+                    _raise_unless_damage(exc)
                     if level == 3:
                         report.tried.append(f"step {step} level {level}: {exc}")
                         continue
@@ -289,6 +322,7 @@ class CheckpointManager:
                     try:
                         loaded, manifest = self._load(path, wants, level, step, rank_map, per_rank)
                     except LoadFailedError as exc2:
+                        _raise_unless_damage(exc2)
                         report.tried.append(f"step {step} level {level}: {exc2}")
                         continue
                 report.step, report.level, report.path = step, level, str(path)
