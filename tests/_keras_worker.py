@@ -209,6 +209,7 @@ def train_task(keras: Any, ckptfmt: Any, comm: Any, task: dict[str, Any], out: P
             "rebuilt": list(report.rebuilt),
         },
         "history": {k: [repr(float(v)) for v in vs] for k, vs in history.history.items()},
+        "epochs": list(history.epoch),
         "replica_fixes": backup.replica_fixes,
     }
     if task.get("dp_check"):

@@ -37,6 +37,9 @@ first, then level 3, then older ones) is loaded into the model and optimizer; ``
 its epoch (as Keras's callback does); the ``step`` batches of that epoch already trained are then
 taken from the data and passed over without training, so the data must give the same batches in
 the same order for an epoch each time (``ResumableDataset``, or arrays with ``shuffle=False``).
+A checkpoint saved after an epoch's last batch resumes at the next epoch's start (the
+restored counters say so), so the resumed ``fit`` reports no empty epoch; the last batch passed
+over logs the restored metrics, as it logged them when it was trained.
 With nothing to restore and several workers, every replica starts from rank 0's weights.
 
 On ``on_train_end`` the newest checkpoint is flushed to ``backup_dir`` and, with
@@ -187,6 +190,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         counters = restore_training_state(
             model, state, optimizer=opt if self.include_optimizer else None
         )
+        steps = (self.params or {}).get("steps")
+        if steps and counters["step"] >= steps:
+            # saved after the epoch's last batch, before its end: resume at the next epoch's
+            # start (as the uninterrupted run went on), not in an epoch of batches passed over
+            counters = {**counters, "epoch": counters["epoch"] + 1, "step": 0}
         self.restored_counters = counters
         self._epoch, self._step = counters["epoch"], counters["step"]
         self._global = counters["global_step"]
@@ -316,14 +324,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         per_call = int(getattr(model, "steps_per_execution", 1) or 1)
         remaining = [batches]
 
+        restored = [False]
+
         def train_function(iterator: Any) -> dict[str, Any]:
             for _ in range(per_call):
                 batch = next(iterator)
                 if self._pending_metrics is not None:
                     self._restore_metrics(batch)
+                    restored[0] = True
             remaining[0] -= per_call
             if remaining[0] <= 0:
                 model.train_function = original
+                if restored[0]:
+                    # the last batch passed over logs what it logged when it was trained (the
+                    # metrics are the saved ones); should the epoch end here (its length was
+                    # unknown at the restore), its end reports them too, as it did then
+                    return dict(model.get_metrics_result())
             return {}
 
         train_function._ckptfmt_original = original  # type: ignore[attr-defined]

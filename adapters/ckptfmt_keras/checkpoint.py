@@ -14,14 +14,28 @@ Nothing of the model's structure or code is stored: the program builds the model
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import keras
 
 import ckptfmt
+from ckptfmt.casting import report_casts
 from ckptfmt.manifest.model import Manifest
-from ckptfmt_keras.convert import NameMap, Transform, assign, nest, to_arrays
+from ckptfmt_keras.convert import (
+    AssignPlan,
+    NameMap,
+    Transform,
+    assign,
+    auto_name_map,
+    flat_names,
+    named_variables,
+    nest,
+    plan_assign,
+    slot_name_map,
+    to_arrays,
+)
 
 AUTO = "auto"
 
@@ -58,19 +72,49 @@ def restore_training_state(
     optimizer: Any = AUTO,
     metrics: bool = False,
     strict: bool = True,
+    cast: str | None = None,
 ) -> dict[str, int]:
     """Copy a state of :func:`training_state` into ``model`` (and its optimizer, built first if
-    it is not yet, and its metrics when asked); return the counters. Bit-exact; nothing is
-    changed if the names, shapes or dtypes do not match (with ``strict``, every variable must be
-    in the state)."""
-    assign(model, state.get("model", {}), strict=strict)
+    it is not yet, and its metrics when asked); return the counters. Bit-exact; all or nothing:
+    the model's, the optimizer's and the metrics' names, shapes and dtypes are all checked
+    before any variable is changed (with ``strict``, every variable must be in the state).
+    ``cast``: the dtype policy of ``ckptfmt.casting`` (refused by default).
+
+    Names that differ only in Keras' numbering (a second model built the same way in this
+    process) are paired by order (``convert.auto_name_map``), the optimizer's slots with their
+    model variables. Optimizer state in ``state`` that has no optimizer to go to (the model is
+    not compiled, or ``optimizer=None`` was not asked) is skipped with a warning."""
+    plans: list[AssignPlan] = []
+    model_arrays = state.get("model", {})
+    model_names = named_variables(model)
+    model_map = auto_name_map(model_names, flat_names(model_arrays)) or {n: n for n in model_names}
+    plans.append(plan_assign(model, model_arrays, strict=strict, cast=cast))
     opt = _optimizer(model, optimizer)
-    if opt is not None and "optimizer" in state:
-        if not opt.built:  # slots exist only once built; build them to receive the values
-            opt.build(model.trainable_variables)
-        assign(opt, state["optimizer"], strict=strict)
+    if "optimizer" in state and flat_names(state["optimizer"]):
+        if opt is None and optimizer == AUTO:
+            warnings.warn(
+                "ckptfmt_keras: the checkpoint holds optimizer state but the model has no "
+                "optimizer (compile it first): the optimizer state was skipped",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif opt is not None:
+            if not opt.built:  # slots exist only once built; build them to receive the values
+                opt.build(model.trainable_variables)
+            opt_names = named_variables(opt)
+            saved = flat_names(state["optimizer"])
+            slots = slot_name_map(opt_names, model_map)
+            name_map = None if set(slots.values()) != set(saved) else slots
+            plans.append(
+                plan_assign(opt, state["optimizer"], strict=strict, name_map=name_map, cast=cast)
+            )
     if metrics and "metrics" in state:
-        assign(model.metrics_variables, state["metrics"], strict=False)
+        plans.append(
+            plan_assign(model.metrics_variables, state["metrics"], strict=False, cast=cast)
+        )
+    for plan in plans:  # every check passed: now write
+        plan.apply()
+    report_casts([c for plan in plans for c in plan.casts])
     return {k: int(v) for k, v in dict(state.get("counters", {})).items()}
 
 
@@ -96,10 +140,14 @@ def load(
     *,
     optimizer: Any = AUTO,
     strict: bool = True,
+    cast: str | None = None,
 ) -> dict[str, int]:
     """Load a checkpoint written by :func:`save` into ``model`` (and its optimizer); every byte
-    is verified. Returns the saved counters (empty when there were none)."""
-    return restore_training_state(model, ckptfmt.load(path), optimizer=optimizer, strict=strict)
+    is verified. Returns the saved counters (empty when there were none). All or nothing, and
+    ``cast`` as :func:`restore_training_state`."""
+    return restore_training_state(
+        model, ckptfmt.load(path), optimizer=optimizer, strict=strict, cast=cast
+    )
 
 
 def save_variables(
@@ -122,7 +170,15 @@ def load_variables(
     strict: bool = True,
     name_map: NameMap | None = None,
     transform: Transform | None = None,
+    cast: str | None = None,
 ) -> list[str]:
     """Assign the tensors of the checkpoint at ``path`` to the variables of ``obj`` by name
     (see ``assign``; only the tensors used are read, each verified); return the names set."""
-    return assign(obj, ckptfmt.open(path), strict=strict, name_map=name_map, transform=transform)
+    return assign(
+        obj,
+        ckptfmt.open(path),
+        strict=strict,
+        name_map=name_map,
+        transform=transform,
+        cast=cast,
+    )

@@ -15,20 +15,30 @@ What gets which names (components joined by ``/``; each becomes a level of the c
 - a mapping: its keys (values are variables);
 - a sequence of variables: each one's ``path`` (Keras) or ``name`` without ``:0`` (TensorFlow).
 
+Loading maps these names when Keras numbered things differently: a second model built the
+same way in one process (``sequential_1/dense_2/kernel`` for ``sequential/dense/kernel``) gets
+the arrays of the first. Components ``<base>`` / ``<base>_<n>`` under one parent are compared by
+their order, not by their number (:func:`auto_name_map`), and only when that pairs every
+variable with exactly one array; optimizer slots follow their model variables.
+
 Values are copied exactly: ``bfloat16`` as ``ml_dtypes.bfloat16`` (what TensorFlow's own numpy
-conversion gives), NaN payloads and ``-0.0`` kept. ``assign`` never casts and never reshapes: a
-mismatch is an error, found before any variable is changed.
+conversion gives), NaN payloads and ``-0.0`` kept. ``assign`` never reshapes and casts only as
+``cast=`` allows (``ckptfmt.casting``: refused by default; ``"safe"``, ``"any"``, each
+conversion reported); a mismatch is an error, found before any variable is changed.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from ckptfmt.casting import Cast, allowed, check_policy, convert, report_casts
 from ckptfmt.errors import UsageError
 from ckptfmt.reader import Checkpoint
 
@@ -56,7 +66,15 @@ class StateMismatchError(UsageError):
             parts.append(f"{name}: the variable is {want}, the array {got}")
         if len(mismatched) > 5:
             parts.append(f"... {len(mismatched) - 5} more mismatches")
+        if any(_shape(w) == _shape(g) for w, g in mismatched.values()):
+            parts.append(
+                'dtypes differ: cast="safe" converts where no value changes, cast="any" anyway'
+            )
         super().__init__("; ".join(parts))
+
+
+def _shape(described: str) -> str:
+    return described[described.index("[") :] if "[" in described else described
 
 
 def _few(names: list[str], n: int = 8) -> str:
@@ -198,6 +216,94 @@ def flat_names(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 # --- arrays -> variables --------------------------------------------------------------------------
 
 
+_NUMBERED = re.compile(r"^(.*?)_(\d+)$")
+
+
+def _canonical(names: Iterable[str]) -> dict[str, str]:
+    """Each ``/``-joined name with every component ``<base>`` or ``<base>_<n>`` replaced by
+    ``<base>#<k>``, ``k`` its rank among the numbers of the same base under the same parent:
+    what stays the same when Keras numbers a model's layers from another start."""
+    split = {n: n.split("/") for n in names}
+    numbers: dict[tuple[tuple[str, ...], str], set[int]] = {}
+    parsed: dict[str, list[tuple[str, int]]] = {}
+    for n, comps in split.items():
+        parts = []
+        for i, c in enumerate(comps):
+            m = _NUMBERED.match(c)
+            base, num = (m.group(1), int(m.group(2))) if m else (c, 0)
+            numbers.setdefault((tuple(comps[:i]), base), set()).add(num)
+            parts.append((base, num))
+        parsed[n] = parts
+    order = {key: sorted(nums) for key, nums in numbers.items()}
+    return {
+        n: "/".join(
+            f"{base}#{order[(tuple(comps[:i]), base)].index(num)}"
+            for i, (base, num) in enumerate(parsed[n])
+        )
+        for n, comps in split.items()
+    }
+
+
+def auto_name_map(variables: Iterable[str], arrays: Iterable[str]) -> dict[str, str] | None:
+    """Variable name -> array name when the two sets differ only in Keras' automatic numbering
+    (``sequential_1/dense_2/kernel`` -> ``sequential/dense/kernel``): every variable paired with
+    exactly one array and every array used. ``None`` when the names agree already or cannot be
+    paired so (then the names are compared as they are, and a mismatch is reported)."""
+    var_names, arr_names = list(variables), list(arrays)
+    if set(var_names) == set(arr_names):
+        return None
+    cv, ca = _canonical(var_names), _canonical(arr_names)
+    by_key = {k: n for n, k in ca.items()}
+    if (
+        len(set(cv.values())) != len(cv)
+        or len(by_key) != len(ca)
+        or set(cv.values()) != set(by_key)
+    ):
+        return None
+    return {n: by_key[k] for n, k in cv.items()}
+
+
+def slot_name_map(optimizer_names: Iterable[str], model_map: Mapping[str, str]) -> dict[str, str]:
+    """Optimizer variable name -> saved name, given the model's variable map (current path ->
+    saved path): a slot is named after its model variable (``<path with _>_<slot>``, under
+    ``inner_optimizer/`` for a wrapped optimizer), so it follows that variable's mapping."""
+    prefixes = sorted(
+        (
+            (cur.replace("/", "_") + "_", saved.replace("/", "_") + "_")
+            for cur, saved in model_map.items()
+        ),
+        key=lambda p: -len(p[0]),
+    )
+    out = {}
+    for name in optimizer_names:
+        head, _, last = name.rpartition("/")
+        mapped = name
+        for cur, saved in prefixes:
+            if last.startswith(cur):
+                mapped = f"{head}/" * bool(head) + saved + last[len(cur) :]
+                break
+        out[name] = mapped
+    return out
+
+
+@dataclass
+class AssignPlan:
+    """What :func:`plan_assign` found: the writes to make (variable, value), the names, and
+    the dtype conversions (empty when every dtype agrees)."""
+
+    writes: list[tuple[str, Any, np.ndarray]] = field(default_factory=list)
+    casts: list[Cast] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.writes]
+
+    def apply(self) -> list[str]:
+        for _, v, value in self.writes:
+            v.assign(value)
+        return self.names
+
+
 def assign(
     obj: Any,
     arrays: Mapping[str, Any],
@@ -205,6 +311,7 @@ def assign(
     strict: bool = True,
     name_map: NameMap | None = None,
     transform: Transform | None = None,
+    cast: str | None = None,
 ) -> list[str]:
     """Copy ``arrays`` into the variables of ``obj`` by name; return the names assigned.
 
@@ -212,21 +319,48 @@ def assign(
     ``ckptfmt.Checkpoint`` (read lazily, only the tensors used). ``name_map`` maps a variable's
     name to the name of its array in ``arrays`` (a mapping, or a function returning ``None`` for
     "no array"): how a checkpoint written by another framework, with other names, is read.
-    ``transform(name, array)`` may change an array first (a transpose, say). With ``strict``,
-    every variable must get an array and, without ``name_map``, every array a variable.
+    Without one, names that differ only in Keras' automatic numbering are paired
+    (:func:`auto_name_map`). ``transform(name, array)`` may change an array first (a transpose,
+    say). With ``strict``, every variable must get an array and, without ``name_map``, every
+    array a variable.
 
-    Shapes and dtypes must match exactly: nothing is cast, so what is loaded is bit-exact. Every
-    check is made before any variable is changed.
+    Shapes must match exactly; dtypes too, unless ``cast`` allows converting (``"safe"``: no
+    value changes, ``"any"``; every conversion reported as a ``ckptfmt.casting.CastWarning``),
+    so what is loaded is bit-exact. Every check is made before any variable is changed.
     """
+    plan = plan_assign(
+        obj, arrays, strict=strict, name_map=name_map, transform=transform, cast=cast
+    )
+    names = plan.apply()
+    report_casts(plan.casts)
+    return names
+
+
+def plan_assign(
+    obj: Any,
+    arrays: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    name_map: NameMap | None = None,
+    transform: Transform | None = None,
+    cast: str | None = None,
+) -> AssignPlan:
+    """Everything :func:`assign` checks, without changing a variable: raises
+    :class:`StateMismatchError` naming every problem, or returns the writes to make (so that a
+    caller assigning several objects checks them all before it writes any)."""
+    policy = check_policy(cast)
     variables = named_variables(obj)
     source = flat_names(arrays)
-    plan: list[tuple[str, Any, Any]] = []
+    auto = auto_name_map(variables, source) if name_map is None else None
+    plan = AssignPlan()
     missing: list[str] = []
     mismatched: dict[str, tuple[str, str]] = {}
     used: set[str] = set()
     for name, v in variables.items():
-        if name_map is None:
-            src: str | None = name
+        if auto is not None:
+            src: str | None = auto[name]
+        elif name_map is None:
+            src = name
         elif callable(name_map):
             src = name_map(name)
         else:
@@ -240,16 +374,17 @@ def assign(
         if transform is not None:
             value = np.asarray(transform(name, value))
         want_shape, want_dtype = tuple(v.shape), numpy_dtype(v)
-        if value.shape != want_shape or value.dtype != want_dtype:
+        if value.shape != want_shape or not allowed(value.dtype, want_dtype, policy):
             mismatched[name] = (
                 f"{want_dtype}{list(want_shape)}",
                 f"{value.dtype}{list(value.shape)}",
             )
             continue
-        plan.append((name, v, value))
+        if value.dtype != want_dtype:
+            plan.casts.append(Cast(name, str(value.dtype), str(want_dtype)))
+            value = convert(value, want_dtype)
+        plan.writes.append((name, v, value))
     unexpected = sorted(set(source) - used) if strict and name_map is None else []
     if missing or unexpected or mismatched:
         raise StateMismatchError(missing, unexpected, mismatched)
-    for _, v, value in plan:
-        v.assign(value)
-    return [name for name, _, _ in plan]
+    return plan

@@ -141,7 +141,8 @@ def torch_numpy_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype in _DIRECT:
         return np.dtype(_DIRECT[dtype])
     if dtype in _VIA_BITS:
-        return np.dtype(_VIA_BITS[dtype][1])
+        out: np.dtype = _VIA_BITS[dtype][1]
+        return out
     raise UnsupportedDtypeError(dtype)
 
 
