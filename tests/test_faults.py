@@ -116,3 +116,36 @@ def test_a_replaced_host_resumes_from_level_1_under_its_old_or_a_new_name(tmp_pa
                 where = f"{name} {label}, rank {res['rank']}: {got}"
                 assert got["step"] == 7 and got["level"] == 1, where
                 assert got["rebuilt"] and got["bitwise"], where
+
+
+HANG_WORKER = str(REPO / "tests" / "_hang_worker.py")
+
+
+@pytest.mark.mpi
+def test_save_on_one_rank_only_is_reported_within_the_deadline_under_mpi(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_ok(run_mpi(2, HANG_WORKER, "mpi", str(out), str(tmp_path / "ck"), timeout=120))
+    res = json.loads((out / "rank0.json").read_text())
+    assert res["seconds"] < 6, res  # the deadline is 3 s; rank 1 would have come at 6 s
+    [(step, kind, message, missing)] = res["failed"]
+    assert (step, kind, missing) == (5, "CollectiveTimeoutError", [1]), res
+    assert "step 5" in message and "rank(s) 1 did not arrive" in message, message
+    assert any("step 5" in w for w in res["warnings"]), res
+    assert res["latest"] is None and res["next"] == "ManagerBrokenError", res
+
+
+@pytest.mark.torch
+def test_wait_never_reports_success_for_a_save_that_did_not_happen_under_torchrun(
+    tmp_path: Path,
+) -> None:
+    """The background save fails when rank 1 leaves; its outcome is recorded before ``wait()``
+    returns (it used to return with ``failed_saves == []`` and nothing on disk)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(2, HANG_WORKER, "torch", str(out), str(tmp_path / "ck"), timeout=120)
+    res = json.loads((out / "rank0.json").read_text())
+    assert res["failed"], res
+    [(_step, kind, _message, _missing)] = res["failed"][:1]
+    assert kind in ("ManagerBrokenError", "SaveFailedError"), res
+    assert res["latest"] is None and res["next"] == "ManagerBrokenError", res

@@ -92,6 +92,14 @@ class Comm(abc.ABC):
         """Collective: a new communicator over the same ranks, for background traffic that must
         not interleave with the caller's."""
 
+    def roll_call(self, deadline_s: float, what: str = "", step: int | None = None) -> None:
+        """Collective: return once every rank has called it, or raise
+        :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did not within
+        ``deadline_s``. This default is a barrier without a deadline (the transport's own
+        timeout applies: gloo's process-group timeout); ``MpiComm`` keeps the deadline."""
+        del deadline_s, what, step
+        self.barrier()
+
     @abc.abstractmethod
     def abort(self, code: int = 1) -> NoReturn:
         """Not collective: end the whole job now (used when a background thread fails, so the

@@ -65,7 +65,7 @@ from ckptfmt.storage.chunk_reads import read_chunks
 from ckptfmt.storage.files import Inside
 from ckptfmt.storage.shard_io import Geometry
 
-_TAGS = 1 << 15  # MPI guarantees tags up to 32767
+_TAGS = 32000  # MPI guarantees tags up to 32767; the ones above are reserved (MpiComm)
 
 
 def _visible_nodes(src: Inside, m: Manifest, node: str | None) -> list[str]:

@@ -35,6 +35,7 @@ import numpy as np
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.errors import (
     CkptError,
+    CollectiveTimeoutError,
     DamagedError,
     ManagerBrokenError,
     ManifestError,
@@ -131,6 +132,12 @@ class CheckpointManager:
 
     ``local_dir`` may contain ``{node}``; the node is ``node``, else the ``CKPTFMT_NODE``
     environment variable, else the host name. Constructing the manager is collective.
+
+    ``deadline_s``: how long a collective call (save, restore, the exit flush) waits for every
+    rank to arrive (``MpiComm``; other transports use their own timeout). A rank left alone in
+    a call the others never make (``save`` called on one rank only) is told, naming the ranks
+    that did not arrive and the step, instead of waiting forever; the manager then refuses
+    further collective calls (:class:`ManagerBrokenError`), since its ranks are out of step.
     """
 
     def __init__(
@@ -154,6 +161,7 @@ class CheckpointManager:
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         threads: int = 2,
         fault: FaultHook | None = None,
+        deadline_s: float = 300.0,
     ) -> None:
         if local_dir is None and shared_dir is None:
             raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
@@ -187,6 +195,9 @@ class CheckpointManager:
             "threads": threads,
         }
         self.fault = fault
+        if not deadline_s > 0:
+            raise UsageError(f"deadline_s must be > 0, got {deadline_s!r}")
+        self.deadline_s = float(deadline_s)
         self.restored_state: dict[str, Any] | None = None
         self.last_restore: RestoreReport | None = None
         self.failed_saves: list[tuple[int, CkptError]] = []
@@ -284,6 +295,11 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         self._calls += 1
+        try:
+            self.comm.roll_call(self.deadline_s, "restore")
+        except CollectiveTimeoutError as exc:
+            self._broken = exc
+            raise
         self._clean_leftovers()
         wants = self._wants(state)
         local = [s for s, _ in self._committed(self.local_root)]
@@ -393,6 +409,8 @@ class CheckpointManager:
         if self._closed:
             return
         self.wait()
+        if self._broken is not None:  # no collective is safe any more: nothing to flush with
+            flush = False
         if self.exit_flush if flush is None else flush:
             self._flush_newest(self.exit_flush_budget_s)
         self._closed = True
@@ -454,6 +472,12 @@ class CheckpointManager:
         assert target_root is not None
         number = self._saves + 1
         red = self.policy.redundancy_for(number) if self.local_root is not None else None
+        try:
+            self._bg.roll_call(self.deadline_s, "save", step)
+        except CollectiveTimeoutError as exc:
+            self._broken = exc  # out of step: no later collective can be trusted
+            self._pending.append((step, exc))
+            return
         try:
             manifest, _ = save_collective(
                 self._bg,
@@ -524,6 +548,12 @@ class CheckpointManager:
             return
         nbytes = sum(f.size for _, f in m.files())
         estimate = nbytes / self._flush_rate if self._flush_rate else 0.0
+        try:
+            self.comm.roll_call(self.deadline_s, "flush", m.step)
+        except CollectiveTimeoutError as exc:
+            self._broken = exc
+            log.error("ckptfmt: not flushing step %s at exit: %s", m.step, exc)
+            return
         if not self.comm.all_true(estimate <= budget_s):
             log.warning(
                 "ckptfmt: not flushing step %s at exit: ~%.0f s needed, budget %.0f s",

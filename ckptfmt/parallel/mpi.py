@@ -27,32 +27,43 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import CollectiveTimeoutError, UsageError
 from ckptfmt.parallel.comm import Comm, Pending
 
 SPIN_S = 1e-4  # busy testing before the first sleep: a peer already there costs no sleep
 FIRST_SLEEP_S = 50e-6
 MAX_SLEEP_S = 2.5e-4  # the most a completed wait can lag behind (what a vote may add)
 BURST_S = 1e-4  # busy testing after each sleep: a transfer under way keeps moving
+ROLL_TAG = 32767  # reserved for MpiComm.roll_call (other traffic keeps to tags below 32000)
+VERDICT_TAG = 32766
 
 
-def polite_wait(requests: list[Any], max_sleep_s: float = MAX_SLEEP_S) -> None:
+def polite_wait(
+    requests: list[Any], max_sleep_s: float = MAX_SLEEP_S, deadline_s: float | None = None
+) -> bool:
     """Complete ``requests`` (mpi4py ``Request`` objects): test them busily for ``SPIN_S``, then
     alternate a sleep (doubling from :data:`FIRST_SLEEP_S` to ``max_sleep_s``) with ``BURST_S``
-    of tests."""
+    of tests. With ``deadline_s``, give up after that long and return False (the requests are
+    then still pending: the caller cancels them); True once they are complete."""
     from mpi4py import MPI
+
+    if not requests:
+        return True
 
     def done() -> bool:
         return bool(requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests))
 
     clock = time.perf_counter
+    give_up = None if deadline_s is None else clock() + deadline_s
     pause, until = FIRST_SLEEP_S, clock() + SPIN_S
     while True:
         while True:
             if done():
-                return
+                return True
             if clock() > until:
                 break
+        if give_up is not None and clock() > give_up:
+            return False
         time.sleep(pause)
         pause = min(pause * 2, max_sleep_s)
         until = clock() + BURST_S
@@ -144,6 +155,49 @@ class MpiComm(Comm):
 
     def dup(self) -> MpiComm:
         return MpiComm(self.comm.Dup(), self.wait)
+
+    def roll_call(self, deadline_s: float, what: str = "", step: int | None = None) -> None:
+        """Collective: return once every rank has called it; raise
+        :class:`CollectiveTimeoutError` on every rank still there if some rank has not within
+        ``deadline_s`` (naming those ranks), so that a rank left alone in a collective (the
+        others never called it, or died) is told instead of waiting forever.
+
+        Rank 0 receives a token from every rank, waiting at most ``deadline_s``, then sends
+        each rank that arrived the verdict (one byte per rank: 1 = did not arrive). The other
+        ranks wait for the verdict at most twice the deadline (rank 0 itself may be the one
+        missing). Tags :data:`ROLL_TAG` and :data:`VERDICT_TAG` are reserved for it."""
+        MPI = self._mpi
+        token = np.zeros(1, np.int64)
+        verdict = np.zeros(self.size, np.uint8)
+        if self.rank != 0:
+            send = self.comm.Isend([token, MPI.BYTE], dest=0, tag=ROLL_TAG)
+            recv = self.comm.Irecv([verdict, MPI.BYTE], source=0, tag=VERDICT_TAG)
+            if not polite_wait([recv], deadline_s=2 * deadline_s):
+                recv.Cancel()
+                send.Cancel()
+                raise CollectiveTimeoutError([0], deadline_s, operation=what, step=step)
+            polite_wait([send])
+        else:
+            tokens = [np.zeros(1, np.int64) for _ in range(self.size)]
+            recvs = {
+                r: self.comm.Irecv([tokens[r], MPI.BYTE], source=r, tag=ROLL_TAG)
+                for r in range(1, self.size)
+            }
+            polite_wait(list(recvs.values()), deadline_s=deadline_s)
+            for r, req in recvs.items():
+                if not req.Test():
+                    req.Cancel()
+                    req.Wait()  # a cancelled receive completes at once
+                    verdict[r] = 1
+            sends = [
+                self.comm.Isend([verdict, MPI.BYTE], dest=r, tag=VERDICT_TAG)
+                for r in recvs
+                if not verdict[r]
+            ]
+            polite_wait(sends, deadline_s=deadline_s)
+        missing = [r for r in range(self.size) if verdict[r]]
+        if missing:
+            raise CollectiveTimeoutError(missing, deadline_s, operation=what, step=step)
 
     def abort(self, code: int = 1) -> NoReturn:
         self.comm.Abort(code)
