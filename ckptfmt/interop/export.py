@@ -15,7 +15,9 @@ the staging directory, and a torn export leaves only a dot-named directory behin
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import mmap
 import os
 import shutil
 import time
@@ -189,7 +191,8 @@ def publish(staging: Path, out: Path, fsync: bool) -> None:
 
 class _ReadAhead:
     """Tensors read in order on a thread pool, up to ``window`` bytes ahead of the consumer
-    (always at least the next tensor, however large)."""
+    (always at least the next tensor, however large). ``dest(k)`` gives tensor ``k``'s
+    destination (None: a new array) and ``done(k)`` releases it once consumed."""
 
     def __init__(
         self,
@@ -197,11 +200,13 @@ class _ReadAhead:
         order: Sequence[TensorEntry],
         pool: ThreadPoolExecutor,
         window: int,
+        dest: Callable[[int], Callable[[], np.ndarray] | None] | None = None,
     ) -> None:
         self.source, self.order, self.pool, self.window = source, order, pool, window
+        self.dest = dest
         self.next = 0
         self.inflight = 0
-        self.queue: deque[tuple[TensorEntry, np.ndarray, list[Future[None]]]] = deque()
+        self.queue: deque[tuple[int, np.ndarray, list[Future[None]]]] = deque()
         self.bytes_read = 0
 
     def _fill(self) -> None:
@@ -210,20 +215,22 @@ class _ReadAhead:
             nb = t.size * by_name(t.dtype).itemsize
             if self.queue and self.inflight + nb > self.window:
                 return
-            out, jobs = self.source.tensor_reads(t)
-            self.queue.append((t, out, [self.pool.submit(j) for j in jobs]))
+            into = self.dest(self.next) if self.dest is not None else None
+            out, jobs = self.source.tensor_reads(t, into)
+            self.queue.append((self.next, out, [self.pool.submit(j) for j in jobs]))
             self.inflight += nb
             self.bytes_read += sum(f.size for r in t.regions for f in r.files)
             self.next += 1
 
-    def take(self) -> tuple[TensorEntry, np.ndarray]:
+    def take(self) -> np.ndarray:
+        """The next tensor, read and checked."""
         self._fill()
-        t, out, futures = self.queue.popleft()
+        _, out, futures = self.queue.popleft()
         for f in futures:
             f.result()  # the first damage found is raised
         self.inflight -= out.nbytes
         self._fill()
-        return t, out
+        return out
 
     def cancel(self) -> None:
         for _, _, futures in self.queue:
@@ -239,6 +246,57 @@ class _ReadAhead:
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view) :]
+
+
+class _OutFile:
+    """One output file, its size reserved up front (``posix_fallocate``: a full disk is an
+    ``OSError`` here, never a ``SIGBUS`` later), the header written, each tensor's bytes a
+    shared mapping of its place in the file that the shard reads fill directly: the bytes go
+    from the source files' page cache to the output's in one copy, CRC-checked on the way."""
+
+    def __init__(self, path: Path, f: _File) -> None:
+        self.size = len(f.header) + sum(p.nbytes for p in f.tensors)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.fd = os.open(path, flags, 0o644)
+        try:
+            if self.size and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self.fd, 0, self.size)
+            else:
+                os.ftruncate(self.fd, self.size)
+            view = memoryview(f.header)
+            at = 0
+            while at < len(view):
+                at += os.pwrite(self.fd, view[at:], at)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def window(self, key: int, offset: int, p: Planned) -> np.ndarray:
+        """A writable array over ``p``'s bytes at ``offset`` in the file (kept until
+        :meth:`release`)."""
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset + p.nbytes - start
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(self.fd, length, flags=flags, offset=start)
+        self.maps[key] = mm
+        dt = by_name(p.dtype).numpy
+        return np.frombuffer(mm, dt, p.entry.size, offset - start).reshape(p.entry.shape)
+
+    def release(self, key: int) -> None:
+        mm = self.maps.pop(key, None)
+        if mm is not None:
+            with contextlib.suppress(BufferError):  # a view still alive: the GC unmaps it
+                mm.close()
+
+    def close(self, fsync: bool) -> None:
+        for key in list(self.maps):
+            self.release(key)
+        try:
+            if fsync:
+                os.fsync(self.fd)  # also writes back what the mappings dirtied
+        finally:
+            os.close(self.fd)
 
 
 def cast_array(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -360,29 +418,46 @@ def _write_files(
     progress: Callable[[int], None] | None,
 ) -> int:
     """Write every output file; returns the stored bytes read from the checkpoint."""
-    order = [p.entry for f in files for p in f.tensors]
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        reads = _ReadAhead(source, order, pool, window)
-        try:
-            for f in files:
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-                fd = os.open(staging / f.name, flags, 0o644)
-                try:
-                    _write_all(fd, memoryview(f.header))
-                    for p in f.tensors:
-                        _, arr = reads.take()
-                        data = cast_array(arr, p.dtype)
-                        del arr
-                        _write_all(fd, np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
-                        if progress is not None:
-                            progress(p.nbytes)
-                    if fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-        except BaseException:
-            reads.cancel()
-            raise
+    places: list[tuple[int, int, Planned]] = []  # (file, byte offset, tensor) in read order
+    for k, f in enumerate(files):
+        at = len(f.header)
+        for p in f.tensors:
+            places.append((k, at, p))
+            at += p.nbytes
+    outs: list[_OutFile] = []
+    try:
+        for f in files:
+            outs.append(_OutFile(staging / f.name, f))
+
+        def dest(i: int) -> Callable[[], np.ndarray] | None:
+            k, at, p = places[i]
+            if p.dtype != p.entry.dtype or p.nbytes == 0:
+                return None  # cast: read into memory first; empty: nothing to map
+            return lambda: outs[k].window(i, at, p)
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            reads = _ReadAhead(source, [p.entry for _, _, p in places], pool, window, dest)
+            try:
+                for i, (k, at, p) in enumerate(places):
+                    arr = reads.take()
+                    if p.dtype != p.entry.dtype and p.nbytes:
+                        into = outs[k].window(i, at, p)
+                        np.copyto(into, cast_array(arr, p.dtype), casting="unsafe")
+                        del into
+                    del arr
+                    outs[k].release(i)
+                    if progress is not None:
+                        progress(p.nbytes)
+            except BaseException:
+                reads.cancel()
+                raise
+        for o in outs:
+            o.close(fsync)
+        outs = []
+    finally:
+        for o in outs:
+            with contextlib.suppress(OSError):
+                o.close(False)
     return reads.bytes_read
 
 
@@ -402,10 +477,7 @@ def tensors_of(
     planned = plan(select(source, rows, strip), strip, renames_of(renames), dtype)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         reads = _ReadAhead(source, [p.entry for p in planned], pool, 1 << 62)
-        got = []
-        for p in planned:
-            _, arr = reads.take()
-            got.append((p.name, cast_array(arr, p.dtype)))
+        got = [(p.name, cast_array(reads.take(), p.dtype)) for p in planned]
     return source, got
 
 

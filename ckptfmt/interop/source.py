@@ -81,16 +81,19 @@ class Source:
                         out.append(str(exc))
         return out
 
-    def tensor_reads(self, t: TensorEntry) -> tuple[np.ndarray, list[Job]]:
+    def tensor_reads(
+        self, t: TensorEntry, into: Callable[[], np.ndarray] | None = None
+    ) -> tuple[np.ndarray, list[Job]]:
         """The destination of the whole tensor ``t`` and the jobs (one per shard file) that
         fill it, every chunk CRC and every file's size and data CRC checked; sizes are checked
-        before the memory is allocated."""
+        before the memory is allocated. ``into()`` gives the destination (C-contiguous, ``t``'s
+        shape and dtype: a mapped window of an output file, say); default a new array."""
         geo = geometry(t)
         name = display(t.name)
         for r in t.regions:
             for ref in r.files:
                 self.inside(r.rank).check_size(ref.path, ref.size, (name,))
-        out = np.empty(t.shape, dtype=geo.dtype)
+        out = np.empty(t.shape, dtype=geo.dtype) if into is None else into()
         jobs: list[Job] = []
         for r in t.regions:
             src = self.inside(r.rank)
