@@ -358,6 +358,36 @@ class ImplicitSingleProcessError(UsageError):
         )
 
 
+class StateMismatchError(UsageError):
+    """The state given to ``restore`` does not match the checkpoint; nothing was written into
+    it. ``missing``: names of the state the checkpoint lacks; ``unexpected``: saved names the
+    state lacks; ``mismatched``: arrays whose shape or dtype differ (one line each)."""
+
+    def __init__(
+        self, missing: Sequence[str], unexpected: Sequence[str], mismatched: Sequence[str]
+    ) -> None:
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.mismatched = tuple(mismatched)
+        parts = []
+        if self.mismatched:
+            parts.append("differs: " + "; ".join(self.mismatched[:8]))
+        if self.missing:
+            parts.append("not in the checkpoint: " + ", ".join(self.missing[:8]))
+        if self.unexpected:
+            parts.append("not in the state: " + ", ".join(self.unexpected[:8]))
+        hint = (
+            " (restore(..., strict=False) or include=/exclude= patterns restore part of a state)"
+            if self.missing or self.unexpected
+            else ""
+        )
+        super().__init__(
+            "the state does not match the checkpoint, nothing was restored into it: "
+            + "; ".join(parts)
+            + hint
+        )
+
+
 class UnreachableNodesError(LoadFailedError):
     """Files the current ranks need were written on saved nodes whose directory no current rank
     sees (a level-1 copy of a node that is gone or not part of the job). ``nodes``: those nodes;

@@ -30,7 +30,7 @@ from ckptfmt.parallel.manager import CheckpointManager
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.reshard.per_rank import RankMap
 from ckptfmt.state import PerRank, Shard
-from ckptfmt.storage.paths import refuse_url
+from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt_torch.convert import from_state, to_state, wants_of
 
 _GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
@@ -87,7 +87,7 @@ def save(
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
-    refuse_url(path)
+    check_destination(path)
     comm = comm or default_comm()
     state = to_state(state_dict)
     try:
@@ -157,7 +157,7 @@ def restore(
     ``manager.save(step, ckptfmt_torch.to_state(state_dict))``: ``to_state`` gives views of the
     tensors, which the manager copies into its staging buffers before it returns.
     """
-    step = manager.restore(_detached(to_state(state_dict)))
+    step = manager.restore(_detached(to_state(state_dict)), apply=False)
     if step is not None:
         if manager.restored_state is None:  # pragma: no cover - restore sets it with a step
             raise UsageError("the manager restored a step but kept no state")

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from ckptfmt.errors import (
 )
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.apply import ApplyReport, apply_loaded
 from ckptfmt.parallel.comm import Comm, SingleComm, start_background
 from ckptfmt.parallel.encode import member_sets
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
@@ -61,7 +62,7 @@ from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collectiv
 from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.reshard.per_rank import RankMap
-from ckptfmt.state import PerRank, Shard, flatten, is_tensor, unflatten
+from ckptfmt.state import Shard, flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 
@@ -117,6 +118,7 @@ class RestoreReport:
     rebuilt: list[str] = field(default_factory=list)  # what was rebuilt from redundancy
     unrecoverable: list[dict[str, Any]] = field(default_factory=list)  # ranks/tensors lost
     rebuild_seconds: float = 0.0
+    applied: ApplyReport | None = None  # what was written into the caller's state
 
 
 class CheckpointManager:
@@ -280,6 +282,10 @@ class CheckpointManager:
         *,
         rank_map: RankMap = None,
         per_rank: str = "error",
+        strict: bool = True,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        apply: bool = True,
     ) -> int | None:
         """Collective: load the newest step that every rank can load, and return it (None when
         there is none). Level 1 is tried first (every rank's data present or rebuildable from
@@ -291,7 +297,16 @@ class CheckpointManager:
         The job may have another number of ranks than the save (``spec/reshard.md``): each rank
         gets its ``Shard`` boxes or whole tensors; per-rank entries follow ``rank_map`` (saved
         rank -> current rank) or raise :class:`PerRankError` listing what cannot be carried
-        over, unless ``per_rank="drop"`` (a warning lists it instead)."""
+        over, unless ``per_rank="drop"`` (a warning lists it instead).
+
+        ``state`` must match the checkpoint: a name of the state the checkpoint lacks, a saved
+        name the state lacks, or an array of another shape or dtype raises
+        :class:`StateMismatchError` on that rank before anything is written into ``state``.
+        ``strict=False`` allows names on either side only; ``include``/``exclude`` (``fnmatch``
+        patterns on '/'-joined names) restore part of a state. ``last_restore.applied`` says
+        what was loaded, missing, unexpected and excluded. ``apply=False``: ``state`` only says
+        which boxes to load (its ``Shard`` leaves); nothing is written into it (an adapter that
+        checks and converts ``restored_state`` itself)."""
         self._check_open()
         self.wait()
         self._calls += 1
@@ -342,8 +357,11 @@ class CheckpointManager:
                         report.tried.append(f"step {step} level {level}: {exc2}")
                         continue
                 report.step, report.level, report.path = step, level, str(path)
+                if apply:
+                    report.applied = apply_loaded(
+                        state, loaded, strict=strict, include=include, exclude=exclude
+                    )
                 self._saves = max(self._saves, _save_number(manifest))
-                self._apply(state, loaded)
                 self.restored_state = loaded
                 if level == 1:
                     # a save by another number of ranks is not this job's to flush: its files
@@ -618,27 +636,6 @@ class CheckpointManager:
             for name, leaf in flatten(state)
             if isinstance(leaf, Shard)
         }
-
-    @staticmethod
-    def _apply(state: Mapping[str, Any] | None, loaded: dict[str, Any]) -> None:
-        """Update ``state`` in place from ``loaded`` (same structure)."""
-        if state is None:
-            return
-        for key, value in loaded.items():
-            target = state.get(key) if isinstance(state, Mapping) else None
-            if isinstance(value, dict) and isinstance(target, Mapping) and value:
-                CheckpointManager._apply(target, value)
-            elif isinstance(target, PerRank):
-                if isinstance(target.value, np.ndarray) and target.value.shape == np.shape(value):
-                    np.copyto(target.value, value)
-                else:
-                    state[key] = PerRank(value)  # type: ignore[index]
-            elif isinstance(target, Shard):
-                np.copyto(target.data, value.reshape(target.data.shape))
-            elif isinstance(target, np.ndarray) and target.shape == np.shape(value):
-                np.copyto(target, value)
-            else:
-                state[key] = value  # type: ignore[index]
 
     def _log_restore(self, report: RestoreReport) -> None:
         if self.comm.rank != 0:

@@ -1,0 +1,119 @@
+"""Applying a loaded state to the caller's state in place: everything checked before anything
+is written.
+
+``CheckpointManager.restore(state)`` copies the checkpoint into the arrays the caller holds. A
+restore that found a mismatch half-way would leave a model half old, half new; so the whole
+state is compared first (names, shapes, dtypes) and only then written. Names are compared
+'/'-joined; ``include``/``exclude`` are ``fnmatch`` patterns on them (a partial restore).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.errors import StateMismatchError
+from ckptfmt.state import PerRank, Shard, flatten
+
+
+@dataclass
+class ApplyReport:
+    """What a restore wrote into the caller's state and what it left alone."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
+    excluded: list[str] = field(default_factory=list)  # left out by include/exclude
+
+
+def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str]) -> bool:
+    if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+
+
+def _shape_dtype(value: Any) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
+    if isinstance(value, np.ndarray):
+        return value.shape, value.dtype
+    return None
+
+
+def apply_loaded(
+    state: Mapping[str, Any] | None,
+    loaded: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+) -> ApplyReport:
+    """Local: write ``loaded`` (the nested state a load returned) into ``state`` in place:
+    arrays copied into the caller's arrays (``Shard`` leaves: into their data; ``PerRank``
+    arrays: into their value), other values replaced.
+
+    Raises :class:`StateMismatchError` before writing anything when a selected array's shape or
+    dtype differs from the saved one, or (``strict``, the default) when a selected name of the
+    state is not in the checkpoint or a saved name is not in the state."""
+    report = ApplyReport()
+    if state is None:
+        return report
+    mine = {"/".join(n): leaf for n, leaf in flatten(state)}
+    saved = {"/".join(n): leaf for n, leaf in flatten(dict(loaded))}
+    writes: list[Callable[[], None]] = []
+    mismatched: list[str] = []
+    for name, value in saved.items():
+        if not _selected(name, include, exclude):
+            report.excluded.append(name)
+            continue
+        if name not in mine:
+            report.unexpected.append(name)
+            continue
+        target = mine[name]
+        holder = target.data if isinstance(target, Shard) else target
+        holder = holder.value if isinstance(holder, PerRank) else holder
+        got, want = _shape_dtype(holder), _shape_dtype(value)
+        if got is not None and want is not None:
+            shape_ok = got[0] == want[0] or (
+                isinstance(target, Shard) and int(np.prod(got[0])) == int(np.prod(want[0]))
+            )
+            if not shape_ok or got[1] != want[1]:
+                mismatched.append(
+                    f"{name}: the state has {got[1]}{list(got[0])}, the checkpoint "
+                    f"{want[1]}{list(want[0])}"
+                )
+                continue
+            writes.append(_copy_into(holder, value))
+        elif got is not None or (want is not None and not isinstance(target, PerRank)):
+            kind = "an array" if got is not None else "a value"
+            mismatched.append(f"{name}: the state has {kind} where the checkpoint has not")
+            continue
+        else:
+            writes.append(_replace(state, name.split("/"), value, target))  # type: ignore[arg-type]
+        report.loaded.append(name)
+    for name in mine:
+        if name not in saved and _selected(name, include, exclude):
+            report.missing.append(name)
+    if mismatched or (strict and (report.missing or report.unexpected)):
+        raise StateMismatchError(report.missing, report.unexpected, mismatched)
+    for write in writes:
+        write()
+    return report
+
+
+def _copy_into(target: np.ndarray, value: np.ndarray) -> Callable[[], None]:
+    return lambda: np.copyto(target, value.reshape(target.shape), casting="no")
+
+
+def _replace(
+    state: MutableMapping[str, Any], parts: list[str], value: Any, target: Any
+) -> Callable[[], None]:
+    def write() -> None:
+        node: Any = state
+        for p in parts[:-1]:
+            node = node[p]
+        node[parts[-1]] = PerRank(value) if isinstance(target, PerRank) else value
+
+    return write

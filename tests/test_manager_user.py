@@ -1,0 +1,155 @@
+"""What a new user of ``CheckpointManager`` hits (one process): misuse refused at the call,
+restores that check everything before writing, the flush cadence across restarts."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptfmt import CheckpointManager
+from ckptfmt.errors import (
+    ImplicitSingleProcessError,
+    SaveFailedError,
+    StateMismatchError,
+    UnsupportedValueError,
+    UsageError,
+)
+from ckptfmt.storage.steps import list_step_dirs
+
+
+def _state(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {
+        "model": {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": np.arange(8.0)},
+        "step": step,
+        "lr": 1e-3 * step,
+    }
+
+
+def _mgr(tmp_path: Path, **kw: object) -> CheckpointManager:
+    opts: dict = {"local_dir": tmp_path / "l1", "shared_dir": tmp_path / "l3", "fsync": False}
+    opts.update(kw)
+    return CheckpointManager(**opts)
+
+
+def test_restore_refuses_a_mismatched_state_and_writes_nothing(tmp_path: Path) -> None:
+    with _mgr(tmp_path) as mgr:
+        mgr.save(3, _state(3))
+    before = _state(0)
+    before["model"]["w"] = np.full((16, 4), 7.0, np.float32)  # another shape
+    keep_b = before["model"]["b"].copy()
+    mgr = _mgr(tmp_path)
+    with pytest.raises(StateMismatchError) as exc:
+        mgr.restore(before)
+    assert "model/w" in str(exc.value) and "float32[16, 8]" in str(exc.value)
+    # nothing was written: not the matching array, not the values
+    assert np.array_equal(before["model"]["b"], keep_b) and before["step"] == 0
+    assert np.all(before["model"]["w"] == 7.0)
+    mgr.close(flush=False)
+
+
+def test_restore_names_missing_and_unexpected_entries_unless_not_strict(tmp_path: Path) -> None:
+    with _mgr(tmp_path) as mgr:
+        mgr.save(3, _state(3))
+    state = _state(0)
+    state["model"]["extra"] = np.zeros(3)
+    del state["lr"]
+    w_before = state["model"]["w"].copy()
+    mgr = _mgr(tmp_path)
+    with pytest.raises(StateMismatchError) as exc:
+        mgr.restore(state)
+    assert exc.value.missing == ("model/extra",) and exc.value.unexpected == ("lr",)
+    assert np.array_equal(state["model"]["w"], w_before)  # untouched
+    assert mgr.restore(state, strict=False) == 3
+    assert np.array_equal(state["model"]["w"], _state(3)["model"]["w"])
+    assert mgr.last_restore is not None and mgr.last_restore.applied is not None
+    assert mgr.last_restore.applied.missing == ["model/extra"]
+    assert mgr.last_restore.applied.unexpected == ["lr"]
+    mgr.close(flush=False)
+
+
+def test_a_partial_restore_by_pattern_loads_only_what_it_names(tmp_path: Path) -> None:
+    with _mgr(tmp_path) as mgr:
+        mgr.save(3, _state(3))
+    state = _state(0)
+    mgr = _mgr(tmp_path)
+    assert mgr.restore(state, include=["model/*"]) == 3
+    assert np.array_equal(state["model"]["w"], _state(3)["model"]["w"])
+    assert state["step"] == 0 and state["lr"] == 0.0  # not selected: untouched
+    assert mgr.last_restore is not None and mgr.last_restore.applied is not None
+    assert sorted(mgr.last_restore.applied.excluded) == ["lr", "step"]
+    mgr.close(flush=False)
+
+
+def test_flush_cadence_follows_the_jobs_save_number_across_restarts(tmp_path: Path) -> None:
+    """4 runs of 2 saves each with flush_every=3: the 3rd and 6th saves of the job reach
+    level 3, although no single process makes 3 saves (a per-process count never flushed)."""
+    step = 0
+    for _run in range(4):
+        mgr = _mgr(tmp_path, flush_every=3, keep_local=10, keep_shared=10, exit_flush=False)
+        start = mgr.restore(_state(0), strict=False)
+        step = start or 0
+        for _ in range(2):
+            step += 1
+            mgr.save(step, _state(step))
+        mgr.close(flush=False)
+    assert [s for s, _ in list_step_dirs(tmp_path / "l3")] == [3, 6]
+    assert [s for s, _ in list_step_dirs(tmp_path / "l1")] == list(range(1, 9))
+
+
+def test_a_multi_rank_launch_without_a_comm_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ImplicitSingleProcessError, match="TorchComm"):
+        _mgr(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(ImplicitSingleProcessError, match="MpiComm"):
+        _mgr(tmp_path)
+    monkeypatch.setenv("PMI_SIZE", "1")
+    _mgr(tmp_path).close(flush=False)  # one rank: fine
+
+
+def test_a_url_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="s3"):
+        CheckpointManager(local_dir="s3://bucket/x")
+    assert not Path("s3:").exists()
+
+
+def test_an_unsupported_value_is_raised_at_the_call_whatever_on_error_says(
+    tmp_path: Path,
+) -> None:
+    mgr = _mgr(tmp_path, on_error="warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either: it is raised
+        with pytest.raises(UnsupportedValueError, match="model"):
+            mgr.save(1, {"model": object()})
+    mgr.save(2, _state(2))
+    mgr.wait()
+    assert mgr.failed_saves == [] and mgr.latest() == 2
+    mgr.close(flush=False)
+
+
+def test_an_allocation_failure_while_staging_is_reported_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    mgr = _mgr(tmp_path, on_error="warn")
+    real = mgr._stage
+
+    def failing(state: dict) -> dict:
+        mgr._stage = real  # type: ignore[method-assign]
+        raise MemoryError("injected")
+
+    mgr._stage = failing  # type: ignore[method-assign]
+    with pytest.warns(UserWarning, match="step 1"):
+        mgr.save(1, _state(1))
+    [(step, exc)] = mgr.failed_saves
+    assert step == 1 and isinstance(exc, SaveFailedError)
+    assert exc.rank_failures[0].type == "MemoryError" and exc.rank_failures[0].phase == "stage"
+    mgr.save(2, _state(2))
+    mgr.close(flush=False)
+    assert [s for s, _ in list_step_dirs(tmp_path / "l1")] == [2]
