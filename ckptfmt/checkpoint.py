@@ -23,7 +23,7 @@ from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.reader import check_allocation, check_documents, read_manifest, tensor_reads
 from ckptfmt.state import flatten, unflatten
 from ckptfmt.storage.files import Inside, storage_full
-from ckptfmt.storage.paths import refuse_url
+from ckptfmt.storage.paths import check_destination, refuse_url
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt supports little-endian hosts only")
@@ -47,7 +47,7 @@ def save(
     left at ``path`` that was not there before. This is the collective save of
     ``ckptfmt.parallel`` run by a single process.
     """
-    refuse_url(path)
+    check_destination(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
     if not 1 <= chunk_bytes <= min(shard_bytes, MAX_CHUNK_BYTES):

@@ -56,6 +56,7 @@ from ckptfmt.reshard.plan import Box, Layout, plan_reads
 from ckptfmt.storage import commit
 from ckptfmt.storage.chunk_reads import read_chunks
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.shard_io import Geometry, plan_region
 
 Name = tuple[str, ...]
@@ -104,6 +105,30 @@ class ReshardReport:
             "warning": self.warning,
             "redundancy": self.redundancy,
         }
+
+
+def dropped_text(
+    entries: Sequence[str], saved: int, ranks: int, sources: Sequence[int | None]
+) -> str:
+    """What leaving per-rank entries out of a rewrite loses, exactly: a per-rank entry holds
+    one item for every rank (``spec/FORMAT.md`` §12), so when some new rank has no source the
+    entries go for every new rank, and with them the items of every saved rank."""
+    without = [r for r, s in enumerate(sources) if s is None]
+    shown = ", ".join(entries[:20]) + (f" (+{len(entries) - 20} more)" if len(entries) > 20 else "")
+    return (
+        f"left out for all {ranks} new rank(s), since new rank(s) "
+        f"{_span(without)} would get no item (a per-rank entry holds one item for every rank): "
+        f"{shown}; the items of all {saved} saved rank(s) ({_span(list(range(saved)))}) are "
+        "dropped, and every new rank starts them afresh"
+    )
+
+
+def _span(ranks: Sequence[int]) -> str:
+    if ranks and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks[:32])) + (
+        f" (+{len(ranks) - 32} more)" if len(ranks) > 32 else ""
+    )
 
 
 def rows_of(n_rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -217,6 +242,9 @@ def reshard(
     ``progress(n)`` is called with the tensor bytes of each shard file written.
     """
     started = time.perf_counter()
+    refuse_url(dst)
+    if not isinstance(src, Mapping):
+        refuse_url(src)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1 << 20:
         raise UsageError(f"ranks must be an int from 1 to 2^20, got {ranks!r}")
     if not 1 <= chunk_bytes <= min(shard_bytes, MAX_CHUNK_BYTES):
@@ -235,6 +263,9 @@ def reshard(
     res = resolve(per_rank_names, manifest.world_size, ranks, rank_map, per_rank)
     keep_per_rank = all(s is not None for s in res.sources)
     dropped = [] if keep_per_rank else per_rank_names
+    warning = res.warning
+    if dropped:  # say exactly what is gone: every rank's item, not only the unmapped ranks'
+        warning = f"{warning}; {dropped_text(dropped, manifest.world_size, ranks, res.sources)}"
     kept = [e for e in entries if keep_per_rank or display(e.name) not in set(per_rank_names)]
     by_rows = sorted(
         display(e.name)
@@ -253,6 +284,8 @@ def reshard(
     else:
         one = Path(dst).absolute()
         finals = {n: one for n in node_list}
+    for final in dict.fromkeys(finals.values()):
+        check_destination(final)  # a parent that is a file, a read-only file system: say so
     staging: dict[Path, Path] = {}
     try:
         for final in dict.fromkeys(finals.values()):
@@ -290,7 +323,7 @@ def reshard(
         seconds=time.perf_counter() - started,
         rows=by_rows,
         dropped=dropped,
-        warning=res.warning,
+        warning=warning,
         redundancy=None if redundancy is None else redundancy.to_json(),
     )
 

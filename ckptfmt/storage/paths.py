@@ -3,15 +3,17 @@
 :func:`refuse_url` is called by every entry point that takes a checkpoint path (``ckptfmt.save``,
 ``load``, ``open``, ``verify``, ``latest``, the CLI, ``CheckpointManager``): a URL such as
 ``s3://bucket/x`` would otherwise become the relative directory ``./s3:/bucket/x``, and a job
-would "save" into its working directory.
+would "save" into its working directory. :func:`check_destination` finds, before anything is
+staged, a destination that cannot be written (a parent that is a file, a read-only file system).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
-from ckptfmt.errors import UrlNotSupportedError
+from ckptfmt.errors import DestinationUnwritableError, UrlNotSupportedError
 
 # an RFC 3986 scheme, then "://" (or ":/": what ``pathlib.Path("s3://b/x")`` leaves of it); a
 # one-letter scheme would be a Windows drive, which this POSIX-only package never sees anyway
@@ -29,3 +31,27 @@ def refuse_url(path: str | os.PathLike[str] | None) -> None:
     m = _URL.match(text)
     if m:
         raise UrlNotSupportedError(text, m.group(1).lower())
+
+
+def check_destination(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`DestinationUnwritableError` when a checkpoint cannot be made at ``path``:
+    an existing parent is a file, or the nearest existing parent is on a
+    read-only file system or not writable. Checked before anything is staged, so the user gets
+    one clear error instead of a ``FileExistsError``/``OSError`` from deep in the commit."""
+    refuse_url(path)
+    target = Path(os.fspath(path)).absolute()  # itself a file: DestinationExistsError, later
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DestinationUnwritableError(
+            str(path), f"{parent} is a file, so no directory can be made under it"
+        )
+    try:
+        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+    except OSError:  # pragma: no cover - statvfs of an existing directory fails only oddly
+        read_only = False
+    if read_only:
+        raise DestinationUnwritableError(str(path), f"{parent} is on a read-only file system")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DestinationUnwritableError(str(path), f"no permission to write in {parent}")

@@ -67,10 +67,35 @@ def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return out if len(out) <= limit else out[: limit - 1] + "…"
 
 
+# The core's messages name its Python keywords; on the command line the flags are what a user
+# can pass. Most specific first (the export command's message names both already).
+_FLAG_WORDING: tuple[tuple[str, str], ...] = (
+    ("--overwrite, overwrite=True,", "--overwrite"),
+    ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
+    ("overwrite=True", "--overwrite"),
+    (
+        "give a rank map (saved rank -> current rank), or drop them explicitly",
+        "give --rank-map OLD:NEW,... (saved rank -> new rank) or --rank-map identity, or "
+        "--drop-per-rank to leave them out",
+    ),
+    ('per_rank="drop"', "--drop-per-rank"),
+    ("rank map entry", "--rank-map entry"),
+    ("rank map sends", "--rank-map sends"),
+    ("rank_map", "--rank-map"),
+)
+
+
+def cli_wording(text: str) -> str:
+    """A core message as the command line says it: CLI flags, not Python keywords."""
+    for core, flag in _FLAG_WORDING:
+        text = text.replace(core, flag)
+    return text
+
+
 def error_message(exc: BaseException) -> str:
     """The one-line message shown for an error that ends a command."""
     if isinstance(exc, CkptError):
-        return one_line(str(exc))
+        return one_line(cli_wording(str(exc)))
     return one_line(f"cannot read: {exc}")
 
 

@@ -27,7 +27,8 @@ from rich.progress import (
 import ckptfmt
 from ckptfmt import VerifyReport
 from ckptfmt.repair import NodeDirs, node_dirs
-from ckptfmt_cli import render
+from ckptfmt.storage.paths import refuse_url
+from ckptfmt_cli import hints, render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
 from ckptfmt_cli.export_cmd import export_command
 from ckptfmt_cli.import_cmd import import_command
@@ -76,11 +77,16 @@ def _json_out(doc: Any) -> None:
     ckptfmt.__version__, "-V", "--version", prog_name="ckptfmt", message="%(prog)s %(version)s"
 )
 def cli() -> None:
-    """Inspect and verify ckptfmt checkpoints (a zarr v3 hierarchy plus ckptfmt.json)."""
+    """Inspect, verify, list, rebuild, reshard, export and import ckptfmt checkpoints (a zarr
+    v3 hierarchy plus ckptfmt.json). `ckptfmt COMMAND --help` tells more of each command.
+
+    A level-1 checkpoint lies in one directory per node: give its path with {node} in place
+    of the node's name (verify, rebuild, inspect, reshard).
+    """
 
 
 @cli.command("inspect")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path")
 @click.option(
     "--json",
     "as_json",
@@ -90,12 +96,14 @@ def cli() -> None:
 @click.option(
     "--regions", is_flag=True, help="Also list each region: offset, shape, writer rank and files."
 )
-def inspect_command(path: Path, as_json: bool, regions: bool) -> None:
+def inspect_command(path: str, as_json: bool, regions: bool) -> None:
     """Show what the checkpoint at PATH holds: tensors, values, sizes, who wrote it.
 
-    Reads only the manifest; use `ckptfmt verify` to check the data.
+    Reads only the manifest; use `ckptfmt verify` to check the data. A level-1 checkpoint:
+    PATH with {node} in place of the node's name (any node's copy describes all of it).
     """
-    doc = describe(ckptfmt.open(path), regions=regions)
+    where = hints.first_node_dir(path) if "{node}" in path else Path(path)
+    doc = describe(ckptfmt.open(where), regions=regions)
     if as_json:
         _json_out(doc)
     else:
@@ -150,11 +158,18 @@ def verify_command(
     checked too (their CRC32Cs, and that they are the parity of the data); a level-3 copy holds
     none, by design.
     """
-    report = _verify(node_spec(path, nodes), show_progress=not quiet)
+    spec = node_spec(path, nodes)
+    one = hints.one_node_of_level1(path) if path is not None else None
+    if one is not None:  # not damage: the other nodes' files are in their own directories
+        fail(ctx, hints.one_node_message(path or "", *one), ExitStatus.USAGE)
+    report = _verify(spec, show_progress=not quiet)
     if as_json:
         _json_out(report.to_json())
     elif not quiet:
         render.verify_summary(render.stdout_console(), report)
+        hint = hints.rebuild_hint(spec, report)
+        if hint is not None:
+            render.stdout_console().print(render.plain(hint))
     ctx.exit(ExitStatus.OK if report.healthy else ExitStatus.DAMAGED)
 
 
@@ -169,9 +184,10 @@ def list_command(path: Path, as_json: bool) -> None:
     (manifest and that node's files present with the right sizes), damaged, absent. Reads only
     manifests and file sizes; `ckptfmt verify` checks the data.
     """
+    refuse_url(path)
     if not path.is_dir():
         raise ckptfmt.errors.NotACheckpointError(str(path), "no such directory")
-    doc = ckptfmt.list_levels(path)
+    doc = hints.without_absent_level1(ckptfmt.list_levels(path), path)
     if as_json:
         _json_out(doc)
     else:

@@ -16,7 +16,9 @@ import click
 from ckptfmt.errors import UnrecoverableDamageError
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.repair import NodeDirs, RepairReport, rebuild
+from ckptfmt.storage.paths import refuse_url
 from ckptfmt_cli.exits import ExitStatus, help_epilog, one_line
+from ckptfmt_cli.hints import lost_for_real
 from ckptfmt_cli.summary import human_bytes
 
 REBUILD_EXITS = (
@@ -37,6 +39,7 @@ def node_spec(path: str | None, nodes: Sequence[str]) -> NodeDirs:
     if path is None and not nodes:
         raise click.UsageError("give PATH (a {node} template or a directory) or --node NAME=DIR")
     if path is not None:
+        refuse_url(path)
         return path
     mapping: dict[str, str] = {}
     for item in nodes:
@@ -69,7 +72,9 @@ def report_json(report: RepairReport, dry_run: bool) -> dict[str, Any]:
     }
 
 
-def unrecoverable_json(exc: UnrecoverableDamageError, dry_run: bool) -> dict[str, Any]:
+def unrecoverable_json(
+    exc: UnrecoverableDamageError, dry_run: bool, lost: Sequence[str] | None = None
+) -> dict[str, Any]:
     return {
         "path": exc.file,
         "status": "unrecoverable",
@@ -77,7 +82,7 @@ def unrecoverable_json(exc: UnrecoverableDamageError, dry_run: bool) -> dict[str
         "reason": exc.reason,
         "lost_ranks": list(exc.lost_ranks),
         "lost_nodes": list(exc.nodes),
-        "lost_tensors": list(exc.tensors),
+        "lost_tensors": list(exc.tensors if lost is None else lost),
         "written": False,
     }
 
@@ -167,14 +172,15 @@ def rebuild_command(
     try:
         report = rebuild(spec, fsync=not no_fsync, dry_run=dry_run)
     except UnrecoverableDamageError as exc:
+        lost = lost_for_real(spec, exc)  # not every tensor of those ranks: their lost files'
         if as_json:
-            click.echo(json.dumps(unrecoverable_json(exc, dry_run), indent=2))
+            click.echo(json.dumps(unrecoverable_json(exc, dry_run, lost), indent=2))
         else:
             click.echo(f"UNRECOVERABLE: {one_line(exc.file)}: nothing was written")
             click.echo(one_line(f"  {exc.reason}"))
             click.echo(f"  lost ranks: {_ranks(exc.lost_ranks) or '-'}")
             click.echo(one_line(f"  lost nodes: {', '.join(exc.nodes) or '-'}"))
-            click.echo(one_line(f"  lost tensors: {', '.join(exc.tensors) or '-'}"))
+            click.echo(one_line(f"  lost tensors: {', '.join(lost) or '-'}"))
         ctx.exit(ExitStatus.DAMAGED)
     if as_json:
         click.echo(json.dumps(report_json(report, dry_run), indent=2))

@@ -19,7 +19,7 @@ from ckptfmt.repair import node_dirs
 from ckptfmt.reshard.per_rank import PerRankWarning, RankMap
 from ckptfmt.rewrite import ReshardReport, reshard
 from ckptfmt_cli import render
-from ckptfmt_cli.exits import one_line
+from ckptfmt_cli.exits import cli_wording, one_line
 from ckptfmt_cli.summary import human_bytes
 
 
@@ -47,11 +47,20 @@ def parse_rank_map(text: str | None) -> RankMap:
     for item in text.split(","):
         old, sep, new = item.partition(":")
         try:
-            out[int(old)] = int(new)
+            pair = int(old), int(new)
         except ValueError:
             raise click.BadParameter(f"{item!r} is not OLD:NEW", param_hint="--rank-map") from None
         if not sep:
             raise click.BadParameter(f"{item!r} is not OLD:NEW", param_hint="--rank-map")
+        if pair[0] in out:  # one saved rank to several new ones: each would repeat its stream
+            raise click.BadParameter(
+                f"saved rank {pair[0]} is given twice ({pair[0]}:{out[pair[0]]} and {item}): a "
+                "saved rank's per-rank state (an RNG stream, a data position) goes to at most "
+                "one new rank, or two ranks would draw the same numbers; new ranks without one "
+                "need --drop-per-rank",
+                param_hint="--rank-map",
+            )
+        out[pair[0]] = pair[1]
     return out
 
 
@@ -78,7 +87,10 @@ def report_text(r: ReshardReport) -> list[str]:
     if r.redundancy:
         lines.append(f"  redundancy: {r.redundancy}")
     if r.dropped:
-        lines.append(f"  per-rank entries left out: {', '.join(r.dropped)}")
+        lines.append(
+            f"  per-rank entries left out for every new rank (the items of all {r.saved_ranks} "
+            f"saved ranks dropped): {', '.join(r.dropped)}"
+        )
     lines += [f"  -> {d}" for d in r.destination]
     return lines
 
@@ -193,7 +205,7 @@ def reshard_command(
                 task = bar.add_task("reshard", total=total)
                 report = _run(*args, *opts, lambda n: bar.advance(task, n))
     if report.warning:
-        click.echo(one_line(f"Warning: {report.warning}"), err=True)
+        click.echo(one_line(cli_wording(f"Warning: {report.warning}")), err=True)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif not quiet:
