@@ -124,11 +124,14 @@ class Host:
     local_path: str = "/local/ckpt"
     ns: tuple[str, ...] = ()
 
+    tmpfs: bool = False
+
     @property
     def local(self) -> Path:
-        """The host's node-local folder as this (root-namespace) process can reach it: through
-        the holder's view of the file system (a tmpfs one has no other path)."""
-        return Path(f"/proc/{self.pid}/root{self.local_path}")
+        """The host's node-local folder as this (root-namespace) process can reach it: the
+        backing folder, or for a tmpfs the holder's view (``/proc/PID/root/...``, a magic link
+        that code refusing symbolic links will not follow)."""
+        return Path(f"/proc/{self.pid}/root{self.local_path}") if self.tmpfs else self.backing
 
     @property
     def pid(self) -> int:
@@ -260,7 +263,7 @@ class Cluster:
         holder = _start_holder(name, mounts)
         addr = f"{SUBNET}.{self._addr_next}"
         self._addr_next += 1
-        host = Host(name, addr, holder, local, self.local_path)
+        host = Host(name, addr, holder, local, self.local_path, tmpfs=bool(self.local_tmpfs))
         try:
             assert self._switch is not None
             sw, pid = str(self._switch.pid), str(holder.pid)
