@@ -7,7 +7,6 @@ is opened), and every data byte is checked against its CRC32C as it is read.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -41,7 +40,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Inside, physical_memory
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.shard_io import (
     Geometry,
@@ -103,23 +102,6 @@ def check_documents(src: Inside, manifest: Manifest) -> None:
     a :class:`DamagedError` naming the file."""
     for rel in documents(manifest):
         read_doc(src, manifest, rel)
-
-
-def physical_memory() -> int:
-    """The bytes of memory this process may use at most: the machine's physical memory, or the
-    address-space limit when one is set and lower (0 when neither is known)."""
-    total = 0
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft != resource.RLIM_INFINITY and soft > 0:
-            total = min(total, soft) if total else soft
-    except (ImportError, OSError, ValueError):
-        pass
-    return total
 
 
 def check_allocation(tensors: Sequence[TensorEntry], limit: int | None) -> int:

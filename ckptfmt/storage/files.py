@@ -7,6 +7,7 @@ with ``os.preadv`` straight into the destination arrays.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -30,6 +31,24 @@ COPY_BATCH = 1 << 20  # write_gather(copy_to=...): copy this much, then write it
 
 
 _FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+def physical_memory() -> int:
+    """The bytes of memory this process may allocate at most: the machine's physical memory, or
+    the address-space limit (``RLIMIT_AS``) when one is set and lower; 0 when neither is known.
+    The default cap of what a reader allocates for data a manifest claims."""
+    total = 0
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            total = min(total, soft) if total else soft
+    except (ImportError, OSError, ValueError):
+        pass
+    return total
 
 
 def free_space(path: Path) -> tuple[int | None, int | None]:

@@ -35,6 +35,7 @@ from ckptfmt.codecs.shard import (
 )
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
+    AllocationLimitError,
     ChecksumError,
     CkptError,
     CorruptShardError,
@@ -42,7 +43,7 @@ from ckptfmt.errors import (
     SizeMismatchError,
 )
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import Inside, make_dirs, read_scatter, write_gather
+from ckptfmt.storage.files import Inside, make_dirs, physical_memory, read_scatter, write_gather
 
 _CRC = struct.Struct("<I")
 
@@ -236,7 +237,12 @@ def _write_shard(
 
 
 def read_file(src: Inside, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
-    """Read a whole stored file and check its size (its checksums: :func:`decode_shard`)."""
+    """Read a whole stored file and check its size (its checksums: :func:`decode_shard`). A
+    file larger than the memory this process may use is refused before anything is allocated
+    (:class:`AllocationLimitError`): a manifest may claim a huge file over a sparse one."""
+    limit = physical_memory()
+    if limit and ref.size > limit:
+        raise AllocationLimitError(", ".join(tensors) or ref.path, ref.size, limit)
     try:
         blob = src.read(ref.path, ref.size + 1)
     except FileNotFoundError:
