@@ -560,3 +560,26 @@ def test_core_interop_imports_no_framework() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+def test_import_with_the_layout_of_four_ranks(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    tensors = {f"w{i}": random_array(rng, np.float32, (10 + i, 6)) for i in range(3)}
+    stnp.save_file(tensors, tmp_path / "in.safetensors")
+    template = str(tmp_path / "l1" / "{node}" / "ck")
+    result = run(
+        "import", tmp_path / "in.safetensors", template, "--ranks", "4", "--ranks-per-node", "2",
+        "--rows", "model/*", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    manifest = parse_manifest((tmp_path / "l1" / "n1" / "ck" / "ckptfmt.json").read_bytes())
+    assert manifest.world_size == 4 and [r.node for r in manifest.ranks] == ["n0", "n0", "n1", "n1"]
+    for t in manifest.tensors():  # row blocks: every rank writes its own rows
+        assert sorted({r.rank for r in t.regions}) == [0, 1, 2, 3]
+    export_safetensors(template, tmp_path / "hf", fsync=False)  # back out, from level 1
+    got = stnp.load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(tensors)
+    for k, v in tensors.items():
+        assert_bit_equal(got[k], v)
+    assert [p.name for p in (tmp_path / "l1").iterdir()] in (["n0", "n1"], ["n1", "n0"])
+    assert leftovers(tmp_path / "l1" / "n0") == [] and leftovers(tmp_path) == []

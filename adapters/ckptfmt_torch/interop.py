@@ -152,11 +152,16 @@ def import_torch(
     overwrite: bool = False,
     fsync: bool = True,
     step: int | None = None,
+    ranks: int = 1,
+    nodes: Sequence[str] | None = None,
+    rows: Sequence[str] = (),
 ) -> ImportReport:
     """Import a ``torch.save`` file (a state dict, possibly nested, of tensors and plain values)
     as the checkpoint ``out``, read with ``torch.load(weights_only=True)`` only. ``prefix``:
     where the names go (default: ``model`` for a flat state dict of tensors, else the file's own
-    structure); ``renames``: ``OLD=NEW`` prefix rules on the '/'-joined source names."""
+    structure); ``renames``: ``OLD=NEW`` prefix rules on the '/'-joined source names;
+    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks
+    (``ckptfmt.interop.import_named``)."""
     started = time.perf_counter()
     path = Path(src)
     if not path.is_file():
@@ -184,6 +189,9 @@ def import_torch(
         fsync=fsync,
         step=step,
         started=started,
+        ranks=ranks,
+        nodes=nodes,
+        rows=rows,
     )
 
 
@@ -197,6 +205,9 @@ def import_dcp(
     overwrite: bool = False,
     fsync: bool = True,
     step: int | None = None,
+    ranks: int = 1,
+    nodes: Sequence[str] | None = None,
+    rows: Sequence[str] = (),
 ) -> ImportReport:
     """Import a ``torch.distributed.checkpoint`` directory as the checkpoint ``out``, read by
     DCP's own ``FileSystemReader`` in this process (the whole state in memory, as DCP's
@@ -204,7 +215,8 @@ def import_dcp(
 
     DCP's ``.metadata`` is a pickle, which its reader unpickles: only with ``trust_pickle=True``
     (a checkpoint from someone you trust); :class:`PickleRefusedError` otherwise, before any
-    file is opened."""
+    file is opened. ``prefix``, ``renames``, ``ranks``, ``nodes``, ``rows``: as for
+    :func:`import_torch`."""
     started = time.perf_counter()
     path = Path(src)
     meta = path / ".metadata"
@@ -245,6 +257,9 @@ def import_dcp(
         fsync=fsync,
         step=step,
         started=started,
+        ranks=ranks,
+        nodes=nodes,
+        rows=rows,
     )
 
 

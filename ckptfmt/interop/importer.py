@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,19 +115,44 @@ def import_named(
     step: int | None = None,
     started: float | None = None,
     where: Mapping[str, str] | None = None,
+    ranks: int = 1,
+    nodes: Sequence[str] | None = None,
+    rows: Sequence[str] = (),
 ) -> ImportReport:
     """Save ``(source name, numpy array or JSON value)`` pairs as the checkpoint ``out``: each
-    name renamed, put under ``prefix`` and split at ``/`` (``interop.names``)."""
+    name renamed, put under ``prefix`` and split at ``/`` (``interop.names``).
+
+    ``ranks`` > 1 (or ``nodes``): the checkpoint a job of that many ranks would have saved,
+    every rank its share (``rows`` globs: tensors held in row blocks, FSDP-like; ``nodes[k]``
+    rank k's node; ``out`` may be a ``{node}`` template of level-1 directories), written by
+    ``ckptfmt.rewrite.reshard`` from a one-process save in a staging directory beside ``out``."""
     started = time.perf_counter() if started is None else started
     rules = renames_of(renames)
     where = where if where is not None else {n: source for n, _ in items}
     names = ckpt_names([n for n, _ in items], prefix, rules, dict(where))
     state = nest(((n, c, v) for (n, v), c in zip(items, names)), source)
     arrays = [v for _, v in items if isinstance(v, np.ndarray)]
-    save(state, out, step=step, overwrite=overwrite, fsync=fsync)
+    if ranks == 1 and nodes is None and not rows:
+        save(state, out, step=step, overwrite=overwrite, fsync=fsync)
+        destination = str(Path(out).absolute())
+    else:
+        from ckptfmt.rewrite import reshard
+
+        parent = Path(os.fspath(out).split("{node}")[0]).absolute()
+        parent = parent if parent.is_dir() else parent.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = parent / f".import-{os.urandom(8).hex()}"
+        try:
+            save(state, tmp, step=step, fsync=False)
+            done = reshard(
+                tmp, out, ranks, nodes=nodes, rows=rows, overwrite=overwrite, fsync=fsync
+            )
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        destination = ", ".join(done.destination)
     return ImportReport(
         source=source,
-        destination=str(Path(out).absolute()),
+        destination=destination,
         format=fmt,
         files=list(files),
         tensors=len(arrays),
@@ -167,13 +193,17 @@ def import_safetensors(
     overwrite: bool = False,
     fsync: bool = True,
     step: int | None = None,
+    ranks: int = 1,
+    nodes: Sequence[str] | None = None,
+    rows: Sequence[str] = (),
 ) -> ImportReport:
     """Import a safetensors file, or a Hugging Face directory (``model.safetensors``, or the
     shards its ``model.safetensors.index.json`` names), as the ckptfmt checkpoint ``out``.
 
     Names go under ``prefix`` (default ``model``: ``ckptfmt_torch.load({"model": model}, out)``
     loads it in place) after the ``OLD=NEW`` ``renames``. Every header and the index are
-    checked first (module docstring); :class:`ForeignFormatError` with nothing written."""
+    checked first (module docstring); :class:`ForeignFormatError` with nothing written.
+    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks (:func:`import_named`)."""
     started = time.perf_counter()
     src_path = Path(src)
     fmt, files = safetensors_files(src_path)
@@ -232,6 +262,9 @@ def import_safetensors(
             fsync=fsync,
             step=step,
             started=started,
+            ranks=ranks,
+            nodes=nodes,
+            rows=rows,
             where=where,
         )
         del items

@@ -18,6 +18,7 @@ from ckptfmt.errors import ForeignFormatError, UsageError
 from ckptfmt.interop import hf
 from ckptfmt.interop.importer import ImportReport, import_safetensors
 from ckptfmt_cli.exits import help_epilog, one_line
+from ckptfmt_cli.reshard_cmd import node_names
 from ckptfmt_cli.summary import human_bytes
 
 FORMATS = ("safetensors", "hf", "torch", "dcp")
@@ -114,6 +115,27 @@ def report_text(r: ImportReport) -> list[str]:
     "holds: only for a checkpoint you trust). Without it a DCP import is refused. No other "
     "format is ever unpickled: torch.save files are read with torch.load(weights_only=True).",
 )
+@click.option(
+    "--ranks",
+    type=click.IntRange(1, 1 << 20),
+    default=1,
+    show_default=True,
+    help="Write the checkpoint a job of this many ranks would save (each rank its share); "
+    "OUT may then be a level-1 {node} template.",
+)
+@click.option(
+    "--ranks-per-node",
+    type=click.IntRange(1),
+    default=None,
+    help="With --ranks: ranks per node (nodes n0, n1, ...); default one node.",
+)
+@click.option("--nodes", default=None, metavar="N0,N1,...", help="With --ranks: each rank's node.")
+@click.option(
+    "--rows",
+    multiple=True,
+    metavar="GLOB",
+    help="With --ranks: tensors (ckptfmt names like 'model/*') the ranks hold in row blocks.",
+)
 @click.option("--step", type=click.IntRange(0), default=None, help="The step to record.")
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint at OUT.")
 @click.option("--no-fsync", is_flag=True, help="Do not fsync (faster; not crash-safe).")
@@ -126,6 +148,10 @@ def import_command(
     prefix: str | None,
     renames: tuple[str, ...],
     trust_pickle: bool,
+    ranks: int,
+    ranks_per_node: int | None,
+    nodes: str | None,
+    rows: tuple[str, ...],
     step: int | None,
     overwrite: bool,
     no_fsync: bool,
@@ -153,6 +179,11 @@ def import_command(
         "overwrite": overwrite,
         "fsync": not no_fsync,
         "step": step,
+        "ranks": ranks,
+        "nodes": None
+        if ranks == 1 and nodes is None and ranks_per_node is None
+        else node_names(ranks, ranks_per_node, nodes),
+        "rows": rows,
     }
     if fmt in ("safetensors", "hf"):
         if (fmt == "hf") != src.is_dir():
