@@ -269,3 +269,31 @@ def test_ml_dtypes_view_safe_cast_table() -> None:
     assert not is_safe(np.dtype(np.float16), bf16) and not is_safe(bf16, np.dtype(np.float16))
     assert is_safe(np.dtype(np.int16), np.dtype(np.int32))
     assert not is_safe(np.dtype(np.float32), np.dtype(np.int64))
+
+
+def test_training_state_loads_a_reshard_that_dropped_per_rank_state(tmp_path: Path) -> None:
+    """The issue's path: a save, ``ckptfmt reshard --drop-per-rank`` to another size (every
+    rank's RNG state and sampler position left out), then a load into a ``TrainingState``."""
+    from ckptfmt_torch import ResumableSampler
+
+    from ckptfmt.rewrite import reshard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    sampler = ResumableSampler(10, shuffle=True, seed=1)
+    ts = TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
+    ts.counters["step"] = 7
+    ckptfmt_torch.save({"train": ts}, tmp_path / "src", step=7)
+    rep = reshard(tmp_path / "src", tmp_path / "dst", 2, rank_map="identity", per_rank="drop")
+    assert rep.warning is not None and "left out for all 2 new rank(s)" in rep.warning
+    assert set(rep.dropped) >= {"train/rng/torch", "train/data"}, rep.dropped
+    model2 = torch.nn.Linear(3, 2)
+    ts2 = TrainingState(
+        model2,
+        torch.optim.SGD(model2.parameters(), lr=0.1),
+        sampler=ResumableSampler(10, shuffle=True, seed=1),
+    )
+    with pytest.warns(UserWarning, match=r"no per-rank 'rng'.*and no 'data'"):
+        assert ckptfmt_torch.load({"train": ts2}, tmp_path / "dst") == 7
+    assert ts2.counters == {"step": 7}
+    assert raw(model2.weight) == raw(model.weight) and raw(model2.bias) == raw(model.bias)
