@@ -40,6 +40,7 @@ from ckptfmt.errors import (
     CkptError,
     CorruptShardError,
     MissingFileError,
+    NotRegularFileError,
     SizeMismatchError,
 )
 from ckptfmt.manifest.model import FileRef
@@ -245,6 +246,8 @@ def read_file(src: Inside, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
         raise AllocationLimitError(", ".join(tensors) or ref.path, ref.size, limit)
     try:
         blob = src.read(ref.path, ref.size + 1)
+    except NotRegularFileError as exc:
+        raise NotRegularFileError(ref.path, exc.what, tensors) from None
     except FileNotFoundError:
         raise MissingFileError(ref.path, tensors) from None
     if len(blob) != ref.size:
