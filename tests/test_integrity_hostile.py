@@ -173,9 +173,8 @@ def huge_claim(root: Path) -> str:
     size = present * (chunk + 4) + 16 * slots + 4
     e.update(dtype="int8", shape=[N], shard_shape=[shard], chunk_shape=[chunk])
     rel = f"{e['path']}/c/0"
-    e["regions"] = [
-        {"offset": [0], "shape": [N], "rank": 0, "files": [{"path": rel, "size": size, "crc32c": "00000000"}]}
-    ]  # fmt: skip
+    files = [{"path": rel, "size": size, "crc32c": "00000000"}]
+    e["regions"] = [{"offset": [0], "shape": [N], "rank": 0, "files": files}]
     (root / "ckptfmt.json").write_bytes(seal_if_sealed(doc))
     meta = array_doc(by_name("int8"), (N,), (shard,), (chunk,))
     (root / e["path"] / "zarr.json").write_bytes(doc_bytes(meta))
