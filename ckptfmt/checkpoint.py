@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import StorageFullError, UsageError
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
 from ckptfmt.parallel.comm import SingleComm
@@ -85,7 +85,7 @@ def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> Non
     (the save's vote removed it)."""
     if not isinstance(exc, OSError):
         return
-    full = storage_full(exc, path.absolute(), directory=path.absolute())
+    full = exc if isinstance(exc, StorageFullError) else storage_full(exc, path.absolute())
     if full is None:
         return
     needed = sum(
@@ -94,7 +94,9 @@ def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> Non
         if isinstance(getattr(leaf, "nbytes", None), int)
     )
     raise full.with_context(
-        level=f"single-process save of {path}", needed=max(needed, full.needed or 0)
+        level=f"single-process save of {path}",
+        needed=max(needed, full.needed or 0),
+        directory=str(path.absolute()),
     ) from None
 
 

@@ -577,11 +577,14 @@ class StorageFullError(CkptError, OSError):
     def __str__(self) -> str:
         return str(self.strerror)
 
-    def with_context(self, level: str | None = None, needed: int | None = None) -> StorageFullError:
-        """The same error with the level and the bytes needed filled in (by the caller that
-        knows them: the save knows the whole write, a file write only its own)."""
+    def with_context(
+        self, level: str | None = None, needed: int | None = None, directory: str | None = None
+    ) -> StorageFullError:
+        """The same error (the free space as measured when it happened) with the level, the
+        bytes needed and the directory filled in by the caller that knows them: the save knows
+        its whole write and its checkpoint's directory, a file write only its own."""
         return StorageFullError(
-            self.directory,
+            directory if directory is not None else self.directory,
             err=self.errno,
             file=self.file,
             level=level if level is not None else self.level,

@@ -8,6 +8,7 @@ into a one-line message on stderr and the status :func:`exit_status` gives it, n
 from __future__ import annotations
 
 import enum
+import errno
 
 from ckptfmt.errors import (
     CkptError,
@@ -96,6 +97,8 @@ def error_message(exc: BaseException) -> str:
     """The one-line message shown for an error that ends a command."""
     if isinstance(exc, CkptError):
         return one_line(cli_wording(str(exc)))
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return one_line(f"cannot write: {exc}")  # a full file system is never a read error
     return one_line(f"cannot read: {exc}")
 
 
