@@ -95,6 +95,7 @@ def manager(comm: Any, root: Path, node: str, fault: Any = None) -> CheckpointMa
         flush_every=1,
         keep_local=3,
         fault=fault,
+        fallback_to_shared=False,  # the boundary is tested here; the fallback elsewhere
         shard_bytes=SHARD_BYTES,
         chunk_bytes=CHUNK_BYTES,
     )

@@ -26,7 +26,7 @@ SAVE_SCENARIOS = {
     "manifest-value": ("ValueError", "manifest"),
     "commit-value": ("ValueError", "commit"),
     "flush-value": ("ValueError", "flush-copy"),
-    "stage-memory": ("MemoryError", "stage"),
+    "stage-memory": ("MemoryError", "copy"),
     "plan-usage": ("UsageError", "plan"),
 }
 DEADLINE_S = 20.0  # far below any transport timeout (gloo: 30 min; MPI: none)

@@ -149,7 +149,74 @@ def test_an_allocation_failure_while_staging_is_reported_and_training_goes_on(
         mgr.save(1, _state(1))
     [(step, exc)] = mgr.failed_saves
     assert step == 1 and isinstance(exc, SaveFailedError)
-    assert exc.rank_failures[0].type == "MemoryError" and exc.rank_failures[0].phase == "stage"
+    assert exc.rank_failures[0].type == "MemoryError" and exc.rank_failures[0].phase == "copy"
     mgr.save(2, _state(2))
     mgr.close(flush=False)
     assert [s for s, _ in list_step_dirs(tmp_path / "l1")] == [2]
+
+
+def test_each_save_reports_what_it_cost_and_wrote(tmp_path: Path) -> None:
+    seen: list = []
+    mgr = _mgr(tmp_path, redundancy=None, flush_every=2, on_save=seen.append)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    assert [r.step for r in seen] == [1, 2] and mgr.last_save is seen[-1]
+    one, two = seen
+    nbytes = sum(a.nbytes for a in _state(1)["model"].values())
+    assert one.level == 1 and not one.flushed and one.error is None
+    assert one.staged_bytes == nbytes and one.bytes_written["1"] >= nbytes
+    assert two.flushed and two.bytes_written["3"] == two.bytes_written["1"]
+    assert two.waited_s >= 0 and two.blocked_s >= two.waited_s and two.background_s > 0
+    assert json_roundtrips(two.to_json())
+    mgr.close(flush=False)
+
+
+def json_roundtrips(doc: dict) -> bool:
+    import json
+
+    return json.loads(json.dumps(doc)) == doc
+
+
+def test_a_level_1_that_cannot_be_written_falls_back_to_level_3(tmp_path: Path) -> None:
+    armed = {"on": True}
+
+    def fault(point: str) -> None:
+        if armed["on"] and point == "written":
+            armed["on"] = False
+            raise OSError(28, "No space left on device (injected)")
+
+    mgr = _mgr(tmp_path, fault=fault, flush_every=100)
+    mgr.save(4, _state(4))
+    with pytest.warns(UserWarning, match="step 4 failed, so it was written to level 3"):
+        mgr.wait()
+    report = mgr.last_save
+    assert report is not None and report.level == 3 and report.fell_back
+    assert "No space left" in (report.error or "")
+    assert mgr.failed_saves == []
+    assert mgr.steps() == {4: {"level1": False, "level3": True}}
+    mgr.close(flush=False)
+    state = _state(0)
+    assert _mgr(tmp_path).restore(state) == 4
+    assert np.array_equal(state["model"]["w"], _state(4)["model"]["w"])
+
+
+def test_steps_delete_and_prune_take_step_names(tmp_path: Path) -> None:
+    mgr = _mgr(tmp_path, keep_local=10, keep_shared=10, flush_every=2)
+    for step in (10, 20, 30, 40):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    assert mgr.steps() == {
+        10: {"level1": True, "level3": False},
+        20: {"level1": True, "level3": True},
+        30: {"level1": True, "level3": False},
+        40: {"level1": True, "level3": True},
+    }
+    mgr.delete("step-20", levels=[3])
+    mgr.delete("step-0000000030")
+    assert mgr.steps()[20] == {"level1": True, "level3": False} and 30 not in mgr.steps()
+    mgr.prune(keep_local=1)
+    assert mgr.steps() == {40: {"level1": True, "level3": True}}
+    with pytest.raises(UsageError, match="not a step"):
+        mgr.delete("latest")
+    mgr.close(flush=False)

@@ -57,7 +57,7 @@ class Boundary:
         error: type[CollectiveError] = SaveFailedError,
         seq: int | None = None,
         failure: BaseException | None = None,
-        failure_phase: str = "stage",
+        failure_phase: str = "copy",
     ) -> None:
         self.comm = comm
         self.operation = operation

@@ -60,11 +60,12 @@ from ckptfmt.parallel.levels import (
 from ckptfmt.parallel.load import LoadFailedError, load_collective
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective, validate_state
 from ckptfmt.parallel.rebuild import rebuild_collective
+from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.reshard.per_rank import RankMap
 from ckptfmt.state import Shard, flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
-from ckptfmt.storage.steps import list_step_dirs, step_dir_name
+from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
 
 log = logging.getLogger("ckptfmt")
 
@@ -92,6 +93,31 @@ def _raise_unless_damage(exc: LoadFailedError) -> None:
     kinds = _damage_kinds()
     if any(f.type not in kinds for f in exc.rank_failures.values()):
         raise exc
+
+
+def _may_fall_back(exc: CkptError) -> bool:
+    """Whether a failed level-1 save is worth writing to level 3 instead: a storage failure
+    on some rank (a full or failing node-local disk), not misuse or ranks out of step."""
+    if not isinstance(exc, SaveFailedError):
+        return False
+    usage = {c.__name__ for c in _subclasses(UsageError)} | {"OutOfStepError"}
+    # a rank whose copy of the state failed has nothing to write anywhere
+    before_data = {"copy", "declare", "plan"}
+    return all(
+        f.type not in usage and f.phase not in before_data for f in exc.rank_failures.values()
+    )
+
+
+def _subclasses(cls: type) -> set[type]:
+    out: set[type] = {cls}
+    todo: list[type] = [cls]
+    while todo:
+        sub: type
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.add(sub)
+                todo.append(sub)
+    return out
 
 
 def _save_number(manifest: Manifest) -> int:
@@ -135,6 +161,12 @@ class CheckpointManager:
     ``local_dir`` may contain ``{node}``; the node is ``node``, else the ``CKPTFMT_NODE``
     environment variable, else the host name. Constructing the manager is collective.
 
+    ``fallback_to_shared``: a level-1 save that fails for a storage reason on some rank (a full
+    or failing node-local disk) is written to level 3 instead, when there is one; the next call
+    warns, and ``last_save.fell_back`` says so. ``on_save``: called with each save's
+    :class:`SaveReport` (blocked and background time, bytes per level, parity, level reached),
+    from the saver thread.
+
     ``deadline_s``: how long a collective call (save, restore, the exit flush) waits for every
     rank to arrive (``MpiComm``; other transports use their own timeout). A rank left alone in
     a call the others never make (``save`` called on one rank only) is told, naming the ranks
@@ -164,6 +196,8 @@ class CheckpointManager:
         threads: int = 2,
         fault: FaultHook | None = None,
         deadline_s: float = 300.0,
+        on_save: Callable[[SaveReport], None] | None = None,
+        fallback_to_shared: bool = True,
     ) -> None:
         if local_dir is None and shared_dir is None:
             raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
@@ -200,6 +234,11 @@ class CheckpointManager:
         if not deadline_s > 0:
             raise UsageError(f"deadline_s must be > 0, got {deadline_s!r}")
         self.deadline_s = float(deadline_s)
+        self.on_save = on_save
+        self.fallback_to_shared = fallback_to_shared
+        self._notices: list[str] = []  # said at the next call: not failures (a fallback)
+        self.last_save: SaveReport | None = None  # the newest save whose outcome is known
+        self.save_reports: list[SaveReport] = []  # the newest 100, oldest first
         self.restored_state: dict[str, Any] | None = None
         self.last_restore: RestoreReport | None = None
         self.failed_saves: list[tuple[int, CkptError]] = []
@@ -239,9 +278,14 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         self._check_open()
+        entered = time.perf_counter()
         self.wait()
+        waited = time.perf_counter() - entered
+        if waited > 0.01:
+            log.info("ckptfmt: save of step %s waited %.2f s for the previous save", step, waited)
         self._calls += 1
         seq = self._calls
+        telemetry = SaveReport(step, waited_s=waited)
         staged: dict[str, Any] = {}
         failure: BaseException | None = None
         usage: UsageError | None = None
@@ -252,10 +296,14 @@ class CheckpointManager:
             failure = usage = exc
         except Exception as exc:  # e.g. MemoryError while copying: voted on like any failure
             failure = exc
+        telemetry.blocked_s = time.perf_counter() - entered
+        telemetry.staged_bytes = sum(
+            int(v.nbytes) for _, v in flatten(staged) if isinstance(v, np.ndarray)
+        )
         self._idle.clear()
         # a rank that failed to stage still takes part in the save's first vote, which fails
         # the step on every rank (no rank pairs this save with its next one)
-        self._jobs.put(lambda: self._save_job(step, staged, seq, failure))
+        self._jobs.put(lambda: self._save_job(step, staged, seq, failure, telemetry))
         if usage is not None:
             self._idle.wait()
             self._pending = [(s, e) for s, e in self._pending if s != step]
@@ -275,6 +323,57 @@ class CheckpointManager:
         steps = [s for s, p in self._committed(self.local_root)]
         steps += [s for s, p in self._committed(self.levels.shared_dir)]
         return max(steps) if steps else None
+
+    def steps(self) -> dict[int, dict[str, bool]]:
+        """The committed steps this rank sees, with the levels that hold them:
+        ``{step: {"level1": bool, "level3": bool}}`` (level 1: this rank's node's directory).
+        A local view, not collective."""
+        out: dict[int, dict[str, bool]] = {}
+        for key, root in (("level1", self.local_root), ("level3", self.levels.shared_dir)):
+            for s, _ in self._committed(root):
+                out.setdefault(s, {"level1": False, "level3": False})[key] = True
+        return dict(sorted(out.items()))
+
+    def delete(self, step: int | str, levels: Sequence[int] = (1, 3)) -> None:
+        """Collective: remove ``step`` (a number or a step directory name such as
+        ``"step-100"``) from the given levels, on every node (each node's first rank removes
+        its level-1 copy, rank 0 the level-3 one); waits for the save in flight first."""
+        number = parse_step(step)
+        bad = [lv for lv in levels if lv not in (1, 3)]
+        if bad:
+            raise UsageError(f"levels are 1 and 3, got {bad}")
+        self._check_open()
+        self.wait()
+        self._calls += 1
+        self.comm.roll_call(self.deadline_s, "delete", number)
+        if 1 in levels and self._node_leader and self.local_root is not None:
+            path = self.local_root / step_dir_name(number)
+            if commit.is_committed(path):
+                commit.remove(path)
+        if 3 in levels and self.comm.rank == 0 and self.levels.shared_dir is not None:
+            path = self.levels.shared_dir / step_dir_name(number)
+            if commit.is_committed(path):
+                commit.remove(path)
+        if 1 in levels and self._newest_local is not None and self._newest_local.step == number:
+            self._newest_local = None
+        self.comm.barrier()
+
+    def prune(self, keep_local: int | None = None, keep_shared: int | None = None) -> None:
+        """Collective: apply retention now: keep the newest ``keep_local`` level-1 steps (of all
+        nodes together) and ``keep_shared`` level-3 steps (default: the manager's settings)."""
+        self._check_open()
+        self.wait()
+        self._calls += 1
+        self.comm.roll_call(self.deadline_s, "prune")
+        saved = self.keep_local, self.keep_shared
+        if keep_local is not None:
+            self.keep_local = keep_local
+        if keep_shared is not None:
+            self.keep_shared = keep_shared
+        try:
+            self._retain(self.comm, set())
+        finally:
+            self.keep_local, self.keep_shared = saved
 
     def restore(
         self,
@@ -481,11 +580,32 @@ class CheckpointManager:
                 self._idle.set()
 
     def _save_job(
-        self, step: int, staged: dict[str, Any], seq: int, failure: BaseException | None
+        self,
+        step: int,
+        staged: dict[str, Any],
+        seq: int,
+        failure: BaseException | None,
+        telemetry: SaveReport | None = None,
     ) -> None:
         """Background, collective on the duplicated communicator: write level 1 (or level 3 when
         there is no level 1), flush when due, apply retention. Every failure of the save or
         the flush (on any rank: any exception) is voted on and recorded for the next call."""
+        report = telemetry or SaveReport(step)
+        started = time.perf_counter()
+        try:
+            self._save_steps(step, staged, seq, failure, report)
+        finally:
+            report.background_s = time.perf_counter() - started
+            self._record_save(report)
+
+    def _save_steps(
+        self,
+        step: int,
+        staged: dict[str, Any],
+        seq: int,
+        failure: BaseException | None,
+        report: SaveReport,
+    ) -> None:
         target_root = self.local_root or self.levels.shared_dir
         assert target_root is not None
         number = self._saves + 1
@@ -495,35 +615,94 @@ class CheckpointManager:
         except CollectiveTimeoutError as exc:
             self._broken = exc  # out of step: no later collective can be trusted
             self._pending.append((step, exc))
+            report.error = str(exc)
             return
+        level = 1 if self.local_root is not None else 3
         try:
-            manifest, _ = save_collective(
-                self._bg,
-                staged,
-                target_root / step_dir_name(step),
-                step=step,
-                node=self.node,
-                group=self._group_key(self.local_root is not None),
-                overwrite=True,
-                levels={"1" if self.local_root else "3": {"save_number": number}},
-                fault=self.fault,
-                redundancy=red,
-                seq=seq,
-                failure=failure,
-                **self.options,  # type: ignore[arg-type]
-            )
+            manifest = self._write(staged, target_root, step, level, number, red, seq, failure)
         except CkptError as exc:
-            self._pending.append((step, exc))
-            return
+            report.error = str(exc)
+            can = level == 1 and self.levels.shared_dir is not None and self.fallback_to_shared
+            if not (can and _may_fall_back(exc)):
+                self._pending.append((step, exc))
+                return
+            # level 1 cannot take it (full, failing): the step goes to level 3 directly
+            log.warning(
+                "ckptfmt: level-1 save of step %s failed, writing it to level 3 instead: %s",
+                step,
+                exc,
+            )
+            shared = self.levels.shared_dir
+            assert shared is not None  # checked above
+            try:
+                manifest = self._write(staged, shared, step, 3, number, None, seq, None)
+            except CkptError as exc2:
+                self._pending.append((step, exc2))
+                report.error = f"{exc}; and on level 3: {exc2}"
+                return
+            level, report.fell_back = 3, True
+            self._notices.append(
+                f"level-1 save of step {step} failed, so it was written to level 3: {exc}"
+            )
         self._saves = number
-        if self.local_root is None:
+        report.level = level
+        report.redundancy = red.scheme if red is not None and level == 1 else None
+        report.bytes_written[str(level)] = data_bytes_of(manifest, self._bg.rank)
+        report.parity_bytes = parity_bytes_of(manifest, self._bg.rank) if level == 1 else 0
+        if level == 3:
             self._flushed.add(manifest.save_id)
+            report.flushed = True
         else:
             self._newest_local = manifest
             due = self.flush_every and number % self.flush_every == 0
-            if self.levels.shared_dir is not None and (due or self.policy.flush_for(number)):
-                self._flush(manifest, self._bg, seq)
+            wanted = due or self.policy.flush_for(number)
+            if (
+                self.levels.shared_dir is not None
+                and wanted
+                and self._flush(manifest, self._bg, seq)
+            ):
+                report.flushed = True
+                report.bytes_written["3"] = report.bytes_written["1"]
         self._retain(self._bg, {step})
+
+    def _write(
+        self,
+        staged: dict[str, Any],
+        root: Path,
+        step: int,
+        level: int,
+        number: int,
+        red: Redundancy | None,
+        seq: int,
+        failure: BaseException | None,
+    ) -> Manifest:
+        manifest, _ = save_collective(
+            self._bg,
+            staged,
+            root / step_dir_name(step),
+            step=step,
+            node=self.node,
+            group=self._group_key(level == 1),
+            overwrite=True,
+            levels={str(level): {"save_number": number}},
+            fault=self.fault,
+            redundancy=red,
+            seq=seq,
+            failure=failure,
+            **self.options,  # type: ignore[arg-type]
+        )
+        return manifest
+
+    def _record_save(self, report: SaveReport) -> None:
+        """Keep ``report`` and hand it to ``on_save`` (from the saver thread; a failing
+        callback is logged, never raised into the save)."""
+        self.last_save = report
+        self.save_reports = [*self.save_reports[-99:], report]
+        if self.on_save is not None:
+            try:
+                self.on_save(report)
+            except Exception as exc:
+                log.warning("ckptfmt: on_save callback failed: %s", exc)
 
     def _retain(self, comm: Comm, protect: set[int]) -> None:
         """Collective: the same retention on every node. Each node's leader lists its committed
@@ -538,7 +717,7 @@ class CheckpointManager:
         if comm.rank == 0:
             retain(self.levels.shared_dir, self.keep_shared, protect)
 
-    def _flush(self, manifest: Manifest, comm: Comm, seq: int | None = None) -> None:
+    def _flush(self, manifest: Manifest, comm: Comm, seq: int | None = None) -> bool:
         assert self.local_root is not None and self.levels.shared_dir is not None
         started = time.perf_counter()
         try:
@@ -553,10 +732,11 @@ class CheckpointManager:
             )
         except CkptError as exc:
             self._pending.append((manifest.step or 0, exc))
-            return
+            return False
         nbytes = sum(f.size for _, f in manifest.files())
         self._flush_rate = nbytes / max(time.perf_counter() - started, 1e-6)
         self._flushed.add(manifest.save_id)
+        return True
 
     def _flush_newest(self, budget_s: float) -> None:
         """Collective (main thread): flush the newest level-1 checkpoint if level 3 lacks it and
@@ -591,6 +771,9 @@ class CheckpointManager:
     # --- helpers ---------------------------------------------------------------------------------
 
     def _report(self) -> None:
+        notices, self._notices = self._notices, []
+        for notice in notices:
+            warnings.warn(notice, CheckpointWarning, stacklevel=3)
         pending, self._pending = self._pending, []
         for step, exc in pending:
             self.failed_saves.append((step, exc))

@@ -15,6 +15,26 @@ from pathlib import Path
 STEP_NAME = re.compile(r"^step-(\d{10,})$")
 
 
+_LOOSE_STEP = re.compile(r"^(?:step-)?(\d+)$")
+
+
+def parse_step(step: int | str) -> int:
+    """A step given as a number or as a step directory name: ``100``, ``"100"``,
+    ``"step-100"`` and ``"step-0000000100"`` are all step 100."""
+    from ckptfmt.errors import UsageError
+
+    if isinstance(step, bool):
+        raise UsageError(f"not a step: {step!r}")
+    if isinstance(step, int):
+        if step < 0:
+            raise UsageError(f"a step is >= 0, got {step}")
+        return step
+    m = _LOOSE_STEP.match(str(step).strip().rstrip("/").rsplit("/", 1)[-1])
+    if not m:
+        raise UsageError(f"not a step: {step!r} (a number, or a name like 'step-0000000100')")
+    return int(m[1])
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
 

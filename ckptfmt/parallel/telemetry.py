@@ -1,0 +1,61 @@
+"""What each save of a ``CheckpointManager`` cost, as the manager reports it.
+
+A training loop judges a checkpointer by two numbers: how long ``save`` blocked it, and how long
+the background part ran beside it. :class:`SaveReport` holds those and what the save wrote, so a
+user can send them to a metrics logger (``CheckpointManager(on_save=...)``) instead of finding
+out from step times that a save waited for the previous one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.redundancy.record import record_of
+
+
+@dataclass
+class SaveReport:
+    """One save, on this rank.
+
+    ``blocked_s``: how long ``save`` kept the caller (``waited_s`` of it waiting for the
+    previous save or flush still in flight, the rest copying the state); ``background_s``: the
+    background part (write, encode, commit, flush, retention); ``level``: the level the step
+    was committed on (1, or 3 when there is no level 1 or the save fell back to it; None when
+    it failed); ``fell_back``: level 1 failed and the step was written to level 3 instead;
+    ``bytes_written``: this rank's data bytes by level (``"1"``, ``"3"``); ``parity_bytes``:
+    this rank's parity file; ``flushed``: the step reached level 3 in this save;
+    ``error``: why it failed (or why it fell back)."""
+
+    step: int
+    blocked_s: float = 0.0
+    waited_s: float = 0.0
+    staged_bytes: int = 0
+    background_s: float = 0.0
+    level: int | None = None
+    fell_back: bool = False
+    flushed: bool = False
+    redundancy: str | None = None
+    bytes_written: dict[str, int] = field(default_factory=dict)
+    parity_bytes: int = 0
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def data_bytes_of(manifest: Manifest, rank: int) -> int:
+    """The bytes of the data files ``rank`` wrote for ``manifest``."""
+    return sum(
+        f.size for t in manifest.tensors() for r in t.regions if r.rank == rank for f in r.files
+    )
+
+
+def parity_bytes_of(manifest: Manifest, rank: int) -> int:
+    """The size of ``rank``'s level-1 parity file (0 without redundancy)."""
+    record = record_of(manifest)
+    if record is None:
+        return 0
+    rset, j = record.set_of(rank)
+    return int(rset.parity[j].size)
