@@ -29,6 +29,7 @@ from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.reader import geometry, read_doc, read_manifest_bytes
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.shard_io import verify_file
 
 
@@ -222,6 +223,8 @@ def verify(
     Raises :class:`NotACheckpointError` or :class:`ManifestError` when there is no readable
     manifest; every other finding goes into the report.
     """
+    if not isinstance(path, Mapping):
+        refuse_url(path)  # s3://... would read as the missing directory ./s3:/...
     if isinstance(path, Mapping) or "{node}" in os.fspath(path):
         from ckptfmt.verify_parity import verify_nodes
 

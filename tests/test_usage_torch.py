@@ -219,6 +219,8 @@ def test_urls_are_refused(tmp_path: Path, url: str) -> None:
             ckptfmt.open(url)
         with pytest.raises(UrlNotSupportedError):
             ckptfmt.latest(url)
+        with pytest.raises(UrlNotSupportedError):
+            ckptfmt.verify(url)
         assert list(tmp_path.iterdir()) == []  # no ./s3:/bucket/x made
     finally:
         os.chdir(cwd)
