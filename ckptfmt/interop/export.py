@@ -277,8 +277,9 @@ class _OutFile:
         :meth:`release`)."""
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         length = offset + p.nbytes - start
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(self.fd, length, flags=flags, offset=start)
+        # no MAP_POPULATE: the pages are then mapped as the reader threads touch them, in
+        # parallel, instead of all at once here (measured: 0.2 s per GiB on this VM, serial)
+        mm = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED, offset=start)
         self.maps[key] = mm
         dt = by_name(p.dtype).numpy
         return np.frombuffer(mm, dt, p.entry.size, offset - start).reshape(p.entry.shape)
@@ -300,9 +301,13 @@ class _OutFile:
 
 
 def cast_array(a: np.ndarray, dtype: str) -> np.ndarray:
-    """``a`` as ``dtype`` (round to nearest even, as ``torch.Tensor.to`` rounds)."""
+    """``a`` as ``dtype``, rounded to nearest even and out-of-range values to infinity, as
+    ``torch.Tensor.to`` does (so no overflow warning: it is what a cast means)."""
     target = by_name(dtype).numpy
-    return a if a.dtype == target else a.astype(target)
+    if a.dtype == target:
+        return a
+    with np.errstate(over="ignore", invalid="ignore"):
+        return a.astype(target)
 
 
 def export_safetensors(

@@ -180,8 +180,9 @@ def safetensors_files(src: Path) -> tuple[str, list[tuple[Path, list[str] | None
 def _map(fd: int, size: int) -> mmap.mmap | None:
     if size == 0:
         return None
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    # not MAP_POPULATE: the save's writer threads then map the pages as they read them, in
+    # parallel, instead of this thread mapping all of them first
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
 
 def import_safetensors(
