@@ -149,3 +149,23 @@ def test_wait_never_reports_success_for_a_save_that_did_not_happen_under_torchru
     [(_step, kind, _message, _missing)] = res["failed"][:1]
     assert kind in ("ManagerBrokenError", "SaveFailedError"), res
     assert res["latest"] is None and res["next"] == "ManagerBrokenError", res
+
+
+@pytest.mark.mpi
+def test_sigterm_is_acted_on_while_the_main_thread_sleeps(tmp_path: Path) -> None:
+    """SIGTERM arrives on another thread while the main thread sleeps 30 s: the newest step is
+    flushed to level 3 and the process ends at once (it used to wait for the sleep to end)."""
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    root = tmp_path / "ck"
+    started = time.monotonic()
+    proc = run_mpi(2, str(REPO / "tests" / "_sigterm_worker.py"), str(out), str(root), timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode != 0 and took < 25, (took, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.sent", "rank1.sent"]
+    assert (root / "l3" / "step-0000000002" / "ckptfmt.json").is_file()
+    import ckptfmt
+
+    assert ckptfmt.verify(root / "l3" / "step-0000000002").healthy

@@ -220,3 +220,19 @@ def test_steps_delete_and_prune_take_step_names(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="not a step"):
         mgr.delete("latest")
     mgr.close(flush=False)
+
+
+def test_a_restore_that_falls_back_to_an_older_step_says_so(tmp_path: Path) -> None:
+    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False, keep_local=5)
+    mgr.save(4, _state(4))
+    mgr.save(5, _state(5))
+    mgr.close()
+    newest = tmp_path / "l1" / "step-0000000005"
+    victim = next(p for p in newest.rglob("*") if p.is_file() and p.parent.name == "c")
+    victim.unlink()  # a data file of step 5: no redundancy to rebuild it from
+    state = _state(0)
+    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False)
+    with pytest.warns(UserWarning, match="fell back to step 4: refused step 5"):
+        assert mgr.restore(state) == 4
+    assert np.array_equal(state["model"]["w"], _state(4)["model"]["w"])
+    mgr.close(flush=False)

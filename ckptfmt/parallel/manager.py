@@ -21,7 +21,6 @@ import atexit
 import copy
 import logging
 import queue
-import signal
 import threading
 import time
 import warnings
@@ -60,6 +59,7 @@ from ckptfmt.parallel.levels import (
 from ckptfmt.parallel.load import LoadFailedError, load_collective
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective, validate_state
 from ckptfmt.parallel.rebuild import rebuild_collective
+from ckptfmt.parallel.sigterm import SigtermWatch
 from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.reshard.per_rank import RankMap
@@ -265,9 +265,10 @@ class CheckpointManager:
         self._idle = threading.Event()
         self._idle.set()
         self._worker = start_background(self._bg, self._work, f"ckptfmt-saver-{self.comm.rank}")
-        self._previous_sigterm: Any = None
+        self._sigterm: SigtermWatch | None = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm = SigtermWatch(self._flush_at_sigterm)
+            self._sigterm.install()
         atexit.register(self._at_exit)
 
     # --- the training-loop API -------------------------------------------------------------------
@@ -470,10 +471,10 @@ class CheckpointManager:
                 else:
                     self._flushed.add(manifest.save_id)
                 self.last_restore = report
-                self._log_restore(report)
+                self._log_restore(report, candidates[0])
                 return int(step)
         self.last_restore = report
-        self._log_restore(report)
+        self._log_restore(report, candidates[0] if candidates else None)
         return None
 
     def _load(
@@ -530,6 +531,7 @@ class CheckpointManager:
             flush = False
         if self.exit_flush if flush is None else flush:
             self._flush_newest(self.exit_flush_budget_s)
+            self._report()
         self._closed = True
         self._jobs.put(None)
         self._worker.join(timeout=60)
@@ -738,21 +740,25 @@ class CheckpointManager:
         self._flushed.add(manifest.save_id)
         return True
 
-    def _flush_newest(self, budget_s: float) -> None:
-        """Collective (main thread): flush the newest level-1 checkpoint if level 3 lacks it and
-        the last measured flush rate says it fits in ``budget_s``."""
+    def _flush_newest(
+        self, budget_s: float, comm: Comm | None = None, seq: int | None = None
+    ) -> None:
+        """Collective (on ``comm``: the main thread's, or the saver thread's at SIGTERM): flush
+        the newest level-1 checkpoint if level 3 lacks it and the last measured flush rate says
+        it fits in ``budget_s``. Failures are kept for the next call (``_pending``)."""
+        on = comm or self.comm
         m = self._newest_local
         if m is None or self.levels.shared_dir is None or m.save_id in self._flushed:
             return
         nbytes = sum(f.size for _, f in m.files())
         estimate = nbytes / self._flush_rate if self._flush_rate else 0.0
         try:
-            self.comm.roll_call(self.deadline_s, "flush", m.step)
+            on.roll_call(self.deadline_s, "flush", m.step)
         except CollectiveTimeoutError as exc:
             self._broken = exc
             log.error("ckptfmt: not flushing step %s at exit: %s", m.step, exc)
             return
-        if not self.comm.all_true(estimate <= budget_s):
+        if not on.all_true(estimate <= budget_s):
             log.warning(
                 "ckptfmt: not flushing step %s at exit: ~%.0f s needed, budget %.0f s",
                 m.step,
@@ -760,12 +766,13 @@ class CheckpointManager:
                 budget_s,
             )
             return
-        self._calls += 1
-        self._flush(m, self.comm, self._calls)
-        if self.comm.rank == 0:
+        if seq is None:
+            self._calls += 1
+            seq = self._calls
+        self._flush(m, on, seq)
+        if on.rank == 0:
             retain(self.levels.shared_dir, self.keep_shared, {m.step or 0})
-        self._report()
-        if self.comm.rank == 0 and m.save_id in self._flushed:
+        if on.rank == 0 and m.save_id in self._flushed:
             log.info("ckptfmt: flushed step %s to level 3 at exit", m.step)
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -820,7 +827,15 @@ class CheckpointManager:
             if isinstance(leaf, Shard)
         }
 
-    def _log_restore(self, report: RestoreReport) -> None:
+    def _log_restore(self, report: RestoreReport, newest: int | None = None) -> None:
+        older = newest is not None and (report.step is None or report.step < newest)
+        if report.tried and older:  # a newer checkpoint could not be used: say so loudly
+            chosen = "nothing" if report.step is None else f"step {report.step}"
+            warnings.warn(
+                f"restore fell back to {chosen}: refused {'; '.join(report.tried)}",
+                CheckpointWarning,
+                stacklevel=3,
+            )
         if self.comm.rank != 0:
             return
         for reason in report.tried:
@@ -837,18 +852,30 @@ class CheckpointManager:
                 report.path,
             )
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """The scheduler's warning: flush the newest checkpoint within the budget, then let the
-        previous handler (by default: terminate) run."""
-        try:
-            self.close(flush=True)
-        finally:
-            previous = self._previous_sigterm
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                signal.raise_signal(signum)
+    def _flush_at_sigterm(self) -> None:
+        """The scheduler's warning (any thread): flush the newest checkpoint within the budget.
+        The flush runs on the saver thread, after the save in flight, on its communicator (the
+        main thread may be anywhere, in the middle of its own collectives); every rank gets the
+        signal and queues the same flush."""
+        if self._closed or self._broken is not None:
+            return
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                self._flush_newest(self.exit_flush_budget_s, self._bg, seq=-1)
+            finally:
+                done.set()
+
+        self._idle.clear()
+        self._jobs.put(job)
+        done.wait()
+        self._idle.wait()
+        self._report_quietly()
+
+    def _report_quietly(self) -> None:
+        for step, exc in self._pending:
+            log.warning("ckptfmt: at SIGTERM: step %s: %s", step, exc)
 
     def _at_exit(self) -> None:
         try:
