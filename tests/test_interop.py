@@ -222,7 +222,9 @@ def test_cast_floating_only(saved: tuple[Path, dict[str, Any]], tmp_path: Path) 
         code, _, data = raw[k]
         if v.dtype.kind == "f" or v.dtype in [np.dtype(d) for d in ML_DTYPES]:
             assert code == "BF16"
-            assert data == v.astype(ml_dtypes.bfloat16).tobytes(), k  # round to nearest even
+            with np.errstate(over="ignore", invalid="ignore"):  # random bits: inf, NaN
+                want = v.astype(ml_dtypes.bfloat16)
+            assert data == want.tobytes(), k  # round to nearest even
         else:
             assert data == v.tobytes(), k  # integers, bool, complex: never cast
     assert sorted(r.not_cast) == sorted(
@@ -276,15 +278,20 @@ def test_export_streams_within_about_one_shard(tmp_path: Path) -> None:
 
     grew = _peak_rss_growth(export("a", max_shard_size="4MiB"))
     assert len(os.listdir(tmp_path / "a")) == 12 + 1
-    control = _peak_rss_growth(export("b", max_shard_size="64MiB", window_bytes=1 << 30))
+    control = _peak_rss_growth(lambda: ckptfmt.load(src))  # the measure sees 48 MiB held
     assert grew < 16 << 20 < 40 << 20 < control, (grew, control)
-    tracemalloc.start()  # a cast reads each tensor into memory first: the same bound
-    try:
-        export("c", max_shard_size="4MiB", dtype="float16")()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 12 << 20, peak
+
+    def cast_peak(out: str, **kw: Any) -> int:  # a cast reads each tensor into memory first
+        tracemalloc.start()
+        try:
+            export(out, dtype="float16", **kw)()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    bounded = cast_peak("c", max_shard_size="4MiB")
+    unbounded = cast_peak("d", max_shard_size="64MiB", window_bytes=1 << 30)  # the control
+    assert bounded < 12 << 20 < 40 << 20 < unbounded, (bounded, unbounded)
 
 
 def test_export_is_atomic(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
