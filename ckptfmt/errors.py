@@ -585,7 +585,7 @@ class StorageFullError(CkptError, OSError):
         its whole write and its checkpoint's directory, a file write only its own."""
         return StorageFullError(
             directory if directory is not None else self.directory,
-            err=self.errno,
+            err=self.errno if self.errno is not None else 28,  # ENOSPC
             file=self.file,
             level=level if level is not None else self.level,
             needed=needed if needed is not None else self.needed,
