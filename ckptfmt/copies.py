@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.codecs.zarr_meta import check_doc, doc_bytes, documents, parse_doc
+from ckptfmt.codecs.zarr_meta import DocChecker, doc_bytes, documents
 from ckptfmt.errors import CkptError, DamagedError, NotACheckpointError, UnrecoverableDamageError
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
-from ckptfmt.manifest.limits import CHECKSUM_SINCE
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.reader import DOC_MAX_BYTES, read_manifest_bytes
 from ckptfmt.storage.files import Inside
@@ -137,16 +136,16 @@ def damaged_docs(directory: Path, manifest: Manifest) -> list[str]:
     what ``manifest`` implies (format version 2 on: not byte for byte what the writer writes, so
     a rebuild leaves every file identical to the original; version 1: by version 1's rules)."""
     src = Inside(directory)
-    exact = manifest.format_version >= CHECKSUM_SINCE
+    checker = DocChecker(manifest)
     out = []
-    for rel, doc in documents(manifest).items():
+    for rel in checker.docs:
         try:
             data = src.read(rel, DOC_MAX_BYTES + 1)
-            if exact:
-                if data != doc_bytes(doc):
+            if checker.strict:
+                if data != checker.expected_bytes(rel):
                     out.append(rel)
             else:
-                check_doc(manifest, rel, parse_doc(data, rel))
+                checker.check_bytes(rel, data)
         except (CkptError, OSError):
             out.append(rel)
     return out

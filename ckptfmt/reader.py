@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.codecs.grid import cells
-from ckptfmt.codecs.zarr_meta import check_doc, documents, parse_doc
+from ckptfmt.codecs.zarr_meta import DocChecker
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     AllocationLimitError,
@@ -78,11 +78,11 @@ def read_manifest(root: Path) -> Manifest:
 DOC_MAX_BYTES = 1 << 20  # a zarr.json is a few hundred bytes; anything longer is not ours
 
 
-def read_doc(src: Inside, manifest: Manifest, rel: str) -> tuple[bytes, Any]:
-    """The bytes and the document of the ``zarr.json`` at ``rel``, checked against what
-    ``manifest`` implies (``codecs.zarr_meta.check_doc``: from format version 2 on, exactly that
-    document). Raises :class:`MissingFileError` (absent, a link, not a regular file) or
-    :class:`MetadataMismatchError`."""
+def read_doc(src: Inside, manifest: Manifest, rel: str, checker: DocChecker | None = None) -> bytes:
+    """The bytes of the ``zarr.json`` at ``rel``, checked against what ``manifest`` implies
+    (``codecs.zarr_meta.DocChecker``: from format version 2 on, exactly that document; pass one
+    ``checker`` for many documents). Raises :class:`MissingFileError` (absent, a link, not a
+    regular file) or :class:`MetadataMismatchError`."""
     try:
         data = src.read(rel, DOC_MAX_BYTES + 1)
     except NotRegularFileError as exc:
@@ -91,17 +91,17 @@ def read_doc(src: Inside, manifest: Manifest, rel: str) -> tuple[bytes, Any]:
         raise MissingFileError(rel) from None
     if len(data) > DOC_MAX_BYTES:
         raise MetadataMismatchError(rel, f"longer than {DOC_MAX_BYTES} bytes")
-    doc = parse_doc(data, rel)
-    check_doc(manifest, rel, doc)
-    return data, doc
+    (checker or DocChecker(manifest)).check_bytes(rel, data)
+    return data
 
 
 def check_documents(src: Inside, manifest: Manifest) -> None:
     """Check every ``zarr.json`` of the checkpoint in ``src`` (``ckptfmt.load`` does, so that a
     damaged metadata document is found by a load as by ``verify``); raises the first problem,
     a :class:`DamagedError` naming the file."""
-    for rel in documents(manifest):
-        read_doc(src, manifest, rel)
+    checker = DocChecker(manifest)
+    for rel in checker.docs:
+        read_doc(src, manifest, rel, checker)
 
 
 def check_allocation(tensors: Sequence[TensorEntry], limit: int | None) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.codecs.grid import shard_cell
-from ckptfmt.codecs.zarr_meta import documents
+from ckptfmt.codecs.zarr_meta import DocChecker
 from ckptfmt.errors import DamagedError, ManifestError, MetadataMismatchError, MissingFileError
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import display
@@ -135,10 +135,10 @@ def _kind(exc: DamagedError) -> str:
 
 
 def _check_doc(
-    src: Inside, manifest: Manifest, rel: str, tensors: tuple[str, ...]
+    src: Inside, manifest: Manifest, rel: str, tensors: tuple[str, ...], checker: DocChecker
 ) -> Problem | None:
     try:
-        read_doc(src, manifest, rel)
+        read_doc(src, manifest, rel, checker)
     except DamagedError as exc:
         return Problem(rel, _kind(exc), exc.reason, tensors)
     except OSError as exc:
@@ -154,10 +154,11 @@ def check_metadata(
     problems (labelled with ``node``) and the paths of the documents (with the manifest's)."""
     problems: list[Problem] = []
     expected = {MANIFEST_NAME}
-    names = {f"{t.path}/zarr.json": (display(t.name),) for t in manifest.tensors()}
-    for rel in documents(manifest):
+    checker = DocChecker(manifest)
+    names = {rel: (display(t.name),) for rel, t in checker.tensors.items()}
+    for rel in checker.docs:
         expected.add(rel)
-        p = _check_doc(src, manifest, rel, names.get(rel, ()))
+        p = _check_doc(src, manifest, rel, names.get(rel, ()), checker)
         if p is not None:
             problems.append(replace(p, node=node) if node is not None else p)
     return problems, expected

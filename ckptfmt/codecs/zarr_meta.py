@@ -169,15 +169,46 @@ def documents(manifest: Manifest) -> dict[str, dict[str, Any]]:
     return out
 
 
+class DocChecker:
+    """Checks the ``zarr.json`` documents of one manifest (:func:`documents`), each against
+    what the manifest implies, by the rules of its format version; built once per manifest."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        from ckptfmt.manifest.limits import CHECKSUM_SINCE
+
+        self.strict = manifest.format_version >= CHECKSUM_SINCE
+        self.docs = documents(manifest)
+        self.tensors = {f"{t.path}/zarr.json": t for t in manifest.tensors()}
+        self._bytes: dict[str, bytes] = {}
+
+    def expected_bytes(self, rel: str) -> bytes:
+        """The bytes ckptfmt writes for ``rel``. Indented JSON goes through Python's slow
+        encoder, so each distinct document is encoded once (groups are all alike, and so are
+        the arrays of equal geometry)."""
+        key = json.dumps(self.docs[rel], separators=(",", ":"))  # the C encoder: fast
+        blob = self._bytes.get(key)
+        if blob is None:
+            blob = self._bytes[key] = doc_bytes(self.docs[rel])
+        return blob
+
+    def check_bytes(self, rel: str, data: bytes) -> None:
+        """Raise :class:`MetadataMismatchError` unless ``data`` is a valid document for
+        ``rel`` (the bytes the writer writes pass at once; others are parsed and compared)."""
+        if self.strict and data == self.expected_bytes(rel):
+            return
+        self.check(rel, parse_doc(data, rel))
+
+    def check(self, rel: str, doc: object) -> None:
+        """Raise :class:`MetadataMismatchError` unless the parsed ``doc`` is valid for ``rel``."""
+        t = self.tensors.get(rel)
+        if t is None:
+            check_group_doc(doc, rel, self.strict)
+        else:
+            check_array_doc(doc, rel, t.dtype, t.shape, t.shard_shape, t.chunk_shape, self.strict)
+
+
 def check_doc(manifest: Manifest, rel: str, doc: object) -> None:
     """Check the document ``doc`` found at ``rel`` (a key of :func:`documents`) against what
-    ``manifest`` implies, by the rules of the manifest's format version."""
-    from ckptfmt.manifest.limits import CHECKSUM_SINCE
-
-    strict = manifest.format_version >= CHECKSUM_SINCE
-    tensors = {f"{t.path}/zarr.json": t for t in manifest.tensors()}
-    t = tensors.get(rel)
-    if t is None:
-        check_group_doc(doc, rel, strict)
-    else:
-        check_array_doc(doc, rel, t.dtype, t.shape, t.shard_shape, t.chunk_shape, strict)
+    ``manifest`` implies, by the rules of the manifest's format version (one document; for
+    many, :class:`DocChecker`)."""
+    DocChecker(manifest).check(rel, doc)

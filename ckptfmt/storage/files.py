@@ -308,8 +308,18 @@ class Inside:
             # never ask for more than the file holds (+1 to see that it is longer than expected):
             # a hostile manifest may claim any size, and a read buffer is allocated up front
             want = min(limit, os.fstat(fd).st_size + 1)
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read(want)
+            first = os.read(fd, want)
+            if len(first) == want or not first:
+                return first
+            parts = [first]  # a short read (rare for regular files): go on to the end
+            got = len(first)
+            while got < want:
+                more = os.read(fd, want - got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            return b"".join(parts)
         finally:
             os.close(fd)
 
