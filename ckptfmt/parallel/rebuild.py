@@ -77,7 +77,8 @@ class RebuildReport:
         nodes = (
             f"; recreated node(s) {', '.join(self.recreated_nodes)}" if self.recreated_nodes else ""
         )
-        return f"rebuilt {' and '.join(parts)}{nodes} in {self.seconds:.2f} s"
+        notes = "".join(f"; {n}" for n in self.notes)
+        return f"rebuilt {' and '.join(parts)}{nodes} in {self.seconds:.2f} s{notes}"
 
 
 def lost_tensors(manifest: Manifest, ranks: set[int]) -> list[str]:
