@@ -1,8 +1,10 @@
 """``ckptfmt.verify``: re-read every byte of a checkpoint and report what is damaged.
 
-Checked: the manifest against ``spec/manifest.schema.json`` and the format's rules; every zarr
-metadata document against the manifest; every data file's presence, size, data CRC32C (of all
-its chunk payloads), shard index CRC and inner-chunk CRC32Cs. Each problem names the file and
+Checked: the manifest's own CRC32C (format version 2), then the manifest against
+``spec/manifest.schema.json`` and the format's rules; every zarr metadata document against the
+manifest (version 2: the whole parsed document); every data file's presence, size, data CRC32C
+(of all its chunk payloads), shard index CRC and inner-chunk CRC32Cs, read chunk by chunk so
+that memory stays bounded whatever size a file claims. Each problem names the file and
 the tensors it affects. Files the manifest does not list are reported separately (they do not
 make a checkpoint damaged, but nothing vouches for them).
 

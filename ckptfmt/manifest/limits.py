@@ -1,4 +1,4 @@
-"""Hard limits of format version 1 (``spec/FORMAT.md``, "Limits") and the name rules.
+"""Hard limits of format versions 1 and 2 (``spec/FORMAT.md``, "Limits") and the name rules.
 
 A writer refuses to exceed them; a reader refuses a checkpoint that does, before allocating or
 opening anything, so that a hostile manifest cannot make it read outside the checkpoint, allocate
