@@ -168,10 +168,10 @@ def restore(
 
 def _detached(state: Mapping[str, Any]) -> dict[str, Any]:
     """The ckptfmt state the manager is given to restore: the same names, shapes, dtypes and
-    ``Shard`` boxes, but none of the tensors' memory (the manager would copy into it before
-    anything is checked). Each array is one element seen at every index (a writable zero-stride
-    view): the manager's copy into it writes nothing anyone reads, and what it loaded is kept
-    in ``manager.restored_state``."""
+    ``Shard`` boxes, but none of the tensors' memory, so that nothing reaches a tensor before
+    ``from_state`` has checked everything (``apply=False`` already keeps the manager from
+    writing; this holds even if it did). Each array is one element seen at every index (a
+    writable zero-stride view, no memory); what was loaded is in ``manager.restored_state``."""
     out: dict[str, Any] = {}
     for k, v in state.items():
         if isinstance(v, Mapping):
