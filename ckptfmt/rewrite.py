@@ -35,7 +35,7 @@ import numpy as np
 from ckptfmt.codecs.crc32c import combine
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, cells, grid_shape
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import ChecksumError, UsageError
+from ckptfmt.errors import ChecksumError, StorageFullError, UsageError
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
 from ckptfmt.manifest.model import (
@@ -55,7 +55,7 @@ from ckptfmt.reshard.per_rank import RankMap, resolve
 from ckptfmt.reshard.plan import Box, Layout, plan_reads
 from ckptfmt.storage import commit
 from ckptfmt.storage.chunk_reads import read_chunks
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.shard_io import Geometry, plan_region
 
@@ -305,9 +305,19 @@ def reshard(
         data = dump_manifest(out)
         for final, d in staging.items():
             commit.finalize(d, final, data, save_id, fsync)
-    except BaseException:
+    except BaseException as exc:
         for d in staging.values():
             commit.abort(d)
+        if isinstance(exc, OSError) and not isinstance(exc, StorageFullError):
+            exc = storage_full(exc, Path(os.fspath(dst))) or exc  # e.g. no inode for a mkdir
+        if isinstance(exc, StorageFullError):  # say where, how much, and that it was a write
+            level = "level 1, every node's directory" if "{node}" in os.fspath(dst) else None
+            needed = sum(t.size * by_name(t.dtype).itemsize for t in manifest.tensors())
+            raise exc.with_context(
+                level=level or "the reshard's destination",
+                needed=max(needed, exc.needed or 0),
+                directory=os.fspath(dst),
+            ) from None
         raise
     return ReshardReport(
         source=os.fspath(src) if not isinstance(src, Mapping) else "node directories",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -124,4 +125,7 @@ def test_reshard_into_a_full_file_system(tmp_path: Path) -> None:
     assert out["code"] != 0
     assert "cannot write" in output and "no space left on device" in output, output
     assert "cannot read" not in output
+    needs = re.search(r"the write needs (\d+) bytes; (\d+) bytes free", output)
+    assert needs and int(needs[1]) >= 512 * 1024 * 4, output  # at least the tensor's bytes
+    assert "the reshard's destination" in output and str(tmp_path / "mnt" / "dst") in output
     assert out["left"] == []
