@@ -248,10 +248,13 @@ def repair_collective(
         )
         why = "the majority" if len(ranked[0]) > len(ranked[1]) else "a tie: the lowest rank"
         notes.append(f"the good manifest copies disagree ({shown}); took rank {holder}'s ({why})")
-    text = comm.bcast_json(
-        mine.data.decode("utf-8") if comm.rank == holder and mine.data else None, holder
-    )
-    data = text.encode("utf-8")
+    if len(ranked) == 1 and len(ranked[0]) == len(leader):
+        data = mine.data or b""  # every directory holds the taken copy: nothing to send
+    else:
+        text = comm.bcast_json(
+            mine.data.decode("utf-8") if comm.rank == holder and mine.data else None, holder
+        )
+        data = text.encode("utf-8")
     written: list[str] = []
     error: str | None = None
     if leader[group] == comm.rank:
