@@ -55,7 +55,8 @@ def _torch_export() -> Callable[..., ExportReport]:
         from ckptfmt_torch.interop import export_torch
     except ImportError as exc:
         raise UsageError(f"--to torch needs PyTorch ({exc})") from None
-    return export_torch
+    fn: Callable[..., ExportReport] = export_torch
+    return fn
 
 
 @click.command("export", epilog=EXPORT_EXITS + help_epilog())
