@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -172,7 +174,7 @@ class Cluster:
     local_tmpfs: str | None = None  # a size ("2g"): each host's local_path is a tmpfs of its own
     hosts: dict[str, Host] = field(default_factory=dict)
     _switch: subprocess.Popen[str] | None = None
-    _made: list[Path] = field(default_factory=list)  # mount points made outside the root
+    _user: Path | None = None  # this cluster's entry in the registry of live clusters
     _serial: int = 0
     _addr_next: int = 1
 
@@ -186,13 +188,39 @@ class Cluster:
         self._make_mountpoint(Path(self.local_path))
 
     def _make_mountpoint(self, path: Path) -> None:
-        missing = []
-        for p in [path, *path.parents]:
-            if p.exists():
-                break
-            missing.append(p)
-        path.mkdir(parents=True, exist_ok=True)
-        self._made.extend(missing)  # deepest first: removed in this order
+        """Make ``local_path`` in this machine's file system (hosts mount over it), recording
+        what was made in a registry shared by the clusters alive now: removing a folder that
+        another cluster's hosts mount on would detach their mounts, so the last one to close
+        removes it."""
+        with _registry() as reg:
+            made = json.loads(reg["made"].read_text()) if reg["made"].exists() else []
+            for p in [path, *path.parents]:
+                if p.exists():
+                    break
+                made.append(str(p))  # deepest first: removed in this order
+            path.mkdir(parents=True, exist_ok=True)
+            reg["made"].write_text(json.dumps(made))
+            self._user = reg["users"] / f"{os.getpid()}-{id(self)}"
+            self._user.write_text("")
+
+    def _release_mountpoint(self) -> None:
+        user = getattr(self, "_user", None)
+        if user is None:
+            return
+        with _registry() as reg:
+            user.unlink(missing_ok=True)
+            self._user = None
+            for other in reg["users"].iterdir():  # clusters whose process died
+                pid = other.name.split("-")[0]
+                if not Path(f"/proc/{pid}").exists():
+                    other.unlink(missing_ok=True)
+            if any(reg["users"].iterdir()):
+                return
+            made = json.loads(reg["made"].read_text()) if reg["made"].exists() else []
+            for p in made:
+                with contextlib.suppress(OSError):
+                    Path(p).rmdir()
+            reg["made"].unlink(missing_ok=True)
 
     @property
     def shared(self) -> Path:
@@ -234,10 +262,7 @@ class Cluster:
             self._switch = None
         shutil.rmtree(self.root / "hosts.d", ignore_errors=True)
         shutil.rmtree(self.root / "private", ignore_errors=True)
-        for p in self._made:
-            with contextlib.suppress(OSError):
-                p.rmdir()
-        self._made.clear()
+        self._release_mountpoint()
 
     # --- hosts -----------------------------------------------------------------------------------
 
@@ -408,6 +433,18 @@ def mpi_env_args() -> list[str]:
     for k, v in settings.items():
         out += ["-genv", k, v]
     return out
+
+
+REGISTRY = Path("/run/hostsim")
+
+
+@contextlib.contextmanager
+def _registry() -> Iterator[dict[str, Path]]:
+    """The live clusters' registry (``/run/hostsim``), locked for the block."""
+    (REGISTRY / "users").mkdir(parents=True, exist_ok=True)
+    with open(REGISTRY / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield {"users": REGISTRY / "users", "made": REGISTRY / "made.json"}
 
 
 def _kill_all(holder: subprocess.Popen[str], ns: tuple[str, ...] | None) -> list[int]:
