@@ -17,6 +17,7 @@ failure on the last rank: every rank must raise the same error, within the deadl
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -43,6 +44,8 @@ HOOKED = {
     "manifest-value": ("manifest", ValueError),
     "commit-value": ("committing", ValueError),
     "flush-value": ("flush-copied", ValueError),
+    "data-enospc": ("written", OSError),  # a full node-local disk
+    "manifest-erofs": ("manifest", OSError),  # a file system gone read-only
     "stage-memory": (None, MemoryError),  # raised while the manager copies the state
     "plan-usage": (None, None),  # a shape disagreement: found while planning
 }
@@ -124,6 +127,9 @@ def run_save_scenario(comm: Any, root: Path, name: str) -> dict[str, Any]:
     def fault(p: str) -> None:
         if armed["on"] and rank == failing_rank(name, size) and p == point and exc_type:
             armed["on"] = False
+            if exc_type is OSError:
+                code = errno.ENOSPC if name == "data-enospc" else errno.EROFS
+                raise OSError(code, f"{os.strerror(code)} (injected at {p} on rank {rank})")
             raise exc_type(f"injected at {p} on rank {rank}")
 
     mgr = manager(comm, root, node, fault)

@@ -26,6 +26,8 @@ SAVE_SCENARIOS = {
     "manifest-value": ("ValueError", "manifest"),
     "commit-value": ("ValueError", "commit"),
     "flush-value": ("ValueError", "flush-copy"),
+    "data-enospc": ("OSError", "write"),
+    "manifest-erofs": ("OSError", "manifest"),
     "stage-memory": ("MemoryError", "copy"),
     "plan-usage": ("UsageError", "plan"),
 }
