@@ -403,6 +403,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(here / "scale_model.json"))
     ap.add_argument("--unique", action="store_true", help="project a non-replicated state")
     args = ap.parse_args()
+    if args.unique:  # beside the default outputs, not over them
+        args.plot = args.plot.replace(".png", "_unique.png")
+        args.out = args.out.replace(".json", "_unique.json")
     out: dict[str, Any] = {}
     job = PROJECTED_JOB
     if Path(args.fit).exists():
