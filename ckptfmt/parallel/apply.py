@@ -61,7 +61,7 @@ def apply_loaded(
     if state is None:
         return report
     mine = {"/".join(n): leaf for n, leaf in flatten(state)}
-    saved = {"/".join(n): leaf for n, leaf in flatten(dict(loaded))}
+    saved = _leaves(loaded, set(mine))
     writes: list[Callable[[], None]] = []
     mismatched: list[str] = []
     for name, value in saved.items():
@@ -101,6 +101,23 @@ def apply_loaded(
     for write in writes:
         write()
     return report
+
+
+def _leaves(loaded: Mapping[str, Any], stop: set[str]) -> dict[str, Any]:
+    """The leaves of ``loaded`` by '/'-joined name, not descending into a mapping where the
+    caller's state has a leaf (a ``PerRank`` value that is itself a mapping, say)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, Mapping) and value and name not in stop:
+                walk(value, name + "/")
+            else:
+                out[name] = value
+
+    walk(loaded, "")
+    return out
 
 
 def _copy_into(target: np.ndarray, value: np.ndarray) -> Callable[[], None]:

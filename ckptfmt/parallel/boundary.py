@@ -129,7 +129,7 @@ class Boundary:
                 cleanup()
         except Exception as exc:  # cleaning up must not hide the failure being reported
             log.warning(
-                "ckptfmt: rank %s: cleanup after a failed %s: %s",
+                "rank %s: cleanup after a failed %s: %s",
                 self.comm.rank,
                 self.operation,
                 exc,

@@ -283,7 +283,7 @@ class CheckpointManager:
         self.wait()
         waited = time.perf_counter() - entered
         if waited > 0.01:
-            log.info("ckptfmt: save of step %s waited %.2f s for the previous save", step, waited)
+            log.info("save of step %s waited %.2f s for the previous save", step, waited)
         self._calls += 1
         seq = self._calls
         telemetry = SaveReport(step, waited_s=waited)
@@ -577,7 +577,7 @@ class CheckpointManager:
                 broken = ManagerBrokenError(f"{type(exc).__name__}: {exc}")
                 self._broken = broken
                 self._pending.append((-1, broken))
-                log.error("ckptfmt: rank %s: background save failed: %s", self._bg.rank, broken)
+                log.error("rank %s: background save failed: %s", self._bg.rank, broken)
             finally:
                 self._idle.set()
 
@@ -630,7 +630,7 @@ class CheckpointManager:
                 return
             # level 1 cannot take it (full, failing): the step goes to level 3 directly
             log.warning(
-                "ckptfmt: level-1 save of step %s failed, writing it to level 3 instead: %s",
+                "level-1 save of step %s failed, writing it to level 3 instead: %s",
                 step,
                 exc,
             )
@@ -704,7 +704,7 @@ class CheckpointManager:
             try:
                 self.on_save(report)
             except Exception as exc:
-                log.warning("ckptfmt: on_save callback failed: %s", exc)
+                log.warning("on_save callback failed: %s", exc)
 
     def _retain(self, comm: Comm, protect: set[int]) -> None:
         """Collective: the same retention on every node. Each node's leader lists its committed
@@ -756,11 +756,11 @@ class CheckpointManager:
             on.roll_call(self.deadline_s, "flush", m.step)
         except CollectiveTimeoutError as exc:
             self._broken = exc
-            log.error("ckptfmt: not flushing step %s at exit: %s", m.step, exc)
+            log.error("not flushing step %s at exit: %s", m.step, exc)
             return
         if not on.all_true(estimate <= budget_s):
             log.warning(
-                "ckptfmt: not flushing step %s at exit: ~%.0f s needed, budget %.0f s",
+                "not flushing step %s at exit: ~%.0f s needed, budget %.0f s",
                 m.step,
                 estimate,
                 budget_s,
@@ -773,7 +773,7 @@ class CheckpointManager:
         if on.rank == 0:
             retain(self.levels.shared_dir, self.keep_shared, {m.step or 0})
         if on.rank == 0 and m.save_id in self._flushed:
-            log.info("ckptfmt: flushed step %s to level 3 at exit", m.step)
+            log.info("flushed step %s to level 3 at exit", m.step)
 
     # --- helpers ---------------------------------------------------------------------------------
 
@@ -839,14 +839,14 @@ class CheckpointManager:
         if self.comm.rank != 0:
             return
         for reason in report.tried:
-            log.warning("ckptfmt: restore: refused %s", reason)
+            log.warning("restore: refused %s", reason)
         for line in report.rebuilt:
-            log.warning("ckptfmt: restore: %s", line)
+            log.warning("restore: %s", line)
         if report.step is None:
-            log.info("ckptfmt: restore: no usable checkpoint; starting fresh")
+            log.info("restore: no usable checkpoint; starting fresh")
         else:
             (log.warning if report.tried else log.info)(
-                "ckptfmt: restored step %s from level %s (%s)",
+                "restored step %s from level %s (%s)",
                 report.step,
                 report.level,
                 report.path,
@@ -875,10 +875,10 @@ class CheckpointManager:
 
     def _report_quietly(self) -> None:
         for step, exc in self._pending:
-            log.warning("ckptfmt: at SIGTERM: step %s: %s", step, exc)
+            log.warning("at SIGTERM: step %s: %s", step, exc)
 
     def _at_exit(self) -> None:
         try:
             self.close()
         except CkptError as exc:
-            log.warning("ckptfmt: at exit: %s", exc)
+            log.warning("at exit: %s", exc)

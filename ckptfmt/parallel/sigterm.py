@@ -67,7 +67,7 @@ class SigtermWatch:
         try:
             self.on_term()
         except Exception as exc:
-            log.warning("ckptfmt: flush at SIGTERM failed: %s", exc)
+            log.warning("flush at SIGTERM failed: %s", exc)
         finally:
             self._done.set()
         return True
