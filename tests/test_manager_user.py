@@ -236,3 +236,34 @@ def test_a_restore_that_falls_back_to_an_older_step_says_so(tmp_path: Path) -> N
         assert mgr.restore(state) == 4
     assert np.array_equal(state["model"]["w"], _state(4)["model"]["w"])
     mgr.close(flush=False)
+
+
+def test_a_full_level_1_is_named_with_its_level_and_the_bytes_needed(tmp_path: Path) -> None:
+    """A manager's save into a full node-local tmpfs (no level 3 to fall back to): every rank
+    is told of a StorageFullError naming the level, the directory, the bytes the save needed
+    and the space free, and no staging directory is left."""
+    from test_integrity_enospc import in_full_tmpfs
+
+    code = """
+import json, os, warnings
+import numpy as np
+from ckptfmt import CheckpointManager
+mgr = CheckpointManager(local_dir=MNT, fsync=False, on_error="warn", handle_sigterm=False)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    mgr.save(1, {"w": np.ones((1024, 1024), np.float32)})
+    mgr.wait()
+[(step, exc)] = mgr.failed_saves
+f = exc.rank_failures[0]
+mgr.close(flush=False)
+print(json.dumps({"step": step, "type": f.type, "fields": f.fields, "message": f.message,
+                  "warned": [str(w.message) for w in caught], "left": os.listdir(MNT)}))
+"""
+    out = in_full_tmpfs(tmp_path, "size=512k", code)
+    assert out["step"] == 1 and out["type"] == "StorageFullError", out
+    fields = out["fields"]
+    assert isinstance(fields, dict) and fields["level"] == "level 1 (node-local)", out
+    assert fields["needed"] >= 4 << 20 and fields["free"] < 512 << 10, out
+    assert "level 1 (node-local)" in str(out["message"]) and "write" in str(out["message"])
+    assert any("step 1" in w for w in out["warned"])  # type: ignore[union-attr]
+    assert [n for n in out["left"] if ".tmp-" in n] == [], out  # type: ignore[union-attr]

@@ -25,8 +25,9 @@ import copy
 import dataclasses
 import datetime as _dt
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import numpy as np
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.codecs.zarr_meta import array_doc, group_doc
 from ckptfmt.dtypes import DType, by_name, of_array
-from ckptfmt.errors import LimitExceededError, UsageError
+from ckptfmt.errors import LimitExceededError, StorageFullError, UsageError
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.limits import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, display
@@ -309,7 +310,7 @@ def save_collective(
     # every leader has a staging directory, or nobody goes on (and none is left behind)
     b.vote("stage", cleanup=mine_staging)
     refs: dict[str, list[list[Any]]] = {}
-    with b.guard("write"):
+    with b.guard("write"), _storage_context(final, levels, plan, comm.rank, comm.size):
         hook("staged")
         mine = plan.for_rank(comm.rank)
         jobs_by_region = []
@@ -364,6 +365,21 @@ def save_collective(
     b.vote("manifest", cleanup=mine_staging)
     publish_commit(b, is_leader, staging, final, save_id, fsync, hook)
     return manifest, plan
+
+
+@contextmanager
+def _storage_context(
+    final: Path, levels: dict[str, Any] | None, plan: SavePlan, rank: int, size: int
+) -> Iterator[None]:
+    """A full disk while writing is reported with what the save knows and a file write does
+    not: the level, the checkpoint's directory and the bytes this rank's save needed."""
+    try:
+        yield
+    except StorageFullError as exc:
+        level = next(iter(levels or {}), None)
+        where = {"1": "level 1 (node-local)", "3": "level 3 (shared)"}.get(str(level))
+        needed = _planned_member_bytes(plan, size)[rank]
+        raise exc.with_context(level=where, needed=needed, directory=str(final.parent)) from exc
 
 
 def publish_commit(
