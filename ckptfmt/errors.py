@@ -424,7 +424,7 @@ class UnrecoverableError(CkptError):
         )
 
 
-# --- a new user's misuse, named at the call (issue 16) ---------------------------------------------
+# --- a new user's misuse, named at the call (issue 16) ------------------------------------------
 
 
 class DtypeMismatchError(UsageError, TypeError):
