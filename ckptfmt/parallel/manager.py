@@ -57,7 +57,7 @@ from ckptfmt.parallel.levels import (
     retain_steps,
 )
 from ckptfmt.parallel.load import LoadFailedError, load_collective
-from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, save_collective, validate_state
+from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, check_leaf, save_collective
 from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.parallel.sigterm import SigtermWatch
 from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
@@ -75,13 +75,9 @@ RedundancySpec = None | str | Redundancy | Policy | Mapping[str, Any] | list[dic
 def _damage_kinds() -> frozenset[str]:
     """The names of the errors that mean "this copy is damaged or absent" (another copy or an
     older step may do), as a vote reports them."""
-    out: set[str] = {"MisplacedCopyError", "OutOfStepError", ""}
-    todo: list[type] = [DamagedError, ManifestError, NotACheckpointError, UnreachableNodesError]
-    while todo:
-        cls = todo.pop()
-        out.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return frozenset(out)
+    roots = (DamagedError, ManifestError, NotACheckpointError, UnreachableNodesError)
+    names = {c.__name__ for root in roots for c in _subclasses(root)}
+    return frozenset(names | {"MisplacedCopyError", "OutOfStepError", ""})
 
 
 def _raise_unless_damage(exc: LoadFailedError) -> None:
@@ -291,16 +287,13 @@ class CheckpointManager:
         failure: BaseException | None = None
         usage: UsageError | None = None
         try:
-            validate_state(state)  # deterministic misuse: raised here, whatever on_error says
-            staged = self._stage(state)
+            # deterministic misuse is raised here (by _stage), whatever on_error says
+            staged, telemetry.staged_bytes = self._stage(state)
         except UsageError as exc:
             failure = usage = exc
         except Exception as exc:  # e.g. MemoryError while copying: voted on like any failure
             failure = exc
         telemetry.blocked_s = time.perf_counter() - entered
-        telemetry.staged_bytes = sum(
-            int(v.nbytes) for _, v in flatten(staged) if isinstance(v, np.ndarray)
-        )
         self._idle.clear()
         # a rank that failed to stage still takes part in the save's first vote, which fails
         # the step on every rank (no rank pairs this save with its next one)
@@ -544,9 +537,14 @@ class CheckpointManager:
 
     # --- staging (the only part the training loop waits for) -------------------------------------
 
-    def _stage(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        leaves = []
+    def _stage(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+        """Copy ``state`` into this manager's reused staging buffers (values deep-copied),
+        checking each leaf on the way (:func:`check_leaf`: misuse raises ``UsageError``);
+        returns the copy and the bytes of tensor data copied."""
+        leaves = []  # flatten refuses a state that is not a mapping
+        nbytes = 0
         for name, leaf in flatten(state):
+            check_leaf(display(name), leaf)
             if is_tensor(leaf):
                 data = leaf.data if isinstance(leaf, Shard) else np.asarray(leaf)
                 buf = self._buffers.get(name)
@@ -554,13 +552,14 @@ class CheckpointManager:
                     buf = np.empty(data.shape, dtype=data.dtype)
                     self._buffers[name] = buf
                 np.copyto(buf, data, casting="no")
+                nbytes += buf.nbytes
                 staged: Any = (
                     Shard(buf, leaf.offset, leaf.global_shape) if isinstance(leaf, Shard) else buf
                 )
                 leaves.append((name, staged))
             else:
                 leaves.append((name, copy.deepcopy(leaf)))
-        return unflatten(leaves)
+        return unflatten(leaves), nbytes
 
     # --- the background thread -------------------------------------------------------------------
 

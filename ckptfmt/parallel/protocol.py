@@ -52,7 +52,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.manifest.values import encode_value
+from ckptfmt.manifest.values import decode_value, encode_value
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.comm import Comm
 from ckptfmt.parallel.encode import (
@@ -140,26 +140,21 @@ def check_state(state: Mapping[str, Any], rank: int = 0, size: int = 1) -> Local
     return local
 
 
-def validate_state(state: Mapping[str, Any]) -> None:
-    """Check every leaf of ``state`` as :func:`check_state` does, copying nothing: raises the
+def check_leaf(shown: str, leaf: Any) -> None:
+    """Check one leaf of a state as :func:`check_state` does, copying nothing: raises the
     :class:`UsageError` a save of it would (an unsupported value type, a dtype the format
-    cannot hold, a name that breaks the rules, a value JSON cannot hold, a limit)."""
-    if not isinstance(state, Mapping):
-        raise UsageError(f"the state to save is a mapping of names to values, not {type(state)}")
-    for name, leaf in flatten(state):
-        shown = display(name)
-        value = leaf.value if isinstance(leaf, PerRank) else leaf
-        if is_tensor(value):
-            arr = value.data if isinstance(value, Shard) else value
-            if not hasattr(arr, "dtype") or not hasattr(arr, "shape"):
-                arr = np.asarray(arr)
-            of_array(np.dtype(arr.dtype), shown)
-            if len(arr.shape) > MAX_NDIM:
-                raise LimitExceededError(
-                    f"number of dimensions of {shown!r}", len(arr.shape), MAX_NDIM
-                )
-        elif not (isinstance(leaf, dict) and not leaf):
-            encode_value(value, shown)  # raises for what JSON cannot hold
+    cannot hold, a value JSON cannot hold, too many dimensions). Lets a caller that walks the
+    state anyway (the manager's staging copy) refuse misuse at the call."""
+    value = leaf.value if isinstance(leaf, PerRank) else leaf
+    if is_tensor(value):
+        arr = value.data if isinstance(value, Shard) else value
+        if not hasattr(arr, "dtype") or not hasattr(arr, "shape"):
+            arr = np.asarray(arr)
+        of_array(np.dtype(arr.dtype), shown)
+        if len(arr.shape) > MAX_NDIM:
+            raise LimitExceededError(f"number of dimensions of {shown!r}", len(arr.shape), MAX_NDIM)
+    elif not (isinstance(leaf, dict) and not leaf):
+        encode_value(value, shown)  # raises for what JSON cannot hold
 
 
 def _region_data(
@@ -499,8 +494,6 @@ def _build_manifest(
     """The same manifest on every rank: tensors from the plan and the gathered file lists
     (``None``: a skeleton without files, enough for the zarr documents), values and order from
     rank 0."""
-    from ckptfmt.manifest.values import decode_value
-
     values = {
         tuple(n): decode_value(copy.deepcopy(v), nf, display(n))  # decode_value fills in place
         for n, (v, nf) in order_values["values"]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptfmt.copies import repair_collective
 from ckptfmt.errors import CkptError, DamagedError, UnrecoverableDamageError
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.manifest.limits import display
@@ -145,9 +146,7 @@ def rebuild_collective(
     it was recreating removed. Nothing that was intact is changed."""
     started = time.perf_counter()
     path = path.absolute()
-    from ckptfmt.copies import repair_collective  # damaged manifest/zarr.json copies first
-
-    rewritten, notes = repair_collective(comm, path, group, fsync)
+    rewritten, notes = repair_collective(comm, path, group, fsync)  # metadata copies first
     data: bytes | None = None
     save_id: str | None = None
     try:
