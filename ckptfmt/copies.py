@@ -210,14 +210,16 @@ def write_planned(
 
 def repair_collective(
     comm: Comm, path: Path, group: str, fsync: bool = True
-) -> tuple[list[str], list[str]]:
+) -> tuple[list[str], list[str], bytes | None]:
     """Collective (every rank, its own node's level-1 step directory ``path``; ``group`` as in
     ``save_collective``): make every node's manifest copy and ``zarr.json`` documents whole from
     the copy most nodes hold whose checksum holds. The lowest rank of each group writes its
     directory. Returns (the files rewritten, as ``"<node dir>: <file>"``, the same on every
-    rank; notes on disagreeing copies). Directories without a committed copy, or holding
-    another save, are left to the data rebuild. Raises :class:`UnrecoverableDamageError` on
-    every rank when a rewrite failed on some rank."""
+    rank; notes on disagreeing copies; the manifest bytes taken, the same on every rank, or
+    None on every rank when no node holds a good copy). Directories without a committed copy,
+    or holding another save, are left to the data rebuild. Raises
+    :class:`UnrecoverableDamageError` on every rank when a rewrite failed on some rank (any
+    exception)."""
     path = path.absolute()
     mine = read_copy(path)
     info = comm.allgather_json(
@@ -236,7 +238,7 @@ def repair_collective(
         if info[r]["state"] == GOOD:
             votes.setdefault(info[r]["digest"], []).append(r)
     if not votes:
-        return [], []  # nothing good anywhere: the rebuild says so
+        return [], [], None  # nothing good anywhere: the rebuild says so
     ranked = sorted(votes.values(), key=lambda rs: (-len(rs), rs[0]))
     holder = ranked[0][0]
     notes = []
@@ -272,14 +274,14 @@ def repair_collective(
                 for rel in damaged_docs(path, manifest):
                     rewrite_file(path / rel, doc_bytes(docs[rel]), fsync)
                     written.append(f"{path}: {rel}")
-        except (CkptError, OSError) as exc:
+        except Exception as exc:  # any failure is voted on below, never a rank leaving
             error = f"{type(exc).__name__}: {exc}"
     results = comm.allgather_json({"written": written, "error": error})
     failed = {r: x["error"] for r, x in enumerate(results) if x["error"]}
     if failed:
         shown = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
         raise UnrecoverableDamageError(str(path), f"cannot rewrite damaged metadata: {shown}")
-    return [w for x in results for w in x["written"]], notes
+    return [w for x in results for w in x["written"]], notes, data
 
 
 def copies_of(dirs: Mapping[Any, Path] | Sequence[Path]) -> list[Copy]:

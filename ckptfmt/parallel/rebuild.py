@@ -146,7 +146,7 @@ def rebuild_collective(
     it was recreating removed. Nothing that was intact is changed."""
     started = time.perf_counter()
     path = path.absolute()
-    rewritten, notes = repair_collective(comm, path, group, fsync)  # metadata copies first
+    rewritten, notes, agreed = repair_collective(comm, path, group, fsync)  # metadata first
     data: bytes | None = None
     save_id: str | None = None
     try:
@@ -158,8 +158,11 @@ def rebuild_collective(
     holders = [r for r, i in enumerate(info) if i["save_id"]]
     if not holders:
         raise UnrecoverableDamageError(str(path), "no node holds a committed copy of this step")
-    mine_text = data.decode("utf-8") if comm.rank == holders[0] and data else None
-    text = comm.bcast_json(mine_text, holders[0])
+    if agreed is not None:  # the repair already agreed on the manifest: no second broadcast
+        text = agreed.decode("utf-8")
+    else:
+        mine_text = data.decode("utf-8") if comm.rank == holders[0] and data else None
+        text = comm.bcast_json(mine_text, holders[0])
     manifest = parse_manifest(text.encode("utf-8"), str(path))
     record = record_of(manifest)
     if record is None:
