@@ -139,8 +139,3 @@ class Boundary:
 def _where(key: Any) -> str:
     op, step, seq, phase = key
     return f"{op} of step {step} (phase {phase}, call {seq})"
-
-
-def leader_cleanup(is_leader: bool, staging: Path) -> Path | None:
-    """The staging directory a rank removes after a failed vote: its group leader's only."""
-    return staging if is_leader else None
