@@ -21,9 +21,11 @@ noise of a shared machine falls on both alike, and combines the medians.
     python bench/bench_boundary.py run --before /work/wt-before --after /work/wt-after
 """
 
+# ruff: noqa: B023 (each round's closures are called in the round that defines them)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -176,7 +178,7 @@ def launch(args: argparse.Namespace) -> None:
             """Intervals between the save's hook points (rank 0, a node leader)."""
             pts = sorted(marks.items(), key=lambda kv: kv[1])
             info["phases"][key] = {
-                f"{a}->{b}": tb - ta for (a, ta), (b, tb) in zip(pts, pts[1:], strict=False)
+                f"{a}->{b}": tb - ta for (a, ta), (b, tb) in itertools.pairwise(pts)
             }
 
         marks: dict[str, float] = {}
