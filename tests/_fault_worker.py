@@ -274,6 +274,66 @@ def run_replace_scenario(comm: Any, root: Path, scheme: str) -> dict[str, Any]:
     return out
 
 
+def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
+    """One rank per node, level 1 only, xor. Save step 7; node h3 is lost (its directory
+    wiped); the restore's rebuild fails on rank 3 with a ValueError while it writes what it
+    rebuilt. Every rank must raise the same SaveFailedError naming rank 3 (not fall back to
+    nothing), no staging directory may be left; a second restore rebuilds step 7 bit-exact."""
+    import shutil
+
+    from ckptfmt.parallel import rebuild as rebuild_module
+
+    rank, size = comm.rank, comm.size
+
+    def mgr_on() -> CheckpointManager:
+        return CheckpointManager(
+            local_dir=f"{root}/l1/{{node}}",
+            comm=comm,
+            node=f"h{rank}",
+            redundancy="xor",
+            on_error="raise",
+            shard_bytes=SHARD_BYTES,
+            chunk_bytes=CHUNK_BYTES,
+        )
+
+    mgr = mgr_on()
+    mgr.save(7, state_of(7, rank, size, big=True))
+    mgr.close(flush=False)
+    comm.barrier()
+    if rank == size - 1:
+        shutil.rmtree(root / "l1" / f"h{rank}")
+    comm.barrier()
+    real = rebuild_module.write_member
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        rebuild_module.write_member = real  # type: ignore[assignment]
+        raise ValueError("injected while writing the rebuilt files")
+
+    if rank == size - 1:
+        rebuild_module.write_member = failing  # type: ignore[assignment]
+    result: dict[str, Any] = {}
+    m = mgr_on()
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result["restored_step"] = m.restore(state_of(0, rank, size, big=True))
+    except CollectiveError as exc:
+        result["error"] = type(exc).__name__
+        result["ranks"] = {str(r): [f.type, f.phase] for r, f in exc.rank_failures.items()}
+    result["seconds"] = time.perf_counter() - started
+    rebuild_module.write_member = real  # type: ignore[assignment]
+    comm.barrier()
+    result["leftovers"] = leftovers(root) if rank == 0 else []
+    restored = state_of(0, rank, size, big=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result["again"] = m.restore(restored)
+    result["bitwise"] = digest(restored) == digest(state_of(7, rank, size, big=True))
+    m.close(flush=False)
+    return result
+
+
 def main(argv: list[str]) -> int:
     kind, out, root, *scenarios = argv
     comm = make_comm(kind)
@@ -281,6 +341,8 @@ def main(argv: list[str]) -> int:
         where = Path(root) / name
         if name == "restore-memory":
             res = run_restore_scenario(comm, where)
+        elif name == "rebuild-value":
+            res = run_rebuild_scenario(comm, where)
         elif name.startswith("replace-"):
             res = run_replace_scenario(comm, where, name.split("-", 1)[1])
         else:

@@ -34,6 +34,7 @@ import numpy as np
 from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.errors import (
     CkptError,
+    CollectiveError,
     CollectiveTimeoutError,
     DamagedError,
     ManagerBrokenError,
@@ -80,13 +81,16 @@ def _damage_kinds() -> frozenset[str]:
     return frozenset(names | {"MisplacedCopyError", "OutOfStepError", ""})
 
 
-def _raise_unless_damage(exc: LoadFailedError) -> None:
-    """A load that failed for another reason than damage (an allocation failure, a bug, a
-    transport error on some rank) is not a reason to try older steps: it is raised, on every
-    rank alike (they all hold the same vote)."""
+def _raise_unless_damage(exc: CollectiveError, storage: bool = False) -> None:
+    """A load (or, ``storage``, a rebuild, whose writes may also meet a full or failing disk)
+    that failed for another reason than damage (an allocation failure, a bug, a transport error
+    on some rank) is not a reason to try older steps: it is raised, on every rank alike (they
+    all hold the same vote)."""
     if isinstance(exc, UnreachableNodesError):
         return
     kinds = _damage_kinds()
+    if storage:
+        kinds |= {c.__name__ for c in _subclasses(OSError)}
     if any(f.type not in kinds for f in exc.rank_failures.values()):
         raise exc
 
@@ -498,6 +502,8 @@ class CheckpointManager:
                 self.comm, path, self._group_key(True), bool(self.options["fsync"]), self._calls
             )
         except (UnrecoverableDamageError, SaveFailedError) as exc:
+            if isinstance(exc, SaveFailedError):
+                _raise_unless_damage(exc, storage=True)
             report.tried.append(f"step {step} level 1: {why}; cannot rebuild: {exc}")
             if isinstance(exc, UnrecoverableDamageError):
                 report.unrecoverable.append(
