@@ -61,6 +61,7 @@ from ckptfmt.parallel.load import LoadFailedError, load_collective
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, check_leaf, save_collective
 from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.parallel.sigterm import SigtermWatch
+from ckptfmt.parallel.staging import BufferPool, SaveHandle, copy_mode, default_pool
 from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.reshard.per_rank import RankMap
@@ -127,6 +128,21 @@ def _save_number(manifest: Manifest) -> int:
         if isinstance(n, int) and not isinstance(n, bool):
             return n
     return 0
+
+
+@dataclass
+class _SaveJob:
+    """What one save hands its background job."""
+
+    step: int
+    staged: dict[str, Any]
+    seq: int
+    failure: BaseException | None
+    report: SaveReport
+    handle: SaveHandle
+    taken: list[np.ndarray]  # pool buffers to give back when the job ends
+    mode: str  # copy_mode: "now", "background" or "none"
+    ready: Callable[[], None] | None
 
 
 class CheckpointWarning(UserWarning):
@@ -198,6 +214,7 @@ class CheckpointManager:
         deadline_s: float = 300.0,
         on_save: Callable[[SaveReport], None] | None = None,
         fallback_to_shared: bool = True,
+        pool: BufferPool | None = None,
     ) -> None:
         if local_dir is None and shared_dir is None:
             raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
@@ -243,7 +260,7 @@ class CheckpointManager:
         self.last_restore: RestoreReport | None = None
         self.failed_saves: list[tuple[int, CkptError]] = []
         self._pending: list[tuple[int, CkptError]] = []
-        self._buffers: dict[tuple[str, ...], np.ndarray] = {}
+        self._pool = pool if pool is not None else default_pool()  # staging buffers, reused
         self._saves = 0  # the job's save number (carried across restarts by the manifests)
         self._calls = 0  # collective calls made (save, restore, close): the votes' sequence
         self._broken: CkptError | None = None  # the communicator failed: no collective is safe
@@ -273,9 +290,25 @@ class CheckpointManager:
 
     # --- the training-loop API -------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        donate: bool = False,
+        background_copy: bool = False,
+        ready: Callable[[], None] | None = None,
+    ) -> SaveHandle:
         """Collective: checkpoint ``state`` as ``step``. Returns once the state is copied into
-        host buffers (asynchronous mode); writing, committing and flushing go on behind."""
+        host buffers (asynchronous mode); writing, committing and flushing go on behind.
+
+        Returns a :class:`~ckptfmt.parallel.staging.SaveHandle`: ``staged`` says when ``state``
+        may be mutated again, ``committed`` when the checkpoint is committed (or why it failed).
+        ``background_copy=True`` makes the staging copy on the saver thread instead (``save``
+        returns at once; wait on ``staged`` before mutating); ``donate=True`` makes none (the
+        writer reads ``state`` itself: ``staged`` is done when the save is). ``ready``, when
+        given, is called on the saver thread before anything of ``state`` is read (e.g. to wait
+        for device-to-host copies). See ``ckptfmt.parallel.staging``."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         self._check_open()
@@ -284,24 +317,30 @@ class CheckpointManager:
         waited = time.perf_counter() - entered
         if waited > 0.01:
             log.info("save of step %s waited %.2f s for the previous save", step, waited)
+        mode = copy_mode(donate, background_copy)
         self._calls += 1
         seq = self._calls
         telemetry = SaveReport(step, waited_s=waited)
         staged: dict[str, Any] = {}
+        taken: list[np.ndarray] = []  # pool buffers this save holds until its job ends
+        handle = SaveHandle(step)
         failure: BaseException | None = None
         usage: UsageError | None = None
         try:
             # deterministic misuse is raised here (by _stage), whatever on_error says
-            staged, telemetry.staged_bytes = self._stage(state)
+            staged, telemetry.staged_bytes = self._stage(state, taken, mode == "now")
         except UsageError as exc:
             failure = usage = exc
         except Exception as exc:  # e.g. MemoryError while copying: voted on like any failure
             failure = exc
+        if mode == "now" or failure is not None:
+            handle.set_staged()
         telemetry.blocked_s = time.perf_counter() - entered
         self._idle.clear()
         # a rank that failed to stage still takes part in the save's first vote, which fails
         # the step on every rank (no rank pairs this save with its next one)
-        self._jobs.put(lambda: self._save_job(step, staged, seq, failure, telemetry))
+        job = _SaveJob(step, staged, seq, failure, telemetry, handle, taken, mode, ready)
+        self._jobs.put(lambda: self._save_job(job))
         if usage is not None:
             self._idle.wait()
             self._pending = [(s, e) for s, e in self._pending if s != step]
@@ -309,6 +348,7 @@ class CheckpointManager:
         if not self.async_save or failure is not None:
             self._idle.wait()
             self._report()
+        return handle
 
     def wait(self) -> None:
         """Wait for the save in flight; report a failed one (see ``on_error``)."""
@@ -543,29 +583,48 @@ class CheckpointManager:
 
     # --- staging (the only part the training loop waits for) -------------------------------------
 
-    def _stage(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
-        """Copy ``state`` into this manager's reused staging buffers (values deep-copied),
-        checking each leaf on the way (:func:`check_leaf`: misuse raises ``UsageError``);
-        returns the copy and the bytes of tensor data copied."""
+    def _stage(
+        self, state: Mapping[str, Any], taken: list[np.ndarray], copy_now: bool = True
+    ) -> tuple[dict[str, Any], int]:
+        """Copy ``state`` into staging buffers of the pool (appended to ``taken``; values
+        deep-copied), checking each leaf on the way (:func:`check_leaf`: misuse raises
+        ``UsageError``); returns the copy and the bytes of tensor data. Without ``copy_now``
+        the tensors are left as the caller's arrays (donated, or copied later by
+        :meth:`_copy_tensors`)."""
         leaves = []  # flatten refuses a state that is not a mapping
         nbytes = 0
         for name, leaf in flatten(state):
             check_leaf(display(name), leaf)
             if is_tensor(leaf):
                 data = leaf.data if isinstance(leaf, Shard) else np.asarray(leaf)
-                buf = self._buffers.get(name)
-                if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
-                    buf = np.empty(data.shape, dtype=data.dtype)
-                    self._buffers[name] = buf
-                np.copyto(buf, data, casting="no")
-                nbytes += buf.nbytes
+                if copy_now:
+                    buf = self._pool.take(data.shape, data.dtype)
+                    taken.append(buf)
+                    np.copyto(buf, data, casting="no")
+                    data = buf
+                nbytes += data.nbytes
                 staged: Any = (
-                    Shard(buf, leaf.offset, leaf.global_shape) if isinstance(leaf, Shard) else buf
+                    Shard(data, leaf.offset, leaf.global_shape) if isinstance(leaf, Shard) else data
                 )
                 leaves.append((name, staged))
             else:
                 leaves.append((name, copy.deepcopy(leaf)))
         return unflatten(leaves), nbytes
+
+    def _copy_tensors(self, staged: dict[str, Any], taken: list[np.ndarray]) -> dict[str, Any]:
+        """The staging copy of a state :meth:`_stage` left uncopied (``background_copy``)."""
+        leaves = []
+        for name, leaf in flatten(staged):
+            if is_tensor(leaf):
+                data = leaf.data if isinstance(leaf, Shard) else leaf
+                buf = self._pool.take(data.shape, data.dtype)
+                taken.append(buf)
+                np.copyto(buf, data, casting="no")
+                leaf = (
+                    Shard(buf, leaf.offset, leaf.global_shape) if isinstance(leaf, Shard) else buf
+                )
+            leaves.append((name, leaf))
+        return unflatten(leaves)
 
     # --- the background thread -------------------------------------------------------------------
 
@@ -586,24 +645,39 @@ class CheckpointManager:
             finally:
                 self._idle.set()
 
-    def _save_job(
-        self,
-        step: int,
-        staged: dict[str, Any],
-        seq: int,
-        failure: BaseException | None,
-        telemetry: SaveReport | None = None,
-    ) -> None:
+    def _save_job(self, job: _SaveJob) -> None:
         """Background, collective on the duplicated communicator: write level 1 (or level 3 when
         there is no level 1), flush when due, apply retention. Every failure of the save or
-        the flush (on any rank: any exception) is voted on and recorded for the next call."""
-        report = telemetry or SaveReport(step)
+        the flush (on any rank: any exception) is voted on and recorded for the next call.
+        The staging buffers go back to the pool and the save's handle is finished at the end."""
+        report = job.report
         started = time.perf_counter()
+        pending = len(self._pending)
+        error: BaseException | None = None
+        staged, failure = job.staged, job.failure
         try:
-            self._save_steps(step, staged, seq, failure, report)
+            if failure is None and job.ready is not None:
+                try:
+                    job.ready()
+                except Exception as exc:  # voted on like a failed copy
+                    failure = exc
+            if job.mode == "background" and failure is None:
+                try:
+                    staged = self._copy_tensors(staged, job.taken)
+                except Exception as exc:
+                    failure = exc
+            if job.mode == "background":
+                job.handle.set_staged()
+            self._save_steps(job.step, staged, job.seq, failure, report)
+        except BaseException as exc:  # the communicator broke (see _work)
+            error = ManagerBrokenError(f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             report.background_s = time.perf_counter() - started
             self._record_save(report)
+            self._pool.give(job.taken)
+            mine = [e for s, e in self._pending[pending:] if s in (job.step, -1)]
+            job.handle.set_committed(error or (mine[0] if mine else None))
 
     def _save_steps(
         self,

@@ -1,0 +1,298 @@
+"""Staging PyTorch state for asynchronous saves: device memory into reusable host buffers.
+
+    from ckptfmt_torch.staging import TorchStager, save_async
+
+    stager = TorchStager()                                # keep one for the whole run
+    for step in ...:
+        loss.backward()
+        if handle is not None:
+            handle.wait_staged()                          # before the tensors change
+        optimizer.step()
+        if step % every == 0:
+            handle = save_async(mgr, step, {"train": ts}, stager)
+    handle.result()                                       # the step, once committed
+
+:class:`TorchStager` copies every tensor of a state dict into a host buffer it keeps for the
+next save (same shape and dtype: the same memory, no allocation). CUDA tensors are copied into
+page-locked (pinned) buffers with non-blocking copies on a side stream that first waits on an
+event recorded on the tensor's current stream, so the copy never reads a tensor before the
+kernels queued before ``save_async`` (the optimizer step that writes it) have run; the stage
+handle completes when the copies have. CPU tensors take the same path without a stream (copied
+at once, or on the saver thread with ``background_copy=True``). bfloat16 and float8 are copied
+as their bits (``convert.tensor_to_numpy``'s integer views): bit-exact.
+
+:func:`save_async` hands the staged host state to ``CheckpointManager.save`` as donated
+(``donate=True``: no second copy) and returns a :class:`ckptfmt.parallel.staging.SaveHandle`
+whose ``staged`` says when the caller's tensors may change and ``committed`` when the checkpoint
+is committed; the host buffers go back to the stager when the save is over.
+
+:func:`restore` loads into existing tensors in place wherever they live (``from_state``: a
+device tensor gets one host-to-device copy of the verified host data), and ``map_location``
+places the tensors only the checkpoint has (added to the state dict) on a device of the
+caller's choice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from ckptfmt import CheckpointManager, PerRank, Shard
+from ckptfmt.errors import UsageError
+from ckptfmt.parallel import SaveHandle
+from ckptfmt_torch.checkpoint import restore as _restore
+from ckptfmt_torch.convert import (
+    dtensor_box,
+    is_dtensor,
+    is_stateful,
+    tensor_to_numpy,
+    to_state,
+)
+
+_Key = tuple[tuple[int, ...], torch.dtype, bool]
+
+
+def can_pin() -> bool:
+    """Whether page-locked host memory can be had (a CUDA device is present)."""
+    return torch.cuda.is_available()
+
+
+class StageEvent:
+    """Completion of one staging: the device copies (CUDA events) and the CPU copies left for
+    later (``background_copy``). :meth:`wait` finishes both; :meth:`done` asks without waiting
+    (a deferred CPU copy is done only once :meth:`wait` has run it)."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []  # torch.cuda.Event, one per device
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host buffer, source)
+        self._lock = threading.Lock()
+        self._waited = False
+
+    def done(self) -> bool:
+        if self.deferred and not self._waited:
+            return False
+        return all(e.query() for e in self.events)
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._waited:
+                return
+            with torch.no_grad():
+                for buf, src in self.deferred:
+                    buf.copy_(src)
+            for e in self.events:
+                e.synchronize()
+            self._waited = True
+
+
+class TorchStager:
+    """Reusable host staging buffers for PyTorch state (pinned when a CUDA device is present,
+    or as ``pin_memory`` says), and the copies into them.
+
+    A stager serves one save at a time: its buffers are handed out by :meth:`stage` and come
+    back with :meth:`release` (``save_async`` does both); a save made while the previous one
+    still holds the buffers gets new ones.
+    """
+
+    def __init__(self, pin_memory: bool | None = None) -> None:
+        pin = can_pin() if pin_memory is None else pin_memory
+        if pin and not can_pin():
+            raise UsageError("pin_memory=True needs a CUDA device (page-locked memory)")
+        self.pin_memory = pin
+        self._free: dict[_Key, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._streams: dict[int, Any] = {}  # device index -> side stream
+        self.made = 0
+        self.reused = 0
+
+    # --- buffers ---------------------------------------------------------------------------------
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        key = (tuple(int(n) for n in shape), dtype, pin)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                self.reused += 1
+                return free.pop()
+            self.made += 1
+        buf = torch.empty(key[0], dtype=dtype, pin_memory=pin)
+        if buf.numel():
+            buf.view(-1).view(torch.uint8).zero_()  # pre-touch: the pages exist from now on
+        return buf
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        """Give buffers back for the next save (nothing may read them any more)."""
+        with self._lock:
+            for buf in buffers:
+                pinned = bool(buf.is_pinned()) if self.pin_memory else False
+                key = (tuple(int(n) for n in buf.shape), buf.dtype, pinned)
+                self._free.setdefault(key, []).append(buf)
+
+    def _stream(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        return self._streams[index]
+
+    # --- staging ---------------------------------------------------------------------------------
+
+    def stage(
+        self, state_dict: Mapping[str, Any], *, background_copy: bool = False
+    ) -> tuple[dict[str, Any], StageEvent, list[torch.Tensor]]:
+        """Copy every tensor of ``state_dict`` (statefuls by their ``state_dict()``, DTensors
+        by their local shard) into host buffers. Returns the host state (numpy views of the
+        buffers, ``Shard`` leaves for DTensor shards, other values as they are: a valid input
+        of ``to_state``), the event that says when the copies are done, and the buffers to
+        :meth:`release` when the save no longer needs them.
+
+        CUDA copies are queued on a side stream after an event recorded on each device's
+        current stream; ``background_copy`` leaves CPU tensors' copies to ``StageEvent.wait``
+        (run by the saver thread in ``save_async``)."""
+        event = StageEvent()
+        taken: list[torch.Tensor] = []
+        waits: dict[int, Any] = {}  # device -> event recorded on its current stream
+
+        def copy(t: torch.Tensor, name: str) -> torch.Tensor:
+            if t.layout != torch.strided or t.is_quantized or t.is_meta:
+                tensor_to_numpy(t, name)  # raises the adapter's error for it
+            t = t.detach()
+            if t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg()
+            on_device = t.device.type == "cuda"
+            buf = self.take(tuple(t.shape), t.dtype, self.pin_memory and on_device)
+            taken.append(buf)
+            if on_device:
+                index = t.device.index if t.device.index is not None else 0
+                side = self._stream(t.device)
+                if index not in waits:
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(t.device))
+                    side.wait_event(ready)
+                    waits[index] = side
+                with torch.cuda.stream(side):
+                    buf.copy_(t, non_blocking=self.pin_memory)
+                t.record_stream(side)  # the allocator keeps t's memory until the copy ran
+            elif t.device.type == "cpu":
+                if background_copy:
+                    event.deferred.append((buf, t))
+                else:
+                    buf.copy_(t)
+            else:
+                buf.copy_(t)  # another device type: a synchronous copy
+            return buf
+
+        def walk(obj: Any, path: str) -> Any:
+            if is_dtensor(obj):
+                (offset, local_shape), global_shape = dtensor_box(obj, path)
+                local = tensor_to_numpy(copy(obj.to_local(), path), path)
+                return local if local_shape == global_shape else Shard(local, offset, global_shape)
+            if isinstance(obj, torch.Tensor):
+                return tensor_to_numpy(copy(obj, path), path)
+            if isinstance(obj, PerRank):
+                inner = obj.value
+                if isinstance(inner, torch.Tensor):
+                    return PerRank(tensor_to_numpy(copy(inner, path), path))
+                return obj
+            if is_stateful(obj):
+                return walk(obj.state_dict(), path)
+            if isinstance(obj, Mapping):
+                return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
+            return obj
+
+        with torch.no_grad():
+            host = walk(state_dict, "")
+        for side in waits.values():
+            done = torch.cuda.Event()
+            done.record(side)
+            event.events.append(done)
+        if not isinstance(host, dict):
+            raise UsageError("a state dict is a mapping of names to tensors, values or statefuls")
+        return host, event, taken
+
+
+def save_async(
+    manager: CheckpointManager,
+    step: int,
+    state_dict: Mapping[str, Any],
+    stager: TorchStager | None = None,
+    *,
+    background_copy: bool = False,
+) -> SaveHandle:
+    """Collective, as ``manager.save``: stage ``state_dict`` (device tensors copied into the
+    stager's pinned buffers without blocking the host) and save it. Returns a handle:
+    ``staged`` is done once the caller's tensors may change again (the device copies are done;
+    with ``background_copy`` the CPU copies too, which the saver thread makes), ``committed``
+    once the checkpoint is committed (the step) or failed (the save's error).
+
+    Waits for the previous save of ``manager`` first (as ``save`` does), so that the stager's
+    buffers are free again and reused."""
+    stager = stager if stager is not None else TorchStager()
+    manager.wait()
+    host, event, taken = stager.stage(state_dict, background_copy=background_copy)
+    handle = SaveHandle(step)
+    if event.done():
+        handle.set_staged()
+
+    def ready() -> None:  # on the saver thread, before the writer reads the buffers
+        event.wait()
+        handle.set_staged()
+
+    try:
+        inner = manager.save(step, to_state(host), donate=True, ready=ready)
+    except BaseException:
+        event.wait()  # the copies may still be running into the buffers
+        stager.release(taken)
+        raise
+
+    def finished(f: Any) -> None:
+        stager.release(taken)
+        handle.set_committed(f.exception())
+
+    inner.committed.add_done_callback(finished)
+    return handle
+
+
+def restore(
+    manager: CheckpointManager,
+    state_dict: MutableMapping[str, Any],
+    *,
+    map_location: torch.device | str | Callable[[str], torch.device | str] | None = None,
+    cast: str | None = None,
+) -> int | None:
+    """Collective: ``ckptfmt_torch.restore`` (all or nothing, into the tensors in place, on
+    whatever device each lives), then the tensors only the checkpoint has (added to
+    ``state_dict`` as CPU tensors) moved to ``map_location``: a device, or a function of the
+    '/'-joined name giving one. Returns the restored step, or None."""
+    before = _tensor_names(state_dict)
+    step = _restore(manager, state_dict, cast=cast)
+    if step is not None and map_location is not None:
+        _place_new(state_dict, before, map_location, "")
+    return step
+
+
+def _tensor_names(obj: Any, path: str = "") -> set[str]:
+    out: set[str] = set()
+    if isinstance(obj, Mapping) and not is_stateful(obj):
+        for k, v in obj.items():
+            out |= _tensor_names(v, f"{path}/{k}" if path else str(k))
+    elif isinstance(obj, torch.Tensor):
+        out.add(path)
+    return out
+
+
+def _place_new(
+    obj: MutableMapping[Any, Any],
+    before: set[str],
+    where: torch.device | str | Callable[[str], torch.device | str],
+    path: str,
+) -> None:
+    for k, v in list(obj.items()):
+        name = f"{path}/{k}" if path else str(k)
+        if isinstance(v, torch.Tensor) and name not in before:
+            device = where(name) if callable(where) else where
+            obj[k] = v.to(device)
+        elif isinstance(v, MutableMapping) and not is_stateful(v):
+            _place_new(v, before, where, name)
