@@ -78,11 +78,11 @@ def count_collectives(comm: Any) -> dict[str, float]:
 
 
 def time_repair() -> dict[str, float]:
-    """Seconds in ``ckptfmt.copies.repair_collective`` (the metadata repair the new rebuild runs
+    """Seconds in ``ckptfmt.engine.copies.repair_collective`` (the metadata repair the new rebuild runs
     first; absent before: stays 0)."""
     spent = {"s": 0.0}
     try:
-        import ckptfmt.copies as copies
+        import ckptfmt.engine.copies as copies
     except ImportError:
         return spent
     if not hasattr(copies, "repair_collective"):
@@ -127,7 +127,7 @@ def launch(args: argparse.Namespace) -> None:
     import ckptfmt
     from ckptfmt import CheckpointManager
     from ckptfmt.parallel.load import load_collective
-    from ckptfmt.parallel.mpi import MpiComm
+    from ckptfmt.transport.mpi import MpiComm
     from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.parallel.rebuild import rebuild_collective
     from ckptfmt.redundancy.config import Redundancy

@@ -103,7 +103,7 @@ def quiet_barrier(mpi_comm: Any) -> None:
     """A barrier that sleeps while it waits. MPICH's blocking barrier spins on a core; on this
     2-core machine the ranks that only wait would take CPU from the ranks that write (on a real
     cluster they spin on cores of their own). ckptfmt's ``MpiComm`` waits the same way
-    (``ckptfmt.parallel.mpi.polite_wait``)."""
+    (``ckptfmt.transport.mpi.polite_wait``)."""
     req = mpi_comm.Ibarrier()
     while not req.Test():
         time.sleep(0.0002)
@@ -272,10 +272,10 @@ RUNNERS: dict[str, Callable[[Env, int], Sample]] = {
 def planned_pieces(env: Env) -> list[memoryview]:
     """This rank's share under ckptfmt's plan (the same plan ``save_collective`` makes), cut
     into byte views of at most one default shard."""
-    from ckptfmt.codecs.grid import DEFAULT_SHARD_BYTES
-    from ckptfmt.parallel.plan import make_plan
+    from ckptfmt.manifest.grid import DEFAULT_SHARD_BYTES
+    from ckptfmt.plan.ownership import make_plan
     from ckptfmt.parallel.protocol import check_state
-    from ckptfmt.storage.shard_io import byte_view
+    from ckptfmt.format.shard_io import byte_view
 
     holdings = check_state(env.nested).holdings()
     plan = make_plan([holdings] * env.size)
@@ -372,7 +372,7 @@ def run_launch(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from ckptfmt.parallel.manager import CheckpointManager
-    from ckptfmt.parallel.mpi import MpiComm
+    from ckptfmt.transport.mpi import MpiComm
 
     mpi = MPI.COMM_WORLD
     comm = MpiComm(mpi)

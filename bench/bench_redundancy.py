@@ -142,7 +142,10 @@ def instrument(comm: Any) -> Profile:
     the engine's GF multiply, this rank's ``comm`` methods) with clocks that run while one of the
     two is running. Each wrapper adds two ``perf_counter`` calls per call (dozens per save); the
     remainder of the total is ``other``."""
-    from ckptfmt.parallel import encode, rebuild
+    from ckptfmt.engine import encode
+    from ckptfmt.engine import rebuild as steps
+    from ckptfmt.parallel import rebuild
+    from ckptfmt.parallel.boundary import Boundary
     from ckptfmt.redundancy import engine
 
     prof = Profile()
@@ -180,7 +183,7 @@ def instrument(comm: Any) -> Profile:
         return wrapper
 
     size = lambda *a, **k: a[-1].size  # noqa: E731  (the block multiplied)
-    # encoding (ckptfmt/parallel/encode.py, called by the save in ckptfmt/parallel/protocol.py)
+    # encoding (ckptfmt/engine/encode.py, called by the save in ckptfmt/parallel/protocol.py)
     import ckptfmt.parallel.protocol as protocol
 
     encode.mul_xor_into = timed("gf", encode.mul_xor_into, size)
@@ -201,15 +204,16 @@ def instrument(comm: Any) -> Profile:
 
     comm.start_exchange = start_exchange
     protocol.encode_collective = section("encode", protocol.encode_collective)  # type: ignore[attr-defined]
-    # the rebuild (ckptfmt/parallel/rebuild.py; ops run in ckptfmt/redundancy/engine.py)
+    # the rebuild (the driver ckptfmt/parallel/rebuild.py, its steps ckptfmt/engine/rebuild.py;
+    # ops run in ckptfmt/redundancy/engine.py)
     rebuild.read_manifest_bytes = timed("manifest", rebuild.read_manifest_bytes)
     rebuild.parse_manifest = timed("manifest", rebuild.parse_manifest)
-    rebuild.assess_member = timed("assess", rebuild.assess_member)
+    steps.assess_member = timed("assess", steps.assess_member)
     rebuild.plan_all = timed("plan", rebuild.plan_all)
-    rebuild.write_metadata = timed("prepare", rebuild.write_metadata)
-    rebuild.vote = timed("vote", rebuild.vote)
-    rebuild.write_member = timed("write", rebuild.write_member)
-    rebuild.write_parity = timed("write", rebuild.write_parity)
+    steps.write_metadata = timed("prepare", steps.write_metadata)
+    Boundary.vote = timed("vote", Boundary.vote)  # type: ignore[method-assign]
+    steps.write_member = timed("write", steps.write_member)
+    steps.write_parity = timed("write", steps.write_parity)
     engine.mul_xor_into = timed("gf", engine.mul_xor_into, size)
     comm.send = timed("send", comm.send, lambda b, *a, **k: b.size)
     comm.start_send = timed("send", comm.start_send, lambda b, *a, **k: b.size)
@@ -275,7 +279,7 @@ def run_save(env: Env, key: str, rnd: int, fsync: bool) -> dict[str, Any]:
     from ckptfmt.redundancy.record import record_of
     from ckptfmt.storage import commit
     from ckptfmt.storage.files import Inside
-    from ckptfmt.storage.members import read_member
+    from ckptfmt.container.members import read_member
 
     path = node_dir(env) / f"{key}-{int(fsync)}-{rnd}"
     red = Redundancy.of(SCHEMES[key]) if key in SCHEMES else None
@@ -366,7 +370,7 @@ def run_parity_write(env: Env, scheme: str, rnd: int, fsync: bool) -> dict[str, 
 def run_ring(env: Env, scheme: str) -> dict[str, Any]:
     """The messages of ``encode_collective`` for ``scheme`` (same loop, same sizes, same
     partners: the set is every rank), without reading, multiplying or writing anything."""
-    from ckptfmt.parallel.encode import ENCODE_TAG
+    from ckptfmt.engine.encode import ENCODE_TAG
 
     n, m, chunk = env.geometry[scheme]
     j = env.rank
@@ -411,7 +415,7 @@ def remove(path: Path) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from ckptfmt.parallel.mpi import MpiComm
+    from ckptfmt.transport.mpi import MpiComm
     from ckptfmt.redundancy import gf256
 
     mpi = MPI.COMM_WORLD

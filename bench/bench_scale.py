@@ -157,7 +157,7 @@ class Job:
         watchers: list[threading.Thread] = []
         if method.startswith("l1"):
             from ckptfmt import CheckpointManager
-            from ckptfmt.parallel.mpi import MpiComm
+            from ckptfmt.transport.mpi import MpiComm
 
             flush = method == "l1+l3/2"
             mgr = CheckpointManager(

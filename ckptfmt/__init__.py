@@ -12,18 +12,17 @@ The on-disk format is specified in ``spec/FORMAT.md``.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from ckptfmt import errors
 from ckptfmt.checkpoint import load, save
+from ckptfmt.container.reader import Checkpoint, TensorView, latest, open_checkpoint
 from ckptfmt.errors import CkptError
-from ckptfmt.parallel.comm import Comm, SingleComm
+from ckptfmt.maintenance.verify import VerifyReport, verify
 from ckptfmt.parallel.levels import list_levels
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
-from ckptfmt.reader import Checkpoint, TensorView, latest, open_checkpoint
-from ckptfmt.state import PerRank, Shard
 from ckptfmt.storage.steps import step_dir_name
-from ckptfmt.verify import VerifyReport, verify
+from ckptfmt.transport.comm import Comm, SingleComm
+from ckptfmt.tree.state import PerRank, Shard
+from ckptfmt.version import __version__
 
 open = open_checkpoint
 
@@ -47,4 +46,5 @@ __all__ = [
     "save",
     "step_dir_name",
     "verify",
+    "__version__",
 ]

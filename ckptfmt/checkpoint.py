@@ -14,17 +14,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from ckptfmt.container.reader import check_allocation, check_documents, read_manifest, tensor_reads
 from ckptfmt.errors import StorageFullError, UsageError
+from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
-from ckptfmt.parallel.comm import SingleComm
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
-from ckptfmt.reader import check_allocation, check_documents, read_manifest, tensor_reads
-from ckptfmt.state import flatten, unflatten
 from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.transport.comm import SingleComm
+from ckptfmt.tree.state import flatten, unflatten
 
+
+__all__ = ["load", "save", "writer_threads"]
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt supports little-endian hosts only")
 

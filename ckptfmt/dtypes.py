@@ -19,6 +19,9 @@ import numpy as np
 from ckptfmt.errors import UnsupportedDtypeError
 
 
+__all__ = ["DType", "by_name", "of_array"]
+
+
 @dataclass(frozen=True)
 class DType:
     """One logical dtype: its on-disk name, its numpy dtype (native order) and its fill value."""

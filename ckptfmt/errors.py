@@ -18,6 +18,46 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+__all__ = [
+    "AllocationLimitError",
+    "ChecksumError",
+    "CkptError",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "CorruptShardError",
+    "DamagedError",
+    "DestinationExistsError",
+    "DestinationUnwritableError",
+    "DtypeMismatchError",
+    "ForeignFormatError",
+    "FormatVersionError",
+    "ImplicitSingleProcessError",
+    "InvalidNameError",
+    "LimitExceededError",
+    "LoadFailedError",
+    "ManagerBrokenError",
+    "ManifestChecksumError",
+    "ManifestError",
+    "MetadataMismatchError",
+    "MissingFileError",
+    "NotACheckpointError",
+    "NotRegularFileError",
+    "PickleRefusedError",
+    "RankFailure",
+    "SaveFailedError",
+    "SizeMismatchError",
+    "StateMismatchError",
+    "StorageFullError",
+    "UnreachableNodesError",
+    "UnrecoverableDamageError",
+    "UnrecoverableError",
+    "UnsupportedDtypeError",
+    "UnsupportedValueError",
+    "UrlNotSupportedError",
+    "UsageError",
+]
+
+
 class CkptError(Exception):
     """Base of every error ckptfmt raises on purpose."""
 
@@ -353,7 +393,7 @@ class ImplicitSingleProcessError(UsageError):
         self.launcher = launcher
         super().__init__(
             f"{launcher} started {world_size} ranks but no comm was given: pass "
-            "comm=ckptfmt.parallel.mpi.MpiComm() (mpiexec/srun) or "
+            "comm=ckptfmt.transport.mpi.MpiComm() (mpiexec/srun) or "
             "comm=ckptfmt_torch.comm.TorchComm() (torchrun), or run one process"
         )
 

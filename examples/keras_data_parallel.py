@@ -29,7 +29,7 @@ import keras
 import numpy as np
 
 import ckptfmt
-from ckptfmt.parallel.mpi import MpiComm
+from ckptfmt.transport.mpi import MpiComm
 
 
 def main(workdir: Path, crash: bool) -> None:

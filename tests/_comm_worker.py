@@ -218,7 +218,7 @@ def dup(comm: Any, out: Path) -> dict[str, Any]:
 def background_abort(comm: Any, out: Path) -> dict[str, Any]:
     """Rank 1's background thread fails; the other ranks wait in a barrier that rank 1 never
     joins. Only the abort can end the job; reaching the end of this function is a failure."""
-    from ckptfmt.parallel.comm import start_background
+    from ckptfmt.transport.comm import start_background
 
     bg_comm = comm.dup()
     (out / f"rank{comm.rank}.started").write_text("")

@@ -281,7 +281,7 @@ def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
     nothing), no staging directory may be left; a second restore rebuilds step 7 bit-exact."""
     import shutil
 
-    from ckptfmt.parallel import rebuild as rebuild_module
+    from ckptfmt.engine import rebuild as rebuild_module  # where the rebuilt files are written
 
     rank, size = comm.rank, comm.size
 

@@ -397,8 +397,8 @@ def crash_in_encoding(fault: Any, armed: threading.Event) -> None:
     parity not yet complete or written, the other ranks inside their own exchanges. A
     transport-level fault, patched on the class so that the manager's duplicated communicator
     has it too."""
-    from ckptfmt.parallel import encode
-    from ckptfmt.parallel.mpi import MpiComm
+    from ckptfmt.engine import encode
+    from ckptfmt.transport.mpi import MpiComm
 
     plain = MpiComm.start_exchange
 

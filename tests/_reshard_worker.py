@@ -168,7 +168,7 @@ def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
 
 def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[str, Any]:
     from ckptfmt.parallel.load import load_collective
-    from ckptfmt.storage.chunk_reads import record_reads
+    from ckptfmt.format.chunk_reads import record_reads
 
     path = task["path"].replace("{node}", node)
     rank_map = task.get("rank_map")
@@ -229,7 +229,7 @@ def do_restore(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    from ckptfmt.parallel.mpi import MpiComm
+    from ckptfmt.transport.mpi import MpiComm
 
     plan = json.loads(Path(argv[0]).read_text())
     out = Path(plan["out"])

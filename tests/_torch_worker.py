@@ -123,7 +123,7 @@ def training_state(mode: str, init_seed: int, rng: bool = True) -> Any:
 
 def digest(state: Any) -> str:
     """SHA-256 of a ckptfmt state (names, array bytes and shapes, shard offsets, values)."""
-    from ckptfmt.state import PerRank, Shard, flatten
+    from ckptfmt.tree.state import PerRank, Shard, flatten
 
     h = hashlib.sha256()
     for name, leaf in flatten(state):

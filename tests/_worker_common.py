@@ -9,7 +9,7 @@ def make_comm(kind: str) -> Any:
     """``mpi``: MpiComm over COMM_WORLD (waits sleep between tests); ``mpi-block``: the same with
     MPI's own blocking waits; ``torch``: TorchComm after a gloo process group."""
     if kind in ("mpi", "mpi-block"):
-        from ckptfmt.parallel.mpi import MpiComm
+        from ckptfmt.transport.mpi import MpiComm
 
         return MpiComm(wait="block" if kind == "mpi-block" else "polite")
     if kind == "torch":

@@ -20,7 +20,7 @@ from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
-from ckptfmt.parallel.comm import Comm
+from ckptfmt.transport.comm import Comm
 
 TIMEOUT_S = 60.0
 T = TypeVar("T")

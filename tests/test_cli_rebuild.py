@@ -285,7 +285,7 @@ def test_damaged_zarr_documents_are_written_anew(
 
 def test_a_failed_write_leaves_no_temporary_file(saved: dict[str, Path], tmp_path: Path) -> None:
     from ckptfmt.errors import UnrecoverableDamageError
-    from ckptfmt.repair import rebuild
+    from ckptfmt.maintenance.repair import rebuild
 
     root, template = copy(saved, "xor", tmp_path)
     victim = data_file(root, 2)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptfmt.codecs.crc32c import combine, crc32c
-from ckptfmt.codecs.grid import (
+from ckptfmt.checksum import combine, crc32c
+from ckptfmt.manifest.grid import (
     cells,
     choose_grid,
     flat_range,
@@ -20,7 +20,7 @@ from ckptfmt.codecs.grid import (
     shard_key,
     shard_slots,
 )
-from ckptfmt.codecs.shard import (
+from ckptfmt.format.shard import (
     EMPTY,
     FileCrc,
     decode_index,

@@ -27,7 +27,7 @@ from _comm_worker import (
 from mpi_util import REPO, assert_ok, describe, run_mpi, run_torchrun
 
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.comm import SingleComm
+from ckptfmt.transport.comm import SingleComm
 
 WORKER = str(REPO / "tests" / "_comm_worker.py")
 ABORT_MESSAGE = "background thread 'inject' failed; aborting the job"
@@ -146,7 +146,7 @@ def test_single_comm_point_to_point() -> None:
 def test_single_comm_background_failure_ends_the_process() -> None:
     code = (
         "import time\n"
-        "from ckptfmt.parallel.comm import SingleComm, start_background\n"
+        "from ckptfmt.transport.comm import SingleComm, start_background\n"
         "def fail():\n"
         "    raise RuntimeError('injected failure in the background thread')\n"
         "start_background(SingleComm(), fail, 'inject')\n"

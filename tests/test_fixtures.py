@@ -332,7 +332,7 @@ def test_zarr_python_reads_a_rebuilt_node_directory(
     treats an absent shard as unwritten, it cannot tell a lost one.)"""
     from test_zarr_interop import zarr_read
 
-    from ckptfmt.repair import rebuild
+    from ckptfmt.maintenance.repair import rebuild
 
     name = "level1-rs2"
     exp = expected[name]

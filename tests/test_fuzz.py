@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt.errors import CkptError, DamagedError, ManifestError
 from ckptfmt.manifest.codec import parse_manifest, seal_bytes
-from ckptfmt.verify import manifest_schema
+from ckptfmt.maintenance.verify import manifest_schema
 
 FUZZ = settings(
     max_examples=250,
@@ -513,7 +513,7 @@ def test_hostile_manifest_opens_nothing_outside_strace_free(tmp_path: Path) -> N
         """
         import json, os, sys
         import ckptfmt, jsonschema
-        from ckptfmt.verify import manifest_schema
+        from ckptfmt.maintenance.verify import manifest_schema
         manifest_schema()
         root = os.path.realpath(sys.argv[1])
         opened = []

@@ -20,7 +20,7 @@ from conftest import REPO
 from level1_util import save_level1
 
 import ckptfmt
-from ckptfmt.codecs.crc32c import crc32c
+from ckptfmt.checksum import crc32c
 from ckptfmt.errors import (
     CkptError,
     DamagedError,
@@ -28,7 +28,7 @@ from ckptfmt.errors import (
     MetadataMismatchError,
 )
 from ckptfmt.manifest.codec import CHECKSUM_MEMBER, dump_manifest, parse_manifest
-from ckptfmt.reader import read_doc
+from ckptfmt.container.reader import read_doc
 from ckptfmt.storage.files import Inside
 
 STATE: dict[str, Any] = {

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, memory_cap, seal_if_sealed
 
 import ckptfmt
-from ckptfmt.codecs.zarr_meta import array_doc, doc_bytes
+from ckptfmt.format.zarr_meta import array_doc, doc_bytes
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import AllocationLimitError, CkptError, NotACheckpointError
 

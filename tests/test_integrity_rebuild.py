@@ -21,7 +21,7 @@ from level1_util import NODES4, flip, rank_state, save_level1, tree
 
 import ckptfmt
 from ckptfmt.parallel.rebuild import rebuild_collective
-from ckptfmt.repair import rebuild
+from ckptfmt.maintenance.repair import rebuild
 
 NODES2 = ["n0", "n1"]
 

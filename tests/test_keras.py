@@ -31,7 +31,7 @@ from inproc_comm import run_threads  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.errors import UsageError  # noqa: E402
-from ckptfmt.parallel.comm import Comm  # noqa: E402
+from ckptfmt.transport.comm import Comm  # noqa: E402
 
 pytestmark = pytest.mark.tf
 

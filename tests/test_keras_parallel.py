@@ -27,7 +27,7 @@ import pytest
 from mpi_util import REPO, describe, run_mpi
 
 import ckptfmt
-from ckptfmt.reader import read_manifest
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.storage.steps import step_dir_name
 
 pytestmark = [pytest.mark.mpi, pytest.mark.tf]

@@ -42,7 +42,7 @@ from _keras_reshard_worker import digest
 from mpi_util import REPO, describe, run_mpi
 
 import ckptfmt
-from ckptfmt.reader import read_manifest
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.storage.steps import step_dir_name
 
 pytestmark = [pytest.mark.mpi, pytest.mark.tf, pytest.mark.slow]

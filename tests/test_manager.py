@@ -116,7 +116,7 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
 
     from ckptfmt.parallel.levels import flush_collective
     from ckptfmt.parallel.manager import CheckpointManager as Manager
-    from ckptfmt.reader import read_manifest
+    from ckptfmt.container.reader import read_manifest
 
     root = tmp_path
 

@@ -103,9 +103,9 @@ def test_packages_present(wheel: zipfile.ZipFile) -> None:
     for module in [
         "ckptfmt/__init__.py",
         "ckptfmt/zarr_plugin.py",
-        "ckptfmt/verify.py",
+        "ckptfmt/maintenance/verify.py",
         "ckptfmt/manifest/codec.py",
-        "ckptfmt/codecs/shard.py",
+        "ckptfmt/format/shard.py",
         "ckptfmt/storage/commit.py",
         "ckptfmt_cli/__init__.py",
         "ckptfmt_zarr_hook/__init__.py",
@@ -170,7 +170,7 @@ def test_core_never_imports_frameworks() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     imported = out.stdout
-    for module in ("ckptfmt.zarr_plugin", "ckptfmt.verify", "ckptfmt.manifest.codec"):
+    for module in ("ckptfmt.zarr_plugin", "ckptfmt.maintenance.verify", "ckptfmt.manifest.codec"):
         assert repr(module) in imported, module
 
 

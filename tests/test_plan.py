@@ -1,11 +1,11 @@
-"""The ownership plan of a parallel save (``ckptfmt.parallel.plan.make_plan``), in process.
+"""The ownership plan of a parallel save (``ckptfmt.plan.ownership.make_plan``), in process.
 
 Every rank computes the plan on its own from the gathered declarations, so it must be a
 deterministic function of them (the same in every process, whatever the hash seed); the regions
 must cover every shard cell of every tensor exactly once, on the shard grid; a writer must hold
 what it writes; data-parallel replicas must share the writing evenly (within one shard); and
 declarations that cannot be planned must raise ``UsageError``. The checks below recompute the
-grid arithmetic independently of ``ckptfmt.codecs.grid``.
+grid arithmetic independently of ``ckptfmt.manifest.grid``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.plan import Holding, SavePlan, make_plan
+from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 
 TESTS = Path(__file__).resolve().parent
 DTYPES = ["uint8", "bfloat16", "float32", "float64", "complex128"]

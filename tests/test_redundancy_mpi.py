@@ -10,7 +10,7 @@ Every rank runs ``tests/_parallel_worker.py`` (``"nodes"`` simulated nodes: rank
 is on ``n{r * nodes // n}``), which checks what it restored itself and records digests, its
 restore report and the paths it touched (other nodes' level 1; level-3 step directories); the
 tests here check all of it again from the outside, plus the directories on disk and
-``ckptfmt.repair.rebuild(..., dry_run=True)`` before and after.
+``ckptfmt.maintenance.repair.rebuild(..., dry_run=True)`` before and after.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from _parallel_worker import digest, make_state, node_of, nodes
 from mpi_util import REPO, describe, run_mpi
 from test_parallel import committed_steps, data_files, files_under, metadata_files
 
-from ckptfmt import repair
+from ckptfmt.maintenance import repair
 from ckptfmt.errors import UnrecoverableDamageError
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.reader import read_manifest
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import step_dir_name
 

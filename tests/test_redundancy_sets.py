@@ -1,6 +1,6 @@
 """Redundancy sets end to end in one process: the striped layout of ``spec/redundancy.md`` §4 as
 the engine writes it (``stripes.encode_plan``/``plan_rebuild`` run by ``engine.run_ops``), and the
-offline repair of real checkpoints (``ckptfmt.repair``).
+offline repair of real checkpoints (``ckptfmt.maintenance.repair``).
 
 For partner, xor and rs (m = 1, 2, 3) and sets of 2..8 members whose data has odd and zero
 lengths: the engine's parity is exactly what a reference encoder written from the spec computes
@@ -33,7 +33,7 @@ from ckptfmt.redundancy.engine import MemberBuffers, run_ops
 from ckptfmt.redundancy.record import member_files, record_of
 from ckptfmt.redundancy.schemes import UnrecoverableError
 from ckptfmt.redundancy.stripes import encode_plan, plan_rebuild
-from ckptfmt.repair import rebuild
+from ckptfmt.maintenance.repair import rebuild
 
 CASES = (
     [("partner", 0, n) for n in range(2, 9)]

@@ -40,7 +40,7 @@ from test_reshard_load import needed
 
 import ckptfmt
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.reader import read_manifest
+from ckptfmt.container.reader import read_manifest
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The offline rewrite for another number of ranks (``ckptfmt.rewrite.reshard``, what
+"""The offline rewrite for another number of ranks (``ckptfmt.maintenance.reshard.reshard``, what
 ``ckptfmt reshard`` runs), in process.
 
 The rewrite of checkpoints saved by N thread-ranks is verified and bitwise equal for several
@@ -22,9 +22,9 @@ from test_reshard_load import ROWS, full_state, per_rank_extra, rows_of, save
 
 import ckptfmt
 from ckptfmt.errors import ChecksumError, DamagedError, DestinationExistsError
-from ckptfmt.reader import read_manifest
-from ckptfmt.reshard.per_rank import PerRankError
-from ckptfmt.rewrite import reshard
+from ckptfmt.container.reader import read_manifest
+from ckptfmt.plan.per_rank import PerRankError
+from ckptfmt.maintenance.reshard import reshard
 
 GRID = {"chunk_bytes": 1 << 10, "shard_bytes": 8 << 10, "fsync": False}
 

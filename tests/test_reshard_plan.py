@@ -1,4 +1,4 @@
-"""Read planning for another layout (``ckptfmt.reshard``), in process, with hypothesis.
+"""Read planning for another layout (``ckptfmt.plan``), in process, with hypothesis.
 
 ``plan_reads(layout, box)``: for random shapes (0-d, empty, edge chunks), grids, region layouts
 (random guillotine partitions of the shard grid, and the plans of uneven FSDP-like splits) and
@@ -6,7 +6,7 @@ wanted boxes (random ones, and partitions of the tensor among the ranks of anoth
 wanted element is covered by exactly one piece, no piece lies outside the box, every piece is
 part of a chunk that intersects the box (nothing needless is read), and each piece names the
 right file, cell, writer and index slot. The checks recompute the geometry independently of
-``ckptfmt.reshard`` (numpy's ravel_multi_index, itertools over the grid), and the data check
+``ckptfmt.plan`` (numpy's ravel_multi_index, itertools over the grid), and the data check
 fills a destination from simulated chunks (padded as on disk) and compares it with the source.
 
 ``route(...)``: executed in memory by simulated ranks (reads, broadcasts and sends), every rank
@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.plan import Holding, make_plan
-from ckptfmt.reshard.per_rank import PerRankError, resolve, sources
-from ckptfmt.reshard.plan import Layout, SavedRegion, plan_reads
-from ckptfmt.reshard.route import route
+from ckptfmt.plan.ownership import Holding, make_plan
+from ckptfmt.plan.per_rank import PerRankError, resolve, sources
+from ckptfmt.plan.reads import Layout, SavedRegion, plan_reads
+from ckptfmt.plan.route import route
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

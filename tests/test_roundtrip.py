@@ -635,7 +635,7 @@ def test_failure_while_writing_removes_staging(
         return real(path, pieces, fsync)
 
     monkeypatch.setattr(files, "write_gather", failing)
-    for mod in ("ckptfmt.storage.shard_io", "ckptfmt.storage.commit"):
+    for mod in ("ckptfmt.format.shard_io", "ckptfmt.storage.commit"):
         monkeypatch.setattr(f"{mod}.write_gather", failing, raising=False)
     root = tmp_path / "c"
     with pytest.raises(CkptError):
@@ -827,9 +827,9 @@ def test_per_rank_leaves_in_one_process(tmp_path: Path) -> None:
     """``PerRank`` leaves: a per-rank tensor (leading rank axis) and a per-rank value; one process
     sees its own row / value back through a collective load, and the whole through ``load``."""
     from ckptfmt import PerRank
-    from ckptfmt.parallel.comm import SingleComm
+    from ckptfmt.transport.comm import SingleComm
     from ckptfmt.parallel.load import load_collective
-    from ckptfmt.reader import read_manifest
+    from ckptfmt.container.reader import read_manifest
 
     rng_state = np.arange(12, dtype=np.uint32).reshape(3, 4)
     ckptfmt.save(

@@ -407,7 +407,7 @@ def test_checkpoint_opens_without_torch(tmp_path: Path) -> None:
     }
     ckptfmt_torch.save(state, tmp_path / "c", step=1)
     want = {}
-    for name, leaf in ckptfmt.state.flatten(ckptfmt_torch.to_state(state)):
+    for name, leaf in ckptfmt.tree.state.flatten(ckptfmt_torch.to_state(state)):
         if isinstance(leaf, np.ndarray):
             data = np.ascontiguousarray(leaf)
             want["/".join(name)] = [

@@ -166,7 +166,7 @@ def check_single_process_load(path: Path, full_model: str) -> None:
     and data positions have no place in one process: dropped only when asked."""
     import ckptfmt_torch
 
-    from ckptfmt.reshard import PerRankError
+    from ckptfmt.plan import PerRankError
 
     torch.manual_seed(77)
     model = Net()

@@ -26,7 +26,7 @@ keras = pytest.importorskip("keras")
 import ckptfmt_keras as ck  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.casting import CastWarning  # noqa: E402
+from ckptfmt.tree.casting import CastWarning  # noqa: E402
 
 pytestmark = pytest.mark.tf
 

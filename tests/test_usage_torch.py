@@ -20,7 +20,7 @@ import ckptfmt_torch  # noqa: E402
 from ckptfmt_torch import TrainingState  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.casting import CastWarning  # noqa: E402
+from ckptfmt.tree.casting import CastWarning  # noqa: E402
 from ckptfmt.errors import DtypeMismatchError, UrlNotSupportedError, UsageError  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -263,7 +263,7 @@ def test_training_state_still_requires_what_is_not_per_rank(tmp_path: Path) -> N
 
 
 def test_ml_dtypes_view_safe_cast_table() -> None:
-    from ckptfmt.casting import is_safe
+    from ckptfmt.tree.casting import is_safe
 
     bf16, f8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
     assert is_safe(bf16, np.dtype(np.float32)) and not is_safe(np.dtype(np.float32), bf16)
@@ -278,7 +278,7 @@ def test_training_state_loads_a_reshard_that_dropped_per_rank_state(tmp_path: Pa
     rank's RNG state and sampler position left out), then a load into a ``TrainingState``."""
     from ckptfmt_torch import ResumableSampler
 
-    from ckptfmt.rewrite import reshard
+    from ckptfmt.maintenance.reshard import reshard
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

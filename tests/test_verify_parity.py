@@ -1,5 +1,5 @@
-"""``ckptfmt.verify`` of a level-1 checkpoint node by node, with its parity
-(``ckptfmt/verify_parity.py``): every node's copy, every data file, every parity chunk's CRC32C,
+"""``ckptfmt.maintenance.verify`` of a level-1 checkpoint node by node, with its parity
+(``ckptfmt/maintenance/verify_parity.py``): every node's copy, every data file, every parity chunk's CRC32C,
 and the parity against a fresh encoding of the members' data; a level-3 copy reports the
 level-1 redundancy as not present there."""
 
@@ -18,7 +18,7 @@ from conftest import seal_if_sealed
 from level1_util import NODES8, flip, merge, save_level1
 
 import ckptfmt
-from ckptfmt.codecs.crc32c import crc32c
+from ckptfmt.checksum import crc32c
 from ckptfmt.errors import NotACheckpointError
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.redundancy.record import member_files
@@ -211,7 +211,7 @@ def test_parity_compared_in_small_windows(
     """The set is re-encoded window by window (bounded memory): with 5-byte windows (odd tails,
     partner members ending mid-window) a healthy save stays healthy and a wrong byte anywhere
     is found at its offset."""
-    from ckptfmt import verify_parity
+    from ckptfmt.maintenance import verify_parity
 
     monkeypatch.setattr(verify_parity, "WINDOW", 5)
     root, template = copy(saved, name, tmp_path)

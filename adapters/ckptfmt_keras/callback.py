@@ -14,7 +14,7 @@ It takes ``keras.callbacks.BackupAndRestore``'s arguments (``backup_dir``, ``sav
   level (default 1, or 2 with ``double_checkpoint``). ``redundancy`` (``"partner"``, ``"xor"``,
   ``"rs"``, or a policy) protects level 1 across nodes; it and ``flush_every`` mean what they
   mean to ``ckptfmt.CheckpointManager``, which does all the saving.
-- ``comm``: the ranks (``ckptfmt.parallel.mpi.MpiComm()``; one process when omitted). Every
+- ``comm``: the ranks (``ckptfmt.transport.mpi.MpiComm()``; one process when omitted). Every
   worker holds the whole model and passes all of it; ckptfmt writes each tensor once, the
   writing spread over all workers. Every call is collective: all workers run ``fit`` alike.
 - ``dataset``: anything with ``set_epoch(epoch)`` (``ResumableDataset``), called at every epoch's
@@ -57,10 +57,10 @@ import keras
 import numpy as np
 
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.comm import Comm, SingleComm
-from ckptfmt.parallel.manager import CheckpointManager, RestoreReport
-from ckptfmt.reshard.per_rank import RankMap
-from ckptfmt.state import PerRank
+from ckptfmt.parallel import CheckpointManager, RestoreReport
+from ckptfmt.plan import RankMap
+from ckptfmt.transport import Comm, SingleComm
+from ckptfmt.tree import PerRank
 from ckptfmt_keras.checkpoint import restore_training_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
 from ckptfmt_keras.parallel import (

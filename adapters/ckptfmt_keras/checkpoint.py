@@ -21,8 +21,8 @@ from typing import Any
 import keras
 
 import ckptfmt
-from ckptfmt.casting import report_casts
-from ckptfmt.manifest.model import Manifest
+from ckptfmt.manifest import Manifest
+from ckptfmt.tree import report_casts
 from ckptfmt_keras.convert import (
     AssignPlan,
     NameMap,
@@ -78,7 +78,7 @@ def restore_training_state(
     it is not yet, and its metrics when asked); return the counters. Bit-exact; all or nothing:
     the model's, the optimizer's and the metrics' names, shapes and dtypes are all checked
     before any variable is changed (with ``strict``, every variable must be in the state).
-    ``cast``: the dtype policy of ``ckptfmt.casting`` (refused by default).
+    ``cast``: the dtype policy of ``ckptfmt.tree.casting`` (refused by default).
 
     Names that differ only in Keras' numbering (a second model built the same way in this
     process) are paired by order (``convert.auto_name_map``), the optimizer's slots with their

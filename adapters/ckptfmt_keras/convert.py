@@ -23,7 +23,7 @@ variable with exactly one array; optimizer slots follow their model variables.
 
 Values are copied exactly: ``bfloat16`` as ``ml_dtypes.bfloat16`` (what TensorFlow's own numpy
 conversion gives), NaN payloads and ``-0.0`` kept. ``assign`` never reshapes and casts only as
-``cast=`` allows (``ckptfmt.casting``: refused by default; ``"safe"``, ``"any"``, each
+``cast=`` allows (``ckptfmt.tree.casting``: refused by default; ``"safe"``, ``"any"``, each
 conversion reported); a mismatch is an error, found before any variable is changed.
 """
 
@@ -38,9 +38,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ckptfmt.casting import Cast, allowed, check_policy, convert, report_casts
+from ckptfmt.container import Checkpoint
 from ckptfmt.errors import UsageError
-from ckptfmt.reader import Checkpoint
+from ckptfmt.tree import Cast, allowed, check_policy, convert, report_casts
 
 NameMap = Mapping[str, str] | Callable[[str], str | None]
 Transform = Callable[[str, np.ndarray], np.ndarray]
@@ -325,7 +325,7 @@ def assign(
     array a variable.
 
     Shapes must match exactly; dtypes too, unless ``cast`` allows converting (``"safe"``: no
-    value changes, ``"any"``; every conversion reported as a ``ckptfmt.casting.CastWarning``),
+    value changes, ``"any"``; every conversion reported as a ``ckptfmt.tree.casting.CastWarning``),
     so what is loaded is bit-exact. Every check is made before any variable is changed.
     """
     plan = plan_assign(

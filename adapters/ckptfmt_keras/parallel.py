@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.comm import Comm
+from ckptfmt.transport import Comm
 from ckptfmt_keras.convert import named_variables
 
 REDUCTIONS = ("ordered", "allreduce")

@@ -19,7 +19,7 @@ The protocol (who writes what, levels, redundancy) is the core's; this package o
 
 from __future__ import annotations
 
-from ckptfmt.state import PerRank, Shard
+from ckptfmt.tree import PerRank, Shard
 from ckptfmt_torch.checkpoint import default_comm, load, restore, save
 from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import (

@@ -23,14 +23,18 @@ import torch.distributed as dist
 from ckptfmt import __version__
 from ckptfmt.checkpoint import writer_threads
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.comm import Comm, SingleComm
-from ckptfmt.parallel.levels import resolve_node
-from ckptfmt.parallel.load import load_collective
-from ckptfmt.parallel.manager import CheckpointManager
-from ckptfmt.parallel.protocol import SaveFailedError, save_collective
-from ckptfmt.reshard.per_rank import RankMap
-from ckptfmt.state import PerRank, Shard
-from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.parallel import (
+    CheckpointManager,
+    SaveFailedError,
+    load_collective,
+    resolve_node,
+    save_collective,
+)
+from ckptfmt.plan import RankMap
+from ckptfmt.storage import check_destination, refuse_url
+from ckptfmt.transport import Comm, SingleComm
+from ckptfmt.tree import PerRank, Shard
+from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import from_state, to_state, wants_of
 
 _GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
@@ -43,8 +47,6 @@ def default_comm() -> Comm:
     A single process without ``torch.distributed`` gets ``SingleComm``; a gloo default group its
     ``TorchComm``; another backend (NCCL) a gloo group over the same ranks, made once.
     """
-    from ckptfmt_torch.comm import TorchComm
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return SingleComm()
     world = dist.group.WORLD
@@ -131,8 +133,8 @@ def load(
     All or nothing: names, shapes, dtypes and boxes are checked before anything is written, so a
     load that raises leaves every tensor and object of ``state_dict`` as it was. A dtype that
     differs from the saved one is refused unless ``cast`` allows it (``"safe"``: no value
-    changes, ``"any"``; ``ckptfmt.casting``); every conversion is reported as a
-    ``ckptfmt.casting.CastWarning``.
+    changes, ``"any"``; ``ckptfmt.tree.casting``); every conversion is reported as a
+    ``ckptfmt.tree.casting.CastWarning``.
     """
     refuse_url(path)
     comm = comm or default_comm()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel.comm import Comm
+from ckptfmt.transport import Comm
 
 
 class TorchComm(Comm):

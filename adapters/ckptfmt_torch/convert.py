@@ -21,10 +21,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ckptfmt.casting import Cast, plan_casts, report_casts
 from ckptfmt.errors import UnsupportedDtypeError, UnsupportedValueError, UsageError
-from ckptfmt.manifest.values import encode_value
-from ckptfmt.state import PerRank, Shard
+from ckptfmt.manifest import encode_value
+from ckptfmt.tree import Cast, PerRank, Shard, plan_casts, report_casts
 
 try:  # torch.distributed is optional in some PyTorch builds
     from torch.distributed.tensor import DTensor
@@ -117,7 +116,7 @@ def numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
 
 def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "", cast: str | None = None) -> None:
     """Copy a loaded array into a tensor in place: bit-exact when the dtypes agree; otherwise
-    only as the policy ``cast`` allows (``ckptfmt.casting``: ``"safe"``, ``"any"``), converted
+    only as the policy ``cast`` allows (``ckptfmt.tree.casting``: ``"safe"``, ``"any"``), converted
     as ``Tensor.copy_`` converts. A refused dtype or a wrong shape raises before any write."""
     src = np.asarray(src)
     if tuple(dst.shape) != src.shape:
@@ -281,10 +280,10 @@ def from_state(
     cast: str | None = None,
 ) -> list[Cast]:
     """Put a loaded ckptfmt state back into a PyTorch state dict, in place; return the dtype
-    conversions made (also reported as a ``ckptfmt.casting.CastWarning``).
+    conversions made (also reported as a ``ckptfmt.tree.casting.CastWarning``).
 
     Everything is checked before anything is written (:func:`check_state`): a missing name, a
-    shape, a dtype that ``cast`` does not allow (``ckptfmt.casting``: refused by default), a
+    shape, a dtype that ``cast`` does not allow (``ckptfmt.tree.casting``: refused by default), a
     module's name the checkpoint adds, an optimizer's parameter groups — so a load that fails
     leaves every tensor, module and optimizer as it was. Then tensors (and a DTensor's local
     shard) are copied into; a stateful object gets ``load_state_dict`` with its own

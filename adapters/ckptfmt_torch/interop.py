@@ -30,11 +30,9 @@ from ckptfmt.errors import (
     PickleRefusedError,
     UsageError,
 )
-from ckptfmt.interop.export import ExportReport, tensors_of
-from ckptfmt.interop.importer import ImportReport, import_named
-from ckptfmt.interop.names import Rename
-from ckptfmt.manifest.limits import display
-from ckptfmt.storage.files import fsync_dir
+from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
+from ckptfmt.manifest import display
+from ckptfmt.storage import fsync_dir
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
 
@@ -101,8 +99,6 @@ def export_torch(
 
 
 def _selected(source: Any, rows: Sequence[str], strip: str) -> list[str]:
-    from ckptfmt.interop.export import select
-
     return [display(t.name) for t in select(source, rows, strip)]
 
 

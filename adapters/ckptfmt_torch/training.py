@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptfmt.errors import UsageError
-from ckptfmt.state import PerRank
+from ckptfmt.tree import PerRank
 
 _PY_WORDS = 625  # random.getstate()[1]: 624 Mersenne Twister words and the position
 

@@ -9,11 +9,21 @@
 
 from __future__ import annotations
 
-from ckptfmt.interop.export import ExportReport, export_safetensors, tensors_of
+from ckptfmt.interop import hf
+from ckptfmt.interop.export import (
+    CAST_TARGETS,
+    ExportReport,
+    export_safetensors,
+    select,
+    tensors_of,
+)
 from ckptfmt.interop.importer import ImportReport, import_named, import_safetensors
 from ckptfmt.interop.names import Rename
 
 __all__ = [
+    "CAST_TARGETS",
+    "hf",
+    "select",
     "ExportReport",
     "ImportReport",
     "Rename",

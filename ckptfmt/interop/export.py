@@ -30,17 +30,17 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt import __version__
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import DamagedError, DestinationExistsError, UnsupportedDtypeError, UsageError
 from ckptfmt.interop import hf
 from ckptfmt.interop.names import Rename, export_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import CODE_OF, header_bytes
 from ckptfmt.interop.source import Job, Source, open_source
+from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import TensorEntry
-from ckptfmt.repair import NodeDirs
 from ckptfmt.storage.files import fsync_dir
+from ckptfmt.version import __version__
 
 FLOATS = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
 CAST_TARGETS = ("bfloat16", "float16", "float32")

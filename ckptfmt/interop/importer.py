@@ -30,7 +30,9 @@ from ckptfmt.errors import ForeignFormatError, InvalidNameError
 from ckptfmt.interop import hf
 from ckptfmt.interop.names import Rename, import_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import Header, read_header
+from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.manifest.limits import display
+from ckptfmt.storage.nodes import parent_of
 
 
 @dataclass
@@ -125,7 +127,7 @@ def import_named(
     ``ranks`` > 1 (or ``nodes``): the checkpoint a job of that many ranks would have saved,
     every rank its share (``rows`` globs: tensors held in row blocks, FSDP-like; ``nodes[k]``
     rank k's node; ``out`` may be a ``{node}`` template of level-1 directories), written by
-    ``ckptfmt.rewrite.reshard`` from a one-process save in a staging directory beside ``out``."""
+    ``ckptfmt.maintenance.reshard.reshard`` from a one-process save in a staging directory beside ``out``."""
     started = time.perf_counter() if started is None else started
     rules = renames_of(renames)
     where = where if where is not None else {n: source for n, _ in items}
@@ -136,10 +138,7 @@ def import_named(
         save(state, out, step=step, overwrite=overwrite, fsync=fsync)
         destination = str(Path(out).absolute())
     else:
-        from ckptfmt.rewrite import reshard
-
-        parent = Path(os.fspath(out).split("{node}")[0]).absolute()
-        parent = parent if parent.is_dir() else parent.parent
+        parent = parent_of(out).absolute()
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".import-{os.urandom(8).hex()}"
         try:

@@ -4,7 +4,7 @@ every byte checked against its CRC32C as it is read (``storage.shard_io``, the r
 code), each region from the directory of the node whose rank wrote it.
 
 When level-1 copies are damaged or a node's directory is gone, the lost data is rebuilt from
-the redundancy by ``ckptfmt.repair.rebuild`` (what ``ckptfmt rebuild`` runs), but never into the
+the redundancy by ``ckptfmt.maintenance.repair.rebuild`` (what ``ckptfmt rebuild`` runs), but never into the
 source: the nodes with anything to repair are given to it as fresh directories under a scratch
 directory of the caller's (inside the export's staging directory), so it recreates them there
 whole, one redundancy set in memory at a time, and the source is left exactly as it was.
@@ -20,15 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ckptfmt.container.reader import geometry, read_manifest_bytes
 from ckptfmt.errors import CkptError, DamagedError
+from ckptfmt.format.shard_io import Geometry, read_region, region_reads
+from ckptfmt.maintenance.nodes import NodeDirs, node_dirs
+from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest, Region, TensorEntry
-from ckptfmt.reader import geometry, read_manifest_bytes
 from ckptfmt.redundancy.record import record_of
-from ckptfmt.repair import NodeDirs, node_dirs, rebuild
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.shard_io import Geometry, read_region, region_reads
+from ckptfmt.storage.nodes import is_spread
 
 Job = Callable[[], None]
 
@@ -50,7 +52,7 @@ class Source:
     @property
     def level1(self) -> bool:
         """Level-1 copies that a rebuild could repair: several directories, or a template."""
-        spread = isinstance(self.spec, Mapping) or "{node}" in os.fspath(self.spec)
+        spread = is_spread(self.spec)
         return spread and record_of(self.manifest) is not None
 
     def inside(self, rank: int) -> Inside:

@@ -14,10 +14,10 @@ import math
 import re
 from typing import Any
 
-from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.codecs.grid import cells, grid_shape, shard_key
+from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import DTYPES
 from ckptfmt.errors import CkptError, FormatVersionError, ManifestChecksumError, ManifestError
+from ckptfmt.manifest.grid import cells, grid_shape, shard_key
 from ckptfmt.manifest.limits import (
     CHECKSUM_SINCE,
     FORMAT_VERSION,

@@ -1,1 +1,23 @@
-"""The many-rank protocol: communicators, the ownership plan, parallel save/load, levels."""
+"""The collective protocol over a :class:`~ckptfmt.transport.Comm`: save, load, flush and rebuild
+of one checkpoint by every rank, each phase behind one error boundary, and the
+:class:`CheckpointManager` that runs them across the levels."""
+
+from __future__ import annotations
+
+from ckptfmt.parallel.levels import list_levels, resolve_node
+from ckptfmt.parallel.load import load_collective
+from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning, RestoreReport
+from ckptfmt.parallel.protocol import SaveFailedError, save_collective
+from ckptfmt.parallel.staging import SaveHandle
+
+__all__ = [
+    "CheckpointManager",
+    "CheckpointWarning",
+    "list_levels",
+    "load_collective",
+    "resolve_node",
+    "RestoreReport",
+    "save_collective",
+    "SaveFailedError",
+    "SaveHandle",
+]

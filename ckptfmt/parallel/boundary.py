@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.errors import CollectiveError, RankFailure, SaveFailedError
-from ckptfmt.parallel.comm import Comm
 from ckptfmt.storage import commit
+from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
 

@@ -16,19 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.codecs.grid import shard_cell
+from ckptfmt.container.metadata import write_metadata
+from ckptfmt.container.reader import geometry, read_manifest
 from ckptfmt.errors import CkptError, NotACheckpointError, SaveFailedError, UsageError
+from ckptfmt.format.shard_io import decode_shard, read_file
 from ckptfmt.manifest.codec import dump_manifest
+from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.comm import Comm
-from ckptfmt.parallel.protocol import FaultHook, publish_commit, write_metadata
-from ckptfmt.reader import geometry, read_manifest
+from ckptfmt.parallel.protocol import FaultHook, publish_commit
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, write_gather
-from ckptfmt.storage.shard_io import decode_shard, read_file
+from ckptfmt.storage.nodes import expand
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
+from ckptfmt.transport.comm import Comm
 
 LEVELS_FILE = "ckptfmt-levels.json"
 NODE_ENV = "CKPTFMT_NODE"
@@ -54,7 +56,7 @@ class Levels:
     def local_root(self, node: str) -> Path | None:
         if self.local_dir is None:
             return None
-        return Path(self.local_dir.replace("{node}", node)).absolute()
+        return expand(self.local_dir, node).absolute()
 
     def record(self, nodes: list[str]) -> None:
         """Write ``ckptfmt-levels.json`` at the shared root (rank 0, once per job start)."""

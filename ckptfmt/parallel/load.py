@@ -10,7 +10,7 @@ job may have another size than the one that saved (``spec/reshard.md``):
    ranks exchange that, their wanted boxes and their options (one all-gather). A rank whose
    directory holds no checkpoint at all (a node new to the job) gets the manifest from the first
    rank that has one and all its data over the Comm.
-2. Every rank computes the same plan (``ckptfmt.reshard``): for each tensor the inner chunks each
+2. Every rank computes the same plan (``ckptfmt.plan``): for each tensor the inner chunks each
    rank needs, and who reads them (``reshard.route``): a rank reads its own chunks where its
    directory holds the file, and one rank that holds it reads and sends them where it does not
    (with ``replicas="bcast"``, a file every rank needs whole is read by one rank and
@@ -40,11 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.grid import flat_range, is_contiguous_box
+from ckptfmt.container.reader import check_documents, geometry, read_manifest_bytes
 from ckptfmt.errors import DamagedError, NotACheckpointError, RankFailure, UsageError
 from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
 from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
+from ckptfmt.format.chunk_reads import read_chunks
+from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.manifest.grid import flat_range, is_contiguous_box
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import (
     GroupEntry,
@@ -54,16 +57,13 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.comm import Comm
-from ckptfmt.reader import check_documents, geometry, read_manifest_bytes
-from ckptfmt.reshard import per_rank as rules
-from ckptfmt.reshard.per_rank import PerRankWarning, RankMap
-from ckptfmt.reshard.plan import Box, FileRead, Layout, check_box
-from ckptfmt.reshard.route import Delivery, FileTask, TensorRoute, route
-from ckptfmt.state import unflatten
-from ckptfmt.storage.chunk_reads import read_chunks
+from ckptfmt.plan import per_rank as rules
+from ckptfmt.plan.per_rank import PerRankWarning, RankMap
+from ckptfmt.plan.reads import Box, FileRead, Layout, check_box
+from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.shard_io import Geometry
+from ckptfmt.transport.comm import Comm
+from ckptfmt.tree.state import unflatten
 
 _TAGS = 32000  # MPI guarantees tags up to 32767; the ones above are reserved (MpiComm)
 

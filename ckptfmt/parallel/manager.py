@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from ckptfmt.engine.encode import member_sets
 from ckptfmt.errors import (
     CkptError,
     CollectiveError,
@@ -44,11 +44,9 @@ from ckptfmt.errors import (
     UnrecoverableDamageError,
     UsageError,
 )
+from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.apply import ApplyReport, apply_loaded
-from ckptfmt.parallel.comm import Comm, SingleComm, start_background
-from ckptfmt.parallel.encode import member_sets
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
 from ckptfmt.parallel.levels import (
     Levels,
@@ -63,11 +61,13 @@ from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.parallel.sigterm import SigtermWatch
 from ckptfmt.parallel.staging import BufferPool, SaveHandle, copy_mode, default_pool
 from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
+from ckptfmt.plan.per_rank import RankMap
 from ckptfmt.redundancy.config import Policy, Redundancy
-from ckptfmt.reshard.per_rank import RankMap
-from ckptfmt.state import Shard, flatten, is_tensor, unflatten
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
+from ckptfmt.transport.comm import Comm, SingleComm, start_background
+from ckptfmt.tree.apply import ApplyReport, apply_loaded
+from ckptfmt.tree.state import Shard, flatten, is_tensor, unflatten
 
 log = logging.getLogger("ckptfmt")
 

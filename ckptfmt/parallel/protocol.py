@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime as _dt
 import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,12 +33,22 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ckptfmt.codecs.zarr_meta import array_doc, group_doc
+from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import DType, by_name, of_array
+from ckptfmt.engine.encode import (
+    SetLayout,
+    data_buffer,
+    encode_collective,
+    make_record,
+    member_sets,
+    plan_set,
+    reserve_buffers,
+)
 from ckptfmt.errors import LimitExceededError, StorageFullError, UsageError
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
+from ckptfmt.format.shard_io import Geometry, plan_region, region_file_nbytes, run_jobs
 from ckptfmt.manifest.codec import dump_manifest
+from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, display
 from ckptfmt.manifest.model import (
     Entry,
@@ -54,22 +63,11 @@ from ckptfmt.manifest.model import (
 )
 from ckptfmt.manifest.values import decode_value, encode_value
 from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.comm import Comm
-from ckptfmt.parallel.encode import (
-    SetLayout,
-    data_buffer,
-    encode_collective,
-    make_record,
-    member_sets,
-    plan_set,
-    reserve_buffers,
-)
-from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
+from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.state import PerRank, Shard, flatten, is_tensor
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import write_json
-from ckptfmt.storage.shard_io import Geometry, plan_region, region_file_nbytes, run_jobs
+from ckptfmt.transport.comm import Comm
+from ckptfmt.tree.state import PerRank, Shard, flatten, is_tensor
 
 Name = tuple[str, ...]
 FaultHook = Callable[[str], None]
@@ -169,18 +167,6 @@ def _region_data(
         else arr
     )
     return view if view.flags.c_contiguous else np.ascontiguousarray(view)
-
-
-def utc_now() -> str:
-    """RFC 3339 UTC time to the second, as the manifest's ``created``."""
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def writer_info() -> dict[str, Any]:
-    """The manifest's ``writer``: which software wrote the checkpoint."""
-    from ckptfmt import __version__
-
-    return {"library": "ckptfmt", "version": __version__}
 
 
 def groups_of(keys: list[str]) -> list[int]:
@@ -553,17 +539,3 @@ def _build_manifest(
         levels=levels,
         writer=writer,
     )
-
-
-def write_metadata(root: Path, manifest: Manifest, fsync: bool) -> None:
-    """The zarr group and array documents of the whole hierarchy."""
-    names = [e.name for e in manifest.entries]
-    groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always
-    groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
-    for g in sorted(groups, key=len):
-        (root / "/".join(g)).mkdir(parents=True, exist_ok=True)
-        write_json(root / "/".join(g) / "zarr.json", group_doc(), fsync)
-    for t in manifest.tensors():
-        (root / t.path).mkdir(parents=True, exist_ok=True)
-        doc = array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
-        write_json(root / t.path / "zarr.json", doc, fsync)

@@ -3,7 +3,7 @@
 
 ``rebuild_collective`` (every rank calls it, with its own node's level-1 root):
 
-0. ``ckptfmt.copies.repair_collective``: a node's damaged copy of the manifest or of a
+0. ``ckptfmt.engine.copies.repair_collective``: a node's damaged copy of the manifest or of a
    ``zarr.json`` is written anew from the good copy (checksum holds) most nodes hold;
 
 1. each rank reads the step's manifest from its node, if committed; ``allgather`` of the save ids;
@@ -29,24 +29,28 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ckptfmt.copies import repair_collective
-from ckptfmt.errors import CkptError, DamagedError, UnrecoverableDamageError
+from ckptfmt.container.reader import read_manifest_bytes
+from ckptfmt.engine.copies import repair_collective
+from ckptfmt.engine.rebuild import (
+    MemberStatus,
+    clear_lost,
+    member_buffers,
+    plan_all,
+    prepare_recreated,
+    read_status,
+    write_rebuilt,
+)
+from ckptfmt.errors import CkptError, UnrecoverableDamageError
 from ckptfmt.manifest.codec import parse_manifest
-from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.comm import Comm
-from ckptfmt.parallel.protocol import groups_of, publish_commit, write_metadata
-from ckptfmt.reader import read_manifest_bytes
-from ckptfmt.redundancy.engine import MemberBuffers, run_ops, scratch
-from ckptfmt.redundancy.record import RedundancyRecord, record_of
-from ckptfmt.redundancy.schemes import UnrecoverableError
-from ckptfmt.redundancy.stripes import Op, plan_rebuild
+from ckptfmt.parallel.protocol import groups_of, publish_commit
+from ckptfmt.redundancy.engine import run_ops
+from ckptfmt.redundancy.record import record_of
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.members import assess_member, buffer_sizes, write_member, write_parity
+from ckptfmt.transport.comm import Comm
 
 
 @dataclass
@@ -80,53 +84,6 @@ class RebuildReport:
         )
         notes = "".join(f"; {n}" for n in self.notes)
         return f"rebuilt {' and '.join(parts)}{nodes} in {self.seconds:.2f} s{notes}"
-
-
-def lost_tensors(manifest: Manifest, ranks: set[int]) -> list[str]:
-    """Tensors with data written by any of ``ranks``."""
-    return sorted(
-        {display(t.name) for t in manifest.tensors() for r in t.regions if r.rank in ranks}
-    )
-
-
-def plan_all(
-    record: RedundancyRecord, status: list[dict[str, Any]], where: str, manifest: Manifest
-) -> list[tuple[int, list[Op]]]:
-    """The ops of every set (by set index) from every rank's status; raises
-    :class:`UnrecoverableDamageError` when a set cannot be rebuilt."""
-    plans = []
-    unrecoverable: list[str] = []
-    lost_ranks: set[int] = set()
-    for i, s in enumerate(record.sets):
-        data_lost = [j for j, r in enumerate(s.members) if not status[r]["data_ok"]]
-        parity_lost = [
-            (j, p)
-            for j, r in enumerate(s.members)
-            for p, ok in enumerate(status[r]["parity_ok"])
-            if not ok
-        ]
-        if not data_lost and not parity_lost:
-            continue
-        try:
-            plans.append((i, plan_rebuild(record.scheme, s.n, record.m, data_lost, parity_lost)))
-        except UnrecoverableError as exc:
-            ranks = [s.members[j] for j in data_lost]
-            lost_ranks.update(ranks)
-            parity_ranks = sorted({s.members[j] for j, _ in parity_lost})
-            unrecoverable.append(
-                f"set {i} (ranks {list(s.members)}): data of ranks {ranks} and parity of ranks "
-                f"{parity_ranks} lost, {record.scheme} tolerates {exc.tolerates} per stripe"
-            )
-    if unrecoverable:
-        nodes = sorted({manifest.ranks[r].node for r in lost_ranks})
-        raise UnrecoverableDamageError(
-            where,
-            "beyond what its redundancy rebuilds: " + "; ".join(unrecoverable),
-            sorted(lost_ranks),
-            nodes,
-            lost_tensors(manifest, lost_ranks),
-        )
-    return plans
 
 
 def _no_hook(_point: str) -> None:
@@ -174,25 +131,15 @@ def rebuild_collective(
         )
     intact_dir = save_id == manifest.save_id
     b = Boundary(comm, "rebuild", manifest.step, seq=seq)
-    damage: list[DamagedError] = []
-    parity_ok: list[bool] = []
+    mine = MemberStatus(False, [])
     with b.guard("rebuild-assess"):
-        n_data, n_parity = buffer_sizes(record, comm.rank)
-        bufs = MemberBuffers(scratch(n_data, "data"), scratch(n_parity, "parity"))
-        damage, parity_ok = assess_member(
-            Inside(path) if intact_dir else None,
-            manifest,
-            record,
-            comm.rank,
-            bufs.data,
-            bufs.parity,
-        )
-    status = b.vote(
-        "rebuild-assess", {"data_ok": not damage, "parity_ok": parity_ok, "intact_dir": intact_dir}
-    )
+        bufs = member_buffers(record, comm.rank, reuse=True)
+        mine = read_status(Inside(path) if intact_dir else None, manifest, record, comm.rank, bufs)
+    votes = b.vote("rebuild-assess", {**mine.to_json(), "intact_dir": intact_dir})
+    status = [MemberStatus.from_json(v) for v in votes]
     report = RebuildReport(
-        lost_data=[r for r, s in enumerate(status) if not s["data_ok"]],
-        lost_parity=[r for r, s in enumerate(status) if not all(s["parity_ok"])],
+        lost_data=[r for r, s in enumerate(status) if not s.data_ok],
+        lost_parity=[r for r, s in enumerate(status) if not all(s.parity_ok)],
         metadata=rewritten,
         notes=notes,
     )
@@ -202,36 +149,24 @@ def rebuild_collective(
     leaders = groups_of([i["group"] for i in info])
     recreate = not intact_dir
     report.recreated_nodes = sorted(
-        {manifest.ranks[r].node for r, s in enumerate(status) if not s["intact_dir"]}
+        {manifest.ranks[r].node for r, v in enumerate(votes) if not v["intact_dir"]}
     )
     is_leader = leaders[comm.rank] == comm.rank
     staging = commit.staging_dir(path, manifest.save_id)
     with b.guard("rebuild-stage"):
         if recreate and is_leader:
-            if path.exists() and not commit.is_committed(path):
-                commit.remove(path)  # a torn directory of this step: nothing in it is vouched for
-            commit.prepare(path, manifest.save_id, overwrite=True)
-            write_metadata(staging, manifest, fsync)
+            prepare_recreated(path, manifest, fsync)
     cleanup = staging if recreate and is_leader else None
     b.vote("rebuild-stage", cleanup=cleanup)
+    clear_lost(bufs, mine.data_ok, mine.parity_ok)
     rset, j = record.set_of(comm.rank)
-    if not status[comm.rank]["data_ok"]:
-        bufs.data[:] = 0
-    step = len(bufs.parity) // max(len(parity_ok), 1)
-    for p, ok in enumerate(parity_ok):
-        if not ok:
-            bufs.parity[p * step : (p + 1) * step] = 0
     for i, ops in plans:
         s = record.sets[i]
         local = {j: bufs} if i == record.sets.index(rset) else {}
         report.received_bytes += run_ops(ops, s.members, s.sizes, s.chunk, local, comm)
     with b.guard("rebuild-write"):
         target = staging if recreate else path
-        if not status[comm.rank]["data_ok"]:
-            only = None if recreate else [e.file for e in damage if isinstance(e, DamagedError)]
-            write_member(target, manifest, comm.rank, bufs.data, only, fsync)
-        if not all(parity_ok):
-            write_parity(target, rset.parity[j], bufs.parity, fsync)
+        write_rebuilt(target, manifest, record, comm.rank, bufs, mine, recreate, fsync)
         if recreate and is_leader:
             commit.stage_manifest(staging, text.encode("utf-8"), fsync)
     b.vote("rebuild-write", cleanup=cleanup)

@@ -1,7 +1,7 @@
 """Running the ops of :mod:`ckptfmt.redundancy.stripes` over member buffers in memory.
 
 Members whose buffers are local are computed on directly; an op between a local and a remote
-member becomes a message over ``transport`` (a :class:`ckptfmt.parallel.comm.Comm`). Every rank
+member becomes a message over ``transport`` (a :class:`ckptfmt.transport.comm.Comm`). Every rank
 runs the same op list in the same order. Sends are started and left to finish (``start_send``)
 while the rank goes on; only receives block, and a rank posts the send of an op after running
 only earlier ops, so by induction over the list every receive is met and nothing deadlocks.

@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import CkptError, NotRegularFileError, StorageFullError
+from ckptfmt.errors import (
+    CkptError,
+    MissingFileError,
+    NotRegularFileError,
+    SizeMismatchError,
+    StorageFullError,
+)
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -270,8 +276,6 @@ class Inside:
     def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> int:
         """An O_RDONLY descriptor of ``rel``, which must be a regular file of ``size`` bytes:
         :class:`MissingFileError` / :class:`SizeMismatchError` otherwise (nothing left open)."""
-        from ckptfmt.errors import MissingFileError, SizeMismatchError
-
         try:
             fd = self.open_fd(rel)
         except NotRegularFileError as exc:
@@ -286,8 +290,6 @@ class Inside:
 
     def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
         """Raise a DamagedError unless ``rel`` is a regular file of ``size`` bytes."""
-        from ckptfmt.errors import MissingFileError, SizeMismatchError
-
         rel_dir = rel.rsplit("/", 1)[0] if "/" in rel else ""
         try:
             st = os.lstat(self.root / rel) if self._dir_ok(rel_dir) else None

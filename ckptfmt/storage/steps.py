@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ckptfmt.errors import UsageError
+
 STEP_NAME = re.compile(r"^step-(\d{10,})$")
 
 
@@ -21,8 +23,6 @@ _LOOSE_STEP = re.compile(r"^(?:step-)?(\d+)$")
 def parse_step(step: int | str) -> int:
     """A step given as a number or as a step directory name: ``100``, ``"100"``,
     ``"step-100"`` and ``"step-0000000100"`` are all step 100."""
-    from ckptfmt.errors import UsageError
-
     if isinstance(step, bool):
         raise UsageError(f"not a step: {step!r}")
     if isinstance(step, int):

@@ -15,7 +15,7 @@ import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from ckptfmt.errors import UsageError
-from ckptfmt.interop.export import CAST_TARGETS, ExportReport, export_safetensors
+from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.summary import human_bytes

@@ -12,13 +12,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptfmt.container import read_manifest
 from ckptfmt.errors import CkptError, UnrecoverableDamageError
-from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import Manifest
-from ckptfmt.reader import read_manifest
-from ckptfmt.redundancy.record import member_files
-from ckptfmt.repair import NodeDirs, node_dirs, rebuild
-from ckptfmt.verify import VerifyReport
+from ckptfmt.maintenance import NodeDirs, VerifyReport, node_dirs, rebuild, verify
+from ckptfmt.manifest import Manifest, display
+from ckptfmt.redundancy import member_files
 
 LEVELS_FILE = "ckptfmt-levels.json"  # what CheckpointManager records under its shared root
 
@@ -106,8 +104,6 @@ def lost_for_real(spec: NodeDirs, exc: UnrecoverableDamageError) -> list[str]:
         manifest, _, dirs = node_dirs(spec)
     except CkptError:
         return list(exc.tensors)
-    from ckptfmt.verify import verify  # the checks verify makes, file by file
-
     try:
         report = verify(spec)
     except CkptError:

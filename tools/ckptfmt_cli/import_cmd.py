@@ -15,8 +15,7 @@ from typing import Any
 import click
 
 from ckptfmt.errors import ForeignFormatError, UsageError
-from ckptfmt.interop import hf
-from ckptfmt.interop.importer import ImportReport, import_safetensors
+from ckptfmt.interop import ImportReport, hf, import_safetensors
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.reshard_cmd import node_names
 from ckptfmt_cli.summary import human_bytes

@@ -26,8 +26,8 @@ from rich.progress import (
 
 import ckptfmt
 from ckptfmt import VerifyReport
-from ckptfmt.repair import NodeDirs, node_dirs
-from ckptfmt.storage.paths import refuse_url
+from ckptfmt.maintenance import NodeDirs, node_dirs
+from ckptfmt.storage import refuse_url
 from ckptfmt_cli import hints, render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
 from ckptfmt_cli.export_cmd import export_command

@@ -1,6 +1,6 @@
 """``ckptfmt rebuild``: repair a level-1 checkpoint offline from its redundancy.
 
-Only :func:`ckptfmt.repair.rebuild` does the work (reading every member's data and parity,
+Only :func:`ckptfmt.maintenance.repair.rebuild` does the work (reading every member's data and parity,
 planning, rebuilding set by set, writing atomically); this module turns the command line into its
 argument and its report (or :class:`UnrecoverableDamageError`) into text, JSON and an exit status.
 """
@@ -14,9 +14,9 @@ from typing import Any
 import click
 
 from ckptfmt.errors import UnrecoverableDamageError
-from ckptfmt.manifest.codec import MANIFEST_NAME
-from ckptfmt.repair import NodeDirs, RepairReport, rebuild
-from ckptfmt.storage.paths import refuse_url
+from ckptfmt.maintenance import NodeDirs, RepairReport, rebuild
+from ckptfmt.manifest import MANIFEST_NAME
+from ckptfmt.storage import refuse_url
 from ckptfmt_cli.exits import ExitStatus, help_epilog, one_line
 from ckptfmt_cli.hints import lost_for_real
 from ckptfmt_cli.summary import human_bytes

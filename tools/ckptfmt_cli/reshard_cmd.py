@@ -1,6 +1,6 @@
 """``ckptfmt reshard``: rewrite a checkpoint for another number of ranks, offline, one process.
 
-Only :func:`ckptfmt.rewrite.reshard` does the work (the new ownership plan, reading the chunks
+Only :func:`ckptfmt.maintenance.reshard.reshard` does the work (the new ownership plan, reading the chunks
 each new shard needs, writing and committing, re-encoding redundancy); this module turns the
 command line into its arguments and its report into text or JSON.
 """
@@ -14,10 +14,10 @@ from collections.abc import Callable
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from ckptfmt.redundancy.config import DEFAULT_SET_SIZE, Redundancy
-from ckptfmt.repair import node_dirs
-from ckptfmt.reshard.per_rank import PerRankWarning, RankMap
-from ckptfmt.rewrite import ReshardReport, reshard
+from ckptfmt.dtypes import by_name
+from ckptfmt.maintenance import ReshardReport, node_dirs, reshard
+from ckptfmt.plan import PerRankWarning, RankMap
+from ckptfmt.redundancy import DEFAULT_SET_SIZE, Redundancy
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import cli_wording, one_line
 from ckptfmt_cli.summary import human_bytes
@@ -214,8 +214,6 @@ def reshard_command(
 
 
 def _itemsize(dtype: str) -> int:
-    from ckptfmt.dtypes import by_name
-
     return by_name(dtype).itemsize
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptfmt import Checkpoint
-from ckptfmt.manifest.model import (
+from ckptfmt.manifest import (
     GroupEntry,
     Manifest,
     PerRankValueEntry,
@@ -18,7 +18,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.redundancy.record import record_of
+from ckptfmt.redundancy import record_of
 
 REPR_CHARS = 60
 

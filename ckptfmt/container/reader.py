@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.grid import cells
-from ckptfmt.codecs.zarr_meta import DocChecker
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     AllocationLimitError,
@@ -30,7 +28,16 @@ from ckptfmt.errors import (
     NotRegularFileError,
     UsageError,
 )
+from ckptfmt.format.shard_io import (
+    Geometry,
+    decode_shard,
+    read_file,
+    read_region,
+    region_reads,
+)
+from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.manifest.grid import cells
 from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
 from ckptfmt.manifest.model import (
     GroupEntry,
@@ -42,13 +49,6 @@ from ckptfmt.manifest.model import (
 )
 from ckptfmt.storage.files import Inside, physical_memory
 from ckptfmt.storage.paths import refuse_url
-from ckptfmt.storage.shard_io import (
-    Geometry,
-    decode_shard,
-    read_file,
-    read_region,
-    region_reads,
-)
 from ckptfmt.storage.steps import list_step_dirs
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ckptfmt.dtypes import DType, by_name
 from ckptfmt.errors import MetadataMismatchError
+from ckptfmt.manifest.limits import CHECKSUM_SINCE
 from ckptfmt.manifest.model import GroupEntry, Manifest
 
 _CRC = {"name": "crc32c"}
@@ -174,8 +175,6 @@ class DocChecker:
     what the manifest implies, by the rules of its format version; built once per manifest."""
 
     def __init__(self, manifest: Manifest) -> None:
-        from ckptfmt.manifest.limits import CHECKSUM_SINCE
-
         self.strict = manifest.format_version >= CHECKSUM_SINCE
         self.docs = documents(manifest)
         self.tensors = {f"{t.path}/zarr.json": t for t in manifest.tensors()}

@@ -20,12 +20,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.codecs.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
+from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumError, CorruptShardError, SizeMismatchError
+from ckptfmt.format.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
+from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.model import FileRef
 from ckptfmt.storage.files import Inside, read_scatter
-from ckptfmt.storage.shard_io import Geometry
 
 _CRC = struct.Struct("<I")
 _BATCH = 2 << 20  # bytes per coalesced read

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ckptfmt.errors import CollectiveTimeoutError, UsageError
-from ckptfmt.parallel.comm import Comm, Pending
+from ckptfmt.transport.comm import Comm, Pending
 
 SPIN_S = 1e-4  # busy testing before the first sleep: a peer already there costs no sleep
 FIRST_SLEEP_S = 50e-6

@@ -24,15 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfmt.codecs.grid import (
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import UsageError
+from ckptfmt.manifest.grid import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_SHARD_BYTES,
     cells,
     choose_grid,
     grid_shape,
 )
-from ckptfmt.dtypes import by_name
-from ckptfmt.errors import UsageError
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, MAX_CHUNKS_PER_SHARD
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)

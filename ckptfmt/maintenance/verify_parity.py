@@ -32,8 +32,19 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.crc32c import crc32c
+from ckptfmt.checksum import crc32c
+from ckptfmt.engine.copies import ABSENT, GOOD
+from ckptfmt.engine.rebuild import lost_tensors
 from ckptfmt.errors import DamagedError
+from ckptfmt.maintenance.checks import (
+    Problem,
+    VerifyReport,
+    check_data,
+    check_metadata,
+    check_schema,
+)
+from ckptfmt.maintenance.checks import unexpected_files as unexpected_in
+from ckptfmt.maintenance.nodes import node_copies
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops
@@ -46,8 +57,6 @@ from ckptfmt.redundancy.record import (
 )
 from ckptfmt.redundancy.stripes import encode_plan
 from ckptfmt.storage.files import Inside, read_scatter
-from ckptfmt.verify import Problem, VerifyReport, check_data, check_metadata, check_schema
-from ckptfmt.verify import unexpected_files as unexpected_in
 
 NOT_PRESENT = "not present on this level"
 CHECKED = "checked"
@@ -74,9 +83,6 @@ def verify_nodes(
     """Verify a level-1 checkpoint given as a ``{node}`` template or a mapping node ->
     directory (module docstring). Raises :class:`NotACheckpointError` when no node holds a
     committed copy, :class:`ManifestError` when the manifest (or its record) is invalid."""
-    from ckptfmt.copies import ABSENT, GOOD
-    from ckptfmt.parallel.rebuild import lost_tensors
-    from ckptfmt.repair import node_copies
 
     choice, dirs, copies = node_copies(spec)
     manifest, data = choice.manifest, choice.data

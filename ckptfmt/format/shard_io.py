@@ -23,16 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.codecs.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
-from ckptfmt.codecs.shard import (
-    CRC_BYTES,
-    EMPTY,
-    FileCrc,
-    decode_index,
-    encode_index,
-    index_nbytes,
-)
+from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     AllocationLimitError,
@@ -43,6 +34,15 @@ from ckptfmt.errors import (
     NotRegularFileError,
     SizeMismatchError,
 )
+from ckptfmt.format.shard import (
+    CRC_BYTES,
+    EMPTY,
+    FileCrc,
+    decode_index,
+    encode_index,
+    index_nbytes,
+)
+from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
 from ckptfmt.manifest.model import FileRef
 from ckptfmt.storage.files import Inside, make_dirs, physical_memory, read_scatter, write_gather
 

@@ -20,20 +20,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.codecs.zarr_meta import DocChecker, doc_bytes, documents
+from ckptfmt.checksum import crc32c
+from ckptfmt.container.members import replace_file
+from ckptfmt.container.reader import DOC_MAX_BYTES, read_manifest_bytes
 from ckptfmt.errors import CkptError, DamagedError, NotACheckpointError, UnrecoverableDamageError
+from ckptfmt.format.zarr_meta import DocChecker, doc_bytes, documents
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.reader import DOC_MAX_BYTES, read_manifest_bytes
+from ckptfmt.redundancy.record import record_of
 from ckptfmt.storage.files import Inside
-
-if TYPE_CHECKING:
-    from ckptfmt.parallel.comm import Comm
+from ckptfmt.transport.comm import Comm
 
 GOOD, DAMAGED, INVALID, ABSENT = "good", "damaged", "invalid", "absent"
 
@@ -57,8 +57,6 @@ class Copy:
 
 def read_copy(directory: Path) -> Copy:
     """The manifest copy of ``directory`` and what state it is in (never raises CkptError)."""
-    from ckptfmt.redundancy.record import record_of
-
     try:
         data = read_manifest_bytes(directory)
     except NotACheckpointError as exc:
@@ -154,8 +152,6 @@ def damaged_docs(directory: Path, manifest: Manifest) -> list[str]:
 def rewrite_file(path: Path, data: bytes, fsync: bool) -> None:
     """Replace whatever is at ``path`` (a damaged file, a FIFO, a link) by ``data``,
     atomically."""
-    from ckptfmt.storage.members import replace_file
-
     if path.is_dir() and not path.is_symlink():
         raise UnrecoverableDamageError(str(path), "a directory where a metadata document belongs")
     replace_file(path, np.frombuffer(data, np.uint8), fsync)

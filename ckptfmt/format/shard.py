@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ckptfmt.codecs.crc32c import combine, crc32c
+from ckptfmt.checksum import combine, crc32c
 from ckptfmt.errors import ChecksumError, CorruptShardError
 
 CRC_BYTES = 4

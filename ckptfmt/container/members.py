@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptfmt.codecs.crc32c import crc32c
-from ckptfmt.codecs.grid import shard_cell
+from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumError, DamagedError, MissingFileError, SizeMismatchError
+from ckptfmt.format.shard_io import Geometry, decode_shard
+from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.record import ParityFile, RedundancyRecord, member_files
 from ckptfmt.storage.files import Inside, fsync_dir, read_scatter, write_gather
-from ckptfmt.storage.shard_io import Geometry, decode_shard
 
 
 def read_exact(src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]) -> None:

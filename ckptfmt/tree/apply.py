@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import StateMismatchError
-from ckptfmt.state import PerRank, Shard, flatten
+from ckptfmt.tree.state import PerRank, Shard, flatten
 
 
 @dataclass

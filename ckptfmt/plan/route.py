@@ -29,7 +29,7 @@ import functools
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
-from ckptfmt.reshard.plan import Box, FileRead, Layout, Piece, plan_reads
+from ckptfmt.plan.reads import Box, FileRead, Layout, Piece, plan_reads
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ Each new shard file is made from the inner chunks of the source that its box nee
 full, over one or several new files, has its data CRC checked once its last chunk is in. Files
 are written into staging directories and committed by rename, manifest last (``spec/FORMAT.md``
 §13). With ``redundancy`` the parity of the new sets is encoded before the commit
-(``repair.encode_offline``). The destination is one directory, or with ``{node}`` one level-1
+(``ckptfmt.engine.encode.encode_offline``). The destination is one directory, or with ``{node}`` one level-1
 directory per new node (each holding the metadata and its own ranks' files).
 """
 
@@ -32,11 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.crc32c import combine
-from ckptfmt.codecs.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, cells, grid_shape
+from ckptfmt.checksum import combine
+from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import by_name
+from ckptfmt.engine.encode import encode_offline
 from ckptfmt.errors import ChecksumError, StorageFullError, UsageError
+from ckptfmt.format.chunk_reads import read_chunks
+from ckptfmt.format.shard_io import Geometry, plan_region
+from ckptfmt.maintenance.nodes import node_dirs
 from ckptfmt.manifest.codec import dump_manifest
+from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, cells, grid_shape
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
 from ckptfmt.manifest.model import (
     Entry,
@@ -47,17 +52,14 @@ from ckptfmt.manifest.model import (
     Region,
     TensorEntry,
 )
-from ckptfmt.parallel.plan import Holding, SavePlan, TensorPlan, make_plan
-from ckptfmt.parallel.protocol import utc_now, write_metadata, writer_info
+from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
+from ckptfmt.plan.per_rank import RankMap, resolve
+from ckptfmt.plan.reads import Box, Layout, plan_reads
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.repair import encode_offline, node_dirs
-from ckptfmt.reshard.per_rank import RankMap, resolve
-from ckptfmt.reshard.plan import Box, Layout, plan_reads
 from ckptfmt.storage import commit
-from ckptfmt.storage.chunk_reads import read_chunks
 from ckptfmt.storage.files import Inside, storage_full
+from ckptfmt.storage.nodes import expand, is_template
 from ckptfmt.storage.paths import check_destination, refuse_url
-from ckptfmt.storage.shard_io import Geometry, plan_region
 
 Name = tuple[str, ...]
 
@@ -279,8 +281,8 @@ def reshard(
         _declarations(kept, ranks, set(by_rows)), chunk_bytes=chunk_bytes, shard_bytes=shard_bytes
     )
     save_id = os.urandom(16).hex()
-    if "{node}" in os.fspath(dst):
-        finals = {n: Path(os.fspath(dst).replace("{node}", n)).absolute() for n in node_list}
+    if is_template(dst):
+        finals = {n: expand(dst, n).absolute() for n in node_list}
     else:
         one = Path(dst).absolute()
         finals = {n: one for n in node_list}
@@ -298,7 +300,7 @@ def reshard(
             manifest, plan, res.sources, sources, dir_of, threads, fsync, progress
         )
         out = _manifest(manifest, kept, plan, refs, res.sources, node_list, save_id, ranks)
-        if "{node}" in os.fspath(dst):
+        if is_template(dst):
             out = replace(out, levels={"1": {}})
         if redundancy is not None:
             out = encode_offline(out, dir_of, redundancy, fsync)
@@ -311,7 +313,7 @@ def reshard(
         if isinstance(exc, OSError) and not isinstance(exc, StorageFullError):
             exc = storage_full(exc, Path(os.fspath(dst))) or exc  # e.g. no inode for a mkdir
         if isinstance(exc, StorageFullError):  # say where, how much, and that it was a write
-            level = "level 1, every node's directory" if "{node}" in os.fspath(dst) else None
+            level = "level 1, every node's directory" if is_template(dst) else None
             needed = sum(t.size * by_name(t.dtype).itemsize for t in manifest.tensors())
             raise exc.with_context(
                 level=level or "the reshard's destination",

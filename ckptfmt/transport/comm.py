@@ -9,7 +9,7 @@ it, in the same order. Metadata is exchanged as JSON bytes, never pickled (mpi4p
 methods would pickle). Buffers are contiguous byte buffers (numpy ``uint8`` arrays or views of
 them: bfloat16 data travels as its bytes).
 
-Implementations: :class:`SingleComm` (one process, here), ``MpiComm`` (``ckptfmt.parallel.mpi``,
+Implementations: :class:`SingleComm` (one process, here), ``MpiComm`` (``ckptfmt.transport.mpi``,
 the only module that imports mpi4py), and the torch.distributed transport in the PyTorch adapter.
 """
 

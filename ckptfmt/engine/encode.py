@@ -1,7 +1,7 @@
 """Encoding a level-1 save's redundancy during the collective save (``spec/redundancy.md``).
 
 Every rank knows, from the save plan alone, how large every rank's member data will be
-(:func:`ckptfmt.storage.shard_io.shard_file_nbytes`: ckptfmt's shard files have no compression,
+(:func:`ckptfmt.format.shard_io.shard_file_nbytes`: ckptfmt's shard files have no compression,
 so their layout is fixed by the geometry). So before writing, each rank knows its set, the set's
 chunk size and where each of its files lies in its member data (:class:`SetLayout`); its writer
 threads leave each file's bytes there as they write it, and the encoding starts as soon as the
@@ -18,18 +18,21 @@ partner: one round, ``d = 1``, of whole member data.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ckptfmt.codecs.crc32c import crc32c
+from ckptfmt.checksum import crc32c
+from ckptfmt.container.members import read_member
 from ckptfmt.errors import UsageError
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.comm import Comm, Pending
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.redundancy.engine import mul_xor_into, scratch
+from ckptfmt.redundancy.engine import MemberBuffers, mul_xor_into, run_ops, scratch
 from ckptfmt.redundancy.record import (
     ParityFile,
     RedundancyRecord,
@@ -38,8 +41,9 @@ from ckptfmt.redundancy.record import (
     parity_path,
 )
 from ckptfmt.redundancy.sets import make_sets
-from ckptfmt.redundancy.stripes import generator
-from ckptfmt.storage.files import write_gather
+from ckptfmt.redundancy.stripes import encode_plan, generator
+from ckptfmt.storage.files import Inside, write_gather
+from ckptfmt.transport.comm import Comm, Pending
 
 ENCODE_TAG = 0x45
 
@@ -71,6 +75,14 @@ class SetLayout:
     sizes: tuple[int, ...]  # member data bytes, by position
     chunk: int
     parity_bytes: int
+
+    @property
+    def parity_size(self) -> int:
+        """This rank's parity file: m chunks (xor/rs), or a copy of the previous member's data
+        (partner)."""
+        if self.red.scheme == "partner":
+            return self.sizes[(self.position - 1) % len(self.members)]
+        return self.parity_bytes
 
     @property
     def data_bytes(self) -> int:
@@ -211,3 +223,42 @@ def encode_collective(
     if failed:
         return None
     return write_parity(staging, comm.rank, layout, parity, fsync)
+
+
+def encode_offline(
+    manifest: Manifest,
+    dir_of: Mapping[int, str | os.PathLike[str]],
+    red: Redundancy,
+    fsync: bool = True,
+) -> Manifest:
+    """Encode redundancy for a checkpoint whose data files are already written, in one process
+    (no transport): ``dir_of[rank]`` is the (staging) directory holding rank ``rank``'s files;
+    each rank's parity file is written there, as the collective save writes it. Returns
+    ``manifest`` with the record in ``levels["1"]`` (the caller writes it and commits). The sets
+    and every buffer's geometry are the save's (:func:`plan_set`); the parity is the same
+    generator's product, computed here by the set's encode plan with every member in memory
+    (one set at a time) where the save streams it over the ``Comm`` (:func:`exchange`). Used by
+    ``ckptfmt reshard``."""
+    nodes = [r.node for r in manifest.ranks]
+    sets = member_sets(red, nodes)
+    member_bytes = [member_size(manifest, r) for r in range(manifest.world_size)]
+    parity: dict[int, dict[str, Any]] = {}
+    for members in sets:
+        layouts = [plan_set(red, nodes, member_bytes, rank) for rank in members]
+        local = {}
+        for j, rank in enumerate(members):
+            lay = layouts[j]
+            bufs = MemberBuffers(np.zeros(lay.data_bytes, np.uint8), np.zeros(lay.parity_size, np.uint8))
+            damage = read_member(Inside(Path(dir_of[rank])), manifest, rank, bufs.data, True)
+            if damage:
+                raise damage[0]
+            local[j] = bufs
+        lay = layouts[0]
+        ops = encode_plan(red.scheme, len(members), red.m)
+        run_ops(ops, members, list(lay.sizes), lay.chunk, local)
+        for j, rank in enumerate(members):
+            parity[rank] = write_parity(Path(dir_of[rank]), rank, layouts[j], local[j].parity, fsync)
+    record = make_record(red, manifest, sets, [parity[r] for r in range(manifest.world_size)])
+    levels = dict(manifest.levels)
+    levels["1"] = {**dict(levels.get("1", {})), "redundancy": record.to_json()}
+    return dataclasses.replace(manifest, levels=levels)

@@ -1,4 +1,5 @@
-"""``ckptfmt.verify``: re-read every byte of a checkpoint and report what is damaged.
+"""The checks of one checkpoint directory that :func:`ckptfmt.maintenance.verify.verify` makes:
+re-read every byte of a checkpoint and report what is damaged.
 
 Checked: the manifest's own CRC32C (format version 2), then the manifest against
 ``spec/manifest.schema.json`` and the format's rules; every zarr metadata document against the
@@ -9,7 +10,7 @@ the tensors it affects. Files the manifest does not list are reported separately
 make a checkpoint damaged, but nothing vouches for them).
 
 A level-1 checkpoint spread over node-local directories (a ``{node}`` template or a mapping node
--> directory) is checked node by node, with its redundancy: :mod:`ckptfmt.verify_parity`.
+-> directory) is checked node by node, with its redundancy: :mod:`ckptfmt.maintenance.verify_parity`.
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.codecs.grid import shard_cell
-from ckptfmt.codecs.zarr_meta import DocChecker
-from ckptfmt.errors import DamagedError, ManifestError, MetadataMismatchError, MissingFileError
-from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.container.reader import geometry, read_doc
+from ckptfmt.errors import (
+    ChecksumError,
+    DamagedError,
+    ManifestError,
+    MetadataMismatchError,
+    MissingFileError,
+    SizeMismatchError,
+)
+from ckptfmt.format.shard_io import verify_file
+from ckptfmt.format.zarr_meta import DocChecker
+from ckptfmt.manifest.codec import MANIFEST_NAME
+from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.reader import geometry, read_doc, read_manifest_bytes
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.paths import refuse_url
-from ckptfmt.storage.shard_io import verify_file
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,6 @@ def check_schema(data: bytes, root: Path) -> None:
 
 
 def _kind(exc: DamagedError) -> str:
-    from ckptfmt.errors import ChecksumError, SizeMismatchError
 
     if isinstance(exc, MissingFileError):
         return "missing"
@@ -208,40 +214,3 @@ def check_data(
                 report.files_checked += 1
                 if progress:
                     progress(ref.size)
-
-
-def verify(
-    path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
-    progress: Callable[[int], None] | None = None,
-) -> VerifyReport:
-    """Check a whole checkpoint. ``progress(n)`` is called with each file's size once it is read.
-
-    ``path``: the checkpoint's directory; or, for a level-1 checkpoint spread over node-local
-    directories, a ``{node}`` template (``/local/{node}/ckpt/step-0000000100``) or a mapping
-    node -> directory, checked node by node with its parity (:mod:`ckptfmt.verify_parity`).
-    A single directory is checked as a whole checkpoint; when its manifest records level-1
-    redundancy but it holds no parity files (a level-3 copy), the report says the redundancy is
-    not present on this level, which is not a problem.
-
-    Raises :class:`NotACheckpointError` or :class:`ManifestError` when there is no readable
-    manifest; every other finding goes into the report.
-    """
-    if not isinstance(path, Mapping):
-        refuse_url(path)  # s3://... would read as the missing directory ./s3:/...
-    if isinstance(path, Mapping) or "{node}" in os.fspath(path):
-        from ckptfmt.verify_parity import verify_nodes
-
-        return verify_nodes(path, progress)
-    root = Path(path)
-    data = read_manifest_bytes(root)  # read once: parsed and checked, then schema-validated
-    manifest = parse_manifest(data, str(root / MANIFEST_NAME))
-    check_schema(data, root)
-    src = Inside(root)
-    report = VerifyReport(str(root), manifest)
-    report.problems, expected = check_metadata(src, manifest)
-    check_data(src, manifest, report, expected, progress)
-    from ckptfmt.verify_parity import check_single_dir
-
-    check_single_dir(root, manifest, report, expected)
-    report.unexpected_files = unexpected_files(root, expected)
-    return report

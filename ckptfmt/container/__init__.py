@@ -1,0 +1,24 @@
+"""One checkpoint directory: its metadata documents, its manifest, the member files of each rank,
+and the read-only view (:class:`Checkpoint`)."""
+
+from __future__ import annotations
+
+from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
+from ckptfmt.container.reader import (
+    Checkpoint,
+    TensorView,
+    latest,
+    open_checkpoint,
+    read_manifest,
+)
+
+__all__ = [
+    "Checkpoint",
+    "latest",
+    "open_checkpoint",
+    "read_manifest",
+    "TensorView",
+    "utc_now",
+    "write_metadata",
+    "writer_info",
+]

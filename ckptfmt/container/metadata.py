@@ -1,0 +1,41 @@
+"""The metadata documents of one checkpoint directory: the zarr group and array documents of
+the whole hierarchy (the same bytes in every node's copy, ``spec/FORMAT.md``) and the manifest's
+``created`` and ``writer`` fields."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.dtypes import by_name
+from ckptfmt.format.zarr_meta import array_doc, group_doc
+from ckptfmt.manifest.model import GroupEntry, Manifest
+from ckptfmt.storage.files import write_json
+from ckptfmt.version import __version__
+
+__all__ = ["utc_now", "write_metadata", "writer_info"]
+
+
+def utc_now() -> str:
+    """RFC 3339 UTC time to the second, as the manifest's ``created``."""
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def writer_info() -> dict[str, Any]:
+    """The manifest's ``writer``: which software wrote the checkpoint."""
+    return {"library": "ckptfmt", "version": __version__}
+
+
+def write_metadata(root: Path, manifest: Manifest, fsync: bool) -> None:
+    """The zarr group and array documents of the whole hierarchy."""
+    names = [e.name for e in manifest.entries]
+    groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always
+    groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
+    for g in sorted(groups, key=len):
+        (root / "/".join(g)).mkdir(parents=True, exist_ok=True)
+        write_json(root / "/".join(g) / "zarr.json", group_doc(), fsync)
+    for t in manifest.tensors():
+        (root / t.path).mkdir(parents=True, exist_ok=True)
+        doc = array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
+        write_json(root / t.path / "zarr.json", doc, fsync)

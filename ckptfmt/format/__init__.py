@@ -1,0 +1,16 @@
+"""The shard-file format: each tensor a sharded zarr v3 array with a CRC32C on every inner chunk,
+and its zarr documents; ``shard_io`` is the one writer and reader of shard files,
+``chunk_reads`` the partial reads of inner chunks (``spec/FORMAT.md``)."""
+
+from __future__ import annotations
+
+from ckptfmt.format.shard_io import Geometry, read_region, verify_file
+from ckptfmt.format.zarr_meta import array_doc, group_doc
+
+__all__ = [
+    "array_doc",
+    "Geometry",
+    "group_doc",
+    "read_region",
+    "verify_file",
+]

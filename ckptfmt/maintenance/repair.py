@@ -1,0 +1,189 @@
+"""Offline repair of a level-1 checkpoint from its redundancy, in one process, no MPI
+(``ckptfmt rebuild``; ``spec/redundancy.md`` §7).
+
+A level-1 checkpoint is spread over node-local directories, one per node: name them with a
+``{node}`` template (``/local/{node}/ckpt/step-0000000100``), a mapping from node to directory,
+or one directory that holds every node's files. Every member's data is read (each CRC checked) and
+every parity file; what is missing or damaged is rebuilt set by set (one set in memory at a time)
+and written back: damaged files are replaced one by one (temporary name, then rename), a node's
+directory that is gone is recreated whole (staging directory, metadata, files, manifest last,
+rename), exactly as the collective rebuild at restart does. Zarr documents missing or damaged in
+a committed directory are written anew from the manifest (every node holds the same ones). Beyond
+the tolerance nothing is written and :class:`UnrecoverableDamageError` names the ranks, nodes and
+tensors lost.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ckptfmt.engine.copies import (
+    Choice,
+    plan_offline,
+    write_planned,
+)
+from ckptfmt.engine.rebuild import (
+    MemberStatus,
+    clear_lost,
+    lost_tensors,
+    member_buffers,
+    plan_all,
+    prepare_recreated,
+    read_status,
+    write_rebuilt,
+)
+from ckptfmt.errors import CkptError, UnrecoverableDamageError
+from ckptfmt.maintenance.nodes import NodeDirs, node_copies
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.redundancy.engine import run_ops
+from ckptfmt.container.members import read_member
+from ckptfmt.redundancy.record import member_size, record_of
+from ckptfmt.storage import commit
+from ckptfmt.storage.files import Inside
+
+
+@dataclass
+class RepairReport:
+    """What :func:`rebuild` found and did."""
+
+    where: str
+    step: int | None = None
+    scheme: str | None = None
+    lost_data: list[int] = field(default_factory=list)
+    lost_parity: list[int] = field(default_factory=list)
+    lost_nodes: list[str] = field(default_factory=list)  # the nodes of those ranks
+    # metadata missing or damaged in committed directories, "<dir>: <file>": manifest copies
+    # (rewritten from the taken copy, ckptfmt.engine.copies) and zarr documents (from the manifest:
+    # they are the same on every node)
+    metadata: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. good manifest copies that disagree
+    recreated: list[str] = field(default_factory=list)  # directories made anew (dry run: to be)
+    files_written: list[str] = field(default_factory=list)  # "<dir>: <file>"
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def repaired(self) -> bool:
+        return bool(self.lost_data or self.lost_parity or self.metadata)
+
+
+def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> RepairReport:
+    """Repair a level-1 checkpoint offline (module docstring). Returns the report; raises
+    :class:`UnrecoverableDamageError` when the damage is beyond the redundancy (nothing is
+    written then), :class:`NotACheckpointError` when no directory holds a readable manifest."""
+    started = time.perf_counter()
+    choice, dirs, copies = node_copies(spec)
+    manifest, data = choice.manifest, choice.data
+    shown = os.fspath(spec) if not isinstance(spec, Mapping) else "the node directories"
+    report = RepairReport(shown, manifest.step, notes=list(choice.notes))
+    record = record_of(manifest)
+    # a directory is intact when it holds the taken copy, or a damaged copy of its manifest
+    # (rewritten below from the taken one; its data files are checked like any other's)
+    keep = set(choice.holders) | set(choice.to_rewrite)
+    intact_dir = {d: d in keep for d in set(dirs.values())}
+    dir_of = {r.rank: dirs[r.node] for r in manifest.ranks}
+    _, docs = plan_offline([c for c in copies if c.directory in intact_dir])
+    report.metadata = [f"{d}: {rel}" for d, rels in docs.items() for rel in rels]
+    if record is None:
+        _check_without_redundancy(manifest, dir_of, intact_dir, report, shown)
+        if not dry_run:
+            _rewrite_docs(choice, docs, fsync, report)
+        report.seconds = time.perf_counter() - started
+        return report
+    report.scheme = record.scheme
+    # one pass over every set to learn what is lost (and fail before writing anything)
+    status: list[MemberStatus] = []
+    for rank in range(manifest.world_size):
+        bufs = member_buffers(record, rank, reuse=False)
+        src = Inside(dir_of[rank]) if intact_dir[dir_of[rank]] else None
+        status.append(read_status(src, manifest, record, rank, bufs))
+        report.bytes_read += bufs.data.size + bufs.parity.size
+    report.lost_data = [r for r, s in enumerate(status) if not s.data_ok]
+    report.lost_parity = [r for r, s in enumerate(status) if not all(s.parity_ok)]
+    lost = set(report.lost_data) | set(report.lost_parity)
+    report.lost_nodes = sorted({manifest.ranks[r].node for r in lost})
+    plans = plan_all(record, status, shown, manifest)
+    recreate = sorted({d for d, ok in intact_dir.items() if not ok}, key=str)
+    if not report.repaired or dry_run:
+        report.recreated = [str(d) for d in recreate] if report.repaired else []
+        report.seconds = time.perf_counter() - started
+        return report
+    staging = {d: commit.staging_dir(d.absolute(), manifest.save_id) for d in recreate}
+    try:
+        for d in recreate:
+            prepare_recreated(d.absolute(), manifest, fsync)
+        _rewrite_docs(choice, docs, fsync, report)
+        for i, ops in plans:
+            s = record.sets[i]
+            local = {}
+            for j, rank in enumerate(s.members):  # read again: one set in memory at a time
+                bufs = member_buffers(record, rank, reuse=False)
+                src = Inside(dir_of[rank]) if intact_dir[dir_of[rank]] else None
+                read_status(src, manifest, record, rank, bufs)
+                clear_lost(bufs, status[rank].data_ok, status[rank].parity_ok)
+                local[j] = bufs
+            run_ops(ops, s.members, s.sizes, s.chunk, local)
+            for j, rank in enumerate(s.members):
+                d = dir_of[rank]
+                target = staging.get(d, d)
+                whole = d in staging
+                for f in write_rebuilt(
+                    target, manifest, record, rank, local[j], status[rank], whole, fsync
+                ):
+                    report.files_written.append(f"{d}: {f}")
+        for d in recreate:
+            commit.finalize(staging[d], d.absolute(), data, manifest.save_id, fsync)
+            report.recreated.append(str(d))
+    except BaseException as exc:
+        for st in staging.values():
+            commit.abort(st)
+        if isinstance(exc, OSError) and not isinstance(exc, CkptError):
+            # e.g. a directory where a file belongs: damage the repair cannot write over
+            raise UnrecoverableDamageError(
+                shown,
+                f"cannot write the rebuilt files: {exc}",
+                report.lost_data,
+                sorted({manifest.ranks[r].node for r in report.lost_data}),
+            ) from None
+        raise
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _rewrite_docs(
+    choice: Choice, docs: dict[Path, list[str]], fsync: bool, report: RepairReport
+) -> None:
+    """Write the metadata files ``docs`` anew (the taken manifest copy, the documents the
+    manifest implies), each replaced atomically: the same bytes as the save wrote."""
+    report.files_written += write_planned(choice, docs, fsync)
+
+
+def _check_without_redundancy(
+    manifest: Manifest,
+    dir_of: dict[int, Path],
+    intact_dir: dict[Path, bool],
+    report: RepairReport,
+    shown: str,
+) -> None:
+    """No redundancy: the data is intact, or :class:`UnrecoverableDamageError`."""
+
+    lost = []
+    for rank in range(manifest.world_size):
+        d = dir_of[rank]
+        buf = np.zeros(member_size(manifest, rank), np.uint8)
+        if not intact_dir[d] or read_member(Inside(d), manifest, rank, buf, verify=True):
+            lost.append(rank)
+    if lost:
+        raise UnrecoverableDamageError(
+            shown,
+            "damaged, and the save has no redundancy to rebuild from",
+            lost,
+            sorted({manifest.ranks[r].node for r in lost}),
+            lost_tensors(manifest, set(lost)),
+        )

@@ -1,0 +1,65 @@
+"""``ckptfmt.verify``: re-read every byte of a checkpoint and report what is damaged.
+
+One directory is checked by :mod:`ckptfmt.maintenance.checks` (every document, every CRC, the
+files nobody wrote); a level-1 checkpoint spread over node-local directories (a ``{node}``
+template or a mapping node -> directory) is checked node by node, with its redundancy, by
+:mod:`ckptfmt.maintenance.verify_parity`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from ckptfmt.container.reader import read_manifest_bytes
+from ckptfmt.maintenance.checks import (
+    Problem,
+    VerifyReport,
+    check_data,
+    check_metadata,
+    check_schema,
+    manifest_schema,
+    unexpected_files,
+)
+from ckptfmt.maintenance.verify_parity import check_single_dir, verify_nodes
+from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.storage.files import Inside
+from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.paths import refuse_url
+
+__all__ = ["Problem", "VerifyReport", "manifest_schema", "verify"]
+
+
+def verify(
+    path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check a whole checkpoint. ``progress(n)`` is called with each file's size once it is read.
+
+    ``path``: the checkpoint's directory; or, for a level-1 checkpoint spread over node-local
+    directories, a ``{node}`` template (``/local/{node}/ckpt/step-0000000100``) or a mapping
+    node -> directory, checked node by node with its parity
+    (:mod:`ckptfmt.maintenance.verify_parity`).
+    A single directory is checked as a whole checkpoint; when its manifest records level-1
+    redundancy but it holds no parity files (a level-3 copy), the report says the redundancy is
+    not present on this level, which is not a problem.
+
+    Raises :class:`NotACheckpointError` or :class:`ManifestError` when there is no readable
+    manifest; every other finding goes into the report.
+    """
+    if not isinstance(path, Mapping):
+        refuse_url(path)  # s3://... would read as the missing directory ./s3:/...
+    if is_spread(path):
+        return verify_nodes(path, progress)
+    root = Path(path)
+    data = read_manifest_bytes(root)  # read once: parsed and checked, then schema-validated
+    manifest = parse_manifest(data, str(root / MANIFEST_NAME))
+    check_schema(data, root)
+    src = Inside(root)
+    report = VerifyReport(str(root), manifest)
+    report.problems, expected = check_metadata(src, manifest)
+    check_data(src, manifest, report, expected, progress)
+    check_single_dir(root, manifest, report, expected)
+    report.unexpected_files = unexpected_files(root, expected)
+    return report

@@ -1,0 +1,13 @@
+"""Communicators: the :class:`Comm` interface every collective phase uses, one process
+(:class:`SingleComm`) and MPI (:class:`MpiComm`, mpi4py imported when one is made)."""
+
+from __future__ import annotations
+
+from ckptfmt.transport.comm import Comm, SingleComm
+from ckptfmt.transport.mpi import MpiComm
+
+__all__ = [
+    "Comm",
+    "MpiComm",
+    "SingleComm",
+]

@@ -1,0 +1,30 @@
+"""The state model: a nested mapping flattened to named leaves (arrays, :class:`Shard`,
+:class:`PerRank`, JSON values) and back, applied in place into a caller's arrays, and dtype
+casts by policy (refused unless asked)."""
+
+from __future__ import annotations
+
+from ckptfmt.tree.apply import apply_loaded
+from ckptfmt.tree.casting import (
+    Cast,
+    allowed,
+    check_policy,
+    convert,
+    plan_casts,
+    report_casts,
+)
+from ckptfmt.tree.state import PerRank, Shard, flatten, unflatten
+
+__all__ = [
+    "allowed",
+    "apply_loaded",
+    "Cast",
+    "check_policy",
+    "convert",
+    "flatten",
+    "PerRank",
+    "plan_casts",
+    "report_casts",
+    "Shard",
+    "unflatten",
+]
