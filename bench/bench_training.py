@@ -187,7 +187,7 @@ class Checkpointer:
 
             self.mgr = CheckpointManager(
                 local_dir=root / "l1" / "{node}",
-                comm=ckptfmt_torch.TorchComm(),
+                comm=ckptfmt_torch.default_comm(),  # gloo (a gloo group beside nccl on CUDA)
                 node=f"n{job.rank}",
                 redundancy="xor" if v.endswith("xor") else None,
                 keep_local=2,

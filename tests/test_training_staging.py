@@ -164,31 +164,34 @@ def test_donate_skips_the_copy_and_is_staged_only_when_the_save_is_done(tmp_path
 # --- handles --------------------------------------------------------------------------------------
 
 
+def check_handle_order(mgr: CheckpointManager, tmp_path: Path, kw: dict[str, Any]) -> None:
+    order: list[str] = []
+    seen: list[int | None] = []
+    called = threading.Event()
+    step = len(mgr.steps()) + 1
+    h = mgr.save(step, state(step), **kw)
+    h.staged.add_done_callback(lambda f: order.append("staged"))
+
+    def committed(f: Any) -> None:
+        order.append("committed")
+        seen.append(mgr.latest())
+        called.set()
+
+    h.committed.add_done_callback(committed)
+    assert isinstance(h, SaveHandle) and h.result(30) == step and h.done()
+    assert mgr.latest() == step
+    assert called.wait(30)
+    assert order == ["staged", "committed"], kw
+    assert seen == [step]  # committed: latest() shows it already
+    assert ckptfmt.verify(tmp_path / "l1" / "n0" / step_dir_name(step)).healthy
+    staged, done = h  # the (stage_future, write_future) pair
+    assert staged.done() and done.result() == step
+
+
 def test_staged_completes_before_committed_and_committed_means_on_disk(tmp_path: Path) -> None:
     mgr = manager(tmp_path)
     for kw in ({}, {"background_copy": True}, {"donate": True}):
-        order: list[str] = []
-        seen: list[int | None] = []
-        step = len(mgr.steps()) + 1
-        h = mgr.save(step, state(step), **kw)
-        h.staged.add_done_callback(lambda f: order.append("staged"))
-
-        called = threading.Event()
-
-        def committed(f: Any) -> None:
-            order.append("committed")
-            seen.append(mgr.latest())
-            called.set()
-
-        h.committed.add_done_callback(committed)
-        assert isinstance(h, SaveHandle) and h.result(30) == step and h.done()
-        assert mgr.latest() == step
-        assert called.wait(30)
-        assert order == ["staged", "committed"], kw
-        assert seen == [step]  # committed: latest() shows it already
-        assert ckptfmt.verify(tmp_path / "l1" / "n0" / step_dir_name(step)).healthy
-        staged, done = h  # the (stage_future, write_future) pair
-        assert staged.done() and done.result() == step
+        check_handle_order(mgr, tmp_path, kw)
     mgr.close()
 
 
@@ -309,11 +312,11 @@ def test_torch_stager_reuses_its_buffers_across_saves(tmp_path: Path) -> None:
     mgr = manager(tmp_path)
     sd = torch_state(1)
     save_async(mgr, 1, sd, stager).result(30)
-    _, event, first = stager.stage(sd)
+    _, _, first = stager.stage(sd)
     pointers = sorted(b.data_ptr() for b in first)
     stager.release(first)
     save_async(mgr, 2, sd, stager).result(30)
-    _, event, second = stager.stage(sd)
+    _, _, second = stager.stage(sd)
     assert sorted(b.data_ptr() for b in second) == pointers
     assert stager.made == len(first)
     stager.release(second)

@@ -134,7 +134,7 @@ class TorchStager:
     def _stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._streams:
-            self._streams[index] = torch.cuda.Stream(device=index)
+            self._streams[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
         return self._streams[index]
 
     # --- staging ---------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class TorchStager:
                 index = t.device.index if t.device.index is not None else 0
                 side = self._stream(t.device)
                 if index not in waits:
-                    ready = torch.cuda.Event()
+                    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     ready.record(torch.cuda.current_stream(t.device))
                     side.wait_event(ready)
                     waits[index] = side
@@ -205,7 +205,7 @@ class TorchStager:
         with torch.no_grad():
             host = walk(state_dict, "")
         for side in waits.values():
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
             event.events.append(done)
         if not isinstance(host, dict):
