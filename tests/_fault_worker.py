@@ -139,7 +139,7 @@ def run_save_scenario(comm: Any, root: Path, name: str) -> dict[str, Any]:
     if name == "stage-memory" and rank == size - 1:
         real = mgr._stage
 
-        def failing_stage(state: Any) -> Any:
+        def failing_stage(*args: Any, **kwargs: Any) -> Any:
             mgr._stage = real  # type: ignore[method-assign]
             raise MemoryError("injected while staging")
 

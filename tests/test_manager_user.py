@@ -4,6 +4,7 @@ restores that check everything before writing, the flush cadence across restarts
 from __future__ import annotations
 
 import warnings
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -140,7 +141,7 @@ def test_an_allocation_failure_while_staging_is_reported_and_training_goes_on(
     mgr = _mgr(tmp_path, on_error="warn")
     real = mgr._stage
 
-    def failing(state: dict) -> dict:
+    def failing(*args: Any, **kwargs: Any) -> dict:
         mgr._stage = real  # type: ignore[method-assign]
         raise MemoryError("injected")
 
