@@ -4,8 +4,8 @@ restores that check everything before writing, the flush cadence across restarts
 from __future__ import annotations
 
 import warnings
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
