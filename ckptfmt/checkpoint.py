@@ -25,7 +25,6 @@ from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.transport.comm import SingleComm
 from ckptfmt.tree.state import flatten, unflatten
 
-
 __all__ = ["load", "save", "writer_threads"]
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt supports little-endian hosts only")

@@ -18,7 +18,6 @@ import numpy as np
 
 from ckptfmt.errors import UnsupportedDtypeError
 
-
 __all__ = ["DType", "by_name", "of_array"]
 
 

@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
 __all__ = [
     "AllocationLimitError",
     "ChecksumError",

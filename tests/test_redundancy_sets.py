@@ -1,5 +1,5 @@
 """Redundancy sets end to end in one process: the striped layout of ``spec/redundancy.md`` §4 as
-the engine writes it (``stripes.encode_plan``/``plan_rebuild`` run by ``engine.run_ops``), and the
+the engine writes it (the scheme object's ``encode_plan``/``rebuild_plan`` run by ``engine.run_ops``), and the
 offline repair of real checkpoints (``ckptfmt.maintenance.repair``).
 
 For partner, xor and rs (m = 1, 2, 3) and sets of 2..8 members whose data has odd and zero
@@ -28,12 +28,11 @@ from test_redundancy import ref_inv, ref_mul, ref_solve
 
 import ckptfmt
 from ckptfmt.errors import CkptError, UnrecoverableDamageError
+from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops
 from ckptfmt.redundancy.record import member_files, record_of
-from ckptfmt.redundancy.schemes import UnrecoverableError
-from ckptfmt.redundancy.stripes import encode_plan, plan_rebuild
-from ckptfmt.maintenance.repair import rebuild
+from ckptfmt.redundancy.schemes import UnrecoverableError, scheme_of
 
 CASES = (
     [("partner", 0, n) for n in range(2, 9)]
@@ -168,7 +167,7 @@ def encode(scheme: str, m: int, sizes: list[int], seed: int) -> dict[int, Member
         n_parity = sizes[(j - 1) % n] if scheme == "partner" else m * chunk
         # the ops xor into their destinations: parity starts zeroed
         local[j] = MemberBuffers(data, np.zeros(n_parity, np.uint8))
-    run_ops(encode_plan(scheme, n, m), [100 + j for j in range(n)], sizes, chunk, local)
+    run_ops(scheme_of(scheme, m).encode_plan(n), [100 + j for j in range(n)], sizes, chunk, local)
     return local
 
 
@@ -189,11 +188,11 @@ def attempt(
     parity_lost = sorted((j, p) for kind, j, p in lost if kind == "parity")
     if not spec_recoverable(scheme, n, m, lost):
         with pytest.raises(UnrecoverableError) as exc:
-            plan_rebuild(scheme, n, m, data_lost, parity_lost)
+            scheme_of(scheme, m).rebuild_plan(n, data_lost, parity_lost)
         assert isinstance(exc.value, CkptError)
         assert set(exc.value.lost) == set(data_lost) | {n + j for j, _ in parity_lost}
         return
-    ops = plan_rebuild(scheme, n, m, data_lost, parity_lost)
+    ops = scheme_of(scheme, m).rebuild_plan(n, data_lost, parity_lost)
     bufs = {j: MemberBuffers(b.data.copy(), b.parity.copy()) for j, b in good.items()}
     for j in data_lost:
         bufs[j].data[:] = 0

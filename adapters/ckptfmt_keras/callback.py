@@ -75,7 +75,7 @@ from ckptfmt_keras.parallel import (
 _OPEN: dict[str, CheckpointManager] = {}
 
 
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
     """Back up the training state while ``fit`` runs and resume it, at the right epoch and step,
     when ``fit`` runs again after a crash. See the module docstring."""
 

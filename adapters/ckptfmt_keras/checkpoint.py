@@ -14,6 +14,7 @@ Nothing of the model's structure or code is stored: the program builds the model
 from __future__ import annotations
 
 import os
+import typing
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -174,9 +175,12 @@ def load_variables(
 ) -> list[str]:
     """Assign the tensors of the checkpoint at ``path`` to the variables of ``obj`` by name
     (see ``assign``; only the tensors used are read, each verified); return the names set."""
+    view = typing.cast(
+        Mapping[str, Any], ckptfmt.open(path)
+    )  # read lazily, by name, like a mapping
     return assign(
         obj,
-        ckptfmt.open(path),
+        view,
         strict=strict,
         name_map=name_map,
         transform=transform,

@@ -167,9 +167,10 @@ def named_variables(obj: Any) -> dict[str, Any]:
     return out
 
 
-def numpy_dtype(v: Any) -> np.dtype:
+def numpy_dtype(v: Any) -> np.dtype[Any]:
     """The numpy dtype of a Keras or TensorFlow variable (``ml_dtypes.bfloat16`` for bfloat16)."""
-    return np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype)
+    dtype: np.dtype[Any] = np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype)
+    return dtype
 
 
 # --- variables -> arrays --------------------------------------------------------------------------

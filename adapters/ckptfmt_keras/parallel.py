@@ -57,7 +57,9 @@ def _accumulator(dtype: np.dtype) -> np.dtype:
     raise UsageError(f"cannot average gradients of dtype {dtype}")
 
 
-def average_arrays(arrays: Sequence[np.ndarray], comm: Comm, reduction: str = "ordered") -> list:
+def average_arrays(
+    arrays: Sequence[np.ndarray], comm: Comm, reduction: str = "ordered"
+) -> list[np.ndarray]:
     """Collective (every rank, the same shapes and dtypes in the same order): the mean of each
     array over the ranks, the same bits on every rank. With one rank the arrays come back as
     they are."""
@@ -97,7 +99,7 @@ def average_arrays(arrays: Sequence[np.ndarray], comm: Comm, reduction: str = "o
 # --- in the train step ----------------------------------------------------------------------------
 
 
-def average_gradients(grads: Sequence[Any], comm: Comm, reduction: str = "ordered") -> list:
+def average_gradients(grads: Sequence[Any], comm: Comm, reduction: str = "ordered") -> list[Any]:
     """Graph-compatible: the gradients averaged over the ranks (``None`` entries kept; sparse
     ones made dense). One exchange per call, through ``tf.numpy_function``."""
     present = [i for i, g in enumerate(grads) if g is not None]
@@ -198,7 +200,7 @@ def agree(arrays: dict[str, np.ndarray], comm: Comm, root: int = 0) -> list[str]
     CRC32C of their bytes); return the names that differed, whose entries are replaced."""
     if comm.size == 1:
         return []
-    crcs = [f"{crc32c.crc32c(_bytes_of(a)):08x}" for a in arrays.values()]
+    crcs = [f"{crc32c.crc32c(_bytes_of(a).data):08x}" for a in arrays.values()]
     seen = comm.allgather_json(crcs)
     differ = [name for i, name in enumerate(arrays) if any(s[i] != seen[root][i] for s in seen)]
     for name in differ:

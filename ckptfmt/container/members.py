@@ -161,6 +161,4 @@ def assess_member(
 def buffer_sizes(record: RedundancyRecord, rank: int) -> tuple[int, int]:
     """(data, parity) buffer bytes for ``rank``: its padded data and its parity file."""
     rset, j = record.set_of(rank)
-    if record.scheme == "partner":
-        return rset.sizes[j], rset.parity[j].size
-    return (rset.n - record.m) * rset.chunk, rset.parity[j].size
+    return record.code.data_bytes(rset.sizes, j, rset.chunk), rset.parity[j].size

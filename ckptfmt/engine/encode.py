@@ -41,28 +41,16 @@ from ckptfmt.redundancy.record import (
     parity_path,
 )
 from ckptfmt.redundancy.sets import make_sets
-from ckptfmt.redundancy.stripes import encode_plan, generator
 from ckptfmt.storage.files import Inside, write_gather
 from ckptfmt.transport.comm import Comm, Pending
 
 ENCODE_TAG = 0x45
 
 
-def geometry(red: Redundancy, sizes: list[int]) -> tuple[int, int]:
-    """(chunk size S, parity bytes per member) of a set whose members hold ``sizes`` bytes."""
-    longest = max(sizes)
-    if red.scheme == "partner":
-        return longest, 0
-    chunk = -(-longest // (len(sizes) - red.m))
-    return chunk, red.m * chunk
-
-
-def set_geometry(
-    red: Redundancy, manifest: Manifest, members: list[int]
-) -> tuple[list[int], int, int]:
-    """(member sizes, chunk size S, parity bytes per member) of one set of a manifest."""
+def set_geometry(red: Redundancy, manifest: Manifest, members: list[int]) -> tuple[list[int], int]:
+    """(member sizes, chunk size S) of one set of a manifest (the scheme's geometry)."""
     sizes = [member_size(manifest, r) for r in members]
-    return (sizes, *geometry(red, sizes))
+    return sizes, red.code.set_chunk(sizes)
 
 
 @dataclass(frozen=True)
@@ -74,22 +62,16 @@ class SetLayout:
     position: int  # this rank's
     sizes: tuple[int, ...]  # member data bytes, by position
     chunk: int
-    parity_bytes: int
 
     @property
-    def parity_size(self) -> int:
-        """This rank's parity file: m chunks (xor/rs), or a copy of the previous member's data
-        (partner)."""
-        if self.red.scheme == "partner":
-            return self.sizes[(self.position - 1) % len(self.members)]
-        return self.parity_bytes
+    def parity_bytes(self) -> int:
+        """This rank's parity file (the scheme's geometry: m chunks, or a whole copy)."""
+        return self.red.code.parity_bytes(self.sizes, self.position, self.chunk)
 
     @property
     def data_bytes(self) -> int:
-        """This rank's data buffer: its member data, zero-padded to the stripes (xor/rs)."""
-        if self.red.scheme == "partner":
-            return self.sizes[self.position]
-        return (len(self.members) - self.red.m) * self.chunk
+        """This rank's data buffer: its member data, zero-padded to what the ops address."""
+        return self.red.code.data_bytes(self.sizes, self.position, self.chunk)
 
 
 def plan_set(red: Redundancy, nodes: list[str], member_bytes: list[int], rank: int) -> SetLayout:
@@ -97,8 +79,8 @@ def plan_set(red: Redundancy, nodes: list[str], member_bytes: list[int], rank: i
     sets = member_sets(red, nodes)
     members = next(s for s in sets if rank in s)
     sizes = [member_bytes[r] for r in members]
-    chunk, parity_bytes = geometry(red, sizes)
-    return SetLayout(red, tuple(members), members.index(rank), tuple(sizes), chunk, parity_bytes)
+    chunk = red.code.set_chunk(sizes)
+    return SetLayout(red, tuple(members), members.index(rank), tuple(sizes), chunk)
 
 
 def data_buffer(layout: SetLayout) -> np.ndarray:
@@ -113,11 +95,9 @@ def reserve_buffers(layout: SetLayout) -> None:
     """Allocate this thread's reused buffers that :func:`exchange` uses, before any message
     moves: an allocation failure is then this rank's failure in a phase that is voted on, not a
     rank leaving its set in the middle of an exchange (its peers would wait for it forever)."""
-    n, j = len(layout.members), layout.position
-    if layout.red.scheme == "partner":
-        scratch(layout.sizes[(j - 1) % n], "parity")
-        return
     scratch(layout.parity_bytes, "parity")
+    if layout.red.code.copies_whole:
+        return
     for k in range(2):
         scratch(layout.chunk, f"recv{k}")
 
@@ -128,7 +108,7 @@ def make_record(
     """The record from the sets and every rank's parity file (``parity[rank]``)."""
     out = []
     for members in sets:
-        sizes, chunk, _ = set_geometry(red, manifest, members)
+        sizes, chunk = set_geometry(red, manifest, members)
         files = tuple(
             ParityFile(parity[r]["path"], parity[r]["size"], tuple(parity[r]["crc32c"]))
             for r in members
@@ -152,14 +132,13 @@ def exchange(comm: Comm, layout: SetLayout, data: np.ndarray) -> np.ndarray:
     chunks the other members send. Returns a view of this thread's reused parity buffer."""
     red, members, j = layout.red, layout.members, layout.position
     n, chunk = len(members), layout.chunk
-    if red.scheme == "partner":
-        parity = scratch(layout.sizes[(j - 1) % n], "parity")
+    parity = scratch(layout.parity_bytes, "parity")
+    if red.code.copies_whole:  # partner: one round, whole member data
         comm.sendrecv(data, members[(j + 1) % n], parity, members[(j - 1) % n], ENCODE_TAG)
         return parity
-    parity = scratch(layout.parity_bytes, "parity")
     parity[:] = 0
     m, c = red.m, n - red.m
-    g = generator(red.scheme, c, m)
+    g = red.code.generator(c)  # type: ignore[attr-defined]  # striped codes only
     # step (d, p): the chunk t = (p - m - d) mod n < c that member j + d needs for its parity p
     steps = [(d, p, (p - m - d) % n) for d in range(1, n) for p in range(m) if (p - m - d) % n < c]
     # two receive buffers: step k + 1 moves while step k is multiplied in
@@ -195,11 +174,9 @@ def write_parity(
 ) -> dict[str, Any]:
     """Write this rank's parity file into its staging directory; its JSON for the record
     (``path``, ``size``, ``crc32c``: one per parity chunk, partner: one for the copy)."""
-    if layout.red.scheme == "partner":
-        crcs = [crc32c(parity)]
-    else:
-        chunk = layout.chunk
-        crcs = [crc32c(parity[p * chunk : (p + 1) * chunk]) for p in range(layout.red.m)]
+    k = layout.red.code.parity_chunks()
+    step = parity.size // k
+    crcs = [crc32c(parity[p * step : (p + 1) * step]) for p in range(k)]
     path = parity_path(rank)
     (staging / path).parent.mkdir(parents=True, exist_ok=True)
     write_gather(staging / path, [parity.data], fsync)
@@ -248,16 +225,19 @@ def encode_offline(
         local = {}
         for j, rank in enumerate(members):
             lay = layouts[j]
-            bufs = MemberBuffers(np.zeros(lay.data_bytes, np.uint8), np.zeros(lay.parity_size, np.uint8))
+            bufs = MemberBuffers(
+                np.zeros(lay.data_bytes, np.uint8), np.zeros(lay.parity_bytes, np.uint8)
+            )
             damage = read_member(Inside(Path(dir_of[rank])), manifest, rank, bufs.data, True)
             if damage:
                 raise damage[0]
             local[j] = bufs
         lay = layouts[0]
-        ops = encode_plan(red.scheme, len(members), red.m)
+        ops = red.code.encode_plan(len(members))
         run_ops(ops, members, list(lay.sizes), lay.chunk, local)
         for j, rank in enumerate(members):
-            parity[rank] = write_parity(Path(dir_of[rank]), rank, layouts[j], local[j].parity, fsync)
+            buf = local[j].parity
+            parity[rank] = write_parity(Path(dir_of[rank]), rank, layouts[j], buf, fsync)
     record = make_record(red, manifest, sets, [parity[r] for r in range(manifest.world_size)])
     levels = dict(manifest.levels)
     levels["1"] = {**dict(levels.get("1", {})), "redundancy": record.to_json()}

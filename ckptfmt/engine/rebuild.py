@@ -22,7 +22,7 @@ from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.engine import MemberBuffers, scratch
 from ckptfmt.redundancy.record import RedundancyRecord
-from ckptfmt.redundancy.stripes import Op, plan_rebuild
+from ckptfmt.redundancy.stripes import Op
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside
 
@@ -148,7 +148,7 @@ def plan_all(
         if not data_lost and not parity_lost:
             continue
         try:
-            plans.append((i, plan_rebuild(record.scheme, s.n, record.m, data_lost, parity_lost)))
+            plans.append((i, record.code.rebuild_plan(s.n, data_lost, parity_lost)))
         except UnrecoverableError as exc:
             ranks = [s.members[j] for j in data_lost]
             lost_ranks.update(ranks)
@@ -167,5 +167,3 @@ def plan_all(
             lost_tensors(manifest, lost_ranks),
         )
     return plans
-
-

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ckptfmt.container.members import read_member
 from ckptfmt.engine.copies import (
     Choice,
     plan_offline,
@@ -42,7 +43,6 @@ from ckptfmt.errors import CkptError, UnrecoverableDamageError
 from ckptfmt.maintenance.nodes import NodeDirs, node_copies
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.engine import run_ops
-from ckptfmt.container.members import read_member
 from ckptfmt.redundancy.record import member_size, record_of
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside

@@ -25,7 +25,7 @@ from ckptfmt.maintenance.checks import (
 from ckptfmt.maintenance.verify_parity import check_single_dir, verify_nodes
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.nodes import is_template
 from ckptfmt.storage.paths import refuse_url
 
 __all__ = ["Problem", "VerifyReport", "manifest_schema", "verify"]
@@ -50,7 +50,7 @@ def verify(
     """
     if not isinstance(path, Mapping):
         refuse_url(path)  # s3://... would read as the missing directory ./s3:/...
-    if is_spread(path):
+    if isinstance(path, Mapping) or is_template(path):
         return verify_nodes(path, progress)
     root = Path(path)
     data = read_manifest_bytes(root)  # read once: parsed and checked, then schema-validated

@@ -55,7 +55,6 @@ from ckptfmt.redundancy.record import (
     member_files,
     record_of,
 )
-from ckptfmt.redundancy.stripes import encode_plan
 from ckptfmt.storage.files import Inside, read_scatter
 
 NOT_PRESENT = "not present on this level"
@@ -253,7 +252,7 @@ class _SetCheck:
         whether the parity was compared with the data."""
         rset, record = self.rset, self.record
         n, m, chunk = rset.n, record.m, rset.chunk
-        partner = record.scheme == "partner"
+        partner = record.code.copies_whole  # whole copies, not striped chunks
         k = len(rset.parity[0].crc32c)  # chunks per parity file
         readable = []
         for j, pf in enumerate(rset.parity):
@@ -323,7 +322,7 @@ class _SetCheck:
         """Encode bytes ``[o, o + w)`` of every chunk afresh and compare with ``stored``."""
         rset, record = self.rset, self.record
         n, m = rset.n, record.m
-        partner = record.scheme == "partner"
+        partner = record.code.copies_whole  # whole copies, not striped chunks
         local = {}
         for j in range(n):
             if partner:
@@ -337,7 +336,7 @@ class _SetCheck:
                     self._read_member(j, t * rset.chunk + o, data[t * w : (t + 1) * w])
                 parity = np.zeros(m * w, np.uint8)
             local[j] = MemberBuffers(data, parity)
-        run_ops(encode_plan(record.scheme, n, m), rset.members, sizes, w, local)
+        run_ops(record.code.encode_plan(n), rset.members, sizes, w, local)
         for j, buf in stored.items():
             fresh = local[j].parity
             step = buf.size // max(m, 1)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.errors import UsageError
-from ckptfmt.redundancy.schemes import SCHEMES, RedundancyScheme, scheme
+from ckptfmt.redundancy.schemes import SCHEMES, RedundancyScheme
 
 DEFAULT_SET_SIZE = 8
 
@@ -42,27 +42,32 @@ class Redundancy:
             raise UsageError(
                 f"unknown redundancy scheme {self.scheme!r} (known: {sorted(SCHEMES)})"
             )
-        m = {"xor": 1, "partner": 0}.get(self.scheme, self.m or 2)
-        if self.scheme == "xor" and self.m not in (0, 1):
-            raise UsageError("xor has exactly one parity (m=1)")
-        if self.scheme == "partner" and self.m:
-            raise UsageError("partner takes no m")
-        if not 1 <= m <= 255 and self.scheme == "rs":
-            raise UsageError(f"rs needs 1 <= m <= 255, got m={m}")
+        cls = SCHEMES[self.scheme]
+        if not isinstance(self.m, int) or isinstance(self.m, bool):
+            raise UsageError(f"m must be an integer, got {self.m!r}")
+        m = cls.resolve_m(self.m)
         object.__setattr__(self, "m", m)
+        object.__setattr__(self, "_code", cls.with_m(m))
         if not isinstance(self.set_size, int) or not self.min_size <= self.set_size <= 256:
+            varies = cls.M_RANGE[0] != cls.M_RANGE[1]
             raise UsageError(
                 f"set_size must be between {self.min_size} and 256 for {self.scheme}"
-                f"{f' with m={m}' if self.scheme == 'rs' else ''}, got {self.set_size!r}"
+                f"{f' with m={m}' if varies else ''}, got {self.set_size!r}"
             )
 
     @property
+    def code(self) -> RedundancyScheme:
+        """The scheme object: the one owner of this scheme's geometry and plans."""
+        code: RedundancyScheme = object.__getattribute__(self, "_code")
+        return code
+
+    @property
     def min_size(self) -> int:
-        """The fewest members a set may have: two for partner and xor, m + 1 for rs."""
-        return 2 if self.scheme in ("partner", "xor") else self.m + 1
+        """The fewest members a set may have (two for partner and xor, m + 1 for rs)."""
+        return self.code.min_members()
 
     def make_scheme(self) -> RedundancyScheme:
-        return scheme(self.scheme, self.m if self.scheme == "rs" else None)
+        return self.code
 
     @classmethod
     def of(cls, spec: str | Redundancy | Mapping[str, Any]) -> Redundancy:

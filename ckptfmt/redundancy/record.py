@@ -16,10 +16,10 @@ from typing import Any
 
 from ckptfmt.errors import ManifestError
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
-from ckptfmt.redundancy.schemes import SCHEMES
+from ckptfmt.redundancy.schemes import POLYNOMIAL as POLYNOMIAL  # re-exported
+from ckptfmt.redundancy.schemes import SCHEMES, RedundancyScheme
 
 PARITY_DIR = "ckptfmt-redundancy"  # a reserved name component (FORMAT.md §3)
-POLYNOMIAL = 0x11D
 
 
 def parity_path(rank: int) -> str:
@@ -64,10 +64,13 @@ class RedundancyRecord:
                 return s, s.members.index(rank)
         raise ManifestError(f"rank {rank} is in no redundancy set", "/levels/1/redundancy/sets")
 
+    @property
+    def code(self) -> RedundancyScheme:
+        """The scheme object: the one owner of this scheme's geometry and plans."""
+        return SCHEMES[self.scheme].with_m(self.m)
+
     def to_json(self) -> dict[str, Any]:
-        code: dict[str, Any] = {"xor": {"matrix": "xor"}, "partner": {"matrix": "copy"}}.get(
-            self.scheme, {"field": "gf256", "polynomial": POLYNOMIAL, "matrix": "cauchy"}
-        )
+        code = self.code.code_json()
         return {
             "scheme": self.scheme,
             "m": self.m,
@@ -122,9 +125,10 @@ def record_of(manifest: Manifest) -> RedundancyRecord | None:
         raise ManifestError(f"unknown redundancy scheme {scheme!r}", f"{at}/scheme")
     m = need(doc, "m", int, at)
     set_size = need(doc, "set_size", int, at)
-    want_m = {"xor": (1, 1), "partner": (0, 0)}.get(scheme, (1, 255))
+    want_m = SCHEMES[scheme].M_RANGE
     if not want_m[0] <= m <= want_m[1]:
         raise ManifestError(f"m={m} is not valid for {scheme}", f"{at}/m")
+    code = SCHEMES[scheme].with_m(m)
     sets = []
     seen: set[int] = set()
     for i, sd in enumerate(need(doc, "sets", list, at)):
@@ -152,8 +156,7 @@ def record_of(manifest: Manifest) -> RedundancyRecord | None:
                 raise ManifestError(
                     f"member {r}: size {sizes[j]} is not that of its files", f"{where}/sizes/{j}"
                 )
-        longest = max(sizes)
-        want_chunk = longest if scheme == "partner" else -(-longest // (n - m))
+        want_chunk = code.set_chunk(sizes)
         if chunk != want_chunk:
             raise ManifestError(f"chunk {chunk}, expected {want_chunk}", f"{where}/chunk")
         files = []
@@ -162,10 +165,10 @@ def record_of(manifest: Manifest) -> RedundancyRecord | None:
             path = need(pd, "path", str, pw)
             size = need(pd, "size", int, pw)
             crcs = need(pd, "crc32c", list, pw)
-            want_size = sizes[(j - 1) % n] if scheme == "partner" else m * chunk
+            want_size = code.parity_bytes(sizes, j, chunk)
             if path != parity_path(members[j]) or size != want_size:
                 raise ManifestError(f"expected {parity_path(members[j])}, {want_size} bytes", pw)
-            if len(crcs) != max(m, 1) or not all(
+            if len(crcs) != code.parity_chunks() or not all(
                 isinstance(c, str) and len(c) == 8 and all(ch in "0123456789abcdef" for ch in c)
                 for c in crcs
             ):

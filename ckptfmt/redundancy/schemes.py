@@ -1,16 +1,24 @@
-"""Redundancy schemes: the same two verbs for each (``encode``, ``rebuild``), a ``tolerates``
-count, and a registry from the on-disk id to the class (``spec/redundancy.md``).
+"""Redundancy schemes, and a registry from the on-disk id to the class (``spec/redundancy.md``).
 
-A scheme works on *blocks*: ``k`` data blocks of one length (indices ``0..k-1``) and the
-``n_parity(k)`` blocks it derives from them (indices ``k..``). How a set's member files become
-blocks and where each block is stored is :func:`layout`'s business.
+Each scheme object is the one owner of what differs between schemes, at two levels:
+
+- *blocks*: ``k`` data blocks of one length (indices ``0..k-1``) and the ``n_parity(k)`` blocks
+  derived from them (``encode``, ``rebuild``, ``tolerates``);
+- *a redundancy set* of ``n`` members on distinct nodes (§4, "Placement"): how many parity
+  chunks a stripe has (``m``), the chunk size and every member's data and parity buffer sizes
+  from the members' data sizes, the CRCs per parity file, the ``code`` the record names, how
+  many members a set needs, the valid ``m``, and the encode and rebuild plans
+  (:mod:`ckptfmt.redundancy.stripes`) the engine runs.
+
+Nothing outside this module branches on a scheme's name.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 import numpy as np
@@ -18,6 +26,9 @@ import numpy as np
 from ckptfmt.errors import UnrecoverableError as UnrecoverableError  # re-exported
 from ckptfmt.errors import UsageError
 from ckptfmt.redundancy import gf256
+from ckptfmt.redundancy.stripes import Op, plan_copies, plan_stripes
+
+POLYNOMIAL = 0x11D  # GF(2^8) reduction polynomial x^8 + x^4 + x^3 + x^2 + 1 (gf256's tables)
 
 
 class RedundancyScheme(abc.ABC):
@@ -46,6 +57,80 @@ class RedundancyScheme(abc.ABC):
         Returns index -> rebuilt array for each index in ``lost``; raises
         :class:`UnrecoverableError` when that is impossible.
         """
+
+    # --- a redundancy set of n members (spec/redundancy.md §4) ---
+
+    copies_whole: ClassVar[bool] = False  # a member's parity is a whole copy of another's data
+    M_RANGE: ClassVar[tuple[int, int]]  # the valid parity chunks per stripe, as recorded
+
+    @property
+    @abc.abstractmethod
+    def m(self) -> int:
+        """Parity chunks per stripe (0: the parity is a whole copy)."""
+
+    @classmethod
+    def resolve_m(cls, m: int) -> int:
+        """The ``m`` a configuration asking for ``m`` (0: the default) gets; a clear error when
+        the scheme takes no such ``m``."""
+        lo, hi = cls.M_RANGE
+        if m == 0 and lo > 0:
+            return max(lo, 2) if hi > lo else lo
+        if not lo <= m <= hi:
+            raise UsageError(cls._m_error(m))
+        return m
+
+    @classmethod
+    def _m_error(cls, m: int) -> str:
+        lo, hi = cls.M_RANGE
+        return f"{cls.name} needs {lo} <= m <= {hi}, got m={m}"
+
+    @classmethod
+    def with_m(cls, m: int) -> RedundancyScheme:
+        """The scheme object for a recorded or resolved ``m``."""
+        cls.resolve_m(m)
+        return cls()
+
+    def min_members(self) -> int:
+        """The fewest members a set may have."""
+        return max(2, self.m + 1)
+
+    def parity_chunks(self) -> int:
+        """Chunks (and so CRCs) per parity file."""
+        return max(self.m, 1)
+
+    @abc.abstractmethod
+    def set_chunk(self, sizes: Sequence[int]) -> int:
+        """The chunk size S of a set whose members hold ``sizes`` bytes of data."""
+
+    @abc.abstractmethod
+    def data_bytes(self, sizes: Sequence[int], j: int, chunk: int) -> int:
+        """Member ``j``'s data buffer: its data, zero-padded to what the ops address."""
+
+    @abc.abstractmethod
+    def parity_bytes(self, sizes: Sequence[int], j: int, chunk: int) -> int:
+        """The size of member ``j``'s parity file."""
+
+    @abc.abstractmethod
+    def code_json(self) -> dict[str, object]:
+        """The record's ``code``: which arithmetic the parity was computed with."""
+
+    @abc.abstractmethod
+    def rebuild_plan(
+        self,
+        n: int,
+        data_lost: Collection[int],
+        parity_lost: Collection[tuple[int, int]],
+        via_tmp: bool = True,
+    ) -> list[Op]:
+        """The ops rebuilding the lost data of members ``data_lost`` (positions) and the lost
+        parity chunks ``parity_lost`` (``(member, p)``) of a set of ``n``; raises
+        :class:`UnrecoverableError` beyond the tolerance."""
+
+    def encode_plan(self, n: int) -> list[Op]:
+        """Encoding a set of ``n``: the rebuild of every parity chunk from intact data, each
+        straight into its parity (every member local)."""
+        lost = [(j, p) for j in range(n) for p in range(self.parity_chunks())]
+        return self.rebuild_plan(n, (), lost, via_tmp=False)
 
     def _check(self, k: int, blocks: Mapping[int, np.ndarray], lost: Sequence[int]) -> int:
         total = k + self.n_parity(k)
@@ -87,6 +172,37 @@ class Partner(RedundancyScheme):
     rebuilt; as blocks, any single loss is."""
 
     name = "partner"
+    copies_whole = True
+    M_RANGE = (0, 0)
+
+    @property
+    def m(self) -> int:
+        return 0
+
+    @classmethod
+    def _m_error(cls, m: int) -> str:
+        return "partner takes no m"
+
+    def set_chunk(self, sizes: Sequence[int]) -> int:
+        return max(sizes)
+
+    def data_bytes(self, sizes: Sequence[int], j: int, chunk: int) -> int:
+        return sizes[j]
+
+    def parity_bytes(self, sizes: Sequence[int], j: int, chunk: int) -> int:
+        return sizes[(j - 1) % len(sizes)]  # the copy of the previous member's data
+
+    def code_json(self) -> dict[str, object]:
+        return {"matrix": "copy"}
+
+    def rebuild_plan(
+        self,
+        n: int,
+        data_lost: Collection[int],
+        parity_lost: Collection[tuple[int, int]],
+        via_tmp: bool = True,
+    ) -> list[Op]:
+        return plan_copies(self.name, n, data_lost, parity_lost)
 
     def tolerates(self, k: int) -> int:
         return 1
@@ -109,10 +225,74 @@ class Partner(RedundancyScheme):
         return {i: blocks[(i + k) % (2 * k)].copy() for i in lost}
 
 
-class Xor(RedundancyScheme):
+class _Striped(RedundancyScheme):
+    """A set cut into stripes (``xor``, ``rs``): each member's data in ``n - m`` chunks of S bytes,
+    stripe r a codeword of a systematic ``(c + m) x c`` generator, its parity chunks rotating
+    over the members (:mod:`ckptfmt.redundancy.stripes`)."""
+
+    @abc.abstractmethod
+    def generator(self, c: int) -> np.ndarray:
+        """The systematic ``(c + m) x c`` generator over GF(2^8) (read-only)."""
+
+    def set_chunk(self, sizes: Sequence[int]) -> int:
+        return -(-max(sizes) // (len(sizes) - self.m))
+
+    def data_bytes(self, sizes: Sequence[int], j: int, chunk: int) -> int:
+        return (len(sizes) - self.m) * chunk
+
+    def parity_bytes(self, sizes: Sequence[int], j: int, chunk: int) -> int:
+        return self.m * chunk
+
+    def rebuild_plan(
+        self,
+        n: int,
+        data_lost: Collection[int],
+        parity_lost: Collection[tuple[int, int]],
+        via_tmp: bool = True,
+    ) -> list[Op]:
+        if n - self.m < 1:
+            raise UsageError(f"a set of {n} cannot carry {self.m} parity chunks per stripe")
+        g = self.generator(n - self.m)
+        return plan_stripes(self.name, n, self.m, g, data_lost, parity_lost, via_tmp)
+
+
+@lru_cache(maxsize=256)
+def _xor_generator(c: int) -> np.ndarray:
+    g = np.zeros((c + 1, c), np.uint8)
+    g[:c] = np.eye(c, dtype=np.uint8)
+    g[c] = 1
+    g.setflags(write=False)
+    return g
+
+
+@lru_cache(maxsize=256)
+def _cauchy_generator(c: int, m: int) -> np.ndarray:
+    g = gf256.cauchy_matrix(c, m)
+    g.setflags(write=False)
+    return g
+
+
+class Xor(_Striped):
     """One parity block, the XOR of the k members (RAID-5): any one loss is rebuilt."""
 
     name = "xor"
+    M_RANGE = (1, 1)
+
+    @property
+    def m(self) -> int:
+        return 1
+
+    @classmethod
+    def resolve_m(cls, m: int) -> int:
+        if m not in (0, 1):
+            raise UsageError("xor has exactly one parity (m=1)")
+        return 1
+
+    def generator(self, c: int) -> np.ndarray:
+        return _xor_generator(c)
+
+    def code_json(self) -> dict[str, object]:
+        return {"matrix": "xor"}
 
     def tolerates(self, k: int) -> int:
         return 1
@@ -139,12 +319,23 @@ class Xor(RedundancyScheme):
 
 
 @dataclass(frozen=True)
-class ReedSolomon(RedundancyScheme):
+class ReedSolomon(_Striped):
     """``m`` parity blocks over GF(2^8) from the systematic Cauchy matrix
     (:func:`gf256.cauchy_matrix`): any m losses are rebuilt; k + m <= 256."""
 
-    m: int = 2
+    m: int = 2  # type: ignore[assignment]  # a field where the base declares a property
     name: ClassVar[str] = "rs"
+    M_RANGE: ClassVar[tuple[int, int]] = (1, 255)
+
+    @classmethod
+    def with_m(cls, m: int) -> RedundancyScheme:
+        return cls(cls.resolve_m(m))
+
+    def generator(self, c: int) -> np.ndarray:
+        return _cauchy_generator(c, self.m)
+
+    def code_json(self) -> dict[str, object]:
+        return {"field": "gf256", "polynomial": POLYNOMIAL, "matrix": "cauchy"}
 
     def tolerates(self, k: int) -> int:
         return self.m
@@ -185,6 +376,16 @@ class ReedSolomon(RedundancyScheme):
 
 
 SCHEMES: dict[str, type[RedundancyScheme]] = {cls.name: cls for cls in (Partner, Xor, ReedSolomon)}
+
+
+def scheme_of(name: str, m: int) -> RedundancyScheme:
+    """The scheme object of a configuration or record: id ``name`` with ``m`` parity chunks per
+    stripe (0: the scheme's default)."""
+    try:
+        cls = SCHEMES[name]
+    except KeyError:
+        raise UsageError(f"unknown redundancy scheme {name!r} (known: {sorted(SCHEMES)})") from None
+    return cls.with_m(m)
 
 
 def scheme(name: str, m: int | None = None) -> RedundancyScheme:

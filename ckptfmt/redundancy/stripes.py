@@ -20,13 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import UnrecoverableError, UsageError
 from ckptfmt.redundancy import gf256
-from ckptfmt.redundancy.schemes import UnrecoverableError
 
 WHOLE = -1  # partner: the whole member data / the whole copy
 
@@ -46,22 +44,6 @@ def parity_stripe(n: int, j: int, p: int) -> int:
     return (j - p) % n
 
 
-@lru_cache(maxsize=256)
-def generator(scheme: str, c: int, m: int) -> np.ndarray:
-    """The systematic ``(c + m) x c`` generator: identity over the parity rows (xor: a row of
-    ones; rs: the Cauchy block of :func:`gf256.cauchy_matrix`)."""
-    if scheme == "xor":
-        g = np.zeros((c + 1, c), np.uint8)
-        g[:c] = np.eye(c, dtype=np.uint8)
-        g[c] = 1
-    elif scheme == "rs":
-        g = gf256.cauchy_matrix(c, m)
-    else:
-        raise UsageError(f"no generator matrix for scheme {scheme!r}")
-    g.setflags(write=False)
-    return g
-
-
 @dataclass(frozen=True)
 class Op:
     """``dst.<dst_kind>[dst_index] ^= coef * src.<src_kind>[src_index]`` (members by position;
@@ -77,25 +59,24 @@ class Op:
     coef: int
 
 
-def plan_rebuild(
-    scheme: str,
+def plan_stripes(
+    name: str,
     n: int,
     m: int,
+    g: np.ndarray,
     data_lost: Collection[int],
     parity_lost: Collection[tuple[int, int]],
     via_tmp: bool = True,
 ) -> list[Op]:
     """The ops that rebuild the lost data of members ``data_lost`` and the lost parity chunks
-    ``parity_lost`` (``(member, p)``) of one set (``via_tmp``: see :func:`_parity_ops`). Raises
-    :class:`UnrecoverableError` (naming the lost members by position, parity as ``n + member``)
-    when some stripe lost more than it tolerates."""
+    ``parity_lost`` (``(member, p)``) of one striped set whose code has the systematic generator
+    ``g`` (``(c + m) x c``; ``via_tmp``: see :func:`_parity_ops`). Raises
+    :class:`UnrecoverableError` (naming scheme ``name``, the lost members by position, parity as
+    ``n + member``) when some stripe lost more than it tolerates."""
     data_lost, parity_lost = set(data_lost), set(parity_lost)
-    if scheme == "partner":
-        return _plan_partner(n, data_lost, parity_lost)
     c = n - m
     if c < 1:
         raise UsageError(f"a set of {n} cannot carry {m} parity chunks per stripe")
-    g = generator(scheme, c, m)
     ops: list[Op] = []
     for r in range(n):
         lost_t = [t for t in range(c) if data_member(n, m, r, t) in data_lost]
@@ -105,7 +86,7 @@ def plan_rebuild(
             c + p for p in range(m) if (parity_member(n, r, p), p) not in parity_lost
         ]
         if len(alive) < c:
-            _unrecoverable(scheme, n, m, data_lost, parity_lost)
+            _unrecoverable(name, n, m, data_lost, parity_lost)
         use = alive[:c]
         decode = gf256.mat_inv(g[use])
         # the last surviving position's member decodes (for xor mostly the parity's, a different
@@ -155,12 +136,17 @@ def _member_at(n: int, m: int, r: int, c: int, pos: int) -> int:
     return data_member(n, m, r, pos) if pos < c else parity_member(n, r, pos - c)
 
 
-def _plan_partner(n: int, data_lost: set[int], parity_lost: set[tuple[int, int]]) -> list[Op]:
+def plan_copies(
+    name: str, n: int, data_lost: Collection[int], parity_lost: Collection[tuple[int, int]]
+) -> list[Op]:
+    """The ops that rebuild a set whose member j's parity is a whole copy of member j - 1's data
+    (partner): a lost member's data from its copy, a lost copy from the data."""
+    data_lost, parity_lost = set(data_lost), set(parity_lost)
     ops = []
     for j in sorted(data_lost):
         holder = (j + 1) % n
         if (holder, 0) in parity_lost:
-            _unrecoverable("partner", n, 0, data_lost, parity_lost)
+            _unrecoverable(name, n, 0, data_lost, parity_lost)
         ops.append(Op(holder, "parity", WHOLE, j, "data", WHOLE, 1))
     for j, _p in sorted(parity_lost):
         ops.append(Op((j - 1) % n, "data", WHOLE, j, "parity", WHOLE, 1))
@@ -172,9 +158,3 @@ def _unrecoverable(
 ) -> None:
     lost = sorted(data_lost) + sorted({n + j for j, _ in parity_lost})
     raise UnrecoverableError(scheme, lost, max(m, 1), n)
-
-
-def encode_plan(scheme: str, n: int, m: int) -> list[Op]:
-    """Encoding as a rebuild of every parity chunk from intact data."""
-    lost = [(j, p) for j in range(n) for p in range(max(m, 1))]
-    return plan_rebuild(scheme, n, m, (), lost, via_tmp=False)
