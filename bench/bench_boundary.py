@@ -78,7 +78,8 @@ def count_collectives(comm: Any) -> dict[str, float]:
 
 
 def time_repair() -> dict[str, float]:
-    """Seconds in ``ckptfmt.engine.copies.repair_collective`` (the metadata repair the new rebuild runs
+    """Seconds in ``ckptfmt.engine.copies.repair_collective`` (the metadata repair the new rebuild
+    runs
     first; absent before: stays 0)."""
     spent = {"s": 0.0}
     try:
@@ -127,11 +128,11 @@ def launch(args: argparse.Namespace) -> None:
     import ckptfmt
     from ckptfmt import CheckpointManager
     from ckptfmt.parallel.load import load_collective
-    from ckptfmt.transport.mpi import MpiComm
     from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.parallel.rebuild import rebuild_collective
     from ckptfmt.redundancy.config import Redundancy
     from ckptfmt.storage import commit
+    from ckptfmt.transport.mpi import MpiComm
 
     mpi = MPI.COMM_WORLD
     comm = MpiComm(mpi)

@@ -272,10 +272,10 @@ RUNNERS: dict[str, Callable[[Env, int], Sample]] = {
 def planned_pieces(env: Env) -> list[memoryview]:
     """This rank's share under ckptfmt's plan (the same plan ``save_collective`` makes), cut
     into byte views of at most one default shard."""
-    from ckptfmt.manifest.grid import DEFAULT_SHARD_BYTES
-    from ckptfmt.plan.ownership import make_plan
-    from ckptfmt.parallel.protocol import check_state
     from ckptfmt.format.shard_io import byte_view
+    from ckptfmt.manifest.grid import DEFAULT_SHARD_BYTES
+    from ckptfmt.parallel.protocol import check_state
+    from ckptfmt.plan.ownership import make_plan
 
     holdings = check_state(env.nested).holdings()
     plan = make_plan([holdings] * env.size)

@@ -273,13 +273,13 @@ def barrier_time(env: Env, body: Callable[[], Any]) -> tuple[float, Any]:
 def run_save(env: Env, key: str, rnd: int, fsync: bool) -> dict[str, Any]:
     """One collective save (``key``: ``l1`` or a scheme); for schemes, then the loss of one node
     and its rebuild, and the survivors' reads. Returns this rank's timings."""
+    from ckptfmt.container.members import read_member
     from ckptfmt.parallel import rebuild
     from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.redundancy.config import Redundancy
     from ckptfmt.redundancy.record import record_of
     from ckptfmt.storage import commit
     from ckptfmt.storage.files import Inside
-    from ckptfmt.container.members import read_member
 
     path = node_dir(env) / f"{key}-{int(fsync)}-{rnd}"
     red = Redundancy.of(SCHEMES[key]) if key in SCHEMES else None
@@ -415,8 +415,8 @@ def remove(path: Path) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from ckptfmt.transport.mpi import MpiComm
     from ckptfmt.redundancy import gf256
+    from ckptfmt.transport.mpi import MpiComm
 
     mpi = MPI.COMM_WORLD
     comm = MpiComm(mpi, wait=args.wait)

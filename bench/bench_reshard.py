@@ -16,7 +16,8 @@ without ``--worker``) does everything:
    and from level 1; rounds interleaved, the order rotating; a round's time is the slowest
    rank's (barrier before, all-gather of the times after); the first round also checks every
    loaded byte;
-3. in this process: ``ckptfmt.maintenance.reshard.reshard`` (what ``ckptfmt reshard`` runs) of the 4-rank
+3. in this process: ``ckptfmt.maintenance.reshard.reshard`` (what ``ckptfmt reshard`` runs) of the
+4-rank
    checkpoint for 2 ranks and of the 2-rank one for 4 (rows split, fsync off and on), against
    ``ckptfmt.load`` + ``ckptfmt.save`` of the same state (read everything, write everything) and
    a plain copy of the directory tree (``shutil.copytree``: the bytes, no checks).
@@ -103,10 +104,10 @@ def dp_state(rows: int) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from ckptfmt.parallel.load import load_collective
-    from ckptfmt.transport.mpi import MpiComm
-    from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.format.chunk_reads import record_reads
+    from ckptfmt.parallel.load import load_collective
+    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.transport.mpi import MpiComm
 
     comm = MpiComm()
     node = f"n{comm.rank * 2 // comm.size}"

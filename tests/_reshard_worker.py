@@ -167,8 +167,8 @@ def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
 
 
 def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[str, Any]:
-    from ckptfmt.parallel.load import load_collective
     from ckptfmt.format.chunk_reads import record_reads
+    from ckptfmt.parallel.load import load_collective
 
     path = task["path"].replace("{node}", node)
     rank_map = task.get("rank_map")

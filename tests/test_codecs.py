@@ -11,6 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptfmt.checksum import combine, crc32c
+from ckptfmt.errors import ChecksumError, CorruptShardError
+from ckptfmt.format.shard import (
+    EMPTY,
+    FileCrc,
+    decode_index,
+    encode_index,
+    index_nbytes,
+)
 from ckptfmt.manifest.grid import (
     cells,
     choose_grid,
@@ -20,14 +28,6 @@ from ckptfmt.manifest.grid import (
     shard_key,
     shard_slots,
 )
-from ckptfmt.format.shard import (
-    EMPTY,
-    FileCrc,
-    decode_index,
-    encode_index,
-    index_nbytes,
-)
-from ckptfmt.errors import ChecksumError, CorruptShardError
 
 # --- CRC32C --------------------------------------------------------------------------------------
 

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt.errors import CkptError, DamagedError, ManifestError
-from ckptfmt.manifest.codec import parse_manifest, seal_bytes
 from ckptfmt.maintenance.verify import manifest_schema
+from ckptfmt.manifest.codec import parse_manifest, seal_bytes
 
 FUZZ = settings(
     max_examples=250,

@@ -21,6 +21,7 @@ from level1_util import save_level1
 
 import ckptfmt
 from ckptfmt.checksum import crc32c
+from ckptfmt.container.reader import read_doc
 from ckptfmt.errors import (
     CkptError,
     DamagedError,
@@ -28,7 +29,6 @@ from ckptfmt.errors import (
     MetadataMismatchError,
 )
 from ckptfmt.manifest.codec import CHECKSUM_MEMBER, dump_manifest, parse_manifest
-from ckptfmt.container.reader import read_doc
 from ckptfmt.storage.files import Inside
 
 STATE: dict[str, Any] = {

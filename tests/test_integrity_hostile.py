@@ -21,9 +21,9 @@ import pytest
 from conftest import REPO, memory_cap, seal_if_sealed
 
 import ckptfmt
-from ckptfmt.format.zarr_meta import array_doc, doc_bytes
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import AllocationLimitError, CkptError, NotACheckpointError
+from ckptfmt.format.zarr_meta import array_doc, doc_bytes
 
 STATE = {"w": np.arange(64, dtype=np.float32).reshape(8, 8), "step": 3}
 

@@ -20,8 +20,8 @@ from inproc_comm import run_threads
 from level1_util import NODES4, flip, rank_state, save_level1, tree
 
 import ckptfmt
-from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.maintenance.repair import rebuild
+from ckptfmt.parallel.rebuild import rebuild_collective
 
 NODES2 = ["n0", "n1"]
 

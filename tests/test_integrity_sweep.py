@@ -33,10 +33,10 @@ from conftest import assert_state_equal
 from level1_util import save_level1, tree
 
 import ckptfmt
-from ckptfmt.format.shard import index_nbytes
 from ckptfmt.errors import CkptError
-from ckptfmt.maintenance.repair import rebuild
+from ckptfmt.format.shard import index_nbytes
 from ckptfmt.format.shard_io import Geometry
+from ckptfmt.maintenance.repair import rebuild
 
 SEED = int(os.environ.get("CKPTFMT_SWEEP_SEED", "20261203"))
 FLIPS = os.environ.get("CKPTFMT_SWEEP_FLIPS", "600,500").split(",")

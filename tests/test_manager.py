@@ -114,9 +114,9 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
     verify); the flush is not attempted and, called directly, refused."""
     from inproc_comm import run_threads
 
+    from ckptfmt.container.reader import read_manifest
     from ckptfmt.parallel.levels import flush_collective
     from ckptfmt.parallel.manager import CheckpointManager as Manager
-    from ckptfmt.container.reader import read_manifest
 
     root = tmp_path
 

@@ -40,9 +40,9 @@ from conftest import assert_state_equal
 from mpi_util import REPO, describe, run_mpi, run_torchrun
 
 import ckptfmt
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.dtypes import by_name
 from ckptfmt.manifest.model import GroupEntry, Manifest
-from ckptfmt.container.reader import read_manifest
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import step_dir_name
 

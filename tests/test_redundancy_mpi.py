@@ -31,11 +31,11 @@ from _parallel_worker import digest, make_state, node_of, nodes
 from mpi_util import REPO, describe, run_mpi
 from test_parallel import committed_steps, data_files, files_under, metadata_files
 
-from ckptfmt.maintenance import repair
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import UnrecoverableDamageError
+from ckptfmt.maintenance import repair
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.container.reader import read_manifest
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import step_dir_name
 

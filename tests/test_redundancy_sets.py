@@ -1,5 +1,6 @@
 """Redundancy sets end to end in one process: the striped layout of ``spec/redundancy.md`` §4 as
-the engine writes it (the scheme object's ``encode_plan``/``rebuild_plan`` run by ``engine.run_ops``), and the
+the engine writes it (the scheme object's ``encode_plan``/``rebuild_plan`` run by
+``engine.run_ops``), and the
 offline repair of real checkpoints (``ckptfmt.maintenance.repair``).
 
 For partner, xor and rs (m = 1, 2, 3) and sets of 2..8 members whose data has odd and zero

@@ -39,8 +39,8 @@ from mpi_util import REPO, describe, run_mpi
 from test_reshard_load import needed
 
 import ckptfmt
-from ckptfmt.manifest.model import Manifest
 from ckptfmt.container.reader import read_manifest
+from ckptfmt.manifest.model import Manifest
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

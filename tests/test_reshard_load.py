@@ -25,12 +25,12 @@ import pytest
 from inproc_comm import run_threads
 
 from ckptfmt import PerRank, Shard
+from ckptfmt.container.reader import read_manifest
+from ckptfmt.format.chunk_reads import ReadLog, record_reads
 from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
 from ckptfmt.parallel.protocol import save_collective
-from ckptfmt.container.reader import read_manifest
 from ckptfmt.plan.per_rank import PerRankError, PerRankWarning
-from ckptfmt.format.chunk_reads import ReadLog, record_reads
 
 SHARD_BYTES = 8 << 10
 CHUNK_BYTES = 1 << 10

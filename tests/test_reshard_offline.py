@@ -21,10 +21,10 @@ import pytest
 from test_reshard_load import ROWS, full_state, per_rank_extra, rows_of, save
 
 import ckptfmt
-from ckptfmt.errors import ChecksumError, DamagedError, DestinationExistsError
 from ckptfmt.container.reader import read_manifest
-from ckptfmt.plan.per_rank import PerRankError
+from ckptfmt.errors import ChecksumError, DamagedError, DestinationExistsError
 from ckptfmt.maintenance.reshard import reshard
+from ckptfmt.plan.per_rank import PerRankError
 
 GRID = {"chunk_bytes": 1 << 10, "shard_bytes": 8 << 10, "fsync": False}
 

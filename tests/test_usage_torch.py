@@ -20,8 +20,8 @@ import ckptfmt_torch  # noqa: E402
 from ckptfmt_torch import TrainingState  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.tree.casting import CastWarning  # noqa: E402
 from ckptfmt.errors import DtypeMismatchError, UrlNotSupportedError, UsageError  # noqa: E402
+from ckptfmt.tree.casting import CastWarning  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -1,5 +1,6 @@
 """``ckptfmt.maintenance.verify`` of a level-1 checkpoint node by node, with its parity
-(``ckptfmt/maintenance/verify_parity.py``): every node's copy, every data file, every parity chunk's CRC32C,
+(``ckptfmt/maintenance/verify_parity.py``): every node's copy, every data file, every parity
+chunk's CRC32C,
 and the parity against a fresh encoding of the members' data; a level-3 copy reports the
 level-1 redundancy as not present there."""
 

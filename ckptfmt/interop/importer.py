@@ -127,7 +127,8 @@ def import_named(
     ``ranks`` > 1 (or ``nodes``): the checkpoint a job of that many ranks would have saved,
     every rank its share (``rows`` globs: tensors held in row blocks, FSDP-like; ``nodes[k]``
     rank k's node; ``out`` may be a ``{node}`` template of level-1 directories), written by
-    ``ckptfmt.maintenance.reshard.reshard`` from a one-process save in a staging directory beside ``out``."""
+    ``ckptfmt.maintenance.reshard.reshard`` from a one-process save in a staging directory
+    beside ``out``."""
     started = time.perf_counter() if started is None else started
     rules = renames_of(renames)
     where = where if where is not None else {n: source for n, _ in items}

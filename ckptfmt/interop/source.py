@@ -4,7 +4,8 @@ every byte checked against its CRC32C as it is read (``storage.shard_io``, the r
 code), each region from the directory of the node whose rank wrote it.
 
 When level-1 copies are damaged or a node's directory is gone, the lost data is rebuilt from
-the redundancy by ``ckptfmt.maintenance.repair.rebuild`` (what ``ckptfmt rebuild`` runs), but never into the
+the redundancy by ``ckptfmt.maintenance.repair.rebuild`` (what ``ckptfmt rebuild`` runs), but
+never into the
 source: the nodes with anything to repair are given to it as fresh directories under a scratch
 directory of the caller's (inside the export's staging directory), so it recreates them there
 whole, one redundancy set in memory at a time, and the source is left exactly as it was.

@@ -10,7 +10,8 @@ the tensors it affects. Files the manifest does not list are reported separately
 make a checkpoint damaged, but nothing vouches for them).
 
 A level-1 checkpoint spread over node-local directories (a ``{node}`` template or a mapping node
--> directory) is checked node by node, with its redundancy: :mod:`ckptfmt.maintenance.verify_parity`.
+-> directory) is checked node by node, with its redundancy:
+:mod:`ckptfmt.maintenance.verify_parity`.
 """
 
 from __future__ import annotations

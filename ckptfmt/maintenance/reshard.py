@@ -13,7 +13,8 @@ Each new shard file is made from the inner chunks of the source that its box nee
 full, over one or several new files, has its data CRC checked once its last chunk is in. Files
 are written into staging directories and committed by rename, manifest last (``spec/FORMAT.md``
 §13). With ``redundancy`` the parity of the new sets is encoded before the commit
-(``ckptfmt.engine.encode.encode_offline``). The destination is one directory, or with ``{node}`` one level-1
+(``ckptfmt.engine.encode.encode_offline``). The destination is one directory, or with
+``{node}`` one level-1
 directory per new node (each holding the metadata and its own ranks' files).
 """
 

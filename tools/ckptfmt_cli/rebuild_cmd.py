@@ -1,6 +1,7 @@
 """``ckptfmt rebuild``: repair a level-1 checkpoint offline from its redundancy.
 
-Only :func:`ckptfmt.maintenance.repair.rebuild` does the work (reading every member's data and parity,
+Only :func:`ckptfmt.maintenance.repair.rebuild` does the work (reading every member's data and
+parity,
 planning, rebuilding set by set, writing atomically); this module turns the command line into its
 argument and its report (or :class:`UnrecoverableDamageError`) into text, JSON and an exit status.
 """

@@ -1,6 +1,7 @@
 """``ckptfmt reshard``: rewrite a checkpoint for another number of ranks, offline, one process.
 
-Only :func:`ckptfmt.maintenance.reshard.reshard` does the work (the new ownership plan, reading the chunks
+Only :func:`ckptfmt.maintenance.reshard.reshard` does the work (the new ownership plan, reading
+the chunks
 each new shard needs, writing and committing, re-encoding redundancy); this module turns the
 command line into its arguments and its report into text or JSON.
 """
