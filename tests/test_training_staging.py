@@ -392,3 +392,42 @@ def test_cuda_map_location_moves_new_tensors_to_the_device(tmp_path: Path) -> No
     assert target["f32"].device.type == "cpu" and target["bf16"].device.type == "cuda"
     assert bits(target["bf16"]) == bits(torch_state(1)["bf16"])
     fresh.close()
+
+
+def test_torch_staging_of_modules_optimizers_and_dtensors(tmp_path: Path) -> None:
+    """Statefuls go through their state_dict(), DTensors by their local shard (a one-rank mesh):
+    the restored model, optimizer and DTensor are bit-exact, mutated after staged or not."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as ShardPlacement
+    from torch.distributed.tensor import distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(4, 16, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        d = distribute_tensor(torch.randn(6, 4), mesh, [ShardPlacement(0)])
+        want_w = bits(model.weight)
+        want_m = bits(opt.state[model.weight]["exp_avg"])
+        want_d = bits(d.to_local())
+        mgr = manager(tmp_path / "m")
+        h = save_async(mgr, 1, {"model": model, "optim": opt, "d": d}, TorchStager())
+        assert h.wait_staged(30)
+        opt.step()  # changes the weights and the moments in place
+        with torch.no_grad():
+            d.to_local().add_(1.0)
+        assert h.result(30) == 1
+        mgr.close()
+        assert bits(model.weight) != want_w
+        fresh = manager(tmp_path / "m")
+        assert torch_restore(fresh, {"model": model, "optim": opt, "d": d}) == 1
+        fresh.close()
+        assert bits(model.weight) == want_w
+        assert bits(opt.state[model.weight]["exp_avg"]) == want_m
+        assert bits(d.to_local()) == want_d
+    finally:
+        dist.destroy_process_group()
