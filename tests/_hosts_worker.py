@@ -11,6 +11,10 @@ job has no level 3. ``OUT`` is the cluster's shared folder; every rank writes
   (mpiexec then ends the job; under torch the test ends the rest).
 - ``restore``: on the survivors plus a spare, restores into zeroed buffers and reports the step,
   the level, what was rebuilt, and whether every tensor, value and per-rank entry is bit-exact.
+
+With ``HOSTSIM_LOGS`` set, the rank's stdout and stderr go to ``HOSTSIM_LOGS/<phase>.rank<r>.log``
+(the rank from the launcher's environment, before anything is imported), with a timestamped
+line at each stage, so that a rank that is late can be told apart from one that is stuck.
 """
 
 from __future__ import annotations
@@ -23,11 +27,34 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-from _worker_common import end_torch_job, make_comm
 
-from ckptfmt import CheckpointManager, PerRank, Shard
+def capture_output() -> None:
+    """Redirect fd 1 and 2 to this rank's own log file when ``HOSTSIM_LOGS`` names a folder."""
+    folder = os.environ.get("HOSTSIM_LOGS")
+    if not folder or len(sys.argv) < 3:
+        return
+    rank = os.environ.get("PMI_RANK") or os.environ.get("RANK") or f"pid{os.getpid()}"
+    fd = os.open(
+        Path(folder, f"{sys.argv[2]}.rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    )
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def mark(what: str) -> None:
+    """One timestamped line (wall clock, so that ranks' logs line up) in this rank's log."""
+    print(f"{time.time():.3f} {socket.gethostname()} pid {os.getpid()}: {what}", flush=True)
+
+
+capture_output()
+mark(f"started: {' '.join(sys.argv[1:3])}")
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from _worker_common import end_torch_job, make_comm  # noqa: E402
+
+from ckptfmt import CheckpointManager, PerRank, Shard  # noqa: E402
 
 LOCAL = "/local/ckpt"
 LINGER_S = 90.0
@@ -38,7 +65,8 @@ SHARD_BYTES = 256 << 10
 def bits(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
     dt = np.dtype(dtype)
     n = int(np.prod(shape)) * dt.itemsize
-    return rng.integers(0, 256, size=n, dtype=np.uint8).view(dt).reshape(shape)
+    out: np.ndarray = rng.integers(0, 256, size=n, dtype=np.uint8).view(dt).reshape(shape)
+    return out
 
 
 def state_at(step: int, rank: int, size: int) -> dict[str, Any]:
@@ -103,8 +131,14 @@ def mismatches(got: Any, want: Any, path: str = "") -> list[str]:
 def main() -> None:
     kind, phase, out, red_json = sys.argv[1:5]
     redundancy = json.loads(red_json)
+    mark("imported")
+    if kind == "torch":
+        import torch.distributed  # noqa: F401  (timed on its own: the slow part of starting)
+
+        mark("torch imported")
     comm = make_comm(kind)
     rank, size = comm.rank, comm.size
+    mark(f"communicator up: rank {rank} of {size}")
     host = socket.gethostname()
     mgr = CheckpointManager(
         local_dir=LOCAL,
@@ -117,21 +151,27 @@ def main() -> None:
     )
     report: dict[str, Any] = {"rank": rank, "size": size, "host": host, "node": mgr.node}
     if phase == "save":
-        for step in (1, 2):
-            mgr.save(step, state_at(step, rank, size))
+        for saved in (1, 2):
+            mgr.save(saved, state_at(saved, rank, size))
+            mark(f"save {saved} started")
         mgr.wait()
+        mark("saves done")
         report["failed"] = [repr(e) for _, e in mgr.failed_saves]
         report["local"] = sorted(os.listdir(LOCAL))
         report["local_files"] = sum(len(f) for _, _, f in os.walk(LOCAL))
         report["tcp_peers"] = tcp_peers()
         write(out, phase, rank, report)
+        mark("reported")
         comm.barrier()
+        mark("lingering")
         time.sleep(LINGER_S)  # the test kills a host meanwhile; reaching the end is a failure
         write(out, "lingered", rank, report)
         sys.exit(3)
     want = state_at(2, rank, size)
     got = zeros_like(want)
+    mark("restoring")
     step = mgr.restore(got)
+    mark(f"restored step {step}")
     lr = mgr.last_restore
     report.update(
         step=step,
@@ -144,7 +184,9 @@ def main() -> None:
         tcp_peers=tcp_peers(),
     )
     write(out, phase, rank, report)
+    mark("reported")
     mgr.close(flush=False)
+    mark("closed")
     if kind == "torch":
         end_torch_job()
 

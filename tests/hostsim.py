@@ -52,6 +52,7 @@ LAUNCHER = REPO / "scripts" / "hostsim-launch"  # hydra's "ssh": enters a host's
 SUBNET = "198.18.0"  # RFC 2544 benchmarking range; exists only inside our namespaces
 LOGIN = "login"
 LOGIN_ADDR = f"{SUBNET}.254"
+BRIDGE_MAC = "02:00:c6:12:00:fe"  # locally administered; set once, so it never changes
 ROOT_ENV = "HOSTSIM_ROOT"  # where the launcher finds the cluster's host table
 _NS = ("net", "uts", "mnt")
 
@@ -237,7 +238,12 @@ class Cluster:
             self._switch = _start_holder(LOGIN, mounts)
             sw = str(self._switch.pid)
             for cmd in (
-                ["ip", "link", "add", "br0", "type", "bridge"],
+                # a fixed address: a bridge without one takes the lowest of its ports' and
+                # changes it as ports come and go (a host killed, a spare added); the hosts'
+                # cached ARP entry for the login address then names a MAC nobody has, and
+                # their TCP connections to it (hydra's proxies to mpiexec) wait 35-70 s of SYN
+                # retransmissions until the entry expires
+                ["ip", "link", "add", "br0", "address", BRIDGE_MAC, "type", "bridge"],
                 ["ip", "addr", "add", f"{LOGIN_ADDR}/24", "dev", "br0"],
                 ["ip", "link", "set", "br0", "up"],
             ):
