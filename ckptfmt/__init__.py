@@ -19,6 +19,7 @@ from ckptfmt.errors import CkptError
 from ckptfmt.maintenance.verify import VerifyReport, verify
 from ckptfmt.parallel.levels import list_levels
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
+from ckptfmt.storage.progress import Progress
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.tree.state import PerRank, Shard
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointWarning",
     "Comm",
     "PerRank",
+    "Progress",
     "Shard",
     "SingleComm",
     "errors",

@@ -22,6 +22,7 @@ from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.transport.comm import SingleComm
 from ckptfmt.tree.state import flatten, unflatten
 
@@ -39,6 +40,7 @@ def save(
     fsync: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Save ``state`` as a committed checkpoint directory at ``path``; return its manifest.
 
@@ -46,7 +48,9 @@ def save(
     further mappings. A committed checkpoint at ``path`` is replaced only with ``overwrite=True``;
     a non-empty directory that is not a checkpoint is never written into. On any error nothing is
     left at ``path`` that was not there before. This is the collective save of
-    ``ckptfmt.parallel`` run by a single process.
+    ``ckptfmt.parallel`` run by a single process. ``progress``: called with
+    :class:`~ckptfmt.Progress` events (the bytes of the data files written; the last once the
+    checkpoint is committed), from this thread (``ckptfmt.storage.progress``).
     """
     check_destination(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -56,18 +60,20 @@ def save(
             f"need 1 <= chunk_bytes <= shard_bytes and chunk_bytes <= {MAX_CHUNK_BYTES}"
         )
     try:
-        manifest, _plan = save_collective(
-            SingleComm(),
-            state,
-            path,
-            step=step,
-            node=socket.gethostname(),
-            overwrite=overwrite,
-            fsync=fsync,
-            chunk_bytes=chunk_bytes,
-            shard_bytes=shard_bytes,
-            threads=writer_threads(),
-        )
+        with metering("save", progress) as meter:
+            manifest, _plan = save_collective(
+                SingleComm(),
+                state,
+                path,
+                step=step,
+                node=socket.gethostname(),
+                overwrite=overwrite,
+                fsync=fsync,
+                chunk_bytes=chunk_bytes,
+                shard_bytes=shard_bytes,
+                threads=writer_threads(),
+            )
+            meter.finish()
     except SaveFailedError as exc:  # one process: re-raise its own error, not the vote's
         if exc.cause is not None:
             _raise_full(exc.cause, state, Path(path))
@@ -106,14 +112,21 @@ def writer_threads() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def load(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> dict[str, Any]:
     """Load a whole checkpoint into memory as the nested structure that was saved, bit-exact.
 
     Every byte read is checked against its CRC32C, and every ``zarr.json`` against the manifest;
     damage raises a :class:`DamagedError` that names the file and the tensors it affects.
     ``max_bytes``: the most the tensors may take in memory, checked against the manifest before
     anything is allocated (:class:`AllocationLimitError`); None: the machine's physical memory
-    (or the address-space limit), 0: no limit.
+    (or the address-space limit), 0: no limit. ``progress``: called with
+    :class:`~ckptfmt.Progress` events (the bytes of the data files read and verified), from
+    this thread (``ckptfmt.storage.progress``).
     """
     refuse_url(path)
     root = Path(path)
@@ -123,9 +136,10 @@ def load(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> dict[
     check_allocation(manifest.tensors(), max_bytes)
     leaves: list[tuple[tuple[str, ...], Any]] = []
     jobs: list[Callable[[], None]] = []
+    sizes: list[int] = []  # each job's stored bytes (progress)
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
-            out, tensor_jobs = tensor_reads(src, e)
+            out, tensor_jobs = tensor_reads(src, e, sizes)
             jobs += tensor_jobs
             leaves.append((e.name, out))
         elif isinstance(e, ValueEntry):
@@ -134,7 +148,10 @@ def load(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> dict[
             leaves.append((e.name, {}))
         else:
             leaves.append((e.name, list(e.values)))
-    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-        for future in [pool.submit(job) for job in jobs]:
+    with metering("load", progress) as meter, ThreadPoolExecutor(writer_threads()) as pool:
+        meter.expect(sum(sizes))
+        for future, size in zip([pool.submit(job) for job in jobs], sizes):
             future.result()  # the first damage found is raised
+            meter.add(size, "read")
+        meter.finish()
     return unflatten(leaves)

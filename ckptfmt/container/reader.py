@@ -137,8 +137,12 @@ def read_tensor(src: Inside, t: TensorEntry, pool: Executor | None = None) -> np
     return out
 
 
-def tensor_reads(src: Inside, t: TensorEntry) -> tuple[np.ndarray, list[Callable[[], None]]]:
+def tensor_reads(
+    src: Inside, t: TensorEntry, sizes: list[int] | None = None
+) -> tuple[np.ndarray, list[Callable[[], None]]]:
     """The destination of a whole tensor and the jobs (one per shard file) that fill it.
+    ``sizes``: each job's stored bytes are appended to it, in the order of the jobs (a
+    progress count).
 
     File sizes are checked against the manifest before the tensor's memory is allocated, so a
     hostile manifest cannot make a reader allocate what the disk does not hold."""
@@ -152,8 +156,12 @@ def tensor_reads(src: Inside, t: TensorEntry) -> tuple[np.ndarray, list[Callable
         view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))] if t.shape else out
         if view.flags.c_contiguous:
             jobs += region_reads(src, geo, r.files, r.offset, view, (display(t.name),))
+            if sizes is not None:
+                sizes += [f.size for f in r.files]
         else:  # a region narrower than the tensor on a trailing axis: read, then place
             jobs.append(functools.partial(_read_and_place, src, geo, r, view, display(t.name)))
+            if sizes is not None:
+                sizes.append(sum(f.size for f in r.files))
     return out, jobs
 
 

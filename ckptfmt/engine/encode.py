@@ -42,6 +42,7 @@ from ckptfmt.redundancy.record import (
 )
 from ckptfmt.redundancy.sets import make_sets
 from ckptfmt.storage.files import Inside, write_gather
+from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm, Pending
 
 ENCODE_TAG = 0x45
@@ -94,8 +95,11 @@ def data_buffer(layout: SetLayout) -> np.ndarray:
 def reserve_buffers(layout: SetLayout) -> None:
     """Allocate this thread's reused buffers that :func:`exchange` uses, before any message
     moves: an allocation failure is then this rank's failure in a phase that is voted on, not a
-    rank leaving its set in the middle of an exchange (its peers would wait for it forever)."""
+    rank leaving its set in the middle of an exchange (its peers would wait for it forever).
+    The save's progress meter is told the parity bytes to come here too: the layout fixes them
+    before any byte is written (``storage.progress``)."""
     scratch(layout.parity_bytes, "parity")
+    current_meter().expect(layout.parity_bytes)
     if layout.red.code.copies_whole:
         return
     for k in range(2):
@@ -199,7 +203,9 @@ def encode_collective(
     parity = exchange(comm, layout, data)
     if failed:
         return None
-    return write_parity(staging, comm.rank, layout, parity, fsync)
+    written = write_parity(staging, comm.rank, layout, parity, fsync)
+    current_meter().add(int(parity.size), "parity")
+    return written
 
 
 def encode_offline(
@@ -215,11 +221,13 @@ def encode_offline(
     and every buffer's geometry are the save's (:func:`plan_set`); the parity is the same
     generator's product, computed here by the set's encode plan with every member in memory
     (one set at a time) where the save streams it over the ``Comm`` (:func:`exchange`). Used by
-    ``ckptfmt reshard``."""
+    ``ckptfmt reshard``. Counts on the operation's progress meter what :func:`offline_work`
+    says, as each member is read and each parity file written."""
     nodes = [r.node for r in manifest.ranks]
     sets = member_sets(red, nodes)
     member_bytes = [member_size(manifest, r) for r in range(manifest.world_size)]
     parity: dict[int, dict[str, Any]] = {}
+    meter = current_meter()
     for members in sets:
         layouts = [plan_set(red, nodes, member_bytes, rank) for rank in members]
         local = {}
@@ -232,13 +240,23 @@ def encode_offline(
             if damage:
                 raise damage[0]
             local[j] = bufs
+            meter.add(member_bytes[rank], "parity")
         lay = layouts[0]
         ops = red.code.encode_plan(len(members))
         run_ops(ops, members, list(lay.sizes), lay.chunk, local)
         for j, rank in enumerate(members):
             buf = local[j].parity
             parity[rank] = write_parity(Path(dir_of[rank]), rank, layouts[j], buf, fsync)
+            meter.add(int(buf.size), "parity")
     record = make_record(red, manifest, sets, [parity[r] for r in range(manifest.world_size)])
     levels = dict(manifest.levels)
     levels["1"] = {**dict(levels.get("1", {})), "redundancy": record.to_json()}
     return dataclasses.replace(manifest, levels=levels)
+
+
+def offline_work(red: Redundancy, nodes: list[str], member_bytes: list[int]) -> int:
+    """The bytes :func:`encode_offline` counts for a checkpoint whose rank ``r`` runs on
+    ``nodes[r]`` and writes ``member_bytes[r]``: every member read back, every parity file
+    written. Known from the plan, before any byte is written (a progress total)."""
+    parity = sum(plan_set(red, nodes, member_bytes, r).parity_bytes for r in range(len(nodes)))
+    return sum(member_bytes) + parity

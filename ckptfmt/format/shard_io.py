@@ -16,7 +16,7 @@ import functools
 import math
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ from ckptfmt.format.shard import (
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
 from ckptfmt.manifest.model import FileRef
 from ckptfmt.storage.files import Inside, make_dirs, physical_memory, read_scatter, write_gather
+from ckptfmt.storage.progress import current_meter
 
 _CRC = struct.Struct("<I")
 
@@ -189,11 +190,23 @@ def run_jobs(
 ) -> list[FileRef]:
     """Write the shard files, concurrently with ``pool`` (the file system takes two streams faster
     than one; writev and CRC32C release the GIL). Results in the order of ``jobs``. ``into[i]``:
-    where job ``i`` also leaves its file's bytes (:meth:`ShardJob.run`)."""
+    where job ``i`` also leaves its file's bytes (:meth:`ShardJob.run`).
+
+    Each file written is counted on the operation's progress meter (``storage.progress``), in
+    this thread, as its result comes back: the meter is told every file's size first."""
     dests = list(into) if into is not None else [None] * len(jobs)
+    meter = current_meter()
+    meter.expect(sum(j.nbytes() for j in jobs) if meter.active else 0)
+    results: Iterator[FileRef]
     if pool is None or len(jobs) < 2:
-        return [j.run(fsync, d) for j, d in zip(jobs, dests)]
-    return list(pool.map(lambda jd: jd[0].run(fsync, jd[1]), zip(jobs, dests)))
+        results = (j.run(fsync, d) for j, d in zip(jobs, dests))
+    else:
+        results = pool.map(lambda jd: jd[0].run(fsync, jd[1]), zip(jobs, dests))
+    out = []
+    for ref in results:
+        meter.add(ref.size, "write")
+        out.append(ref)
+    return out
 
 
 def _write_shard(

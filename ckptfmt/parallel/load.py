@@ -62,6 +62,7 @@ from ckptfmt.plan.per_rank import PerRankWarning, RankMap
 from ckptfmt.plan.reads import Box, FileRead, Layout, check_box
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import unflatten
 
@@ -122,6 +123,8 @@ def load_collective(
     "bcast" (a file every rank needs whole is read by one rank and broadcast: fewer readers of
     shared storage). ``threads``: concurrent readers per host. Returns the nested state (boxes
     as arrays of the box's shape, per-rank entries as this rank's own item) and the manifest.
+    The chunks this rank reads and what it receives are counted on the caller's progress meter
+    (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
     """
     del group  # which files a directory holds is found out, not assumed (see above)
     root = Path(path).absolute()
@@ -214,6 +217,7 @@ def load_collective(
     errors: list[BaseException] = []
     with b.guard("load-allocate"):
         bufs = _allocate(comm.rank, src, plans, errors, threading.Lock())
+        current_meter().expect(bufs.work(comm.rank, plans))
     b.vote("load-allocate")
     with b.guard("load-read"):
         _read(bufs, max(1, threads // same_host))
@@ -307,6 +311,13 @@ class _Buffers:
     send: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     recv: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     jobs: list[Callable[[], None]] = field(default_factory=list)
+    job_bytes: list[int] = field(default_factory=list)  # each job's chunk bytes (progress)
+
+    def work(self, me: int, plans: list[_Plan]) -> int:
+        """This rank's bytes of work, for a progress total: its reads and what it receives."""
+        received = sum(b.nbytes for b in self.recv.values())
+        received += sum(b.nbytes for (_, root), b in self.bcast.items() if root != me)
+        return sum(self.job_bytes) + received
 
 
 def _allocate(
@@ -355,19 +366,24 @@ def _allocate(
                     lock,
                 )
             )
+            bufs.job_bytes.append(len(t.slots) * p.geo.chunk_nbytes)
     return bufs
 
 
 def _read(bufs: _Buffers, threads: int) -> None:
     """Step 3b (local): this rank's reads; damage is collected by the jobs, anything else
-    raises (the caller's boundary records it)."""
+    raises (the caller's boundary records it). Each job is counted on the load's progress
+    meter, in this thread, as it ends."""
+    meter = current_meter()
     if threads > 1 and len(bufs.jobs) > 1:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            for future in [pool.submit(job) for job in bufs.jobs]:
+            for future, n in zip([pool.submit(job) for job in bufs.jobs], bufs.job_bytes):
                 future.result()
+                meter.add(n, "read")
     else:
-        for job in bufs.jobs:
+        for job, n in zip(bufs.jobs, bufs.job_bytes):
             job()
+            meter.add(n, "read")
 
 
 def _transfer(comm: Comm, plans: list[_Plan], bufs: _Buffers) -> None:
@@ -376,6 +392,7 @@ def _transfer(comm: Comm, plans: list[_Plan], bufs: _Buffers) -> None:
     then discarded, since the vote after it fails)."""
     me = comm.rank
     tag = 0
+    meter = current_meter()
     for pi, p in enumerate(plans):
         out = bufs.outs[p.name]
         origin = p.boxes[me][0]
@@ -385,6 +402,7 @@ def _transfer(comm: Comm, plans: list[_Plan], bufs: _Buffers) -> None:
             comm.bcast_buffer(buf, root)
             if root != me:
                 _place_broadcast(p, tasks, buf, out, origin, me)
+                meter.add(buf.nbytes, "receive")
         for s, d, items in p.route.messages():
             if me == s:
                 comm.send(bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag)
@@ -392,6 +410,7 @@ def _transfer(comm: Comm, plans: list[_Plan], bufs: _Buffers) -> None:
                 flat = bufs.recv[(pi, s)]
                 comm.recv(flat.view(np.uint8), s, tag)
                 _unpack(flat, [dl for _, dl in items], out, origin)
+                meter.add(flat.nbytes, "receive")
             tag = (tag + 1) % _TAGS
 
 

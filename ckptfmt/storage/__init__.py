@@ -1,11 +1,13 @@
 """Files on a POSIX file system: writing and reading inside a checkpoint directory, the atomic
-commit, step directory names, node directory templates, refused destinations."""
+commit, step directory names, node directory templates, refused destinations, the progress of the
+operations that move bytes."""
 
 from __future__ import annotations
 
 from ckptfmt.storage.files import Inside, fsync_dir
 from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
 from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.storage.progress import Progress, ProgressCallback
 from ckptfmt.storage.steps import parse_step, step_dir_name
 
 __all__ = [
@@ -17,6 +19,8 @@ __all__ = [
     "is_template",
     "matching",
     "parse_step",
+    "Progress",
+    "ProgressCallback",
     "refuse_url",
     "step_dir_name",
 ]
