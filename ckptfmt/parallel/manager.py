@@ -64,9 +64,11 @@ from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_o
 from ckptfmt.plan.per_rank import RankMap
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage import commit
+from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
 from ckptfmt.transport.comm import Comm, SingleComm, start_background
 from ckptfmt.tree.apply import ApplyReport, apply_loaded
+from ckptfmt.tree.casting import check_policy
 from ckptfmt.tree.state import Shard, flatten, is_tensor, unflatten
 
 log = logging.getLogger("ckptfmt")
@@ -188,6 +190,11 @@ class CheckpointManager:
     a call the others never make (``save`` called on one rank only) is told, naming the ranks
     that did not arrive and the step, instead of waiting forever; the manager then refuses
     further collective calls (:class:`ManagerBrokenError`), since its ranks are out of step.
+
+    ``progress``: called with :class:`~ckptfmt.Progress` events of each save (``op="save"``,
+    from the saver thread: this rank's data and parity files; the last once it is committed)
+    and of each load a restore makes (``op="load"``: this rank's reads and what it receives;
+    a restore that falls back to another step or level starts a new series).
     """
 
     def __init__(
@@ -215,6 +222,7 @@ class CheckpointManager:
         on_save: Callable[[SaveReport], None] | None = None,
         fallback_to_shared: bool = True,
         pool: BufferPool | None = None,
+        progress: ProgressCallback | None = None,
     ) -> None:
         if local_dir is None and shared_dir is None:
             raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
@@ -252,6 +260,7 @@ class CheckpointManager:
             raise UsageError(f"deadline_s must be > 0, got {deadline_s!r}")
         self.deadline_s = float(deadline_s)
         self.on_save = on_save
+        self.progress = progress
         self.fallback_to_shared = fallback_to_shared
         self._notices: list[str] = []  # said at the next call: not failures (a fallback)
         self.last_save: SaveReport | None = None  # the newest save whose outcome is known
@@ -423,6 +432,7 @@ class CheckpointManager:
         include: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
         apply: bool = True,
+        cast: str | None = None,
     ) -> int | None:
         """Collective: load the newest step that every rank can load, and return it (None when
         there is none). Level 1 is tried first (every rank's data present or rebuildable from
@@ -443,8 +453,16 @@ class CheckpointManager:
         patterns on '/'-joined names) restore part of a state. ``last_restore.applied`` says
         what was loaded, missing, unexpected and excluded. ``apply=False``: ``state`` only says
         which boxes to load (its ``Shard`` leaves); nothing is written into it (an adapter that
-        checks and converts ``restored_state`` itself)."""
+        checks and converts ``restored_state`` itself).
+
+        ``cast``: an array of ``state`` whose dtype differs from the saved one is refused
+        (:class:`DtypeMismatchError` naming every such array and both dtypes, nothing written),
+        unless ``cast="safe"`` (no value changes: ``bfloat16`` into ``float32``) or ``"any"``
+        (``float32`` into ``float16`` rounds) allows converting it; the policy of the torch and
+        Keras adapters (``ckptfmt.tree.casting``). Conversions made are listed in
+        ``last_restore.applied.casts`` and warned of (``CastWarning``)."""
         self._check_open()
+        check_policy(cast)  # a usage error before anything collective
         self.wait()
         self._calls += 1
         try:
@@ -496,7 +514,7 @@ class CheckpointManager:
                 report.step, report.level, report.path = step, level, str(path)
                 if apply:
                     report.applied = apply_loaded(
-                        state, loaded, strict=strict, include=include, exclude=exclude
+                        state, loaded, strict=strict, include=include, exclude=exclude, cast=cast
                     )
                 self._saves = max(self._saves, _save_number(manifest))
                 self.restored_state = loaded
@@ -523,16 +541,19 @@ class CheckpointManager:
         rank_map: RankMap,
         per_rank: str,
     ) -> tuple[dict[str, Any], Manifest]:
-        return load_collective(
-            self.comm,
-            path,
-            wants,
-            seq=self._calls,
-            expect_step=step,
-            node=self.node if level == 1 else None,
-            rank_map=rank_map,
-            per_rank=per_rank,
-        )
+        with metering("load", self.progress) as meter:
+            loaded = load_collective(
+                self.comm,
+                path,
+                wants,
+                seq=self._calls,
+                expect_step=step,
+                node=self.node if level == 1 else None,
+                rank_map=rank_map,
+                per_rank=per_rank,
+            )
+            meter.finish()
+        return loaded
 
     def _rebuild(self, path: Path, step: int, why: str, report: RestoreReport) -> bool:
         """Collective: rebuild this level-1 step from its redundancy; False (with the reasons
@@ -747,6 +768,22 @@ class CheckpointManager:
         self._retain(self._bg, {step})
 
     def _write(
+        self,
+        staged: dict[str, Any],
+        root: Path,
+        step: int,
+        level: int,
+        number: int,
+        red: Redundancy | None,
+        seq: int,
+        failure: BaseException | None,
+    ) -> Manifest:
+        with metering("save", self.progress) as meter:
+            manifest = self._write_collective(staged, root, step, level, number, red, seq, failure)
+            meter.finish()
+        return manifest
+
+    def _write_collective(
         self,
         staged: dict[str, Any],
         root: Path,

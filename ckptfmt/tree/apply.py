@@ -4,7 +4,9 @@ is written.
 ``CheckpointManager.restore(state)`` copies the checkpoint into the arrays the caller holds. A
 restore that found a mismatch half-way would leave a model half old, half new; so the whole
 state is compared first (names, shapes, dtypes) and only then written. Names are compared
-'/'-joined; ``include``/``exclude`` are ``fnmatch`` patterns on them (a partial restore).
+'/'-joined; ``include``/``exclude`` are ``fnmatch`` patterns on them (a partial restore). A
+dtype that differs follows the one cast policy of the adapters (``tree/casting.py``): refused
+unless ``cast="safe"``/``"any"`` allows it, every conversion reported.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.errors import StateMismatchError
+from ckptfmt.errors import DtypeMismatchError, StateMismatchError
+from ckptfmt.tree.casting import Cast, check_policy, convert, plan_casts, report_casts
 from ckptfmt.tree.state import PerRank, Shard, flatten
 
 
@@ -28,6 +31,7 @@ class ApplyReport:
     missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
     excluded: list[str] = field(default_factory=list)  # left out by include/exclude
+    casts: list[Cast] = field(default_factory=list)  # converted to the state's dtype (cast=)
 
 
 def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str]) -> bool:
@@ -49,14 +53,20 @@ def apply_loaded(
     strict: bool = True,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
+    cast: str | None = None,
 ) -> ApplyReport:
     """Local: write ``loaded`` (the nested state a load returned) into ``state`` in place:
     arrays copied into the caller's arrays (``Shard`` leaves: into their data; ``PerRank``
     arrays: into their value), other values replaced.
 
-    Raises :class:`StateMismatchError` before writing anything when a selected array's shape or
-    dtype differs from the saved one, or (``strict``, the default) when a selected name of the
-    state is not in the checkpoint or a saved name is not in the state."""
+    Raises before writing anything: :class:`StateMismatchError` when a selected array's shape
+    differs from the saved one, or (``strict``, the default) when a selected name of the state
+    is not in the checkpoint or a saved name is not in the state; :class:`DtypeMismatchError`
+    naming every array whose dtype differs from the saved one and that ``cast`` (``None``/
+    ``"no"``, ``"safe"``, ``"any"``: ``tree/casting.py``) does not allow converting (with other
+    mismatches, they are listed in the :class:`StateMismatchError`). Conversions made are in
+    the report's ``casts`` and warned of (:class:`~ckptfmt.tree.casting.CastWarning`)."""
+    policy = check_policy(cast)
     report = ApplyReport()
     if state is None:
         return report
@@ -64,6 +74,7 @@ def apply_loaded(
     saved = _leaves(loaded, set(mine))
     writes: list[Callable[[], None]] = []
     mismatched: list[str] = []
+    dtypes: list[tuple[str, np.dtype[Any], np.dtype[Any]]] = []  # (name, saved, state's)
     for name, value in saved.items():
         if not _selected(name, include, exclude):
             report.excluded.append(name)
@@ -79,12 +90,14 @@ def apply_loaded(
             shape_ok = got[0] == want[0] or (
                 isinstance(target, Shard) and int(np.prod(got[0])) == int(np.prod(want[0]))
             )
-            if not shape_ok or got[1] != want[1]:
+            if not shape_ok:
                 mismatched.append(
                     f"{name}: the state has {got[1]}{list(got[0])}, the checkpoint "
                     f"{want[1]}{list(want[0])}"
                 )
                 continue
+            if got[1] != want[1]:
+                dtypes.append((name, want[1], got[1]))
             writes.append(_copy_into(holder, value))
         elif got is not None or (want is not None and not isinstance(target, PerRank)):
             kind = "an array" if got is not None else "a value"
@@ -96,10 +109,20 @@ def apply_loaded(
     for name in mine:
         if name not in saved and _selected(name, include, exclude):
             report.missing.append(name)
+    try:
+        report.casts = plan_casts(dtypes, policy)
+    except DtypeMismatchError as exc:
+        if not (mismatched or (strict and (report.missing or report.unexpected))):
+            raise
+        mismatched += [
+            f"{n}: the state has {d}, the checkpoint {s} (cast={policy!r} does not convert it)"
+            for n, (s, d) in exc.mismatched.items()
+        ]
     if mismatched or (strict and (report.missing or report.unexpected)):
         raise StateMismatchError(report.missing, report.unexpected, mismatched)
     for write in writes:
         write()
+    report_casts(report.casts, stacklevel=5)  # the caller of restore
     return report
 
 
@@ -121,7 +144,10 @@ def _leaves(loaded: Mapping[str, Any], stop: set[str]) -> dict[str, Any]:
 
 
 def _copy_into(target: np.ndarray, value: np.ndarray) -> Callable[[], None]:
-    return lambda: np.copyto(target, value.reshape(target.shape), casting="no")
+    """Copy ``value`` into ``target``, converted to its dtype (once the cast policy allowed it)."""
+    return lambda: np.copyto(
+        target, convert(value, target.dtype).reshape(target.shape), casting="no"
+    )
 
 
 def _replace(
