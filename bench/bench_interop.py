@@ -8,7 +8,7 @@ The state: ``--tensors`` 2-D float32 tensors (~``--size-gib`` GiB in all), each 
 in row blocks (FSDP-like, ``numpy.array_split``'s split). Set up once, untimed:
 
 1. ckptfmt: the collective save of 4 ranks (``save_collective`` over an in-process comm whose
-   ranks are threads, ``tests/inproc_comm.py``), into one level-3 directory;
+   ranks are threads, ``ckptfmt/transport/threads.py``), into one level-3 directory;
 2. DCP, 4 real processes (``torch.multiprocessing``, gloo), each rank its row blocks as a
    ``DTensor`` sharded on dim 0: ``dcp.save`` with the default ``FileSystemWriter`` and with
    ``HuggingFaceStorageWriter(save_distributed=True)`` (every rank its own safetensors shard).
@@ -80,17 +80,20 @@ def names(n: int) -> list[str]:
 
 
 def save_ckptfmt(path: Path, n: int, n_rows: int) -> None:
-    from inproc_comm import run_threads
-
     from ckptfmt import Shard
+    from ckptfmt.format.options import WriteOptions
     from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.transport.threads import run_threads
 
     def body(comm: Any) -> None:
         model = {}
         for t, name in enumerate(names(n)):
             start, _ = rows_of(n_rows, comm.rank, RANKS)
             model[name] = Shard(block(t, comm.rank, n_rows), (start, 0), (n_rows, COLS))
-        save_collective(comm, {"model": model}, path, step=1, node="n0", fsync=False, threads=1)
+        save_collective(
+            comm, {"model": model}, path, step=1, node="n0",
+            write=WriteOptions(fsync=False, threads=1),
+        )  # fmt: skip
 
     run_threads(RANKS, body)
 

@@ -151,6 +151,7 @@ def timed_collective(env: Env, body: Callable[[], list[Path]]) -> Sample:
 
 
 def run_par(env: Env, rep: int, threads: int) -> Sample:
+    from ckptfmt.format.options import WriteOptions
     from ckptfmt.parallel.protocol import save_collective
 
     path = env.node_dir() / f"par-t{threads}-{rep}"
@@ -165,8 +166,8 @@ def run_par(env: Env, rep: int, threads: int) -> Sample:
             path,
             step=rep,
             node=env.node,
-            threads=threads,
             fault=lambda point: marks.__setitem__(point, time.perf_counter()),  # phase clock
+            write=WriteOptions(threads=threads),
         )
         plan_box.append(plan)
         return [path] if env.node_leader else []

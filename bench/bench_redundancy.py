@@ -274,6 +274,8 @@ def run_save(env: Env, key: str, rnd: int, fsync: bool) -> dict[str, Any]:
     """One collective save (``key``: ``l1`` or a scheme); for schemes, then the loss of one node
     and its rebuild, and the survivors' reads. Returns this rank's timings."""
     from ckptfmt.container.members import read_member
+    from ckptfmt.container.metadata import ManifestMeta
+    from ckptfmt.format.options import WriteOptions
     from ckptfmt.parallel import rebuild
     from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.redundancy.config import Redundancy
@@ -294,11 +296,10 @@ def run_save(env: Env, key: str, rnd: int, fsync: bool) -> dict[str, Any]:
             step=rnd,
             node=env.node,
             group=f"node:{env.node}",
-            levels={"1": {}},
-            fsync=fsync,
-            threads=env.threads,
             redundancy=red,
             fault=lambda point: marks.__setitem__(point, time.perf_counter()),
+            write=WriteOptions(fsync=fsync, threads=env.threads),
+            meta=ManifestMeta(levels={"1": {}}),
         )
         return m
 

@@ -105,6 +105,7 @@ def dp_state(rows: int) -> dict[str, Any]:
 
 def worker(args: argparse.Namespace) -> int:
     from ckptfmt.format.chunk_reads import record_reads
+    from ckptfmt.format.options import WriteOptions
     from ckptfmt.parallel.load import load_collective
     from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.transport.mpi import MpiComm
@@ -121,7 +122,7 @@ def worker(args: argparse.Namespace) -> int:
             for level in (3, 1):
                 where = root / f"{kind}{comm.size}" / ("l3" if level == 3 else f"l1/{node}") / STEP
                 save_collective(
-                    comm, st, where, step=1, node=node, fsync=False,
+                    comm, st, where, step=1, node=node, write=WriteOptions(fsync=False),
                     group="shared" if level == 3 else node,
                 )  # fmt: skip
         return 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptfmt.container.reader import check_allocation, check_documents, read_manifest, tensor_reads
 from ckptfmt.errors import StorageFullError, UsageError
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
 from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
@@ -67,11 +68,9 @@ def save(
                 path,
                 step=step,
                 node=socket.gethostname(),
-                overwrite=overwrite,
-                fsync=fsync,
-                chunk_bytes=chunk_bytes,
-                shard_bytes=shard_bytes,
-                threads=writer_threads(),
+                write=WriteOptions(
+                    chunk_bytes, shard_bytes, writer_threads(), fsync, overwrite=overwrite
+                ),
             )
             meter.finish()
     except SaveFailedError as exc:  # one process: re-raise its own error, not the vote's

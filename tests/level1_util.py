@@ -1,5 +1,5 @@
 """Real level-1 checkpoints with redundancy, made in this process: the collective save of
-several simulated nodes, every rank a thread (``inproc_comm``), no MPI.
+several simulated nodes, every rank a thread (``ckptfmt.transport.ThreadComm``), no MPI.
 
 ``save_level1(root, redundancy, nodes)`` saves :func:`rank_state` of every rank ``r`` into
 ``root/<nodes[r]>`` and returns the ``{node}`` template; :func:`whole` is what all the nodes'
@@ -15,11 +15,13 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from inproc_comm import run_threads
 
 from ckptfmt import PerRank, Shard
+from ckptfmt.container.metadata import ManifestMeta
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.redundancy.config import Redundancy
+from ckptfmt.transport.threads import run_threads
 
 NODES8 = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]  # sets [0,2,4,6], [1,3,5,7] (size 4)
 NODES4 = ["n0", "n1", "n2", "n3"]
@@ -82,12 +84,9 @@ def save_level1(
             root / nodes[comm.rank],
             step=5,
             node=nodes[comm.rank],
-            fsync=False,
-            chunk_bytes=40,
-            shard_bytes=160,
-            threads=1,
-            levels={"1": {}},
             redundancy=red,
+            write=WriteOptions(fsync=False, chunk_bytes=40, shard_bytes=160, threads=1),
+            meta=ManifestMeta(levels={"1": {}}),
         )
 
     run_threads(len(nodes), body)

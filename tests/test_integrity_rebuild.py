@@ -16,12 +16,12 @@ from ckptfmt_cli.exits import ExitStatus
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner, Result
 from conftest import seal_if_sealed
-from inproc_comm import run_threads
 from level1_util import NODES4, flip, rank_state, save_level1, tree
 
 import ckptfmt
 from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.parallel.rebuild import rebuild_collective
+from ckptfmt.transport.threads import run_threads
 
 NODES2 = ["n0", "n1"]
 

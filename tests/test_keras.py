@@ -27,11 +27,11 @@ keras = pytest.importorskip("keras")
 
 import ckptfmt_keras as ck  # noqa: E402
 from conftest import REPO  # noqa: E402
-from inproc_comm import run_threads  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.errors import UsageError  # noqa: E402
 from ckptfmt.transport.comm import Comm  # noqa: E402
+from ckptfmt.transport.threads import run_threads  # noqa: E402
 
 pytestmark = pytest.mark.tf
 

@@ -112,11 +112,10 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
     """4 ranks save to level 1 only; 2 ranks restore it and close with a flush: level 3 must not
     get a copy holding only the files of the ranks that happen to be here (it would not
     verify); the flush is not attempted and, called directly, refused."""
-    from inproc_comm import run_threads
-
     from ckptfmt.container.reader import read_manifest
     from ckptfmt.parallel.levels import flush_collective
     from ckptfmt.parallel.manager import CheckpointManager as Manager
+    from ckptfmt.transport.threads import run_threads
 
     root = tmp_path
 

@@ -1,5 +1,5 @@
 """``load_collective`` with another number of ranks than saved, in process (ranks are threads,
-``inproc_comm.ThreadComm``; ``test_reshard.py`` runs the same under a real ``mpiexec``).
+``ckptfmt.transport.ThreadComm``; ``test_reshard.py`` runs the same under a real ``mpiexec``).
 
 Saved by N thread-ranks with ``save_collective`` (data-parallel and FSDP-like uneven row blocks,
 bfloat16 and 0-d and empty tensors, values, an empty group), loaded by M: every rank gets its
@@ -22,15 +22,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from inproc_comm import run_threads
 
 from ckptfmt import PerRank, Shard
 from ckptfmt.container.reader import read_manifest
 from ckptfmt.format.chunk_reads import ReadLog, record_reads
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
 from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.plan.per_rank import PerRankError, PerRankWarning
+from ckptfmt.transport.threads import run_threads
 
 SHARD_BYTES = 8 << 10
 CHUNK_BYTES = 1 << 10
@@ -111,11 +112,10 @@ def save(tmp: Path, n: int, level: int, extra: Any = None) -> Path:
             where,
             step=1,
             node=node,
-            fsync=False,
-            threads=1,
-            chunk_bytes=CHUNK_BYTES,
-            shard_bytes=SHARD_BYTES,
             group=node if level == 1 else "shared",
+            write=WriteOptions(
+                fsync=False, threads=1, chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES
+            ),
         )
         return m
 

@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from ckptfmt import __version__
 from ckptfmt.checkpoint import writer_threads
+from ckptfmt.container import ManifestMeta
 from ckptfmt.errors import UsageError
+from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import (
     CheckpointManager,
     SaveFailedError,
@@ -99,10 +101,8 @@ def save(
             path,
             step=step,
             node=resolve_node(node),
-            overwrite=overwrite,
-            fsync=fsync,
-            writer=writer_info(),
-            threads=writer_threads(),
+            write=WriteOptions(overwrite=overwrite, fsync=fsync, threads=writer_threads()),
+            meta=ManifestMeta(writer=writer_info()),
         )
     except SaveFailedError as exc:
         if comm.size == 1 and exc.cause is not None:  # one process: its own error, not the vote's

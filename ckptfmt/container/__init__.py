@@ -3,7 +3,7 @@ and the read-only view (:class:`Checkpoint`)."""
 
 from __future__ import annotations
 
-from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
+from ckptfmt.container.metadata import ManifestMeta, utc_now, write_metadata, writer_info
 from ckptfmt.container.reader import (
     Checkpoint,
     TensorView,
@@ -13,6 +13,7 @@ from ckptfmt.container.reader import (
 )
 
 __all__ = [
+    "ManifestMeta",
     "Checkpoint",
     "latest",
     "open_checkpoint",

@@ -5,6 +5,7 @@ the whole hierarchy (the same bytes in every node's copy, ``spec/FORMAT.md``) an
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,19 @@ from ckptfmt.manifest.model import GroupEntry, Manifest
 from ckptfmt.storage.files import write_json
 from ckptfmt.version import __version__
 
-__all__ = ["utc_now", "write_metadata", "writer_info"]
+__all__ = ["ManifestMeta", "utc_now", "write_metadata", "writer_info"]
+
+
+@dataclass(frozen=True)
+class ManifestMeta:
+    """What a save records about itself besides the state (``spec/FORMAT.md``, "Manifest"): its
+    id (None: rank 0 draws one), when (empty: now), which software wrote it (None: ckptfmt) and
+    the levels document (None: none)."""
+
+    save_id: str | None = None
+    created: str = ""
+    writer: dict[str, Any] | None = None
+    levels: dict[str, Any] | None = None
 
 
 def utc_now() -> str:

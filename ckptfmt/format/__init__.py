@@ -4,10 +4,12 @@ and its zarr documents; ``shard_io`` is the one writer and reader of shard files
 
 from __future__ import annotations
 
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, read_region, verify_file
 from ckptfmt.format.zarr_meta import array_doc, group_doc
 
 __all__ = [
+    "WriteOptions",
     "array_doc",
     "Geometry",
     "group_doc",

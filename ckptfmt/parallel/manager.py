@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptfmt.container.metadata import ManifestMeta
 from ckptfmt.engine.encode import member_sets
 from ckptfmt.errors import (
     CkptError,
@@ -44,6 +45,7 @@ from ckptfmt.errors import (
     UnrecoverableDamageError,
     UsageError,
 )
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
@@ -249,12 +251,7 @@ class CheckpointManager:
         self.keep_local, self.keep_shared = keep_local, keep_shared
         self.async_save, self.on_error = async_save, on_error
         self.exit_flush, self.exit_flush_budget_s = exit_flush, exit_flush_budget_s
-        self.options = {
-            "fsync": fsync,
-            "chunk_bytes": chunk_bytes,
-            "shard_bytes": shard_bytes,
-            "threads": threads,
-        }
+        self.write = WriteOptions(chunk_bytes, shard_bytes, threads, fsync, overwrite=True)
         self.fault = fault
         if not deadline_s > 0:
             raise UsageError(f"deadline_s must be > 0, got {deadline_s!r}")
@@ -460,10 +457,34 @@ class CheckpointManager:
         unless ``cast="safe"`` (no value changes: ``bfloat16`` into ``float32``) or ``"any"``
         (``float32`` into ``float16`` rounds) allows converting it; the policy of the torch and
         Keras adapters (``ckptfmt.tree.casting``). Conversions made are listed in
-        ``last_restore.applied.casts`` and warned of (``CastWarning``)."""
+        ``last_restore.applied.casts`` and warned of (``CastWarning``).
+
+        A transport failure on the way (a peer died: gloo's "Connection closed by peer") raises
+        :class:`ManagerBrokenError` and the manager refuses collective calls from then on, as
+        after a background save that met one."""
         self._check_open()
         check_policy(cast)  # a usage error before anything collective
         self.wait()
+        try:
+            return self._restore(state, rank_map, per_rank, strict, include, exclude, apply, cast)
+        except CkptError:
+            raise
+        except RuntimeError as exc:  # the communicator itself (torch's DistError, MPI.Exception)
+            broken = ManagerBrokenError(f"restore: {type(exc).__name__}: {exc}")
+            self._broken = broken
+            raise broken from exc
+
+    def _restore(
+        self,
+        state: Mapping[str, Any] | None,
+        rank_map: RankMap,
+        per_rank: str,
+        strict: bool,
+        include: Sequence[str] | None,
+        exclude: Sequence[str],
+        apply: bool,
+        cast: str | None = None,
+    ) -> int | None:
         self._calls += 1
         try:
             self.comm.roll_call(self.deadline_s, "restore")
@@ -560,7 +581,7 @@ class CheckpointManager:
         in ``report``) when it cannot be."""
         try:
             result, _ = rebuild_collective(
-                self.comm, path, self._group_key(True), bool(self.options["fsync"]), self._calls
+                self.comm, path, self._group_key(True), self.write.fsync, self._calls
             )
         except (UnrecoverableDamageError, SaveFailedError) as exc:
             if isinstance(exc, SaveFailedError):
@@ -801,13 +822,12 @@ class CheckpointManager:
             step=step,
             node=self.node,
             group=self._group_key(level == 1),
-            overwrite=True,
-            levels={str(level): {"save_number": number}},
+            write=self.write,
+            meta=ManifestMeta(levels={str(level): {"save_number": number}}),
             fault=self.fault,
             redundancy=red,
             seq=seq,
             failure=failure,
-            **self.options,  # type: ignore[arg-type]
         )
         return manifest
 
@@ -844,7 +864,7 @@ class CheckpointManager:
                 manifest,
                 self.local_root / step_dir_name(manifest.step or 0),
                 self.levels.shared_dir,
-                fsync=bool(self.options["fsync"]),
+                fsync=self.write.fsync,
                 fault=self.fault,
                 seq=seq,
             )

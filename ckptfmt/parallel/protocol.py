@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
+from ckptfmt.container.metadata import ManifestMeta, utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import DType, by_name, of_array
 from ckptfmt.engine.encode import (
     SetLayout,
@@ -46,9 +46,9 @@ from ckptfmt.engine.encode import (
 )
 from ckptfmt.errors import LimitExceededError, StorageFullError, UsageError
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, plan_region, region_file_nbytes, run_jobs
 from ckptfmt.manifest.codec import dump_manifest
-from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, display
 from ckptfmt.manifest.model import (
     Entry,
@@ -183,15 +183,8 @@ def save_collective(
     *,
     step: int | None,
     node: str,
-    save_id: str | None = None,
-    created: str = "",
-    writer: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    fsync: bool = True,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    threads: int = 2,
-    levels: dict[str, Any] | None = None,
+    write: WriteOptions = WriteOptions(),
+    meta: ManifestMeta = ManifestMeta(),
     group: str | None = None,
     fault: FaultHook | None = None,
     redundancy: Redundancy | None = None,
@@ -207,7 +200,7 @@ def save_collective(
     caller passes the node for level 1 and one key for the shared level).
 
     With ``redundancy`` (level-1 saves), once every rank's data files are written the ranks
-    encode it across the nodes (``parallel/encode.py``), each writing its parity file into its
+    encode it across the nodes (``ckptfmt/engine/encode.py``), each writing its parity file into its
     own staging directory, and the manifest records it under ``levels["1"]["redundancy"]``.
 
     Values (non-tensor leaves) are taken from rank 0; every rank must have the same names.
@@ -220,6 +213,8 @@ def save_collective(
     caller's call number, checked by every vote like the step.
     """
     hook = fault or (lambda _point: None)
+    fsync, threads, overwrite = write.fsync, write.threads, write.overwrite
+    writer, levels = meta.writer, meta.levels
     b = Boundary(comm, "save", step, seq=seq, failure=failure)
     final = Path(path).absolute()
     local = LocalState([], {}, {})
@@ -241,8 +236,8 @@ def save_collective(
             "path": str(final),
             "group": group if group is not None else str(final),
             "node": node,
-            "save_id": save_id or os.urandom(16).hex(),
-            "created": created or utc_now(),
+            "save_id": meta.save_id or os.urandom(16).hex(),
+            "created": meta.created or utc_now(),
         },
     )
     leaders = groups_of([i["group"] for i in info])
@@ -257,7 +252,9 @@ def save_collective(
     with b.guard("plan"):  # the same on every rank: a usage error here fails every rank alike
         per_rank_values = _gathered_per_rank(info)
         plan = make_plan(
-            [[Holding.from_json(d) for d in i["decl"]] for i in info], chunk_bytes, shard_bytes
+            [[Holding.from_json(d) for d in i["decl"]] for i in info],
+            write.chunk_bytes,
+            write.shard_bytes,
         )
         _check_rank0_declares_all(plan, info)
     order_values = comm.bcast_json(

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.transport.mpi import MpiComm
+from ckptfmt.transport.threads import ThreadComm, run_threads
 
 __all__ = [
+    "ThreadComm",
+    "run_threads",
     "Comm",
     "MpiComm",
     "SingleComm",

@@ -1,4 +1,5 @@
-"""A ``Comm`` whose ranks are threads of this process, for collective code in-process tests.
+"""A ``Comm`` whose ranks are threads of this process: the collective code of several simulated
+ranks and nodes run in one process, without MPI (tests, golden fixtures, experiments).
 
 ``run_threads(n, fn)`` calls ``fn(comm)`` on ``n`` threads, each with its own :class:`ThreadComm`
 (rank 0..n-1), and returns their results in rank order; an exception on any rank is re-raised
@@ -7,8 +8,8 @@ with a timeout, so a rank that fails or stops early makes the others fail too (a
 ``BrokenBarrierError``), never hang. Point-to-point messages are copied into per-(source, dest,
 tag) queues: ``send`` never blocks, which MPI allows (a standard-mode send may be buffered).
 
-Used by the tests and by ``spec/fixtures/redundancy_fixtures.py`` to run the real
-``save_collective`` of several simulated nodes without MPI.
+Used by the test suite and by ``spec/fixtures/redundancy_fixtures.py`` to run the real
+``save_collective`` of several simulated nodes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 
 from ckptfmt.transport.comm import Comm
+
+__all__ = ["ThreadComm", "run_threads"]
 
 TIMEOUT_S = 60.0
 T = TypeVar("T")
