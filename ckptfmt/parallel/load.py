@@ -108,6 +108,7 @@ def load_collective(
     replicas: str = "read",
     threads: int = 2,
     seq: int | None = None,
+    into: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -123,6 +124,11 @@ def load_collective(
     "bcast" (a file every rank needs whole is read by one rank and broadcast: fewer readers of
     shared storage). ``threads``: concurrent readers per host. Returns the nested state (boxes
     as arrays of the box's shape, per-rank entries as this rank's own item) and the manifest.
+    ``into`` ('/'-joined name -> array): destinations to read straight into, each used when it
+    is C-contiguous, writeable and of exactly the box's shape and the saved dtype (else a fresh
+    array is allocated, as without it): a tensor is then written once on the way in, and the
+    returned state holds the caller's array. A load that fails part-way may have written into
+    them (what the caller accepts by passing them).
     The chunks this rank reads and what it receives are counted on the caller's progress meter
     (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
     """
@@ -216,7 +222,7 @@ def load_collective(
     b = Boundary(comm, "load", manifest.step, error=LoadFailedError, seq=seq)
     errors: list[BaseException] = []
     with b.guard("load-allocate"):
-        bufs = _allocate(comm.rank, src, plans, errors, threading.Lock())
+        bufs = _allocate(comm.rank, src, plans, errors, threading.Lock(), into or {})
         current_meter().expect(bufs.work(comm.rank, plans))
     b.vote("load-allocate")
     with b.guard("load-read"):
@@ -321,14 +327,19 @@ class _Buffers:
 
 
 def _allocate(
-    me: int, src: Inside, plans: list[_Plan], errors: list[BaseException], lock: threading.Lock
+    me: int,
+    src: Inside,
+    plans: list[_Plan],
+    errors: list[BaseException],
+    lock: threading.Lock,
+    into: Mapping[str, np.ndarray],
 ) -> _Buffers:
     """Step 3a (local): allocate this rank's destination arrays and every buffer of the
     transfers, and prepare its read jobs. Done before anything moves, so that an allocation
     failure is a failure voted on, not a rank missing from an exchange its peers wait in."""
     bufs = _Buffers()
     for pi, p in enumerate(plans):
-        out = np.empty(p.boxes[me][1], dtype=p.geo.dtype)
+        out = _destination(into.get(p.name), p.boxes[me][1], p.geo.dtype)
         bufs.outs[p.name] = out
         slices: dict[int, np.ndarray] = {}  # id(task) -> its part of the broadcast buffer
         for root in p.route.bcast_roots():
@@ -368,6 +379,19 @@ def _allocate(
             )
             bufs.job_bytes.append(len(t.slots) * p.geo.chunk_nbytes)
     return bufs
+
+
+def _destination(given: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """The caller's array when it can take the box as it is, else a fresh one."""
+    if (
+        isinstance(given, np.ndarray)
+        and given.shape == tuple(shape)
+        and given.dtype == dtype
+        and given.flags.c_contiguous
+        and given.flags.writeable
+    ):
+        return given
+    return np.empty(shape, dtype=dtype)
 
 
 def _read(bufs: _Buffers, threads: int) -> None:

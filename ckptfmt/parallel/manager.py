@@ -125,6 +125,17 @@ def _subclasses(cls: type) -> set[type]:
     return out
 
 
+def _arrays_of(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of ``state`` by '/'-joined name (a ``Shard``'s local array under its name):
+    the destinations ``restore(into=True)`` offers the load."""
+    out: dict[str, np.ndarray] = {}
+    for name, leaf in flatten(state):
+        data = leaf.data if isinstance(leaf, Shard) else leaf
+        if isinstance(data, np.ndarray):
+            out[display(name)] = data
+    return out
+
+
 def _save_number(manifest: Manifest) -> int:
     """The job's save number a manifest records (``levels[..]["save_number"]``; 0 if none)."""
     for level in manifest.levels.values():
@@ -430,6 +441,7 @@ class CheckpointManager:
         exclude: Sequence[str] = (),
         apply: bool = True,
         cast: str | None = None,
+        into: bool = False,
     ) -> int | None:
         """Collective: load the newest step that every rank can load, and return it (None when
         there is none). Level 1 is tried first (every rank's data present or rebuildable from
@@ -459,6 +471,13 @@ class CheckpointManager:
         Keras adapters (``ckptfmt.tree.casting``). Conversions made are listed in
         ``last_restore.applied.casts`` and warned of (``CastWarning``).
 
+        ``into=True``: read straight into the arrays of ``state`` that can take their tensor as
+        it is (C-contiguous, writeable, the saved shape and dtype), so each is written once on
+        the way in instead of loaded and then copied; the others are loaded and copied as
+        without it. The price: a restore that fails part-way, or falls back to an older step,
+        may already have written into them (the checks before writing still run, but after the
+        read).
+
         A transport failure on the way (a peer died: gloo's "Connection closed by peer") raises
         :class:`ManagerBrokenError` and the manager refuses collective calls from then on, as
         after a background save that met one."""
@@ -466,7 +485,9 @@ class CheckpointManager:
         check_policy(cast)  # a usage error before anything collective
         self.wait()
         try:
-            return self._restore(state, rank_map, per_rank, strict, include, exclude, apply, cast)
+            return self._restore(
+                state, rank_map, per_rank, strict, include, exclude, apply, cast, into
+            )
         except CkptError:
             raise
         except RuntimeError as exc:  # the communicator itself (torch's DistError, MPI.Exception)
@@ -484,6 +505,7 @@ class CheckpointManager:
         exclude: Sequence[str],
         apply: bool,
         cast: str | None = None,
+        into: bool = False,
     ) -> int | None:
         self._calls += 1
         try:
@@ -493,6 +515,7 @@ class CheckpointManager:
             raise
         self._clean_leftovers()
         wants = self._wants(state)
+        targets = _arrays_of(state) if into and apply and state is not None else None
         local = [s for s, _ in self._committed(self.local_root)]
         shared = [s for s, _ in self._committed(self.levels.shared_dir)]
         seen = self.comm.allgather_json({"node": self.node, "l1": local, "l3": shared})
@@ -517,7 +540,9 @@ class CheckpointManager:
                 # some ranks without a copy may be new to the job (another size, another node):
                 # the load finds out whether every saved node's files are visible to some rank
                 try:
-                    loaded, manifest = self._load(path, wants, level, step, rank_map, per_rank)
+                    loaded, manifest = self._load(
+                        path, wants, level, step, rank_map, per_rank, targets
+                    )
                 except LoadFailedError as exc:
                     _raise_unless_damage(exc)
                     if level == 3:
@@ -527,7 +552,9 @@ class CheckpointManager:
                     if not self._rebuild(path, step, str(exc), report):
                         continue
                     try:
-                        loaded, manifest = self._load(path, wants, level, step, rank_map, per_rank)
+                        loaded, manifest = self._load(
+                            path, wants, level, step, rank_map, per_rank, targets
+                        )
                     except LoadFailedError as exc2:
                         _raise_unless_damage(exc2)
                         report.tried.append(f"step {step} level {level}: {exc2}")
@@ -561,6 +588,7 @@ class CheckpointManager:
         step: int,
         rank_map: RankMap,
         per_rank: str,
+        into: dict[str, np.ndarray] | None = None,
     ) -> tuple[dict[str, Any], Manifest]:
         with metering("load", self.progress) as meter:
             loaded = load_collective(
@@ -572,6 +600,7 @@ class CheckpointManager:
                 node=self.node if level == 1 else None,
                 rank_map=rank_map,
                 per_rank=per_rank,
+                into=into,
             )
             meter.finish()
         return loaded

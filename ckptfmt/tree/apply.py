@@ -145,6 +145,8 @@ def _leaves(loaded: Mapping[str, Any], stop: set[str]) -> dict[str, Any]:
 
 def _copy_into(target: np.ndarray, value: np.ndarray) -> Callable[[], None]:
     """Copy ``value`` into ``target``, converted to its dtype (once the cast policy allowed it)."""
+    if value is target:  # loaded straight into it (``restore(into=True)``)
+        return lambda: None
     return lambda: np.copyto(
         target, convert(value, target.dtype).reshape(target.shape), casting="no"
     )

@@ -1,0 +1,118 @@
+"""``CheckpointManager.restore(state, into=True)``: the load reads straight into the caller's
+arrays (each tensor written once on the way in, issue 15's "fewer copies"), for whole tensors,
+``Shard`` boxes of a job of another size (threads as ranks) and bfloat16; arrays that cannot
+take their tensor as it is (a strided view, another dtype) are loaded and copied as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckptfmt import CheckpointManager, Shard
+from ckptfmt.errors import DtypeMismatchError
+from ckptfmt.transport import ThreadComm, run_threads
+
+
+def _saved(step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    return {
+        "model": {
+            "w": rng.standard_normal((64, 32)).astype(np.float32),
+            "h": rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16),
+            "b": np.arange(32.0),
+        },
+        "step": step,
+    }
+
+
+def _blank() -> dict[str, Any]:
+    return {
+        "model": {
+            "w": np.zeros((64, 32), np.float32),
+            "h": np.zeros((16, 16), ml_dtypes.bfloat16),
+            "b": np.zeros(32),
+        },
+        "step": 0,
+    }
+
+
+def _mgr(tmp_path: Path, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(local_dir=tmp_path / "l1", fsync=False, **kw)
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).view(np.uint8).tobytes()
+
+
+def test_into_reads_straight_into_the_callers_arrays(tmp_path: Path) -> None:
+    saved = _saved(4)
+    with _mgr(tmp_path) as mgr:
+        mgr.save(4, saved)
+    state = _blank()
+    dests = {k: state["model"][k] for k in ("w", "h", "b")}
+    with _mgr(tmp_path) as mgr:
+        assert mgr.restore(state, into=True) == 4
+        for k, dest in dests.items():
+            assert state["model"][k] is dest  # updated in place
+            assert _bits(dest) == _bits(saved["model"][k])  # bit-exact, bfloat16 included
+            assert mgr.restored_state["model"][k] is dest  # the load's own array: one write
+        assert state["step"] == 4
+
+
+def test_without_into_the_load_has_arrays_of_its_own(tmp_path: Path) -> None:
+    saved = _saved(5)
+    with _mgr(tmp_path) as mgr:
+        mgr.save(5, saved)
+    state = _blank()
+    with _mgr(tmp_path) as mgr:
+        assert mgr.restore(state) == 5
+        w = state["model"]["w"]
+        assert _bits(w) == _bits(saved["model"]["w"])
+        assert not np.shares_memory(mgr.restored_state["model"]["w"], w)
+
+
+def test_arrays_that_cannot_take_the_tensor_are_loaded_and_copied(tmp_path: Path) -> None:
+    saved = _saved(6)
+    with _mgr(tmp_path) as mgr:
+        mgr.save(6, saved)
+    state = _blank()
+    strided = np.zeros((32, 64), np.float32).T  # the saved shape, not C-contiguous
+    state["model"]["w"] = strided
+    state["model"]["b"] = np.zeros(32, np.float32)  # another dtype: needs cast
+    with _mgr(tmp_path) as mgr:
+        with pytest.raises(DtypeMismatchError):
+            mgr.restore(state, into=True)  # the cast policy still refuses
+        with pytest.warns(UserWarning, match="cast 1 tensor"):
+            assert mgr.restore(state, into=True, cast="any") == 6
+        assert state["model"]["w"] is strided
+        assert _bits(strided) == _bits(saved["model"]["w"])
+        assert not np.shares_memory(mgr.restored_state["model"]["w"], strided)
+        assert np.array_equal(state["model"]["b"], saved["model"]["b"].astype(np.float32))
+
+
+def test_shard_boxes_of_another_job_size_are_read_into_place(tmp_path: Path) -> None:
+    """Saved by one rank, restored by 2 thread ranks, each into its own row block."""
+    saved = _saved(7)
+    with _mgr(tmp_path) as mgr:
+        mgr.save(7, saved)
+    full = saved["model"]["w"]
+
+    def body(comm: ThreadComm) -> tuple[bool, bytes]:
+        rows = slice(32 * comm.rank, 32 * (comm.rank + 1))
+        mine = np.zeros((32, 32), np.float32)
+        state = {"model": {"w": Shard(mine, (32 * comm.rank, 0), full.shape)}}
+        with CheckpointManager(
+            local_dir=tmp_path / "l1", fsync=False, comm=comm, node="n0", async_save=False
+        ) as mgr:
+            assert mgr.restore(state, into=True, strict=False) == 7
+            same = mgr.restored_state["model"]["w"] is mine
+        return same, _bits(mine) + _bits(full[rows])
+
+    for same, both in run_threads(2, body):
+        assert same
+        half = len(both) // 2
+        assert both[:half] == both[half:]
