@@ -11,6 +11,11 @@ rename), exactly as the collective rebuild at restart does. Zarr documents missi
 a committed directory are written anew from the manifest (every node holds the same ones). Beyond
 the tolerance nothing is written and :class:`UnrecoverableDamageError` names the ranks, nodes and
 tensors lost.
+
+Progress (``rebuild(progress=)``, :class:`~ckptfmt.Progress` events, ``op="rebuild"``): the check
+of every member's data and parity (``phase="check"``), then, when something is to be rebuilt,
+that work is added to the total (the members of each damaged set read again, what is rebuilt
+written: ``phase="rebuild"``); the last event once every directory is committed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptfmt.container.members import read_member
+from ckptfmt.container.members import buffer_sizes, read_member
 from ckptfmt.engine.copies import (
     Choice,
     plan_offline,
@@ -43,9 +48,10 @@ from ckptfmt.errors import CkptError, UnrecoverableDamageError
 from ckptfmt.maintenance.nodes import NodeDirs, node_copies
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.engine import run_ops
-from ckptfmt.redundancy.record import member_size, record_of
+from ckptfmt.redundancy.record import RedundancyRecord, member_files, member_size, record_of
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.progress import Meter, ProgressCallback, metering
 
 
 @dataclass
@@ -73,10 +79,24 @@ class RepairReport:
         return bool(self.lost_data or self.lost_parity or self.metadata)
 
 
-def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> RepairReport:
+def rebuild(
+    spec: NodeDirs,
+    fsync: bool = True,
+    dry_run: bool = False,
+    progress: ProgressCallback | None = None,
+) -> RepairReport:
     """Repair a level-1 checkpoint offline (module docstring). Returns the report; raises
     :class:`UnrecoverableDamageError` when the damage is beyond the redundancy (nothing is
-    written then), :class:`NotACheckpointError` when no directory holds a readable manifest."""
+    written then), :class:`NotACheckpointError` when no directory holds a readable manifest.
+    ``progress``: called with :class:`~ckptfmt.Progress` events, from this thread (module
+    docstring)."""
+    with metering("rebuild", progress) as meter:
+        report = _rebuild(spec, fsync, dry_run, meter)
+        meter.finish()
+    return report
+
+
+def _rebuild(spec: NodeDirs, fsync: bool, dry_run: bool, meter: Meter) -> RepairReport:
     started = time.perf_counter()
     choice, dirs, copies = node_copies(spec)
     manifest, data = choice.manifest, choice.data
@@ -91,7 +111,7 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
     _, docs = plan_offline([c for c in copies if c.directory in intact_dir])
     report.metadata = [f"{d}: {rel}" for d, rels in docs.items() for rel in rels]
     if record is None:
-        _check_without_redundancy(manifest, dir_of, intact_dir, report, shown)
+        _check_without_redundancy(manifest, dir_of, intact_dir, report, shown, meter)
         if not dry_run:
             _rewrite_docs(choice, docs, fsync, report)
         report.seconds = time.perf_counter() - started
@@ -99,11 +119,13 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
     report.scheme = record.scheme
     # one pass over every set to learn what is lost (and fail before writing anything)
     status: list[MemberStatus] = []
+    meter.expect(sum(sum(buffer_sizes(record, r)) for r in range(manifest.world_size)))
     for rank in range(manifest.world_size):
         bufs = member_buffers(record, rank, reuse=False)
         src = Inside(dir_of[rank]) if intact_dir[dir_of[rank]] else None
         status.append(read_status(src, manifest, record, rank, bufs))
         report.bytes_read += bufs.data.size + bufs.parity.size
+        meter.add(bufs.data.size + bufs.parity.size, "check")
     report.lost_data = [r for r, s in enumerate(status) if not s.data_ok]
     report.lost_parity = [r for r, s in enumerate(status) if not all(s.parity_ok)]
     lost = set(report.lost_data) | set(report.lost_parity)
@@ -115,6 +137,12 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
         report.seconds = time.perf_counter() - started
         return report
     staging = {d: commit.staging_dir(d.absolute(), manifest.save_id) for d in recreate}
+    writes = {  # the bytes each rank of a damaged set writes (progress)
+        rank: _rebuilt_bytes(manifest, record, rank, status[rank], dir_of[rank] in staging)
+        for i, _ in plans
+        for rank in record.sets[i].members
+    }
+    meter.expect(sum(sum(buffer_sizes(record, r)) + n for r, n in writes.items()))
     try:
         for d in recreate:
             prepare_recreated(d.absolute(), manifest, fsync)
@@ -128,6 +156,7 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
                 read_status(src, manifest, record, rank, bufs)
                 clear_lost(bufs, status[rank].data_ok, status[rank].parity_ok)
                 local[j] = bufs
+                meter.add(bufs.data.size + bufs.parity.size, "rebuild")
             run_ops(ops, s.members, s.sizes, s.chunk, local)
             for j, rank in enumerate(s.members):
                 d = dir_of[rank]
@@ -137,6 +166,7 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
                     target, manifest, record, rank, local[j], status[rank], whole, fsync
                 ):
                     report.files_written.append(f"{d}: {f}")
+                meter.add(writes[rank], "rebuild")
         for d in recreate:
             commit.finalize(staging[d], d.absolute(), data, manifest.save_id, fsync)
             report.recreated.append(str(d))
@@ -156,6 +186,21 @@ def rebuild(spec: NodeDirs, fsync: bool = True, dry_run: bool = False) -> Repair
     return report
 
 
+def _rebuilt_bytes(
+    manifest: Manifest, record: RedundancyRecord, rank: int, status: MemberStatus, whole: bool
+) -> int:
+    """The bytes :func:`write_rebuilt` writes for ``rank``: its data files (``whole``: every
+    one; else the damaged ones) when its data was lost, its parity file when any of it was."""
+    n = 0
+    if not status.data_ok:
+        damaged = {e.file for e in status.damage}
+        n += sum(f.size for _, f in member_files(manifest, rank) if whole or f.path in damaged)
+    if not all(status.parity_ok):
+        rset, j = record.set_of(rank)
+        n += rset.parity[j].size
+    return n
+
+
 def _rewrite_docs(
     choice: Choice, docs: dict[Path, list[str]], fsync: bool, report: RepairReport
 ) -> None:
@@ -170,15 +215,18 @@ def _check_without_redundancy(
     intact_dir: dict[Path, bool],
     report: RepairReport,
     shown: str,
+    meter: Meter,
 ) -> None:
     """No redundancy: the data is intact, or :class:`UnrecoverableDamageError`."""
 
     lost = []
+    meter.expect(sum(member_size(manifest, r) for r in range(manifest.world_size)))
     for rank in range(manifest.world_size):
         d = dir_of[rank]
         buf = np.zeros(member_size(manifest, rank), np.uint8)
         if not intact_dir[d] or read_member(Inside(d), manifest, rank, buf, verify=True):
             lost.append(rank)
+        meter.add(buf.size, "check")
     if lost:
         raise UnrecoverableDamageError(
             shown,

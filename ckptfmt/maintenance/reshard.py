@@ -21,6 +21,7 @@ directory per new node (each holding the metadata and its own ranks' files).
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import threading
 import time
@@ -36,10 +37,10 @@ import numpy as np
 from ckptfmt.checksum import combine
 from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import by_name
-from ckptfmt.engine.encode import encode_offline
+from ckptfmt.engine.encode import encode_offline, offline_work
 from ckptfmt.errors import ChecksumError, StorageFullError, UsageError
 from ckptfmt.format.chunk_reads import read_chunks
-from ckptfmt.format.shard_io import Geometry, plan_region
+from ckptfmt.format.shard_io import Geometry, plan_region, region_cells, shard_file_nbytes
 from ckptfmt.maintenance.nodes import node_dirs
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, cells, grid_shape
@@ -61,6 +62,7 @@ from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.nodes import expand, is_template
 from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.storage.progress import Meter, ProgressCallback, metering
 
 Name = tuple[str, ...]
 
@@ -233,7 +235,7 @@ def reshard(
     overwrite: bool = False,
     fsync: bool = True,
     threads: int = 2,
-    progress: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ReshardReport:
     """Rewrite the checkpoint ``src`` for ``ranks`` ranks into ``dst`` (module docstring).
 
@@ -242,7 +244,11 @@ def reshard(
     ``"n0"``). ``rows``: glob patterns of '/'-joined tensor names held in row blocks.
     ``rank_map``/``per_rank``: what becomes of per-rank entries (``reshard.per_rank``); an entry
     that some new rank would get no item of is left out only with ``per_rank="drop"``.
-    ``progress(n)`` is called with the tensor bytes of each shard file written.
+    ``progress``: called with :class:`~ckptfmt.Progress` events (``op="reshard"``) counting
+    the whole work, planned before any byte moves: each new file's data read from the source
+    (``phase="read"``), the file written (``"write"``), with ``redundancy`` every new member
+    read back and its parity written (``"parity"``); the last event (``final``) once every
+    directory is committed (``ckptfmt.storage.progress``).
     """
     started = time.perf_counter()
     refuse_url(dst)
@@ -297,17 +303,20 @@ def reshard(
         skeleton = _manifest(manifest, kept, plan, {}, res.sources, node_list, save_id, ranks)
         for d in staging.values():
             write_metadata(d, skeleton, fsync)
-        refs, read, written = _write_files(
-            manifest, plan, res.sources, sources, dir_of, threads, fsync, progress
-        )
-        out = _manifest(manifest, kept, plan, refs, res.sources, node_list, save_id, ranks)
-        if is_template(dst):
-            out = replace(out, levels={"1": {}})
-        if redundancy is not None:
-            out = encode_offline(out, dir_of, redundancy, fsync)
-        data = dump_manifest(out)
-        for final, d in staging.items():
-            commit.finalize(d, final, data, save_id, fsync)
+        with metering("reshard", progress) as meter:
+            meter.expect(_planned_work(plan, node_list, redundancy))
+            refs, read, written = _write_files(
+                manifest, plan, res.sources, sources, dir_of, threads, fsync, meter
+            )
+            out = _manifest(manifest, kept, plan, refs, res.sources, node_list, save_id, ranks)
+            if is_template(dst):
+                out = replace(out, levels={"1": {}})
+            if redundancy is not None:
+                out = encode_offline(out, dir_of, redundancy, fsync)  # counts on the meter
+            data = dump_manifest(out)
+            for final, d in staging.items():
+                commit.finalize(d, final, data, save_id, fsync)
+            meter.finish()
     except BaseException as exc:
         for d in staging.values():
             commit.abort(d)
@@ -339,6 +348,26 @@ def reshard(
         warning=warning,
         redundancy=None if redundancy is None else redundancy.to_json(),
     )
+
+
+def _planned_work(plan: SavePlan, nodes: list[str], redundancy: Redundancy | None) -> int:
+    """The bytes of work :func:`_write_files` (and, with ``redundancy``, the parity encoding)
+    counts for ``plan``: every new file's data read, every file written; every member read
+    back and every parity file written. From the plan's geometry, before any byte moves."""
+    total = 0
+    member_bytes = [0] * len(nodes)
+    for t in plan.tensors:
+        geo = Geometry.of("/".join(t.name), t.dtype, t.shape, t.shard_shape, t.chunk_shape)
+        for r in t.regions:
+            for cell in region_cells(geo, r.offset, r.shape):
+                lo = tuple(c * h for c, h in zip(cell, t.shard_shape))
+                hi = tuple(min(a + h, s) for a, h, s in zip(lo, t.shard_shape, t.shape))
+                size = shard_file_nbytes(geo, cell)
+                total += math.prod(b - a for a, b in zip(lo, hi)) * geo.dtype.itemsize + size
+                member_bytes[r.writer] += size
+    if redundancy is not None:
+        total += offline_work(redundancy, nodes, member_bytes)
+    return total
 
 
 def _declarations(entries: Sequence[Entry], ranks: int, by_rows: set[str]) -> list[list[Holding]]:
@@ -422,10 +451,11 @@ def _write_files(
     dir_of: Mapping[int, Path],
     threads: int,
     fsync: bool,
-    progress: Callable[[int], None] | None,
+    meter: Meter,
 ) -> tuple[dict[tuple[Name, tuple[int, ...]], tuple[FileRef, ...]], int, int]:
     """Write every new shard file (each from the source chunks its box needs); returns the
-    files of each region, bytes read and bytes written."""
+    files of each region, bytes read and bytes written. Each file's data read and the file
+    written are counted on ``meter`` (from the pool's threads: they do the work)."""
     olds = {t.name: t for t in m.tensors()}
     crcs = _SourceCrcs()
     cache = _ChunkCache()
@@ -450,13 +480,13 @@ def _write_files(
                 )
         else:
             nread += _read_box(old, (lo, data.shape), data, m, src_of_node, crcs, cache)
+        meter.add(data.nbytes, "read")
         (job,) = plan_region(dir_of[writer], geo, data, lo, made)
         ref = job.run(fsync)
         with lock:
             counters[0] += nread
             counters[1] += ref.size
-        if progress is not None:
-            progress(data.nbytes)
+        meter.add(ref.size, "write")
         return ref
 
     for t in plan.tensors:

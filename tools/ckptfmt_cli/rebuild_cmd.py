@@ -18,6 +18,7 @@ from ckptfmt.errors import UnrecoverableDamageError
 from ckptfmt.maintenance import NodeDirs, RepairReport, rebuild
 from ckptfmt.manifest import MANIFEST_NAME
 from ckptfmt.storage import refuse_url
+from ckptfmt_cli import render
 from ckptfmt_cli.exits import ExitStatus, help_epilog, one_line
 from ckptfmt_cli.hints import lost_for_real
 from ckptfmt_cli.summary import human_bytes
@@ -30,6 +31,9 @@ REBUILD_EXITS = (
     "       and tensors lost); nothing was written\n"
     "  3    no directory holds a readable copy of the checkpoint\n"
 )
+
+
+PHASES = {"check": "checking", "rebuild": "rebuilding"}  # the bar's label in each phase
 
 
 def node_spec(path: str | None, nodes: Sequence[str]) -> NodeDirs:
@@ -149,6 +153,12 @@ def report_text(report: RepairReport, dry_run: bool) -> list[str]:
 @click.option(
     "--no-fsync", is_flag=True, help="Do not fsync what is written (faster; not crash-safe)."
 )
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No progress bar and no report (--json still prints): only the exit status.",
+)
 @click.pass_context
 def rebuild_command(
     ctx: click.Context,
@@ -157,6 +167,7 @@ def rebuild_command(
     dry_run: bool,
     as_json: bool,
     no_fsync: bool,
+    quiet: bool,
 ) -> None:
     """Rebuild what a level-1 checkpoint lost, from its redundancy (partner, xor, rs).
 
@@ -167,16 +178,19 @@ def rebuild_command(
     (committed like a save). A node's damaged copy of the manifest or of a zarr.json is written
     anew from a good copy (the one whose checksum holds; the majority's where good copies
     disagree, which the output says). Beyond what the redundancy tolerates nothing is
-    written, and the output names the ranks, nodes and tensors lost.
+    written, and the output names the ranks, nodes and tensors lost. A progress bar is shown
+    on stderr when it is a terminal (checking, then rebuilding).
     """
     spec = node_spec(path, nodes)
+    console = None if quiet or as_json else render.stderr_terminal()
     try:
-        report = rebuild(spec, fsync=not no_fsync, dry_run=dry_run)
+        with render.progress_bar(console, "rebuild", PHASES) as show:
+            report = rebuild(spec, fsync=not no_fsync, dry_run=dry_run, progress=show)
     except UnrecoverableDamageError as exc:
         lost = lost_for_real(spec, exc)  # not every tensor of those ranks: their lost files'
         if as_json:
             click.echo(json.dumps(unrecoverable_json(exc, dry_run, lost), indent=2))
-        else:
+        elif not quiet:
             click.echo(f"UNRECOVERABLE: {one_line(exc.file)}: nothing was written")
             click.echo(one_line(f"  {exc.reason}"))
             click.echo(f"  lost ranks: {_ranks(exc.lost_ranks) or '-'}")
@@ -185,7 +199,7 @@ def rebuild_command(
         ctx.exit(ExitStatus.DAMAGED)
     if as_json:
         click.echo(json.dumps(report_json(report, dry_run), indent=2))
-    else:
+    elif not quiet:
         for line in report_text(report, dry_run):
             click.echo(one_line(line))
     ctx.exit(ExitStatus.OK)

@@ -8,13 +8,24 @@ terminal escape sequences.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.progress import Progress as Bars
 from rich.table import Table
 from rich.text import Text
 
-from ckptfmt import VerifyReport
+from ckptfmt import Progress, VerifyReport
 from ckptfmt_cli.exits import one_line
 from ckptfmt_cli.summary import human_bytes, rank_ranges
 
@@ -32,6 +43,44 @@ def stderr_terminal() -> Console | None:
     """A console on stderr when stderr is a terminal (for progress bars), else None."""
     console = Console(stderr=True)
     return console if console.is_terminal else None
+
+
+@contextmanager
+def progress_bar(
+    console: Console | None, label: str, phases: Mapping[str, str] | None = None
+) -> Iterator[Callable[[Progress], None] | None]:
+    """A progress bar on ``console`` (:func:`stderr_terminal`) fed by the core's
+    :class:`ckptfmt.Progress` events: yields the callable to pass as ``progress=``, or None (no
+    bar) without a console. The bar is full only when the operation's last event says its work
+    is done. Work added once the bar started (a rebuild's, after its check) gets a bar of its
+    own, so that no bar ever goes back. ``phases``: the label of a phase (else ``label``)."""
+    if console is None:
+        yield None
+        return
+    names = dict(phases or {})
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Bars(*columns, console=console, transient=True) as bars:
+        task: TaskID | None = None
+        base = 0  # the work of the bars before this one
+        total = -1
+
+        def show(p: Progress) -> None:
+            nonlocal task, base, total
+            if task is None or p.total != total:
+                if task is not None:  # its work is done: full
+                    bars.update(task, completed=total - base)
+                    base = total
+                total = p.total
+                task = bars.add_task(names.get(p.phase, label))
+            bars.update(task, total=total - base, completed=p.done - base)
+
+        yield show
 
 
 def plain(value: object) -> Text:

@@ -13,10 +13,9 @@ import warnings
 from collections.abc import Callable
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from ckptfmt.dtypes import by_name
-from ckptfmt.maintenance import ReshardReport, node_dirs, reshard
+from ckptfmt import Progress
+from ckptfmt.maintenance import ReshardReport, reshard
 from ckptfmt.plan import PerRankWarning, RankMap
 from ckptfmt.redundancy import DEFAULT_SET_SIZE, Redundancy
 from ckptfmt_cli import render
@@ -192,19 +191,9 @@ def reshard_command(
         warnings.simplefilter("ignore", PerRankWarning)  # reported below, once
         args = (src, dst, ranks, names, rows, mapping, drop_per_rank, red)
         opts = (chunk_bytes, shard_bytes, overwrite, no_fsync)
-        if console is None:
-            report = _run(*args, *opts, None)
-        else:
-            total = sum(t.size * _itemsize(t.dtype) for t in node_dirs(src)[0].tensors())
-            columns = (
-                TextColumn("resharding"),
-                BarColumn(),
-                DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
-            )
-            with Progress(*columns, console=console, transient=True) as bar:
-                task = bar.add_task("reshard", total=total)
-                report = _run(*args, *opts, lambda n: bar.advance(task, n))
+        # the bar counts the whole work (read, write, parity) and is full once DST is committed
+        with render.progress_bar(console, "resharding") as show:
+            report = _run(*args, *opts, show)
     if report.warning:
         click.echo(one_line(cli_wording(f"Warning: {report.warning}")), err=True)
     if as_json:
@@ -212,10 +201,6 @@ def reshard_command(
     elif not quiet:
         for line in report_text(report):
             click.echo(one_line(line))
-
-
-def _itemsize(dtype: str) -> int:
-    return by_name(dtype).itemsize
 
 
 def _run(
@@ -231,7 +216,7 @@ def _run(
     shard_bytes: int,
     overwrite: bool,
     no_fsync: bool,
-    progress: Callable[[int], None] | None,
+    progress: Callable[[Progress], None] | None,
 ) -> ReshardReport:
     return reshard(
         src,
