@@ -13,11 +13,19 @@ step must verify and load bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from mpi_util import REPO, assert_ok, run_mpi, run_torchrun
+from ckptfmt_cli.main import cli
+from click.testing import CliRunner
+from mpi_util import REPO, assert_ok, describe, run_mpi, run_torchrun
+
+import ckptfmt
 
 WORKER = str(REPO / "tests" / "_fault_worker.py")
 SAVE_SCENARIOS = {
@@ -34,7 +42,7 @@ SAVE_SCENARIOS = {
 DEADLINE_S = 20.0  # far below any transport timeout (gloo: 30 min; MPI: none)
 
 
-def _results(out: Path, name: str, n: int) -> list[dict]:
+def _results(out: Path, name: str, n: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(n)]
 
 
@@ -190,3 +198,120 @@ def test_one_rank_failing_while_the_restore_rebuilds(tmp_path: Path) -> None:
         assert res["seconds"] < DEADLINE_S, where
         assert res["again"] == 7 and res["bitwise"], where
     assert results[0]["leftovers"] == [], results[0]
+
+
+# --- SIGKILL and SIGTERM on one rank, during a save and during a restore ----------------------
+
+SIGNAL_WORKER = str(REPO / "tests" / "_signal_worker.py")
+SIGNAL_SCENARIOS = ["save-sigkill", "save-sigterm", "restore-sigkill", "restore-sigterm"]
+# the step a restarted job restores: the newest complete before the fault, except that SIGTERM
+# lets the save in flight finish (the rank then ends as SIGTERM ends it, after its exit flush)
+SIGNAL_RESTORES = {"save-sigkill": 2, "save-sigterm": 3, "restore-sigkill": 2, "restore-sigterm": 2}
+JOB_END_S = 40.0  # signal -> the launcher has ended the job (torchrun: SIGTERM, then SIGKILL)
+
+
+def _launch(kind: str, n: int, *args: str) -> subprocess.CompletedProcess[str]:
+    if kind == "mpi":
+        return run_mpi(n, SIGNAL_WORKER, kind, *args, timeout=200)
+    return run_torchrun(n, SIGNAL_WORKER, kind, *args, timeout=200)
+
+
+def _level1_states(root: Path) -> dict[str, dict[str, Any]]:
+    """``ckptfmt list <root>/l3 --json``'s steps."""
+    result = CliRunner().invoke(cli, ["list", str(root / "l3"), "--json"], prog_name="ckptfmt")
+    assert result.exit_code == 0, result.output
+    steps: dict[str, dict[str, Any]] = json.loads(result.output)["steps"]
+    return steps
+
+
+def _never_complete_on_some_nodes_only(root: Path, where: str) -> dict[str, dict[str, Any]]:
+    steps = _level1_states(root)
+    for step, entry in steps.items():
+        states = set(entry["level1"].values())
+        assert "complete" not in states or states == {"complete"}, f"{where}: step {step} {entry}"
+        assert entry["level3"] != "flushing", f"{where}: step {step} {entry}"
+    return steps
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind,n",
+    [
+        pytest.param("mpi", 2, id="mpiexec-2"),
+        pytest.param("mpi", 4, id="mpiexec-4"),
+        pytest.param("torch", 2, id="torchrun-2", marks=pytest.mark.torch),
+    ],
+)
+def test_sigkill_and_sigterm_on_one_rank_during_a_save_and_a_restore(
+    tmp_path: Path, kind: str, n: int
+) -> None:
+    """The last rank gets SIGKILL or SIGTERM while step 3 is being saved (after writing its
+    data) or while a restore reads its chunks (``tests/_signal_worker.py``). The launcher ends
+    the job within seconds of the signal (no rank lives on to the end of its sleep); a rank
+    that is told before it is ended is told by a CkptError (under torchrun the transport's
+    failure: ``ManagerBrokenError``), never a raw transport error. SIGKILL during a save
+    leaves step 2 the newest complete step; SIGTERM during a save lets the save in flight
+    finish on every rank first (step 3); a signal during a restore changes no file on any
+    level. ``ckptfmt list`` never shows a step complete on some nodes only. A restarted job
+    then restores that step from level 1 bit for bit, leaves no staging directory, changes
+    nothing of what was there before the fault, and its next save commits; every complete
+    step verifies node by node."""
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    out.mkdir()
+    for name in SIGNAL_SCENARIOS:
+        proc = _launch(kind, n, str(out), str(ck), "fault", name)
+        ended = time.time()
+        where = f"{name} ({kind} -n {n})"
+        signal_file = out / f"{name}.signal"
+        assert signal_file.is_file(), f"{where}: the signal was never sent\n{describe(proc)}"
+        assert proc.returncode != 0, f"{where}: the job ended normally\n{describe(proc)}"
+        took = ended - json.loads(signal_file.read_text())["time"]
+        assert took < JOB_END_S, f"{where}: the job ended {took:.1f} s after the signal"
+        assert not list(out.glob(f"{name}.rank*.survived")), f"{where}\n{describe(proc)}"
+        for told in out.glob(f"{name}.rank*.told.json"):
+            doc = json.loads(told.read_text())
+            assert not doc.get("escaped"), f"{where}: {told.name}: {doc}"
+        root = ck / name
+        before = json.loads((out / f"{name}.before.json").read_text())
+        now = _digests(root)
+        if name.startswith("restore-"):
+            assert now == before, f"{where}: the interrupted restore changed files"
+        else:
+            assert {k: now.get(k) for k in before} == before, f"{where}: steps 1, 2 changed"
+        _never_complete_on_some_nodes_only(root, f"{where}, after the fault")
+
+    assert_ok(_launch(kind, n, str(out), str(ck), "check", ",".join(SIGNAL_SCENARIOS)))
+    for name in SIGNAL_SCENARIOS:
+        where = f"{name} ({kind} -n {n}), restarted"
+        root = ck / name
+        for r in range(n):
+            res = json.loads((out / f"{name}.check.rank{r}.json").read_text())
+            assert res["step"] == SIGNAL_RESTORES[name], f"{where}, rank {r}: {res}"
+            assert res["level"] == 1 and res["bitwise"], f"{where}, rank {r}: {res}"
+            assert res["failed_after"] == [], f"{where}, rank {r}: {res}"
+            if r == 0:
+                assert res["leftovers"] == [], f"{where}: {res['leftovers']}"
+        before = json.loads((out / f"{name}.before.json").read_text())
+        after = json.loads((out / f"{name}.after-restore.json").read_text())
+        if name.startswith("restore-"):
+            assert after == before, f"{where}: the restore changed files"
+        else:
+            assert {k: after.get(k) for k in before} == before, f"{where}: steps 1, 2 changed"
+        steps = _never_complete_on_some_nodes_only(root, where)
+        assert steps["10"]["level3"] == "flushed", f"{where}: {steps['10']}"
+        for step, entry in steps.items():
+            nodes = {nd: s for nd, s in entry["level1"].items()}
+            if set(nodes.values()) == {"complete"}:
+                dirs = {nd: root / "l1" / nd / f"step-{int(step):010d}" for nd in nodes}
+                report = ckptfmt.verify(dirs)
+                assert report.healthy, f"{where}: step {step}: {report.problems}"
+        assert set(steps["10"]["level1"].values()) == {"complete"}, f"{where}: {steps['10']}"
