@@ -18,7 +18,6 @@ Anything else escaping the background thread aborts the whole job (``comm.start_
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import queue
 import threading
@@ -49,6 +48,7 @@ from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel import share
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
 from ckptfmt.parallel.levels import (
     Levels,
@@ -71,7 +71,7 @@ from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
 from ckptfmt.transport.comm import Comm, SingleComm, start_background
 from ckptfmt.tree.apply import ApplyReport, apply_loaded
 from ckptfmt.tree.casting import check_policy
-from ckptfmt.tree.state import Shard, flatten, is_tensor, unflatten
+from ckptfmt.tree.state import Name, Shard, flatten
 
 log = logging.getLogger("ckptfmt")
 
@@ -158,6 +158,7 @@ class _SaveJob:
     taken: list[np.ndarray]  # pool buffers to give back when the job ends
     mode: str  # copy_mode: "now", "background" or "none"
     ready: Callable[[], None] | None
+    boxes: share.Boxes | None  # what this rank writes of the replicated tensors (staged only)
 
 
 class CheckpointWarning(UserWarning):
@@ -343,20 +344,27 @@ class CheckpointManager:
         handle = SaveHandle(step)
         failure: BaseException | None = None
         usage: UsageError | None = None
+        leaves: list[tuple[Name, Any]] | None = None
         try:
-            # deterministic misuse is raised here (by _stage), whatever on_error says
-            staged, telemetry.staged_bytes = self._stage(state, taken, mode == "now")
+            leaves = self._check_state(state)  # misuse raised here, whatever on_error says
         except UsageError as exc:
             failure = usage = exc
-        except Exception as exc:  # e.g. MemoryError while copying: voted on like any failure
-            failure = exc
+        try:  # every rank takes part, a rank whose state was refused too
+            boxes = self._share(step, leaves)
+        except Exception as exc:  # the roll call's deadline passed, or the transport failed
+            return self._unshared(step, exc, handle, telemetry)
+        if leaves is not None:
+            try:
+                staged, telemetry.staged_bytes = self._stage(leaves, taken, mode == "now", boxes)
+            except Exception as exc:  # e.g. MemoryError while copying: voted on like any failure
+                failure = exc
         if mode == "now" or failure is not None:
             handle.set_staged()
         telemetry.blocked_s = time.perf_counter() - entered
         self._idle.clear()
         # a rank that failed to stage still takes part in the save's first vote, which fails
         # the step on every rank (no rank pairs this save with its next one)
-        job = _SaveJob(step, staged, seq, failure, telemetry, handle, taken, mode, ready)
+        job = _SaveJob(step, staged, seq, failure, telemetry, handle, taken, mode, ready, boxes)
         self._jobs.put(lambda: self._save_job(job))
         if usage is not None:
             self._idle.wait()
@@ -654,48 +662,63 @@ class CheckpointManager:
 
     # --- staging (the only part the training loop waits for) -------------------------------------
 
-    def _stage(
-        self, state: Mapping[str, Any], taken: list[np.ndarray], copy_now: bool = True
-    ) -> tuple[dict[str, Any], int]:
-        """Copy ``state`` into staging buffers of the pool (appended to ``taken``; values
-        deep-copied), checking each leaf on the way (:func:`check_leaf`: misuse raises
-        ``UsageError``); returns the copy and the bytes of tensor data. Without ``copy_now``
-        the tensors are left as the caller's arrays (donated, or copied later by
-        :meth:`_copy_tensors`)."""
-        leaves = []  # flatten refuses a state that is not a mapping
-        nbytes = 0
-        for name, leaf in flatten(state):
+    def _check_state(self, state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
+        """The leaves of ``state``, each checked (:func:`check_leaf`): misuse raises
+        ``UsageError`` at the call, before anything is copied."""
+        leaves = flatten(state)  # refuses a state that is not a mapping
+        for name, leaf in leaves:
             check_leaf(display(name), leaf)
-            if is_tensor(leaf):
-                data = leaf.data if isinstance(leaf, Shard) else np.asarray(leaf)
-                if copy_now:
-                    buf = self._pool.take(data.shape, data.dtype)
-                    taken.append(buf)
-                    np.copyto(buf, data, casting="no")
-                    data = buf
-                nbytes += data.nbytes
-                staged: Any = (
-                    Shard(data, leaf.offset, leaf.global_shape) if isinstance(leaf, Shard) else data
-                )
-                leaves.append((name, staged))
-            else:
-                leaves.append((name, copy.deepcopy(leaf)))
-        return unflatten(leaves), nbytes
+        return leaves
 
-    def _copy_tensors(self, staged: dict[str, Any], taken: list[np.ndarray]) -> dict[str, Any]:
-        """The staging copy of a state :meth:`_stage` left uncopied (``background_copy``)."""
-        leaves = []
-        for name, leaf in flatten(staged):
-            if is_tensor(leaf):
-                data = leaf.data if isinstance(leaf, Shard) else leaf
-                buf = self._pool.take(data.shape, data.dtype)
-                taken.append(buf)
-                np.copyto(buf, data, casting="no")
-                leaf = (
-                    Shard(buf, leaf.offset, leaf.global_shape) if isinstance(leaf, Shard) else buf
-                )
-            leaves.append((name, leaf))
-        return unflatten(leaves)
+    def _share(self, step: int, leaves: list[tuple[Name, Any]] | None) -> share.Boxes | None:
+        """Collective (every rank, from ``save``, before its staging copy; ``leaves`` None
+        where the state was refused): the regions of the replicated tensors this rank writes,
+        when every rank holds the same ones (``ckptfmt.parallel.share``), else None (stage
+        everything). One process: None. Raises what the roll call raises."""
+        if self.comm.size == 1:
+            return None
+        holdings = share.replicated(leaves) if leaves is not None else []
+        mine = share.digest(holdings, self.write, self.comm.size) if leaves is not None else None
+        if not share.agree(self.comm, self.deadline_s, step, mine):
+            return None
+        return share.own_boxes(holdings, self.write, self.comm.size, self.comm.rank)
+
+    def _stage(
+        self,
+        leaves: list[tuple[Name, Any]],
+        taken: list[np.ndarray],
+        copy_now: bool,
+        boxes: share.Boxes | None,
+    ) -> tuple[dict[str, Any], int]:
+        """The staging copy into the pool's buffers (``share.stage``)."""
+        return share.stage(self._pool, leaves, taken, copy_now, boxes)
+
+    def _copy_later(
+        self, staged: dict[str, Any], taken: list[np.ndarray], boxes: share.Boxes | None
+    ) -> dict[str, Any]:
+        """The staging copy :meth:`_stage` left uncopied (``background_copy``)."""
+        return share.copy_later(self._pool, flatten(staged), taken, boxes)
+
+    def _unshared(
+        self, step: int, exc: Exception, handle: SaveHandle, report: SaveReport
+    ) -> SaveHandle:
+        """The ranks could not agree before staging (some rank did not come within the
+        deadline, or the transport failed): no collective of this manager can be trusted any
+        more. The save fails on this rank at once (no background job), reported as a
+        background save's failure would be (``on_error``)."""
+        broken: CkptError = (
+            exc
+            if isinstance(exc, CkptError)
+            else ManagerBrokenError(f"{type(exc).__name__}: {exc}")
+        )
+        self._broken = broken
+        report.error = str(broken)
+        self._record_save(report)
+        self._pending.append((step, broken))
+        handle.set_committed(broken)
+        log.error("rank %s: save of step %s failed: %s", self.comm.rank, step, broken)
+        self._report()
+        return handle
 
     # --- the background thread -------------------------------------------------------------------
 
@@ -734,7 +757,7 @@ class CheckpointManager:
                     failure = exc
             if job.mode == "background" and failure is None:
                 try:
-                    staged = self._copy_tensors(staged, job.taken)
+                    staged = self._copy_later(staged, job.taken, job.boxes)
                 except Exception as exc:
                     failure = exc
             if job.mode == "background":

@@ -44,7 +44,7 @@ from ckptfmt.engine.encode import (
     plan_set,
     reserve_buffers,
 )
-from ckptfmt.errors import LimitExceededError, StorageFullError, UsageError
+from ckptfmt.errors import CkptError, LimitExceededError, StorageFullError, UsageError
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, plan_region, region_file_nbytes, run_jobs
@@ -67,7 +67,7 @@ from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage import commit
 from ckptfmt.transport.comm import Comm
-from ckptfmt.tree.state import PerRank, Shard, flatten, is_tensor
+from ckptfmt.tree.state import PerRank, Pieces, Shard, flatten, is_tensor
 
 Name = tuple[str, ...]
 FaultHook = Callable[[str], None]
@@ -93,7 +93,7 @@ class LocalState:
     the order given."""
 
     order: list[tuple[Name, str]]  # (name, "tensor" | "value" | "group" | "per_rank_*")
-    tensors: dict[Name, tuple[np.ndarray, DType, tuple[int, ...], tuple[int, ...] | None]]
+    tensors: dict[Name, tuple[np.ndarray | Pieces, DType, tuple[int, ...], tuple[int, ...] | None]]
     values: dict[Name, Any]
     per_rank_values: dict[Name, Any] = field(default_factory=dict)
 
@@ -125,6 +125,9 @@ def check_state(state: Mapping[str, Any], rank: int = 0, size: int = 1) -> Local
             if isinstance(leaf, Shard):
                 arr, dtype = as_storable(leaf.data, shown)
                 local.tensors[name] = (arr, dtype, leaf.global_shape, leaf.offset)
+            elif isinstance(leaf, Pieces):  # the manager's staging copy (checked before)
+                dtype = of_array(leaf.dtype, shown)
+                local.tensors[name] = (leaf, dtype, leaf.shape, None)
             else:
                 arr, dtype = as_storable(leaf, shown)
                 local.tensors[name] = (arr, dtype, arr.shape, None)
@@ -160,6 +163,14 @@ def _region_data(
 ) -> np.ndarray:
     """This rank's data for a planned region, C-contiguous (a view when possible)."""
     arr, _, _, held_at = local.tensors[t.name]
+    if isinstance(arr, Pieces):
+        piece = arr.region(offset, shape)
+        if piece is None:  # the staging agreed on another plan: voted on, never written
+            raise CkptError(
+                f"tensor {display(t.name)!r}: the staged copy holds no data for the region at "
+                f"{list(offset)} of shape {list(shape)} this rank is to write"
+            )
+        return piece if piece.flags.c_contiguous else np.ascontiguousarray(piece)
     base = (0,) * len(shape) if held_at is None else held_at
     view = (
         arr[tuple(slice(o - b, o - b + s) for o, b, s in zip(offset, base, shape))]

@@ -82,8 +82,36 @@ class PerRank:
     value: Any
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """A whole tensor of which only some boxes are at hand: the manager's staging copy of a
+    replicated tensor holds just the regions this rank writes (``parallel.manager``: every rank
+    agreed on the state's structure, so the plan is known before the copy). A save declares it
+    held whole, like the array it stands for, and takes each region it writes from the piece
+    containing it. ``boxes``: (offset, data) pairs, data C-contiguous of ``dtype``."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    boxes: tuple[tuple[tuple[int, ...], np.ndarray], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes at hand (not the whole tensor's)."""
+        return sum(data.nbytes for _, data in self.boxes)
+
+    def region(self, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray | None:
+        """The data of the box at ``offset`` of ``shape`` (a view), or None when no piece
+        contains it."""
+        for at, data in self.boxes:
+            if all(a <= o and o + n <= a + d for a, o, n, d in zip(at, offset, shape, data.shape)):
+                if not shape:
+                    return data
+                return data[tuple(slice(o - a, o - a + n) for a, o, n in zip(at, offset, shape))]
+        return None
+
+
 def is_tensor(leaf: Any) -> bool:
-    if isinstance(leaf, Shard):
+    if isinstance(leaf, (Shard, Pieces)):
         return True
     return isinstance(leaf, (np.ndarray, np.generic)) and not isinstance(leaf, (np.str_, np.bytes_))
 

@@ -1,0 +1,139 @@
+"""The staging copy of a save: only the share of the replicated tensors this rank will write.
+
+In data-parallel training every rank holds the same whole tensors, and the save writes each
+once: the plan (``plan.ownership``, the linear partition by cumulative bytes) cuts them into
+regions spread evenly over the ranks, so each rank writes about 1/N of them. That plan depends
+only on the replicated tensors' names, dtypes and shapes (in order), the grid options and the
+number of ranks — provided every rank holds the same replicated tensors. So a rank can know
+what it will write before anything is exchanged, and the staging copy (the part of a save the
+training loop waits for) copies just that: N times less than the whole state.
+
+Whether every rank holds the same ones is checked first by :func:`agree` (one small
+collective, after a roll call with the manager's deadline, so that a rank left alone is told
+instead of waiting): each rank offers the digest of its replicated tensors' declarations; the
+share is used when every rank offered the same one, else (or when some rank's state was
+refused) every tensor is staged whole, as before. The copied regions are handed to the save as
+:class:`~ckptfmt.tree.state.Pieces`, which it declares held whole, exactly as the arrays they
+stand for: the plan, the files and the manifest are the same as with a whole copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.dtypes import of_array
+from ckptfmt.format.options import WriteOptions
+from ckptfmt.manifest.limits import display
+from ckptfmt.parallel.staging import BufferPool
+from ckptfmt.plan.ownership import Box, Holding, make_plan
+from ckptfmt.transport.comm import Comm
+from ckptfmt.tree.state import Name, PerRank, Pieces, Shard, is_tensor, unflatten
+
+Boxes = dict[Name, list[Box]]  # replicated tensor -> the regions this rank writes
+
+
+def replicated(leaves: Sequence[tuple[Name, Any]]) -> list[Holding]:
+    """The declarations of the whole (replicated) tensors among ``leaves`` (checked leaves of
+    a state, in order): what the plan's replicated part is made of."""
+    out = []
+    for name, leaf in leaves:
+        if is_tensor(leaf) and not isinstance(leaf, (Shard, PerRank, Pieces)):
+            arr = np.asarray(leaf)
+            out.append(Holding(name, of_array(arr.dtype, display(name)).name, arr.shape))
+    return out
+
+
+def digest(holdings: Sequence[Holding], write: WriteOptions, world: int) -> str:
+    """What must be equal on every rank for the share to be known locally."""
+    doc = [world, write.chunk_bytes, write.shard_bytes, [h.to_json() for h in holdings]]
+    return hashlib.sha256(json.dumps(doc).encode("utf-8")).hexdigest()
+
+
+def agree(comm: Comm, deadline_s: float, step: int, mine: str | None) -> bool:
+    """Collective (every rank of ``comm``, from the thread that calls ``save``, before its
+    staging copy): a roll call within ``deadline_s`` (raises
+    :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did not come), then
+    every rank's digest (None: this rank stages whole, e.g. its state was refused). True on
+    every rank when every digest is the same one."""
+    comm.roll_call(deadline_s, "save", step)
+    seen = comm.allgather_json(mine)
+    return mine is not None and all(d == mine for d in seen)
+
+
+def own_boxes(holdings: Sequence[Holding], write: WriteOptions, world: int, rank: int) -> Boxes:
+    """The regions of each replicated tensor that ``rank`` of ``world`` writes, when every
+    rank declares ``holdings`` whole (what :func:`agree` established): the save's own plan."""
+    plan = make_plan([list(holdings)] * world, write.chunk_bytes, write.shard_bytes)
+    return {
+        t.name: [(r.offset, r.shape) for r in t.regions if r.writer == rank] for t in plan.tensors
+    }
+
+
+def _copy(pool: BufferPool, data: np.ndarray, taken: list[np.ndarray]) -> np.ndarray:
+    buf = pool.take(data.shape, data.dtype)
+    taken.append(buf)
+    np.copyto(buf, data, casting="no")
+    return buf
+
+
+def _pieces(pool: BufferPool, arr: np.ndarray, boxes: list[Box], taken: list[np.ndarray]) -> Pieces:
+    parts = []
+    for offset, shape in boxes:
+        view = arr[tuple(slice(o, o + n) for o, n in zip(offset, shape))] if shape else arr
+        parts.append((offset, _copy(pool, view, taken)))
+    return Pieces(arr.dtype, arr.shape, tuple(parts))
+
+
+def stage(
+    pool: BufferPool,
+    leaves: Sequence[tuple[Name, Any]],
+    taken: list[np.ndarray],
+    copy_now: bool,
+    boxes: Boxes | None,
+) -> tuple[dict[str, Any], int]:
+    """The staging copy of checked ``leaves`` into buffers of ``pool`` (appended to ``taken``;
+    values deep-copied): a replicated tensor named in ``boxes`` as the :class:`Pieces` this
+    rank writes, every other tensor whole. Returns the state and the bytes of tensor data
+    copied (without ``copy_now``: to be copied; the tensors are left as the caller's arrays
+    for :func:`copy_later`)."""
+    out = []
+    nbytes = 0
+    for name, leaf in leaves:
+        if not is_tensor(leaf):
+            out.append((name, copy.deepcopy(leaf)))
+            continue
+        data = leaf.data if isinstance(leaf, Shard) else np.asarray(leaf)
+        staged: Any = data
+        if boxes is not None and name in boxes and not isinstance(leaf, Shard):
+            if copy_now:
+                staged = _pieces(pool, data, boxes[name], taken)
+            nbytes += sum(math.prod(shape) for _, shape in boxes[name]) * data.itemsize
+        else:
+            if copy_now:
+                data = staged = _copy(pool, data, taken)
+            nbytes += data.nbytes
+            if isinstance(leaf, Shard):
+                staged = Shard(data, leaf.offset, leaf.global_shape)
+        out.append((name, staged))
+    return unflatten(out), nbytes
+
+
+def copy_later(
+    pool: BufferPool,
+    leaves: Sequence[tuple[Name, Any]],
+    taken: list[np.ndarray],
+    boxes: Boxes | None,
+) -> dict[str, Any]:
+    """The staging copy :func:`stage` left to the saver thread (``background_copy``):
+    ``leaves`` are the flattened state it returned."""
+    return stage(pool, leaves, taken, True, boxes)[0]
+
+
+__all__ = ["Boxes", "agree", "copy_later", "digest", "own_boxes", "replicated", "stage"]

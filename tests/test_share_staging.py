@@ -1,0 +1,179 @@
+"""The manager stages only the share of the replicated tensors each rank writes
+(``ckptfmt.parallel.share``), and the checkpoint is the same as with a whole copy.
+
+Four thread-ranks on two simulated nodes (``ThreadComm``): with data-parallel replicas each rank
+copies about a quarter of them (``SaveReport.staged_bytes``), its own ``Shard`` and ``PerRank``
+arrays whole; the files and manifest tensors equal those of a save staged whole; the restore is
+bit-exact; a rank may mutate its arrays once ``save`` returned. When the ranks' replicated
+tensors differ (one rank holds as a region a tensor the others hold whole) every rank stages
+whole and the save commits; a state refused on one rank fails the step on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from level1_util import tree
+
+from ckptfmt import CheckpointManager, PerRank, Shard
+from ckptfmt.errors import UsageError
+from ckptfmt.format.options import WriteOptions
+from ckptfmt.parallel import share
+from ckptfmt.plan.ownership import Holding
+from ckptfmt.transport.threads import run_threads
+
+WORLD = 4
+GRID = {"chunk_bytes": 4 << 10, "shard_bytes": 16 << 10}
+
+
+def replicas(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {
+        "w": rng.standard_normal((96, 64)).astype(np.float32),
+        "b": rng.integers(0, 1 << 20, 5000).astype(np.int64),
+        "scale": np.float32(step),  # 0-d: one region, written by one rank
+    }
+
+
+def rank_state(step: int, rank: int) -> dict[str, Any]:
+    rows = np.random.default_rng([step, rank]).standard_normal((8, 16)).astype(np.float32)
+    return {
+        "model": replicas(step),
+        "fsdp": Shard(rows, (8 * rank, 0), (8 * WORLD, 16)),
+        "rng": PerRank(np.full(3, rank + step, np.uint32)),
+        "step": step,
+    }
+
+
+def manager(comm: Any, root: Path, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(
+        local_dir=f"{root}/l1/{{node}}",
+        comm=comm,
+        node=f"n{comm.rank // 2}",
+        redundancy="xor",
+        fsync=False,
+        exit_flush=False,
+        handle_sigterm=False,
+        **GRID,
+        **kw,
+    )
+
+
+def save_and_report(root: Path, whole: bool, background_copy: bool = False) -> list[int]:
+    """Save step 3 on every rank (``whole``: with the share switched off, the old way);
+    mutate the state after ``save`` returned; the staged bytes of each rank."""
+
+    def body(comm: Any) -> int:
+        mgr = manager(comm, root)
+        if whole:
+            mgr._share = lambda step, leaves: None  # type: ignore[method-assign]
+        state = rank_state(3, comm.rank)
+        handle = mgr.save(3, state, background_copy=background_copy)
+        handle.wait_staged()
+        for arr in state["model"].values():
+            if isinstance(arr, np.ndarray) and arr.ndim:
+                arr[...] = 0  # the loop goes on changing its tensors
+        state["fsdp"].data[...] = -1
+        mgr.wait()
+        assert mgr.failed_saves == []
+        staged = mgr.last_save.staged_bytes
+        mgr.close(flush=False)
+        return staged
+
+    return run_threads(WORLD, body)
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file but the manifests (which hold the save id and the time)."""
+    return {k: v for k, (v, _) in tree(root).items() if not k.endswith("ckptfmt.json")}
+
+
+def restored(root: Path) -> list[dict[str, Any]]:
+    def body(comm: Any) -> dict[str, Any]:
+        mgr = manager(comm, root)
+        got = {"model": {k: np.zeros_like(v) for k, v in replicas(0).items()}}
+        got["fsdp"] = Shard(np.zeros((8, 16), np.float32), (8 * comm.rank, 0), (8 * WORLD, 16))
+        got["rng"] = PerRank(np.zeros(3, np.uint32))
+        got["step"] = 0
+        assert mgr.restore(got) == 3
+        mgr.close(flush=False)
+        return got
+
+    return run_threads(WORLD, body)
+
+
+@pytest.mark.parametrize("background_copy", [False, True], ids=["copy-now", "background-copy"])
+def test_each_rank_stages_its_share_and_the_checkpoint_is_the_same(
+    tmp_path: Path, background_copy: bool
+) -> None:
+    shared = save_and_report(tmp_path / "share", whole=False, background_copy=background_copy)
+    whole = save_and_report(tmp_path / "whole", whole=True, background_copy=background_copy)
+    rep = sum(a.nbytes for a in replicas(3).values())
+    own = 8 * 16 * 4  # the Shard: always whole (a PerRank array is copied as a value)
+    assert all(w == rep + own for w in whole), whole
+    assert sum(shared) == rep + WORLD * own, shared  # each replica byte staged once
+    assert max(shared) < rep / 2 + own, shared  # about a quarter each
+    assert files(tmp_path / "share" / "l1") == files(tmp_path / "whole" / "l1")
+    for rank, got in enumerate(restored(tmp_path / "share")):
+        want = rank_state(3, rank)
+        for k, v in want["model"].items():
+            assert got["model"][k].tobytes() == np.asarray(v).tobytes(), k
+        assert got["fsdp"].data.tobytes() == want["fsdp"].data.tobytes()
+        assert got["rng"].value.tobytes() == want["rng"].value.tobytes()
+        assert got["step"] == 3
+
+
+def test_ranks_holding_other_replicas_stage_whole_and_the_save_commits(tmp_path: Path) -> None:
+    def body(comm: Any) -> int:
+        mgr = manager(comm, tmp_path, async_save=False)
+        state = rank_state(3, comm.rank)
+        if comm.rank == 1:  # holds all of b, but as a region: the plan is not the DP one
+            state["model"]["b"] = Shard(state["model"]["b"], (0,), (5000,))
+        mgr.save(3, state)
+        assert mgr.failed_saves == [] and mgr.latest() == 3
+        staged = mgr.last_save.staged_bytes
+        mgr.close(flush=False)
+        return staged
+
+    staged = run_threads(WORLD, body)
+    rep = sum(a.nbytes for a in replicas(3).values())
+    assert min(staged) >= rep, staged  # nobody staged a share
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # warnings filters are not per thread
+def test_a_state_refused_on_one_rank_fails_the_step_everywhere(tmp_path: Path) -> None:
+    def body(comm: Any) -> str:
+        mgr = manager(comm, tmp_path, on_error="warn")
+        state: dict[str, Any] = rank_state(3, comm.rank)
+        if comm.rank == 2:
+            state["bad"] = object()
+        try:
+            mgr.save(3, state)
+            mgr.wait()
+            outcome = "failed" if mgr.failed_saves else "saved"
+        except UsageError:
+            outcome = "refused"
+        mgr.save(4, rank_state(4, comm.rank))  # the next save works, its share staged
+        mgr.wait()
+        assert mgr.latest() == 4 and mgr.last_save.staged_bytes < 40_000
+        mgr.close(flush=False)
+        return outcome
+
+    assert run_threads(WORLD, body) == ["failed", "failed", "refused", "failed"]
+
+
+def test_the_share_is_the_plan_of_the_save() -> None:
+    holdings = [Holding(("w",), "float32", (96, 64)), Holding(("s",), "float32", ())]
+    opts = WriteOptions(chunk_bytes=4 << 10, shard_bytes=16 << 10)
+    boxes = [share.own_boxes(holdings, opts, WORLD, r) for r in range(WORLD)]
+    rows = sorted((o[0], s[0]) for b in boxes for o, s in b[("w",)])
+    assert sum(n for _, n in rows) == 96 and rows[0][0] == 0  # the whole tensor, once
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(rows))  # no gaps, overlaps
+    assert sum(len(b[("s",)]) for b in boxes) == 1
+    d = share.digest(holdings, opts, WORLD)
+    assert d != share.digest(holdings[:1], opts, WORLD)
+    assert d != share.digest(holdings, opts, WORLD + 1)
