@@ -186,16 +186,17 @@ def mpi(n: int, *args: str, timeout: int = 900) -> None:
 
 def time_reshard(root: Path, rows: int, reps: int) -> dict[str, Any]:
     import ckptfmt
+    from ckptfmt.format.options import WriteOptions
     from ckptfmt.maintenance.reshard import reshard
 
     data_bytes = rows * COLS * 4 * TENSORS
     out = root / "out"
     cases: dict[str, Any] = {
         "reshard 4->2": lambda: reshard(
-            root / "c4/l3" / STEP, out, 2, rows=["*"], fsync=False
+            root / "c4/l3" / STEP, out, 2, rows=["*"], write=WriteOptions(fsync=False)
         ),
         "reshard 2->4": lambda: reshard(
-            root / "c2/l3" / STEP, out, 4, rows=["*"], fsync=False
+            root / "c2/l3" / STEP, out, 4, rows=["*"], write=WriteOptions(fsync=False)
         ),
         "reshard 4->2 (fsync)": lambda: reshard(root / "c4/l3" / STEP, out, 2, rows=["*"]),
         "load + save (one process)": lambda: ckptfmt.save(

@@ -16,6 +16,7 @@ from ckptfmt import errors
 from ckptfmt.checkpoint import load, save
 from ckptfmt.container.reader import Checkpoint, TensorView, latest, open_checkpoint
 from ckptfmt.errors import CkptError
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.verify import VerifyReport, verify
 from ckptfmt.parallel.levels import list_levels
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
@@ -41,6 +42,7 @@ __all__ = [
     "CkptError",
     "TensorView",
     "VerifyReport",
+    "WriteOptions",
     "latest",
     "load",
     "open",

@@ -28,7 +28,7 @@ from rich.console import Console
 from test_reshard_load import save as save_ranks
 
 import ckptfmt
-from ckptfmt import Progress
+from ckptfmt import Progress, WriteOptions
 from ckptfmt.maintenance import rebuild
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.redundancy import Redundancy
@@ -122,7 +122,16 @@ def test_reshard_is_full_only_once_committed_parity_included(tmp_path: Path) -> 
     nodes = ["a", "b", "c", "d"]
     done = Recorder(lambda: all((tmp_path / "dst" / n / "ckptfmt.json").exists() for n in nodes))
     red = Redundancy.of({"scheme": "xor", "set_size": 4})
-    reshard(src, dst, 4, nodes=nodes, rows=["shards/*"], redundancy=red, progress=done, **GRID)
+    reshard(
+        src,
+        dst,
+        4,
+        nodes=nodes,
+        rows=["shards/*"],
+        redundancy=red,
+        progress=done,
+        write=WriteOptions(**GRID),
+    )
     done.check("reshard")  # the total planned before the first byte
     phases = [p.phase for p in done.events]
     assert {"read", "write", "parity"} <= set(phases)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,14 @@ import pytest
 from test_reshard_load import ROWS, full_state, per_rank_extra, rows_of, save
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import ChecksumError, DamagedError, DestinationExistsError
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.plan.per_rank import PerRankError
 
 GRID = {"chunk_bytes": 1 << 10, "shard_bytes": 8 << 10, "fsync": False}
+WRITE = WriteOptions(**GRID)  # reshard takes the save's options object
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -55,7 +58,7 @@ def test_rewrite_is_verified_bitwise_and_owned_as_an_m_rank_save(
     src = save(tmp_path, n, 3)
     dst = tmp_path / "dst"
     nodes = [f"n{k * 2 // m}" for k in range(m)]
-    rep = reshard(src, dst, m, nodes=nodes, rows=["shards/*"], **GRID)
+    rep = reshard(src, dst, m, nodes=nodes, rows=["shards/*"], write=WRITE)
     check_equal(dst)
     assert (rep.saved_ranks, rep.ranks, rep.rows) == (n, m, [f"shards/{x}" for x in sorted(ROWS)])
     man = read_manifest(dst)
@@ -75,18 +78,18 @@ def test_rewrite_from_level1_copies(tmp_path: Path) -> None:
     """SRC as the level-1 copies of the saved nodes (a {node} template): each file is read from
     its writer's node's directory; a node's copy missing is named, nothing is written."""
     src = save(tmp_path, 4, 1)
-    reshard(str(src), tmp_path / "dst", 3, rows=["shards/*"], **GRID)
+    reshard(str(src), tmp_path / "dst", 3, rows=["shards/*"], write=WRITE)
     check_equal(tmp_path / "dst")
     shutil.rmtree(tmp_path / "l1" / "n1")
     with pytest.raises(DamagedError) as exc:
-        reshard(str(src), tmp_path / "dst2", 3, rows=["shards/*"], **GRID)
+        reshard(str(src), tmp_path / "dst2", 3, rows=["shards/*"], write=WRITE)
     assert "missing" in str(exc.value)
     assert not (tmp_path / "dst2").exists() and leftovers(tmp_path) == []
 
 
 def test_replicated_only_rewrite_spreads_the_writing(tmp_path: Path) -> None:
     src = save(tmp_path, 4, 3)
-    reshard(src, tmp_path / "dst", 2, **GRID)
+    reshard(src, tmp_path / "dst", 2, write=WRITE)
     man = read_manifest(tmp_path / "dst")
     writers = {r.rank for t in man.tensors() for r in t.regions}
     assert writers == {0, 1}
@@ -95,10 +98,10 @@ def test_replicated_only_rewrite_spreads_the_writing(tmp_path: Path) -> None:
 
 def test_destination_is_refused_unless_overwrite(tmp_path: Path) -> None:
     src = save(tmp_path, 2, 3)
-    reshard(src, tmp_path / "dst", 2, **GRID)
+    reshard(src, tmp_path / "dst", 2, write=WRITE)
     with pytest.raises(DestinationExistsError):
-        reshard(src, tmp_path / "dst", 3, **GRID)
-    reshard(src, tmp_path / "dst", 3, overwrite=True, **GRID)
+        reshard(src, tmp_path / "dst", 3, write=WRITE)
+    reshard(src, tmp_path / "dst", 3, write=replace(WRITE, overwrite=True))
     assert read_manifest(tmp_path / "dst").world_size == 3
 
 
@@ -114,7 +117,7 @@ def test_damaged_source_commits_nothing(tmp_path: Path) -> None:
     t = next(e for e in man.tensors() if e.path == "shards/w10")
     _flip(src / t.regions[0].files[0].path)
     with pytest.raises(DamagedError) as exc:
-        reshard(src, tmp_path / "dst", 3, rows=["shards/*"], **GRID)
+        reshard(src, tmp_path / "dst", 3, rows=["shards/*"], write=WRITE)
     assert "shards/w10" in str(exc.value)
     assert not (tmp_path / "dst").exists() and leftovers(tmp_path) == []
 
@@ -132,7 +135,7 @@ def test_a_stale_swapped_source_file_is_found(tmp_path: Path, rows: list[str]) -
     a.write_bytes(b.read_bytes())
     b.write_bytes(tmp)
     with pytest.raises(ChecksumError) as exc:
-        reshard(src, tmp_path / "dst", 3, rows=rows, **GRID)
+        reshard(src, tmp_path / "dst", 3, rows=rows, write=WRITE)
     assert exc.value.what == "data (all chunks)" and "model/rep" in str(exc.value)
     assert not (tmp_path / "dst").exists() and leftovers(tmp_path) == []
 
@@ -140,10 +143,10 @@ def test_a_stale_swapped_source_file_is_found(tmp_path: Path, rows: list[str]) -
 def test_per_rank_entries_follow_the_rules(tmp_path: Path) -> None:
     src = save(tmp_path, 4, 3, per_rank_extra)
     with pytest.raises(PerRankError) as exc:
-        reshard(src, tmp_path / "dst", 2, **GRID)
+        reshard(src, tmp_path / "dst", 2, write=WRITE)
     assert set(exc.value.entries) == {"rng", "loader"}
     assert not (tmp_path / "dst").exists()
-    rep = reshard(src, tmp_path / "dst", 2, rank_map={3: 0, 1: 1}, per_rank="drop", **GRID)
+    rep = reshard(src, tmp_path / "dst", 2, rank_map={3: 0, 1: 1}, per_rank="drop", write=WRITE)
     assert rep.warning is not None and "saved rank(s) 0, 2 are not carried over" in rep.warning
     got = check_equal(tmp_path / "dst")
     assert np.array_equal(got["rng"], np.stack([per_rank_extra(3)["rng"].value,
@@ -152,7 +155,7 @@ def test_per_rank_entries_follow_the_rules(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "dst")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the rewrite reports, it does not warn
-        rep = reshard(src, tmp_path / "dst", 6, rank_map="identity", per_rank="drop", **GRID)
+        rep = reshard(src, tmp_path / "dst", 6, rank_map="identity", per_rank="drop", write=WRITE)
     assert rep.dropped == ["rng", "loader"] and "current rank(s) 4, 5 get none" in (
         rep.warning or ""
     )

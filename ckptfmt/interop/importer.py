@@ -27,6 +27,7 @@ import numpy as np
 from ckptfmt.checkpoint import save
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import ForeignFormatError, InvalidNameError
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
 from ckptfmt.interop.names import Rename, import_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import Header, read_header
@@ -144,9 +145,8 @@ def import_named(
         tmp = parent / f".import-{os.urandom(8).hex()}"
         try:
             save(state, tmp, step=step, fsync=False)
-            done = reshard(
-                tmp, out, ranks, nodes=nodes, rows=rows, overwrite=overwrite, fsync=fsync
-            )
+            write = WriteOptions(overwrite=overwrite, fsync=fsync)
+            done = reshard(tmp, out, ranks, nodes=nodes, rows=rows, write=write)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         destination = ", ".join(done.destination)

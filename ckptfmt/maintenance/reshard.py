@@ -40,10 +40,11 @@ from ckptfmt.dtypes import by_name
 from ckptfmt.engine.encode import encode_offline, offline_work
 from ckptfmt.errors import ChecksumError, StorageFullError, UsageError
 from ckptfmt.format.chunk_reads import read_chunks
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, plan_region, region_cells, shard_file_nbytes
 from ckptfmt.maintenance.nodes import node_dirs
 from ckptfmt.manifest.codec import dump_manifest
-from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, cells, grid_shape
+from ckptfmt.manifest.grid import cells, grid_shape
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
 from ckptfmt.manifest.model import (
     Entry,
@@ -220,6 +221,17 @@ class _ChunkCache:
                 self.size -= old.nbytes
 
 
+@dataclass(frozen=True)
+class _Selection:
+    """What of the source the destination holds, and how the new ranks hold it."""
+
+    kept: list[Entry]  # the entries carried over, in order
+    by_rows: list[str]  # tensors held in row blocks
+    sources: tuple[int | None, ...]  # per new rank: the saved rank whose per-rank items it gets
+    dropped: list[str]  # per-rank entries left out
+    warning: str | None
+
+
 def reshard(
     src: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
     dst: str | os.PathLike[str],
@@ -230,11 +242,7 @@ def reshard(
     rank_map: RankMap = None,
     per_rank: str = "error",
     redundancy: Redundancy | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    overwrite: bool = False,
-    fsync: bool = True,
-    threads: int = 2,
+    write: WriteOptions = WriteOptions(),
     progress: ProgressCallback | None = None,
 ) -> ReshardReport:
     """Rewrite the checkpoint ``src`` for ``ranks`` ranks into ``dst`` (module docstring).
@@ -244,6 +252,8 @@ def reshard(
     ``"n0"``). ``rows``: glob patterns of '/'-joined tensor names held in row blocks.
     ``rank_map``/``per_rank``: what becomes of per-rank entries (``reshard.per_rank``); an entry
     that some new rank would get no item of is left out only with ``per_rank="drop"``.
+    ``write``: the new files' grid, writer threads, fsync, and whether a committed checkpoint at
+    ``dst`` may be replaced (:class:`~ckptfmt.format.options.WriteOptions`, as for a save).
     ``progress``: called with :class:`~ckptfmt.Progress` events (``op="reshard"``) counting
     the whole work, planned before any byte moves: each new file's data read from the source
     (``phase="read"``), the file written (``"write"``), with ``redundancy`` every new member
@@ -251,18 +261,69 @@ def reshard(
     directory is committed (``ckptfmt.storage.progress``).
     """
     started = time.perf_counter()
+    _check_arguments(src, dst, ranks, write)
+    node_list = check_nodes(nodes if nodes is not None else ["n0"] * ranks, ranks)
+    manifest, _, src_dirs = node_dirs(src)
+    sel = _select(manifest, ranks, rows, rank_map, per_rank)
+    plan = make_plan(
+        _declarations(sel.kept, ranks, set(sel.by_rows)),
+        chunk_bytes=write.chunk_bytes,
+        shard_bytes=write.shard_bytes,
+    )
+    if is_template(dst):
+        finals = {n: expand(dst, n).absolute() for n in node_list}
+    else:
+        one = Path(dst).absolute()
+        finals = {n: one for n in node_list}
+    for final in dict.fromkeys(finals.values()):
+        check_destination(final)  # a parent that is a file, a read-only file system: say so
+    out, read, written, staged = _write_destination(
+        manifest, sel, plan, src_dirs, dst, finals, node_list, redundancy, write, progress
+    )
+    return ReshardReport(
+        source=os.fspath(src) if not isinstance(src, Mapping) else "node directories",
+        destination=[str(p) for p in staged],
+        step=manifest.step,
+        saved_ranks=manifest.world_size,
+        ranks=ranks,
+        nodes=node_list,
+        tensors=len(out.tensors()),
+        data_bytes=sum(t.size * by_name(t.dtype).itemsize for t in out.tensors()),
+        bytes_read=read,
+        bytes_written=written,
+        seconds=time.perf_counter() - started,
+        rows=sel.by_rows,
+        dropped=sel.dropped,
+        warning=sel.warning,
+        redundancy=None if redundancy is None else redundancy.to_json(),
+    )
+
+
+def _check_arguments(
+    src: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+    dst: str | os.PathLike[str],
+    ranks: int,
+    write: WriteOptions,
+) -> None:
+    """Refuse what cannot be resharded before anything is read (``UsageError``)."""
     refuse_url(dst)
     if not isinstance(src, Mapping):
         refuse_url(src)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1 << 20:
         raise UsageError(f"ranks must be an int from 1 to 2^20, got {ranks!r}")
-    if not 1 <= chunk_bytes <= min(shard_bytes, MAX_CHUNK_BYTES):
+    if not isinstance(write, WriteOptions):
+        raise UsageError(f"write must be a WriteOptions, got {type(write).__name__}")
+    if not 1 <= write.chunk_bytes <= min(write.shard_bytes, MAX_CHUNK_BYTES):
         raise UsageError(
             f"need 1 <= chunk_bytes <= shard_bytes and chunk_bytes <= {MAX_CHUNK_BYTES}"
         )
-    node_list = check_nodes(nodes if nodes is not None else ["n0"] * ranks, ranks)
-    manifest, _, src_dirs = node_dirs(src)
-    sources = {n: Inside(p) for n, p in src_dirs.items()}
+
+
+def _select(
+    manifest: Manifest, ranks: int, rows: Sequence[str], rank_map: RankMap, per_rank: str
+) -> _Selection:
+    """The entries the destination keeps (per-rank ones only where every new rank gets an
+    item, or refused: ``plan.per_rank.resolve``) and those held in row blocks."""
     entries = manifest.entries
     per_rank_names = [
         display(e.name)
@@ -284,38 +345,52 @@ def reshard(
         and e.shape
         and any(fnmatch.fnmatchcase(display(e.name), p) for p in rows)
     )
-    plan = make_plan(
-        _declarations(kept, ranks, set(by_rows)), chunk_bytes=chunk_bytes, shard_bytes=shard_bytes
-    )
+    return _Selection(kept, by_rows, res.sources, dropped, warning)
+
+
+def _write_destination(
+    manifest: Manifest,
+    sel: _Selection,
+    plan: SavePlan,
+    src_dirs: Mapping[str, Path],
+    dst: str | os.PathLike[str],
+    finals: dict[str, Path],
+    node_list: list[str],
+    redundancy: Redundancy | None,
+    write: WriteOptions,
+    progress: ProgressCallback | None,
+) -> tuple[Manifest, int, int, list[Path]]:
+    """Write every destination directory into staging and commit them (manifest last); on
+    any failure remove every staging directory and raise (a full disk as
+    :class:`StorageFullError` saying where and how much). Returns the new manifest, the bytes
+    read and written, and the committed directories."""
+    per_node = is_template(dst)
+    sources = {n: Inside(p) for n, p in src_dirs.items()}
     save_id = os.urandom(16).hex()
-    if is_template(dst):
-        finals = {n: expand(dst, n).absolute() for n in node_list}
-    else:
-        one = Path(dst).absolute()
-        finals = {n: one for n in node_list}
-    for final in dict.fromkeys(finals.values()):
-        check_destination(final)  # a parent that is a file, a read-only file system: say so
     staging: dict[Path, Path] = {}
     try:
         for final in dict.fromkeys(finals.values()):
-            staging[final] = commit.prepare(final, save_id, overwrite)
-        dir_of = {k: staging[finals[node_list[k]]] for k in range(ranks)}
-        skeleton = _manifest(manifest, kept, plan, {}, res.sources, node_list, save_id, ranks)
+            staging[final] = commit.prepare(final, save_id, write.overwrite)
+        dir_of = {k: staging[finals[node_list[k]]] for k in range(len(node_list))}
+        ranks = len(node_list)
+        skeleton = _manifest(
+            manifest, sel.kept, plan, {}, sel.sources, node_list, save_id, ranks
+        )  # fmt: skip
         for d in staging.values():
-            write_metadata(d, skeleton, fsync)
+            write_metadata(d, skeleton, write.fsync)
         with metering("reshard", progress) as meter:
             meter.expect(_planned_work(plan, node_list, redundancy))
             refs, read, written = _write_files(
-                manifest, plan, res.sources, sources, dir_of, threads, fsync, meter
+                manifest, plan, sel.sources, sources, dir_of, write.threads, write.fsync, meter
             )
-            out = _manifest(manifest, kept, plan, refs, res.sources, node_list, save_id, ranks)
-            if is_template(dst):
+            out = _manifest(manifest, sel.kept, plan, refs, sel.sources, node_list, save_id, ranks)
+            if per_node:
                 out = replace(out, levels={"1": {}})
             if redundancy is not None:
-                out = encode_offline(out, dir_of, redundancy, fsync)  # counts on the meter
+                out = encode_offline(out, dir_of, redundancy, write.fsync)  # counts on the meter
             data = dump_manifest(out)
             for final, d in staging.items():
-                commit.finalize(d, final, data, save_id, fsync)
+                commit.finalize(d, final, data, save_id, write.fsync)
             meter.finish()
     except BaseException as exc:
         for d in staging.values():
@@ -323,7 +398,7 @@ def reshard(
         if isinstance(exc, OSError) and not isinstance(exc, StorageFullError):
             exc = storage_full(exc, Path(os.fspath(dst))) or exc  # e.g. no inode for a mkdir
         if isinstance(exc, StorageFullError):  # say where, how much, and that it was a write
-            level = "level 1, every node's directory" if is_template(dst) else None
+            level = "level 1, every node's directory" if per_node else None
             needed = sum(t.size * by_name(t.dtype).itemsize for t in manifest.tensors())
             raise exc.with_context(
                 level=level or "the reshard's destination",
@@ -331,23 +406,7 @@ def reshard(
                 directory=os.fspath(dst),
             ) from None
         raise
-    return ReshardReport(
-        source=os.fspath(src) if not isinstance(src, Mapping) else "node directories",
-        destination=[str(p) for p in staging],
-        step=manifest.step,
-        saved_ranks=manifest.world_size,
-        ranks=ranks,
-        nodes=node_list,
-        tensors=len(out.tensors()),
-        data_bytes=sum(t.size * by_name(t.dtype).itemsize for t in out.tensors()),
-        bytes_read=read,
-        bytes_written=written,
-        seconds=time.perf_counter() - started,
-        rows=by_rows,
-        dropped=dropped,
-        warning=warning,
-        redundancy=None if redundancy is None else redundancy.to_json(),
-    )
+    return out, read, written, list(staging)
 
 
 def _planned_work(plan: SavePlan, nodes: list[str], redundancy: Redundancy | None) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import click
 
-from ckptfmt import Progress
+from ckptfmt import Progress, WriteOptions
 from ckptfmt.maintenance import ReshardReport, reshard
 from ckptfmt.plan import PerRankWarning, RankMap
 from ckptfmt.redundancy import DEFAULT_SET_SIZE, Redundancy
@@ -227,9 +227,11 @@ def _run(
         rank_map=mapping,
         per_rank="drop" if drop else "error",
         redundancy=red,
-        chunk_bytes=chunk_bytes,
-        shard_bytes=shard_bytes,
-        overwrite=overwrite,
-        fsync=not no_fsync,
+        write=WriteOptions(
+            chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes,
+            overwrite=overwrite,
+            fsync=not no_fsync,
+        ),
         progress=progress,
     )
