@@ -109,6 +109,18 @@ def import_mpi_comm() -> Any:
     return MpiComm
 
 
+def save_options() -> dict[str, Any]:
+    """Level 1, fsync off, as keywords of ``save_collective`` on either side of the options
+    objects (issue 15, 58baed7: ``write=WriteOptions(...)``, ``meta=ManifestMeta(levels=...)``;
+    before: ``fsync=``, ``levels=``)."""
+    try:
+        from ckptfmt.container.metadata import ManifestMeta
+        from ckptfmt.format.options import WriteOptions
+    except ImportError:
+        return {"levels": {"1": {}}, "fsync": False}
+    return {"write": WriteOptions(fsync=False), "meta": ManifestMeta(levels={"1": {}})}
+
+
 def make_state(mib: int) -> dict[str, Any]:
     """The same arrays on every rank: 8 float32 tensors of ``mib/8`` MiB each."""
     import numpy as np
@@ -203,8 +215,7 @@ def launch(args: argparse.Namespace) -> None:
                 step=rnd,
                 node=node,
                 group=f"node:{node}",
-                levels={"1": {}},
-                fsync=False,
+                **save_options(),
                 fault=hook_into(marks),
             )
             marks["end"] = time.perf_counter()
@@ -228,8 +239,7 @@ def launch(args: argparse.Namespace) -> None:
                 step=rnd,
                 node=node,
                 group=f"node:{node}",
-                levels={"1": {}},
-                fsync=False,
+                **save_options(),
                 redundancy=xor,
                 fault=hook_into(rmarks),
             )
