@@ -108,6 +108,7 @@ def worker(args: argparse.Namespace) -> int:
     from ckptfmt.format.options import WriteOptions
     from ckptfmt.parallel.load import load_collective
     from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.plan.options import ReadOptions
     from ckptfmt.transport.mpi import MpiComm
 
     comm = MpiComm()
@@ -151,7 +152,7 @@ def worker(args: argparse.Namespace) -> int:
                     path,
                     my_wants,
                     node=node if level == 1 else None,
-                    replicas="bcast" if bcast else "read",
+                    read=ReadOptions(replicas="bcast" if bcast else "read"),
                 )
                 dt = time.perf_counter() - t0
             slowest = max(comm.allgather_json(dt))

@@ -169,6 +169,7 @@ def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
 def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[str, Any]:
     from ckptfmt.format.chunk_reads import record_reads
     from ckptfmt.parallel.load import load_collective
+    from ckptfmt.plan.options import ReadOptions
 
     path = task["path"].replace("{node}", node)
     rank_map = task.get("rank_map")
@@ -184,9 +185,9 @@ def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[st
                 path,
                 wants_of(comm.rank, comm.size),
                 node=node if task.get("pass_node") else None,
-                rank_map=rank_map,
-                per_rank=task.get("per_rank", "error"),
-                replicas=task.get("replicas", "read"),
+                read=ReadOptions(
+                    rank_map, task.get("per_rank", "error"), task.get("replicas", "read")
+                ),
             )
             res["digest"] = digest(state)
         except Exception as exc:

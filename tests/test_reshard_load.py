@@ -25,11 +25,13 @@ import pytest
 
 from ckptfmt import PerRank, Shard
 from ckptfmt.container.reader import read_manifest
+from ckptfmt.errors import UsageError
 from ckptfmt.format.chunk_reads import ReadLog, record_reads
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
 from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import PerRankError, PerRankWarning
 from ckptfmt.transport.threads import run_threads
 
@@ -128,9 +130,9 @@ def load(path: Path, m: int, **kw: Any) -> tuple[list[Any], ReadLog]:
         node = node_of(comm.rank, comm.size)
         where = Path(str(path).replace("{node}", node))
         opts = dict(kw)
-        if opts.pop("pass_node", False):
-            opts["node"] = node
-        return load_collective(comm, where, wants_of(comm.rank, comm.size), threads=1, **opts)
+        given = {"node": node} if opts.pop("pass_node", False) else {}
+        read = ReadOptions(**opts, threads=1)
+        return load_collective(comm, where, wants_of(comm.rank, comm.size), read=read, **given)
 
     with record_reads() as log:
         out = run_threads(m, body)
@@ -346,3 +348,25 @@ def test_per_rank_entries_dropped_only_on_request_and_listed(tmp_path: Path) -> 
             assert "rng" not in state and "loader" not in state
     texts = [str(w.message) for w in caught if issubclass(w.category, PerRankWarning)]
     assert texts and all("current rank(s) 2, 3 get none" in t for t in texts)
+
+
+def test_read_options_are_checked_and_must_agree(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="per_rank is 'error' or 'drop'"):
+        ReadOptions(per_rank="keep")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="replicas is 'read' or 'bcast'"):
+        ReadOptions(replicas="all")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="threads must be an int >= 1"):
+        ReadOptions(threads=0)
+    path = save(tmp_path, 2, 3)
+    raised: list[BaseException] = []
+
+    def body(comm: Any) -> None:
+        read = ReadOptions(replicas="bcast" if comm.rank else "read")
+        try:
+            load_collective(comm, path, read=read)
+        except UsageError as exc:
+            raised.append(exc)
+
+    run_threads(2, body)
+    assert len(raised) == 2  # every rank is told, none left waiting
+    assert all("every rank must pass the same" in str(e) for e in raised)

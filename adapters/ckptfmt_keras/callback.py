@@ -58,7 +58,7 @@ import numpy as np
 
 from ckptfmt.errors import UsageError
 from ckptfmt.parallel import CheckpointManager, RestoreReport
-from ckptfmt.plan import RankMap
+from ckptfmt.plan import PerRankMode, RankMap
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
 from ckptfmt_keras.checkpoint import restore_training_state
@@ -100,7 +100,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         fsync: bool = True,
         on_error: str = "warn",
         rank_map: RankMap = None,
-        per_rank: str = "error",
+        per_rank: PerRankMode = "error",
     ) -> None:
         super().__init__()
         if not backup_dir:

@@ -32,7 +32,7 @@ from ckptfmt.parallel import (
     resolve_node,
     save_collective,
 )
-from ckptfmt.plan import RankMap
+from ckptfmt.plan import PerRankMode, RankMap, ReadOptions
 from ckptfmt.storage import check_destination, refuse_url
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank, Shard
@@ -116,7 +116,7 @@ def load(
     *,
     comm: Comm | None = None,
     rank_map: RankMap = None,
-    per_rank: str = "error",
+    per_rank: PerRankMode = "error",
     cast: str | None = None,
 ) -> int | None:
     """Collective (as ``save``): load the checkpoint at ``path`` into ``state_dict`` in place and
@@ -139,7 +139,7 @@ def load(
     refuse_url(path)
     comm = comm or default_comm()
     wants = wants_of(to_state(state_dict))
-    loaded, manifest = load_collective(comm, path, wants, rank_map=rank_map, per_rank=per_rank)
+    loaded, manifest = load_collective(comm, path, wants, read=ReadOptions(rank_map, per_rank))
     from_state(state_dict, loaded, keep_per_rank=per_rank == "drop", cast=cast)
     return manifest.step
 

@@ -55,6 +55,7 @@ from ckptfmt.manifest.model import (
     Region,
     TensorEntry,
 )
+from ckptfmt.plan.options import PerRankMode
 from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.plan.per_rank import RankMap, resolve
 from ckptfmt.plan.reads import Box, Layout, plan_reads
@@ -240,7 +241,7 @@ def reshard(
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
     rank_map: RankMap = None,
-    per_rank: str = "error",
+    per_rank: PerRankMode = "error",
     redundancy: Redundancy | None = None,
     write: WriteOptions = WriteOptions(),
     progress: ProgressCallback | None = None,
@@ -320,7 +321,7 @@ def _check_arguments(
 
 
 def _select(
-    manifest: Manifest, ranks: int, rows: Sequence[str], rank_map: RankMap, per_rank: str
+    manifest: Manifest, ranks: int, rows: Sequence[str], rank_map: RankMap, per_rank: PerRankMode
 ) -> _Selection:
     """The entries the destination keeps (per-rank ones only where every new rank gets an
     item, or refused: ``plan.per_rank.resolve``) and those held in row blocks."""

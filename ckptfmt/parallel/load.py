@@ -58,7 +58,8 @@ from ckptfmt.manifest.model import (
 )
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.plan import per_rank as rules
-from ckptfmt.plan.per_rank import PerRankWarning, RankMap
+from ckptfmt.plan.options import ReadOptions
+from ckptfmt.plan.per_rank import PerRankWarning
 from ckptfmt.plan.reads import Box, FileRead, Layout, check_box
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 from ckptfmt.storage.files import Inside
@@ -99,14 +100,10 @@ def load_collective(
     comm: Comm,
     path: str | os.PathLike[str],
     wants: Mapping[str, Box | None] | None = None,
-    group: str | None = None,
     expect_step: int | None = None,
     *,
     node: str | None = None,
-    rank_map: RankMap = None,
-    per_rank: str = "error",
-    replicas: str = "read",
-    threads: int = 2,
+    read: ReadOptions = ReadOptions(),
     seq: int | None = None,
     into: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
@@ -116,13 +113,10 @@ def load_collective(
     ``wants`` maps tensor names ('/'-joined) to a box ``(offset, shape)`` or None (the whole
     tensor); tensors not named are loaded whole. ``node``: the directory is this node's level-1
     copy (it holds the files of the saved ranks of ``node``); without it, which saved nodes'
-    files the directory holds is looked up (one file per node). ``group`` is accepted for
-    callers of the same-size load and not needed any more. ``rank_map`` and ``per_rank``
-    ("error" or "drop") decide what happens to per-rank entries when the number of ranks
-    changed (``reshard.per_rank``); every rank must pass the same. ``replicas``: "read" (every
-    rank reads what it needs from its own directory; other nodes' data comes over the Comm) or
-    "bcast" (a file every rank needs whole is read by one rank and broadcast: fewer readers of
-    shared storage). ``threads``: concurrent readers per host. Returns the nested state (boxes
+    files the directory holds is looked up (one file per node). ``read``
+    (:class:`~ckptfmt.plan.options.ReadOptions`, the same on every rank) says how per-rank
+    entries follow a change in the number of ranks, whether a file every rank needs is read
+    once and broadcast, and how many threads read per host. Returns the nested state (boxes
     as arrays of the box's shape, per-rank entries as this rank's own item) and the manifest.
     ``into`` ('/'-joined name -> array): destinations to read straight into, each used when it
     is C-contiguous, writeable and of exactly the box's shape and the saved dtype (else a fresh
@@ -132,7 +126,6 @@ def load_collective(
     The chunks this rank reads and what it receives are counted on the caller's progress meter
     (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
     """
-    del group  # which files a directory holds is found out, not assumed (see above)
     root = Path(path).absolute()
     src = Inside(root)
     error: dict[str, Any] | None = None
@@ -169,7 +162,7 @@ def load_collective(
             "manifest_bytes": len(data),
             "visible": visible,
             "host": socket.gethostname(),
-            "options": [rules.rank_map_json(rank_map), per_rank, replicas],
+            "options": [rules.rank_map_json(read.rank_map), read.per_rank, read.replicas],
         }
     )
     present = [r for r, i in enumerate(info) if i["absent"] is None]
@@ -201,23 +194,21 @@ def load_collective(
     assert manifest is not None
     if any(i["options"] != info[0]["options"] for i in info):
         raise UsageError("every rank must pass the same rank_map, per_rank and replicas options")
-    if replicas not in ("read", "bcast"):
-        raise UsageError(f"replicas is 'read' or 'bcast', got {replicas!r}")
     # a per-rank tensor that every rank names in ``wants`` is loaded as plain boxes
     named = set.intersection(*(set(i["wants"]) for i in info))
     resolution = rules.resolve(
         [display(e.name) for e in manifest.entries if _is_per_rank(e, named)],
         manifest.world_size,
         comm.size,
-        rank_map,
-        per_rank,
+        read.rank_map,
+        read.per_rank,
     )
     if resolution.warning:
         warnings.warn(resolution.warning, PerRankWarning, stacklevel=2)
     sees = [
         {w for w, ri in enumerate(manifest.ranks) if ri.node in set(i["visible"])} for i in info
     ]
-    plans = _plan(manifest, info, resolution.sources, sees, replicas == "bcast")
+    plans = _plan(manifest, info, resolution.sources, sees, read.replicas == "bcast")
     same_host = sum(1 for i in info if i["host"] == info[comm.rank]["host"])
     b = Boundary(comm, "load", manifest.step, error=LoadFailedError, seq=seq)
     errors: list[BaseException] = []
@@ -226,7 +217,7 @@ def load_collective(
         current_meter().expect(bufs.work(comm.rank, plans))
     b.vote("load-allocate")
     with b.guard("load-read"):
-        _read(bufs, max(1, threads // same_host))
+        _read(bufs, max(1, read.threads // same_host))
     _transfer(comm, plans, bufs)
     if errors:
         b.fail(errors[0], "load-read")

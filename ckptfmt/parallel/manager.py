@@ -63,6 +63,7 @@ from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.parallel.sigterm import SigtermWatch
 from ckptfmt.parallel.staging import BufferPool, SaveHandle, copy_mode, default_pool
 from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
+from ckptfmt.plan.options import PerRankMode, ReadOptions
 from ckptfmt.plan.per_rank import RankMap
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage import commit
@@ -443,7 +444,7 @@ class CheckpointManager:
         state: Mapping[str, Any] | None = None,
         *,
         rank_map: RankMap = None,
-        per_rank: str = "error",
+        per_rank: PerRankMode = "error",
         strict: bool = True,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
@@ -507,7 +508,7 @@ class CheckpointManager:
         self,
         state: Mapping[str, Any] | None,
         rank_map: RankMap,
-        per_rank: str,
+        per_rank: PerRankMode,
         strict: bool,
         include: Sequence[str] | None,
         exclude: Sequence[str],
@@ -595,7 +596,7 @@ class CheckpointManager:
         level: int,
         step: int,
         rank_map: RankMap,
-        per_rank: str,
+        per_rank: PerRankMode,
         into: dict[str, np.ndarray] | None = None,
     ) -> tuple[dict[str, Any], Manifest]:
         with metering("load", self.progress) as meter:
@@ -606,8 +607,7 @@ class CheckpointManager:
                 seq=self._calls,
                 expect_step=step,
                 node=self.node if level == 1 else None,
-                rank_map=rank_map,
-                per_rank=per_rank,
+                read=ReadOptions(rank_map, per_rank),
                 into=into,
             )
             meter.finish()

@@ -3,12 +3,14 @@ every rank's declarations), and reading a checkpoint in another layout than it w
 ranks saved, M load): :mod:`~ckptfmt.plan.reads` (saved regions x wanted box -> inner chunks
 to read and where each piece goes), :mod:`~ckptfmt.plan.route` (which current rank reads
 which chunks and what it sends to whom), :mod:`~ckptfmt.plan.per_rank` (the rules for
-per-rank state when the number of ranks changes). ``ckptfmt.parallel.load`` executes them;
+per-rank state when the number of ranks changes), :mod:`~ckptfmt.plan.options` (how a load
+reads). ``ckptfmt.parallel.load`` executes them;
 ``spec/reshard.md`` states the rules.
 """
 
 from __future__ import annotations
 
+from ckptfmt.plan.options import PerRankMode, ReadOptions, ReplicaMode
 from ckptfmt.plan.ownership import SavePlan, make_plan
 from ckptfmt.plan.per_rank import PerRankError, PerRankWarning, RankMap
 from ckptfmt.plan.reads import Box, FileRead, Layout, Piece, plan_reads
@@ -23,9 +25,12 @@ __all__ = [
     "FileTask",
     "Layout",
     "PerRankError",
+    "PerRankMode",
     "PerRankWarning",
     "Piece",
     "RankMap",
+    "ReadOptions",
+    "ReplicaMode",
     "TensorRoute",
     "plan_reads",
     "route",
