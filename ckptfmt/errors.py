@@ -41,6 +41,7 @@ __all__ = [
     "MissingFileError",
     "NotACheckpointError",
     "NotRegularFileError",
+    "OutOfStepError",
     "PickleRefusedError",
     "RankFailure",
     "SaveFailedError",
@@ -375,6 +376,35 @@ class CollectiveTimeoutError(CollectiveError):
             step=step,
             message=f"{what}{where}: {who} within {deadline_s:g} s",
         )
+
+
+class OutOfStepError(CollectiveError):
+    """The ranks met in a roll call from different collective calls (``keys``: rank -> the
+    call it is in, e.g. ``"save step=6 call=3"``): one rank saves step 6 while the others save
+    step 5, or restores while they save. Every rank of the roll call raises it, naming the ranks
+    that are not in rank 0's call; the calls' later messages are never paired up."""
+
+    verb = "collective"
+
+    def __init__(self, keys: Mapping[int, str]) -> None:
+        self.keys = {int(r): str(k) for r, k in keys.items()}
+        first = self.keys.get(0, "")
+        odd = {r: k for r, k in self.keys.items() if k != first}
+        groups: dict[str, list[int]] = {}
+        for r, k in sorted(self.keys.items()):
+            groups.setdefault(k, []).append(r)
+        where = "; ".join(f"{_ranks_text(rs)} in {k!r}" for k, rs in groups.items())
+        super().__init__(
+            {r: RankFailure("OutOfStepError", f"is in {k!r}", "roll-call") for r, k in odd.items()},
+            message=f"the ranks are in different collective calls: {where} (a collective method "
+            "called on some ranks only, or with another step)",
+        )
+
+
+def _ranks_text(ranks: Sequence[int], most: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:most]))
+    more = f" and {len(ranks) - most} more" if len(ranks) > most else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
 class ManagerBrokenError(CkptError):

@@ -1,11 +1,18 @@
-"""Under mpiexec / torchrun, 2 ranks: ``save`` called on rank 0 only (tests/test_faults.py).
+"""Under mpiexec / torchrun, 2 ranks: collective calls the ranks do not make together
+(tests/test_faults.py).
 
-Usage: ``_hang_worker.py KIND OUT_DIR ROOT``. Rank 0 saves step 5 and waits; rank 1 never calls
-``save``: it sleeps, then leaves (``mpi``: after rank 0 has reported; ``torch``: at once after
-the sleep, so rank 0's transport sees its peer gone). Rank 0 must be told, within the
-manager's deadline (MpiComm) or as soon as the transport fails (TorchComm), naming the step and
-(MpiComm) the rank that did not arrive; ``wait()`` must never report success for a save that
-did not happen, and the manager must refuse further collective calls.
+Usage: ``_hang_worker.py KIND SCENARIO OUT_DIR ROOT``.
+
+* ``one-rank``: rank 0 saves step 5 and waits; rank 1 never calls ``save``: it sleeps past the
+  manager's deadline (3 s), then leaves. Rank 0 must be told within the deadline, naming the
+  step and the rank that did not arrive; ``wait()`` must never report success for a save that
+  did not happen, and the manager must refuse further collective calls.
+* ``other-step``: rank 0 saves step 5 while rank 1 saves step 6 (the same call number): both
+  must be told, naming both calls, with nothing committed, and refuse further calls.
+* ``restore-vs-save``: rank 0 calls ``restore()`` while rank 1 saves step 5: rank 0's restore
+  raises, rank 1's save fails; neither pairs its messages with the other's.
+
+Each rank writes ``rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -18,14 +25,14 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from _worker_common import make_comm
+from _worker_common import end_torch_job, make_comm
 
 from ckptfmt import CheckpointManager
-from ckptfmt.errors import CkptError, CollectiveTimeoutError
+from ckptfmt.errors import CkptError
 
 
 def main(argv: list[str]) -> int:
-    kind, out, root = argv
+    kind, scenario, out, root = argv
     comm = make_comm(kind)
     mgr = CheckpointManager(
         local_dir=f"{root}/l1/{{node}}",
@@ -35,31 +42,46 @@ def main(argv: list[str]) -> int:
         deadline_s=3.0,
     )
     res: dict[str, object] = {"rank": comm.rank}
-    if comm.rank == 0:
-        started = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            mgr.save(5, {"a": np.ones(1000)})
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if scenario == "one-rank" and comm.rank == 1:
+            time.sleep(6)
+            finish(kind, scenario, comm)
+        if scenario == "restore-vs-save" and comm.rank == 0:
+            try:
+                res["restored"] = mgr.restore()
+            except CkptError as exc:
+                res["raised"] = [type(exc).__name__, str(exc)]
+        else:
+            step = 6 if scenario == "other-step" and comm.rank == 1 else 5
+            mgr.save(step, {"a": np.ones(1000)})
             mgr.wait()
-        res["seconds"] = time.perf_counter() - started
-        res["warnings"] = [str(w.message) for w in caught]
-        res["failed"] = [
-            [s, type(e).__name__, str(e), list(getattr(e, "missing", ()))]
-            for s, e in mgr.failed_saves
-        ]
-        res["latest"] = mgr.latest()
-        try:
-            mgr.save(6, {"a": np.ones(1000)})
-            res["next"] = "accepted"
-        except CkptError as exc:
-            res["next"] = type(exc).__name__
-        res["timeout_class"] = CollectiveTimeoutError.__name__
-        Path(out, "rank0.json").write_text(json.dumps(res))
-    else:
-        time.sleep(6 if kind == "mpi" else 4)
+    res["seconds"] = time.perf_counter() - started
+    res["warnings"] = [str(w.message) for w in caught]
+    res["failed"] = [
+        [s, type(e).__name__, str(e), list(getattr(e, "missing", ()))] for s, e in mgr.failed_saves
+    ]
+    res["latest"] = mgr.latest()
+    res["on_disk"] = sorted(p.name for p in Path(root).rglob("step-*"))
+    try:
+        mgr.save(7, {"a": np.ones(1000)})
+        res["next"] = "accepted"
+    except CkptError as exc:
+        res["next"] = type(exc).__name__
+    Path(out, f"rank{comm.rank}.json").write_text(json.dumps(res))
+    finish(kind, scenario, comm)
+    return 0
+
+
+def finish(kind: str, scenario: str, comm: object) -> None:
+    """Leave together where the transport still can (MPI: always, its managers are broken,
+    not MPI; gloo: unless a roll call timed out, which closes the connection to that peer)."""
     sys.stdout.flush()
     if kind == "mpi":
-        comm.barrier()  # rank 0 has written its result (its manager is broken; MPI is not)
+        comm.barrier()  # type: ignore[attr-defined]
+    elif scenario != "one-rank":
+        end_torch_job()
     os._exit(0)
 
 

@@ -131,34 +131,67 @@ def test_a_replaced_host_resumes_from_level_1_under_its_old_or_a_new_name(tmp_pa
 HANG_WORKER = str(REPO / "tests" / "_hang_worker.py")
 
 
-@pytest.mark.mpi
-def test_save_on_one_rank_only_is_reported_within_the_deadline_under_mpi(tmp_path: Path) -> None:
+def _hang(kind: str, scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
     out = tmp_path / "out"
     out.mkdir()
-    assert_ok(run_mpi(2, HANG_WORKER, "mpi", str(out), str(tmp_path / "ck"), timeout=120))
-    res = json.loads((out / "rank0.json").read_text())
+    args = (HANG_WORKER, kind, scenario, str(out), str(tmp_path / "ck"))
+    if kind == "mpi":
+        assert_ok(run_mpi(2, *args, timeout=120))
+    else:
+        assert_ok(run_torchrun(2, *args, timeout=120))
+    ranks = [0] if scenario == "one-rank" else [0, 1]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in ranks]
+
+
+@pytest.mark.mpi
+@pytest.mark.torch
+@pytest.mark.parametrize("kind", ["mpi", "torch"])
+def test_save_on_one_rank_only_is_reported_within_the_deadline(kind: str, tmp_path: Path) -> None:
+    """Rank 1 never calls ``save``: rank 0 is told within the manager's deadline (3 s), under
+    MpiComm and TorchComm alike (gloo's own timeout is 30 minutes), naming the step and the
+    rank; ``wait()`` never reports success for the save that did not happen (it used to, under
+    torchrun), and the manager refuses further collective calls."""
+    [res] = _hang(kind, "one-rank", tmp_path)
     assert res["seconds"] < 6, res  # the deadline is 3 s; rank 1 would have come at 6 s
-    [(step, kind, message, missing)] = res["failed"]
-    assert (step, kind, missing) == (5, "CollectiveTimeoutError", [1]), res
+    [(step, kind_, message, missing)] = res["failed"]
+    assert (step, kind_, missing) == (5, "CollectiveTimeoutError", [1]), res
     assert "step 5" in message and "rank(s) 1 did not arrive" in message, message
     assert any("step 5" in w for w in res["warnings"]), res
-    assert res["latest"] is None and res["next"] == "ManagerBrokenError", res
+    assert res["latest"] is None and res["on_disk"] == [], res
+    assert res["next"] == "ManagerBrokenError", res
 
 
+@pytest.mark.mpi
 @pytest.mark.torch
-def test_wait_never_reports_success_for_a_save_that_did_not_happen_under_torchrun(
-    tmp_path: Path,
-) -> None:
-    """The background save fails when rank 1 leaves; its outcome is recorded before ``wait()``
-    returns (it used to return with ``failed_saves == []`` and nothing on disk)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    run_torchrun(2, HANG_WORKER, "torch", str(out), str(tmp_path / "ck"), timeout=120)
-    res = json.loads((out / "rank0.json").read_text())
-    assert res["failed"], res
-    [(_step, kind, _message, _missing)] = res["failed"][:1]
-    assert kind in ("ManagerBrokenError", "SaveFailedError"), res
-    assert res["latest"] is None and res["next"] == "ManagerBrokenError", res
+@pytest.mark.parametrize("kind", ["mpi", "torch"])
+def test_ranks_saving_different_steps_are_told_not_paired(kind: str, tmp_path: Path) -> None:
+    """Rank 0 saves step 5 while rank 1 saves step 6: the roll call compares the calls, every
+    rank raises OutOfStepError naming both, nothing is written, and no later call is made."""
+    results = _hang(kind, "other-step", tmp_path)
+    for rank, res in enumerate(results):
+        [(step, kind_, message, _missing)] = res["failed"]
+        assert (step, kind_) == (6 if rank else 5, "OutOfStepError"), res
+        assert "rank 0 in 'save step=5 call=1'" in message, message
+        assert "rank 1 in 'save step=6 call=1'" in message, message
+        assert res["seconds"] < 3, res  # told at once, not at the deadline
+        assert res["latest"] is None and res["on_disk"] == [], res
+        assert res["next"] == "ManagerBrokenError", res
+
+
+@pytest.mark.mpi
+@pytest.mark.torch
+@pytest.mark.parametrize("kind", ["mpi", "torch"])
+def test_restore_on_one_rank_while_the_other_saves_is_told(kind: str, tmp_path: Path) -> None:
+    """Rank 0 restores while rank 1 saves: the restore's messages used to pair up with the
+    save's (TorchComm exchanged the wrong data); now both ranks are told which calls met."""
+    restorer, saver = _hang(kind, "restore-vs-save", tmp_path)
+    name, message = restorer["raised"]
+    assert name == "OutOfStepError", restorer
+    assert "'restore call=1'" in message and "'save step=5 call=1'" in message, message
+    [(step, kind_, _message, _missing)] = saver["failed"]
+    assert (step, kind_) == (5, "OutOfStepError"), saver
+    assert saver["on_disk"] == [] and saver["latest"] is None, saver
+    assert restorer["next"] == saver["next"] == "ManagerBrokenError", (restorer, saver)
 
 
 @pytest.mark.mpi

@@ -11,16 +11,22 @@ tensors: gloo (an NCCL-only group is refused; pass ``dist.new_group(backend="glo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
+from datetime import timedelta
 from typing import NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckptfmt.errors import UsageError
-from ckptfmt.transport import Comm
+from ckptfmt.errors import CollectiveTimeoutError, UsageError
+from ckptfmt.transport import Comm, roll_key, roll_token
+
+ROLL_TAG = 32767  # reserved for TorchComm.roll_call (other traffic keeps to small tags)
+VERDICT_TAG = 32766
 
 
 class TorchComm(Comm):
@@ -97,6 +103,59 @@ class TorchComm(Comm):
         ranks = None if self.group is world else self.ranks
         return TorchComm(dist.new_group(ranks=ranks, backend="gloo"))
 
+    def roll_call(
+        self, deadline_s: float, what: str = "", step: int | None = None, seq: int | None = None
+    ) -> None:
+        """Collective: return once every rank has called it for the same call, within
+        ``deadline_s`` (well under gloo's process-group timeout, 30 minutes by default); raise
+        :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did not come, or
+        :class:`~ckptfmt.errors.OutOfStepError` when some came from another call
+        (``Comm.roll_call``).
+
+        The same exchange as ``MpiComm.roll_call``, over gloo's point-to-point operations with
+        timeouts: rank 0 receives every rank's token (the call's key hashed to 64 bits) waiting
+        at most ``deadline_s`` in all, then sends the ranks that came the verdict; they wait for
+        it at most twice the deadline. A receive that timed out makes gloo close the connection
+        to that peer, so a rank that comes late is told at once (its send fails) rather than
+        left waiting: either way the manager stops making collective calls. Tags
+        :data:`ROLL_TAG` and :data:`VERDICT_TAG` are reserved for it."""
+        key = roll_key(what, step, seq)
+        if self.size == 1:
+            return
+        token = torch.tensor([roll_token(key)], dtype=torch.int64)
+        verdict = torch.zeros(self.size, dtype=torch.uint8)
+        if self.rank != 0:
+            try:
+                send = dist.isend(token, group=self.group, group_dst=0, tag=ROLL_TAG)
+                recv = dist.irecv(verdict, group=self.group, group_src=0, tag=VERDICT_TAG)
+                _wait(recv, 2 * deadline_s)
+                _wait(send, deadline_s)
+            except RuntimeError as exc:  # timed out, or rank 0 closed the connection
+                raise CollectiveTimeoutError([0], deadline_s, operation=what, step=step) from exc
+        else:
+            tokens = {r: torch.zeros(1, dtype=torch.int64) for r in range(1, self.size)}
+            recvs = {
+                r: dist.irecv(t, group=self.group, group_src=r, tag=ROLL_TAG)
+                for r, t in tokens.items()
+            }
+            give_up = time.monotonic() + deadline_s
+            for r, work in recvs.items():
+                try:
+                    _wait(work, max(1e-3, give_up - time.monotonic()))
+                except RuntimeError:
+                    verdict[r] = 1
+                else:
+                    verdict[r] = 2 if int(tokens[r][0]) != int(token[0]) else 0
+            sends = [
+                dist.isend(verdict, group=self.group, group_dst=r, tag=VERDICT_TAG)
+                for r in recvs
+                if verdict[r] != 1
+            ]
+            for work in sends:
+                with contextlib.suppress(RuntimeError):  # that rank left after it came
+                    _wait(work, deadline_s)
+        self.roll_verdict(verdict.numpy(), key, deadline_s, what, step)
+
     # --- point-to-point: only the two ranks involved call them ----------------------------------
 
     def send(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
@@ -150,6 +209,12 @@ class TorchComm(Comm):
     def _check_peer(self, rank: int) -> None:
         if not 0 <= rank < self.size:
             raise UsageError(f"rank {rank} is outside the communicator (size {self.size})")
+
+
+def _wait(work: dist.Work | None, seconds: float) -> None:
+    """Complete a gloo operation within ``seconds`` (raises ``RuntimeError`` if it does not)."""
+    if work is not None:
+        work.wait(timeout=timedelta(seconds=seconds))
 
 
 def _as_tensor(buf: np.ndarray, *, out: bool) -> torch.Tensor:

@@ -40,6 +40,7 @@ from ckptfmt.errors import (
     ManagerBrokenError,
     ManifestError,
     NotACheckpointError,
+    OutOfStepError,
     UnreachableNodesError,
     UnrecoverableDamageError,
     UsageError,
@@ -351,7 +352,7 @@ class CheckpointManager:
         except UsageError as exc:
             failure = usage = exc
         try:  # every rank takes part, a rank whose state was refused too
-            boxes = self._share(step, leaves)
+            boxes = self._share(step, seq, leaves)
         except Exception as exc:  # the roll call's deadline passed, or the transport failed
             return self._unshared(step, exc, handle, telemetry)
         if leaves is not None:
@@ -409,7 +410,7 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         self._calls += 1
-        self.comm.roll_call(self.deadline_s, "delete", number)
+        self._roll_call("delete", number)
         if 1 in levels and self._node_leader and self.local_root is not None:
             path = self.local_root / step_dir_name(number)
             if commit.is_committed(path):
@@ -428,7 +429,7 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         self._calls += 1
-        self.comm.roll_call(self.deadline_s, "prune")
+        self._roll_call("prune", None)
         saved = self.keep_local, self.keep_shared
         if keep_local is not None:
             self.keep_local = keep_local
@@ -517,11 +518,7 @@ class CheckpointManager:
         into: bool = False,
     ) -> int | None:
         self._calls += 1
-        try:
-            self.comm.roll_call(self.deadline_s, "restore")
-        except CollectiveTimeoutError as exc:
-            self._broken = exc
-            raise
+        self._roll_call("restore", None)
         self._clean_leftovers()
         wants = self._wants(state)
         targets = _arrays_of(state) if into and apply and state is not None else None
@@ -670,7 +667,25 @@ class CheckpointManager:
             check_leaf(display(name), leaf)
         return leaves
 
-    def _share(self, step: int, leaves: list[tuple[Name, Any]] | None) -> share.Boxes | None:
+    def _roll_call(
+        self, what: str, step: int | None, comm: Comm | None = None, seq: int | None = None
+    ) -> None:
+        """Collective (every rank of ``comm``, default the caller's communicator, at the start
+        of each collective call): every rank is in the same call (``what``, ``step``, the call
+        number) within the deadline, or every rank still there raises what the roll call
+        raises, and this manager makes no collective call any more (its ranks are out of
+        step)."""
+        try:
+            (comm or self.comm).roll_call(
+                self.deadline_s, what, step, self._calls if seq is None else seq
+            )
+        except (CollectiveTimeoutError, OutOfStepError) as exc:
+            self._broken = exc
+            raise
+
+    def _share(
+        self, step: int, seq: int, leaves: list[tuple[Name, Any]] | None
+    ) -> share.Boxes | None:
         """Collective (every rank, from ``save``, before its staging copy; ``leaves`` None
         where the state was refused): the regions of the replicated tensors this rank writes,
         when every rank holds the same ones (``ckptfmt.parallel.share``), else None (stage
@@ -679,7 +694,7 @@ class CheckpointManager:
             return None
         holdings = share.replicated(leaves) if leaves is not None else []
         mine = share.digest(holdings, self.write, self.comm.size) if leaves is not None else None
-        if not share.agree(self.comm, self.deadline_s, step, mine):
+        if not share.agree(self.comm, self.deadline_s, step, seq, mine):
             return None
         return share.own_boxes(holdings, self.write, self.comm.size, self.comm.rank)
 
@@ -786,9 +801,8 @@ class CheckpointManager:
         number = self._saves + 1
         red = self.policy.redundancy_for(number) if self.local_root is not None else None
         try:
-            self._bg.roll_call(self.deadline_s, "save", step)
-        except CollectiveTimeoutError as exc:
-            self._broken = exc  # out of step: no later collective can be trusted
+            self._roll_call("save", step, self._bg, seq)
+        except (CollectiveTimeoutError, OutOfStepError) as exc:  # no later collective is safe
             self._pending.append((step, exc))
             report.error = str(exc)
             return
@@ -941,9 +955,8 @@ class CheckpointManager:
         nbytes = sum(f.size for _, f in m.files())
         estimate = nbytes / self._flush_rate if self._flush_rate else 0.0
         try:
-            on.roll_call(self.deadline_s, "flush", m.step)
-        except CollectiveTimeoutError as exc:
-            self._broken = exc
+            self._roll_call("flush", m.step, on, seq)
+        except (CollectiveTimeoutError, OutOfStepError) as exc:
             log.error("not flushing step %s at exit: %s", m.step, exc)
             return
         if not on.all_true(estimate <= budget_s):

@@ -56,13 +56,15 @@ def digest(holdings: Sequence[Holding], write: WriteOptions, world: int) -> str:
     return hashlib.sha256(json.dumps(doc).encode("utf-8")).hexdigest()
 
 
-def agree(comm: Comm, deadline_s: float, step: int, mine: str | None) -> bool:
+def agree(comm: Comm, deadline_s: float, step: int, seq: int, mine: str | None) -> bool:
     """Collective (every rank of ``comm``, from the thread that calls ``save``, before its
     staging copy): a roll call within ``deadline_s`` (raises
-    :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did not come), then
+    :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did not come, or
+    :class:`~ckptfmt.errors.OutOfStepError` when some are in another call: ``seq`` is the
+    caller's call number), then
     every rank's digest (None: this rank stages whole, e.g. its state was refused). True on
     every rank when every digest is the same one."""
-    comm.roll_call(deadline_s, "save", step)
+    comm.roll_call(deadline_s, "save", step, seq)
     seen = comm.allgather_json(mine)
     return mine is not None and all(d == mine for d in seen)
 

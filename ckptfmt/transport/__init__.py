@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ckptfmt.transport.comm import Comm, SingleComm
+from ckptfmt.transport.comm import Comm, SingleComm, roll_key, roll_token
 from ckptfmt.transport.mpi import MpiComm
 from ckptfmt.transport.threads import ThreadComm, run_threads
 
@@ -13,4 +13,6 @@ __all__ = [
     "Comm",
     "MpiComm",
     "SingleComm",
+    "roll_key",
+    "roll_token",
 ]

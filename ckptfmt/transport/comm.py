@@ -16,6 +16,7 @@ the only module that imports mpi4py), and the torch.distributed transport in the
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
 import os
 import sys
@@ -26,7 +27,26 @@ from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import CollectiveTimeoutError, OutOfStepError, UsageError
+
+
+def roll_key(what: str, step: int | None, seq: int | None) -> str:
+    """The call a roll call is made for, as the ranks compare it."""
+    return " ".join(
+        [what or "collective"]
+        + [f"{k}={v}" for k, v in (("step", step), ("call", seq)) if v is not None]
+    )
+
+
+def roll_token(key: str) -> int:
+    """``key`` as a signed 64-bit number (what the transports with deadlines send)."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little", signed=True)
+
+
+def check_keys(key: str, keys: Sequence[str]) -> None:
+    """Raise :class:`~ckptfmt.errors.OutOfStepError` unless every rank's key is ``key``."""
+    if any(k != key for k in keys):
+        raise OutOfStepError(dict(enumerate(keys)))
 
 
 class Comm(abc.ABC):
@@ -92,13 +112,29 @@ class Comm(abc.ABC):
         """Collective: a new communicator over the same ranks, for background traffic that must
         not interleave with the caller's."""
 
-    def roll_call(self, deadline_s: float, what: str = "", step: int | None = None) -> None:
-        """Collective: return once every rank has called it, or raise
-        :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did not within
-        ``deadline_s``. This default is a barrier without a deadline (the transport's own
-        timeout applies: gloo's process-group timeout); ``MpiComm`` keeps the deadline."""
-        del deadline_s, what, step
-        self.barrier()
+    def roll_call(
+        self, deadline_s: float, what: str = "", step: int | None = None, seq: int | None = None
+    ) -> None:
+        """Collective: return once every rank has called it for the same call (``what``,
+        ``step`` and the caller's call number ``seq``), so that the calls' later messages pair
+        up. Raises :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did
+        not come within ``deadline_s``, and :class:`~ckptfmt.errors.OutOfStepError` on every
+        rank when some came from another call. This default gathers the keys (no deadline: the
+        transport's own timeout applies); ``MpiComm`` and ``TorchComm`` keep the deadline."""
+        del deadline_s
+        key = roll_key(what, step, seq)
+        check_keys(key, self.allgather_json(key))
+
+    def roll_verdict(
+        self, verdict: np.ndarray, key: str, deadline_s: float, what: str, step: int | None
+    ) -> None:
+        """Collective (every rank that took part in a roll call, after its verdict): raise what
+        ``verdict`` says (rank 0's view: 1 = did not arrive, 2 = came from another call)."""
+        missing = [r for r in range(self.size) if verdict[r] == 1]
+        if missing:
+            raise CollectiveTimeoutError(missing, deadline_s, operation=what, step=step)
+        if any(verdict[r] == 2 for r in range(self.size)):
+            check_keys(key, self.allgather_json(key))  # every rank knows: all gather the keys
 
     @abc.abstractmethod
     def abort(self, code: int = 1) -> NoReturn:

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ckptfmt.errors import CollectiveTimeoutError, UsageError
-from ckptfmt.transport.comm import Comm, Pending
+from ckptfmt.transport.comm import Comm, Pending, roll_key, roll_token
 
 SPIN_S = 1e-4  # busy testing before the first sleep: a peer already there costs no sleep
 FIRST_SLEEP_S = 50e-6
@@ -156,18 +156,24 @@ class MpiComm(Comm):
     def dup(self) -> MpiComm:
         return MpiComm(self.comm.Dup(), self.wait)
 
-    def roll_call(self, deadline_s: float, what: str = "", step: int | None = None) -> None:
-        """Collective: return once every rank has called it; raise
+    def roll_call(
+        self, deadline_s: float, what: str = "", step: int | None = None, seq: int | None = None
+    ) -> None:
+        """Collective: return once every rank has called it for the same call; raise
         :class:`CollectiveTimeoutError` on every rank still there if some rank has not within
         ``deadline_s`` (naming those ranks), so that a rank left alone in a collective (the
-        others never called it, or died) is told instead of waiting forever.
+        others never called it, or died) is told instead of waiting forever, and
+        :class:`~ckptfmt.errors.OutOfStepError` on every rank if some came from another call
+        (``what``, ``step``, ``seq``: ``Comm.roll_call``).
 
-        Rank 0 receives a token from every rank, waiting at most ``deadline_s``, then sends
-        each rank that arrived the verdict (one byte per rank: 1 = did not arrive). The other
-        ranks wait for the verdict at most twice the deadline (rank 0 itself may be the one
-        missing). Tags :data:`ROLL_TAG` and :data:`VERDICT_TAG` are reserved for it."""
+        Rank 0 receives a token (the call's key hashed to 64 bits) from every rank, waiting at
+        most ``deadline_s``, then sends each rank that arrived the verdict (one byte per rank:
+        1 = did not arrive, 2 = another call). The other ranks wait for the verdict at most
+        twice the deadline (rank 0 itself may be the one missing). Tags :data:`ROLL_TAG` and
+        :data:`VERDICT_TAG` are reserved for it."""
         MPI = self._mpi
-        token = np.zeros(1, np.int64)
+        key = roll_key(what, step, seq)
+        token = np.array([roll_token(key)], np.int64)
         verdict = np.zeros(self.size, np.uint8)
         if self.rank != 0:
             send = self.comm.Isend([token, MPI.BYTE], dest=0, tag=ROLL_TAG)
@@ -189,15 +195,15 @@ class MpiComm(Comm):
                     req.Cancel()
                     req.Wait()  # a cancelled receive completes at once
                     verdict[r] = 1
+                elif tokens[r][0] != token[0]:
+                    verdict[r] = 2
             sends = [
                 self.comm.Isend([verdict, MPI.BYTE], dest=r, tag=VERDICT_TAG)
                 for r in recvs
-                if not verdict[r]
+                if verdict[r] != 1
             ]
             polite_wait(sends, deadline_s=deadline_s)
-        missing = [r for r in range(self.size) if verdict[r]]
-        if missing:
-            raise CollectiveTimeoutError(missing, deadline_s, operation=what, step=step)
+        self.roll_verdict(verdict, key, deadline_s, what, step)
 
     def abort(self, code: int = 1) -> NoReturn:
         self.comm.Abort(code)
