@@ -3,6 +3,8 @@ restores that check everything before writing, the flush cadence across restarts
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import ckptfmt
 from ckptfmt import CheckpointManager
 from ckptfmt.errors import (
     ImplicitSingleProcessError,
@@ -19,6 +22,7 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.storage.steps import list_step_dirs
+from ckptfmt.transport.threads import run_threads
 
 
 def _state(step: int) -> dict:
@@ -118,7 +122,10 @@ def test_a_multi_rank_launch_without_a_comm_is_refused(
 def test_a_url_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="s3"):
         CheckpointManager(local_dir="s3://bucket/x")
-    assert not Path("s3:").exists()
+    with pytest.raises(UsageError, match="gs://"):
+        CheckpointManager(local_dir=tmp_path / "l1", shared_dir="gs://bucket/ckpt")
+    assert not Path("s3:").exists() and not Path("gs:").exists()
+    assert not (tmp_path / "l1").exists()  # refused before anything was made
 
 
 def test_an_unsupported_value_is_raised_at_the_call_whatever_on_error_says(
@@ -173,6 +180,59 @@ def test_each_save_reports_what_it_cost_and_wrote(tmp_path: Path) -> None:
     mgr.close(flush=False)
 
 
+def test_a_save_that_waited_and_its_parity_are_reported(tmp_path: Path) -> None:
+    """Telemetry of a save that had to wait for the previous one (its background part is
+    slowed down here) and of one with parity (two thread ranks on two nodes, xor over a
+    partner pair): ``waited_s`` says how long, ``parity_bytes`` is the parity file's size."""
+
+    def slow(point: str) -> None:
+        if point == "written":
+            time.sleep(0.3)
+
+    mgr = _mgr(tmp_path, fault=slow, flush_every=100)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))  # the first save is still in its background part
+    mgr.close(flush=False)
+    first, second = mgr.save_reports
+    assert first.waited_s < 0.1 and second.waited_s >= 0.2, (first, second)
+    assert second.blocked_s >= second.waited_s
+
+    def body(comm: Any) -> list[dict]:
+        with CheckpointManager(
+            local_dir=f"{tmp_path}/p/{{node}}",
+            comm=comm,
+            node=f"n{comm.rank}",
+            redundancy="partner",
+            fsync=False,
+            handle_sigterm=False,
+        ) as m:
+            m.save(3, _state(3))
+            m.wait()
+            return [r.to_json() for r in m.save_reports]
+
+    for rank, [report] in enumerate(run_threads(2, body)):
+        parity = tmp_path / "p" / f"n{rank}" / "step-0000000003"
+        size = sum(f.stat().st_size for f in (parity / "ckptfmt-redundancy").rglob("*"))
+        assert report["redundancy"] == "partner" and report["parity_bytes"] == size > 0, report
+
+
+def test_the_manager_reports_progress_of_its_saves_and_restores(tmp_path: Path) -> None:
+    events: list = []
+    mgr = _mgr(tmp_path, progress=events.append, flush_every=100)
+    mgr.save(1, _state(1))
+    mgr.close(flush=False)
+    saves = [e for e in events if e.op == "save"]
+    nbytes = sum(a.nbytes for a in _state(1)["model"].values())
+    assert saves and saves[-1].final and saves[-1].done == saves[-1].total >= nbytes
+    assert [e.done for e in saves] == sorted(e.done for e in saves)  # never goes back
+    events.clear()
+    mgr = _mgr(tmp_path, progress=events.append)
+    assert mgr.restore(_state(0)) == 1
+    mgr.close(flush=False)
+    loads = [e for e in events if e.op == "load"]
+    assert loads and loads[-1].final and loads[-1].done == loads[-1].total >= nbytes
+
+
 def json_roundtrips(doc: dict) -> bool:
     import json
 
@@ -223,6 +283,22 @@ def test_steps_delete_and_prune_take_step_names(tmp_path: Path) -> None:
     mgr.close(flush=False)
 
 
+def test_latest_and_list_take_the_step_names_the_readme_uses(tmp_path: Path) -> None:
+    """The README saves to ``ckpt/step-100``: ``latest`` and ``ckptfmt list`` see it (they used
+    to see only ``step-0000000100``); the canonical name wins when both hold one step."""
+    root = tmp_path / "ckpt"
+    ckptfmt.save({"w": np.arange(4.0)}, root / "step-100", step=100)
+    ckptfmt.save({"w": np.arange(5.0)}, root / "step-20", step=20)
+    (root / "step-1x").mkdir()  # not a step name: ignored
+    assert ckptfmt.latest(root) == (100, root / "step-100")
+    doc = ckptfmt.list_levels(root)
+    assert sorted(doc["steps"]) == ["100", "20"]
+    assert all(e["level3"] == "flushed" for e in doc["steps"].values()), doc
+    ckptfmt.save({"w": np.arange(6.0)}, root / "step-0000000100", step=100)
+    assert ckptfmt.latest(root) == (100, root / "step-0000000100")
+    assert list(ckptfmt.load(ckptfmt.latest(root)[1])["w"]) == list(np.arange(6.0))
+
+
 def test_a_restore_that_falls_back_to_an_older_step_says_so(tmp_path: Path) -> None:
     mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False, keep_local=5)
     mgr.save(4, _state(4))
@@ -237,6 +313,29 @@ def test_a_restore_that_falls_back_to_an_older_step_says_so(tmp_path: Path) -> N
         assert mgr.restore(state) == 4
     assert np.array_equal(state["model"]["w"], _state(4)["model"]["w"])
     mgr.close(flush=False)
+
+
+def test_log_lines_carry_the_logger_name_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The manager logs through the ``ckptfmt`` logger; its messages do not repeat the name
+    (``INFO:ckptfmt:ckptfmt: ...`` was printed)."""
+    caplog.set_level(logging.INFO, logger="ckptfmt")
+    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False, keep_local=5)
+    mgr.save(4, _state(4))
+    mgr.save(5, _state(5))
+    mgr.close()
+    newest = tmp_path / "l1" / "step-0000000005"
+    victim = next(p for p in newest.rglob("*") if p.is_file() and p.parent.name == "c")
+    victim.unlink()
+    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False)
+    with pytest.warns(UserWarning):
+        assert mgr.restore(_state(0)) == 4
+    mgr.close(flush=False)
+    records = [r for r in caplog.records if r.name.startswith("ckptfmt")]
+    assert any("step 5" in r.getMessage() for r in records), [r.getMessage() for r in records]
+    doubled = [r.getMessage() for r in records if r.getMessage().lower().startswith("ckptfmt")]
+    assert doubled == []
 
 
 def test_a_full_level_1_is_named_with_its_level_and_the_bytes_needed(tmp_path: Path) -> None:

@@ -334,11 +334,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 def latest(root: str | os.PathLike[str]) -> tuple[int, Path] | None:
     """The newest ``(step, path)`` under a checkpoint root whose manifest reads and parses.
 
-    Steps whose manifest is missing or damaged are skipped (a torn save never becomes latest);
-    their data is not read here, ``verify`` does that.
+    Step directories are named ``step-0000000100`` (what the manager and ``step_dir_name``
+    write); ``step-100``, a name given by hand, counts too (``spec/FORMAT.md`` §14). Steps
+    whose manifest is missing or damaged are skipped (a torn save never becomes latest); their
+    data is not read here, ``verify`` does that.
     """
     refuse_url(root)
-    for step, path in reversed(list_step_dirs(Path(root))):
+    for step, path in reversed(list_step_dirs(Path(root), loose=True)):
         try:
             read_manifest(path)
         except CkptError:

@@ -226,7 +226,7 @@ def list_levels(shared_root: Path) -> dict[str, Any]:
         return steps.setdefault(str(step), {"level3": "absent", "level1": {}})
 
     if shared_root.is_dir():
-        for step, path in list_step_dirs(shared_root):
+        for step, path in list_step_dirs(shared_root, loose=True):
             state, detail = _state_of(path, None)
             labels = {"complete": "flushed", "not committed": "not committed"}
             entry(step)["level3"] = labels.get(state, f"damaged: {detail}")
@@ -244,7 +244,7 @@ def list_levels(shared_root: Path) -> dict[str, Any]:
             invisible.append(node)
             continue
         assert root is not None
-        for step, path in list_step_dirs(root):
+        for step, path in list_step_dirs(root, loose=True):
             state, detail = _state_of(path, node)
             ok = state in ("complete", "not committed")
             entry(step)["level1"][node] = state if ok else f"damaged: {detail}"

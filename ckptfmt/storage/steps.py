@@ -18,6 +18,7 @@ STEP_NAME = re.compile(r"^step-(\d{10,})$")
 
 
 _LOOSE_STEP = re.compile(r"^(?:step-)?(\d+)$")
+_LOOSE_NAME = re.compile(r"^step-(\d+)$")
 
 
 def parse_step(step: int | str) -> int:
@@ -39,14 +40,26 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
-def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+def list_step_dirs(root: Path, *, loose: bool = False) -> list[tuple[int, Path]]:
     """``(step, path)`` of every step-named directory under ``root``, ascending (committed or
-    not)."""
+    not).
+
+    ``loose``: also directories named ``step-<digits>`` without the padding (``step-100``,
+    what a user names a checkpoint saved by hand, as the README's examples do), for a step no
+    directory of the canonical name holds (``spec/FORMAT.md`` §14). What searches for
+    checkpoints to read takes them (``latest``, ``ckptfmt list``); a manager's own roots hold
+    only canonical names, which are all its retention and restore look at."""
     if not root.is_dir():
         return []
-    found = []
+    canonical: dict[int, Path] = {}
+    other: dict[int, Path] = {}
     for child in root.iterdir():
-        m = STEP_NAME.match(child.name)
-        if m and child.is_dir() and step_dir_name(int(m[1])) == child.name:
-            found.append((int(m[1]), child))
-    return sorted(found)
+        m = STEP_NAME.match(child.name) or (_LOOSE_NAME.match(child.name) if loose else None)
+        if not m or not child.is_dir():
+            continue
+        step = int(m[1])
+        if step_dir_name(step) == child.name:
+            canonical[step] = child
+        elif step not in other or child.name < other[step].name:  # step-100 before step-0100
+            other[step] = child
+    return sorted({**other, **canonical}.items())
