@@ -20,6 +20,7 @@ import pytest
 from level1_util import tree
 
 from ckptfmt import CheckpointManager, PerRank, Shard
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel import share
@@ -70,7 +71,7 @@ def save_and_report(root: Path, whole: bool, background_copy: bool = False) -> l
     def body(comm: Any) -> int:
         mgr = manager(comm, root)
         if whole:
-            mgr._share = lambda step, leaves: None  # type: ignore[method-assign]
+            mgr._share = lambda step, seq, leaves: None  # type: ignore[method-assign]
         state = rank_state(3, comm.rank)
         handle = mgr.save(3, state, background_copy=background_copy)
         handle.wait_staged()
@@ -177,3 +178,49 @@ def test_the_share_is_the_plan_of_the_save() -> None:
     d = share.digest(holdings, opts, WORLD)
     assert d != share.digest(holdings[:1], opts, WORLD)
     assert d != share.digest(holdings, opts, WORLD + 1)
+
+
+def test_a_policy_follows_the_jobs_save_number_across_restarts(tmp_path: Path) -> None:
+    """The redundancy policy's ``every`` and its flush descriptors count the job's saves as
+    recorded on storage, not a process's: 4 runs of 2 saves each, partner every 3rd save and a
+    flush every 4th; saves 3 and 6 carry partner copies and 4 and 8 reach level 3, although no
+    process makes more than 2 saves."""
+    policy = [{"every": 3, "redundancy": "partner"}, {"every": 4, "flush": True}]
+    done = 0
+    for _run in range(4):
+
+        def body(comm: Any, first: int = done) -> dict[str, Any]:
+            mgr = CheckpointManager(
+                local_dir=f"{tmp_path}/l1/{{node}}",
+                shared_dir=tmp_path / "l3",
+                comm=comm,
+                node=f"n{comm.rank}",
+                redundancy=policy,
+                keep_local=10,
+                keep_shared=10,
+                fsync=False,
+                exit_flush=False,
+                handle_sigterm=False,
+            )
+            state = {"w": np.zeros(64, np.float32), "step": 0}
+            start = mgr.restore(state) or 0
+            assert start == first, (start, first)
+            for step in (start + 1, start + 2):
+                mgr.save(step, {"w": np.full(64, step, np.float32), "step": step})
+            mgr.wait()
+            reports = [r.to_json() for r in mgr.save_reports]
+            mgr.close(flush=False)
+            return {"reports": reports}
+
+        out = run_threads(2, body)
+        done += 2
+        for r in out[0]["reports"]:
+            expect = "partner" if r["step"] % 3 == 0 else None
+            assert r["redundancy"] == expect, r
+            assert r["flushed"] == (r["step"] % 4 == 0), r
+            assert (r["parity_bytes"] > 0) == (expect is not None), r
+    shared = [p.name for p in sorted((tmp_path / "l3").glob("step-*"))]
+    assert shared == ["step-0000000004", "step-0000000008"]
+    for step in range(1, 9):
+        m = read_manifest(tmp_path / "l1" / "n0" / f"step-{step:010d}")
+        assert ("redundancy" in m.levels.get("1", {})) == (step % 3 == 0), step

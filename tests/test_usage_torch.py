@@ -20,7 +20,12 @@ import ckptfmt_torch  # noqa: E402
 from ckptfmt_torch import TrainingState  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.errors import DtypeMismatchError, UrlNotSupportedError, UsageError  # noqa: E402
+from ckptfmt.errors import (  # noqa: E402
+    DtypeMismatchError,
+    UnsupportedValueError,
+    UrlNotSupportedError,
+    UsageError,
+)
 from ckptfmt.tree.casting import CastWarning  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -200,6 +205,27 @@ def test_manager_restore_is_all_or_nothing(tmp_path: Path) -> None:
         )
     finally:
         mgr.close()
+
+
+def test_torch_objects_given_to_the_manager_are_raised_at_the_call(tmp_path: Path) -> None:
+    """A module, an optimizer or a ``TrainingState`` passed to ``mgr.save`` without
+    ``to_state`` is misuse: raised at the call under ``on_error="warn"`` too (it used to only
+    warn, and training went on with no checkpoint), nothing staged; the next save works."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1", fsync=False, on_error="warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning instead of the error
+            for bad in ({"model": model}, {"optim": opt}, {"train": TrainingState(model, opt)}):
+                with pytest.raises(UnsupportedValueError, match=next(iter(bad))):
+                    mgr.save(1, bad)
+        assert mgr.failed_saves == [] and mgr.latest() is None
+        mgr.save(2, ckptfmt_torch.to_state({"model": model, "optim": opt}))
+        mgr.wait()
+        assert mgr.latest() == 2
+    finally:
+        mgr.close(flush=False)
 
 
 @pytest.mark.parametrize("url", ["s3://bucket/x", "gs://b/ckpt/step-1", "file:///tmp/x"])
