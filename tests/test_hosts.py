@@ -255,8 +255,9 @@ def _scenario(c: hostsim.Cluster, kind: str, scheme: str, spare: str) -> None:
     assert not c.hosts.get(VICTIM) and not any(p.exists() for p in victim_files)
     if kind == "torch":  # no mpiexec to end the job: the survivors are ended like torchrun would
         for p in job.procs:  # each is `timeout`, leader of its process group: rank and all
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+            if p.poll() is None:  # not reaped yet: its pid (the group's id) is not reused
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
     for rc in job.finish():
         assert rc != 0, "the job ended normally although a host was killed:\n" + _all_logs(
             c, "save"
