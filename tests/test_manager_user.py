@@ -21,6 +21,7 @@ from ckptfmt.errors import (
     UnsupportedValueError,
     UsageError,
 )
+from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single
 from ckptfmt.storage.steps import list_step_dirs
 from ckptfmt.transport.threads import run_threads
 
@@ -117,6 +118,57 @@ def test_a_multi_rank_launch_without_a_comm_is_refused(
         _mgr(tmp_path)
     monkeypatch.setenv("PMI_SIZE", "1")
     _mgr(tmp_path).close(flush=False)  # one rank: fine
+
+
+@pytest.mark.parametrize(
+    "env, launcher",
+    [
+        ({"PMI_SIZE": "2"}, "MPICH"),
+        ({"PMIX_SIZE": "3"}, "PMIx"),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI"),
+        ({"MV2_COMM_WORLD_SIZE": "2"}, "MVAPICH2"),
+        ({"SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}, "srun"),
+        ({"WORLD_SIZE": "2"}, "torchrun"),
+    ],
+)
+def test_every_launcher_is_recognised(env: dict[str, str], launcher: str) -> None:
+    n, said = launcher_world_size(env)
+    assert n == int(next(iter(env.values()))) and launcher in said
+    with pytest.raises(ImplicitSingleProcessError, match="no comm was given"):
+        refuse_implicit_single((n, said))
+
+
+def test_one_process_launches_are_not_refused() -> None:
+    assert launcher_world_size({}) == (1, "")
+    assert launcher_world_size({"SLURM_NTASKS": "8"}) == (1, "")  # sbatch's script, no step
+    assert launcher_world_size({"PMI_SIZE": "1", "WORLD_SIZE": "x"}) == (1, "")
+
+
+@pytest.mark.mpi
+@pytest.mark.torch
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_real_multi_rank_launch_without_a_comm_is_refused(tmp_path: Path, launcher: str) -> None:
+    """Under a real ``mpiexec -n 2`` / ``torchrun --nproc-per-node 2``: every rank is refused
+    with the comm to pass, and nothing is written."""
+    from mpi_util import assert_ok, run_mpi, run_torchrun
+
+    script = tmp_path / "no_comm.py"
+    script.write_text(
+        "import sys\n"
+        "from ckptfmt import CheckpointManager\n"
+        "from ckptfmt.errors import ImplicitSingleProcessError\n"
+        "try:\n"
+        f"    CheckpointManager(local_dir={str(tmp_path / 'l1')!r})\n"
+        "except ImplicitSingleProcessError as exc:\n"
+        "    print('REFUSED', exc, flush=True)\n"
+    )
+    run = run_mpi if launcher == "mpiexec" else run_torchrun
+    done = run(2, script, timeout=120)
+    assert_ok(done)
+    said = "mpiexec (PMI" if launcher == "mpiexec" else "torchrun started"
+    assert done.stdout.count("REFUSED") == 2, done.stdout  # each rank (lines may interleave)
+    assert done.stdout.count(said) == 2 and "started 2 ranks" in done.stdout, done.stdout
+    assert not (tmp_path / "l1").exists()
 
 
 def test_a_url_is_refused(tmp_path: Path) -> None:
