@@ -353,7 +353,7 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     if kind == "torch":
         end_torch_job()
-    os._exit(0)
+    return 0  # MPI: a normal exit (_worker_common.py says why not os._exit)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
         if scenario == "one-rank" and comm.rank == 1:
             time.sleep(6)
             finish(kind, scenario, comm)
+            return 0
         if scenario == "restore-vs-save" and comm.rank == 0:
             try:
                 res["restored"] = mgr.restore()
@@ -76,11 +77,13 @@ def main(argv: list[str]) -> int:
 
 def finish(kind: str, scenario: str, comm: object) -> None:
     """Leave together where the transport still can (MPI: always, its managers are broken,
-    not MPI; gloo: unless a roll call timed out, which closes the connection to that peer)."""
+    not MPI; a normal exit follows, ``_worker_common.py`` says why; gloo: unless a roll call
+    timed out, which closes the connection to that peer)."""
     sys.stdout.flush()
     if kind == "mpi":
         comm.barrier()  # type: ignore[attr-defined]
-    elif scenario != "one-rank":
+        return
+    if scenario != "one-rank":
         end_torch_job()
     os._exit(0)
 

@@ -277,6 +277,8 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     if kind == "torch" and phase == "check":
         end_torch_job()
+    if kind != "torch":
+        return 0  # MPI: a normal exit (_worker_common.py says why not os._exit)
     os._exit(0)
 
 
