@@ -146,7 +146,7 @@ def launch(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import ckptfmt
-    from ckptfmt import CheckpointManager
+    from ckptfmt import CheckpointManager, ExitPolicy, WriteOptions
     from ckptfmt.parallel.load import load_collective
     from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.parallel.rebuild import rebuild_collective
@@ -174,9 +174,8 @@ def launch(args: argparse.Namespace) -> None:
         flush_every=10**9,
         async_save=True,
         on_error="raise",
-        exit_flush=False,
-        handle_sigterm=False,
-        fsync=False,
+        write=WriteOptions(fsync=False),
+        at_exit=ExitPolicy(flush=False, sigterm=False),
     )
     samples: dict[str, list[float]] = {k: [] for k in OPS}
     tally = count_collectives(comm)

@@ -61,6 +61,7 @@ from bench_save_load import (  # noqa: E402
 )
 
 import ckptfmt  # noqa: E402
+from ckptfmt import ExitPolicy  # noqa: E402
 from ckptfmt.checkpoint import writer_threads  # noqa: E402
 
 DEFAULT_DIR = "/dev/shm/ckptfmt-bench-parallel"
@@ -442,8 +443,7 @@ def run_launch(args: argparse.Namespace) -> int:
         flush_every=10**9,
         async_save=True,
         on_error="raise",
-        exit_flush=False,
-        handle_sigterm=False,
+        at_exit=ExitPolicy(flush=False, sigterm=False),
     )
 
     keys = list(METHODS)

@@ -156,7 +156,7 @@ class Job:
         background: list[float] = []
         watchers: list[threading.Thread] = []
         if method.startswith("l1"):
-            from ckptfmt import CheckpointManager
+            from ckptfmt import CheckpointManager, ExitPolicy
             from ckptfmt.transport.mpi import MpiComm
 
             flush = method == "l1+l3/2"
@@ -168,8 +168,7 @@ class Job:
                 flush_every=2 if flush else None,
                 keep_local=2,
                 keep_shared=1,
-                handle_sigterm=False,
-                exit_flush=False,
+                at_exit=ExitPolicy(sigterm=False, flush=False),
             )
             mgr.save(0, self.state)  # warm-up: allocates and touches the staging buffers
             mgr.wait()

@@ -141,7 +141,7 @@ def rank_main(args: argparse.Namespace) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckptfmt import CheckpointManager, SingleComm
+    from ckptfmt import CheckpointManager, ExitPolicy, SingleComm
 
     dist.init_process_group("gloo")
     comm = ckptfmt_torch.TorchComm()
@@ -175,8 +175,7 @@ def rank_main(args: argparse.Namespace) -> int:
         flush_every=10**9,
         keep_local=1,
         on_error="raise",
-        exit_flush=False,
-        handle_sigterm=False,
+        at_exit=ExitPolicy(flush=False, sigterm=False),
     )
     if rank == 0:
         print(

@@ -183,7 +183,7 @@ class Checkpointer:
         if v.startswith("ckptfmt"):
             import ckptfmt_torch
 
-            from ckptfmt import CheckpointManager
+            from ckptfmt import CheckpointManager, ExitPolicy
 
             self.mgr = CheckpointManager(
                 local_dir=root / "l1" / "{node}",
@@ -192,8 +192,7 @@ class Checkpointer:
                 redundancy="xor" if v.endswith("xor") else None,
                 keep_local=2,
                 on_error="raise",
-                exit_flush=False,
-                handle_sigterm=False,
+                at_exit=ExitPolicy(flush=False, sigterm=False),
             )
             from ckptfmt_torch.staging import TorchStager
 

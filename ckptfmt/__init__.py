@@ -20,6 +20,7 @@ from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.verify import VerifyReport, verify
 from ckptfmt.parallel.levels import list_levels
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
+from ckptfmt.parallel.options import ExitPolicy
 from ckptfmt.storage.progress import Progress
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.transport.comm import Comm, SingleComm
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointWarning",
     "Comm",
+    "ExitPolicy",
     "PerRank",
     "Progress",
     "Shard",

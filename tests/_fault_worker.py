@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from _worker_common import end_torch_job, make_comm
 
-from ckptfmt import CheckpointManager
+from ckptfmt import CheckpointManager, WriteOptions
 from ckptfmt.errors import CkptError, CollectiveError
 from ckptfmt.parallel import load as load_module
 from ckptfmt.parallel.manager import CheckpointWarning
@@ -99,8 +99,7 @@ def manager(comm: Any, root: Path, node: str, fault: Any = None) -> CheckpointMa
         keep_local=3,
         fault=fault,
         fallback_to_shared=False,  # the boundary is tested here; the fallback elsewhere
-        shard_bytes=SHARD_BYTES,
-        chunk_bytes=CHUNK_BYTES,
+        write=WriteOptions(shard_bytes=SHARD_BYTES, chunk_bytes=CHUNK_BYTES),
     )
 
 
@@ -237,8 +236,7 @@ def run_replace_scenario(comm: Any, root: Path, scheme: str) -> dict[str, Any]:
             node=node,
             redundancy=red,
             on_error="raise",
-            shard_bytes=SHARD_BYTES,
-            chunk_bytes=CHUNK_BYTES,
+            write=WriteOptions(shard_bytes=SHARD_BYTES, chunk_bytes=CHUNK_BYTES),
         )
 
     nodes = [f"h{r}" for r in range(size)]
@@ -292,8 +290,7 @@ def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
             node=f"h{rank}",
             redundancy="xor",
             on_error="raise",
-            shard_bytes=SHARD_BYTES,
-            chunk_bytes=CHUNK_BYTES,
+            write=WriteOptions(shard_bytes=SHARD_BYTES, chunk_bytes=CHUNK_BYTES),
         )
 
     mgr = mgr_on()

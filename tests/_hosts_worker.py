@@ -54,7 +54,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from _worker_common import end_torch_job, make_comm  # noqa: E402
 
-from ckptfmt import CheckpointManager, PerRank, Shard  # noqa: E402
+from ckptfmt import CheckpointManager, ExitPolicy, PerRank, Shard, WriteOptions  # noqa: E402  # noqa: E402
 
 LOCAL = "/local/ckpt"
 LINGER_S = 90.0
@@ -144,10 +144,8 @@ def main() -> None:
         local_dir=LOCAL,
         comm=comm,
         redundancy=redundancy,
-        fsync=False,
-        chunk_bytes=CHUNK_BYTES,
-        shard_bytes=SHARD_BYTES,
-        handle_sigterm=False,
+        write=WriteOptions(fsync=False, chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES),
+        at_exit=ExitPolicy(sigterm=False),
     )
     report: dict[str, Any] = {"rank": rank, "size": size, "host": host, "node": mgr.node}
     if phase == "save":

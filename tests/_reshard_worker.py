@@ -148,7 +148,7 @@ class Opens:
 
 
 def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
-    from ckptfmt import CheckpointManager
+    from ckptfmt import CheckpointManager, WriteOptions
 
     root = task["root"]
     mgr = CheckpointManager(
@@ -157,9 +157,7 @@ def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
         comm=comm,
         node=node,
         on_error="raise",
-        shard_bytes=SHARD_BYTES,
-        chunk_bytes=CHUNK_BYTES,
-        fsync=False,
+        write=WriteOptions(shard_bytes=SHARD_BYTES, chunk_bytes=CHUNK_BYTES, fsync=False),
     )
     mgr.save(1, rank_state(comm.rank, comm.size, task.get("per_rank", True)))
     mgr.close(flush=True)
@@ -201,7 +199,7 @@ def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[st
 
 
 def do_restore(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
-    from ckptfmt import CheckpointManager
+    from ckptfmt import CheckpointManager, WriteOptions
 
     root = task["root"]
     mgr = CheckpointManager(
@@ -210,7 +208,7 @@ def do_restore(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
         comm=comm,
         node=node,
         on_error="raise",
-        fsync=False,
+        write=WriteOptions(fsync=False),
     )
     state = rank_state(comm.rank, comm.size, per_rank=False, template=True)
     res: dict[str, Any] = {"error": None}

@@ -182,7 +182,7 @@ def run_task(task: dict[str, Any], comm: Any, out: Path) -> dict[str, Any] | Non
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from ckptfmt import CheckpointManager
+    from ckptfmt import CheckpointManager, WriteOptions
 
     rank, size = comm.rank, comm.size
     mode = task["mode"]
@@ -216,7 +216,7 @@ def run_task(task: dict[str, Any], comm: Any, out: Path) -> dict[str, Any] | Non
         flush_every=2,
         keep_local=3,
         keep_shared=3,
-        fsync=False,
+        write=WriteOptions(fsync=False),
         on_error="raise",
     )
     state = {"train": ts}

@@ -19,6 +19,7 @@ from conftest import seal_if_sealed
 from level1_util import NODES4, flip, rank_state, save_level1, tree
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.transport.threads import run_threads
@@ -194,7 +195,7 @@ def test_restore_through_the_manager_repairs_and_loads(
             shared_dir=str(tmp_path / "shared"),
             comm=comm,
             node=NODES2[comm.rank],
-            fsync=False,
+            write=WriteOptions(fsync=False),
             redundancy={"scheme": "xor", "set_size": 2},
         )
         try:

@@ -29,6 +29,7 @@ import ckptfmt_keras as ck  # noqa: E402
 from conftest import REPO  # noqa: E402
 
 import ckptfmt  # noqa: E402
+from ckptfmt import WriteOptions  # noqa: E402
 from ckptfmt.errors import UsageError  # noqa: E402
 from ckptfmt.transport.comm import Comm  # noqa: E402
 from ckptfmt.transport.threads import run_threads  # noqa: E402
@@ -233,7 +234,9 @@ def test_tf_module_and_plain_variables(tmp_path: Path) -> None:
     assert arrays_of(other) == arrays_of(net)
 
     # a custom training loop with the core's manager (what the package docstring shows)
-    with ckptfmt.CheckpointManager(shared_dir=tmp_path / "mgr", fsync=False) as mgr:
+    with ckptfmt.CheckpointManager(
+        shared_dir=tmp_path / "mgr", write=WriteOptions(fsync=False)
+    ) as mgr:
         mgr.save(7, {"module": ck.nest(ck.to_arrays(net)), "step": 7})
     third = Net()
     with ckptfmt.CheckpointManager(shared_dir=tmp_path / "mgr") as mgr:
@@ -263,6 +266,7 @@ def test_opens_without_tensorflow(tmp_path: Path) -> None:
         import hashlib, json, sys
         import numpy as np, zarr
         import ckptfmt
+        from ckptfmt import WriteOptions
         ck = ckptfmt.open({str(tmp_path / "c")!r})
         group = zarr.open_group({str(tmp_path / "c")!r}, mode="r")
         out = {{}}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ckptfmt
-from ckptfmt import CheckpointManager, CheckpointWarning
+from ckptfmt import CheckpointManager, CheckpointWarning, ExitPolicy, WriteOptions
 from ckptfmt.parallel.protocol import SaveFailedError
 from ckptfmt.storage.steps import step_dir_name
 
@@ -22,7 +22,11 @@ def state(seed: int) -> dict:
 
 
 def manager(tmp_path: Path, **kw: object) -> CheckpointManager:
-    opts: dict = {"node": "n0", "handle_sigterm": False, "fsync": False, "exit_flush": False}
+    opts: dict = {
+        "node": "n0",
+        "write": WriteOptions(fsync=False),
+        "at_exit": ExitPolicy(flush=False, sigterm=False),
+    }
     opts.update(kw)
     return CheckpointManager(tmp_path / "l1" / "{node}", tmp_path / "l3", **opts)
 
@@ -100,7 +104,7 @@ def test_a_copy_under_the_wrong_step_name_is_refused(tmp_path: Path) -> None:
 
 
 def test_close_flushes_the_newest_checkpoint(tmp_path: Path) -> None:
-    mgr = manager(tmp_path, flush_every=100, exit_flush=True)
+    mgr = manager(tmp_path, flush_every=100, at_exit=ExitPolicy(sigterm=False))
     mgr.save(5, state(5))
     mgr.close()
     assert ckptfmt.load(tmp_path / "l3" / step_dir_name(5))["step"] == 5
@@ -112,6 +116,7 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
     """4 ranks save to level 1 only; 2 ranks restore it and close with a flush: level 3 must not
     get a copy holding only the files of the ranks that happen to be here (it would not
     verify); the flush is not attempted and, called directly, refused."""
+    from ckptfmt import ExitPolicy, WriteOptions
     from ckptfmt.container.reader import read_manifest
     from ckptfmt.parallel.levels import flush_collective
     from ckptfmt.parallel.manager import CheckpointManager as Manager
@@ -127,9 +132,8 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
             node=f"n{comm.rank % 2}",
             flush_every=100,
             async_save=False,
-            fsync=False,
-            exit_flush=False,
-            handle_sigterm=False,
+            write=WriteOptions(fsync=False),
+            at_exit=ExitPolicy(flush=False, sigterm=False),
         )
         m.save(7, {"w": np.arange(4000, dtype=np.float32), "d": np.full(7000, 3, np.float32)})
         m.close(flush=False)
@@ -141,8 +145,8 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
             comm=comm,
             node=f"n{comm.rank}",
             async_save=False,
-            fsync=False,
-            handle_sigterm=False,
+            write=WriteOptions(fsync=False),
+            at_exit=ExitPolicy(sigterm=False),
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

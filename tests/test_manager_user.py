@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ckptfmt
-from ckptfmt import CheckpointManager
+from ckptfmt import CheckpointManager, ExitPolicy, WriteOptions
 from ckptfmt.errors import (
     ImplicitSingleProcessError,
     SaveFailedError,
@@ -36,7 +36,11 @@ def _state(step: int) -> dict:
 
 
 def _mgr(tmp_path: Path, **kw: object) -> CheckpointManager:
-    opts: dict = {"local_dir": tmp_path / "l1", "shared_dir": tmp_path / "l3", "fsync": False}
+    opts: dict = {
+        "local_dir": tmp_path / "l1",
+        "shared_dir": tmp_path / "l3",
+        "write": WriteOptions(fsync=False),
+    }
     opts.update(kw)
     return CheckpointManager(**opts)
 
@@ -95,7 +99,9 @@ def test_flush_cadence_follows_the_jobs_save_number_across_restarts(tmp_path: Pa
     level 3, although no single process makes 3 saves (a per-process count never flushed)."""
     step = 0
     for _run in range(4):
-        mgr = _mgr(tmp_path, flush_every=3, keep_local=10, keep_shared=10, exit_flush=False)
+        mgr = _mgr(
+            tmp_path, flush_every=3, keep_local=10, keep_shared=10, at_exit=ExitPolicy(flush=False)
+        )
         start = mgr.restore(_state(0), strict=False)
         step = start or 0
         for _ in range(2):
@@ -104,6 +110,50 @@ def test_flush_cadence_follows_the_jobs_save_number_across_restarts(tmp_path: Pa
         mgr.close(flush=False)
     assert [s for s, _ in list_step_dirs(tmp_path / "l3")] == [3, 6]
     assert [s for s, _ in list_step_dirs(tmp_path / "l1")] == list(range(1, 9))
+
+
+def test_the_options_objects_reach_the_files(tmp_path: Path) -> None:
+    """``write=WriteOptions(...)`` sets the grid of the saved files (what the manifest and the
+    files say), ``at_exit=ExitPolicy(flush=False)`` leaves level 3 without the step at close."""
+    write = WriteOptions(chunk_bytes=1 << 10, shard_bytes=4 << 10, fsync=False, threads=1)
+    mgr = CheckpointManager(
+        local_dir=tmp_path / "l1",
+        shared_dir=tmp_path / "l3",
+        flush_every=100,
+        write=write,
+        at_exit=ExitPolicy(flush=False, sigterm=False),
+    )
+    mgr.save(1, _state(1))
+    mgr.close()
+    assert list_step_dirs(tmp_path / "l3") == []
+    step = tmp_path / "l1" / "step-0000000001"
+    files = [p for p in step.rglob("*") if p.is_file() and p.parent.name == "c"]
+    assert files and all(p.stat().st_size <= 4 << 10 for p in files)
+    doc = ckptfmt.open(step)
+    assert doc.step == 1 and np.array_equal(doc["model/w"][...], _state(1)["model"]["w"])
+    with pytest.raises(UsageError, match="budget_s"):
+        ExitPolicy(budget_s=-1)
+    with pytest.raises(UsageError, match="on_error is 'warn' or 'raise'"):
+        CheckpointManager(local_dir=tmp_path / "x", on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="WriteOptions"):
+        CheckpointManager(local_dir=tmp_path / "x", write={"fsync": False})  # type: ignore[arg-type]
+
+
+def test_the_former_keywords_still_work_and_say_what_replaces_them(tmp_path: Path) -> None:
+    with (
+        pytest.warns(DeprecationWarning, match=r"write=WriteOptions\(fsync=False, shard_bytes="),
+        pytest.warns(DeprecationWarning, match=r"at_exit=ExitPolicy\(flush=False\)"),
+    ):
+        mgr = CheckpointManager(
+            local_dir=tmp_path / "l1", fsync=False, shard_bytes=8 << 10, exit_flush=False
+        )
+    assert mgr.write.fsync is False and mgr.write.shard_bytes == 8 << 10
+    assert mgr.at_exit.flush is False and mgr.at_exit.sigterm is True
+    mgr.save(2, _state(2))
+    mgr.close()
+    assert ckptfmt.latest(tmp_path / "l1") is not None
+    with pytest.raises(TypeError, match="fsnyc"):
+        CheckpointManager(local_dir=tmp_path / "l1", fsnyc=False)
 
 
 def test_a_multi_rank_launch_without_a_comm_is_refused(
@@ -255,8 +305,8 @@ def test_a_save_that_waited_and_its_parity_are_reported(tmp_path: Path) -> None:
             comm=comm,
             node=f"n{comm.rank}",
             redundancy="partner",
-            fsync=False,
-            handle_sigterm=False,
+            write=WriteOptions(fsync=False),
+            at_exit=ExitPolicy(sigterm=False),
         ) as m:
             m.save(3, _state(3))
             m.wait()
@@ -352,7 +402,9 @@ def test_latest_and_list_take_the_step_names_the_readme_uses(tmp_path: Path) -> 
 
 
 def test_a_restore_that_falls_back_to_an_older_step_says_so(tmp_path: Path) -> None:
-    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False, keep_local=5)
+    mgr = CheckpointManager(
+        local_dir=tmp_path / "l1", write=WriteOptions(fsync=False), keep_local=5
+    )
     mgr.save(4, _state(4))
     mgr.save(5, _state(5))
     mgr.close()
@@ -360,7 +412,7 @@ def test_a_restore_that_falls_back_to_an_older_step_says_so(tmp_path: Path) -> N
     victim = next(p for p in newest.rglob("*") if p.is_file() and p.parent.name == "c")
     victim.unlink()  # a data file of step 5: no redundancy to rebuild it from
     state = _state(0)
-    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False)
+    mgr = CheckpointManager(local_dir=tmp_path / "l1", write=WriteOptions(fsync=False))
     with pytest.warns(UserWarning, match="fell back to step 4: refused step 5"):
         assert mgr.restore(state) == 4
     assert np.array_equal(state["model"]["w"], _state(4)["model"]["w"])
@@ -373,14 +425,16 @@ def test_log_lines_carry_the_logger_name_once(
     """The manager logs through the ``ckptfmt`` logger; its messages do not repeat the name
     (``INFO:ckptfmt:ckptfmt: ...`` was printed)."""
     caplog.set_level(logging.INFO, logger="ckptfmt")
-    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False, keep_local=5)
+    mgr = CheckpointManager(
+        local_dir=tmp_path / "l1", write=WriteOptions(fsync=False), keep_local=5
+    )
     mgr.save(4, _state(4))
     mgr.save(5, _state(5))
     mgr.close()
     newest = tmp_path / "l1" / "step-0000000005"
     victim = next(p for p in newest.rglob("*") if p.is_file() and p.parent.name == "c")
     victim.unlink()
-    mgr = CheckpointManager(local_dir=tmp_path / "l1", fsync=False)
+    mgr = CheckpointManager(local_dir=tmp_path / "l1", write=WriteOptions(fsync=False))
     with pytest.warns(UserWarning):
         assert mgr.restore(_state(0)) == 4
     mgr.close(flush=False)
@@ -399,8 +453,13 @@ def test_a_full_level_1_is_named_with_its_level_and_the_bytes_needed(tmp_path: P
     code = """
 import json, os, warnings
 import numpy as np
-from ckptfmt import CheckpointManager
-mgr = CheckpointManager(local_dir=MNT, fsync=False, on_error="warn", handle_sigterm=False)
+from ckptfmt import CheckpointManager, ExitPolicy, WriteOptions
+mgr = CheckpointManager(
+    local_dir=MNT,
+    write=WriteOptions(fsync=False),
+    on_error="warn",
+    at_exit=ExitPolicy(sigterm=False),
+)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     mgr.save(1, {"w": np.ones((1024, 1024), np.float32)})

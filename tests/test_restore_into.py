@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ckptfmt import CheckpointManager, Shard
+from ckptfmt import CheckpointManager, Shard, WriteOptions
 from ckptfmt.errors import DtypeMismatchError
 from ckptfmt.transport import ThreadComm, run_threads
 
@@ -41,7 +41,7 @@ def _blank() -> dict[str, Any]:
 
 
 def _mgr(tmp_path: Path, **kw: Any) -> CheckpointManager:
-    return CheckpointManager(local_dir=tmp_path / "l1", fsync=False, **kw)
+    return CheckpointManager(local_dir=tmp_path / "l1", write=WriteOptions(fsync=False), **kw)
 
 
 def _bits(a: np.ndarray) -> bytes:
@@ -106,7 +106,11 @@ def test_shard_boxes_of_another_job_size_are_read_into_place(tmp_path: Path) -> 
         mine = np.zeros((32, 32), np.float32)
         state = {"model": {"w": Shard(mine, (32 * comm.rank, 0), full.shape)}}
         with CheckpointManager(
-            local_dir=tmp_path / "l1", fsync=False, comm=comm, node="n0", async_save=False
+            local_dir=tmp_path / "l1",
+            write=WriteOptions(fsync=False),
+            comm=comm,
+            node="n0",
+            async_save=False,
         ) as mgr:
             assert mgr.restore(state, into=True, strict=False) == 7
             same = mgr.restored_state["model"]["w"] is mine

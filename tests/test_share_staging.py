@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from level1_util import tree
 
-from ckptfmt import CheckpointManager, PerRank, Shard
+from ckptfmt import CheckpointManager, ExitPolicy, PerRank, Shard
 from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import UsageError
 from ckptfmt.format.options import WriteOptions
@@ -29,6 +29,7 @@ from ckptfmt.transport.threads import run_threads
 
 WORLD = 4
 GRID = {"chunk_bytes": 4 << 10, "shard_bytes": 16 << 10}
+WRITE = WriteOptions(fsync=False, **GRID)
 
 
 def replicas(step: int) -> dict[str, np.ndarray]:
@@ -56,10 +57,8 @@ def manager(comm: Any, root: Path, **kw: Any) -> CheckpointManager:
         comm=comm,
         node=f"n{comm.rank // 2}",
         redundancy="xor",
-        fsync=False,
-        exit_flush=False,
-        handle_sigterm=False,
-        **GRID,
+        write=WRITE,
+        at_exit=ExitPolicy(flush=False, sigterm=False),
         **kw,
     )
 
@@ -198,9 +197,8 @@ def test_a_policy_follows_the_jobs_save_number_across_restarts(tmp_path: Path) -
                 redundancy=policy,
                 keep_local=10,
                 keep_shared=10,
-                fsync=False,
-                exit_flush=False,
-                handle_sigterm=False,
+                write=WriteOptions(fsync=False),
+                at_exit=ExitPolicy(flush=False, sigterm=False),
             )
             state = {"w": np.zeros(64, np.float32), "step": 0}
             start = mgr.restore(state) or 0

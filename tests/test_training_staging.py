@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ckptfmt
-from ckptfmt import CheckpointManager, CheckpointWarning
+from ckptfmt import CheckpointManager, CheckpointWarning, ExitPolicy, WriteOptions
 from ckptfmt.errors import SaveFailedError, UsageError
 from ckptfmt.parallel.staging import BufferPool, SaveHandle, default_pool
 from ckptfmt.storage.steps import step_dir_name
@@ -30,9 +30,8 @@ def state(seed: int, n: int = 4, size: int = 4096) -> dict[str, Any]:
 def manager(tmp_path: Path, **kw: Any) -> CheckpointManager:
     opts: dict[str, Any] = {
         "node": "n0",
-        "handle_sigterm": False,
-        "fsync": False,
-        "exit_flush": False,
+        "write": WriteOptions(fsync=False),
+        "at_exit": ExitPolicy(flush=False, sigterm=False),
     }
     opts.update(kw)
     return CheckpointManager(tmp_path / "l1" / "{node}", None, **opts)

@@ -22,6 +22,7 @@ from click.testing import CliRunner, Result
 from level1_util import NODES8, flip, save_level1
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.errors import CkptError, DestinationUnwritableError, UsageError
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.redundancy.record import member_files
@@ -234,7 +235,9 @@ def test_urls_are_refused_by_every_command(tmp_path: Path) -> None:
 
 
 def test_list_without_level1_has_no_level1_column(tmp_path: Path) -> None:
-    with ckptfmt.CheckpointManager(shared_dir=tmp_path / "shared", fsync=False) as mgr:
+    with ckptfmt.CheckpointManager(
+        shared_dir=tmp_path / "shared", write=WriteOptions(fsync=False)
+    ) as mgr:
         mgr.save(1, {"a": np.ones(3)})
     result = run("list", tmp_path / "shared")
     assert result.exit_code == ExitStatus.OK
@@ -246,7 +249,10 @@ def test_list_without_level1_has_no_level1_column(tmp_path: Path) -> None:
 
 def test_list_with_level1_keeps_its_columns(tmp_path: Path) -> None:
     with ckptfmt.CheckpointManager(
-        local_dir=tmp_path / "l1", shared_dir=tmp_path / "shared", node="n0", fsync=False
+        local_dir=tmp_path / "l1",
+        shared_dir=tmp_path / "shared",
+        node="n0",
+        write=WriteOptions(fsync=False),
     ) as mgr:
         mgr.save(1, {"a": np.ones(3)})
     result = run("list", tmp_path / "shared")

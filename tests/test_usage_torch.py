@@ -20,6 +20,7 @@ import ckptfmt_torch  # noqa: E402
 from ckptfmt_torch import TrainingState  # noqa: E402
 
 import ckptfmt  # noqa: E402
+from ckptfmt import WriteOptions  # noqa: E402
 from ckptfmt.errors import (  # noqa: E402
     DtypeMismatchError,
     UnsupportedValueError,
@@ -213,7 +214,9 @@ def test_torch_objects_given_to_the_manager_are_raised_at_the_call(tmp_path: Pat
     warn, and training went on with no checkpoint), nothing staged; the next save works."""
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1", fsync=False, on_error="warn")
+    mgr = ckptfmt.CheckpointManager(
+        local_dir=tmp_path / "l1", write=WriteOptions(fsync=False), on_error="warn"
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no warning instead of the error

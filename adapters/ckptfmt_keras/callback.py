@@ -57,7 +57,8 @@ import keras
 import numpy as np
 
 from ckptfmt.errors import UsageError
-from ckptfmt.parallel import CheckpointManager, RestoreReport
+from ckptfmt.format import WriteOptions
+from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
 from ckptfmt.plan import PerRankMode, RankMap
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
@@ -98,7 +99,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         include_metrics: bool = True,
         async_save: bool = True,
         fsync: bool = True,
-        on_error: str = "warn",
+        on_error: OnError = "warn",
         rank_map: RankMap = None,
         per_rank: PerRankMode = "error",
     ) -> None:
@@ -135,7 +136,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             "keep_shared": keep if keep_shared is None else keep_shared,
             "async_save": async_save,
             "on_error": on_error,
-            "fsync": fsync,
+            "write": WriteOptions(fsync=fsync),
             "redundancy": redundancy,
         }
         self.manager: CheckpointManager | None = None

@@ -7,12 +7,15 @@ from __future__ import annotations
 from ckptfmt.parallel.levels import list_levels, resolve_node
 from ckptfmt.parallel.load import load_collective
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning, RestoreReport
+from ckptfmt.parallel.options import ExitPolicy, OnError
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.parallel.staging import SaveHandle
 
 __all__ = [
     "CheckpointManager",
     "CheckpointWarning",
+    "ExitPolicy",
+    "OnError",
     "list_levels",
     "load_collective",
     "resolve_node",

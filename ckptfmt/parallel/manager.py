@@ -18,6 +18,7 @@ Anything else escaping the background thread aborts the whole job (``comm.start_
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import queue
 import threading
@@ -46,7 +47,6 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel import share
@@ -59,6 +59,7 @@ from ckptfmt.parallel.levels import (
     retain_steps,
 )
 from ckptfmt.parallel.load import LoadFailedError, load_collective
+from ckptfmt.parallel.options import ExitPolicy, OnError, check_on_error, legacy_options
 from ckptfmt.parallel.protocol import FaultHook, SaveFailedError, check_leaf, save_collective
 from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.parallel.sigterm import SigtermWatch
@@ -201,11 +202,22 @@ class CheckpointManager:
     :class:`SaveReport` (blocked and background time, bytes per level, parity, level reached),
     from the saver thread.
 
-    ``deadline_s``: how long a collective call (save, restore, the exit flush) waits for every
-    rank to arrive (``MpiComm``; other transports use their own timeout). A rank left alone in
-    a call the others never make (``save`` called on one rank only) is told, naming the ranks
-    that did not arrive and the step, instead of waiting forever; the manager then refuses
-    further collective calls (:class:`ManagerBrokenError`), since its ranks are out of step.
+    ``deadline_s``: how long a collective call (save, restore, delete, prune, the exit flush)
+    waits for every rank to arrive (``MpiComm`` and ``TorchComm``; a transport without
+    deadlines uses its own timeout). A rank left alone in a call the others never make
+    (``save`` called on one rank only) is told, naming the ranks that did not arrive and the
+    step, instead of waiting forever; ranks that meet from different calls (one saves step 6,
+    the others step 5) are all told (:class:`~ckptfmt.errors.OutOfStepError`). The manager then
+    refuses further collective calls (:class:`ManagerBrokenError`): its ranks are out of step.
+
+    ``write`` (:class:`~ckptfmt.WriteOptions`: chunk and shard sizes, writer threads, fsync; the
+    same object ``ckptfmt.save`` and ``ckptfmt reshard`` take) says how the files are written;
+    its ``overwrite`` is the manager's own (a step saved again after a restart replaces the
+    old one). ``at_exit`` (:class:`~ckptfmt.ExitPolicy`): the flush at ``close`` / interpreter
+    exit and on SIGTERM. ``on_error``: ``"warn"`` (a failed background save is a
+    :class:`CheckpointWarning` at the next call; training goes on) or ``"raise"``. The former
+    keywords ``fsync``, ``chunk_bytes``, ``shard_bytes``, ``threads``, ``exit_flush``,
+    ``exit_flush_budget_s`` and ``handle_sigterm`` still work, with a ``DeprecationWarning``.
 
     ``progress``: called with :class:`~ckptfmt.Progress` events of each save (``op="save"``,
     from the saver thread: this rank's data and parity files; the last once it is committed)
@@ -225,25 +237,23 @@ class CheckpointManager:
         keep_local: int = 2,
         keep_shared: int = 3,
         async_save: bool = True,
-        on_error: str = "warn",
-        exit_flush: bool = True,
-        exit_flush_budget_s: float = 120.0,
-        handle_sigterm: bool = True,
-        fsync: bool = True,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        shard_bytes: int = DEFAULT_SHARD_BYTES,
-        threads: int = 2,
-        fault: FaultHook | None = None,
-        deadline_s: float = 300.0,
-        on_save: Callable[[SaveReport], None] | None = None,
+        on_error: OnError = "warn",
         fallback_to_shared: bool = True,
-        pool: BufferPool | None = None,
+        deadline_s: float = 300.0,
+        write: WriteOptions = WriteOptions(),
+        at_exit: ExitPolicy = ExitPolicy(),
+        on_save: Callable[[SaveReport], None] | None = None,
         progress: ProgressCallback | None = None,
+        pool: BufferPool | None = None,
+        fault: FaultHook | None = None,
+        **deprecated: Any,
     ) -> None:
         if local_dir is None and shared_dir is None:
             raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
-        if on_error not in ("warn", "raise"):
-            raise UsageError("on_error is 'warn' or 'raise'")
+        self.on_error = check_on_error(on_error)
+        write, at_exit = legacy_options(deprecated, write, at_exit)
+        if not isinstance(write, WriteOptions) or not isinstance(at_exit, ExitPolicy):
+            raise UsageError("write is a ckptfmt.WriteOptions and at_exit a ckptfmt.ExitPolicy")
         self.policy = Policy.of(redundancy)
         if flush_every is None:  # every save, unless the policy's descriptors say when
             flush_every = 0 if any(d.flush for d in self.policy.descriptors) else 1
@@ -263,9 +273,10 @@ class CheckpointManager:
         self.local_root = self.levels.local_root(self.node)
         self.flush_every = flush_every
         self.keep_local, self.keep_shared = keep_local, keep_shared
-        self.async_save, self.on_error = async_save, on_error
-        self.exit_flush, self.exit_flush_budget_s = exit_flush, exit_flush_budget_s
-        self.write = WriteOptions(chunk_bytes, shard_bytes, threads, fsync, overwrite=True)
+        self.async_save = async_save
+        self.at_exit = at_exit
+        # a step saved again (a job restarted from an older step) replaces the old directory
+        self.write = dataclasses.replace(write, overwrite=True)
         self.fault = fault
         if not deadline_s > 0:
             raise UsageError(f"deadline_s must be > 0, got {deadline_s!r}")
@@ -303,7 +314,7 @@ class CheckpointManager:
         self._idle.set()
         self._worker = start_background(self._bg, self._work, f"ckptfmt-saver-{self.comm.rank}")
         self._sigterm: SigtermWatch | None = None
-        if handle_sigterm and threading.current_thread() is threading.main_thread():
+        if at_exit.sigterm and threading.current_thread() is threading.main_thread():
             self._sigterm = SigtermWatch(self._flush_at_sigterm)
             self._sigterm.install()
         atexit.register(self._at_exit)
@@ -644,8 +655,8 @@ class CheckpointManager:
         self.wait()
         if self._broken is not None:  # no collective is safe any more: nothing to flush with
             flush = False
-        if self.exit_flush if flush is None else flush:
-            self._flush_newest(self.exit_flush_budget_s)
+        if self.at_exit.flush if flush is None else flush:
+            self._flush_newest(self.at_exit.budget_s)
             self._report()
         self._closed = True
         self._jobs.put(None)
@@ -1064,7 +1075,7 @@ class CheckpointManager:
 
         def job() -> None:
             try:
-                self._flush_newest(self.exit_flush_budget_s, self._bg, seq=-1)
+                self._flush_newest(self.at_exit.budget_s, self._bg, seq=-1)
             finally:
                 done.set()
 
