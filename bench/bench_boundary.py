@@ -121,6 +121,17 @@ def save_options() -> dict[str, Any]:
     return {"write": WriteOptions(fsync=False), "meta": ManifestMeta(levels={"1": {}})}
 
 
+def manager_options() -> dict[str, Any]:
+    """No exit flush, no SIGTERM handler, fsync off, as keywords of ``CheckpointManager`` on
+    either side of its options objects (issue 15: ``write=WriteOptions(...)``,
+    ``at_exit=ExitPolicy(...)``; before: ``fsync=``, ``exit_flush=``, ``handle_sigterm=``)."""
+    try:
+        from ckptfmt import ExitPolicy, WriteOptions
+    except ImportError:
+        return {"exit_flush": False, "handle_sigterm": False, "fsync": False}
+    return {"write": WriteOptions(fsync=False), "at_exit": ExitPolicy(flush=False, sigterm=False)}
+
+
 def make_state(mib: int) -> dict[str, Any]:
     """The same arrays on every rank: 8 float32 tensors of ``mib/8`` MiB each."""
     import numpy as np
@@ -146,7 +157,7 @@ def launch(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import ckptfmt
-    from ckptfmt import CheckpointManager, ExitPolicy, WriteOptions
+    from ckptfmt import CheckpointManager
     from ckptfmt.parallel.load import load_collective
     from ckptfmt.parallel.protocol import save_collective
     from ckptfmt.parallel.rebuild import rebuild_collective
@@ -174,8 +185,7 @@ def launch(args: argparse.Namespace) -> None:
         flush_every=10**9,
         async_save=True,
         on_error="raise",
-        write=WriteOptions(fsync=False),
-        at_exit=ExitPolicy(flush=False, sigterm=False),
+        **manager_options(),
     )
     samples: dict[str, list[float]] = {k: [] for k in OPS}
     tally = count_collectives(comm)

@@ -128,6 +128,25 @@ def load_collective(
     """
     root = Path(path).absolute()
     src = Inside(root)
+    manifest, info = _open(comm, root, src, wants, expect_step, node, read, seq)
+    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
+    return _assemble(manifest, loaded, mine, wants), manifest
+
+
+def _open(
+    comm: Comm,
+    root: Path,
+    src: Inside,
+    wants: Mapping[str, Box | None] | None,
+    expect_step: int | None,
+    node: str | None,
+    read: ReadOptions,
+    seq: int | None,
+) -> tuple[Manifest, list[dict[str, Any]]]:
+    """Collective (an allgather, and a broadcast of the manifest when some rank has no copy):
+    each rank opens its copy and says what it wants and sees; any failure, a copy of another
+    save or step, or ranks in another call or with other options fail every rank alike.
+    Returns the manifest and every rank's declaration."""
     error: dict[str, Any] | None = None
     absent: str | None = None  # no checkpoint here at all (a node new to the job, say)
     data = b""
@@ -194,6 +213,22 @@ def load_collective(
     assert manifest is not None
     if any(i["options"] != info[0]["options"] for i in info):
         raise UsageError("every rank must pass the same rank_map, per_rank and replicas options")
+    return manifest, info
+
+
+def _read_everything(
+    comm: Comm,
+    src: Inside,
+    manifest: Manifest,
+    info: list[dict[str, Any]],
+    read: ReadOptions,
+    seq: int | None,
+    into: Mapping[str, np.ndarray] | None,
+) -> tuple[dict[str, np.ndarray], int | None]:
+    """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
+    who reads what, allocate (voted on before any exchange), read this rank's chunks and move
+    the pieces between ranks (voted on). Returns every tensor this rank gets ('/'-joined name
+    -> array) and the saved rank whose per-rank items it takes (None: none)."""
     # a per-rank tensor that every rank names in ``wants`` is loaded as plain boxes
     named = set.intersection(*(set(i["wants"]) for i in info))
     resolution = rules.resolve(
@@ -204,7 +239,7 @@ def load_collective(
         read.per_rank,
     )
     if resolution.warning:
-        warnings.warn(resolution.warning, PerRankWarning, stacklevel=2)
+        warnings.warn(resolution.warning, PerRankWarning, stacklevel=3)
     sees = [
         {w for w, ri in enumerate(manifest.ranks) if ri.node in set(i["visible"])} for i in info
     ]
@@ -222,8 +257,17 @@ def load_collective(
     if errors:
         b.fail(errors[0], "load-read")
     b.vote("load-read")
-    loaded = bufs.outs
-    mine = resolution.sources[comm.rank]
+    return bufs.outs, resolution.sources[comm.rank]
+
+
+def _assemble(
+    manifest: Manifest,
+    loaded: dict[str, np.ndarray],
+    mine: int | None,
+    wants: Mapping[str, Box | None] | None,
+) -> dict[str, Any]:
+    """The nested state of this rank, in the manifest's order: boxes and whole tensors,
+    values, groups, and its own per-rank items (from saved rank ``mine``)."""
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
@@ -237,7 +281,7 @@ def load_collective(
             leaves.append((e.name, {}))
         elif mine is not None:
             leaves.append((e.name, e.values[mine]))
-    return unflatten(leaves), manifest
+    return unflatten(leaves)
 
 
 def _is_per_rank(e: object, named: set[str]) -> bool:

@@ -223,137 +223,206 @@ def save_collective(
     state); it takes part in the first vote only, which fails the save everywhere. ``seq``: the
     caller's call number, checked by every vote like the step.
     """
-    hook = fault or (lambda _point: None)
-    fsync, threads, overwrite = write.fsync, write.threads, write.overwrite
-    writer, levels = meta.writer, meta.levels
-    b = Boundary(comm, "save", step, seq=seq, failure=failure)
-    final = Path(path).absolute()
-    local = LocalState([], {}, {})
-    decl: list[Any] = []
-    per_rank: list[Any] = []
-    with b.guard("declare"):
-        if not b.failed:
-            local = check_state(state, comm.rank, comm.size)
-            decl = [h.to_json() for h in local.holdings()]
-            per_rank = [
-                [list(n), *encode_value(v, display(n))] for n, v in local.per_rank_values.items()
-            ]
-        hook("declared")
-    info = b.vote(
-        "declare",
-        {
-            "decl": decl,
-            "per_rank": per_rank,
-            "path": str(final),
-            "group": group if group is not None else str(final),
-            "node": node,
-            "save_id": meta.save_id or os.urandom(16).hex(),
-            "created": meta.created or utc_now(),
-        },
-    )
-    leaders = groups_of([i["group"] for i in info])
-    is_leader = leaders[comm.rank] == comm.rank
-    save_id = info[0]["save_id"]  # rank 0's proposal, the same everywhere
-    created = info[0]["created"]
-    staging = commit.staging_dir(final, save_id)
-    mine_staging = staging if is_leader else None
-    nodes = [i["node"] for i in info]
-    layout: SetLayout | None = None
-    member: np.ndarray | None = None
-    with b.guard("plan"):  # the same on every rank: a usage error here fails every rank alike
-        per_rank_values = _gathered_per_rank(info)
-        plan = make_plan(
-            [[Holding.from_json(d) for d in i["decl"]] for i in info],
-            write.chunk_bytes,
-            write.shard_bytes,
+    run = _Save(comm, state, Path(path).absolute(), step, node, write, meta, fault, seq, failure)
+    run.declare(group)
+    run.plan(redundancy)
+    run.stage()
+    refs, parity = run.write()
+    manifest = run.manifest(refs, parity)
+    publish_commit(run.b, run.is_leader, run.staging, run.final, run.save_id, write.fsync, run.hook)
+    return manifest, run.plan_
+
+
+@dataclass
+class _Declared:
+    """What every rank knows once the declarations are gathered and the plan is made, the same
+    on every rank: what the manifest is built from."""
+
+    info: list[dict[str, Any]]
+    plan: SavePlan
+    order_values: dict[str, Any]
+    per_rank_values: dict[Name, list[Any]]
+    save_id: str
+    created: str
+    step: int | None
+
+
+class _Save:
+    """One rank's side of one :func:`save_collective`, phase by phase. Each phase is local work
+    under the boundary's guard (``parallel/boundary.py``) and a vote; every rank calls the
+    phases in this order: :meth:`declare`, :meth:`plan`, :meth:`stage`, :meth:`write` (with
+    the encode when there is redundancy), :meth:`manifest`, then ``publish_commit``."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        state: Mapping[str, Any],
+        final: Path,
+        step: int | None,
+        node: str,
+        write: WriteOptions,
+        meta: ManifestMeta,
+        fault: FaultHook | None,
+        seq: int | None,
+        failure: BaseException | None,
+    ) -> None:
+        self.comm, self.state, self.final, self.node = comm, state, final, node
+        self.step, self.write_options, self.meta = step, write, meta
+        self.hook: FaultHook = fault or (lambda _point: None)
+        self.b = Boundary(comm, "save", step, seq=seq, failure=failure)
+        self.local = LocalState([], {}, {})
+        self.layout: SetLayout | None = None
+        self.member: np.ndarray | None = None
+        self.redundancy: Redundancy | None = None
+
+    def declare(self, group: str | None) -> None:
+        """Collective: check this rank's state and gather every rank's declarations (what it
+        holds, its per-rank values, its directory and group, its node); rank 0's save id and
+        time are everyone's. Ranks with the same ``group`` key share a directory and a leader
+        (its lowest rank), which makes the staging directory and commits it."""
+        b, comm = self.b, self.comm
+        decl: list[Any] = []
+        per_rank: list[Any] = []
+        with b.guard("declare"):
+            if not b.failed:
+                self.local = check_state(self.state, comm.rank, comm.size)
+                decl = [h.to_json() for h in self.local.holdings()]
+                per_rank = [
+                    [list(n), *encode_value(v, display(n))]
+                    for n, v in self.local.per_rank_values.items()
+                ]
+            self.hook("declared")
+        self.info = b.vote(
+            "declare",
+            {
+                "decl": decl,
+                "per_rank": per_rank,
+                "path": str(self.final),
+                "group": group if group is not None else str(self.final),
+                "node": self.node,
+                "save_id": self.meta.save_id or os.urandom(16).hex(),
+                "created": self.meta.created or utc_now(),
+            },
         )
-        _check_rank0_declares_all(plan, info)
-    order_values = comm.bcast_json(
-        _order_and_values(local) if comm.rank == 0 and not b.failed else None, root=0
-    )
-    with b.guard("stage"):
+        leaders = groups_of([i["group"] for i in self.info])
+        self.is_leader = leaders[comm.rank] == comm.rank
+        self.save_id: str = self.info[0]["save_id"]  # rank 0's proposal, the same everywhere
+        self.staging = commit.staging_dir(self.final, self.save_id)
+        self.mine_staging = self.staging if self.is_leader else None
+        self.nodes = [i["node"] for i in self.info]
+
+    def plan(self, redundancy: Redundancy | None) -> None:
+        """Collective (a broadcast of rank 0's entry order and values): every rank makes the
+        same plan from the declarations, so a usage error found here fails every rank alike
+        (voted on with the staging)."""
+        b, comm, write = self.b, self.comm, self.write_options
+        self.redundancy = redundancy
+        per_rank_values: dict[Name, list[Any]] = {}
+        with b.guard("plan"):
+            per_rank_values = _gathered_per_rank(self.info)
+            self.plan_ = make_plan(
+                [[Holding.from_json(d) for d in i["decl"]] for i in self.info],
+                write.chunk_bytes,
+                write.shard_bytes,
+            )
+            _check_rank0_declares_all(self.plan_, self.info)
+        order_values = comm.bcast_json(
+            _order_and_values(self.local) if comm.rank == 0 and not b.failed else None, root=0
+        )
         if not b.failed:
-            # the zarr documents depend on the plan alone: leaders write them before the data,
-            # so that only the manifest and the rename remain once every rank has written
-            skeleton = _build_manifest(
-                plan,
+            self.declared = _Declared(
+                self.info,
+                self.plan_,
                 order_values,
-                None,
-                info,
-                save_id,
-                comm.size,
-                step,
-                created,
-                {},
-                {},
                 per_rank_values,
+                self.save_id,
+                self.info[0]["created"],
+                self.step,
             )
-            if redundancy is not None:  # the same on every rank
-                sizes = _planned_member_bytes(plan, comm.size)
-                layout = plan_set(redundancy, nodes, sizes, comm.rank)
-                reserve_buffers(layout)
-                member = data_buffer(layout)
-            if is_leader:
-                commit.prepare(final, save_id, overwrite)
-                write_metadata(staging, skeleton, fsync)
-    # every leader has a staging directory, or nobody goes on (and none is left behind)
-    b.vote("stage", cleanup=mine_staging)
-    refs: dict[str, list[list[Any]]] = {}
-    with b.guard("write"), _storage_context(final, levels, plan, comm.rank, comm.size):
-        hook("staged")
-        mine = plan.for_rank(comm.rank)
-        jobs_by_region = []
-        made: set[Path] = set()
-        for t, r in mine:
-            data = _region_data(local, t, r.offset, r.shape)
-            jobs_by_region.append((t, r, plan_region(staging, _geometry(t), data, r.offset, made)))
-        all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
-        into = _member_slices(skeleton, comm.rank, jobs_by_region, member)
-        # the thread budget is per node: ranks sharing a node share its cores
-        on_node = sum(1 for i in info if i["node"] == node)
-        workers = max(1, threads // on_node)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            files = iter(run_jobs(all_jobs, pool if workers > 1 else None, fsync, into))
-        for t, r, jobs in jobs_by_region:
-            refs.setdefault("/".join(t.name), []).append(
-                [list(r.offset), [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)]]
-            )
-        hook("written")
-    parity: dict[str, Any] | None = None
-    if layout is not None and member is not None:  # before the vote: it carries the parity too
-        with b.guard("encode"):
-            parity = encode_collective(comm, layout, member, staging, fsync, failed=b.failed)
-            hook("encoded")
-    gathered = b.vote("write", {"refs": refs, "parity": parity}, cleanup=mine_staging)
-    manifest_bytes = b""
-    with b.guard("manifest"):
-        manifest = _build_manifest(
-            plan,
-            order_values,
-            [g["refs"] for g in gathered],
-            info,
-            save_id,
-            comm.size,
-            step,
-            created,
-            writer or writer_info(),
-            levels or {},
-            per_rank_values,
-        )
-        if redundancy is not None:
-            sets = member_sets(redundancy, nodes)
-            record = make_record(redundancy, manifest, sets, [g["parity"] for g in gathered])
-            new_levels = dict(manifest.levels)
-            new_levels["1"] = {**dict(new_levels.get("1", {})), "redundancy": record.to_json()}
-            manifest = dataclasses.replace(manifest, levels=new_levels)
-        hook("manifest")
-        manifest_bytes = dump_manifest(manifest)
-        if is_leader:
-            commit.stage_manifest(staging, manifest_bytes, fsync)
-    # every node's manifest is staged before any node's step becomes visible
-    b.vote("manifest", cleanup=mine_staging)
-    publish_commit(b, is_leader, staging, final, save_id, fsync, hook)
-    return manifest, plan
+
+    def stage(self) -> None:
+        """Collective (a vote): the leaders make their staging directories and write the zarr
+        documents into them (they depend on the plan alone, so that only the manifest and the
+        rename remain once every rank has written); with redundancy, every rank reserves its
+        buffers. Every leader has a staging directory, or nobody goes on (none is left)."""
+        b = self.b
+        with b.guard("stage"):
+            if not b.failed:
+                self.skeleton = _build_manifest(self.declared, None, {}, {})
+                if self.redundancy is not None:  # the same on every rank
+                    sizes = _planned_member_bytes(self.plan_, self.comm.size)
+                    self.layout = plan_set(self.redundancy, self.nodes, sizes, self.comm.rank)
+                    reserve_buffers(self.layout)
+                    self.member = data_buffer(self.layout)
+                if self.is_leader:
+                    commit.prepare(self.final, self.save_id, self.write_options.overwrite)
+                    write_metadata(self.staging, self.skeleton, self.write_options.fsync)
+        b.vote("stage", cleanup=self.mine_staging)
+
+    def write(self) -> tuple[list[Any], list[Any]]:
+        """Collective (the encode's exchanges, then a vote that gathers every rank's file list
+        and parity record): this rank writes its regions' shard files into its group's staging
+        directory, with a node's thread budget shared by the ranks on it; with redundancy the
+        ranks encode across the nodes, each writing its parity file."""
+        b, comm, write = self.b, self.comm, self.write_options
+        refs: dict[str, list[list[Any]]] = {}
+        levels = self.meta.levels
+        with (
+            b.guard("write"),
+            _storage_context(self.final, levels, self.plan_, comm.rank, comm.size),
+        ):
+            self.hook("staged")
+            jobs_by_region = []
+            made: set[Path] = set()
+            for t, r in self.plan_.for_rank(comm.rank):
+                data = _region_data(self.local, t, r.offset, r.shape)
+                jobs = plan_region(self.staging, _geometry(t), data, r.offset, made)
+                jobs_by_region.append((t, r, jobs))
+            all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+            into = _member_slices(self.skeleton, comm.rank, jobs_by_region, self.member)
+            on_node = sum(1 for i in self.info if i["node"] == self.node)
+            workers = max(1, write.threads // on_node)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                files = iter(run_jobs(all_jobs, pool if workers > 1 else None, write.fsync, into))
+            for t, r, jobs in jobs_by_region:
+                refs.setdefault("/".join(t.name), []).append(
+                    [
+                        list(r.offset),
+                        [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)],
+                    ]
+                )
+            self.hook("written")
+        parity: dict[str, Any] | None = None
+        if self.layout is not None and self.member is not None:  # the vote carries the parity
+            with b.guard("encode"):
+                parity = encode_collective(
+                    comm, self.layout, self.member, self.staging, write.fsync, failed=b.failed
+                )
+                self.hook("encoded")
+        gathered = b.vote("write", {"refs": refs, "parity": parity}, cleanup=self.mine_staging)
+        return [g["refs"] for g in gathered], [g["parity"] for g in gathered]
+
+    def manifest(self, refs: list[Any], parity: list[Any]) -> Manifest:
+        """Collective (a vote): every rank builds the same manifest from the gathered file
+        lists (and the redundancy record from the parity records); the leaders stage it. Every
+        node's manifest is staged before any node's step becomes visible."""
+        b = self.b
+        manifest = self.skeleton
+        with b.guard("manifest"):
+            writer = self.meta.writer or writer_info()
+            manifest = _build_manifest(self.declared, refs, writer, self.meta.levels or {})
+            if self.redundancy is not None:
+                sets = member_sets(self.redundancy, self.nodes)
+                record = make_record(self.redundancy, manifest, sets, parity)
+                new_levels = dict(manifest.levels)
+                new_levels["1"] = {**dict(new_levels.get("1", {})), "redundancy": record.to_json()}
+                manifest = dataclasses.replace(manifest, levels=new_levels)
+            self.hook("manifest")
+            data = dump_manifest(manifest)  # on every rank: a manifest too big fails them all
+            if self.is_leader:
+                commit.stage_manifest(self.staging, data, self.write_options.fsync)
+        b.vote("manifest", cleanup=self.mine_staging)
+        return manifest
 
 
 @contextmanager
@@ -473,21 +542,12 @@ def _order_and_values(local: LocalState) -> dict[str, Any]:
 
 
 def _build_manifest(
-    plan: SavePlan,
-    order_values: dict[str, Any],
-    all_refs: list[Any] | None,
-    info: list[dict[str, Any]],
-    save_id: str,
-    world_size: int,
-    step: int | None,
-    created: str,
-    writer: dict[str, Any],
-    levels: dict[str, Any],
-    per_rank_values: dict[Name, list[Any]],
+    d: _Declared, all_refs: list[Any] | None, writer: dict[str, Any], levels: dict[str, Any]
 ) -> Manifest:
     """The same manifest on every rank: tensors from the plan and the gathered file lists
     (``None``: a skeleton without files, enough for the zarr documents), values and order from
     rank 0."""
+    plan, order_values, per_rank_values = d.plan, d.order_values, d.per_rank_values
     values = {
         tuple(n): decode_value(copy.deepcopy(v), nf, display(n))  # decode_value fills in place
         for n, (v, nf) in order_values["values"]
@@ -538,11 +598,11 @@ def _build_manifest(
     if missing:
         raise UsageError(f"tensors held by other ranks but not by rank 0: {sorted(missing)}")
     return Manifest(
-        save_id=save_id,
-        step=step,
-        created=created,
-        world_size=world_size,
-        ranks=tuple(RankInfo(r, i["node"]) for r, i in enumerate(info)),
+        save_id=d.save_id,
+        step=d.step,
+        created=d.created,
+        world_size=len(d.info),
+        ranks=tuple(RankInfo(r, i["node"]) for r, i in enumerate(d.info)),
         entries=tuple(entries),
         levels=levels,
         writer=writer,
