@@ -43,7 +43,8 @@ import ckptfmt
 WORKER = REPO / "tests" / "_hosts_worker.py"
 HOSTS = ["h0", "h1", "h2", "h3"]
 VICTIM = "h2"
-SCHEMES: dict[str, Any] = {"xor": "xor", "rs": {"scheme": "rs", "m": 2}}
+SCHEMES: dict[str, Any] = {"xor": "xor", "rs": {"scheme": "rs", "m": 2}, "partner": "partner"}
+SECOND_VICTIM, SECOND_SPARE = "h0", "spare8"  # the host lost before a second restart
 STARTUP_S = 420.0  # launch -> every rank has its communicator (interpreters, imports, rendezvous)
 WORK_S = 120.0  # every rank up -> every rank reported
 JOB_TIMEOUT_S = STARTUP_S + WORK_S + 30  # each process's own `timeout` (a backstop)
@@ -230,7 +231,7 @@ def _start_torch(c: hostsim.Cluster, names: list[str], phase: str, red: Any) -> 
 # --- the scenario ----------------------------------------------------------------------------
 
 
-def _scenario(c: hostsim.Cluster, kind: str, scheme: str, spare: str) -> None:
+def _scenario(c: hostsim.Cluster, kind: str, scheme: str, spare: str, twice: bool = False) -> None:
     red = SCHEMES[scheme]
     start = _start_mpi if kind == "mpi" else _start_torch
     out = c.shared
@@ -265,13 +266,28 @@ def _scenario(c: hostsim.Cluster, kind: str, scheme: str, spare: str) -> None:
     assert not list(out.glob("lingered.*")), "a rank lingered to the end: the kill missed it"
 
     # 2. a spare host takes the dead host's place; restore from level 1 + parity only
-    c.add_host(spare)
     names = [spare if h == VICTIM else h for h in HOSTS]
+    _restore_on(c, kind, red, names, spare, "restore")
+    if twice:  # 3. another host lost, another spare: restore from what the first restore rebuilt
+        c.kill_host(SECOND_VICTIM, wipe=True)
+        names = [SECOND_SPARE if h == SECOND_VICTIM else h for h in names]
+        _restore_on(c, kind, red, names, SECOND_SPARE, "restore2")
+
+
+def _restore_on(
+    c: hostsim.Cluster, kind: str, red: Any, names: list[str], spare: str, phase: str
+) -> None:
+    """Add host ``spare`` and restore on ``names`` (saved node i now on host names[i]): every
+    rank restores step 2 from level 1, rebuilt, bit for bit, and level 1 verifies node by node
+    from outside the hosts."""
+    start = _start_mpi if kind == "mpi" else _start_torch
+    out = c.shared
+    c.add_host(spare)
     assert not any(c.hosts[spare].local.iterdir()), "the spare's node-local folder is not empty"
-    job = start(c, names, "restore", red)
+    job = start(c, names, phase, red)
     job.wait_for_reports(len(names))
     codes = job.finish()
-    got = _reports(out, "restore", len(names))
+    got = _reports(out, phase, len(names))
     for r, name in zip(got, names):
         assert r["host"] == name and r["node"] == name, r
         assert r["step"] == 2, r
@@ -280,7 +296,7 @@ def _scenario(c: hostsim.Cluster, kind: str, scheme: str, spare: str) -> None:
         assert r["unrecoverable"] == [], r
         assert r["rebuilt"], f"nothing was rebuilt: {r}"
         assert r["local"] == ["step-0000000002"] or "step-0000000002" in r["local"], r
-    assert codes == [0] * len(codes), _all_logs(c, "restore")
+    assert codes == [0] * len(codes), _all_logs(c, phase)
     # the rebuilt level 1 verifies, node by node with its parity, from outside the hosts
     # (a spare under a new name holds the files of the node it replaces)
     placed = {
@@ -300,8 +316,9 @@ CASES = [
         marks=TORCH_MARKS if kind == "torch" else [],
     )
     for kind in ("mpi", "torch")
-    for scheme in ("xor", "rs")
+    for scheme in ("xor", "rs", "partner")
     for spare, tag in ((VICTIM, "same-name"), ("spare9", "new-name"))
+    if kind == "mpi" or scheme != "partner"  # partner over gloo adds nothing the others show
 ]
 
 
@@ -313,6 +330,15 @@ def test_lose_a_host_restore_on_a_spare(
     if kind == "torch":
         pytest.importorskip("torch")
     _scenario(hosts, kind, scheme, spare)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scheme", ["xor", "rs", "partner"])
+def test_two_hosts_replaced_over_two_restarts(hosts: hostsim.Cluster, scheme: str) -> None:
+    """Host h2 is lost and replaced by spare9 (a new name), the job restores; then h0 is lost
+    and replaced by spare8, and the job restores again: from the level 1 the first restore
+    rebuilt (on spare9) plus the survivors, bit for bit, without level 3."""
+    _scenario(hosts, "mpi", scheme, "spare9", twice=True)
 
 
 _CONNECT = """
