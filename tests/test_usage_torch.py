@@ -6,6 +6,7 @@ dropped, with fresh RNG streams and a warning naming what was missing."""
 from __future__ import annotations
 
 import os
+import tracemalloc
 import warnings
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,57 @@ def test_torch_objects_given_to_the_manager_are_raised_at_the_call(tmp_path: Pat
         assert mgr.latest() == 2
     finally:
         mgr.close(flush=False)
+
+
+def _peak(fn: Any) -> int:
+    """The most memory numpy/Python allocated while ``fn`` ran (tracemalloc's peak)."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _two_layers(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    model[1].to(torch.bfloat16)
+    return model
+
+
+@pytest.mark.parametrize("api", ["restore", "load"])
+def test_into_reads_straight_into_the_tensors(tmp_path: Path, api: str) -> None:
+    """``into=True``: each CPU tensor is read into once, in its own memory (the same storage,
+    bit-exact, bfloat16 included), with no second copy of the state in memory; the default
+    loads into buffers first (all or nothing) and so allocates the state's size."""
+    model = _two_layers(0)
+    want = {k: raw(v) for k, v in model.state_dict().items()}
+    nbytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    write = WriteOptions(fsync=False)
+    mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1", write=write)
+    mgr.save(3, ckptfmt_torch.to_state({"model": model.state_dict(), "step": 3}))
+    mgr.close()
+    path = tmp_path / "l1" / "step-0000000003"
+    peaks = {}
+    for into in (False, True):
+        fresh = _two_layers(1)  # other weights
+        assert {k: raw(v) for k, v in fresh.state_dict().items()} != want
+        ptrs = {k: v.data_ptr() for k, v in fresh.state_dict().items()}
+        sd = {"model": fresh, "step": 0}
+        if api == "restore":
+            mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1", write=write)
+            try:
+                peaks[into] = _peak(lambda m=mgr, d=sd, i=into: ckptfmt_torch.restore(m, d, into=i))
+            finally:
+                mgr.close(flush=False)
+        else:
+            peaks[into] = _peak(lambda d=sd, i=into: ckptfmt_torch.load(d, path, into=i))
+        assert {k: raw(v) for k, v in fresh.state_dict().items()} == want
+        assert {k: v.data_ptr() for k, v in fresh.state_dict().items()} == ptrs
+        assert sd["step"] == 3
+    assert peaks[False] >= nbytes, peaks  # the buffers the default loads into
+    assert peaks[True] < nbytes / 4, (peaks, nbytes)  # no second copy of the state
 
 
 @pytest.mark.parametrize("url", ["s3://bucket/x", "gs://b/ckpt/step-1", "file:///tmp/x"])

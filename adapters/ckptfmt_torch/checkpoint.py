@@ -37,7 +37,7 @@ from ckptfmt.storage import check_destination, refuse_url
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank, Shard
 from ckptfmt_torch.comm import TorchComm
-from ckptfmt_torch.convert import from_state, to_state, wants_of
+from ckptfmt_torch.convert import arrays_of, from_state, to_state, wants_of
 
 _GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
 
@@ -118,6 +118,7 @@ def load(
     rank_map: RankMap = None,
     per_rank: PerRankMode = "error",
     cast: str | None = None,
+    into: bool = False,
 ) -> int | None:
     """Collective (as ``save``): load the checkpoint at ``path`` into ``state_dict`` in place and
     return its step.
@@ -135,11 +136,21 @@ def load(
     differs from the saved one is refused unless ``cast`` allows it (``"safe"``: no value
     changes, ``"any"``; ``ckptfmt.tree.casting``); every conversion is reported as a
     ``ckptfmt.tree.casting.CastWarning``.
+
+    ``into=True`` reads straight into the CPU tensors that can take their saved tensor as it is
+    (C-contiguous, the saved shape and dtype), so each is written once instead of read into a
+    buffer and copied (no second copy of the state in memory); the price is all or nothing: a
+    load that fails part-way, or then finds a name or shape that does not match, may already
+    have written into some tensors.
     """
     refuse_url(path)
     comm = comm or default_comm()
-    wants = wants_of(to_state(state_dict))
-    loaded, manifest = load_collective(comm, path, wants, read=ReadOptions(rank_map, per_rank))
+    state = to_state(state_dict)
+    wants = wants_of(state)
+    targets = arrays_of(state) if into else None
+    loaded, manifest = load_collective(
+        comm, path, wants, read=ReadOptions(rank_map, per_rank), into=targets
+    )
     from_state(state_dict, loaded, keep_per_rank=per_rank == "drop", cast=cast)
     return manifest.step
 
@@ -149,6 +160,7 @@ def restore(
     state_dict: MutableMapping[str, Any],
     *,
     cast: str | None = None,
+    into: bool = False,
 ) -> int | None:
     """Collective: ``manager.restore`` for a PyTorch state dict (in place, as ``load``); returns
     the restored step, or None (``state_dict`` untouched) when there is no usable checkpoint.
@@ -158,8 +170,19 @@ def restore(
     ``cast`` is ``load``'s dtype policy. Save with
     ``manager.save(step, ckptfmt_torch.to_state(state_dict))``: ``to_state`` gives views of the
     tensors, which the manager copies into its staging buffers before it returns.
+
+    ``into=True`` reads straight into the CPU tensors whose dtype is the saved one (their
+    memory, through numpy views), so each is written once on the way in instead of being read
+    into a buffer and copied: less memory (no second copy of the state) and less time. The
+    price (``CheckpointManager.restore``'s ``into``): the checks run after the read, so a
+    restore that fails part-way or finds a name or shape that does not match may already have
+    written into some tensors (a restore that falls back to an older step writes all of them
+    again). Tensors on a device are loaded into host buffers and copied, as without it.
     """
-    step = manager.restore(_detached(to_state(state_dict)), apply=False)
+    if into:
+        step = manager.restore(to_state(state_dict), strict=False, cast=cast, into=True)
+    else:
+        step = manager.restore(_detached(to_state(state_dict)), apply=False)
     if step is not None:
         if manager.restored_state is None:  # pragma: no cover - restore sets it with a step
             raise UsageError("the manager restored a step but kept no state")

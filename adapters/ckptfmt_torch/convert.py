@@ -130,9 +130,21 @@ def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "", cast: str | No
             _DIRECT.get(dst.dtype) == src.dtype
             or (dst.dtype in _VIA_BITS and _VIA_BITS[dst.dtype][1] == src.dtype)
         ):
-            np.copyto(tensor_to_numpy(dst, name), src, casting="no")
+            view = tensor_to_numpy(dst, name)
+            if not _same_memory(view, src):  # a restore that read straight into the tensor
+                np.copyto(view, src, casting="no")
         else:
             dst.copy_(numpy_to_tensor(np.ascontiguousarray(src)))
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same bytes seen the same way (copying is a no-op)."""
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.strides == b.strides
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+    )
 
 
 def torch_numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -264,6 +276,24 @@ def wants_of(state: Mapping[str, Any]) -> dict[str, Box]:
             name = _join(prefix, k)
             if isinstance(v, Shard):
                 out[name] = (v.offset, tuple(v.data.shape))
+            elif isinstance(v, Mapping):
+                walk(v, name)
+
+    walk(state, "")
+    return out
+
+
+def arrays_of(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """For a load straight into the tensors: the arrays of a ckptfmt state by '/'-joined name
+    (a ``Shard``'s local array under its name); those of CPU tensors are their memory."""
+    out: dict[str, np.ndarray] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            name = _join(prefix, k)
+            data = v.data if isinstance(v, Shard) else v
+            if isinstance(data, np.ndarray):
+                out[name] = data
             elif isinstance(v, Mapping):
                 walk(v, name)
 
