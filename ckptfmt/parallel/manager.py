@@ -284,6 +284,13 @@ class CheckpointManager:
         self.on_save = on_save
         self.progress = progress
         self.fallback_to_shared = fallback_to_shared
+        self._pool = pool if pool is not None else default_pool()  # staging buffers, reused
+        self._init_records()
+        self._start()
+
+    def _init_records(self) -> None:
+        """Local: what the manager reports (saves, restores, failures) and counts (the job's
+        save number, the collective calls), empty at the start."""
         self._notices: list[str] = []  # said at the next call: not failures (a fallback)
         self.last_save: SaveReport | None = None  # the newest save whose outcome is known
         self.save_reports: list[SaveReport] = []  # the newest 100, oldest first
@@ -291,7 +298,6 @@ class CheckpointManager:
         self.last_restore: RestoreReport | None = None
         self.failed_saves: list[tuple[int, CkptError]] = []
         self._pending: list[tuple[int, CkptError]] = []
-        self._pool = pool if pool is not None else default_pool()  # staging buffers, reused
         self._saves = 0  # the job's save number (carried across restarts by the manifests)
         self._calls = 0  # collective calls made (save, restore, close): the votes' sequence
         self._broken: CkptError | None = None  # the communicator failed: no collective is safe
@@ -299,6 +305,11 @@ class CheckpointManager:
         self._flushed: set[str] = set()  # save ids on level 3
         self._flush_rate = 0.0  # bytes/s of the last flush
         self._closed = False
+
+    def _start(self) -> None:
+        """Collective (an allgather of the node names, then ``dup`` of the communicator): every
+        rank learns the nodes (a redundancy the nodes cannot carry raises on every rank), rank
+        0 records them under level 3, and the saver thread and the SIGTERM watch start."""
         nodes = self.comm.allgather_json(self.node)
         self._node_leader = nodes.index(self.node) == self.comm.rank
         if self.local_root is not None:
@@ -314,7 +325,7 @@ class CheckpointManager:
         self._idle.set()
         self._worker = start_background(self._bg, self._work, f"ckptfmt-saver-{self.comm.rank}")
         self._sigterm: SigtermWatch | None = None
-        if at_exit.sigterm and threading.current_thread() is threading.main_thread():
+        if self.at_exit.sigterm and threading.current_thread() is threading.main_thread():
             self._sigterm = SigtermWatch(self._flush_at_sigterm)
             self._sigterm.install()
         atexit.register(self._at_exit)
