@@ -10,8 +10,8 @@ off the host), updates 1 MiB of the state and allreduces a 256 KiB gradient buck
 ``--every``-th step it checkpoints with one method:
 
 - ``none``: no checkpoint (the baseline of the overhead)
-- ``root``: rank 0 writes the whole state with ``np.save`` (+ fsync) to the shared folder while
-  the others wait at a barrier
+- ``root``: rank 0 writes the whole state with ``torch.save`` (+ fsync; ``np.savez`` where
+  torch is not installed) to the shared folder while the others wait at a barrier
 - ``l1``: ``CheckpointManager(local_dir="/local/ckpt")``; ``l1+xor``; ``l1+rs2`` (rs, m=2);
   ``l1+l3/2``: level 1, flushed to the shared folder every 2nd checkpoint
 
@@ -31,6 +31,7 @@ checkpoints in a round). Results: ``bench/results/scale.json`` and ``scale.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -49,6 +50,17 @@ REPO = Path(__file__).resolve().parents[1]
 METHODS = ["none", "root", "l1", "l1+xor", "l1+rs2", "l1+l3/2"]
 RED: dict[str, Any] = {"l1+xor": "xor", "l1+rs2": {"scheme": "rs", "m": 2}}
 LOCAL = "/local/ckpt"
+
+
+def root_save(model: dict[str, np.ndarray], f: Any) -> None:
+    """Root checkpointing's write: ``torch.save`` of the state as tensors (sharing the arrays'
+    memory), as a PyTorch job does it; ``np.savez`` where torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        np.savez(f, **model)
+        return
+    torch.save({k: torch.from_numpy(v) for k, v in model.items()}, f)
 
 
 def applicable(method: str, n: int) -> bool:
@@ -155,6 +167,9 @@ class Job:
         blocked: list[float] = []
         background: list[float] = []
         watchers: list[threading.Thread] = []
+        if method == "root" and self.rank == 0:  # torch imported before the loop, not timed
+            with contextlib.suppress(ImportError):
+                import torch  # noqa: F401
         if method.startswith("l1"):
             from ckptfmt import CheckpointManager, ExitPolicy
             from ckptfmt.transport.mpi import MpiComm
@@ -190,10 +205,10 @@ class Job:
                     watchers.append(th)
             elif method == "root":
                 if self.rank == 0:
-                    p = self.shared / "root" / f"step-{step}.npz"
+                    p = self.shared / "root" / f"step-{step}.pt"
                     p.parent.mkdir(exist_ok=True)
                     with open(p, "wb") as f:
-                        np.savez(f, **self.state["model"])
+                        root_save(self.state["model"], f)
                         f.flush()
                         os.fsync(f.fileno())
                 self.barrier()
