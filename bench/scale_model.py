@@ -17,8 +17,9 @@ Per checkpoint, with ``P = N r`` ranks and ``u`` bytes written per rank:
 
 - ``root``: rank 0 writes the whole state to the shared file system, everyone waits:
   blocked = S / min(client cap, aggregate) + barrier(P); nothing in the background.
-- ``l1``: blocked = staging, r S / copy bandwidth (the manager copies the whole state into host
-  buffers; nothing else blocks); background = r u / local write.
+- ``l1``: blocked = staging, r u / copy bandwidth + the staging call's fixed cost (each rank
+  copies only what it writes: its share u of the replicated tensors, once the ranks have agreed
+  in one small collective that they hold the same ones); background = r u / local write.
 - ``l1+xor``, ``l1+rs``: background adds the encode (r u / encode throughput), the parity
   written locally (r u m / (k - m)) and the bytes sent to the set's peers (r u, the ring's share,
   over the node's network).
@@ -66,6 +67,8 @@ class Inputs:
     shared_bw: float = 150 * GB  # the shared file system's aggregate
     shared_client_bw: float = 2.0 * GB  # what one client (node) can reach on it
     copy_bw: float = 10 * GB  # staging copy per node
+    stage_call_s: float = 0.005  # save()'s fixed cost: the roll call and the share agreement
+    stage_call_per_doubling_s: float = 0.001
     encode_bw: dict[str, float] = field(
         default_factory=lambda: {"l1+xor": 20 * GB, "l1+rs2": 1.0 * GB}
     )
@@ -94,7 +97,8 @@ def checkpoint_cost(x: Inputs, scheme: str, n: int) -> dict[str, float]:
     barrier = x.barrier_s_per_doubling * math.log2(max(p, 1)) if p > 1 else 0.0
     if scheme == "root":
         return {"blocked": s / min(x.shared_client_bw, x.shared_bw) + barrier, "background": 0.0}
-    blocked = r * s / x.copy_bw
+    call = x.stage_call_s + x.stage_call_per_doubling_s * math.log2(max(p, 1))
+    blocked = r * u / x.copy_bw + call + barrier
     bg = x.save_latency_s + x.save_latency_per_doubling_s * math.log2(max(p, 1))
     bg += r * u / x.local_write_bw
     k = min(x.set_size, n)
@@ -204,7 +208,8 @@ def fit(measured: dict[str, Any]) -> tuple[Inputs, dict[str, Any]]:
             if m == "root":
                 root_rows.append((n, fl["shared_write_s"], got["blocked_s"]))
                 continue
-            blocked_rows.append((n, fl["copy_s"], got["blocked_s"]))
+            # the floor copies the whole state on every rank; the manager copies its share
+            blocked_rows.append((n, fl["copy_s"] * u / s, got["blocked_s"]))
             kn = fl["local_write_s"] * got["l1_bytes_per_rank"] / u
             if n > 1 and "ring_s" in fl:
                 kn += fl["ring_s"] * got["sent_bytes_per_rank"] / u
@@ -217,8 +222,12 @@ def fit(measured: dict[str, Any]) -> tuple[Inputs, dict[str, Any]]:
     a_mat, y = np.array(feats), np.array(ys) - np.array(known)
     coef = _nnls(a_mat, y)
     bg_pred = dict(zip(rows_bg, (a_mat @ coef + np.array(known)).tolist()))
-    c0 = statistics.median(b - c for _, c, b in blocked_rows) if blocked_rows else 0.0
-    c0 = max(c0, 0.0)
+    # the staging call's cost beyond the copy: a + b log2 N (the roll call and the agreement)
+    sc = _nnls(
+        np.array([[1.0, math.log2(n)] for n, _, _ in blocked_rows]),
+        np.array([b - c for _, c, b in blocked_rows]),
+    )
+    c0, c1 = float(sc[0]), float(sc[1])
     # root: a multiple of rank 0's raw write (the floor with one rank, the least disturbed),
     # slowed by the waiting ranks, which spin in MPI's barrier: rank 0 keeps cores/N of a core
     # once the N ranks outnumber this machine's cores (on a real node each rank has its own)
@@ -237,7 +246,7 @@ def fit(measured: dict[str, Any]) -> tuple[Inputs, dict[str, Any]]:
             bl = rcoef[0] * root_floor * share(n) + rcoef[1]
             bg = 0.0
         else:
-            bl = c0 + fl["copy_s"]
+            bl = c0 + c1 * math.log2(n) + fl["copy_s"] / n  # its share of the replicas: state/N
             bg = bg_pred[(n, m)]
         lost = bl + max(0.0, bg - interval) + interf * min(bg, interval)
         return {"blocked": bl, "background": bg, "overhead_pct": 100 * n_ck * lost / loop_s}
@@ -278,6 +287,7 @@ def fit(measured: dict[str, Any]) -> tuple[Inputs, dict[str, Any]]:
         "encode_bw_rs2": 1 / coef[3] if coef[3] > 0 else float("inf"),
         "flush_bw": 1 / coef[4] if coef[4] > 0 else float("inf"),
         "stage_call_s": c0,
+        "stage_call_per_doubling_s": c1,
         "root_floor_factor": float(rcoef[0]),
         "root_fixed_s": float(rcoef[1]),
         "interference": interf,
@@ -288,6 +298,8 @@ def fit(measured: dict[str, Any]) -> tuple[Inputs, dict[str, Any]]:
         PROJECTED_JOB,
         save_latency_s=fitted["save_latency_s"],
         save_latency_per_doubling_s=fitted["save_latency_per_doubling_s"],
+        stage_call_s=fitted["stage_call_s"],
+        stage_call_per_doubling_s=fitted["stage_call_per_doubling_s"],
         flush_efficiency=min(1.0, fitted["flush_bw"] / shared_raw),
         interference=interf,
     )
