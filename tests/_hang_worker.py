@@ -7,6 +7,8 @@ Usage: ``_hang_worker.py KIND SCENARIO OUT_DIR ROOT``.
   manager's deadline (3 s), then leaves. Rank 0 must be told within the deadline, naming the
   step and the rank that did not arrive; ``wait()`` must never report success for a save that
   did not happen, and the manager must refuse further collective calls.
+* ``one-rank-bg``: the same with ``background_copy=True``: ``save`` returns at once (the
+  agreement is the saver thread's), and the failure is told by ``wait()`` within the deadline.
 * ``other-step``: rank 0 saves step 5 while rank 1 saves step 6 (the same call number): both
   must be told, naming both calls, with nothing committed, and refuse further calls.
 * ``restore-vs-save``: rank 0 calls ``restore()`` while rank 1 saves step 5: rank 0's restore
@@ -45,7 +47,7 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if scenario == "one-rank" and comm.rank == 1:
+        if scenario.startswith("one-rank") and comm.rank == 1:
             time.sleep(6)
             finish(kind, scenario, comm)
             return 0
@@ -56,7 +58,9 @@ def main(argv: list[str]) -> int:
                 res["raised"] = [type(exc).__name__, str(exc)]
         else:
             step = 6 if scenario == "other-step" and comm.rank == 1 else 5
-            mgr.save(step, {"a": np.ones(1000)})
+            handle = mgr.save(step, {"a": np.ones(1000)}, background_copy=scenario.endswith("bg"))
+            res["returned_s"] = time.perf_counter() - started
+            handle.wait_staged()
             mgr.wait()
     res["seconds"] = time.perf_counter() - started
     res["warnings"] = [str(w.message) for w in caught]
@@ -83,7 +87,7 @@ def finish(kind: str, scenario: str, comm: object) -> None:
     if kind == "mpi":
         comm.barrier()  # type: ignore[attr-defined]
         return
-    if scenario != "one-rank":
+    if not scenario.startswith("one-rank"):
         end_torch_job()
     os._exit(0)
 

@@ -139,7 +139,7 @@ def _hang(kind: str, scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
         assert_ok(run_mpi(2, *args, timeout=120))
     else:
         assert_ok(run_torchrun(2, *args, timeout=120))
-    ranks = [0] if scenario == "one-rank" else [0, 1]
+    ranks = [0] if scenario.startswith("one-rank") else [0, 1]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in ranks]
 
 
@@ -157,6 +157,23 @@ def test_save_on_one_rank_only_is_reported_within_the_deadline(kind: str, tmp_pa
     assert (step, kind_, missing) == (5, "CollectiveTimeoutError", [1]), res
     assert "step 5" in message and "rank(s) 1 did not arrive" in message, message
     assert any("step 5" in w for w in res["warnings"]), res
+    assert res["latest"] is None and res["on_disk"] == [], res
+    assert res["next"] == "ManagerBrokenError", res
+
+
+@pytest.mark.mpi
+@pytest.mark.torch
+@pytest.mark.parametrize("kind", ["mpi", "torch"])
+def test_a_background_copy_on_one_rank_only_returns_and_is_told(kind: str, tmp_path: Path) -> None:
+    """With ``background_copy=True`` the agreement runs on the saver thread: ``save`` on one
+    rank of two returns at once, the state is free again, and ``wait()`` tells the failure
+    within the deadline, naming the step and the rank; the manager refuses further calls."""
+    [res] = _hang(kind, "one-rank-bg", tmp_path)
+    assert res["returned_s"] < 1.0, res  # nothing collective on the training thread
+    assert res["seconds"] < 6, res
+    [(step, kind_, message, missing)] = res["failed"]
+    assert (step, kind_, missing) == (5, "CollectiveTimeoutError", [1]), res
+    assert "step 5" in message and "rank(s) 1 did not arrive" in message, message
     assert res["latest"] is None and res["on_disk"] == [], res
     assert res["next"] == "ManagerBrokenError", res
 

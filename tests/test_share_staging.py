@@ -12,6 +12,7 @@ whole and the save commits; a state refused on one rank fails the step on every 
 from __future__ import annotations
 
 import itertools
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ def save_and_report(root: Path, whole: bool, background_copy: bool = False) -> l
     def body(comm: Any) -> int:
         mgr = manager(comm, root)
         if whole:
-            mgr._share = lambda step, seq, leaves: None  # type: ignore[method-assign]
+            mgr._share = lambda *args: None  # type: ignore[method-assign]
         state = rank_state(3, comm.rank)
         handle = mgr.save(3, state, background_copy=background_copy)
         handle.wait_staged()
@@ -92,14 +93,14 @@ def files(root: Path) -> dict[str, bytes]:
     return {k: v for k, (v, _) in tree(root).items() if not k.endswith("ckptfmt.json")}
 
 
-def restored(root: Path) -> list[dict[str, Any]]:
+def restored(root: Path, step: int = 3) -> list[dict[str, Any]]:
     def body(comm: Any) -> dict[str, Any]:
         mgr = manager(comm, root)
         got = {"model": {k: np.zeros_like(v) for k, v in replicas(0).items()}}
         got["fsdp"] = Shard(np.zeros((8, 16), np.float32), (8 * comm.rank, 0), (8 * WORLD, 16))
         got["rng"] = PerRank(np.zeros(3, np.uint32))
         got["step"] = 0
-        assert mgr.restore(got) == 3
+        assert mgr.restore(got) == step
         mgr.close(flush=False)
         return got
 
@@ -222,3 +223,43 @@ def test_a_policy_follows_the_jobs_save_number_across_restarts(tmp_path: Path) -
     for step in range(1, 9):
         m = read_manifest(tmp_path / "l1" / "n0" / f"step-{step:010d}")
         assert ("redundancy" in m.levels.get("1", {})) == (step % 3 == 0), step
+
+
+def test_a_background_copy_failing_on_one_rank_fails_the_step_everywhere(tmp_path: Path) -> None:
+    """``background_copy=True``: the copy runs on the saver threads, after their agreement. A
+    ``MemoryError`` while rank 1 copies fails that step on every rank (voted on, phase
+    "copy"), the state is free again on every rank, and the next save commits bit for bit."""
+
+    def body(comm: Any) -> dict[str, Any]:
+        mgr = manager(comm, tmp_path)
+        if comm.rank == 1:
+            real = mgr._stage
+
+            def failing(*args: Any, **kwargs: Any) -> Any:
+                mgr._stage = real  # type: ignore[method-assign]
+                raise MemoryError("injected while copying")
+
+            mgr._stage = failing  # type: ignore[method-assign]
+        handle = mgr.save(3, rank_state(3, comm.rank), background_copy=True)
+        handle.wait_staged()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            mgr.wait()
+        failed = [(s, type(e).__name__, dict(e.rank_failures)) for s, e in mgr.failed_saves]
+        state = rank_state(4, comm.rank)
+        mgr.save(4, state, background_copy=True).wait_staged()
+        mgr.wait()
+        out = {"failed": failed, "after": len(mgr.failed_saves), "latest": mgr.latest()}
+        mgr.close(flush=False)
+        return out
+
+    for res in run_threads(WORLD, body):
+        [(step, kind, failures)] = res["failed"]
+        assert (step, kind) == (3, "SaveFailedError"), res
+        assert list(failures) == [1] and failures[1].type == "MemoryError", failures
+        assert failures[1].phase == "copy", failures
+        assert res["after"] == 1 and res["latest"] == 4, res  # the next save: no new failure
+    got = restored(tmp_path, 4)
+    for rank, state in enumerate(got):
+        want = rank_state(4, rank)
+        assert all(np.array_equal(state["model"][k], v) for k, v in want["model"].items())

@@ -162,6 +162,7 @@ class _SaveJob:
     mode: str  # copy_mode: "now", "background" or "none"
     ready: Callable[[], None] | None
     boxes: share.Boxes | None  # what this rank writes of the replicated tensors (staged only)
+    leaves: list[tuple[Name, Any]] | None = None  # background copy: staged by the job itself
 
 
 class CheckpointWarning(UserWarning):
@@ -304,6 +305,7 @@ class CheckpointManager:
         self._newest_local: Manifest | None = None
         self._flushed: set[str] = set()  # save ids on level 3
         self._flush_rate = 0.0  # bytes/s of the last flush
+        self._own_boxes: tuple[str, share.Boxes] | None = None  # the last share: digest, boxes
         self._closed = False
 
     def _start(self) -> None:
@@ -346,8 +348,10 @@ class CheckpointManager:
 
         Returns a :class:`~ckptfmt.parallel.staging.SaveHandle`: ``staged`` says when ``state``
         may be mutated again, ``committed`` when the checkpoint is committed (or why it failed).
-        ``background_copy=True`` makes the staging copy on the saver thread instead (``save``
-        returns at once; wait on ``staged`` before mutating); ``donate=True`` makes none (the
+        ``background_copy=True`` makes the staging copy on the saver thread instead, after the
+        ranks' agreement on what each copies, which is the saver threads' too (``save`` makes
+        no collective call and returns at once; wait on ``staged`` before mutating: a save
+        that failed, on any rank, is told at the next call); ``donate=True`` makes none (the
         writer reads ``state`` itself: ``staged`` is done when the save is). ``ready``, when
         given, is called on the saver thread before anything of ``state`` is read (e.g. to wait
         for device-to-host copies). See ``ckptfmt.parallel.staging``."""
@@ -373,6 +377,10 @@ class CheckpointManager:
             leaves = self._check_state(state)  # misuse raised here, whatever on_error says
         except UsageError as exc:
             failure = usage = exc
+        if mode == "background":  # the agreement and the copy are the saver thread's
+            job = _SaveJob(step, {}, seq, failure, telemetry, handle, taken, mode, ready, None)
+            job.leaves = leaves
+            return self._hand_over(job, usage, entered)
         try:  # every rank takes part, a rank whose state was refused too
             boxes = self._share(step, seq, leaves)
         except Exception as exc:  # the roll call's deadline passed, or the transport failed
@@ -384,20 +392,26 @@ class CheckpointManager:
                 failure = exc
         if mode == "now" or failure is not None:
             handle.set_staged()
-        telemetry.blocked_s = time.perf_counter() - entered
-        self._idle.clear()
         # a rank that failed to stage still takes part in the save's first vote, which fails
         # the step on every rank (no rank pairs this save with its next one)
         job = _SaveJob(step, staged, seq, failure, telemetry, handle, taken, mode, ready, boxes)
+        return self._hand_over(job, usage, entered)
+
+    def _hand_over(self, job: _SaveJob, usage: UsageError | None, entered: float) -> SaveHandle:
+        """Give ``job`` to the saver thread; raise ``usage`` (this rank's state was refused)
+        once the job, which the other ranks' saves pair with, is done; without ``async_save``
+        or after a failure, wait for it and report."""
+        job.report.blocked_s = time.perf_counter() - entered
+        self._idle.clear()
         self._jobs.put(lambda: self._save_job(job))
         if usage is not None:
             self._idle.wait()
-            self._pending = [(s, e) for s, e in self._pending if s != step]
+            self._pending = [(s, e) for s, e in self._pending if s != job.step]
             raise usage
-        if not self.async_save or failure is not None:
+        if not self.async_save or job.failure is not None:
             self._idle.wait()
             self._report()
-        return handle
+        return job.handle
 
     def wait(self) -> None:
         """Wait for the save in flight; report a failed one (see ``on_error``)."""
@@ -706,19 +720,29 @@ class CheckpointManager:
             raise
 
     def _share(
-        self, step: int, seq: int, leaves: list[tuple[Name, Any]] | None
+        self,
+        step: int,
+        seq: int,
+        leaves: list[tuple[Name, Any]] | None,
+        comm: Comm | None = None,
     ) -> share.Boxes | None:
-        """Collective (every rank, from ``save``, before its staging copy; ``leaves`` None
-        where the state was refused): the regions of the replicated tensors this rank writes,
-        when every rank holds the same ones (``ckptfmt.parallel.share``), else None (stage
-        everything). One process: None. Raises what the roll call raises."""
+        """Collective (every rank, before its staging copy: from ``save`` on ``comm`` None, the
+        caller's communicator, or from the saver thread on its own for a background copy;
+        ``leaves`` None where the state was refused): the regions of the replicated tensors
+        this rank writes, when every rank holds the same ones (``ckptfmt.parallel.share``),
+        else None (stage everything). One process: None. Raises what the roll call raises. The
+        regions of the last agreed digest are kept: a training loop saves the same tensors."""
         if self.comm.size == 1:
             return None
         holdings = share.replicated(leaves) if leaves is not None else []
         mine = share.digest(holdings, self.write, self.comm.size) if leaves is not None else None
-        if not share.agree(self.comm, self.deadline_s, step, seq, mine):
+        if not share.agree(comm or self.comm, self.deadline_s, step, seq, mine):
             return None
-        return share.own_boxes(holdings, self.write, self.comm.size, self.comm.rank)
+        assert mine is not None  # agree is True only where this rank has a digest
+        if self._own_boxes is None or self._own_boxes[0] != mine:
+            boxes = share.own_boxes(holdings, self.write, self.comm.size, self.comm.rank)
+            self._own_boxes = (mine, boxes)
+        return self._own_boxes[1]
 
     def _stage(
         self,
@@ -729,12 +753,6 @@ class CheckpointManager:
     ) -> tuple[dict[str, Any], int]:
         """The staging copy into the pool's buffers (``share.stage``)."""
         return share.stage(self._pool, leaves, taken, copy_now, boxes)
-
-    def _copy_later(
-        self, staged: dict[str, Any], taken: list[np.ndarray], boxes: share.Boxes | None
-    ) -> dict[str, Any]:
-        """The staging copy :meth:`_stage` left uncopied (``background_copy``)."""
-        return share.copy_later(self._pool, flatten(staged), taken, boxes)
 
     def _unshared(
         self, step: int, exc: Exception, handle: SaveHandle, report: SaveReport
@@ -756,6 +774,21 @@ class CheckpointManager:
         log.error("rank %s: save of step %s failed: %s", self.comm.rank, step, broken)
         self._report()
         return handle
+
+    def _background_unshared(self, job: _SaveJob, exc: Exception) -> None:
+        """The saver thread's side of :meth:`_unshared` (a background copy's agreement failed):
+        no collective of this manager can be trusted any more; the save's failure is recorded
+        for the next call, and the state is free again at once."""
+        broken: CkptError = (
+            exc
+            if isinstance(exc, CkptError)
+            else ManagerBrokenError(f"{type(exc).__name__}: {exc}")
+        )
+        self._broken = broken
+        job.report.error = str(broken)
+        self._pending.append((job.step, broken))
+        job.handle.set_staged()
+        log.error("rank %s: save of step %s failed: %s", self.comm.rank, job.step, broken)
 
     # --- the background thread -------------------------------------------------------------------
 
@@ -792,12 +825,19 @@ class CheckpointManager:
                     job.ready()
                 except Exception as exc:  # voted on like a failed copy
                     failure = exc
-            if job.mode == "background" and failure is None:
-                try:
-                    staged = self._copy_later(staged, job.taken, job.boxes)
-                except Exception as exc:
-                    failure = exc
             if job.mode == "background":
+                try:  # every rank takes part, on the saver threads' communicator
+                    boxes = self._share(job.step, job.seq, job.leaves, self._bg)
+                except Exception as exc:  # the roll call's deadline passed, or the transport
+                    self._background_unshared(job, exc)
+                    return
+                if job.leaves is not None and failure is None:
+                    try:
+                        staged, report.staged_bytes = self._stage(
+                            job.leaves, job.taken, True, boxes
+                        )
+                    except Exception as exc:  # voted on like a failed copy
+                        failure = exc
                 job.handle.set_staged()
             self._save_steps(job.step, staged, job.seq, failure, report)
         except BaseException as exc:  # the communicator broke (see _work)

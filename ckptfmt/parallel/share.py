@@ -103,8 +103,8 @@ def stage(
     """The staging copy of checked ``leaves`` into buffers of ``pool`` (appended to ``taken``;
     values deep-copied): a replicated tensor named in ``boxes`` as the :class:`Pieces` this
     rank writes, every other tensor whole. Returns the state and the bytes of tensor data
-    copied (without ``copy_now``: to be copied; the tensors are left as the caller's arrays
-    for :func:`copy_later`)."""
+    copied (without ``copy_now``: none is copied, the writer reads the caller's arrays, as
+    ``donate=True`` asks). A background copy calls it on the saver thread."""
     out = []
     nbytes = 0
     for name, leaf in leaves:
@@ -127,15 +127,4 @@ def stage(
     return unflatten(out), nbytes
 
 
-def copy_later(
-    pool: BufferPool,
-    leaves: Sequence[tuple[Name, Any]],
-    taken: list[np.ndarray],
-    boxes: Boxes | None,
-) -> dict[str, Any]:
-    """The staging copy :func:`stage` left to the saver thread (``background_copy``):
-    ``leaves`` are the flattened state it returned."""
-    return stage(pool, leaves, taken, True, boxes)[0]
-
-
-__all__ = ["Boxes", "agree", "copy_later", "digest", "own_boxes", "replicated", "stage"]
+__all__ = ["Boxes", "agree", "digest", "own_boxes", "replicated", "stage"]
