@@ -64,27 +64,23 @@ def legacy_options(
     unknown = sorted(set(old) - set(_WRITE_KEYWORDS) - set(_EXIT_KEYWORDS))
     if unknown:
         raise TypeError(f"CheckpointManager() got unexpected keyword argument(s) {unknown}")
-    w = {_WRITE_KEYWORDS[k]: v for k, v in old.items() if k in _WRITE_KEYWORDS}
-    e = {_EXIT_KEYWORDS[k]: v for k, v in old.items() if k in _EXIT_KEYWORDS}
-    if w:
-        args = ", ".join(f"{k}={v!r}" for k, v in w.items())
+    w = _folded(old, _WRITE_KEYWORDS, "write=WriteOptions")
+    e = _folded(old, _EXIT_KEYWORDS, "at_exit=ExitPolicy")
+    return (replace(write, **w) if w else write), (replace(at_exit, **e) if e else at_exit)
+
+
+def _folded(old: Mapping[str, Any], names: Mapping[str, str], spelling: str) -> dict[str, Any]:
+    """The fields of one options object that ``old`` sets (renamed), warned of once."""
+    fields = {names[k]: v for k, v in old.items() if k in names}
+    if fields:
+        args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
         warnings.warn(
-            f"CheckpointManager({', '.join(sorted(k for k in old if k in _WRITE_KEYWORDS))}=...) "
-            f"is deprecated: pass write=WriteOptions({args})",
+            f"CheckpointManager({', '.join(sorted(k for k in old if k in names))}=...) "
+            f"is deprecated: pass {spelling}({args})",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-        write = replace(write, **w)
-    if e:
-        args = ", ".join(f"{k}={v!r}" for k, v in e.items())
-        warnings.warn(
-            f"CheckpointManager({', '.join(sorted(k for k in old if k in _EXIT_KEYWORDS))}=...) "
-            f"is deprecated: pass at_exit=ExitPolicy({args})",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        at_exit = replace(at_exit, **e)
-    return write, at_exit
+    return fields
 
 
 def check_on_error(on_error: str) -> OnError:
