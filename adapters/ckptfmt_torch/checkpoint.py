@@ -35,9 +35,9 @@ from ckptfmt.parallel import (
 from ckptfmt.plan import PerRankMode, RankMap, ReadOptions
 from ckptfmt.storage import check_destination, refuse_url
 from ckptfmt.transport import Comm, SingleComm
-from ckptfmt.tree import PerRank, Shard
+from ckptfmt.tree import PerRank, Shard, arrays_of
 from ckptfmt_torch.comm import TorchComm
-from ckptfmt_torch.convert import arrays_of, from_state, to_state, wants_of
+from ckptfmt_torch.convert import from_state, to_state, wants_of
 
 _GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
 

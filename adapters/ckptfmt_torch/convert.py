@@ -283,24 +283,6 @@ def wants_of(state: Mapping[str, Any]) -> dict[str, Box]:
     return out
 
 
-def arrays_of(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """For a load straight into the tensors: the arrays of a ckptfmt state by '/'-joined name
-    (a ``Shard``'s local array under its name); those of CPU tensors are their memory."""
-    out: dict[str, np.ndarray] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for k, v in node.items():
-            name = _join(prefix, k)
-            data = v.data if isinstance(v, Shard) else v
-            if isinstance(data, np.ndarray):
-                out[name] = data
-            elif isinstance(v, Mapping):
-                walk(v, name)
-
-    walk(state, "")
-    return out
-
-
 def from_state(
     target: MutableMapping[Any, Any],
     loaded: Mapping[str, Any],

@@ -74,7 +74,7 @@ from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
 from ckptfmt.transport.comm import Comm, SingleComm, start_background
 from ckptfmt.tree.apply import ApplyReport, apply_loaded
 from ckptfmt.tree.casting import check_policy
-from ckptfmt.tree.state import Name, Shard, flatten
+from ckptfmt.tree.state import Name, Shard, arrays_of, flatten
 
 log = logging.getLogger("ckptfmt")
 
@@ -125,17 +125,6 @@ def _subclasses(cls: type) -> set[type]:
             if sub not in out:
                 out.add(sub)
                 todo.append(sub)
-    return out
-
-
-def _arrays_of(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The arrays of ``state`` by '/'-joined name (a ``Shard``'s local array under its name):
-    the destinations ``restore(into=True)`` offers the load."""
-    out: dict[str, np.ndarray] = {}
-    for name, leaf in flatten(state):
-        data = leaf.data if isinstance(leaf, Shard) else leaf
-        if isinstance(data, np.ndarray):
-            out[display(name)] = data
     return out
 
 
@@ -212,7 +201,7 @@ class CheckpointManager:
     refuses further collective calls (:class:`ManagerBrokenError`): its ranks are out of step.
 
     ``write`` (:class:`~ckptfmt.WriteOptions`: chunk and shard sizes, writer threads, fsync; the
-    same object ``ckptfmt.save`` and ``ckptfmt reshard`` take) says how the files are written;
+    same object ``save_collective`` and ``ckptfmt reshard`` take) says how the files are written;
     its ``overwrite`` is the manager's own (a step saved again after a restart replaces the
     old one). ``at_exit`` (:class:`~ckptfmt.ExitPolicy`): the flush at ``close`` / interpreter
     exit and on SIGTERM. ``on_error``: ``"warn"`` (a failed background save is a
@@ -557,7 +546,7 @@ class CheckpointManager:
         self._roll_call("restore", None)
         self._clean_leftovers()
         wants = self._wants(state)
-        targets = _arrays_of(state) if into and apply and state is not None else None
+        targets = arrays_of(state) if into and apply and state is not None else None
         local = [s for s, _ in self._committed(self.local_root)]
         shared = [s for s, _ in self._committed(self.levels.shared_dir)]
         seen = self.comm.allgather_json({"node": self.node, "l1": local, "l3": shared})
@@ -761,6 +750,17 @@ class CheckpointManager:
         deadline, or the transport failed): no collective of this manager can be trusted any
         more. The save fails on this rank at once (no background job), reported as a
         background save's failure would be (``on_error``)."""
+        broken = self._break_on(step, exc, report)
+        self._record_save(report)
+        handle.set_committed(broken)
+        self._report()
+        return handle
+
+    def _break_on(self, step: int, exc: Exception, report: SaveReport) -> CkptError:
+        """The save of ``step`` failed before its staging because the ranks could not agree
+        (the main thread's :meth:`_unshared`, or a background copy's on the saver thread): no
+        collective of this manager can be trusted any more; the failure is kept for the next
+        call and returned."""
         broken: CkptError = (
             exc
             if isinstance(exc, CkptError)
@@ -768,27 +768,9 @@ class CheckpointManager:
         )
         self._broken = broken
         report.error = str(broken)
-        self._record_save(report)
         self._pending.append((step, broken))
-        handle.set_committed(broken)
         log.error("rank %s: save of step %s failed: %s", self.comm.rank, step, broken)
-        self._report()
-        return handle
-
-    def _background_unshared(self, job: _SaveJob, exc: Exception) -> None:
-        """The saver thread's side of :meth:`_unshared` (a background copy's agreement failed):
-        no collective of this manager can be trusted any more; the save's failure is recorded
-        for the next call, and the state is free again at once."""
-        broken: CkptError = (
-            exc
-            if isinstance(exc, CkptError)
-            else ManagerBrokenError(f"{type(exc).__name__}: {exc}")
-        )
-        self._broken = broken
-        job.report.error = str(broken)
-        self._pending.append((job.step, broken))
-        job.handle.set_staged()
-        log.error("rank %s: save of step %s failed: %s", self.comm.rank, job.step, broken)
+        return broken
 
     # --- the background thread -------------------------------------------------------------------
 
@@ -829,7 +811,8 @@ class CheckpointManager:
                 try:  # every rank takes part, on the saver threads' communicator
                     boxes = self._share(job.step, job.seq, job.leaves, self._bg)
                 except Exception as exc:  # the roll call's deadline passed, or the transport
-                    self._background_unshared(job, exc)
+                    self._break_on(job.step, exc, report)
+                    job.handle.set_staged()  # the state is free again at once
                     return
                 if job.leaves is not None and failure is None:
                     try:
@@ -839,7 +822,10 @@ class CheckpointManager:
                     except Exception as exc:  # voted on like a failed copy
                         failure = exc
                 job.handle.set_staged()
-            self._save_steps(job.step, staged, job.seq, failure, report)
+            # a background copy's agreement was this save's roll call on the saver threads'
+            # communicator: the ranks are known to be in it
+            rolled = job.mode == "background"
+            self._save_steps(job.step, staged, job.seq, failure, report, rolled)
         except BaseException as exc:  # the communicator broke (see _work)
             error = ManagerBrokenError(f"{type(exc).__name__}: {exc}")
             raise
@@ -857,13 +843,15 @@ class CheckpointManager:
         seq: int,
         failure: BaseException | None,
         report: SaveReport,
+        rolled: bool = False,
     ) -> None:
         target_root = self.local_root or self.levels.shared_dir
         assert target_root is not None
         number = self._saves + 1
         red = self.policy.redundancy_for(number) if self.local_root is not None else None
         try:
-            self._roll_call("save", step, self._bg, seq)
+            if not rolled:
+                self._roll_call("save", step, self._bg, seq)
         except (CollectiveTimeoutError, OutOfStepError) as exc:  # no later collective is safe
             self._pending.append((step, exc))
             report.error = str(exc)

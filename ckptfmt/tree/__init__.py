@@ -13,11 +13,12 @@ from ckptfmt.tree.casting import (
     plan_casts,
     report_casts,
 )
-from ckptfmt.tree.state import PerRank, Shard, flatten, unflatten
+from ckptfmt.tree.state import PerRank, Shard, arrays_of, flatten, unflatten
 
 __all__ = [
     "allowed",
     "apply_loaded",
+    "arrays_of",
     "Cast",
     "check_policy",
     "convert",

@@ -15,9 +15,21 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import LimitExceededError, UsageError
-from ckptfmt.manifest.limits import MAX_ENTRIES, MAX_NAME_DEPTH, check_component
+from ckptfmt.manifest.limits import MAX_ENTRIES, MAX_NAME_DEPTH, check_component, display
 
 Name = tuple[str, ...]
+
+
+def arrays_of(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of ``state`` by '/'-joined name (a ``Shard``'s local array under its name):
+    the destinations a load that reads straight into the caller's arrays is offered
+    (``CheckpointManager.restore(into=True)``, the torch adapter's ``into=True``)."""
+    out: dict[str, np.ndarray] = {}
+    for name, leaf in flatten(state):
+        data = leaf.data if isinstance(leaf, Shard) else leaf
+        if isinstance(data, np.ndarray):
+            out[display(name)] = data
+    return out
 
 
 def flatten(state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
