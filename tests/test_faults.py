@@ -146,34 +146,23 @@ def _hang(kind: str, scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
 @pytest.mark.mpi
 @pytest.mark.torch
 @pytest.mark.parametrize("kind", ["mpi", "torch"])
-def test_save_on_one_rank_only_is_reported_within_the_deadline(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["copy-now", "background-copy"])
+def test_save_on_one_rank_only_is_reported_within_the_deadline(
+    kind: str, background: bool, tmp_path: Path
+) -> None:
     """Rank 1 never calls ``save``: rank 0 is told within the manager's deadline (3 s), under
     MpiComm and TorchComm alike (gloo's own timeout is 30 minutes), naming the step and the
     rank; ``wait()`` never reports success for the save that did not happen (it used to, under
-    torchrun), and the manager refuses further collective calls."""
-    [res] = _hang(kind, "one-rank", tmp_path)
+    torchrun), and the manager refuses further collective calls. With ``background_copy=True``
+    the agreement runs on the saver thread: ``save`` returns at once, and ``wait()`` tells."""
+    [res] = _hang(kind, "one-rank-bg" if background else "one-rank", tmp_path)
+    if background:
+        assert res["returned_s"] < 1.0, res  # nothing collective on the training thread
     assert res["seconds"] < 6, res  # the deadline is 3 s; rank 1 would have come at 6 s
     [(step, kind_, message, missing)] = res["failed"]
     assert (step, kind_, missing) == (5, "CollectiveTimeoutError", [1]), res
     assert "step 5" in message and "rank(s) 1 did not arrive" in message, message
     assert any("step 5" in w for w in res["warnings"]), res
-    assert res["latest"] is None and res["on_disk"] == [], res
-    assert res["next"] == "ManagerBrokenError", res
-
-
-@pytest.mark.mpi
-@pytest.mark.torch
-@pytest.mark.parametrize("kind", ["mpi", "torch"])
-def test_a_background_copy_on_one_rank_only_returns_and_is_told(kind: str, tmp_path: Path) -> None:
-    """With ``background_copy=True`` the agreement runs on the saver thread: ``save`` on one
-    rank of two returns at once, the state is free again, and ``wait()`` tells the failure
-    within the deadline, naming the step and the rank; the manager refuses further calls."""
-    [res] = _hang(kind, "one-rank-bg", tmp_path)
-    assert res["returned_s"] < 1.0, res  # nothing collective on the training thread
-    assert res["seconds"] < 6, res
-    [(step, kind_, message, missing)] = res["failed"]
-    assert (step, kind_, missing) == (5, "CollectiveTimeoutError", [1]), res
-    assert "step 5" in message and "rank(s) 1 did not arrive" in message, message
     assert res["latest"] is None and res["on_disk"] == [], res
     assert res["next"] == "ManagerBrokenError", res
 
