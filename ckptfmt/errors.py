@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 __all__ = [
     "AllocationLimitError",
@@ -28,9 +28,11 @@ __all__ = [
     "DestinationExistsError",
     "DestinationUnwritableError",
     "DtypeMismatchError",
+    "FailureKind",
     "ForeignFormatError",
     "FormatVersionError",
     "ImplicitSingleProcessError",
+    "failure_kind",
     "InvalidNameError",
     "LimitExceededError",
     "LoadFailedError",
@@ -238,6 +240,15 @@ class UnrecoverableDamageError(DamagedError):
 # --- collective operations and redundancy -------------------------------------------------
 
 
+FailureKind = Literal["usage", "damage", "collective", "storage", "state", "other"]
+"""What a failure means to the ranks that learn of it from a vote: ``"usage"`` (a
+:class:`UsageError`: misuse), ``"damage"`` (the data read is damaged or absent: another copy or
+an older step may do), ``"collective"`` (the ranks fell out of step or timed out),
+``"storage"`` (an ``OSError``: a full or failing disk), ``"state"`` (the caller's state could
+not be copied or made ready, whatever the exception: nothing reached storage), ``"other"``
+(anything else: a bug, an allocation failure)."""
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """What failed on one rank in a collective phase, as every rank learns it from the vote.
@@ -246,12 +257,16 @@ class RankFailure:
     ``"ChecksumError"``, ...), ``message`` its text, ``phase`` the phase of the collective
     operation it happened in (``"stage"``, ``"plan"``, ``"write"``, ``"encode"``, ``"commit"``,
     ``"flush"``, ``"load"``, ``"rebuild"``, ...), ``fields`` the JSON-able structured fields of a
-    :class:`CkptError` (``file``, ``tensors``, ``expected``, ...)."""
+    :class:`CkptError` (``file``, ``tensors``, ``expected``, ...). ``kind`` is the failure's
+    family (:data:`FailureKind`), decided by ``isinstance`` on the rank where it happened, so
+    that every rank can act on a failure by its type (retry elsewhere, fall back, raise)
+    without the exception object."""
 
     type: str
     message: str
     phase: str = ""
     fields: Mapping[str, Any] = field(default_factory=dict)
+    kind: FailureKind = "other"
 
     def __str__(self) -> str:
         return f"{self.type}: {self.message}" if self.type else self.message
@@ -262,6 +277,7 @@ class RankFailure:
             "message": self.message,
             "phase": self.phase,
             "fields": dict(self.fields),
+            "kind": self.kind,
         }
 
     @classmethod
@@ -271,11 +287,15 @@ class RankFailure:
             str(doc.get("message", "")),
             str(doc.get("phase", "")),
             dict(doc.get("fields") or {}),
+            _kind(doc.get("kind")),
         )
 
     @classmethod
-    def of(cls, exc: BaseException, phase: str = "") -> RankFailure:
-        """The failure record of ``exc``: its type, message and JSON-able public fields."""
+    def of(
+        cls, exc: BaseException, phase: str = "", kind: FailureKind | None = None
+    ) -> RankFailure:
+        """The failure record of ``exc``: its type, message, JSON-able public fields and kind
+        (``kind``, when given, overrides :func:`failure_kind`)."""
         fields: dict[str, Any] = {}
         for key, value in vars(exc).items():
             if key.startswith("_") or key in ("args", "cause", "rank_failures", "failures"):
@@ -286,7 +306,26 @@ class RankFailure:
                 isinstance(v, (str, int, float, bool)) for v in value
             ):
                 fields[key] = list(value)
-        return cls(type(exc).__name__, str(exc), phase, fields)
+        return cls(type(exc).__name__, str(exc), phase, fields, kind or failure_kind(exc))
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    """The :data:`FailureKind` of ``exc``, by its class. The order matters: some damage and
+    usage errors are also ``OSError`` (``MissingFileError``, ``DestinationUnwritableError``)."""
+    if isinstance(exc, UsageError):
+        return "usage"
+    if isinstance(exc, DamagedError | ManifestError | NotACheckpointError | UnreachableNodesError):
+        return "damage"
+    if isinstance(exc, CollectiveError | ManagerBrokenError):
+        return "collective"
+    if isinstance(exc, OSError):
+        return "storage"
+    return "other"
+
+
+def _kind(value: object) -> FailureKind:
+    kinds: tuple[str, ...] = get_args(FailureKind)
+    return value if isinstance(value, str) and value in kinds else "other"  # type: ignore[return-value]
 
 
 class CollectiveError(CkptError):
@@ -371,7 +410,10 @@ class CollectiveTimeoutError(CollectiveError):
         what = f"{operation or 'collective'}" + (f" of step {step}" if step is not None else "")
         where = f" (phase {phase})" if phase else ""
         super().__init__(
-            {r: RankFailure("CollectiveTimeoutError", "did not arrive", phase) for r in missing},
+            {
+                r: RankFailure("CollectiveTimeoutError", "did not arrive", phase, kind="collective")
+                for r in missing
+            },
             operation=operation,
             step=step,
             message=f"{what}{where}: {who} within {deadline_s:g} s",
@@ -395,7 +437,10 @@ class OutOfStepError(CollectiveError):
             groups.setdefault(k, []).append(r)
         where = "; ".join(f"{_ranks_text(rs)} in {k!r}" for k, rs in groups.items())
         super().__init__(
-            {r: RankFailure("OutOfStepError", f"is in {k!r}", "roll-call") for r, k in odd.items()},
+            {
+                r: RankFailure("OutOfStepError", f"is in {k!r}", "roll-call", kind="collective")
+                for r, k in odd.items()
+            },
             message=f"the ranks are in different collective calls: {where} (a collective method "
             "called on some ranks only, or with another step)",
         )

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import CollectiveError, RankFailure, SaveFailedError
+from ckptfmt.errors import CollectiveError, FailureKind, RankFailure, SaveFailedError
 from ckptfmt.storage import commit
 from ckptfmt.transport.comm import Comm
 
@@ -46,7 +46,8 @@ class Boundary:
     caller's sequence number of the operation (the manager's call count), checked like the
     operation and the step. ``failure``, when given, is this rank's failure before the operation
     began (staging the state failed): the rank then takes part in the first vote only, to fail
-    the operation everywhere."""
+    the operation everywhere; its kind is ``"state"`` whatever its type (an ``OSError`` from the
+    caller's ``ready`` hook is not a storage failure)."""
 
     def __init__(
         self,
@@ -66,17 +67,17 @@ class Boundary:
         self.seq = seq
         self.failure: RankFailure | None = None
         self.cause: BaseException | None = None
-        if failure is not None:
-            self._record(failure, failure_phase)
+        if failure is not None:  # whatever its type, nothing of the operation reached storage
+            self._record(failure, failure_phase, "state")
 
     @property
     def failed(self) -> bool:
         """Whether this rank has failed in this operation (so far)."""
         return self.failure is not None
 
-    def _record(self, exc: BaseException, phase: str) -> None:
+    def _record(self, exc: BaseException, phase: str, kind: FailureKind | None = None) -> None:
         if self.failure is None:
-            self.failure, self.cause = RankFailure.of(exc, phase), exc
+            self.failure, self.cause = RankFailure.of(exc, phase, kind), exc
 
     @contextmanager
     def guard(self, phase: str) -> Iterator[None]:
@@ -115,6 +116,7 @@ class Boundary:
                     "OutOfStepError",
                     f"is in {_where(g['key'])} while the others are in {_where(expected)}",
                     phase,
+                    kind="collective",
                 )
         if failures:
             self._cleanup(cleanup)

@@ -158,9 +158,10 @@ def _open(
         check_documents(src, manifest)  # this node's zarr.json copies too (FORMAT.md §10)
         if expect_step is not None and manifest.step != expect_step:
             error = RankFailure(
-                "MisplacedCopyError",
+                "",
                 f"{root} holds step {manifest.step}, not {expect_step} (a misplaced copy)",
                 "load-open",
+                kind="damage",
             ).to_json()
         else:
             visible = _visible_nodes(src, manifest, node)
@@ -191,12 +192,15 @@ def _open(
     for r, i in enumerate(info):
         if i["key"] != info[0]["key"]:
             failures[r] = RankFailure(
-                "OutOfStepError", f"is in {i['key']}, rank 0 in {info[0]['key']}", "load-open"
+                "OutOfStepError",
+                f"is in {i['key']}, rank 0 in {info[0]['key']}",
+                "load-open",
+                kind="collective",
             )
     if not present:
-        failures = {r: i["absent"] for r, i in enumerate(info)}
+        failures = {r: _absent(i["absent"]) for r, i in enumerate(info)}
     if not failures and len({info[r]["save_id"] for r in present}) != 1:
-        failures = {r: f"has save {info[r]['save_id']}" for r in present}
+        failures = {r: _absent(f"has save {info[r]['save_id']}") for r in present}
     if failures:
         raise LoadFailedError(failures, operation="load", step=expect_step)
     if len(present) < comm.size:
@@ -214,6 +218,12 @@ def _open(
     if any(i["options"] != info[0]["options"] for i in info):
         raise UsageError("every rank must pass the same rank_map, per_rank and replicas options")
     return manifest, info
+
+
+def _absent(message: str) -> RankFailure:
+    """A rank's copy is absent or of another save: damage, to every rank (another copy or an
+    older step may do)."""
+    return RankFailure("", message, "load-open", kind="damage")
 
 
 def _read_everything(
