@@ -21,15 +21,18 @@ from ckptfmt.maintenance.verify import VerifyReport, verify
 from ckptfmt.parallel.levels import list_levels
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
 from ckptfmt.parallel.options import ExitPolicy
-from ckptfmt.storage.progress import Progress
-from ckptfmt.storage.steps import step_dir_name
+from ckptfmt.plan.options import ReadOptions
+from ckptfmt.storage.progress import Progress, ProgressCallback
+from ckptfmt.storage.steps import StepRef, step_dir_name
 from ckptfmt.transport.comm import Comm, SingleComm
+from ckptfmt.tree.casting import Cast
 from ckptfmt.tree.state import PerRank, Shard
 from ckptfmt.version import __version__
 
 open = open_checkpoint
 
 __all__ = [
+    "Cast",
     "Checkpoint",
     "CheckpointManager",
     "CheckpointWarning",
@@ -37,8 +40,11 @@ __all__ = [
     "ExitPolicy",
     "PerRank",
     "Progress",
+    "ProgressCallback",
+    "ReadOptions",
     "Shard",
     "SingleComm",
+    "StepRef",
     "errors",
     "list_levels",
     "CkptError",

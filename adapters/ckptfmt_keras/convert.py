@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from ckptfmt.container import Checkpoint
 from ckptfmt.errors import UsageError
-from ckptfmt.tree import Cast, allowed, check_policy, convert, report_casts
+from ckptfmt.tree import Cast, Conversion, allowed, check_policy, convert, report_casts
 
 NameMap = Mapping[str, str] | Callable[[str], str | None]
 Transform = Callable[[str, np.ndarray], np.ndarray]
@@ -293,7 +293,7 @@ class AssignPlan:
     the dtype conversions (empty when every dtype agrees)."""
 
     writes: list[tuple[str, Any, np.ndarray]] = field(default_factory=list)
-    casts: list[Cast] = field(default_factory=list)
+    casts: list[Conversion] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
@@ -312,7 +312,7 @@ def assign(
     strict: bool = True,
     name_map: NameMap | None = None,
     transform: Transform | None = None,
-    cast: str | None = None,
+    cast: Cast = "no",
 ) -> list[str]:
     """Copy ``arrays`` into the variables of ``obj`` by name; return the names assigned.
 
@@ -344,7 +344,7 @@ def plan_assign(
     strict: bool = True,
     name_map: NameMap | None = None,
     transform: Transform | None = None,
-    cast: str | None = None,
+    cast: Cast = "no",
 ) -> AssignPlan:
     """Everything :func:`assign` checks, without changing a variable: raises
     :class:`StateMismatchError` naming every problem, or returns the writes to make (so that a
@@ -382,7 +382,7 @@ def plan_assign(
             )
             continue
         if value.dtype != want_dtype:
-            plan.casts.append(Cast(name, str(value.dtype), str(want_dtype)))
+            plan.casts.append(Conversion(name, str(value.dtype), str(want_dtype)))
             value = convert(value, want_dtype)
         plan.writes.append((name, v, value))
     unexpected = sorted(set(source) - used) if strict and name_map is None else []

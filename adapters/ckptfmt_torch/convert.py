@@ -23,7 +23,7 @@ import torch
 
 from ckptfmt.errors import UnsupportedDtypeError, UnsupportedValueError, UsageError
 from ckptfmt.manifest import encode_value
-from ckptfmt.tree import Cast, PerRank, Shard, plan_casts, report_casts
+from ckptfmt.tree import Cast, Conversion, PerRank, Shard, plan_casts, report_casts
 
 try:  # torch.distributed is optional in some PyTorch builds
     from torch.distributed.tensor import DTensor
@@ -114,7 +114,7 @@ def numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
     raise UnsupportedDtypeError(a.dtype)
 
 
-def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "", cast: str | None = None) -> None:
+def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "", cast: Cast = "no") -> None:
     """Copy a loaded array into a tensor in place: bit-exact when the dtypes agree; otherwise
     only as the policy ``cast`` allows (``ckptfmt.tree.casting``: ``"safe"``, ``"any"``), converted
     as ``Tensor.copy_`` converts. A refused dtype or a wrong shape raises before any write."""
@@ -289,8 +289,8 @@ def from_state(
     path: str = "",
     *,
     keep_per_rank: bool = False,
-    cast: str | None = None,
-) -> list[Cast]:
+    cast: Cast = "no",
+) -> list[Conversion]:
     """Put a loaded ckptfmt state back into a PyTorch state dict, in place; return the dtype
     conversions made (also reported as a ``ckptfmt.tree.casting.CastWarning``).
 
@@ -319,9 +319,9 @@ def check_state(
     path: str = "",
     *,
     keep_per_rank: bool = False,
-    cast: str | None = None,
+    cast: Cast = "no",
     sds: dict[int, dict[str, Any]] | None = None,
-) -> list[Cast]:
+) -> list[Conversion]:
     """Everything :func:`from_state` would find wrong, found without writing anything: raises
     a :class:`UsageError` naming every missing name and wrong shape (or, when only dtypes are
     wrong, a :class:`ckptfmt.errors.DtypeMismatchError` naming them all); returns the dtype
@@ -457,7 +457,7 @@ def _apply(
     loaded: Mapping[str, Any],
     path: str,
     keep_per_rank: bool,
-    cast: str | None,
+    cast: Cast,
     sds: dict[int, dict[str, Any]],
 ) -> None:
     for k in list(target):
@@ -484,7 +484,7 @@ def _put(
     value: Any,
     name: str,
     keep_per_rank: bool,
-    cast: str | None,
+    cast: Cast,
     sds: dict[int, dict[str, Any]],
 ) -> Any:
     """``t`` updated from ``value`` (the same object when updated in place)."""

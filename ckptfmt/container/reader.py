@@ -49,7 +49,7 @@ from ckptfmt.manifest.model import (
 )
 from ckptfmt.storage.files import Inside, physical_memory
 from ckptfmt.storage.paths import refuse_url
-from ckptfmt.storage.steps import list_step_dirs
+from ckptfmt.storage.steps import StepRef, list_step_dirs
 
 
 def read_manifest_bytes(root: Path) -> bytes:
@@ -331,8 +331,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(path)
 
 
-def latest(root: str | os.PathLike[str]) -> tuple[int, Path] | None:
-    """The newest ``(step, path)`` under a checkpoint root whose manifest reads and parses.
+def latest(root: str | os.PathLike[str]) -> StepRef | None:
+    """The newest :class:`StepRef` ``(step, path)`` under a checkpoint root whose manifest
+    reads and parses.
 
     Step directories are named ``step-0000000100`` (what the manager and ``step_dir_name``
     write); ``step-100``, a name given by hand, counts too (``spec/FORMAT.md`` §14). Steps
@@ -345,5 +346,5 @@ def latest(root: str | os.PathLike[str]) -> tuple[int, Path] | None:
             read_manifest(path)
         except CkptError:
             continue
-        return step, path
+        return StepRef(step, path)
     return None

@@ -8,7 +8,7 @@ from ckptfmt.storage.files import Inside, fsync_dir
 from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.progress import Progress, ProgressCallback
-from ckptfmt.storage.steps import parse_step, step_dir_name
+from ckptfmt.storage.steps import StepRef, parse_step, step_dir_name
 
 __all__ = [
     "check_destination",
@@ -23,4 +23,5 @@ __all__ = [
     "ProgressCallback",
     "refuse_url",
     "step_dir_name",
+    "StepRef",
 ]

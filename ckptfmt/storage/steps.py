@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from ckptfmt.errors import UsageError
 
@@ -34,6 +35,14 @@ def parse_step(step: int | str) -> int:
     if not m:
         raise UsageError(f"not a step: {step!r} (a number, or a name like 'step-0000000100')")
     return int(m[1])
+
+
+class StepRef(NamedTuple):
+    """A committed checkpoint found under a root: its step and its directory (a tuple, so
+    ``step, path = ckptfmt.latest(root)`` unpacks it)."""
+
+    step: int
+    path: Path
 
 
 def step_dir_name(step: int) -> str:

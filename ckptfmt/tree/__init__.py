@@ -7,6 +7,7 @@ from __future__ import annotations
 from ckptfmt.tree.apply import apply_loaded
 from ckptfmt.tree.casting import (
     Cast,
+    Conversion,
     allowed,
     check_policy,
     convert,
@@ -21,6 +22,7 @@ __all__ = [
     "arrays_of",
     "Cast",
     "check_policy",
+    "Conversion",
     "convert",
     "flatten",
     "PerRank",

@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import DtypeMismatchError, StateMismatchError
-from ckptfmt.tree.casting import Cast, check_policy, convert, plan_casts, report_casts
+from ckptfmt.tree.casting import (
+    Cast,
+    Conversion,
+    check_policy,
+    convert,
+    plan_casts,
+    report_casts,
+)
 from ckptfmt.tree.state import PerRank, Shard, flatten
 
 
@@ -31,7 +38,7 @@ class ApplyReport:
     missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
     excluded: list[str] = field(default_factory=list)  # left out by include/exclude
-    casts: list[Cast] = field(default_factory=list)  # converted to the state's dtype (cast=)
+    casts: list[Conversion] = field(default_factory=list)  # converted to the state's dtype (cast=)
 
 
 def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str]) -> bool:
@@ -53,7 +60,7 @@ def apply_loaded(
     strict: bool = True,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
-    cast: str | None = None,
+    cast: Cast = "no",
 ) -> ApplyReport:
     """Local: write ``loaded`` (the nested state a load returned) into ``state`` in place:
     arrays copied into the caller's arrays (``Shard`` leaves: into their data; ``PerRank``
@@ -62,8 +69,8 @@ def apply_loaded(
     Raises before writing anything: :class:`StateMismatchError` when a selected array's shape
     differs from the saved one, or (``strict``, the default) when a selected name of the state
     is not in the checkpoint or a saved name is not in the state; :class:`DtypeMismatchError`
-    naming every array whose dtype differs from the saved one and that ``cast`` (``None``/
-    ``"no"``, ``"safe"``, ``"any"``: ``tree/casting.py``) does not allow converting (with other
+    naming every array whose dtype differs from the saved one and that ``cast``
+    (``"no"``, ``"safe"``, ``"any"``: ``tree/casting.py``) does not allow converting (with other
     mismatches, they are listed in the :class:`StateMismatchError`). Conversions made are in
     the report's ``casts`` and warned of (:class:`~ckptfmt.tree.casting.CastWarning`)."""
     policy = check_policy(cast)

@@ -3,16 +3,17 @@
 A load into a destination (a PyTorch tensor, a Keras variable, an array the caller owns) is
 bit-exact only when the dtypes agree, so a mismatch is refused by default. The caller may ask:
 
-* ``cast="no"`` (the default; ``None`` means the same): dtypes must be equal;
+* ``cast="no"`` (the default): dtypes must be equal;
 * ``cast="safe"``: convert where every value of the saved dtype is exactly representable in the
   destination's (``bfloat16`` -> ``float32``, ``int16`` -> ``int32``, ``float8_e4m3fn`` ->
   ``float16``), so no value changes;
 * ``cast="any"``: convert whatever numpy can convert (``float32`` -> ``bfloat16`` rounds).
 
-Every conversion made is reported (:class:`CastWarning`, carrying the list of :class:`Cast`), and a
-refusal names every mismatched tensor at once (:class:`ckptfmt.errors.DtypeMismatchError`), before
-anything is written. The adapters (``ckptfmt_torch``, ``ckptfmt_keras``) and the core call
-:func:`plan_casts` first, write only when it returns, then :func:`report_casts`.
+Every conversion made is reported (:class:`CastWarning`, carrying the list of
+:class:`Conversion`), and a refusal names every mismatched tensor at once
+(:class:`ckptfmt.errors.DtypeMismatchError`), before anything is written. The adapters
+(``ckptfmt_torch``, ``ckptfmt_keras``) and the core call :func:`plan_casts` first, write only
+when it returns, then :func:`report_casts`.
 
 Framework-free: dtypes are numpy dtypes (``ml_dtypes`` for ``bfloat16`` and ``float8_*``).
 """
@@ -22,15 +23,18 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import ml_dtypes
 import numpy as np
 
 from ckptfmt.errors import DtypeMismatchError, UsageError
 
-POLICIES = ("no", "safe", "any")
-"""The values ``cast=`` takes (``None`` is ``"no"``)."""
+Cast = Literal["no", "safe", "any"]
+"""The dtype policy of every load into existing destinations: the type of each ``cast=``."""
+
+POLICIES: tuple[Cast, ...] = get_args(Cast)
+"""The values ``cast=`` takes."""
 
 _ML_FLOATS = {
     np.dtype(ml_dtypes.bfloat16),
@@ -40,7 +44,7 @@ _ML_FLOATS = {
 
 
 @dataclass(frozen=True)
-class Cast:
+class Conversion:
     """One conversion made by a load: tensor ``name`` saved as ``saved``, stored as ``target``."""
 
     name: str
@@ -55,22 +59,20 @@ class CastWarning(UserWarning):
     """A load converted some tensors to their destinations' dtypes, as ``cast=`` allowed it.
     ``casts``: every conversion, by tensor."""
 
-    def __init__(self, casts: Iterable[Cast]) -> None:
+    def __init__(self, casts: Iterable[Conversion]) -> None:
         self.casts = tuple(casts)
         shown = "; ".join(str(c) for c in self.casts[:8])
         more = f"; ... {len(self.casts) - 8} more" if len(self.casts) > 8 else ""
         super().__init__(f"ckptfmt: cast {len(self.casts)} tensor(s) on load: {shown}{more}")
 
 
-def check_policy(cast: str | None) -> str:
-    """``cast`` as one of :data:`POLICIES`; a :class:`UsageError` for anything else."""
-    if cast is None:
-        return "no"
-    if cast not in POLICIES:
-        raise UsageError(
-            f"cast must be one of {', '.join(map(repr, POLICIES))} or None, got {cast!r}"
-        )
-    return cast
+def check_policy(cast: object) -> Cast:
+    """``cast`` as one of :data:`POLICIES`; a :class:`UsageError` for anything else (``None``
+    included: "no conversion" is spelled ``"no"``)."""
+    for policy in POLICIES:
+        if cast == policy and isinstance(cast, str):
+            return policy
+    raise UsageError(f"cast must be one of {', '.join(map(repr, POLICIES))}, got {cast!r}")
 
 
 def _float_info(dt: np.dtype) -> Any:
@@ -108,7 +110,7 @@ def is_safe(saved: np.dtype, target: np.dtype) -> bool:
     )
 
 
-def allowed(saved: np.dtype, target: np.dtype, cast: str | None) -> bool:
+def allowed(saved: np.dtype, target: np.dtype, cast: Cast) -> bool:
     """Whether policy ``cast`` lets a tensor saved as ``saved`` go into a ``target`` destination."""
     policy = check_policy(cast)
     saved, target = np.dtype(saved), np.dtype(target)
@@ -121,19 +123,19 @@ def allowed(saved: np.dtype, target: np.dtype, cast: str | None) -> bool:
     return True
 
 
-def plan_casts(pairs: Iterable[tuple[str, Any, Any]], cast: str | None) -> list[Cast]:
+def plan_casts(pairs: Iterable[tuple[str, Any, Any]], cast: Cast) -> list[Conversion]:
     """The conversions a load of ``(name, saved dtype, destination dtype)`` triples makes under
     policy ``cast``; raises :class:`DtypeMismatchError` naming every refused one (so the caller
     raises before it writes into any destination)."""
     policy = check_policy(cast)
-    casts: list[Cast] = []
+    casts: list[Conversion] = []
     refused: dict[str, tuple[str, str]] = {}
     for name, saved, target in pairs:
         s, t = np.dtype(saved), np.dtype(target)
         if s == t:
             continue
         if allowed(s, t, policy):
-            casts.append(Cast(name, str(s), str(t)))
+            casts.append(Conversion(name, str(s), str(t)))
         else:
             refused[name] = (str(s), str(t))
     if refused:
@@ -141,7 +143,7 @@ def plan_casts(pairs: Iterable[tuple[str, Any, Any]], cast: str | None) -> list[
     return casts
 
 
-def report_casts(casts: list[Cast], stacklevel: int = 3) -> None:
+def report_casts(casts: list[Conversion], stacklevel: int = 3) -> None:
     """Tell the caller what a load converted (a :class:`CastWarning`); nothing when nothing was."""
     if casts:
         warnings.warn(CastWarning(casts), stacklevel=stacklevel)
