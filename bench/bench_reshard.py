@@ -62,7 +62,7 @@ STEP = "step-0000000001"
 def rows_for(size_mb: float) -> int:
     """Rows per tensor for about ``size_mb`` MB in all: a multiple of 4, so that 2 and 4 ranks
     split evenly and the grids are those of real FSDP shapes (an uneven split gives a grid of
-    one-row shards, ``spec/FORMAT.md`` §9, which would measure the grid, not the resharding)."""
+    one-row shards, ``spec/PROTOCOL.md`` §3, which would measure the grid, not the resharding)."""
     return max(4, round(size_mb * 1e6 / (TENSORS * COLS * 4) / 4) * 4)
 
 

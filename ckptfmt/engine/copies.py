@@ -1,7 +1,7 @@
 """The copies of a level-1 checkpoint's metadata: which one to trust, and rewriting the others.
 
 Every node's directory of a level-1 step holds the whole manifest and every ``zarr.json``
-(``spec/FORMAT.md`` §13.1), byte for byte the same. A copy is *good* when its manifest's checksum
+(``spec/PROTOCOL.md`` §2), byte for byte the same. A copy is *good* when its manifest's checksum
 holds (format version 2, §10) and it parses with its redundancy record; the copy taken is the good
 one that most directories hold (the lowest-ranked or first-listed one on a tie), and a note says
 so when good copies disagree. A directory whose manifest copy is damaged (or good, of the same

@@ -16,7 +16,7 @@ class WriteOptions:
     """The same on every rank of a save.
 
     ``chunk_bytes`` / ``shard_bytes``: the target size of an inner chunk (the unit of checksums
-    and partial reads) and of a shard file (``spec/FORMAT.md``, "Chunk grid"); ``threads``: writer
+    and partial reads) and of a shard file (``spec/FORMAT.md`` §7); ``threads``: writer
     threads per node; ``fsync``: make every file and directory durable before the commit;
     ``overwrite``: replace a committed checkpoint at the destination (else refused). The sizes
     are checked where the plan is made (``ckptfmt.plan.make_plan``)."""

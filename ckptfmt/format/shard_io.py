@@ -1,4 +1,4 @@
-"""Writing and reading the shard files of one tensor region (``spec/FORMAT.md``, "Shards").
+"""Writing and reading the shard files of one tensor region (``spec/FORMAT.md`` §8).
 
 The writer turns a region's array into whole shard files: every in-bounds inner chunk present, in
 slot order, each followed by its CRC32C, then the index. Chunks that are contiguous runs of the

@@ -11,8 +11,8 @@ job reads its own data back from its own files again, and on level 1 from its ow
 Each new shard file is made from the inner chunks of the source that its box needs
 (``reshard.plan_reads``), every chunk's CRC checked as it is read; every source file read in
 full, over one or several new files, has its data CRC checked once its last chunk is in. Files
-are written into staging directories and committed by rename, manifest last (``spec/FORMAT.md``
-§13). With ``redundancy`` the parity of the new sets is encoded before the commit
+are written into staging directories and committed by rename, manifest last (``spec/PROTOCOL.md``
+§1). With ``redundancy`` the parity of the new sets is encoded before the commit
 (``ckptfmt.engine.encode.encode_offline``). The destination is one directory, or with
 ``{node}`` one level-1
 directory per new node (each holding the metadata and its own ranks' files).

@@ -1,4 +1,4 @@
-"""The collective save and load of one checkpoint by every rank (``spec/FORMAT.md``, "Commit").
+"""The collective save and load of one checkpoint by every rank (``spec/PROTOCOL.md`` §2).
 
 ``save_collective`` (every rank calls it, with its own state and its own destination path):
 

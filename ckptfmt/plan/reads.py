@@ -10,7 +10,7 @@ own FSDP rows, a replica wants everything). :func:`plan_reads` intersects the tw
 Every element of the wanted box is in exactly one piece, and every piece lies inside the box.
 
 *Why whole inner chunks, not byte ranges.* The inner chunk is the unit of the CRC32C (§10): the
-bytes of part of a chunk cannot be verified, and a reader must verify every byte it uses (§17).
+bytes of part of a chunk cannot be verified, and a reader must verify every byte it uses (§14).
 So the plan names inner chunks (index slots); the reader reads each whole, checks its CRC, and
 copies out the overlap. The cost is over-reading: at most the part of each touched chunk that
 lies outside the wanted box (with the default 1 MiB C-contiguous chunks, less than one chunk at

@@ -1,4 +1,4 @@
-"""The commit protocol (``spec/FORMAT.md``, "Commit"): a checkpoint appears whole or not at all.
+"""The commit protocol (``spec/PROTOCOL.md`` §1): a checkpoint appears whole or not at all.
 
 1. ``prepare``: refuse a destination that is a committed checkpoint (unless overwriting) or a
    non-empty directory that is not one; create the staging directory ``.<name>.tmp-<save_id>``

@@ -1,6 +1,6 @@
 """The one resolver of node templates: a level-1 path names every node's directory at once with
 ``{node}`` in place of the node's name (``/local/{node}/ckpt/step-0000000100``), as the manager's
-``local_dir``, the CLI and the offline tools take it (``spec/FORMAT.md``, "Levels")."""
+``local_dir``, the CLI and the offline tools take it (``spec/PROTOCOL.md``, "Storage levels")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Step directories under a checkpoint root (``spec/FORMAT.md``, "Step directories").
+"""Step directories under a checkpoint root (``spec/PROTOCOL.md``, "Step directories").
 
 A root holds one committed checkpoint per step, named ``step-`` and the step zero-padded to ten
 digits (more digits past 9,999,999,999). The latest complete checkpoint is the highest step whose
@@ -55,7 +55,7 @@ def list_step_dirs(root: Path, *, loose: bool = False) -> list[tuple[int, Path]]
 
     ``loose``: also directories named ``step-<digits>`` without the padding (``step-100``,
     what a user names a checkpoint saved by hand, as the README's examples do), for a step no
-    directory of the canonical name holds (``spec/FORMAT.md`` §14). What searches for
+    directory of the canonical name holds (``spec/PROTOCOL.md`` §4). What searches for
     checkpoints to read takes them (``latest``, ``ckptfmt list``); a manager's own roots hold
     only canonical names, which are all its retention and restore look at."""
     if not root.is_dir():
