@@ -1,5 +1,5 @@
 """The error-boundary redesign, before and after: the same collective operations timed on the
-code of two commits, in alternating launches (issue 15: "no regression beyond noise").
+code of two commits, in alternating launches, to show no operation got slower beyond noise.
 
 Every rank holds the same ~32 MiB state (data parallel: the plan splits the writes); 4 ranks on
 2 simulated nodes (``n0``: ranks 0-1, ``n1``: ranks 2-3), level-1 directories ``ROOT/n0`` and
@@ -18,7 +18,7 @@ Only APIs present in both versions are called. The code is chosen by ``PYTHONPAT
 worktree of each commit); ``run`` starts the launches, alternating before/after so that the
 noise of a shared machine falls on both alike, and combines the medians.
 
-    python bench/bench_boundary.py run --before /work/wt-before --after /work/wt-after
+    python bench/bench_boundary.py run --before ../wt-before --after ../wt-after
 """
 
 # ruff: noqa: B023 (each round's closures are called in the round that defines them)
@@ -100,7 +100,7 @@ def time_repair() -> dict[str, float]:
 
 
 def import_mpi_comm() -> Any:
-    """``MpiComm`` from either side of the layout move (issue 15, f603162):
+    """``MpiComm`` from either side of the move into ``ckptfmt.transport``:
     ``ckptfmt.transport.mpi`` after, ``ckptfmt.parallel.mpi`` before."""
     try:
         from ckptfmt.transport.mpi import MpiComm
@@ -111,7 +111,7 @@ def import_mpi_comm() -> Any:
 
 def save_options() -> dict[str, Any]:
     """Level 1, fsync off, as keywords of ``save_collective`` on either side of the options
-    objects (issue 15, 58baed7: ``write=WriteOptions(...)``, ``meta=ManifestMeta(levels=...)``;
+    objects (``write=WriteOptions(...)``, ``meta=ManifestMeta(levels=...)``;
     before: ``fsync=``, ``levels=``)."""
     try:
         from ckptfmt.container.metadata import ManifestMeta
@@ -123,7 +123,7 @@ def save_options() -> dict[str, Any]:
 
 def manager_options() -> dict[str, Any]:
     """No exit flush, no SIGTERM handler, fsync off, as keywords of ``CheckpointManager`` on
-    either side of its options objects (issue 15: ``write=WriteOptions(...)``,
+    either side of its options objects (``write=WriteOptions(...)``,
     ``at_exit=ExitPolicy(...)``; before: ``fsync=``, ``exit_flush=``, ``handle_sigterm=``)."""
     try:
         from ckptfmt import ExitPolicy, WriteOptions

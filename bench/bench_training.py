@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training-loop overhead of checkpointing (issue 12): the same DDP job, the same run, every
+"""Training-loop overhead of checkpointing: the same DDP job, the same run, every
 checkpointer in interleaved rounds, medians.
 
 Two loops, both DDP over gloo on ``--ranks`` ranks (torchrun), an MLP with Adam whose state is

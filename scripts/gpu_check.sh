@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of issue 12, in one short run on a machine with CUDA (a later session's device):
+# The GPU checks, in one short run on a machine with CUDA:
 #   1. the CUDA tests of tests/test_training_staging.py (pinned side-stream staging, bit-exact
 #      bfloat16/float8 round trips from and into device tensors, map_location);
 #   2. bench/bench_training.py with CUDA tensors: the model on the GPU (nccl between ranks, one

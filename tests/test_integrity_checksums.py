@@ -1,4 +1,4 @@
-"""Every metadata document is checked (issue 19, ``spec/FORMAT.md`` §10): the manifest carries a
+"""Every metadata document is checked (``spec/FORMAT.md`` §10): the manifest carries a
 CRC32C over its bytes, and every ``zarr.json`` must parse to exactly the document the manifest
 implies. Each test flips real bits in real files and checks that ``load`` (a CkptError naming
 the file) and ``verify`` (exit status 1) both find it, on a single directory and on every node's

@@ -1,4 +1,4 @@
-"""A full file system (issue 19): ``ckptfmt.save`` and ``ckptfmt reshard`` into a small tmpfs,
+"""A full file system: ``ckptfmt.save`` and ``ckptfmt reshard`` into a small tmpfs,
 out of bytes and out of inodes. The error is a :class:`StorageFullError` (a CkptError and an
 OSError with errno ENOSPC), names the directory, the bytes the save needed and the space that was
 free, says "write", and nothing is left behind (no staging directory, no checkpoint).

@@ -1,10 +1,10 @@
-"""Hostile files cannot hang a reader or exhaust its memory (issue 19).
+"""Hostile files cannot hang a reader or exhaust its memory.
 
 A FIFO (or another non-regular file) where a shard file, a ``zarr.json`` or the manifest belongs
-used to block ``load`` and ``verify`` forever in ``open()``; each case runs in a child process
+would block a naive ``open()`` forever; each case runs in a child process
 under a timeout, so that a regression fails instead of hanging the suite. A manifest and
-``zarr.json`` claiming a tensor of 10^12 elements over a sparse file of matching size used to
-make ``load`` raise numpy's MemoryError and ``verify`` read the whole file into memory."""
+``zarr.json`` claiming a tensor of 10^12 elements over a sparse file of matching size must not
+make ``load`` allocate it (numpy's MemoryError) nor ``verify`` read the whole file into memory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rebuild repairs damaged metadata copies (issue 19): a node's damaged ``ckptfmt.json`` or
+"""Rebuild repairs damaged metadata copies: a node's damaged ``ckptfmt.json`` or
 ``zarr.json`` is written anew from the copy whose checksum holds (the majority where good copies
 disagree, which the output says), offline (``ckptfmt rebuild``) and at restore
 (``rebuild_collective``, every rank a thread). After each repair every file is byte-identical to

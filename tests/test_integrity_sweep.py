@@ -1,4 +1,4 @@
-"""Reliability sweep (issue 19): random single-bit flips in every kind of file of a checkpoint.
+"""Reliability sweep: random single-bit flips in every kind of file of a checkpoint.
 
 Two checkpoints: one saved by one process, and a level-1 checkpoint with XOR parity over two
 simulated nodes (``level1_util``, every rank a thread). Each flip is made in a real file, then:

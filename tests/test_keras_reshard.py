@@ -1,4 +1,4 @@
-"""A data-parallel Keras checkpoint saved by 4 workers, restored by 2 (issue 7), under real
+"""A data-parallel Keras checkpoint saved by 4 workers, restored by 2, under real
 ``mpiexec``, through ``BackupAndRestore`` and the core's ``CheckpointManager``.
 
 Two jobs of ``tests/_keras_reshard_worker.py`` (two launches: TensorFlow's import is the slow

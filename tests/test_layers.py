@@ -1,4 +1,4 @@
-"""The layers of the code, enforced (issue 15): the import contracts of ``pyproject.toml``
+"""The layers of the code, enforced: the import contracts of ``pyproject.toml``
 (``[tool.importlinter]``: the core's layers point down only, the collective protocol and the
 offline tools never import each other, the core imports no framework), no import of the project's
 own modules inside a function (the way to hide a cycle), and the adapters and the CLI importing

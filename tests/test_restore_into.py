@@ -1,5 +1,5 @@
 """``CheckpointManager.restore(state, into=True)``: the load reads straight into the caller's
-arrays (each tensor written once on the way in, issue 15's "fewer copies"), for whole tensors,
+arrays (each tensor written once on the way in, no second copy), for whole tensors,
 ``Shard`` boxes of a job of another size (threads as ranks) and bfloat16; arrays that cannot
 take their tensor as it is (a strided view, another dtype) are loaded and copied as before."""
 

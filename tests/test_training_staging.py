@@ -1,4 +1,4 @@
-"""Staging for the training loop (issue 12): buffers reused across saves and managers, the order
+"""Staging for the training loop: buffers reused across saves and managers, the order
 of staging and mutation (copy now, background copy, donate), save handles, and PyTorch staging
 (pinned device-to-host copies on a side stream where CUDA exists; the same path on CPU here)."""
 

@@ -1,4 +1,4 @@
-"""What a new user meets at the command line (issue 16): messages that name the CLI's flags;
+"""What a new user meets at the command line: messages that name the CLI's flags;
 ``verify`` of one node's directory of a level-1 checkpoint (what it is, and the ``{node}``
 template to use), of a loss within the redundancy (``ckptfmt rebuild`` suggested) and beyond it;
 ``inspect`` of a ``{node}`` template; an UNRECOVERABLE report that lists only what is lost; a

@@ -279,7 +279,7 @@ WORKER = str(REPO / "tests" / "_keras_worker.py")
 
 @pytest.mark.mpi
 def test_two_workers_resume_after_an_epochs_last_batch(tmp_path: Path) -> None:
-    """Issue 18's reproduction: 2 workers under mpiexec, 10 batches an epoch, a save every 10,
+    """2 workers under mpiexec, 10 batches an epoch, a save every 10,
     a worker killed in epoch 2 after the save at the end of epoch 1."""
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
     train = {"action": "train", "epochs": 4, "save_freq": 10}

@@ -1,4 +1,4 @@
-"""What a new PyTorch user hits (issue 16): a load that fails leaves every destination as it
+"""What a new PyTorch user hits: a load that fails leaves every destination as it
 was, bit for bit; a dtype mismatch is refused unless ``cast=`` allows it, and every conversion is
 reported; URLs are refused; a ``TrainingState`` loads a checkpoint whose per-rank state was
 dropped, with fresh RNG streams and a warning naming what was missing."""

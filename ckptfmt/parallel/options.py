@@ -1,5 +1,5 @@
 """The options of a :class:`~ckptfmt.parallel.manager.CheckpointManager` that come as objects
-(issue 15: options objects instead of long parameter lists): how its files are written
+(one object per concern instead of a long parameter list): how its files are written
 (:class:`~ckptfmt.format.options.WriteOptions`, the same object the one-process save and
 ``ckptfmt reshard`` take) and what it does when the job ends (:class:`ExitPolicy`). The
 manager's other keywords (levels, redundancy, cadence, retention, error handling) are its

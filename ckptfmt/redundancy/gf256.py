@@ -3,7 +3,7 @@
 Elements are bytes; addition is XOR; multiplication is polynomial multiplication modulo 0x11D,
 tabulated once as a 256 x 256 product table (64 KiB). Bulk work multiplies whole byte arrays by
 one constant through a 65,536-entry *pair table* per constant (two bytes per lookup), the fastest
-pure-numpy form measured (``/work/shared/BACKGROUND.md``: ~1 GB/s for RS 8+2 on one core).
+pure-numpy form measured (~1 GB/s for RS 8+2 on one core; ``bench/README.md``, ``bench_gf.py``).
 Where ISA-L is available (:mod:`ckptfmt.redundancy.isal`, from the optional ``pyeclib`` wheel),
 the bulk functions :func:`mul_add_blocks` and :func:`mul_xor_into` run on it instead, with the same
 bytes as the numpy path (``bench/README.md``: many times faster); :func:`set_backend` pins one.
