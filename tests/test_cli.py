@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +14,10 @@ import numpy as np
 import pytest
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import EXIT_STATUSES, ExitStatus, exit_status
-from ckptfmt_cli.main import cli
-from click.testing import CliRunner, Result
-from conftest import seal_if_sealed
+from click.testing import Result
+from kit.cli import run_cli as run
+from kit.faults import flip_bit
+from kit.files import seal_if_sealed
 from rich.console import Console
 
 import ckptfmt
@@ -58,22 +58,8 @@ def ckpt(tmp_path: Path) -> Path:
     return path
 
 
-def run(*args: str | os.PathLike[str]) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    # only click's own exits: anything else escaping a command is a bug
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    return result
-
-
 def shard_files(root: Path, tensor: str) -> list[Path]:
     return sorted(p for p in (root / tensor / "c").rglob("*") if p.is_file())
-
-
-def flip_bit(file: Path, byte: int = 0, bit: int = 3) -> None:
-    data = bytearray(file.read_bytes())
-    data[byte] ^= 1 << bit
-    file.write_bytes(bytes(data))
 
 
 # --- inspect ---------------------------------------------------------------------------------
@@ -232,7 +218,7 @@ def test_verify_healthy_exits_0(ckpt: Path) -> None:
 def test_verify_names_the_flipped_file_and_its_tensor(ckpt: Path) -> None:
     victim = shard_files(ckpt, "model/layer0/weight")[1]
     rel = victim.relative_to(ckpt).as_posix()
-    flip_bit(victim)
+    flip_bit(victim, 0, 3)
 
     result = run("verify", ckpt)
     assert result.exit_code == ExitStatus.DAMAGED
@@ -283,7 +269,7 @@ def test_verify_reports_a_directory_in_place_of_a_shard_as_damaged(ckpt: Path) -
 
 def test_verify_quiet_prints_nothing_but_keeps_the_status(ckpt: Path) -> None:
     assert run("verify", "-q", ckpt).stdout == ""
-    flip_bit(shard_files(ckpt, "rng")[0])
+    flip_bit(shard_files(ckpt, "rng")[0], 0, 3)
     result = run("verify", "--quiet", ckpt)
     assert result.exit_code == ExitStatus.DAMAGED
     assert result.stdout == ""
@@ -447,7 +433,7 @@ def test_the_installed_script_runs(ckpt: Path) -> None:
     assert {t["name"] for t in json.loads(proc.stdout)["tensors"]} == set(ARRAYS)
 
     victim = shard_files(ckpt, "model/layer0/bias")[0]
-    flip_bit(victim, byte=victim.stat().st_size - 1)  # in the shard index, this time
+    flip_bit(victim, victim.stat().st_size - 1, 3)  # in the shard index, this time
     proc = subprocess.run(
         [*ckptfmt_command(), "verify", str(ckpt)], capture_output=True, text=True, timeout=120
     )

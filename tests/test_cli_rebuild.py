@@ -1,6 +1,6 @@
 """``ckptfmt rebuild``: exit statuses 0/1/2/3, what it says, --dry-run, --json, --node, and that
 a repair beyond the tolerance writes nothing. The checkpoints are real level-1 saves of 8 ranks
-on 4 simulated nodes (``level1_util``: the collective save on thread ranks)."""
+on 4 simulated nodes (``kit.level1``: the collective save on thread ranks)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,14 @@ from typing import Any
 
 import pytest
 from ckptfmt_cli.exits import ExitStatus
-from ckptfmt_cli.main import cli
-from click.testing import CliRunner, Result
-from conftest import seal_if_sealed
-from level1_util import NODES8, flip, merge, save_level1, tree
+from kit.cli import run_cli as run
+from kit.faults import flip
+from kit.files import seal_if_sealed, tree
+from kit.level1 import NODES8, copy, merge, save_level1
 
 import ckptfmt
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.redundancy.record import member_files
-
-
-def run(*args: str | Path) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +30,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         save_level1(base / name, red)
         out[name] = base / name
     return out
-
-
-def copy(saved: dict[str, Path], name: str, tmp_path: Path) -> tuple[Path, str]:
-    root = tmp_path / name
-    shutil.copytree(saved[name], root)
-    return root, str(root / "{node}")
 
 
 def data_file(root: Path, rank: int, which: int = 0) -> Path:

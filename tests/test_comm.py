@@ -24,7 +24,8 @@ from _comm_worker import (
     ring_array,
     sha,
 )
-from mpi_util import REPO, assert_ok, describe, run_mpi, run_torchrun
+from kit import REPO
+from kit.launch import assert_ok, describe, run_mpi, run_torchrun
 
 from ckptfmt.errors import UsageError
 from ckptfmt.transport.comm import SingleComm

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import flip_bit, manifest_doc, raw_bytes, write_manifest
+from kit.arrays import raw_bytes
+from kit.faults import flip_bit
+from kit.files import manifest_doc, write_manifest
 
 import ckptfmt
 from ckptfmt.errors import (

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner
-from mpi_util import REPO, assert_ok, describe, run_mpi, run_torchrun
+from kit import REPO
+from kit.launch import assert_ok, describe, run_mpi, run_torchrun
 
 import ckptfmt
 

@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_value_equal
+from kit import REPO
+from kit.arrays import assert_value_equal
+from kit.cli import run_cli
+from kit.files import tree_snapshot
 
 import ckptfmt
 from ckptfmt.errors import DamagedError, NotACheckpointError
@@ -171,25 +174,10 @@ LEVEL1 = ("level1-partner", "level1-xor", "level1-rs2")
 BEYOND = "level1-xor-beyond"
 
 
-def run_cli(*args: str | Path) -> Any:
-    from ckptfmt_cli.main import cli
-    from click.testing import CliRunner
-
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    return result
-
-
 def copy_fixture(name: str, tmp_path: Path) -> Path:
     root = tmp_path / name
     shutil.copytree(FIXTURES / name, root)
     return root
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` and its bytes (directories only through their files)."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def merged(root: Path, nodes: list[str], dest: Path) -> Path:
@@ -203,7 +191,7 @@ def test_level1_fixtures_are_small_and_documented(expected: dict[str, Any]) -> N
     for name in (*LEVEL1, BEYOND):
         exp = expected[name]
         root = FIXTURES / exp["path"]
-        assert sum(len(b) for b in tree(root).values()) < 64 << 10, name
+        assert sum(len(b) for b in tree_snapshot(root).values()) < 64 << 10, name
         for d in exp["damage"]:
             where = root / d["node"]
             if "file" not in d:
@@ -297,7 +285,7 @@ def test_level1_fixture_beyond_tolerance_names_ranks_and_tensors(
     exp = expected[BEYOND]
     root = copy_fixture(BEYOND, tmp_path)
     template = str(root / "{node}")
-    before = tree(tmp_path)
+    before = tree_snapshot(tmp_path)
 
     result = run_cli("rebuild", "--no-fsync", template)
     assert result.exit_code == exp["rebuild_exit_status"] == 1, result.output
@@ -314,7 +302,7 @@ def test_level1_fixture_beyond_tolerance_names_ranks_and_tensors(
     assert doc["lost_ranks"] == exp["lost_ranks"]
     assert doc["lost_nodes"] == exp["lost_nodes"]
     assert doc["lost_tensors"] == exp["lost_tensors"]
-    assert tree(tmp_path) == before  # nothing written
+    assert tree_snapshot(tmp_path) == before  # nothing written
     listing = sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
     assert listing == sorted(
         p.relative_to(FIXTURES / BEYOND).as_posix() for p in (FIXTURES / BEYOND).rglob("*")

@@ -16,16 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import (
-    make_state,
-    manifest_doc,
-    memory_cap,
-    time_limit,
-    track_opens,
-    write_manifest,
-)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from kit.arrays import make_state
+from kit.files import manifest_doc, write_manifest
+from kit.guards import memory_cap, time_limit, track_opens
 
 import ckptfmt
 from ckptfmt.errors import CkptError, DamagedError, ManifestError

@@ -36,7 +36,8 @@ from typing import Any
 
 import hostsim
 import pytest
-from mpi_util import REPO, mpiexec
+from kit import REPO
+from kit.launch import mpiexec
 
 import ckptfmt
 

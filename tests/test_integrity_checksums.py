@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 from ckptfmt_cli.exits import ExitStatus
-from ckptfmt_cli.main import cli
-from click.testing import CliRunner, Result
-from conftest import REPO
-from level1_util import save_level1
+from kit import REPO
+from kit.cli import run_cli as run
+from kit.faults import flipped
+from kit.level1 import save_level1
 
 import ckptfmt
 from ckptfmt.checksum import crc32c
@@ -36,18 +36,6 @@ STATE: dict[str, Any] = {
     "optim": {"lr": 1e-05, "betas": [0.9, 0.999], "step": 12, "name": "adam"},
     "step": 12,
 }
-
-
-def run(*args: str | Path) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
-
-
-def flipped(data: bytes, bit: int) -> bytes:
-    out = bytearray(data)
-    out[bit // 8] ^= 1 << (bit % 8)
-    return bytes(out)
 
 
 @pytest.fixture

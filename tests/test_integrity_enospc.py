@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from kit import REPO
 
 UNSHARE = shutil.which("unshare")
 

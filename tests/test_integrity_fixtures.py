@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 from ckptfmt_cli.exits import ExitStatus
-from ckptfmt_cli.main import cli
-from click.testing import CliRunner, Result
-from conftest import REPO, assert_state_equal
+from kit import REPO
+from kit.arrays import assert_state_equal
+from kit.cli import run_cli as run
+from kit.files import tree_snapshot
 
 import ckptfmt
 from ckptfmt.errors import DamagedError, ManifestChecksumError, MetadataMismatchError
@@ -26,21 +27,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run(*args: str | Path) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
-
-
 @pytest.fixture(scope="module")
 def expected() -> dict[str, Any]:
     doc: dict[str, Any] = json.loads((FIXTURES / "EXPECTED-v2.json").read_text())
     assert doc["format_version"] == 2
     return doc
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_healthy_is_version_1_healthy_in_version_2(expected: dict[str, Any]) -> None:
@@ -55,8 +46,8 @@ def test_healthy_is_version_1_healthy_in_version_2(expected: dict[str, Any]) -> 
     assert ckptfmt.verify(root).healthy
     assert run("verify", root).exit_code == exp["cli_exit_status"]
     # everything but the manifest is the version-1 fixture's, byte for byte
-    assert {k: v for k, v in tree(root).items() if k != "ckptfmt.json"} == {
-        k: v for k, v in tree(v1).items() if k != "ckptfmt.json"
+    assert {k: v for k, v in tree_snapshot(root).items() if k != "ckptfmt.json"} == {
+        k: v for k, v in tree_snapshot(v1).items() if k != "ckptfmt.json"
     }
 
 

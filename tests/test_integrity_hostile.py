@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, memory_cap, seal_if_sealed
+from kit import REPO
+from kit.files import seal_if_sealed
+from kit.guards import memory_cap
 
 import ckptfmt
 from ckptfmt.dtypes import by_name
@@ -121,7 +123,7 @@ def test_a_fifo_for_a_zarr_json(ckpt: Path) -> None:
 
 
 def test_a_fifo_in_a_level1_node(tmp_path: Path) -> None:
-    from level1_util import save_level1
+    from kit.level1 import save_level1
 
     root = tmp_path / "l1"
     save_level1(root, "xor", ["n0", "n1"], set_size=2)

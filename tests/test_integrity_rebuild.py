@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 from ckptfmt_cli.exits import ExitStatus
-from ckptfmt_cli.main import cli
-from click.testing import CliRunner, Result
-from conftest import seal_if_sealed
-from level1_util import NODES4, flip, rank_state, save_level1, tree
+from kit.cli import run_cli as run
+from kit.faults import flip
+from kit.files import seal_if_sealed, tree_snapshot
+from kit.level1 import NODES4, copy, rank_state, save_level1
 
 import ckptfmt
 from ckptfmt import WriteOptions
@@ -25,17 +25,6 @@ from ckptfmt.parallel.rebuild import rebuild_collective
 from ckptfmt.transport.threads import run_threads
 
 NODES2 = ["n0", "n1"]
-
-
-def run(*args: str | Path) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    return result
-
-
-def files(root: Path) -> dict[str, bytes]:
-    return {k: v[0] for k, v in tree(root).items()}
 
 
 @pytest.fixture(scope="module")
@@ -48,26 +37,20 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def copy(saved: dict[str, Path], name: str, tmp_path: Path) -> tuple[Path, str]:
-    root = tmp_path / name
-    shutil.copytree(saved[name], root)
-    return root, str(root / "{node}")
-
-
 @pytest.mark.parametrize("node", NODES2)
 @pytest.mark.parametrize("rel", ["ckptfmt.json", "zarr.json", "model/zarr.json", "rng/zarr.json"])
 def test_offline_rebuild_rewrites_a_damaged_copy(
     saved: dict[str, Path], tmp_path: Path, node: str, rel: str
 ) -> None:
     root, template = copy(saved, "two", tmp_path)
-    healthy = files(root)
+    healthy = tree_snapshot(root)
     path = root / node / rel
     flip(path, len(path.read_bytes()) // 2, 0x04)
     assert run("verify", template).exit_code == ExitStatus.DAMAGED
     result = run("rebuild", "--no-fsync", template)
     assert result.exit_code == ExitStatus.OK, result.output
     assert f"{root / node}: {rel}" in result.output  # each file it rewrote
-    assert files(root) == healthy
+    assert tree_snapshot(root) == healthy
     assert run("verify", template).exit_code == ExitStatus.OK
 
 
@@ -75,7 +58,7 @@ def test_a_flip_in_a_redundancy_field_of_one_copy(saved: dict[str, Path], tmp_pa
     """It used to make both rebuild and verify exit 3 (invalid manifest), although the other
     node holds a good copy."""
     root, template = copy(saved, "two", tmp_path)
-    healthy = files(root)
+    healthy = tree_snapshot(root)
     path = root / "n0" / "ckptfmt.json"
     data = path.read_bytes()
     at = data.index(b'"chunk": ') + len(b'"chunk": ')  # a digit of a set's chunk size
@@ -84,10 +67,11 @@ def test_a_flip_in_a_redundancy_field_of_one_copy(saved: dict[str, Path], tmp_pa
     doc = json.loads(run("rebuild", "--dry-run", "--json", template).stdout)
     assert doc["status"] == "repairable"
     assert doc["damaged_metadata"] == [f"{root / 'n0'}: ckptfmt.json"]
-    assert files(root) == {**healthy, "n0/ckptfmt.json": path.read_bytes()}  # dry run: nothing
+    # a dry run: nothing written
+    assert tree_snapshot(root) == {**healthy, "n0/ckptfmt.json": path.read_bytes()}
     result = run("rebuild", "--no-fsync", template)
     assert result.exit_code == ExitStatus.OK, result.output
-    assert files(root) == healthy
+    assert tree_snapshot(root) == healthy
     assert run("verify", template).exit_code == ExitStatus.OK
 
 
@@ -97,7 +81,7 @@ def test_the_majority_of_disagreeing_good_copies_is_taken(
     """A copy whose checksum holds but that differs from the others (here: another step,
     resealed) is outvoted 3 to 1, and the output says so."""
     root, template = copy(saved, "four", tmp_path)
-    healthy = files(root)
+    healthy = tree_snapshot(root)
     odd = root / "n1" / "ckptfmt.json"
     doc: dict[str, Any] = json.loads(odd.read_bytes())
     doc["step"] = 6
@@ -108,18 +92,18 @@ def test_the_majority_of_disagreeing_good_copies_is_taken(
     assert result.exit_code == ExitStatus.OK, result.output
     assert "disagree" in result.output and "majority" in result.output
     assert f"{root / 'n1'}: ckptfmt.json" in result.output
-    assert files(root) == healthy
+    assert tree_snapshot(root) == healthy
 
 
 def test_data_and_metadata_damage_together(saved: dict[str, Path], tmp_path: Path) -> None:
     root, template = copy(saved, "two", tmp_path)
-    healthy = files(root)
+    healthy = tree_snapshot(root)
     flip(root / "n0" / "ckptfmt.json", 200)
     shard = next(p for p in sorted((root / "n1" / "model" / "w" / "c").rglob("*")) if p.is_file())
     flip(shard, 3)
     report = rebuild(template, fsync=False)
     assert report.lost_data == [1] and f"{root / 'n0'}: ckptfmt.json" in report.metadata
-    assert files(root) == healthy
+    assert tree_snapshot(root) == healthy
 
 
 def test_damaged_copies_everywhere_are_not_guessed(saved: dict[str, Path], tmp_path: Path) -> None:
@@ -127,11 +111,11 @@ def test_damaged_copies_everywhere_are_not_guessed(saved: dict[str, Path], tmp_p
     root, template = copy(saved, "two", tmp_path)
     for node in NODES2:
         flip(root / node / "ckptfmt.json", 100)
-    before = files(root)
+    before = tree_snapshot(root)
     result = run("rebuild", "--no-fsync", template)
     assert result.exit_code == ExitStatus.DAMAGED, result.output
     assert "CRC32C mismatch" in result.output
-    assert files(root) == before
+    assert tree_snapshot(root) == before
 
 
 # --- at restore: the collective rebuild ------------------------------------------------------
@@ -150,19 +134,19 @@ def test_restore_rebuild_rewrites_damaged_copies(
     saved: dict[str, Path], tmp_path: Path, node: str
 ) -> None:
     root, _ = copy(saved, "two", tmp_path)
-    healthy = files(root)
+    healthy = tree_snapshot(root)
     other = NODES2[1 - NODES2.index(node)]
     flip(root / node / "ckptfmt.json", 300)
     flip(root / other / "model" / "w" / "zarr.json", 40)
     reports = collective(root, NODES2)
     want = {f"{root / node}: ckptfmt.json", f"{root / other}: model/w/zarr.json"}
     assert all(set(r.metadata) == want and r.repaired for r in reports)
-    assert files(root) == healthy
+    assert tree_snapshot(root) == healthy
 
 
 def test_restore_takes_the_majority(saved: dict[str, Path], tmp_path: Path) -> None:
     root, _ = copy(saved, "four", tmp_path)
-    healthy = files(root)
+    healthy = tree_snapshot(root)
     odd = root / "n2" / "ckptfmt.json"
     doc: dict[str, Any] = json.loads(odd.read_bytes())
     doc["levels"]["1"]["note"] = "forged"  # a good checksum, same save, other bytes
@@ -170,7 +154,7 @@ def test_restore_takes_the_majority(saved: dict[str, Path], tmp_path: Path) -> N
     reports = collective(root, NODES4)
     assert reports[0].metadata == [f"{root / 'n2'}: ckptfmt.json"]
     assert "majority" in reports[0].notes[0]
-    assert files(root) == healthy
+    assert tree_snapshot(root) == healthy
 
 
 def test_restore_through_the_manager_repairs_and_loads(
@@ -181,7 +165,7 @@ def test_restore_through_the_manager_repairs_and_loads(
     from ckptfmt import CheckpointManager
 
     root, _ = copy(saved, "two", tmp_path)
-    healthy = files(root)
+    healthy = tree_snapshot(root)
     local = tmp_path / "local"
     for node in NODES2:  # the manager's layout: <local>/<node>/step-0000000005
         (local / node).mkdir(parents=True)
@@ -211,5 +195,5 @@ def test_restore_through_the_manager_repairs_and_loads(
         want = rank_state(rank, 2)
         assert (state["model"]["embed"] == want["model"]["embed"]).all()
     for node in NODES2:
-        got = files(local / node / "step-0000000005")
+        got = tree_snapshot(local / node / "step-0000000005")
         assert got == {k.split("/", 1)[1]: v for k, v in healthy.items() if k.startswith(node)}

@@ -1,7 +1,7 @@
 """Reliability sweep: random single-bit flips in every kind of file of a checkpoint.
 
 Two checkpoints: one saved by one process, and a level-1 checkpoint with XOR parity over two
-simulated nodes (``level1_util``, every rank a thread). Each flip is made in a real file, then:
+simulated nodes (``kit.level1``, every rank a thread). Each flip is made in a real file, then:
 
 * one process: ``verify`` and ``load`` must both find it (a report that is not healthy or a
   CkptError; a CkptError from ``load``), unless the file still parses to the same document
@@ -29,8 +29,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_state_equal
-from level1_util import save_level1, tree
+from kit.arrays import assert_state_equal
+from kit.faults import flipped
+from kit.files import tree
+from kit.level1 import save_level1
 
 import ckptfmt
 from ckptfmt.errors import CkptError
@@ -102,9 +104,7 @@ def pick(rng: random.Random, by_kind: dict[str, list[Region]]) -> tuple[str, str
 def flip_bit(path: Path, bit: int) -> bytes:
     """Flip ``bit`` of the file in place; the original bytes."""
     data = path.read_bytes()
-    out = bytearray(data)
-    out[bit // 8] ^= 1 << (bit % 8)
-    path.write_bytes(bytes(out))
+    path.write_bytes(flipped(data, bit))
     return data
 
 
@@ -155,7 +155,7 @@ def test_sweep_one_process(tmp_path: Path) -> None:
                 load_found = True
         finally:
             path.write_bytes(original)
-        benign = rel.endswith(".json") and same_document(original, _flipped(original, bit))
+        benign = rel.endswith(".json") and same_document(original, flipped(original, bit))
         where = f"flip {i}: {kind} {rel} bit {bit}"
         if load_found and verified:
             outcome = "detected"
@@ -232,12 +232,6 @@ def _detects(healthy: Callable[[], bool]) -> bool:
         return not healthy()
     except CkptError:
         return True
-
-
-def _flipped(data: bytes, bit: int) -> bytes:
-    out = bytearray(data)
-    out[bit // 8] ^= 1 << (bit % 8)
-    return bytes(out)
 
 
 def _equal(got: Any, want: Any) -> bool:

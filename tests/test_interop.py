@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 import safetensors.numpy as stnp
 from ckptfmt_cli.exits import ExitStatus
-from ckptfmt_cli.main import cli
-from click.testing import CliRunner, Result
-from conftest import REPO, assert_bit_equal, random_array
-from level1_util import NODES4, flip, merge, save_level1, tree, whole
+from kit import REPO
+from kit.arrays import assert_bit_equal, random_array
+from kit.cli import run_cli as run
+from kit.faults import flip
+from kit.files import leftovers, tree
+from kit.level1 import NODES4, merge, save_level1, whole
 from safetensors import safe_open
 
 import ckptfmt
@@ -44,18 +46,6 @@ NUMPY_DTYPES = [
     np.uint64, np.float16, np.float32, np.float64, np.complex64,
 ]  # fmt: skip
 ML_DTYPES = [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
-
-
-def run(*args: str | Path) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    return result
-
-
-def leftovers(parent: Path) -> list[str]:
-    """Dot-named staging or temporary entries an interrupted write would leave."""
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
 def raw_file(path: Path) -> dict[str, tuple[str, list[int], bytes]]:

@@ -19,22 +19,15 @@ torch = pytest.importorskip("torch")
 import ckptfmt_torch  # noqa: E402
 import safetensors.torch as sttorch  # noqa: E402
 from ckptfmt_cli.exits import ExitStatus  # noqa: E402
-from ckptfmt_cli.main import cli  # noqa: E402
 from ckptfmt_torch.interop import export_torch, import_dcp, import_torch  # noqa: E402
-from click.testing import CliRunner, Result  # noqa: E402
+from kit.cli import run_cli as run  # noqa: E402
+from kit.files import leftovers  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.errors import ForeignFormatError, PickleRefusedError  # noqa: E402
 from ckptfmt.interop import export_safetensors, import_safetensors  # noqa: E402
 
 pytestmark = pytest.mark.torch
-
-
-def run(*args: str | Path) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    return result
 
 
 class Net(torch.nn.Module):
@@ -67,10 +60,6 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert bits(a[k]) == bits(b[k]), k
-
-
-def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import ckptfmt_keras as ck  # noqa: E402
-from conftest import REPO  # noqa: E402
+from kit import REPO  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt import WriteOptions  # noqa: E402

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mpi_util import REPO, describe, run_mpi
+from kit import REPO
+from kit.launch import describe, run_mpi
 
 import ckptfmt
 from ckptfmt.container.reader import read_manifest

@@ -200,7 +200,7 @@ def test_one_process_launches_are_not_refused() -> None:
 def test_a_real_multi_rank_launch_without_a_comm_is_refused(tmp_path: Path, launcher: str) -> None:
     """Under a real ``mpiexec -n 2`` / ``torchrun --nproc-per-node 2``: every rank is refused
     with the comm to pass, and nothing is written."""
-    from mpi_util import assert_ok, run_mpi, run_torchrun
+    from kit.launch import assert_ok, run_mpi, run_torchrun
 
     script = tmp_path / "no_comm.py"
     script.write_text(

@@ -10,7 +10,7 @@ import textwrap
 import zipfile
 
 import pytest
-from conftest import REPO
+from kit import REPO
 
 
 @pytest.fixture(scope="module")

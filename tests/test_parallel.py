@@ -36,8 +36,9 @@ from _parallel_worker import (
 )
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner
-from conftest import assert_state_equal
-from mpi_util import REPO, describe, run_mpi, run_torchrun
+from kit import REPO
+from kit.arrays import assert_state_equal
+from kit.launch import describe, run_mpi, run_torchrun
 
 import ckptfmt
 from ckptfmt.container.reader import read_manifest

@@ -23,7 +23,7 @@ import pytest
 from ckptfmt_cli import render
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner
-from level1_util import NODES4, save_level1
+from kit.level1 import NODES4, save_level1
 from rich.console import Console
 from test_reshard_load import save as save_ranks
 

@@ -28,7 +28,9 @@ from typing import Any
 
 import pytest
 from _parallel_worker import digest, make_state, node_of, nodes
-from mpi_util import REPO, describe, run_mpi
+from kit import REPO
+from kit.faults import flip
+from kit.launch import describe, run_mpi
 from test_parallel import committed_steps, data_files, files_under, metadata_files
 
 from ckptfmt.container.reader import read_manifest
@@ -117,14 +119,6 @@ def parity_files(m: Manifest, node: str) -> set[str]:
         for r, p in zip(s["members"], s["parity"], strict=True)
         if m.ranks[r].node == node
     }
-
-
-def flip_bit(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, 1)
-        f.write(bytes([byte ^ 0x10]))
 
 
 # --- launching ------------------------------------------------------------------------------------
@@ -226,7 +220,7 @@ def damage(run: Run, name: str, sc: Scenario) -> None:
             rel = f"ckptfmt-redundancy/{rank}"
         path = l1(root, node) / step_dir_name(sc.newest) / rel
         run.flipped.setdefault(name, []).append((path, rank, path.read_bytes()))
-        flip_bit(path)
+        flip(path, path.stat().st_size // 2, 0x10)
     try:
         run.dry_before[name] = repair.rebuild(template(root, sc.newest), dry_run=True)
     except UnrecoverableDamageError as exc:

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from level1_util import NODES4, NODES8, flip, merge, save_level1, tree, whole
+from kit.faults import flip
+from kit.files import tree
+from kit.level1 import NODES4, NODES8, merge, save_level1, whole
 from test_redundancy import ref_inv, ref_mul, ref_solve
 
 import ckptfmt

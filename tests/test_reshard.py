@@ -35,7 +35,8 @@ from _reshard_worker import (
     rng_of,
     wants_of,
 )
-from mpi_util import REPO, describe, run_mpi
+from kit import REPO
+from kit.launch import describe, run_mpi
 from test_reshard_load import needed
 
 import ckptfmt

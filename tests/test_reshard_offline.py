@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kit.cli import run_cli
+from kit.faults import flip_bit
+from kit.files import leftovers
 from test_reshard_load import ROWS, full_state, per_rank_extra, rows_of, save
 
 import ckptfmt
@@ -30,10 +33,6 @@ from ckptfmt.plan.per_rank import PerRankError
 
 GRID = {"chunk_bytes": 1 << 10, "shard_bytes": 8 << 10, "fsync": False}
 WRITE = WriteOptions(**GRID)  # reshard takes the save's options object
-
-
-def leftovers(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
 
 
 def check_equal(dst: Path) -> dict[str, Any]:
@@ -105,17 +104,11 @@ def test_destination_is_refused_unless_overwrite(tmp_path: Path) -> None:
     assert read_manifest(tmp_path / "dst").world_size == 3
 
 
-def _flip(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[0] ^= 1
-    path.write_bytes(bytes(raw))
-
-
 def test_damaged_source_commits_nothing(tmp_path: Path) -> None:
     src = save(tmp_path, 2, 3)
     man = read_manifest(src)
     t = next(e for e in man.tensors() if e.path == "shards/w10")
-    _flip(src / t.regions[0].files[0].path)
+    flip_bit(src / t.regions[0].files[0].path, 0)
     with pytest.raises(DamagedError) as exc:
         reshard(src, tmp_path / "dst", 3, rows=["shards/*"], write=WRITE)
     assert "shards/w10" in str(exc.value)
@@ -166,13 +159,6 @@ def test_per_rank_entries_follow_the_rules(tmp_path: Path) -> None:
 # --- the command line -----------------------------------------------------------------------------
 
 
-def run_cli(*args: str) -> Any:
-    from ckptfmt_cli.main import cli
-    from click.testing import CliRunner
-
-    return CliRunner().invoke(cli, list(args), prog_name="ckptfmt")
-
-
 def test_cli_exit_statuses(tmp_path: Path) -> None:
     src = save(tmp_path, 2, 3, per_rank_extra)
     dst = str(tmp_path / "dst")
@@ -200,7 +186,7 @@ def test_cli_exit_statuses(tmp_path: Path) -> None:
     assert run_cli("verify", dst).exit_code == 0
     again = run_cli("reshard", str(src), dst, "--ranks", "2", *grid)
     assert again.exit_code == 2 and "already" in again.output  # refuses to overwrite
-    _flip(src / read_manifest(src).tensors()[0].regions[0].files[0].path)
+    flip_bit(src / read_manifest(src).tensors()[0].regions[0].files[0].path, 0)
     damaged = run_cli("reshard", str(src), str(tmp_path / "dst2"), "--ranks", "2",
                       "--rank-map", "identity", *grid)  # fmt: skip
     assert damaged.exit_code == 1, damaged.output

@@ -11,22 +11,20 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kit.arrays import (
     assert_bit_equal,
     assert_state_equal,
     assert_value_equal,
     iter_tensors,
     make_state,
-    manifest_doc,
     random_array,
     raw_bytes,
     special_floats,
-    track_opens,
-    tree_snapshot,
-    write_manifest,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from kit.files import manifest_doc, tree_snapshot, write_manifest
+from kit.guards import track_opens
 
 import ckptfmt
 from ckptfmt.dtypes import DTYPES

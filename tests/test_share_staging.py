@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from level1_util import tree
+from kit.files import tree
 
 from ckptfmt import CheckpointManager, CheckpointWarning, ExitPolicy, PerRank, Shard
 from ckptfmt.container.reader import read_manifest

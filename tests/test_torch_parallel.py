@@ -29,7 +29,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _torch_worker import Net, full_model_digest  # noqa: E402
-from mpi_util import REPO, describe, run_torchrun  # noqa: E402
+from kit import REPO  # noqa: E402
+from kit.launch import describe, run_torchrun  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

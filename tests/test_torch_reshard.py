@@ -47,7 +47,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mpi_util import REPO, describe, run_torchrun  # noqa: E402
+from kit import REPO  # noqa: E402
+from kit.launch import describe, run_torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

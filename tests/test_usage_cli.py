@@ -18,21 +18,15 @@ import numpy as np
 import pytest
 from ckptfmt_cli.exits import ExitStatus
 from ckptfmt_cli.main import cli
-from click.testing import CliRunner, Result
-from level1_util import NODES8, flip, save_level1
+from kit.cli import run_cli as run
+from kit.faults import flip
+from kit.level1 import NODES8, save_level1
 
 import ckptfmt
 from ckptfmt import WriteOptions
 from ckptfmt.errors import CkptError, DestinationUnwritableError, UsageError
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.redundancy.record import member_files
-
-
-def run(*args: str | Path) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptfmt")
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mpi_util import REPO, describe, run_mpi
+from kit import REPO
+from kit.launch import describe, run_mpi
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")

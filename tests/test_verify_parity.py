@@ -15,8 +15,9 @@ import pytest
 from ckptfmt_cli.exits import ExitStatus
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner
-from conftest import seal_if_sealed
-from level1_util import NODES8, flip, merge, save_level1
+from kit.faults import flip
+from kit.files import seal_if_sealed
+from kit.level1 import NODES8, copy, merge, save_level1
 
 import ckptfmt
 from ckptfmt.checksum import crc32c
@@ -34,12 +35,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, red in SCHEMES.items():
         save_level1(base / name, red)
     return {name: base / name for name in SCHEMES}
-
-
-def copy(saved: dict[str, Path], name: str, tmp_path: Path) -> tuple[Path, str]:
-    root = tmp_path / name
-    shutil.copytree(saved[name], root)
-    return root, str(root / "{node}")
 
 
 def all_data_files(root: Path) -> int:

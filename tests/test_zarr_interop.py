@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import iter_tensors, make_state, raw_bytes
+from kit.arrays import iter_tensors, make_state, raw_bytes
 
 import ckptfmt
 from ckptfmt.dtypes import of_array

@@ -5,9 +5,9 @@ hung test run), from the repository root, with this interpreter's virtual enviro
 captures its output. MPI ranks run as ``python -m mpi4py script``, so that an exception on one
 rank aborts the whole job instead of leaving the others waiting.
 
-Use from any test module (``tests/`` is on ``sys.path``)::
+Use from any test module::
 
-    from mpi_util import assert_ok, run_mpi
+    from kit.launch import assert_ok, run_mpi
 
     @pytest.mark.mpi
     def test_x(tmp_path):
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from kit import REPO
+
 BIN = Path(sys.executable).parent  # the venv's bin/ (tests run with .venv/bin/python)
 TIMED_OUT = (124, 137)  # timeout's status when the command ran out of time / had to be killed
 _KILL_AFTER_S = 5

@@ -4,7 +4,8 @@ several simulated nodes, every rank a thread (``ckptfmt.transport.ThreadComm``),
 ``save_level1(root, redundancy, nodes)`` saves :func:`rank_state` of every rank ``r`` into
 ``root/<nodes[r]>`` and returns the ``{node}`` template; :func:`whole` is what all the nodes'
 files together hold (tensor name -> array), :func:`merge` gathers the nodes' files in one
-directory (where ``ckptfmt.load`` reads them all), :func:`tree` snapshots a directory's files.
+directory (where ``ckptfmt.load`` reads them all), :func:`copy` copies one of several pristine
+saves for a test to damage.
 """
 
 from __future__ import annotations
@@ -94,21 +95,15 @@ def save_level1(
 
 
 def merge(root: Path, nodes: list[str], dest: Path) -> Path:
+    """Every node's files of the save at ``root`` in one directory ``dest``."""
     for node in sorted(set(nodes)):
         shutil.copytree(root / node, dest, dirs_exist_ok=True)
     return dest
 
 
-def tree(root: Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under ``root``: its bytes and modification time (ns)."""
-    return {
-        p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
-def flip(path: Path, byte: int = 3, mask: int = 0x20) -> None:
-    data = bytearray(path.read_bytes())
-    data[byte] ^= mask
-    path.write_bytes(bytes(data))
+def copy(saved: dict[str, Path], name: str, tmp_path: Path) -> tuple[Path, str]:
+    """A copy of the pristine save ``saved[name]`` under ``tmp_path`` (for a test to damage) and
+    its ``{node}`` template."""
+    root = tmp_path / name
+    shutil.copytree(saved[name], root)
+    return root, str(root / "{node}")
