@@ -140,9 +140,10 @@ def save_dcp(root: Path, n: int, n_rows: int) -> None:
 
 
 def m_export(ck: Path, out: Path) -> None:
+    from ckptfmt import WriteOptions
     from ckptfmt.interop import export_safetensors
 
-    export_safetensors(ck, out, fsync=False)
+    export_safetensors(ck, out, write=WriteOptions(fsync=False))
 
 
 def m_load_save_file(ck: Path, out: Path) -> None:
@@ -172,9 +173,10 @@ def m_dcp_torch(src: Path, out: Path) -> None:
 
 
 def m_import(src: Path, out: Path) -> None:
+    from ckptfmt import WriteOptions
     from ckptfmt.interop import import_safetensors
 
-    import_safetensors(src, out, fsync=False)
+    import_safetensors(src, out, write=WriteOptions(fsync=False))
 
 
 def m_copyfile(src: Path, out: Path) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 import ckptfmt
+from ckptfmt import WriteOptions
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_REPS = 5
@@ -71,8 +72,11 @@ def methods(model: keras.Model) -> dict[str, tuple[Callable[[Path], None], Calla
     """name -> (save to path, load from path); every method saves the weights and the optimizer."""
     tf_ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return {
-        "ckptfmt": (lambda p: ck.save(p, model), lambda p: ck.load(p, model)),
-        "ckptfmt_nofsync": (lambda p: ck.save(p, model, fsync=False), lambda p: ck.load(p, model)),
+        "ckptfmt": (lambda p: ck.save(model, p), lambda p: ck.load(model, p)),
+        "ckptfmt_nofsync": (
+            lambda p: ck.save(model, p, write=WriteOptions(fsync=False)),
+            lambda p: ck.load(model, p),
+        ),
         "h5": (
             lambda p: model.save_weights(str(p) + ".weights.h5"),
             lambda p: model.load_weights(str(p) + ".weights.h5"),

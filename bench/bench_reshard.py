@@ -201,7 +201,7 @@ def time_reshard(root: Path, rows: int, reps: int) -> dict[str, Any]:
         ),
         "reshard 4->2 (fsync)": lambda: reshard(root / "c4/l3" / STEP, out, 2, rows=["*"]),
         "load + save (one process)": lambda: ckptfmt.save(
-            ckptfmt.load(root / "c4/l3" / STEP), out, fsync=False
+            ckptfmt.load(root / "c4/l3" / STEP), out, write=WriteOptions(fsync=False)
         ),
         "copytree (bytes only, no checks)": lambda: shutil.copytree(root / "c4/l3" / STEP, out),
     }  # fmt: skip

@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import ckptfmt  # noqa: E402
+from ckptfmt import WriteOptions  # noqa: E402
 from ckptfmt.checkpoint import writer_threads  # noqa: E402
 
 GIB = 1 << 30
@@ -227,7 +228,7 @@ def raw_load(threads: int) -> Callable[[Case, Path], Any]:
 
 def ckpt_save(fsync: bool) -> Callable[[Case, Path], None]:
     def save(case: Case, path: Path) -> None:
-        ckptfmt.save(case.nested, path, fsync=fsync)
+        ckptfmt.save(case.nested, path, write=WriteOptions(fsync=fsync))
 
     return save
 

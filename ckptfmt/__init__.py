@@ -13,13 +13,13 @@ The on-disk format is specified in ``spec/FORMAT.md``.
 from __future__ import annotations
 
 from ckptfmt import errors
-from ckptfmt.checkpoint import load, save
-from ckptfmt.container.reader import Checkpoint, TensorView, latest, open_checkpoint
+from ckptfmt.checkpoint import load, open_checkpoint, save
+from ckptfmt.container.reader import Checkpoint, TensorView, latest
 from ckptfmt.errors import CkptError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.verify import VerifyReport, verify
 from ckptfmt.parallel.levels import list_levels
-from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning
+from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning, RestoreReport
 from ckptfmt.parallel.options import ExitPolicy
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.storage.progress import Progress, ProgressCallback
@@ -42,6 +42,7 @@ __all__ = [
     "Progress",
     "ProgressCallback",
     "ReadOptions",
+    "RestoreReport",
     "Shard",
     "SingleComm",
     "StepRef",

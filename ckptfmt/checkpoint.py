@@ -1,7 +1,11 @@
-"""Single-process save and load of a whole checkpoint (``ckptfmt.save`` / ``ckptfmt.load``).
+"""Single-process save, load and open of a whole checkpoint (``ckptfmt.save`` /
+``ckptfmt.load`` / ``ckptfmt.open``).
 
 ``save`` is the collective save of ``ckptfmt.parallel.protocol`` run by one process, so one
 code path writes every checkpoint; ``load`` reads every tensor whole, verifying every byte.
+``load`` and ``open`` read one directory, or a level-1 checkpoint spread over node directories
+(a ``{node}`` template or a mapping node -> directory) through ``maintenance.source``, which
+rebuilds a lost node's part from the redundancy into scratch space, never into the source.
 """
 
 from __future__ import annotations
@@ -9,25 +13,51 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.container.reader import check_allocation, check_documents, read_manifest, tensor_reads
-from ckptfmt.errors import StorageFullError, UsageError
+from ckptfmt.container.reader import (
+    Checkpoint,
+    Where,
+    check_allocation,
+    check_documents,
+    read_manifest,
+    tensor_reads,
+)
+from ckptfmt.errors import DamagedError, PerRankWarning, StorageFullError, UsageError
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
-from ckptfmt.manifest.model import GroupEntry, Manifest, TensorEntry, ValueEntry
+from ckptfmt.maintenance.nodes import NodeDirs
+from ckptfmt.maintenance.source import Source, open_whole
+from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
+from ckptfmt.manifest.model import (
+    GroupEntry,
+    Manifest,
+    PerRankValueEntry,
+    TensorEntry,
+    ValueEntry,
+)
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
+from ckptfmt.plan.options import ReadOptions
+from ckptfmt.plan.per_rank import resolve
 from ckptfmt.storage.files import Inside, storage_full
+from ckptfmt.storage.nodes import is_spread
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.transport.comm import SingleComm
 from ckptfmt.tree.state import flatten, unflatten
 
-__all__ = ["load", "save", "writer_threads"]
+__all__ = [
+    "load",
+    "load_own",
+    "load_with_manifest",
+    "open_checkpoint",
+    "save",
+    "writer_threads",
+]
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt supports little-endian hosts only")
 
@@ -37,17 +67,16 @@ def save(
     path: str | os.PathLike[str],
     *,
     step: int | None = None,
-    overwrite: bool = False,
-    fsync: bool = True,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    write: WriteOptions | None = None,
     progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Save ``state`` as a committed checkpoint directory at ``path``; return its manifest.
 
     ``state`` maps names to numpy arrays (any dtype of ``ckptfmt.dtypes``), JSON-able values or
-    further mappings. A committed checkpoint at ``path`` is replaced only with ``overwrite=True``;
-    a non-empty directory that is not a checkpoint is never written into. On any error nothing is
+    further mappings. ``write``: how the files are written (:class:`~ckptfmt.WriteOptions`:
+    chunk and shard sizes, fsync; default: the defaults with up to two writer threads); a
+    committed checkpoint at ``path`` is replaced only with ``WriteOptions(overwrite=True)``; a
+    non-empty directory that is not a checkpoint is never written into. On any error nothing is
     left at ``path`` that was not there before. This is the collective save of
     ``ckptfmt.parallel`` run by a single process. ``progress``: called with
     :class:`~ckptfmt.Progress` events (the bytes of the data files written; the last once the
@@ -56,7 +85,10 @@ def save(
     check_destination(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
-    if not 1 <= chunk_bytes <= min(shard_bytes, MAX_CHUNK_BYTES):
+    write = write if write is not None else WriteOptions(threads=writer_threads())
+    if not isinstance(write, WriteOptions):
+        raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
+    if not 1 <= write.chunk_bytes <= min(write.shard_bytes, MAX_CHUNK_BYTES):
         raise UsageError(
             f"need 1 <= chunk_bytes <= shard_bytes and chunk_bytes <= {MAX_CHUNK_BYTES}"
         )
@@ -68,9 +100,7 @@ def save(
                 path,
                 step=step,
                 node=socket.gethostname(),
-                write=WriteOptions(
-                    chunk_bytes, shard_bytes, writer_threads(), fsync, overwrite=overwrite
-                ),
+                write=write,
             )
             meter.finish()
     except SaveFailedError as exc:  # one process: re-raise its own error, not the vote's
@@ -100,9 +130,9 @@ def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> Non
         if isinstance(getattr(leaf, "nbytes", None), int)
     )
     raise full.with_context(
-        level=f"single-process save of {path}",
+        level="single-process save",
         needed=max(needed, full.needed or 0),
-        directory=str(path.absolute()),
+        path=str(path.absolute()),
     ) from None
 
 
@@ -112,27 +142,119 @@ def writer_threads() -> int:
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: NodeDirs,
     *,
+    read: ReadOptions | None = None,
     max_bytes: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> dict[str, Any]:
     """Load a whole checkpoint into memory as the nested structure that was saved, bit-exact.
 
+    ``path``: the checkpoint's directory; or a level-1 checkpoint spread over node-local
+    directories, as a ``{node}`` template (``/local/{node}/ckpt/step-0000000100``) or a mapping
+    node -> directory (as ``verify`` takes): each region is read from the directory of the node
+    that wrote it, and a node's part that is lost or damaged is rebuilt from the redundancy into
+    a temporary directory (``TMPDIR``), removed before this returns; the source directories are
+    only read.
+
     Every byte read is checked against its CRC32C, and every ``zarr.json`` against the manifest;
     damage raises a :class:`DamagedError` that names the file and the tensors it affects.
-    ``max_bytes``: the most the tensors may take in memory, checked against the manifest before
-    anything is allocated (:class:`AllocationLimitError`); None: the machine's physical memory
-    (or the address-space limit), 0: no limit. ``progress``: called with
-    :class:`~ckptfmt.Progress` events (the bytes of the data files read and verified), from
-    this thread (``ckptfmt.storage.progress``).
+    ``read``: :class:`~ckptfmt.ReadOptions`; one process reads every rank's part, so only its
+    ``threads`` (concurrent readers) applies, and a per-rank value comes back as the list of
+    every saved rank's. ``max_bytes``: the most the tensors may take in memory, checked against
+    the manifest before anything is allocated (:class:`AllocationLimitError`); None: the
+    machine's physical memory (or the address-space limit), 0: no limit. ``progress``: called
+    with :class:`~ckptfmt.Progress` events (the bytes of the data files read and verified),
+    from this thread (``ckptfmt.storage.progress``).
     """
+    return load_with_manifest(path, read=read, max_bytes=max_bytes, progress=progress)[0]
+
+
+def load_with_manifest(
+    path: NodeDirs,
+    *,
+    read: ReadOptions | None = None,
+    max_bytes: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> tuple[dict[str, Any], Manifest]:
+    """:func:`load`, and the manifest of what was loaded (for the adapters' in-place loads,
+    which return it)."""
+    leaves, manifest = _load(path, _read_options(read), max_bytes, progress)
+    return unflatten(leaves), manifest
+
+
+def load_own(
+    path: NodeDirs,
+    *,
+    read: ReadOptions | None = None,
+    progress: ProgressCallback | None = None,
+) -> tuple[dict[str, Any], Manifest]:
+    """:func:`load` by the one rank of a one-process job, and the manifest: what a collective
+    load of one rank gives (``ckptfmt.parallel.load_collective``), from any ``path``
+    :func:`load` takes. Per-rank entries follow ``read``'s ``rank_map`` and ``per_rank`` as
+    there (this process takes the items of at most one saved rank; :class:`PerRankError`
+    when the rules refuse), every tensor whole. The adapters' in-place loads of a ``{node}``
+    template in one process go through it."""
+    read = _read_options(read)
+    leaves, manifest = _load(path, read, None, progress)
+    per_rank = {
+        display(e.name): e
+        for e in manifest.entries
+        if isinstance(e, PerRankValueEntry) or (isinstance(e, TensorEntry) and e.per_rank)
+    }
+    found = resolve(list(per_rank), manifest.world_size, 1, read.rank_map, read.per_rank)
+    if found.warning:
+        warnings.warn(found.warning, PerRankWarning, stacklevel=2)
+    mine = found.sources[0]
+    own: list[tuple[tuple[str, ...], Any]] = []
+    for name, value in leaves:
+        if display(name) not in per_rank:
+            own.append((name, value))
+        elif mine is not None:
+            own.append((name, value[mine]))
+    return unflatten(own), manifest
+
+
+def _read_options(read: ReadOptions | None) -> ReadOptions:
+    read = read if read is not None else ReadOptions(threads=writer_threads())
+    if not isinstance(read, ReadOptions):
+        raise UsageError(f"read must be a ckptfmt.ReadOptions, got {type(read).__name__}")
+    return read
+
+
+def _load(
+    path: NodeDirs, read: ReadOptions, max_bytes: int | None, progress: ProgressCallback | None
+) -> tuple[list[tuple[tuple[str, ...], Any]], Manifest]:
+    """Every entry of the checkpoint at ``path`` (module docstring) and its manifest."""
+    if isinstance(path, Mapping) or is_spread(path):
+        with tempfile.TemporaryDirectory(prefix="ckptfmt-rebuild-") as scratch:
+            source = open_whole(path, Path(scratch))
+            check_allocation(source.manifest.tensors(), max_bytes)
+            try:
+                source.check_documents()
+                leaves = _read_all(source.manifest, source.inside, read.threads, progress)
+            except DamagedError:  # a CRC failed on level 1: rebuild from parity, read again
+                if not source.level1 or source.rebuilt_nodes:
+                    raise
+                source = source.with_rebuild(Path(scratch))
+                if not source.rebuilt_nodes:
+                    raise
+                leaves = _read_all(source.manifest, source.inside, read.threads, progress)
+            return leaves, source.manifest
     refuse_url(path)
     root = Path(path)
     manifest = read_manifest(root)
     src = Inside(root)
     check_documents(src, manifest)
     check_allocation(manifest.tensors(), max_bytes)
+    return _read_all(manifest, src, read.threads, progress), manifest
+
+
+def _read_all(
+    manifest: Manifest, src: Where, threads: int, progress: ProgressCallback | None
+) -> list[tuple[tuple[str, ...], Any]]:
+    """Every entry of ``manifest`` read from ``src``, as it was saved (a per-rank value as the
+    list of every rank's), by name."""
     leaves: list[tuple[tuple[str, ...], Any]] = []
     jobs: list[Callable[[], None]] = []
     sizes: list[int] = []  # each job's stored bytes (progress)
@@ -147,10 +269,36 @@ def load(
             leaves.append((e.name, {}))
         else:
             leaves.append((e.name, list(e.values)))
-    with metering("load", progress) as meter, ThreadPoolExecutor(writer_threads()) as pool:
+    with metering("load", progress) as meter, ThreadPoolExecutor(threads) as pool:
         meter.expect(sum(sizes))
         for future, size in zip([pool.submit(job) for job in jobs], sizes):
             future.result()  # the first damage found is raised
             meter.add(size, "read")
         meter.finish()
-    return unflatten(leaves)
+    return leaves
+
+
+def open_checkpoint(path: NodeDirs) -> Checkpoint:
+    """Open a committed checkpoint read-only (``ckptfmt.open``); see :class:`Checkpoint`.
+
+    ``path`` as for :func:`load`: one directory, or a level-1 checkpoint spread over node
+    directories (a ``{node}`` template or a mapping node -> directory), its lost or damaged
+    files (missing, of the wrong size, a damaged ``zarr.json``) rebuilt from the redundancy into
+    a temporary directory that lives as long as the returned object; a chunk whose CRC fails
+    when it is read raises :class:`DamagedError` (``load`` rebuilds then; ``ckptfmt rebuild``
+    repairs the source)."""
+    if not isinstance(path, Mapping) and not is_spread(path):
+        refuse_url(path)
+        return Checkpoint(path)
+    scratch = tempfile.TemporaryDirectory(prefix="ckptfmt-rebuild-")
+    source = open_whole(path, Path(scratch.name))
+    if not source.rebuilt_nodes:
+        scratch.cleanup()
+    return Checkpoint(_shown(source), manifest=source.manifest, src=source.inside, keep=scratch)
+
+
+def _shown(source: Source) -> str:
+    """The path a spread checkpoint's view names: its template, or its first node directory."""
+    if isinstance(source.spec, Mapping):
+        return str(min(source.dirs.values()))
+    return os.fspath(source.spec)

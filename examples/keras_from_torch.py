@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import ckptfmt
+from ckptfmt import WriteOptions
 
 # Keras variable path -> name in the PyTorch checkpoint
 NAME_MAP = {
@@ -66,12 +67,12 @@ def main(workdir: Path) -> None:
     net = TorchNet()
     path = workdir / "torch-ckpt"
     state = {name: t.detach().numpy() for name, t in net.state_dict().items()}
-    ckptfmt.save({"model": state, "step": 0}, path, overwrite=True)
+    ckptfmt.save({"model": state, "step": 0}, path, write=WriteOptions(overwrite=True))
     print("PyTorch checkpoint:", sorted(ckptfmt.open(path).keys()))
 
     model = keras_net()
     loaded = ckptfmt_keras.load_variables(
-        path, model, name_map=NAME_MAP, transform=transpose_kernels
+        model, path, name_map=NAME_MAP, transform=transpose_kernels
     )
     print("Keras variables set:", loaded)
 

@@ -2,8 +2,8 @@
 
     import ckptfmt_keras as ck
 
-    ck.save("ckpt/step-100", model, counters={"epoch": 3})   # model + optimizer, bit-exact
-    counters = ck.load("ckpt/step-100", model)               # into a model built the same way
+    ck.save(model, "ckpt/step-100", counters={"epoch": 3})   # model + optimizer, bit-exact
+    counters = ck.load(model, "ckpt/step-100").values("counters")  # into a model built alike
     ck.to_arrays(model)                                      # {"mlp/dense/kernel": ndarray, ...}
     ck.assign(model, arrays, name_map=..., transform=...)    # by name, nothing cast
 
@@ -23,17 +23,17 @@ process that never imports TensorFlow. Conversion only; saving, levels and resto
 
 from __future__ import annotations
 
+from ckptfmt.errors import ReplicaWarning, StateMismatchError
 from ckptfmt_keras.callback import BackupAndRestore
 from ckptfmt_keras.checkpoint import (
+    from_state,
     load,
     load_variables,
-    restore_training_state,
     save,
     save_variables,
-    training_state,
+    to_state,
 )
 from ckptfmt_keras.convert import (
-    StateMismatchError,
     assign,
     flat_names,
     named_variables,
@@ -42,7 +42,6 @@ from ckptfmt_keras.convert import (
 )
 from ckptfmt_keras.data import ResumableDataset
 from ckptfmt_keras.parallel import (
-    ReplicaWarning,
     average_arrays,
     average_gradients,
     broadcast_variables,
@@ -60,13 +59,13 @@ __all__ = [
     "broadcast_variables",
     "distributed_optimizer",
     "flat_names",
+    "from_state",
     "load",
     "load_variables",
     "named_variables",
     "nest",
-    "restore_training_state",
     "save",
     "save_variables",
     "to_arrays",
-    "training_state",
+    "to_state",
 ]

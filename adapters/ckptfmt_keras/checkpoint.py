@@ -22,8 +22,12 @@ from typing import Any
 import keras
 
 import ckptfmt
+from ckptfmt.checkpoint import load_with_manifest
+from ckptfmt.format import WriteOptions
+from ckptfmt.maintenance import NodeDirs
 from ckptfmt.manifest import Manifest
-from ckptfmt.tree import report_casts
+from ckptfmt.storage import ProgressCallback
+from ckptfmt.tree import Cast, check_policy, report_casts
 from ckptfmt_keras.convert import (
     AssignPlan,
     NameMap,
@@ -45,7 +49,7 @@ def _optimizer(model: keras.Model, optimizer: Any) -> Any:
     return getattr(model, "optimizer", None) if optimizer == AUTO else optimizer
 
 
-def training_state(
+def to_state(
     model: keras.Model,
     *,
     optimizer: Any = AUTO,
@@ -66,16 +70,16 @@ def training_state(
     return state
 
 
-def restore_training_state(
+def from_state(
     model: keras.Model,
     state: Mapping[str, Any],
     *,
     optimizer: Any = AUTO,
     metrics: bool = False,
     strict: bool = True,
-    cast: str | None = None,
+    cast: Cast = "no",
 ) -> dict[str, int]:
-    """Copy a state of :func:`training_state` into ``model`` (and its optimizer, built first if
+    """Copy a state of :func:`to_state` into ``model`` (and its optimizer, built first if
     it is not yet, and its metrics when asked); return the counters. Bit-exact; all or nothing:
     the model's, the optimizer's and the metrics' names, shapes and dtypes are all checked
     before any variable is changed (with ``strict``, every variable must be in the state).
@@ -120,61 +124,70 @@ def restore_training_state(
 
 
 def save(
-    path: str | os.PathLike[str],
     model: keras.Model,
+    path: str | os.PathLike[str],
     *,
     optimizer: Any = AUTO,
     counters: Mapping[str, int] | None = None,
     step: int | None = None,
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Save ``model`` (and its optimizer) as a ckptfmt checkpoint at ``path`` (one process;
-    several ranks use ``BackupAndRestore`` or ``ckptfmt.CheckpointManager``)."""
-    state = training_state(model, optimizer=optimizer, counters=counters)
-    return ckptfmt.save(state, path, step=step, overwrite=overwrite, fsync=fsync)
+    several ranks use ``BackupAndRestore`` or ``ckptfmt.CheckpointManager``); return its
+    manifest. ``write``, ``progress``: as for ``ckptfmt.save``."""
+    state = to_state(model, optimizer=optimizer, counters=counters)
+    return ckptfmt.save(state, path, step=step, write=write, progress=progress)
 
 
 def load(
-    path: str | os.PathLike[str],
     model: keras.Model,
+    path: NodeDirs,
     *,
     optimizer: Any = AUTO,
     strict: bool = True,
-    cast: str | None = None,
-) -> dict[str, int]:
+    cast: Cast = "no",
+    progress: ProgressCallback | None = None,
+) -> Manifest:
     """Load a checkpoint written by :func:`save` into ``model`` (and its optimizer); every byte
-    is verified. Returns the saved counters (empty when there were none). All or nothing, and
-    ``cast`` as :func:`restore_training_state`."""
-    return restore_training_state(
-        model, ckptfmt.load(path), optimizer=optimizer, strict=strict, cast=cast
-    )
+    is verified. Returns its manifest: the saved counters are
+    ``load(model, path).values("counters")``. All or nothing, and ``cast`` as
+    :func:`from_state`. ``path`` and ``progress``: as for ``ckptfmt.load`` (a ``{node}``
+    template of level-1 copies too)."""
+    check_policy(cast)  # a usage error before anything is read
+    state, manifest = load_with_manifest(path, progress=progress)
+    from_state(model, state, optimizer=optimizer, strict=strict, cast=cast)
+    return manifest
 
 
 def save_variables(
-    path: str | os.PathLike[str],
     obj: Any,
+    path: str | os.PathLike[str],
     *,
     step: int | None = None,
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Save the variables of any object ``to_arrays`` takes (a ``tf.Module``, a Keras layer or
-    optimizer, a mapping or list of variables), by name, as a ckptfmt checkpoint."""
-    return ckptfmt.save(nest(to_arrays(obj)), path, step=step, overwrite=overwrite, fsync=fsync)
+    optimizer, a mapping or list of variables), by name, as a ckptfmt checkpoint; return its
+    manifest. ``write``, ``progress``: as for ``ckptfmt.save``."""
+    return ckptfmt.save(nest(to_arrays(obj)), path, step=step, write=write, progress=progress)
 
 
 def load_variables(
-    path: str | os.PathLike[str],
     obj: Any,
+    path: NodeDirs,
     *,
     strict: bool = True,
     name_map: NameMap | None = None,
     transform: Transform | None = None,
-    cast: str | None = None,
+    cast: Cast = "no",
 ) -> list[str]:
     """Assign the tensors of the checkpoint at ``path`` to the variables of ``obj`` by name
-    (see ``assign``; only the tensors used are read, each verified); return the names set."""
+    (see ``assign``; only the tensors used are read, each verified); return the names set.
+    It reads lazily (``ckptfmt.open``, a ``{node}`` template too), so it returns the names
+    rather than a manifest, and takes no ``progress``: what it reads is decided tensor by
+    tensor as they are assigned."""
     view = typing.cast(
         Mapping[str, Any], ckptfmt.open(path)
     )  # read lazily, by name, like a mapping

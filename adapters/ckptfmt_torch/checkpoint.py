@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from ckptfmt import __version__
-from ckptfmt.checkpoint import writer_threads
+from ckptfmt.checkpoint import load_own, writer_threads
 from ckptfmt.container import ManifestMeta
 from ckptfmt.errors import UsageError
 from ckptfmt.format import WriteOptions
+from ckptfmt.maintenance import NodeDirs
+from ckptfmt.manifest import Manifest
 from ckptfmt.parallel import (
     CheckpointManager,
     SaveFailedError,
@@ -32,10 +34,10 @@ from ckptfmt.parallel import (
     resolve_node,
     save_collective,
 )
-from ckptfmt.plan import PerRankMode, RankMap, ReadOptions
-from ckptfmt.storage import check_destination, refuse_url
+from ckptfmt.plan import ReadOptions
+from ckptfmt.storage import ProgressCallback, check_destination, is_spread, metering, refuse_url
 from ckptfmt.transport import Comm, SingleComm
-from ckptfmt.tree import PerRank, Shard, arrays_of
+from ckptfmt.tree import Cast, PerRank, Shard, arrays_of, check_policy
 from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import from_state, to_state, wants_of
 
@@ -73,14 +75,14 @@ def save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
-    comm: Comm | None = None,
     step: int | None = None,
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
+    progress: ProgressCallback | None = None,
+    comm: Comm | None = None,
     node: str | None = None,
-) -> None:
+) -> Manifest:
     """Collective (every rank of ``comm``, by default of torch.distributed's default group):
-    save ``state_dict`` as one committed checkpoint directory at ``path``.
+    save ``state_dict`` as one committed checkpoint directory at ``path``; return its manifest.
 
     ``state_dict`` maps names to tensors (DTensors: each rank its shard), objects with
     ``state_dict()`` (modules, optimizers, schedulers, ``TrainingState``), ``ckptfmt.PerRank``
@@ -88,48 +90,64 @@ def save(
     every rank sees (shared storage); for node-local levels use ``CheckpointManager``. Nothing is
     pickled: anything else raises :class:`ckptfmt.errors.UnsupportedValueError` before a byte is
     written. The tensors are read in place (no copy); do not modify them until ``save`` returns.
+    ``write``, ``progress``: as for ``ckptfmt.save`` (the same on every rank; each rank's
+    events count its own share). ``node``: this rank's node name, as the manager takes it.
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
     check_destination(path)
+    write = write if write is not None else WriteOptions(threads=writer_threads())
+    if not isinstance(write, WriteOptions):
+        raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
     comm = comm or default_comm()
     state = to_state(state_dict)
     try:
-        save_collective(
-            comm,
-            state,
-            path,
-            step=step,
-            node=resolve_node(node),
-            write=WriteOptions(overwrite=overwrite, fsync=fsync, threads=writer_threads()),
-            meta=ManifestMeta(writer=writer_info()),
-        )
+        with metering("save", progress) as meter:
+            manifest, _ = save_collective(
+                comm,
+                state,
+                path,
+                step=step,
+                node=resolve_node(node),
+                write=write,
+                meta=ManifestMeta(writer=writer_info()),
+            )
+            meter.finish()
     except SaveFailedError as exc:
         if comm.size == 1 and exc.cause is not None:  # one process: its own error, not the vote's
             raise exc.cause from None
         raise
+    return manifest
 
 
 def load(
     state_dict: MutableMapping[str, Any],
-    path: str | os.PathLike[str],
+    path: NodeDirs,
     *,
-    comm: Comm | None = None,
-    rank_map: RankMap = None,
-    per_rank: PerRankMode = "error",
-    cast: str | None = None,
+    read: ReadOptions | None = None,
+    cast: Cast = "no",
     into: bool = False,
-) -> int | None:
+    progress: ProgressCallback | None = None,
+    comm: Comm | None = None,
+) -> Manifest:
     """Collective (as ``save``): load the checkpoint at ``path`` into ``state_dict`` in place and
-    return its step.
+    return its manifest (``.step``; ``.values(prefix)`` its JSON values).
 
     Tensors are copied into (a DTensor's local shard gets its box of the saved tensor, whatever
     the layout or number of ranks that saved it), stateful objects get ``load_state_dict``,
     values are replaced, ``PerRank`` leaves get this rank's own value. Every name in
     ``state_dict`` must be in the checkpoint; names only the checkpoint has are added. Every byte
-    read is verified. With another number of ranks than the save's, per-rank entries (RNG
-    states, data positions) need ``rank_map`` (saved rank -> current rank, or ``"identity"``) or
-    ``per_rank="drop"``, which leaves this rank's own ``PerRank`` leaves as they are.
+    read is verified. ``read`` (:class:`~ckptfmt.ReadOptions`, the same on every rank): with
+    another number of ranks than the save's, per-rank entries (RNG states, data positions) need
+    its ``rank_map`` (saved rank -> current rank, or ``"identity"``) or ``per_rank="drop"``,
+    which leaves this rank's own ``PerRank`` leaves as they are. ``progress``: as for
+    ``ckptfmt.load`` (each rank's events count what it reads and receives).
+
+    ``path``: the checkpoint's directory, which every rank sees; in one process, also a level-1
+    checkpoint spread over node directories (a ``{node}`` template or a mapping node ->
+    directory, as ``ckptfmt.load`` takes it: a lost node's part rebuilt from the redundancy
+    into a temporary directory, the source only read; every tensor read whole, ``into``
+    unused). Several ranks read level-1 copies through ``CheckpointManager.restore``.
 
     All or nothing: names, shapes, dtypes and boxes are checked before anything is written, so a
     load that raises leaves every tensor and object of ``state_dict`` as it was. A dtype that
@@ -143,16 +161,28 @@ def load(
     load that fails part-way, or then finds a name or shape that does not match, may already
     have written into some tensors.
     """
-    refuse_url(path)
+    read = read if read is not None else ReadOptions(threads=writer_threads())
+    if not isinstance(read, ReadOptions):
+        raise UsageError(f"read must be a ckptfmt.ReadOptions, got {type(read).__name__}")
+    check_policy(cast)  # a usage error before anything is read
     comm = comm or default_comm()
     state = to_state(state_dict)
-    wants = wants_of(state)
-    targets = arrays_of(state) if into else None
-    loaded, manifest = load_collective(
-        comm, path, wants, read=ReadOptions(rank_map, per_rank), into=targets
-    )
-    from_state(state_dict, loaded, keep_per_rank=per_rank == "drop", cast=cast)
-    return manifest.step
+    if isinstance(path, Mapping) or is_spread(path):
+        if comm.size != 1:
+            raise UsageError(
+                "a {node} template or a mapping node -> directory is loaded by one process; "
+                "a job's ranks restore level-1 copies with CheckpointManager.restore"
+            )
+        loaded, manifest = load_own(path, read=read, progress=progress)
+    else:
+        refuse_url(path)
+        wants = wants_of(state)
+        targets = arrays_of(state) if into else None
+        with metering("load", progress) as meter:
+            loaded, manifest = load_collective(comm, path, wants, read=read, into=targets)
+            meter.finish()
+    from_state(state_dict, loaded, keep_per_rank=read.per_rank == "drop", cast=cast)
+    return manifest
 
 
 def restore(
@@ -180,15 +210,14 @@ def restore(
     again). Tensors on a device are loaded into host buffers and copied, as without it.
     """
     if into:
-        step = manager.restore(to_state(state_dict), strict=False, cast=cast, into=True)
+        report = manager.restore(to_state(state_dict), strict=False, cast=cast, into=True)
     else:
-        step = manager.restore(_detached(to_state(state_dict)), apply=False)
-    if step is not None:
-        if manager.restored_state is None:  # pragma: no cover - restore sets it with a step
+        report = manager.restore(_detached(to_state(state_dict)), apply=False)
+    if report.restored:
+        if report.state is None:  # pragma: no cover - restore sets it with a step
             raise UsageError("the manager restored a step but kept no state")
-        loaded = manager.restored_state
-        from_state(state_dict, loaded, cast=cast)  # checks everything before it writes
-    return step
+        from_state(state_dict, report.state, cast=cast)  # checks everything before it writes
+    return report.step
 
 
 def _detached(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,7 +225,7 @@ def _detached(state: Mapping[str, Any]) -> dict[str, Any]:
     ``Shard`` boxes, but none of the tensors' memory, so that nothing reaches a tensor before
     ``from_state`` has checked everything (``apply=False`` already keeps the manager from
     writing; this holds even if it did). Each array is one element seen at every index (a
-    writable zero-stride view, no memory); what was loaded is in ``manager.restored_state``."""
+    writable zero-stride view, no memory); what was loaded is in the report's ``state``."""
     out: dict[str, Any] = {}
     for k, v in state.items():
         if isinstance(v, Mapping):

@@ -30,9 +30,10 @@ from ckptfmt.errors import (
     PickleRefusedError,
     UsageError,
 )
+from ckptfmt.format import WriteOptions
 from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
 from ckptfmt.manifest import display
-from ckptfmt.storage import fsync_dir
+from ckptfmt.storage import ProgressCallback, fsync_dir, metering
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
 
@@ -44,16 +45,21 @@ def export_torch(
     strip: str = "model/",
     renames: Iterable[str | Rename | tuple[str, str]] = (),
     dtype: str | None = None,
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ExportReport:
     """Write the checkpoint ``src`` as one ``torch.save`` file ``out`` of a flat state dict
     (``name -> tensor``: the names, selection and casts of
-    :func:`ckptfmt.interop.export_safetensors`). The whole state is in memory once (``torch.save``
-    takes it whole); the file appears by rename, complete or not at all."""
+    :func:`ckptfmt.interop.export_safetensors`, and its ``write``: ``fsync``, ``overwrite``).
+    The whole state is in memory once (``torch.save`` takes it whole); the file appears by
+    rename, complete or not at all. ``progress``: :class:`~ckptfmt.Progress` events
+    (``op="export"``): the tensors' bytes, counted once the file is written (``torch.save``
+    writes it in one call)."""
     started = time.perf_counter()
+    write = write if write is not None else WriteOptions()
+    fsync = write.fsync
     out_path = Path(out).absolute()
-    if out_path.exists() and not overwrite:
+    if out_path.exists() and not write.overwrite:
         raise DestinationExistsError(
             str(out_path), "it exists (--overwrite, overwrite=True, replaces it)"
         )
@@ -64,18 +70,21 @@ def export_torch(
     state = {name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.export-{os.urandom(8).hex()}")
-    try:
-        with open(tmp, "xb") as f:
-            torch.save(state, f)
-            f.flush()
+    with metering("export", progress) as meter:
+        meter.expect(sum(a.nbytes for _, a in named))
+        try:
+            with open(tmp, "xb") as f:
+                torch.save(state, f)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, out_path)
             if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-        if fsync:
-            fsync_dir(out_path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+                fsync_dir(out_path.parent)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        meter.finish()
     entries = {display(t.name): t for t in source.manifest.tensors()}
     names = dict(zip(_selected(source, rows, strip), (n for n, _ in named)))
     floats = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
@@ -145,19 +154,19 @@ def import_torch(
     *,
     prefix: str | None = None,
     renames: Iterable[str | Rename | tuple[str, str]] = (),
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
     step: int | None = None,
     ranks: int = 1,
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
+    progress: ProgressCallback | None = None,
 ) -> ImportReport:
     """Import a ``torch.save`` file (a state dict, possibly nested, of tensors and plain values)
     as the checkpoint ``out``, read with ``torch.load(weights_only=True)`` only. ``prefix``:
     where the names go (default: ``model`` for a flat state dict of tensors, else the file's own
     structure); ``renames``: ``OLD=NEW`` prefix rules on the '/'-joined source names;
-    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks
-    (``ckptfmt.interop.import_named``)."""
+    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks, ``write`` and
+    ``progress`` (``op="import"``) as for ``ckptfmt.interop.import_named``."""
     started = time.perf_counter()
     path = Path(src)
     if not path.is_file():
@@ -181,13 +190,13 @@ def import_torch(
         files=[str(path)],
         prefix=_auto_prefix(obj, prefix),
         renames=renames,
-        overwrite=overwrite,
-        fsync=fsync,
+        write=write,
         step=step,
         started=started,
         ranks=ranks,
         nodes=nodes,
         rows=rows,
+        progress=progress,
     )
 
 
@@ -198,12 +207,12 @@ def import_dcp(
     trust_pickle: bool = False,
     prefix: str | None = None,
     renames: Iterable[str | Rename | tuple[str, str]] = (),
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
     step: int | None = None,
     ranks: int = 1,
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
+    progress: ProgressCallback | None = None,
 ) -> ImportReport:
     """Import a ``torch.distributed.checkpoint`` directory as the checkpoint ``out``, read by
     DCP's own ``FileSystemReader`` in this process (the whole state in memory, as DCP's
@@ -211,8 +220,8 @@ def import_dcp(
 
     DCP's ``.metadata`` is a pickle, which its reader unpickles: only with ``trust_pickle=True``
     (a checkpoint from someone you trust); :class:`PickleRefusedError` otherwise, before any
-    file is opened. ``prefix``, ``renames``, ``ranks``, ``nodes``, ``rows``: as for
-    :func:`import_torch`."""
+    file is opened. ``prefix``, ``renames``, ``write``, ``ranks``, ``nodes``, ``rows``,
+    ``progress``: as for :func:`import_torch`."""
     started = time.perf_counter()
     path = Path(src)
     meta = path / ".metadata"
@@ -249,13 +258,13 @@ def import_dcp(
         files=sorted(str(p) for p in path.iterdir() if p.is_file()),
         prefix=_auto_prefix(sd, prefix),
         renames=renames,
-        overwrite=overwrite,
-        fsync=fsync,
+        write=write,
         step=step,
         started=started,
         ranks=ranks,
         nodes=nodes,
         rows=rows,
+        progress=progress,
     )
 
 

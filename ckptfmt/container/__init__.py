@@ -8,7 +8,6 @@ from ckptfmt.container.reader import (
     Checkpoint,
     TensorView,
     latest,
-    open_checkpoint,
     read_manifest,
 )
 
@@ -16,7 +15,6 @@ __all__ = [
     "ManifestMeta",
     "Checkpoint",
     "latest",
-    "open_checkpoint",
     "read_manifest",
     "TensorView",
     "utc_now",

@@ -125,7 +125,16 @@ def geometry(t: TensorEntry) -> Geometry:
     return Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
 
 
-def read_tensor(src: Inside, t: TensorEntry, pool: Executor | None = None) -> np.ndarray:
+Where = Inside | Callable[[int], Inside]
+"""Where a checkpoint's files are: one directory, or (a level-1 checkpoint spread over node
+directories) the directory of the node of each saved rank (rank -> directory)."""
+
+
+def _inside(src: Where, rank: int) -> Inside:
+    return src if isinstance(src, Inside) else src(rank)
+
+
+def read_tensor(src: Where, t: TensorEntry, pool: Executor | None = None) -> np.ndarray:
     """A whole tensor, every byte verified (shard files read concurrently with ``pool``)."""
     out, jobs = tensor_reads(src, t)
     if pool is None or len(jobs) < 2:
@@ -138,28 +147,34 @@ def read_tensor(src: Inside, t: TensorEntry, pool: Executor | None = None) -> np
 
 
 def tensor_reads(
-    src: Inside, t: TensorEntry, sizes: list[int] | None = None
+    src: Where,
+    t: TensorEntry,
+    sizes: list[int] | None = None,
+    into: Callable[[], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, list[Callable[[], None]]]:
-    """The destination of a whole tensor and the jobs (one per shard file) that fill it.
-    ``sizes``: each job's stored bytes are appended to it, in the order of the jobs (a
-    progress count).
+    """The destination of a whole tensor and the jobs (one per shard file) that fill it, each
+    region from the directory of the rank that wrote it. ``sizes``: each job's stored bytes
+    are appended to it, in the order of the jobs (a progress count). ``into()`` gives the
+    destination (C-contiguous, ``t``'s shape and dtype: a mapped window of an output file,
+    say); default a new array.
 
     File sizes are checked against the manifest before the tensor's memory is allocated, so a
     hostile manifest cannot make a reader allocate what the disk does not hold."""
     geo = geometry(t)
     for r in t.regions:
         for ref in r.files:
-            src.check_size(ref.path, ref.size, (display(t.name),))
-    out = np.empty(t.shape, dtype=geo.dtype)
+            _inside(src, r.rank).check_size(ref.path, ref.size, (display(t.name),))
+    out = np.empty(t.shape, dtype=geo.dtype) if into is None else into()
     jobs: list[Callable[[], None]] = []
     for r in t.regions:
+        inside = _inside(src, r.rank)
         view = out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))] if t.shape else out
         if view.flags.c_contiguous:
-            jobs += region_reads(src, geo, r.files, r.offset, view, (display(t.name),))
+            jobs += region_reads(inside, geo, r.files, r.offset, view, (display(t.name),))
             if sizes is not None:
                 sizes += [f.size for f in r.files]
         else:  # a region narrower than the tensor on a trailing axis: read, then place
-            jobs.append(functools.partial(_read_and_place, src, geo, r, view, display(t.name)))
+            jobs.append(functools.partial(_read_and_place, inside, geo, r, view, display(t.name)))
             if sizes is not None:
                 sizes.append(sum(f.size for f in r.files))
     return out, jobs
@@ -208,7 +223,7 @@ class TensorView:
     """A lazily read tensor of an open checkpoint: shape, dtype and sizes without reading data;
     indexing reads only the shard files the selection touches, verifying what it reads."""
 
-    src: Inside
+    src: Where
     entry: TensorEntry
 
     @property
@@ -253,7 +268,7 @@ class TensorView:
         lo = tuple(a // h for (a, _), h in zip(bounds, t.shard_shape))
         hi = tuple(-(-b // h) for (_, b), h in zip(bounds, t.shard_shape))
         by_cell = {
-            geo.cell_of([o + i * h for o, i, h in zip(r.offset, idx, t.shard_shape)]): f
+            geo.cell_of([o + i * h for o, i, h in zip(r.offset, idx, t.shard_shape)]): (f, r.rank)
             for r in t.regions
             for idx, f in zip(
                 cells((0,) * len(r.shape), [-(-s // h) for s, h in zip(r.shape, t.shard_shape)]),
@@ -261,9 +276,9 @@ class TensorView:
             )
         }
         for cell in cells(lo, hi):
-            ref = by_cell[cell]
+            ref, rank = by_cell[cell]
             for s, chunk in decode_shard(
-                read_file(self.src, ref, tensors), geo, cell, ref, tensors
+                read_file(_inside(self.src, rank), ref, tensors), geo, cell, ref, tensors
             ):
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]
@@ -279,12 +294,24 @@ class TensorView:
 
 class Checkpoint:
     """A committed checkpoint opened read-only (``ckptfmt.open``). Nothing but the manifest is
-    read until a tensor is indexed."""
+    read until a tensor is indexed.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``path``: its directory. A checkpoint spread over node directories is given as its
+    ``manifest`` and ``src`` (rank -> the directory holding that rank's files); ``keep``: what
+    must live as long as this object (a scratch directory its reads go to)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        manifest: Manifest | None = None,
+        src: Where | None = None,
+        keep: object = None,
+    ) -> None:
         self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        self._src = Inside(self.path)
+        self.manifest = read_manifest(self.path) if manifest is None else manifest
+        self._src: Where = Inside(self.path) if src is None else src
+        self._keep = keep
         self._entries = {display(e.name): e for e in self.manifest.entries}
 
     @property
@@ -326,17 +353,12 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, step={self.step}, entries={len(self._entries)})"
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a committed checkpoint read-only; see :class:`Checkpoint`."""
-    return Checkpoint(path)
-
-
 def latest(root: str | os.PathLike[str]) -> StepRef | None:
     """The newest :class:`StepRef` ``(step, path)`` under a checkpoint root whose manifest
     reads and parses.
 
     Step directories are named ``step-0000000100`` (what the manager and ``step_dir_name``
-    write); ``step-100``, a name given by hand, counts too (``spec/FORMAT.md`` §14). Steps
+    write); ``step-100``, a name given by hand, counts too (``spec/PROTOCOL.md`` §4). Steps
     whose manifest is missing or damaged are skipped (a torn save never becomes latest); their
     data is not read here, ``verify`` does that.
     """

@@ -2,7 +2,7 @@
 
 Because ckptfmt stores every tensor at its global shape, consolidating a checkpoint saved by
 many ranks is a streaming read, not a gather: each tensor is read whole (its regions from
-whichever ranks' files hold them, every chunk CRC checked, ``interop.source``), cast if asked,
+whichever ranks' files hold them, every chunk CRC checked, ``maintenance.source``), cast if asked,
 and written at its place in its output file; a bounded window of tensors is read ahead on
 ``threads`` threads while the main thread writes, so memory stays within about one output shard
 (``window_bytes``, at most the shard size) whatever the checkpoint's size. Headers are computed
@@ -32,14 +32,16 @@ import numpy as np
 
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import DamagedError, DestinationExistsError, UnsupportedDtypeError, UsageError
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
 from ckptfmt.interop.names import Rename, export_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import CODE_OF, header_bytes
-from ckptfmt.interop.source import Job, Source, open_source
 from ckptfmt.maintenance.nodes import NodeDirs
+from ckptfmt.maintenance.source import Job, Source, open_source
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import TensorEntry
 from ckptfmt.storage.files import fsync_dir
+from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.version import __version__
 
 FLOATS = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
@@ -319,12 +321,10 @@ def export_safetensors(
     strip: str = "model/",
     renames: Iterable[str | Rename | tuple[str, str]] = (),
     dtype: str | None = None,
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
     threads: int = 2,
     window_bytes: int | None = None,
-    progress: Callable[[int], None] | None = None,
-    on_plan: Callable[[int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ExportReport:
     """Write the checkpoint ``src`` as a Hugging Face safetensors directory ``out`` (module
     docstring); return what was written.
@@ -335,14 +335,20 @@ def export_safetensors(
     those under ``strip``, else all). Names: ``strip`` removed, ``/`` -> ``.``, then
     ``renames`` (``OLD=NEW`` prefix rules). ``dtype``: cast floating tensors to ``bfloat16``,
     ``float16`` or ``float32`` (integer, bool and complex tensors are never cast; the report
-    lists them). ``max_shard_size``: ``"5GB"``-style or bytes. ``progress(n)`` is called with
-    the bytes of each tensor written, ``on_plan(total)`` once with the bytes to write. ``out``
-    must not exist unless ``overwrite`` (then only a previous export is replaced)."""
+    lists them). ``max_shard_size``: ``"5GB"``-style or bytes. ``write``
+    (:class:`~ckptfmt.WriteOptions`): its ``fsync``, and ``overwrite``: ``out`` must not exist
+    unless set (then only a previous export is replaced); the chunk and shard sizes are
+    ckptfmt's own, not safetensors' (``max_shard_size``), and ``threads`` here are the readers.
+    ``progress``: called with :class:`~ckptfmt.Progress` events (``op="export"``,
+    ``phase="write"``: the bytes of each tensor written, the total known before the first),
+    from this thread (``ckptfmt.storage.progress``)."""
     started = time.perf_counter()
+    write = write if write is not None else WriteOptions()
+    fsync = write.fsync
     max_bytes = hf.parse_size(max_shard_size)
     rules = renames_of(renames)
     out_path = Path(out).absolute()
-    _check_out(out_path, overwrite)
+    _check_out(out_path, write.overwrite)
     source = open_source(src)
     planned = plan(select(source, rows, strip), strip, rules, dtype)
     meta = {
@@ -357,8 +363,26 @@ def export_safetensors(
     if dtype is not None:
         meta["ckptfmt_cast"] = f"floating tensors to {dtype}; {len(not_cast)} non-floating kept"
     files = layout(planned, max_bytes, meta)
-    if on_plan is not None:
-        on_plan(sum(p.nbytes for p in planned))
+    with metering("export", progress) as meter:
+        meter.expect(sum(p.nbytes for p in planned))
+        report = _export(source, files, planned, out_path, threads, max_bytes, window_bytes, fsync)
+        meter.finish()
+    report.not_cast, report.cast_tensors, report.cast = not_cast, n_cast, dtype
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _export(
+    source: Source,
+    files: list[_File],
+    planned: list[Planned],
+    out_path: Path,
+    threads: int,
+    max_bytes: int,
+    window_bytes: int | None,
+    fsync: bool,
+) -> ExportReport:
+    """Write ``files`` into a staging directory beside ``out_path``, then rename it there."""
     window = max(1, min(window_bytes or DEFAULT_WINDOW, max_bytes))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_of(out_path)
@@ -367,7 +391,7 @@ def export_safetensors(
         if source.level1 and source.problems():
             source = source.with_rebuild(staging / ".rebuilt")
         try:
-            read = _write_files(source, files, staging, threads, window, fsync, progress)
+            read = _write_files(source, files, staging, threads, window, fsync)
         except DamagedError:
             if not source.level1 or source.rebuilt_nodes:
                 raise
@@ -376,7 +400,7 @@ def export_safetensors(
             source = source.with_rebuild(staging / ".rebuilt")
             if not source.rebuilt_nodes:
                 raise
-            read = _write_files(source, files, staging, threads, window, fsync, progress)
+            read = _write_files(source, files, staging, threads, window, fsync)
         total = sum(p.nbytes for p in planned)
         if len(files) > 1:
             weight_map = {p.name: f.name for f in files for p in f.tensors}
@@ -404,12 +428,8 @@ def export_safetensors(
         tensors=len(planned),
         total_size=total,
         names={display(p.entry.name): p.name for p in planned},
-        cast=dtype,
-        cast_tensors=n_cast,
-        not_cast=not_cast,
         rebuilt_nodes=source.rebuilt_nodes,
         bytes_read=read,
-        seconds=time.perf_counter() - started,
     )
 
 
@@ -420,9 +440,10 @@ def _write_files(
     threads: int,
     window: int,
     fsync: bool,
-    progress: Callable[[int], None] | None,
 ) -> int:
-    """Write every output file; returns the stored bytes read from the checkpoint."""
+    """Write every output file; returns the stored bytes read from the checkpoint. Each
+    tensor's bytes are counted on the caller's progress meter once written."""
+    meter = current_meter()
     places: list[tuple[int, int, Planned]] = []  # (file, byte offset, tensor) in read order
     for k, f in enumerate(files):
         at = len(f.header)
@@ -451,8 +472,7 @@ def _write_files(
                         del into
                     del arr
                     outs[k].release(i)
-                    if progress is not None:
-                        progress(p.nbytes)
+                    meter.add(p.nbytes, "write")
             except BaseException:
                 reads.cancel()
                 raise

@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from ckptfmt.interop.safetensors_format import Header, read_header
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.manifest.limits import display
 from ckptfmt.storage.nodes import parent_of
+from ckptfmt.storage.progress import Progress, ProgressCallback
 
 
 @dataclass
@@ -113,14 +114,14 @@ def import_named(
     files: Sequence[str] = (),
     prefix: str = "model",
     renames: Iterable[str | Rename | tuple[str, str]] = (),
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
     step: int | None = None,
     started: float | None = None,
     where: Mapping[str, str] | None = None,
     ranks: int = 1,
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
+    progress: ProgressCallback | None = None,
 ) -> ImportReport:
     """Save ``(source name, numpy array or JSON value)`` pairs as the checkpoint ``out``: each
     name renamed, put under ``prefix`` and split at ``/`` (``interop.names``).
@@ -129,24 +130,29 @@ def import_named(
     every rank its share (``rows`` globs: tensors held in row blocks, FSDP-like; ``nodes[k]``
     rank k's node; ``out`` may be a ``{node}`` template of level-1 directories), written by
     ``ckptfmt.maintenance.reshard.reshard`` from a one-process save in a staging directory
-    beside ``out``."""
+    beside ``out``. ``write``: how ``out`` is written, as for ``ckptfmt.save`` (``overwrite``
+    replaces a committed checkpoint). ``progress``: :class:`~ckptfmt.Progress` events of
+    ``op="import"`` (:class:`_Relay`)."""
     started = time.perf_counter() if started is None else started
     rules = renames_of(renames)
     where = where if where is not None else {n: source for n, _ in items}
     names = ckpt_names([n for n, _ in items], prefix, rules, dict(where))
     state = nest(((n, c, v) for (n, v), c in zip(items, names)), source)
     arrays = [v for _, v in items if isinstance(v, np.ndarray)]
+    write = write if write is not None else WriteOptions()
+    relay = _Relay(progress)
+    on_stage, on_save = (relay.stage, relay.save) if progress is not None else (None, None)
     if ranks == 1 and nodes is None and not rows:
-        save(state, out, step=step, overwrite=overwrite, fsync=fsync)
+        save(state, out, step=step, write=write, progress=on_save)
         destination = str(Path(out).absolute())
     else:
         parent = parent_of(out).absolute()
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".import-{os.urandom(8).hex()}"
+        staged = replace(write, fsync=False, overwrite=False)  # removed below
         try:
-            save(state, tmp, step=step, fsync=False)
-            write = WriteOptions(overwrite=overwrite, fsync=fsync)
-            done = reshard(tmp, out, ranks, nodes=nodes, rows=rows, write=write)
+            save(state, tmp, step=step, write=staged, progress=on_stage)
+            done = reshard(tmp, out, ranks, nodes=nodes, rows=rows, write=write, progress=on_save)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         destination = ", ".join(done.destination)
@@ -161,6 +167,29 @@ def import_named(
         names={n: display(c) for (n, _), c in zip(items, names)},
         seconds=time.perf_counter() - started,
     )
+
+
+class _Relay:
+    """The events of the operations an import runs (a save; or a save into a staging directory,
+    then the reshard that writes ``out``) as one operation, ``op="import"``: the staging save's
+    bytes first, the reshard's added to ``done`` and ``total`` once it starts (the one time
+    ``total`` grows), one ``final`` event at the end."""
+
+    def __init__(self, callback: ProgressCallback | None) -> None:
+        self.callback = callback
+        self.base = 0  # the work of the staging save, once it is done
+
+    def stage(self, p: Progress) -> None:
+        if self.callback is not None:
+            self.callback(replace(p, op="import", phase="stage", final=False))
+        if p.final:
+            self.base = p.total
+
+    def save(self, p: Progress) -> None:
+        if self.callback is not None:
+            self.callback(
+                replace(p, op="import", done=self.base + p.done, total=self.base + p.total)
+            )
 
 
 def safetensors_files(src: Path) -> tuple[str, list[tuple[Path, list[str] | None]]]:
@@ -191,12 +220,12 @@ def import_safetensors(
     *,
     prefix: str | None = "model",
     renames: Iterable[str | Rename | tuple[str, str]] = (),
-    overwrite: bool = False,
-    fsync: bool = True,
+    write: WriteOptions | None = None,
     step: int | None = None,
     ranks: int = 1,
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
+    progress: ProgressCallback | None = None,
 ) -> ImportReport:
     """Import a safetensors file, or a Hugging Face directory (``model.safetensors``, or the
     shards its ``model.safetensors.index.json`` names), as the ckptfmt checkpoint ``out``.
@@ -204,7 +233,8 @@ def import_safetensors(
     Names go under ``prefix`` (default ``model``: ``ckptfmt_torch.load({"model": model}, out)``
     loads it in place) after the ``OLD=NEW`` ``renames``. Every header and the index are
     checked first (module docstring); :class:`ForeignFormatError` with nothing written.
-    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks (:func:`import_named`)."""
+    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks, ``write`` and
+    ``progress`` (``op="import"``) as for :func:`import_named`."""
     started = time.perf_counter()
     src_path = Path(src)
     fmt, files = safetensors_files(src_path)
@@ -259,14 +289,14 @@ def import_safetensors(
             files=[str(p) for p, _, _ in headers],
             prefix="model" if prefix is None else prefix,
             renames=renames,
-            overwrite=overwrite,
-            fsync=fsync,
+            write=write,
             step=step,
             started=started,
             ranks=ranks,
             nodes=nodes,
             rows=rows,
             where=where,
+            progress=progress,
         )
         del items
         return report

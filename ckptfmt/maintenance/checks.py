@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
@@ -41,6 +41,7 @@ from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.progress import current_meter
 
 
 @dataclass(frozen=True)
@@ -189,12 +190,13 @@ def check_data(
     manifest: Manifest,
     report: VerifyReport,
     expected: set[str],
-    progress: Callable[[int], None] | None = None,
     ranks: Mapping[int, str] | None = None,
 ) -> None:
     """Read and check every data file in ``src`` (only those of ``ranks``, labelled with their
     node, when given) into ``report``, one file in memory at a time; add their paths to
-    ``expected``."""
+    ``expected``. Each file's size is counted on the caller's progress meter once it is read
+    (``ckptfmt.storage.progress.metering``)."""
+    meter = current_meter()
     for t in manifest.tensors():
         name = (display(t.name),)
         geo = geometry(t)
@@ -213,5 +215,4 @@ def check_data(
                 except OSError as exc:  # unreadable: permissions, I/O error
                     report.problems.append(Problem(ref.path, "unreadable", str(exc), name, node))
                 report.files_checked += 1
-                if progress:
-                    progress(ref.size)
+                meter.add(ref.size, "read")

@@ -45,6 +45,7 @@ from ckptfmt.engine.rebuild import (
     write_rebuilt,
 )
 from ckptfmt.errors import CkptError, UnrecoverableDamageError
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.nodes import NodeDirs, node_copies
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.engine import run_ops
@@ -81,15 +82,19 @@ class RepairReport:
 
 def rebuild(
     spec: NodeDirs,
-    fsync: bool = True,
+    *,
+    write: WriteOptions | None = None,
     dry_run: bool = False,
     progress: ProgressCallback | None = None,
 ) -> RepairReport:
     """Repair a level-1 checkpoint offline (module docstring). Returns the report; raises
     :class:`UnrecoverableDamageError` when the damage is beyond the redundancy (nothing is
     written then), :class:`NotACheckpointError` when no directory holds a readable manifest.
-    ``progress``: called with :class:`~ckptfmt.Progress` events, from this thread (module
-    docstring)."""
+    ``write``: only its ``fsync`` applies (what is lost is written back in place, at the
+    saved layout: the checkpoint's own grid, nothing overwritten that is intact). ``dry_run``:
+    find what is lost, write nothing. ``progress``: called with :class:`~ckptfmt.Progress`
+    events, from this thread (module docstring)."""
+    fsync = (write if write is not None else WriteOptions()).fsync
     with metering("rebuild", progress) as meter:
         report = _rebuild(spec, fsync, dry_run, meter)
         meter.finish()
@@ -193,7 +198,7 @@ def _rebuilt_bytes(
     one; else the damaged ones) when its data was lost, its parity file when any of it was."""
     n = 0
     if not status.data_ok:
-        damaged = {e.file for e in status.damage}
+        damaged = {e.path for e in status.damage}
         n += sum(f.size for _, f in member_files(manifest, rank) if whole or f.path in damaged)
     if not all(status.parity_ok):
         rset, j = record.set_of(rank)

@@ -55,7 +55,7 @@ from ckptfmt.manifest.model import (
     Region,
     TensorEntry,
 )
-from ckptfmt.plan.options import PerRankMode
+from ckptfmt.plan.options import PerRankMode, ReadOptions
 from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.plan.per_rank import RankMap, resolve
 from ckptfmt.plan.reads import Box, Layout, plan_reads
@@ -240,8 +240,7 @@ def reshard(
     *,
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
-    rank_map: RankMap = None,
-    per_rank: PerRankMode = "error",
+    read: ReadOptions | None = None,
     redundancy: Redundancy | None = None,
     write: WriteOptions = WriteOptions(),
     progress: ProgressCallback | None = None,
@@ -251,8 +250,9 @@ def reshard(
     ``src``: a complete checkpoint directory (a level-3 copy), or level-1 copies as a ``{node}``
     template or a mapping node -> directory. ``nodes[k]``: rank k's node (default: all on
     ``"n0"``). ``rows``: glob patterns of '/'-joined tensor names held in row blocks.
-    ``rank_map``/``per_rank``: what becomes of per-rank entries (``reshard.per_rank``); an entry
-    that some new rank would get no item of is left out only with ``per_rank="drop"``.
+    ``read``: its ``rank_map``/``per_rank`` say what becomes of per-rank entries
+    (``reshard.per_rank``; the same options a load takes); an entry that some new rank would get
+    no item of is left out only with ``per_rank="drop"``.
     ``write``: the new files' grid, writer threads, fsync, and whether a committed checkpoint at
     ``dst`` may be replaced (:class:`~ckptfmt.format.options.WriteOptions`, as for a save).
     ``progress``: called with :class:`~ckptfmt.Progress` events (``op="reshard"``) counting
@@ -265,7 +265,8 @@ def reshard(
     _check_arguments(src, dst, ranks, write)
     node_list = check_nodes(nodes if nodes is not None else ["n0"] * ranks, ranks)
     manifest, _, src_dirs = node_dirs(src)
-    sel = _select(manifest, ranks, rows, rank_map, per_rank)
+    read = read if read is not None else ReadOptions()
+    sel = _select(manifest, ranks, rows, read.rank_map, read.per_rank)
     plan = make_plan(
         _declarations(sel.kept, ranks, set(sel.by_rows)),
         chunk_bytes=write.chunk_bytes,
@@ -404,7 +405,7 @@ def _write_destination(
             raise exc.with_context(
                 level=level or "the reshard's destination",
                 needed=max(needed, exc.needed or 0),
-                directory=os.fspath(dst),
+                path=os.fspath(dst),
             ) from None
         raise
     return out, read, written, list(staging)

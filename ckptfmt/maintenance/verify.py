@@ -9,7 +9,7 @@ template or a mapping node -> directory) is checked node by node, with its redun
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from ckptfmt.container.reader import read_manifest_bytes
@@ -27,15 +27,19 @@ from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.storage.files import Inside
 from ckptfmt.storage.nodes import is_template
 from ckptfmt.storage.paths import refuse_url
+from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 
 __all__ = ["Problem", "VerifyReport", "manifest_schema", "verify"]
 
 
 def verify(
     path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
-    progress: Callable[[int], None] | None = None,
+    *,
+    progress: ProgressCallback | None = None,
 ) -> VerifyReport:
-    """Check a whole checkpoint. ``progress(n)`` is called with each file's size once it is read.
+    """Check a whole checkpoint. ``progress``: called with :class:`~ckptfmt.Progress` events
+    (``op="verify"``, ``phase="read"``: the bytes of the data files read and checked; the last,
+    ``final``, once every check is done), from this thread (``ckptfmt.storage.progress``).
 
     ``path``: the checkpoint's directory; or, for a level-1 checkpoint spread over node-local
     directories, a ``{node}`` template (``/local/{node}/ckpt/step-0000000100``) or a mapping
@@ -50,16 +54,25 @@ def verify(
     """
     if not isinstance(path, Mapping):
         refuse_url(path)  # s3://... would read as the missing directory ./s3:/...
-    if isinstance(path, Mapping) or is_template(path):
-        return verify_nodes(path, progress)
-    root = Path(path)
+    with metering("verify", progress) as meter:
+        if isinstance(path, Mapping) or is_template(path):
+            report = verify_nodes(path)
+        else:
+            report = _verify_dir(Path(path))
+        meter.finish()
+    return report
+
+
+def _verify_dir(root: Path) -> VerifyReport:
+    """:func:`verify` of one directory, counted on the caller's progress meter."""
     data = read_manifest_bytes(root)  # read once: parsed and checked, then schema-validated
     manifest = parse_manifest(data, str(root / MANIFEST_NAME))
     check_schema(data, root)
     src = Inside(root)
     report = VerifyReport(str(root), manifest)
     report.problems, expected = check_metadata(src, manifest)
-    check_data(src, manifest, report, expected, progress)
+    current_meter().expect(sum(f.size for _, f in manifest.files()))
+    check_data(src, manifest, report, expected)
     check_single_dir(root, manifest, report, expected)
     report.unexpected_files = unexpected_files(root, expected)
     return report

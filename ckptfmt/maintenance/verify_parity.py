@@ -56,12 +56,11 @@ from ckptfmt.redundancy.record import (
     record_of,
 )
 from ckptfmt.storage.files import Inside, read_scatter
+from ckptfmt.storage.progress import current_meter
 
 NOT_PRESENT = "not present on this level"
 CHECKED = "checked"
 WINDOW = 1 << 18  # bytes of each chunk re-encoded at once: n * (n - m + m) windows in memory
-
-Progress = Callable[[int], None] | None
 
 
 def summary(record: RedundancyRecord, status: str) -> dict[str, Any]:
@@ -77,7 +76,7 @@ def summary(record: RedundancyRecord, status: str) -> dict[str, Any]:
 
 
 def verify_nodes(
-    spec: str | os.PathLike[str] | Mapping[str, Any], progress: Progress
+    spec: str | os.PathLike[str] | Mapping[str, Any],
 ) -> VerifyReport:
     """Verify a level-1 checkpoint given as a ``{node}`` template or a mapping node ->
     directory (module docstring). Raises :class:`NotACheckpointError` when no node holds a
@@ -85,6 +84,7 @@ def verify_nodes(
 
     choice, dirs, copies = node_copies(spec)
     manifest, data = choice.manifest, choice.data
+    current_meter().expect(sum(f.size for _, f in manifest.files()))
     copy_of = {c.directory: c for c in copies}
     if isinstance(spec, Mapping):
         shown = "; ".join(f"{n}={os.fspath(d)}" for n, d in sorted(spec.items()))
@@ -127,7 +127,7 @@ def verify_nodes(
         src = src_of_dir[d] = Inside(d)
         problems, expected = check_metadata(src, manifest, label)
         report.problems.extend(problems)
-        check_data(src, manifest, report, expected, progress, ranks)
+        check_data(src, manifest, report, expected, ranks)
         if record is not None:
             expected.update(record.set_of(r)[0].parity[record.set_of(r)[1]].path for r in ranks)
         report.unexpected_files.extend(f"{d}/{rel}" for rel in unexpected_in(d, expected))

@@ -122,3 +122,19 @@ class Manifest:
     def files(self) -> list[tuple[TensorEntry, FileRef]]:
         """Every stored data file with the tensor it belongs to, in manifest order."""
         return [(t, f) for t in self.tensors() for r in t.regions for f in r.files]
+
+    def values(self, prefix: str = "") -> dict[str, JSON]:
+        """The JSON values saved under ``prefix`` ('/'-joined; ``""``: all of them), by name
+        relative to it ('/'-joined), as ``load`` gives them back (a per-rank value as the list
+        of every rank's). They are in the manifest, so no data file is read: what a load that
+        fills objects in place returns its counters through (``ck.load(model, path).values(
+        "counters")``)."""
+        head = tuple(c for c in prefix.split("/") if c)
+        out: dict[str, JSON] = {}
+        for e in self.entries:
+            if not isinstance(e, ValueEntry | PerRankValueEntry) or e.name[: len(head)] != head:
+                continue
+            rel = "/".join(e.name[len(head) :])
+            if rel:
+                out[rel] = e.value if isinstance(e, ValueEntry) else list(e.values)
+        return out

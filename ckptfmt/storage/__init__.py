@@ -7,7 +7,7 @@ from __future__ import annotations
 from ckptfmt.storage.files import Inside, fsync_dir
 from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
 from ckptfmt.storage.paths import check_destination, refuse_url
-from ckptfmt.storage.progress import Progress, ProgressCallback
+from ckptfmt.storage.progress import Progress, ProgressCallback, metering
 from ckptfmt.storage.steps import StepRef, parse_step, step_dir_name
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "is_spread",
     "is_template",
     "matching",
+    "metering",
     "parse_step",
     "Progress",
     "ProgressCallback",

@@ -1,7 +1,8 @@
-"""Progress of the operations that move a checkpoint's bytes: save, load, rebuild, reshard.
+"""Progress of the operations that move a checkpoint's bytes: save, load, rebuild, reshard,
+verify, export, import.
 
 Every one of them takes a ``progress`` callable that receives :class:`Progress` events, the one
-shape for all four::
+shape for all of them::
 
     def show(p: ckptfmt.Progress) -> None:
         print(f"{p.op} {p.phase}: {p.done}/{p.total} bytes ({100 * p.fraction:.0f}%)")
@@ -12,12 +13,15 @@ What is counted is the operation's whole work, in bytes: a save its data files a
 its parity file; a load the chunks this process reads and what it receives from other ranks;
 a rebuild every member's data and parity checked, then what is read again, rebuilt and
 written; a reshard every new file's data read, the file written, and with redundancy every
-member read back and its parity written. ``done`` never decreases; the last event of an
+member read back and its parity written; a verify every data file read and checked; an export
+every tensor's bytes written; an import the save (or the save and the reshard) that writes the
+checkpoint. ``done`` never decreases; the last event of an
 operation that succeeds has ``final`` set and ``done == total``, and comes once the operation's
 work is done (a bar at 100% means finished). ``total`` is fixed before the first byte is
 counted, except for a rebuild that finds damage: its check comes first, and the rebuild's work
 is added to ``total`` once, when it is known (``phase`` goes from ``"check"`` to
-``"rebuild"``).
+``"rebuild"``); and for an import laid out for several ranks, whose reshard's work is added
+once its one-process save is done (``phase`` ``"reshard"``).
 
 The callable is called from the thread doing the work (a saver thread, a reader thread),
 never from a thread of its own, at most every ``interval`` seconds (and once at the end), so
@@ -42,14 +46,15 @@ from dataclasses import dataclass
 
 log = logging.getLogger("ckptfmt")
 
-OPERATIONS = ("save", "load", "rebuild", "reshard")
+OPERATIONS = ("save", "load", "rebuild", "reshard", "verify", "export", "import")
 
 
 @dataclass(frozen=True)
 class Progress:
     """One progress event of an operation (module docstring).
 
-    ``op``: ``"save"``, ``"load"``, ``"rebuild"`` or ``"reshard"``; ``done``/``total``: bytes
+    ``op``: ``"save"``, ``"load"``, ``"rebuild"``, ``"reshard"``, ``"verify"``, ``"export"``
+    or ``"import"``; ``done``/``total``: bytes
     of work done and to do; ``phase``: what the last counted bytes were (``"write"``,
     ``"parity"``, ``"read"``, ``"check"``, ``"rebuild"``); ``final``: the operation's last
     event (its work is done)."""

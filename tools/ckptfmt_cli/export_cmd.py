@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+from ckptfmt import WriteOptions
 from ckptfmt.errors import UsageError
 from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors
 from ckptfmt_cli import render
@@ -142,32 +142,16 @@ def export_command(
         "strip": strip,
         "renames": renames,
         "dtype": dtype,
-        "overwrite": overwrite,
-        "fsync": not no_fsync,
+        "write": WriteOptions(overwrite=overwrite, fsync=not no_fsync),
     }
     if to == "torch":
         report = _torch_export()(src, out, **opts)
     else:
         console = None if quiet or as_json else render.stderr_terminal()
-        if console is None:
-            report = export_safetensors(src, out, max_shard_size=max_shard_size, **opts)
-        else:
-            columns = (
-                TextColumn("exporting"),
-                BarColumn(),
-                DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
+        with render.progress_bar(console, "exporting") as show:
+            report = export_safetensors(
+                src, out, max_shard_size=max_shard_size, progress=show, **opts
             )
-            with Progress(*columns, console=console, transient=True) as bar:
-                task = bar.add_task("export", total=None)
-                report = export_safetensors(
-                    src,
-                    out,
-                    max_shard_size=max_shard_size,
-                    progress=lambda n: bar.advance(task, n),
-                    on_plan=lambda total: bar.update(task, total=total),
-                    **opts,
-                )
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif not quiet:

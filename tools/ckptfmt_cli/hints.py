@@ -85,7 +85,7 @@ def rebuild_hint(spec: NodeDirs, report: VerifyReport) -> str | None:
     command = f"ckptfmt rebuild '{shown}'" if shown else "ckptfmt rebuild --node NAME=DIR ..."
     scheme = report.redundancy.get("scheme", "its")
     try:
-        rebuild(spec, fsync=False, dry_run=True)
+        rebuild(spec, dry_run=True)
     except UnrecoverableDamageError:
         return (
             f"the damage is beyond what the {scheme} redundancy rebuilds (`{command}` says "

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from ckptfmt import WriteOptions
 from ckptfmt.errors import ForeignFormatError, UsageError
 from ckptfmt.interop import ImportReport, hf, import_safetensors
 from ckptfmt_cli.exits import help_epilog, one_line
@@ -175,8 +176,7 @@ def import_command(
     opts: dict[str, Any] = {
         "prefix": prefix,
         "renames": renames,
-        "overwrite": overwrite,
-        "fsync": not no_fsync,
+        "write": WriteOptions(overwrite=overwrite, fsync=not no_fsync),
         "step": step,
         "ranks": ranks,
         "nodes": None

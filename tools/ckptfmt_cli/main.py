@@ -15,18 +15,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import click
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 import ckptfmt
 from ckptfmt import VerifyReport
-from ckptfmt.maintenance import NodeDirs, node_dirs
+from ckptfmt.maintenance import NodeDirs
 from ckptfmt.storage import refuse_url
 from ckptfmt_cli import hints, render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
@@ -112,19 +104,8 @@ def inspect_command(path: str, as_json: bool, regions: bool) -> None:
 
 def _verify(path: NodeDirs, show_progress: bool) -> VerifyReport:
     console = render.stderr_terminal() if show_progress else None
-    if console is None:
-        return ckptfmt.verify(path)
-    total = sum(f.size for _, f in node_dirs(path)[0].files())
-    columns = (
-        TextColumn("verifying"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("verify", total=total)
-        return ckptfmt.verify(path, progress=lambda n: bar.advance(task, n))
+    with render.progress_bar(console, "verifying") as show:
+        return ckptfmt.verify(path, progress=show)
 
 
 @cli.command("verify")

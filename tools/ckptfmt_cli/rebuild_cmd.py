@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from ckptfmt import WriteOptions
 from ckptfmt.errors import UnrecoverableDamageError
 from ckptfmt.maintenance import NodeDirs, RepairReport, rebuild
 from ckptfmt.manifest import MANIFEST_NAME
@@ -81,7 +82,7 @@ def unrecoverable_json(
     exc: UnrecoverableDamageError, dry_run: bool, lost: Sequence[str] | None = None
 ) -> dict[str, Any]:
     return {
-        "path": exc.file,
+        "path": exc.path,
         "status": "unrecoverable",
         "dry_run": dry_run,
         "reason": exc.reason,
@@ -185,13 +186,14 @@ def rebuild_command(
     console = None if quiet or as_json else render.stderr_terminal()
     try:
         with render.progress_bar(console, "rebuild", PHASES) as show:
-            report = rebuild(spec, fsync=not no_fsync, dry_run=dry_run, progress=show)
+            write = WriteOptions(fsync=not no_fsync)
+            report = rebuild(spec, write=write, dry_run=dry_run, progress=show)
     except UnrecoverableDamageError as exc:
         lost = lost_for_real(spec, exc)  # not every tensor of those ranks: their lost files'
         if as_json:
             click.echo(json.dumps(unrecoverable_json(exc, dry_run, lost), indent=2))
         elif not quiet:
-            click.echo(f"UNRECOVERABLE: {one_line(exc.file)}: nothing was written")
+            click.echo(f"UNRECOVERABLE: {one_line(exc.path)}: nothing was written")
             click.echo(one_line(f"  {exc.reason}"))
             click.echo(f"  lost ranks: {_ranks(exc.lost_ranks) or '-'}")
             click.echo(one_line(f"  lost nodes: {', '.join(exc.nodes) or '-'}"))

@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 import click
 
-from ckptfmt import Progress, WriteOptions
+from ckptfmt import Progress, ReadOptions, WriteOptions
+from ckptfmt.errors import PerRankWarning
 from ckptfmt.maintenance import ReshardReport, reshard
-from ckptfmt.plan import PerRankWarning, RankMap
+from ckptfmt.plan import RankMap
 from ckptfmt.redundancy import DEFAULT_SET_SIZE, Redundancy
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import cli_wording, one_line
@@ -224,8 +225,7 @@ def _run(
         ranks,
         nodes=names,
         rows=rows,
-        rank_map=mapping,
-        per_rank="drop" if drop else "error",
+        read=ReadOptions(rank_map=mapping, per_rank="drop" if drop else "error"),
         redundancy=red,
         write=WriteOptions(
             chunk_bytes=chunk_bytes,

@@ -1,19 +1,19 @@
-"""A committed ckptfmt checkpoint as the source of an export: level 3 (one directory) or
-level-1 copies (a ``{node}`` template or a mapping node -> directory), read tensor by tensor,
-every byte checked against its CRC32C as it is read (``storage.shard_io``, the reader's own
-code), each region from the directory of the node whose rank wrote it.
+"""A committed ckptfmt checkpoint to read from: level 3 (one directory) or level-1 copies (a
+``{node}`` template or a mapping node -> directory), read tensor by tensor, every byte checked
+against its CRC32C as it is read (``container.reader``'s own code), each region from the
+directory of the node whose rank wrote it. What ``ckptfmt.load``, ``ckptfmt.open`` and the
+export read through.
 
 When level-1 copies are damaged or a node's directory is gone, the lost data is rebuilt from
 the redundancy by ``ckptfmt.maintenance.repair.rebuild`` (what ``ckptfmt rebuild`` runs), but
-never into the
-source: the nodes with anything to repair are given to it as fresh directories under a scratch
-directory of the caller's (inside the export's staging directory), so it recreates them there
-whole, one redundancy set in memory at a time, and the source is left exactly as it was.
+never into the source: the nodes with anything to repair are given to it as fresh directories
+under a scratch directory of the caller's (an export's staging directory, a load's temporary
+directory), so it recreates them there whole, one redundancy set in memory at a time, and the
+source is left exactly as it was.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptfmt.container.reader import geometry, read_manifest_bytes
+from ckptfmt.container.reader import check_documents, read_manifest_bytes, tensor_reads
 from ckptfmt.errors import CkptError, DamagedError
-from ckptfmt.format.shard_io import Geometry, read_region, region_reads
+from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.nodes import NodeDirs, node_dirs
 from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import Manifest, Region, TensorEntry
+from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.redundancy.record import record_of
 from ckptfmt.storage.files import Inside
 from ckptfmt.storage.nodes import is_spread
@@ -85,35 +85,28 @@ class Source:
         return out
 
     def tensor_reads(
-        self, t: TensorEntry, into: Callable[[], np.ndarray] | None = None
+        self,
+        t: TensorEntry,
+        into: Callable[[], np.ndarray] | None = None,
+        sizes: list[int] | None = None,
     ) -> tuple[np.ndarray, list[Job]]:
         """The destination of the whole tensor ``t`` and the jobs (one per shard file) that
-        fill it, every chunk CRC and every file's size and data CRC checked; sizes are checked
-        before the memory is allocated. ``into()`` gives the destination (C-contiguous, ``t``'s
-        shape and dtype: a mapped window of an output file, say); default a new array."""
-        geo = geometry(t)
-        name = display(t.name)
-        for r in t.regions:
-            for ref in r.files:
-                self.inside(r.rank).check_size(ref.path, ref.size, (name,))
-        out = np.empty(t.shape, dtype=geo.dtype) if into is None else into()
-        jobs: list[Job] = []
-        for r in t.regions:
-            src = self.inside(r.rank)
-            view = (
-                out[tuple(slice(o, o + s) for o, s in zip(r.offset, r.shape))] if t.shape else out
-            )
-            if view.flags.c_contiguous:
-                jobs += region_reads(src, geo, r.files, r.offset, view, (name,))
-            else:  # narrower than the tensor on a trailing axis: read, then place
-                jobs.append(functools.partial(_read_and_place, src, geo, r, view, name))
-        return out, jobs
+        fill it, every chunk CRC and every file's size and data CRC checked
+        (``container.reader.tensor_reads``, each region from its rank's node directory)."""
+        return tensor_reads(self.inside, t, sizes, into)
+
+    def check_documents(self) -> None:
+        """Check every node directory's ``zarr.json`` documents against the manifest; raises
+        the first problem (a :class:`DamagedError` naming the file)."""
+        for d in sorted(set(self.dirs.values())):
+            inside = self._inside.setdefault(d, Inside(d))
+            check_documents(inside, self.manifest)
 
     def with_rebuild(self, scratch: Path) -> Source:
         """This source with every node that has anything to repair rebuilt under ``scratch``
         (module docstring); the source directories are not written. Raises
         :class:`UnrecoverableDamageError` beyond the redundancy's tolerance."""
-        found = rebuild(self.dirs, fsync=False, dry_run=True)  # learns what; writes nothing
+        found = rebuild(self.dirs, dry_run=True)  # learns what; writes nothing
         lost = {self.manifest.ranks[r].node for r in (*found.lost_data, *found.lost_parity)}
         for entry in found.metadata:  # "<dir>: <file>": a zarr document to write anew
             d = entry.split(": ", 1)[0]
@@ -125,14 +118,8 @@ class Source:
             for i, (n, p) in enumerate(sorted(self.dirs.items()))
         }
         scratch.mkdir(parents=True, exist_ok=True)
-        rebuild(dirs, fsync=False)
+        rebuild(dirs, write=WriteOptions(fsync=False))  # scratch: gone after the read
         return Source(self.spec, self.manifest, dirs, sorted(lost))
-
-
-def _read_and_place(src: Inside, geo: Geometry, r: Region, view: np.ndarray, name: str) -> None:
-    target = np.empty(r.shape, dtype=geo.dtype)
-    read_region(src, geo, r.files, r.offset, target, (name,))
-    view[...] = target
 
 
 def open_source(spec: NodeDirs) -> Source:
@@ -140,3 +127,20 @@ def open_source(spec: NodeDirs) -> Source:
     node -> directory); :class:`NotACheckpointError` when no directory holds its manifest."""
     manifest, _, dirs = node_dirs(spec)
     return Source(spec, manifest, {n: Path(p) for n, p in dirs.items()})
+
+
+def open_whole(spec: NodeDirs, scratch: Path) -> Source:
+    """:func:`open_source`, with what a cheap look finds wrong on level-1 copies (a node's
+    directory gone, a file missing or of the wrong size, a damaged ``zarr.json``) rebuilt
+    under ``scratch`` (:meth:`Source.with_rebuild`); a CRC that fails later is the reader's
+    to meet (a load then rebuilds and reads again, as an export does)."""
+    source = open_source(spec)
+    if not source.level1:
+        return source
+    damaged = bool(source.problems())
+    if not damaged:
+        try:
+            source.check_documents()
+        except DamagedError:
+            damaged = True
+    return source.with_rebuild(scratch) if damaged else source
