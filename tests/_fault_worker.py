@@ -136,13 +136,13 @@ def run_save_scenario(comm: Any, root: Path, name: str) -> dict[str, Any]:
     mgr.wait()
     armed["on"] = True
     if name == "stage-memory" and rank == size - 1:
-        real = mgr._stage
+        real = mgr._stager.stage
 
         def failing_stage(*args: Any, **kwargs: Any) -> Any:
-            mgr._stage = real  # type: ignore[method-assign]
+            mgr._stager.stage = real  # type: ignore[method-assign]
             raise MemoryError("injected while staging")
 
-        mgr._stage = failing_stage  # type: ignore[method-assign]
+        mgr._stager.stage = failing_stage  # type: ignore[method-assign]
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointWarning)
@@ -174,8 +174,9 @@ def run_save_scenario(comm: Any, root: Path, name: str) -> dict[str, Any]:
         "step": 0,
     }
     mgr2 = manager(comm, root, node)
-    result["restored_step"] = mgr2.restore(restored)
-    result["restored_level"] = mgr2.last_restore.level if mgr2.last_restore else None
+    report = mgr2.restore(restored)
+    result["restored_step"] = report.step
+    result["restored_level"] = report.level
     result["bitwise"] = digest(restored) == digest(state_of(3, rank, size))
     import ckptfmt
 
@@ -205,7 +206,7 @@ def run_restore_scenario(comm: Any, root: Path) -> dict[str, Any]:
     started = time.perf_counter()
     result: dict[str, Any] = {}
     try:
-        result["restored_step"] = mgr2.restore(state_of(0, rank, size))
+        result["restored_step"] = mgr2.restore(state_of(0, rank, size)).step
     except CollectiveError as exc:
         result["error"] = type(exc).__name__
         result["ranks"] = {str(r): f.type for r, f in exc.rank_failures.items()}
@@ -213,7 +214,7 @@ def run_restore_scenario(comm: Any, root: Path) -> dict[str, Any]:
     result["seconds"] = time.perf_counter() - started
     load_module._allocate = real  # type: ignore[assignment]
     restored = state_of(0, rank, size)
-    result["again"] = mgr2.restore(restored)
+    result["again"] = mgr2.restore(restored).step
     result["bitwise"] = digest(restored) == digest(state_of(2, rank, size))
     mgr2.close(flush=False)
     return result
@@ -259,8 +260,8 @@ def run_replace_scenario(comm: Any, root: Path, scheme: str) -> dict[str, Any]:
         restored = state_of(0, rank, size, big=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            step = m.restore(restored)
-        report = m.last_restore
+            report = m.restore(restored)
+        step = report.step
         out[label] = {
             "step": step,
             "level": report.level if report else None,
@@ -314,7 +315,7 @@ def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result["restored_step"] = m.restore(state_of(0, rank, size, big=True))
+            result["restored_step"] = m.restore(state_of(0, rank, size, big=True)).step
     except CollectiveError as exc:
         result["error"] = type(exc).__name__
         result["ranks"] = {str(r): [f.type, f.phase] for r, f in exc.rank_failures.items()}
@@ -325,7 +326,7 @@ def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
     restored = state_of(0, rank, size, big=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result["again"] = m.restore(restored)
+        result["again"] = m.restore(restored).step
     result["bitwise"] = digest(restored) == digest(state_of(7, rank, size, big=True))
     m.close(flush=False)
     return result

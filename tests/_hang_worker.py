@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
             return 0
         if scenario == "restore-vs-save" and comm.rank == 0:
             try:
-                res["restored"] = mgr.restore()
+                res["restored"] = mgr.restore().step
             except CkptError as exc:
                 res["raised"] = [type(exc).__name__, str(exc)]
         else:
@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
     res["failed"] = [
         [s, type(e).__name__, str(e), list(getattr(e, "missing", ()))] for s, e in mgr.failed_saves
     ]
-    res["latest"] = mgr.latest()
+    newest = mgr.latest()
+    res["latest"] = None if newest is None else newest.step
     res["on_disk"] = sorted(p.name for p in Path(root).rglob("step-*"))
     try:
         mgr.save(7, {"a": np.ones(1000)})

@@ -168,7 +168,7 @@ def main() -> None:
     want = state_at(2, rank, size)
     got = zeros_like(want)
     mark("restoring")
-    step = mgr.restore(got)
+    step = mgr.restore(got).step
     mark(f"restored step {step}")
     lr = mgr.last_restore
     report.update(

@@ -203,8 +203,8 @@ def restore_task(
         def on_train_begin(self, logs: Any = None) -> None:
             path = out / f"restored-{level}.rank{rank}"
             ckptfmt.save(held(), path, overwrite=True, fsync=False)
-            assert backup.manager is not None
-            state = backup.manager.restored_state or {}
+            assert backup.last_restore is not None
+            state = backup.last_restore.state or {}
             res["per_rank_rows"] = {k: digest(v) for k, v in flat(state.get("metrics", {})).items()}
 
     with warnings.catch_warnings(record=True) as caught:

@@ -339,13 +339,13 @@ def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
 def do_restore(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
     mgr = make_manager(comm, task, node)
     state = template_of(task["state"], comm.rank, comm.size)
-    step = mgr.restore(state)
-    rep = mgr.last_restore
+    rep = mgr.restore(state)
+    step = rep.step
     problems = check_restored(task["state"], step, state, comm.rank, comm.size)
-    if step is not None and digest(mgr.restored_state or {}) != digest(
+    if step is not None and digest(rep.state or {}) != digest(
         make_state(task["state"], step, comm.rank, comm.size)
     ):
-        problems.append("restored_state differs from the state restored into")
+        problems.append("the report's state differs from the state restored into")
     res = {
         "step": step,
         "report": None

@@ -213,8 +213,8 @@ def do_restore(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
     state = rank_state(comm.rank, comm.size, per_rank=False, template=True)
     res: dict[str, Any] = {"error": None}
     try:
-        step = mgr.restore(state)
-        rep = mgr.last_restore
+        rep = mgr.restore(state)
+        step = rep.step
         res.update(
             step=step,
             level=None if rep is None else rep.level,

@@ -213,7 +213,7 @@ def fault_restore(comm: Any, out: Path, root: Path, name: str, sig: int) -> None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            restored = mgr2.restore(got)
+            restored = mgr2.restore(got).step
         doc: dict[str, Any] = {
             "restored": restored,
             "bitwise": digest(got) == digest(state_of(2, rank)),
@@ -234,8 +234,8 @@ def check(comm: Any, out: Path, root: Path, name: str) -> None:
     got = zeros(rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = mgr.restore(got)
-    report = mgr.last_restore
+        report = mgr.restore(got)
+    step = report.step
     res: dict[str, Any] = {
         "rank": rank,
         "step": step,

@@ -183,8 +183,8 @@ def test_restore_through_the_manager_repairs_and_loads(
             redundancy={"scheme": "xor", "set_size": 2},
         )
         try:
-            step = mgr.restore()
-            return step, mgr.restored_state, mgr.last_restore
+            report = mgr.restore()
+            return report.step, report.state, report
         finally:
             mgr.close(flush=False)
 

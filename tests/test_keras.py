@@ -240,9 +240,9 @@ def test_tf_module_and_plain_variables(tmp_path: Path) -> None:
         mgr.save(7, {"module": ck.nest(ck.to_arrays(net)), "step": 7})
     third = Net()
     with ckptfmt.CheckpointManager(shared_dir=tmp_path / "mgr") as mgr:
-        assert mgr.restore() == 7
-        assert mgr.restored_state is not None
-        ck.assign(third, mgr.restored_state["module"])
+        report = mgr.restore()
+        assert report.step == 7 and report.state is not None
+        ck.assign(third, report.state["module"])
     assert arrays_of(third) == arrays_of(net)
 
     by_name = {"a": tf.Variable([1.0, 2.0]), "b": keras.Variable(np.int32(3))}

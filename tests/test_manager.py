@@ -35,11 +35,15 @@ def test_async_save_snapshots_the_state_at_save_time(tmp_path: Path) -> None:
     mgr = manager(tmp_path, flush_every=2)
     s = state(1)
     expected = s["w"].copy()
+    mgr.delete(2, levels=[1])
+    newest = mgr.latest()  # a StepRef: where this rank sees the newest step, else level 3
+    assert newest is not None and newest == (2, tmp_path / "l3" / step_dir_name(2))
+    assert (newest.step, newest.path) == tuple(newest)
     mgr.save(1, s)
     s["w"] += 100  # the training loop goes on at once
     mgr.save(2, s)
     mgr.wait()
-    assert mgr.latest() == 2
+    assert mgr.latest() == (2, tmp_path / "l1" / "n0" / step_dir_name(2))  # level 1 first
     one = ckptfmt.load(tmp_path / "l1" / "n0" / step_dir_name(1))
     assert one["w"].tobytes() == expected.tobytes()
     assert ckptfmt.verify(tmp_path / "l3" / step_dir_name(2)).healthy  # the 2nd save flushed
@@ -54,7 +58,7 @@ def test_restore_fills_the_given_state_in_place(tmp_path: Path) -> None:
     fresh = manager(tmp_path)
     target = state(0)
     buffer = target["w"]
-    assert fresh.restore(target) == 7
+    assert fresh.restore(target).step == 7
     assert target["w"] is buffer  # arrays are copied into, not replaced
     assert target["w"].tobytes() == state(7)["w"].tobytes()
     assert target["step"] == 7 and target["h"] == [7]
@@ -97,7 +101,7 @@ def test_a_copy_under_the_wrong_step_name_is_refused(tmp_path: Path) -> None:
     fresh = manager(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert fresh.restore() == 2
+        assert fresh.restore().step == 2
     assert fresh.last_restore is not None
     assert any("step 9" in reason and "not 9" in reason for reason in fresh.last_restore.tried)
     fresh.close()
@@ -150,7 +154,7 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step = m.restore()
+            step = m.restore().step
             m.close(flush=True)
         manifest = read_manifest(root / "l1" / f"n{comm.rank}" / "step-0000000007")
         try:

@@ -73,11 +73,12 @@ def test_restore_names_missing_and_unexpected_entries_unless_not_strict(tmp_path
         mgr.restore(state)
     assert exc.value.missing == ("model/extra",) and exc.value.unexpected == ("lr",)
     assert np.array_equal(state["model"]["w"], w_before)  # untouched
-    assert mgr.restore(state, strict=False) == 3
+    report = mgr.restore(state, strict=False)
+    assert report.step == 3 and report.restored
     assert np.array_equal(state["model"]["w"], _state(3)["model"]["w"])
-    assert mgr.last_restore is not None and mgr.last_restore.applied is not None
-    assert mgr.last_restore.applied.missing == ["model/extra"]
-    assert mgr.last_restore.applied.unexpected == ["lr"]
+    assert report.applied is not None and mgr.last_restore is report
+    assert report.applied.missing == ["model/extra"]
+    assert report.applied.unexpected == ["lr"]
     mgr.close(flush=False)
 
 
@@ -86,11 +87,12 @@ def test_a_partial_restore_by_pattern_loads_only_what_it_names(tmp_path: Path) -
         mgr.save(3, _state(3))
     state = _state(0)
     mgr = _mgr(tmp_path)
-    assert mgr.restore(state, include=["model/*"]) == 3
+    report = mgr.restore(state, include=["model/*"])
+    assert report.step == 3
     assert np.array_equal(state["model"]["w"], _state(3)["model"]["w"])
     assert state["step"] == 0 and state["lr"] == 0.0  # not selected: untouched
-    assert mgr.last_restore is not None and mgr.last_restore.applied is not None
-    assert sorted(mgr.last_restore.applied.excluded) == ["lr", "step"]
+    assert report.applied is not None
+    assert sorted(report.applied.excluded) == ["lr", "step"]
     mgr.close(flush=False)
 
 
@@ -102,8 +104,7 @@ def test_flush_cadence_follows_the_jobs_save_number_across_restarts(tmp_path: Pa
         mgr = _mgr(
             tmp_path, flush_every=3, keep_local=10, keep_shared=10, at_exit=ExitPolicy(flush=False)
         )
-        start = mgr.restore(_state(0), strict=False)
-        step = start or 0
+        step = mgr.restore(_state(0), strict=False).step or 0
         for _ in range(2):
             step += 1
             mgr.save(step, _state(step))
@@ -139,21 +140,13 @@ def test_the_options_objects_reach_the_files(tmp_path: Path) -> None:
         CheckpointManager(local_dir=tmp_path / "x", write={"fsync": False})  # type: ignore[arg-type]
 
 
-def test_the_former_keywords_still_work_and_say_what_replaces_them(tmp_path: Path) -> None:
-    with (
-        pytest.warns(DeprecationWarning, match=r"write=WriteOptions\(fsync=False, shard_bytes="),
-        pytest.warns(DeprecationWarning, match=r"at_exit=ExitPolicy\(flush=False\)"),
-    ):
-        mgr = CheckpointManager(
-            local_dir=tmp_path / "l1", fsync=False, shard_bytes=8 << 10, exit_flush=False
-        )
-    assert mgr.write.fsync is False and mgr.write.shard_bytes == 8 << 10
-    assert mgr.at_exit.flush is False and mgr.at_exit.sigterm is True
-    mgr.save(2, _state(2))
-    mgr.close()
-    assert ckptfmt.latest(tmp_path / "l1") is not None
-    with pytest.raises(TypeError, match="fsnyc"):
-        CheckpointManager(local_dir=tmp_path / "l1", fsnyc=False)
+@pytest.mark.parametrize("keyword", ["fsync", "shard_bytes", "exit_flush", "handle_sigterm"])
+def test_the_options_objects_are_the_only_spelling(tmp_path: Path, keyword: str) -> None:
+    """How files are written and what happens at exit are ``write=`` and ``at_exit=`` only: a
+    loose keyword is an unknown argument, refused before anything is written."""
+    with pytest.raises(TypeError, match=keyword):
+        CheckpointManager(local_dir=tmp_path / "l1", **{keyword: False})  # type: ignore[arg-type]
+    assert not (tmp_path / "l1").exists()
 
 
 def test_a_multi_rank_launch_without_a_comm_is_refused(
@@ -240,7 +233,7 @@ def test_an_unsupported_value_is_raised_at_the_call_whatever_on_error_says(
             mgr.save(1, {"model": object()})
     mgr.save(2, _state(2))
     mgr.wait()
-    assert mgr.failed_saves == [] and mgr.latest() == 2
+    assert mgr.failed_saves == [] and mgr.latest().step == 2
     mgr.close(flush=False)
 
 
@@ -248,13 +241,13 @@ def test_an_allocation_failure_while_staging_is_reported_and_training_goes_on(
     tmp_path: Path,
 ) -> None:
     mgr = _mgr(tmp_path, on_error="warn")
-    real = mgr._stage
+    real = mgr._stager.stage
 
     def failing(*args: Any, **kwargs: Any) -> dict:
-        mgr._stage = real  # type: ignore[method-assign]
+        mgr._stager.stage = real  # type: ignore[method-assign]
         raise MemoryError("injected")
 
-    mgr._stage = failing  # type: ignore[method-assign]
+    mgr._stager.stage = failing  # type: ignore[method-assign]
     with pytest.warns(UserWarning, match="step 1"):
         mgr.save(1, _state(1))
     [(step, exc)] = mgr.failed_saves
@@ -329,7 +322,7 @@ def test_the_manager_reports_progress_of_its_saves_and_restores(tmp_path: Path) 
     assert [e.done for e in saves] == sorted(e.done for e in saves)  # never goes back
     events.clear()
     mgr = _mgr(tmp_path, progress=events.append)
-    assert mgr.restore(_state(0)) == 1
+    assert mgr.restore(_state(0)).step == 1
     mgr.close(flush=False)
     loads = [e for e in events if e.op == "load"]
     assert loads and loads[-1].final and loads[-1].done == loads[-1].total >= nbytes
@@ -341,13 +334,21 @@ def json_roundtrips(doc: dict) -> bool:
     return json.loads(json.dumps(doc)) == doc
 
 
+def _fail_once(exc: Exception, at: str = "written") -> Any:
+    """A manager's ``fault`` hook raising ``exc`` at the first ``at`` point of a save."""
+
 def test_a_level_1_that_cannot_be_written_falls_back_to_level_3(tmp_path: Path) -> None:
+    """A storage failure (an ``OSError``) while writing level 1 sends the step to level 3,
+    bit for bit, with a notice instead of a failure."""
+    fault = _fail_once(OSError(28, "No space left on device (injected)"))
     armed = {"on": True}
 
     def fault(point: str) -> None:
-        if armed["on"] and point == "written":
+        if armed["on"] and point == at:
             armed["on"] = False
-            raise OSError(28, "No space left on device (injected)")
+            raise exc
+
+    return fault
 
     mgr = _mgr(tmp_path, fault=fault, flush_every=100)
     mgr.save(4, _state(4))
@@ -360,8 +361,34 @@ def test_a_level_1_that_cannot_be_written_falls_back_to_level_3(tmp_path: Path) 
     assert mgr.steps() == {4: {"level1": False, "level3": True}}
     mgr.close(flush=False)
     state = _state(0)
-    assert _mgr(tmp_path).restore(state) == 4
-    assert np.array_equal(state["model"]["w"], _state(4)["model"]["w"])
+    restored = _mgr(tmp_path).restore(state)
+    assert (restored.step, restored.level) == (4, 3)
+    saved = _state(4)
+    for k in ("w", "b"):
+        got, want = state["model"][k], saved["model"][k]
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), k
+    assert (state["step"], state["lr"]) == (saved["step"], saved["lr"])
+
+
+def test_a_bug_in_a_level_1_save_is_its_failure_not_a_fallback(tmp_path: Path) -> None:
+    """A ``ValueError`` (not a storage failure) while writing level 1 fails the save, told as
+    such; nothing is written to level 3 in its place, and the next save goes to level 1."""
+    fault = _fail_once(ValueError("injected bug"))
+    mgr = _mgr(tmp_path, fault=fault, flush_every=100, on_error="raise")
+    mgr.save(4, _state(4))
+    with pytest.raises(SaveFailedError, match="injected bug") as exc:
+        mgr.wait()
+    assert [f.type for f in exc.value.rank_failures.values()] == ["ValueError"]
+    assert [f.kind for f in exc.value.rank_failures.values()] == ["other"]
+    report = mgr.last_save
+    assert report is not None and not report.fell_back and report.level is None
+    assert [s for s, _ in mgr.failed_saves] == [4]
+    assert mgr.steps() == {}
+    assert not (tmp_path / "l3").exists() or list_step_dirs(tmp_path / "l3") == []
+    mgr.save(5, _state(5))
+    mgr.wait()
+    assert mgr.steps() == {5: {"level1": True, "level3": False}}
+    mgr.close(flush=False)
 
 
 def test_steps_delete_and_prune_take_step_names(tmp_path: Path) -> None:
@@ -420,7 +447,7 @@ def test_a_restore_that_falls_back_to_an_older_step_says_so(
     state = _state(0)
     mgr = CheckpointManager(local_dir=tmp_path / "l1", write=WriteOptions(fsync=False))
     with pytest.warns(UserWarning, match="fell back to step 4: refused step 5"):
-        assert mgr.restore(state) == 4
+        assert mgr.restore(state).step == 4
     assert np.array_equal(state["model"]["w"], _state(4)["model"]["w"])
     mgr.close(flush=False)
     records = [r.getMessage() for r in caplog.records if r.name.startswith("ckptfmt")]

@@ -55,11 +55,12 @@ def test_into_reads_straight_into_the_callers_arrays(tmp_path: Path) -> None:
     state = _blank()
     dests = {k: state["model"][k] for k in ("w", "h", "b")}
     with _mgr(tmp_path) as mgr:
-        assert mgr.restore(state, into=True) == 4
+        report = mgr.restore(state, into=True)
+        assert report.step == 4 and report.state is not None
         for k, dest in dests.items():
             assert state["model"][k] is dest  # updated in place
             assert _bits(dest) == _bits(saved["model"][k])  # bit-exact, bfloat16 included
-            assert mgr.restored_state["model"][k] is dest  # the load's own array: one write
+            assert report.state["model"][k] is dest  # the load's own array: one write
         assert state["step"] == 4
 
 
@@ -69,10 +70,11 @@ def test_without_into_the_load_has_arrays_of_its_own(tmp_path: Path) -> None:
         mgr.save(5, saved)
     state = _blank()
     with _mgr(tmp_path) as mgr:
-        assert mgr.restore(state) == 5
+        report = mgr.restore(state)
+        assert report.step == 5 and report.state is not None
         w = state["model"]["w"]
         assert _bits(w) == _bits(saved["model"]["w"])
-        assert not np.shares_memory(mgr.restored_state["model"]["w"], w)
+        assert not np.shares_memory(report.state["model"]["w"], w)
 
 
 def test_arrays_that_cannot_take_the_tensor_are_loaded_and_copied(tmp_path: Path) -> None:
@@ -87,10 +89,11 @@ def test_arrays_that_cannot_take_the_tensor_are_loaded_and_copied(tmp_path: Path
         with pytest.raises(DtypeMismatchError):
             mgr.restore(state, into=True)  # the cast policy still refuses
         with pytest.warns(UserWarning, match="cast 1 tensor"):
-            assert mgr.restore(state, into=True, cast="any") == 6
+            report = mgr.restore(state, into=True, cast="any")
+        assert report.step == 6 and report.state is not None
         assert state["model"]["w"] is strided
         assert _bits(strided) == _bits(saved["model"]["w"])
-        assert not np.shares_memory(mgr.restored_state["model"]["w"], strided)
+        assert not np.shares_memory(report.state["model"]["w"], strided)
         assert np.array_equal(state["model"]["b"], saved["model"]["b"].astype(np.float32))
 
 
@@ -112,8 +115,9 @@ def test_shard_boxes_of_another_job_size_are_read_into_place(tmp_path: Path) -> 
             node="n0",
             async_save=False,
         ) as mgr:
-            assert mgr.restore(state, into=True, strict=False) == 7
-            same = mgr.restored_state["model"]["w"] is mine
+            report = mgr.restore(state, into=True, strict=False)
+            assert report.step == 7 and report.state is not None
+            same = report.state["model"]["w"] is mine
         return same, _bits(mine) + _bits(full[rows])
 
     for same, both in run_threads(2, body):

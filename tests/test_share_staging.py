@@ -70,7 +70,7 @@ def save_and_report(root: Path, whole: bool, background_copy: bool = False) -> l
     def body(comm: Any) -> int:
         mgr = manager(comm, root)
         if whole:
-            mgr._share = lambda *args: None  # type: ignore[method-assign]
+            mgr._stager.agree = lambda *args: None  # type: ignore[method-assign]
         state = rank_state(3, comm.rank)
         handle = mgr.save(3, state, background_copy=background_copy)
         handle.wait_staged()
@@ -99,7 +99,7 @@ def restored(root: Path, step: int = 3) -> list[dict[str, Any]]:
         got["fsdp"] = Shard(np.zeros((8, 16), np.float32), (8 * comm.rank, 0), (8 * WORLD, 16))
         got["rng"] = PerRank(np.zeros(3, np.uint32))
         got["step"] = 0
-        assert mgr.restore(got) == step
+        assert mgr.restore(got).step == step
         mgr.close(flush=False)
         return got
 
@@ -134,7 +134,7 @@ def test_ranks_holding_other_replicas_stage_whole_and_the_save_commits(tmp_path:
         if comm.rank == 1:  # holds all of b, but as a region: the plan is not the DP one
             state["model"]["b"] = Shard(state["model"]["b"], (0,), (5000,))
         mgr.save(3, state)
-        assert mgr.failed_saves == [] and mgr.latest() == 3
+        assert mgr.failed_saves == [] and mgr.latest().step == 3
         staged = mgr.last_save.staged_bytes
         mgr.close(flush=False)
         return staged
@@ -159,7 +159,7 @@ def test_a_state_refused_on_one_rank_fails_the_step_everywhere(tmp_path: Path) -
             outcome = "refused"
         mgr.save(4, rank_state(4, comm.rank))  # the next save works, its share staged
         mgr.wait()
-        assert mgr.latest() == 4 and mgr.last_save.staged_bytes < 40_000
+        assert mgr.latest().step == 4 and mgr.last_save.staged_bytes < 40_000
         mgr.close(flush=False)
         return outcome
 
@@ -201,7 +201,7 @@ def test_a_policy_follows_the_jobs_save_number_across_restarts(tmp_path: Path) -
                 at_exit=ExitPolicy(flush=False, sigterm=False),
             )
             state = {"w": np.zeros(64, np.float32), "step": 0}
-            start = mgr.restore(state) or 0
+            start = mgr.restore(state).step or 0
             assert start == first, (start, first)
             for step in (start + 1, start + 2):
                 mgr.save(step, {"w": np.full(64, step, np.float32), "step": step})
@@ -232,13 +232,13 @@ def test_a_background_copy_failing_on_one_rank_fails_the_step_everywhere(tmp_pat
     def body(comm: Any) -> dict[str, Any]:
         mgr = manager(comm, tmp_path)
         if comm.rank == 1:
-            real = mgr._stage
+            real = mgr._stager.stage
 
             def failing(*args: Any, **kwargs: Any) -> Any:
-                mgr._stage = real  # type: ignore[method-assign]
+                mgr._stager.stage = real  # type: ignore[method-assign]
                 raise MemoryError("injected while copying")
 
-            mgr._stage = failing  # type: ignore[method-assign]
+            mgr._stager.stage = failing  # type: ignore[method-assign]
         handle = mgr.save(3, rank_state(3, comm.rank), background_copy=True)
         handle.wait_staged()
         mgr.wait()  # warns (on_error="warn"): recorded by the test, which runs every rank
@@ -246,7 +246,7 @@ def test_a_background_copy_failing_on_one_rank_fails_the_step_everywhere(tmp_pat
         state = rank_state(4, comm.rank)
         mgr.save(4, state, background_copy=True).wait_staged()
         mgr.wait()
-        out = {"failed": failed, "after": len(mgr.failed_saves), "latest": mgr.latest()}
+        out = {"failed": failed, "after": len(mgr.failed_saves), "latest": mgr.latest().step}
         mgr.close(flush=False)
         return out
 

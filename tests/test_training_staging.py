@@ -165,7 +165,7 @@ def test_donate_skips_the_copy_and_is_staged_only_when_the_save_is_done(tmp_path
 
 def check_handle_order(mgr: CheckpointManager, tmp_path: Path, kw: dict[str, Any]) -> None:
     order: list[str] = []
-    seen: list[int | None] = []
+    seen: list[int] = []
     called = threading.Event()
     step = len(mgr.steps()) + 1
     h = mgr.save(step, state(step), **kw)
@@ -173,12 +173,12 @@ def check_handle_order(mgr: CheckpointManager, tmp_path: Path, kw: dict[str, Any
 
     def committed(f: Any) -> None:
         order.append("committed")
-        seen.append(mgr.latest())
+        seen.append(mgr.latest().step)
         called.set()
 
     h.committed.add_done_callback(committed)
     assert isinstance(h, SaveHandle) and h.result(30) == step and h.done()
-    assert mgr.latest() == step
+    assert mgr.latest().step == step
     assert called.wait(30)
     assert order == ["staged", "committed"], kw
     assert seen == [step]  # committed: latest() shows it already
@@ -207,7 +207,7 @@ def test_a_failed_save_makes_the_handle_raise_and_still_warns(tmp_path: Path) ->
     assert h.staged.done()
     with pytest.warns(CheckpointWarning, match="step 2"):
         mgr.wait()  # reported by the next call as before
-    assert mgr.latest() == 1
+    assert mgr.latest().step == 1
     blocker.unlink()
     mgr.close()
 

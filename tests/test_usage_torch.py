@@ -227,7 +227,7 @@ def test_torch_objects_given_to_the_manager_are_raised_at_the_call(tmp_path: Pat
         assert mgr.failed_saves == [] and mgr.latest() is None
         mgr.save(2, ckptfmt_torch.to_state({"model": model, "optim": opt}))
         mgr.wait()
-        assert mgr.latest() == 2
+        assert mgr.latest().step == 2
     finally:
         mgr.close(flush=False)
 

@@ -59,7 +59,7 @@ import numpy as np
 from ckptfmt.errors import UsageError
 from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
-from ckptfmt.plan import PerRankMode, RankMap
+from ckptfmt.plan import PerRankMode, RankMap, ReadOptions
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
 from ckptfmt_keras.checkpoint import restore_training_state
@@ -179,15 +179,15 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.manager = _OPEN[key] = CheckpointManager(**self._manager_options)
         self._epoch = self._step = self._global = 0
         self._resume, self._pending_metrics = None, None
-        step = self.manager.restore(rank_map=self.rank_map, per_rank=self.per_rank)
-        self.last_restore = self.manager.last_restore
-        if step is None:
+        report = self.manager.restore(read=ReadOptions(self.rank_map, self.per_rank))
+        self.last_restore = report
+        if not report.restored:
             self.restored_counters = None
             broadcast_variables(model, self.comm)  # replicas start from rank 0's weights
             if opt is not None and opt.built:
                 broadcast_variables(opt, self.comm)
             return
-        state = self.manager.restored_state or {}
+        state = report.state or {}
         counters = restore_training_state(
             model, state, optimizer=opt if self.include_optimizer else None
         )

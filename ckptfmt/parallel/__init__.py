@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from ckptfmt.parallel.levels import list_levels, resolve_node
 from ckptfmt.parallel.load import load_collective
-from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning, RestoreReport
+from ckptfmt.parallel.manager import CheckpointManager
 from ckptfmt.parallel.options import ExitPolicy, OnError
+from ckptfmt.parallel.outcomes import CheckpointWarning
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
+from ckptfmt.parallel.restore import RestoreReport
 from ckptfmt.parallel.staging import SaveHandle
 
 __all__ = [

@@ -7,15 +7,12 @@ everyday settings and stay keywords."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 from ckptfmt.errors import UsageError
-from ckptfmt.format.options import WriteOptions
 
-__all__ = ["ExitPolicy", "OnError", "check_on_error", "legacy_options"]
+__all__ = ["ExitPolicy", "OnError", "check_on_error"]
 
 OnError = Literal["warn", "raise"]
 
@@ -39,48 +36,6 @@ class ExitPolicy:
             raise UsageError(f"budget_s must be a number of seconds, got {self.budget_s!r}")
         if self.budget_s < 0:
             raise UsageError(f"budget_s must be >= 0, got {self.budget_s!r}")
-
-
-# the manager's keywords before the options objects, and where each went
-_WRITE_KEYWORDS = {
-    "fsync": "fsync",
-    "chunk_bytes": "chunk_bytes",
-    "shard_bytes": "shard_bytes",
-    "threads": "threads",
-}
-_EXIT_KEYWORDS = {
-    "exit_flush": "flush",
-    "exit_flush_budget_s": "budget_s",
-    "handle_sigterm": "sigterm",
-}
-
-
-def legacy_options(
-    old: Mapping[str, Any], write: WriteOptions, at_exit: ExitPolicy
-) -> tuple[WriteOptions, ExitPolicy]:
-    """``write`` and ``at_exit`` with the manager's former keywords ``old`` folded in (with a
-    ``DeprecationWarning`` naming the new spelling); an unknown keyword is a ``TypeError``, as
-    for any function."""
-    unknown = sorted(set(old) - set(_WRITE_KEYWORDS) - set(_EXIT_KEYWORDS))
-    if unknown:
-        raise TypeError(f"CheckpointManager() got unexpected keyword argument(s) {unknown}")
-    w = _folded(old, _WRITE_KEYWORDS, "write=WriteOptions")
-    e = _folded(old, _EXIT_KEYWORDS, "at_exit=ExitPolicy")
-    return (replace(write, **w) if w else write), (replace(at_exit, **e) if e else at_exit)
-
-
-def _folded(old: Mapping[str, Any], names: Mapping[str, str], spelling: str) -> dict[str, Any]:
-    """The fields of one options object that ``old`` sets (renamed), warned of once."""
-    fields = {names[k]: v for k, v in old.items() if k in names}
-    if fields:
-        args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-        warnings.warn(
-            f"CheckpointManager({', '.join(sorted(k for k in old if k in names))}=...) "
-            f"is deprecated: pass {spelling}({args})",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-    return fields
 
 
 def check_on_error(on_error: str) -> OnError:

@@ -1,0 +1,148 @@
+"""What a :class:`~ckptfmt.parallel.manager.CheckpointManager` reports, and the state of its
+collective calls.
+
+:class:`Outcomes` keeps each save's :class:`SaveReport`, the failures not yet told, and the
+notices (a save that fell back to level 3); they are told at the manager's next call, as a
+:class:`CheckpointWarning` or raised (``on_error``). :class:`Calls` counts the manager's
+collective calls (the votes' sequence numbers), runs each call's roll call, and remembers that
+the communicator broke, after which no collective call is safe. Both are local: nothing here
+talks to another rank except :meth:`Calls.roll_call`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+
+from ckptfmt.errors import (
+    CkptError,
+    CollectiveTimeoutError,
+    ManagerBrokenError,
+    OutOfStepError,
+    UsageError,
+)
+from ckptfmt.parallel.options import OnError
+from ckptfmt.parallel.telemetry import SaveReport
+from ckptfmt.transport.comm import Comm
+
+log = logging.getLogger("ckptfmt")
+
+__all__ = ["Calls", "CheckpointWarning", "Outcomes"]
+
+
+class CheckpointWarning(UserWarning):
+    """A background save failed; training goes on with the previous checkpoints intact."""
+
+
+class Outcomes:
+    """The saves' reports and the failures and notices to tell at the next call. Written by
+    the saver thread, told by the training thread (:meth:`tell`) once the saver is idle."""
+
+    def __init__(self, on_error: OnError, on_save: Callable[[SaveReport], None] | None) -> None:
+        self.on_error = on_error
+        self.on_save = on_save
+        self.notices: list[str] = []  # told at the next call: not failures (a fallback)
+        self.last_save: SaveReport | None = None  # the newest save whose outcome is known
+        self.save_reports: list[SaveReport] = []  # the newest 100, oldest first
+        self.failed_saves: list[tuple[int, CkptError]] = []  # told failures, oldest first
+        self.pending: list[tuple[int, CkptError]] = []  # failures not told yet (step -1: none)
+
+    def fail(self, step: int, exc: CkptError) -> None:
+        """Keep the failure of ``step`` for the next call."""
+        self.pending.append((step, exc))
+
+    def failure_since(self, mark: int, step: int) -> CkptError | None:
+        """The first failure of ``step`` (or of no step in particular) kept after ``mark``
+        (``len(pending)`` when the save began): what its handle reports."""
+        mine = [e for s, e in self.pending[mark:] if s in (step, -1)]
+        return mine[0] if mine else None
+
+    def forget(self, step: int) -> None:
+        """Drop the failures kept for ``step`` (they were raised at the call instead)."""
+        self.pending = [(s, e) for s, e in self.pending if s != step]
+
+    def record_save(self, report: SaveReport) -> None:
+        """Keep ``report`` and hand it to ``on_save`` (from the saver thread; a failing
+        callback is logged, never raised into the save)."""
+        self.last_save = report
+        self.save_reports = [*self.save_reports[-99:], report]
+        if self.on_save is not None:
+            try:
+                self.on_save(report)
+            except Exception as exc:
+                log.warning("on_save callback failed: %s", exc)
+
+    def tell(self) -> None:
+        """Warn of the notices and of each failure kept, or raise the first failure
+        (``on_error="raise"``)."""
+        notices, self.notices = self.notices, []
+        for notice in notices:
+            warnings.warn(notice, CheckpointWarning, stacklevel=3)
+        pending, self.pending = self.pending, []
+        for step, exc in pending:
+            self.failed_saves.append((step, exc))
+            if self.on_error == "raise":
+                raise exc
+            warnings.warn(
+                f"checkpoint of step {step} failed: {exc}", CheckpointWarning, stacklevel=3
+            )
+
+    def log_quietly(self, when: str) -> None:
+        """Log the failures kept, raising nothing (a signal handler's thread)."""
+        for step, exc in self.pending:
+            log.warning("%s: step %s: %s", when, step, exc)
+
+
+class Calls:
+    """The manager's collective calls on ``comm``: their count (each call's sequence number,
+    checked by every roll call and vote), whether the manager is closed, and the failure that
+    broke the communicator, if one did."""
+
+    def __init__(self, comm: Comm, deadline_s: float) -> None:
+        self.comm = comm
+        self.deadline_s = deadline_s
+        self.count = 0
+        self.broken: CkptError | None = None
+        self.closed = False
+
+    def next(self) -> int:
+        """Count one more collective call; its sequence number."""
+        self.count += 1
+        return self.count
+
+    def check_open(self) -> None:
+        """Local: raise unless the manager can make a collective call."""
+        if self.closed:
+            raise UsageError("this CheckpointManager is closed")
+        if self.broken is not None:
+            raise ManagerBrokenError(
+                f"this CheckpointManager cannot make collective calls any more: {self.broken}"
+            ) from self.broken
+
+    def roll_call(
+        self, what: str, step: int | None, comm: Comm | None = None, seq: int | None = None
+    ) -> None:
+        """Collective (every rank of ``comm``, default the manager's communicator, at the start
+        of each collective call): every rank is in the same call (``what``, ``step``, the call
+        number ``seq``, default the current count) within the deadline, or every rank still
+        there raises what the roll call raises, and the manager makes no collective call any
+        more (its ranks are out of step)."""
+        try:
+            (comm or self.comm).roll_call(
+                self.deadline_s, what, step, self.count if seq is None else seq
+            )
+        except (CollectiveTimeoutError, OutOfStepError) as exc:
+            self.broken = exc
+            raise
+
+    def break_on(self, exc: BaseException) -> CkptError:
+        """The communicator failed with ``exc``: no collective is safe any more. The failure,
+        as a ``CkptError``, is kept and returned."""
+        broken = (
+            exc
+            if isinstance(exc, CkptError)
+            else ManagerBrokenError(f"{type(exc).__name__}: {exc}")
+        )
+        self.broken = broken
+        return broken

@@ -1,0 +1,265 @@
+"""A manager's restore: the newest copy every rank can load, rebuilt from redundancy if need be.
+
+Every rank of the communicator calls :func:`restore_newest` with the same request, after the
+manager's roll call and the removal of leftovers. In order: an allgather of what each rank sees
+(:class:`~ckptfmt.parallel.restore_order.View`); then, for each candidate of the restore order
+(:func:`~ckptfmt.parallel.restore_order.candidates`) not refused outright, ``load_collective``;
+where a level-1 load fails for damage, ``rebuild_collective`` and ``load_collective`` again.
+The first candidate that loads is the result; the loads' and rebuilds' votes make every rank
+take the same branch. A failure that is not damage (an allocation failure, a bug, a transport
+error on some rank) is raised on every rank alike instead of trying older steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.errors import (
+    CollectiveError,
+    LoadFailedError,
+    SaveFailedError,
+    UnreachableNodesError,
+    UnrecoverableDamageError,
+)
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.load import load_collective
+from ckptfmt.parallel.outcomes import CheckpointWarning
+from ckptfmt.parallel.rebuild import rebuild_collective
+from ckptfmt.parallel.restore_order import Candidate, View, candidates
+from ckptfmt.parallel.retention import committed
+from ckptfmt.parallel.save_job import group_key
+from ckptfmt.plan.options import ReadOptions
+from ckptfmt.storage.progress import ProgressCallback, metering
+from ckptfmt.transport.comm import Comm
+from ckptfmt.tree.apply import ApplyReport, apply_loaded
+from ckptfmt.tree.casting import Cast
+from ckptfmt.tree.state import Shard, arrays_of, flatten
+
+log = logging.getLogger("ckptfmt")
+
+__all__ = ["RestoreReport", "RestoreRequest", "RestoreSite", "restore_newest"]
+
+
+@dataclass
+class RestoreReport:
+    """What ``restore`` chose and why; ``state`` is the loaded tree (None when nothing was
+    restored: the caller's state is then untouched)."""
+
+    step: int | None = None
+    level: int | None = None
+    path: str | None = None
+    tried: list[str] = field(default_factory=list)  # reasons the newer candidates were refused
+    rebuilt: list[str] = field(default_factory=list)  # what was rebuilt from redundancy
+    unrecoverable: list[dict[str, Any]] = field(default_factory=list)  # ranks/tensors lost
+    rebuild_seconds: float = 0.0
+    applied: ApplyReport | None = None  # what was written into the caller's state
+    state: dict[str, Any] | None = None  # the loaded tree
+
+    @property
+    def restored(self) -> bool:
+        """Whether a step was restored."""
+        return self.step is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreRequest:
+    """What the caller asked of ``restore`` (see ``CheckpointManager.restore``)."""
+
+    state: Mapping[str, Any] | None = None
+    read: ReadOptions = ReadOptions()
+    strict: bool = True
+    include: Sequence[str] | None = None
+    exclude: Sequence[str] = ()
+    apply: bool = True
+    cast: Cast = "no"
+    into: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreSite:
+    """Where this rank restores from: its communicator and node, the levels' roots, the call's
+    sequence number, and how rebuilt files are written and progress told."""
+
+    comm: Comm
+    node: str
+    roots: Mapping[int, Path | None]  # {1: this node's level-1 directory, 3: level 3}
+    seq: int
+    fsync: bool
+    progress: ProgressCallback | None
+
+
+def raise_unless_damage(exc: CollectiveError, *, storage: bool = False) -> None:
+    """A load (or, ``storage``, a rebuild, whose writes may also meet a full or failing disk)
+    that failed for another reason than damage (an allocation failure, a bug, ranks out of
+    step, a transport error on some rank) is not a reason to try older steps: it is raised, on
+    every rank alike (they all hold the same vote)."""
+    if isinstance(exc, UnreachableNodesError):
+        return
+    allowed = ("damage", "storage") if storage else ("damage",)
+    if any(f.kind not in allowed for f in exc.rank_failures.values()):
+        raise exc
+
+
+def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreReport, Manifest | None]:
+    """Collective (see the module's docstring for the order of the calls): load the newest
+    copy every rank can load into ``req.state``; the report and the manifest of what was
+    restored (None: nothing usable)."""
+    wants = _wants(req.state)
+    targets = arrays_of(req.state) if req.into and req.apply and req.state is not None else None
+    views: list[View] = site.comm.allgather_json(
+        {
+            "node": site.node,
+            "l1": [s for s, _ in committed(site.roots.get(1))],
+            "l3": [s for s, _ in committed(site.roots.get(3))],
+        }
+    )
+    order = candidates(views, site.roots)
+    newest = order[0].step if order else None
+    report = RestoreReport()
+    for c in order:
+        if c.refused:
+            report.tried.append(f"step {c.step} level {c.level}: {c.refused}")
+            continue
+        got = _load_or_rebuild(site, c, wants, req.read, targets, report)
+        if got is None:
+            continue
+        loaded, manifest = got
+        report.step, report.level, report.path = c.step, c.level, str(c.path)
+        if req.apply:
+            report.applied = apply_loaded(
+                req.state,
+                loaded,
+                strict=req.strict,
+                include=req.include,
+                exclude=req.exclude,
+                cast=req.cast,
+            )
+        report.state = loaded
+        _log(site.comm, report, newest)
+        return report, manifest
+    _log(site.comm, report, newest)
+    return report, None
+
+
+def _load_or_rebuild(
+    site: RestoreSite,
+    c: Candidate,
+    wants: dict[str, Any],
+    read: ReadOptions,
+    targets: dict[str, np.ndarray] | None,
+    report: RestoreReport,
+) -> tuple[dict[str, Any], Manifest] | None:
+    """Collective: load candidate ``c``; on level 1, lost or damaged on some node, rebuild
+    what parity covers and load again. None (the reason in ``report``) when it cannot be."""
+    try:
+        return _load(site, c, wants, read, targets)
+    except LoadFailedError as exc:
+        raise_unless_damage(exc)
+        if c.level == 3:
+            report.tried.append(f"step {c.step} level {c.level}: {exc}")
+            return None
+        if not _rebuild(site, c, str(exc), report):
+            return None
+    try:
+        return _load(site, c, wants, read, targets)
+    except LoadFailedError as exc2:
+        raise_unless_damage(exc2)
+        report.tried.append(f"step {c.step} level {c.level}: {exc2}")
+        return None
+
+
+def _load(
+    site: RestoreSite,
+    c: Candidate,
+    wants: dict[str, Any],
+    read: ReadOptions,
+    into: dict[str, np.ndarray] | None,
+) -> tuple[dict[str, Any], Manifest]:
+    # some ranks without a copy may be new to the job (another size, another node): the load
+    # finds out whether every saved node's files are visible to some rank
+    with metering("load", site.progress) as meter:
+        loaded = load_collective(
+            site.comm,
+            c.path,
+            wants,
+            seq=site.seq,
+            expect_step=c.step,
+            node=site.node if c.level == 1 else None,
+            read=read,
+            into=into,
+        )
+        meter.finish()
+    return loaded
+
+
+def _rebuild(site: RestoreSite, c: Candidate, why: str, report: RestoreReport) -> bool:
+    """Collective: rebuild this level-1 step from its redundancy; False (with the reasons in
+    ``report``) when it cannot be."""
+    try:
+        result, _ = rebuild_collective(
+            site.comm, c.path, group_key(site.node, True), site.fsync, site.seq
+        )
+    except (UnrecoverableDamageError, SaveFailedError) as exc:
+        if isinstance(exc, SaveFailedError):
+            raise_unless_damage(exc, storage=True)
+        report.tried.append(f"step {c.step} level 1: {why}; cannot rebuild: {exc}")
+        if isinstance(exc, UnrecoverableDamageError):
+            report.unrecoverable.append(
+                {
+                    "step": c.step,
+                    "ranks": list(exc.lost_ranks),
+                    "nodes": list(exc.nodes),
+                    "tensors": list(exc.tensors),
+                }
+            )
+        return False
+    if result.repaired:
+        report.rebuilt.append(f"step {c.step} level 1: {why}; {result.describe()}")
+        report.rebuild_seconds += result.seconds
+    return True
+
+
+def _wants(
+    state: Mapping[str, Any] | None,
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """The boxes this rank wants: its ``Shard`` leaves' regions ('/'-joined names)."""
+    if state is None:
+        return {}
+    return {
+        display(name): (leaf.offset, leaf.data.shape)
+        for name, leaf in flatten(state)
+        if isinstance(leaf, Shard)
+    }
+
+
+def _log(comm: Comm, report: RestoreReport, newest: int | None) -> None:
+    """Warn when a newer checkpoint could not be used; rank 0 logs what was refused, rebuilt
+    and restored."""
+    older = newest is not None and (report.step is None or report.step < newest)
+    if report.tried and older:  # a newer checkpoint could not be used: say so loudly
+        chosen = "nothing" if report.step is None else f"step {report.step}"
+        warnings.warn(
+            f"restore fell back to {chosen}: refused {'; '.join(report.tried)}",
+            CheckpointWarning,
+            stacklevel=4,
+        )
+    if comm.rank != 0:
+        return
+    for reason in report.tried:
+        log.warning("restore: refused %s", reason)
+    for line in report.rebuilt:
+        log.warning("restore: %s", line)
+    if report.step is None:
+        log.info("restore: no usable checkpoint; starting fresh")
+    else:
+        (log.warning if report.tried else log.info)(
+            "restored step %s from level %s (%s)", report.step, report.level, report.path
+        )

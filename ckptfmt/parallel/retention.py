@@ -1,0 +1,168 @@
+"""A manager's levels on disk: flushing level 1 to level 3, retention, deletion, leftovers.
+
+:class:`Retention` knows where each level is for this rank, whether this rank leads its node
+(the node's first rank acts on its level-1 directory; rank 0 on level 3), the newest level-1
+checkpoint of this job and which saves are on level 3 already. Its collective methods are
+called on every rank of the communicator they are given, in the order the manager's
+docstrings say; the failures of a flush are kept in the manager's :class:`Outcomes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.levels import Levels, flush_collective, retain, retain_steps
+from ckptfmt.parallel.outcomes import Calls, Outcomes
+from ckptfmt.parallel.protocol import FaultHook
+from ckptfmt.storage import commit
+from ckptfmt.storage.steps import list_step_dirs, step_dir_name
+from ckptfmt.transport.comm import Comm
+
+log = logging.getLogger("ckptfmt")
+
+__all__ = ["Retention", "committed"]
+
+
+def committed(root: Path | None) -> list[tuple[int, Path]]:
+    """The committed steps under ``root`` (none when the level is absent), oldest first."""
+    if root is None:
+        return []
+    return [(s, p) for s, p in list_step_dirs(root) if commit.is_committed(p)]
+
+
+class Retention:
+    """Flush and retention for one rank of a manager. ``node_leader`` is set once the ranks
+    have told each other their nodes (the manager's start)."""
+
+    def __init__(
+        self,
+        levels: Levels,
+        local_root: Path | None,
+        *,
+        keep_local: int,
+        keep_shared: int,
+        fsync: bool,
+        fault: FaultHook | None,
+        outcomes: Outcomes,
+    ) -> None:
+        self.levels = levels
+        self.local_root = local_root
+        self.shared_dir = levels.shared_dir
+        self.keep_local, self.keep_shared = keep_local, keep_shared
+        self.fsync = fsync
+        self.fault = fault
+        self.outcomes = outcomes
+        self.node_leader = False
+        self.newest_local: Manifest | None = None  # this job's newest level-1 checkpoint
+        self.flushed: set[str] = set()  # save ids on level 3
+        self.flush_rate = 0.0  # bytes/s of the last flush
+
+    def retain(self, comm: Comm, protect: set[int]) -> None:
+        """Collective (an allgather on ``comm``): the same retention on every node. Each node's
+        leader lists its committed level-1 steps; every node keeps the newest ``keep_local``
+        steps of all nodes together (and ``protect``), so no node deletes a step another node
+        still counts on; rank 0 keeps the newest ``keep_shared`` on level 3."""
+        mine = [s for s, _ in committed(self.local_root)] if self.node_leader else []
+        seen = comm.allgather_json(mine)
+        if self.local_root is not None and self.node_leader:
+            everywhere = sorted({s for x in seen for s in x})
+            keep = set(everywhere[-self.keep_local :]) if self.keep_local > 0 else set(everywhere)
+            retain_steps(self.local_root, keep | protect)
+        if comm.rank == 0:
+            retain(self.shared_dir, self.keep_shared, protect)
+
+    def flush(self, manifest: Manifest, comm: Comm, seq: int | None = None) -> bool:
+        """Collective (``flush_collective`` on ``comm``): copy the level-1 checkpoint of
+        ``manifest`` to level 3. False when it failed (the failure is kept for the next
+        call)."""
+        assert self.local_root is not None and self.shared_dir is not None
+        started = time.perf_counter()
+        try:
+            flush_collective(
+                comm,
+                manifest,
+                self.local_root / step_dir_name(manifest.step or 0),
+                self.shared_dir,
+                fsync=self.fsync,
+                fault=self.fault,
+                seq=seq,
+            )
+        except CkptError as exc:
+            self.outcomes.fail(manifest.step or 0, exc)
+            return False
+        nbytes = sum(f.size for _, f in manifest.files())
+        self.flush_rate = nbytes / max(time.perf_counter() - started, 1e-6)
+        self.flushed.add(manifest.save_id)
+        return True
+
+    def flush_newest(
+        self, calls: Calls, budget_s: float, comm: Comm | None = None, seq: int | None = None
+    ) -> None:
+        """Collective (on ``comm``: the main thread's, or the saver thread's at SIGTERM; in
+        order: a roll call, an all-true of the estimates, the flush): flush the newest level-1
+        checkpoint if level 3 lacks it and the last measured flush rate says it fits in
+        ``budget_s``. ``seq`` None counts a new collective call. Failures are kept for the
+        next call."""
+        on = comm or calls.comm
+        m = self.newest_local
+        if m is None or self.shared_dir is None or m.save_id in self.flushed:
+            return
+        nbytes = sum(f.size for _, f in m.files())
+        estimate = nbytes / self.flush_rate if self.flush_rate else 0.0
+        try:
+            calls.roll_call("flush", m.step, on, seq)
+        except (CollectiveTimeoutError, OutOfStepError) as exc:
+            log.error("not flushing step %s at exit: %s", m.step, exc)
+            return
+        if not on.all_true(estimate <= budget_s):
+            log.warning(
+                "not flushing step %s at exit: ~%.0f s needed, budget %.0f s",
+                m.step,
+                estimate,
+                budget_s,
+            )
+            return
+        if seq is None:
+            seq = calls.next()
+        self.flush(m, on, seq)
+        if on.rank == 0:
+            retain(self.shared_dir, self.keep_shared, {m.step or 0})
+        if on.rank == 0 and m.save_id in self.flushed:
+            log.info("flushed step %s to level 3 at exit", m.step)
+
+    def delete(self, comm: Comm, step: int, levels: Sequence[int]) -> None:
+        """Collective (a barrier at the end): remove ``step`` from ``levels`` (each node's
+        leader its level-1 copy, rank 0 the level-3 one)."""
+        if 1 in levels and self.node_leader and self.local_root is not None:
+            path = self.local_root / step_dir_name(step)
+            if commit.is_committed(path):
+                commit.remove(path)
+        if 3 in levels and comm.rank == 0 and self.shared_dir is not None:
+            path = self.shared_dir / step_dir_name(step)
+            if commit.is_committed(path):
+                commit.remove(path)
+        if 1 in levels and self.newest_local is not None and self.newest_local.step == step:
+            self.newest_local = None
+        comm.barrier()
+
+    def clean_leftovers(self, comm: Comm) -> None:
+        """Collective (a barrier at the end): remove what crashed saves left (each node's
+        leader on level 1, rank 0 on level 3)."""
+        if self.node_leader and self.local_root is not None:
+            commit.clean_leftovers(self.local_root)
+        if comm.rank == 0 and self.shared_dir is not None:
+            commit.clean_leftovers(self.shared_dir)
+        comm.barrier()
+
+    def steps(self) -> dict[int, dict[str, bool]]:
+        """The committed steps this rank sees, with the levels that hold them (local)."""
+        out: dict[int, dict[str, bool]] = {}
+        for key, root in (("level1", self.local_root), ("level3", self.shared_dir)):
+            for s, _ in committed(root):
+                out.setdefault(s, {"level1": False, "level3": False})[key] = True
+        return dict(sorted(out.items()))

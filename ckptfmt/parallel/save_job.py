@@ -1,0 +1,333 @@
+"""A manager's saves behind the training loop: the save job and the saver thread that runs it.
+
+``CheckpointManager.save`` stages the state (or leaves the copy to the job) and hands a
+:class:`SaveJob` to this rank's :class:`Saver`. The saver thread runs one job at a time, on a
+duplicate of the manager's communicator, so its collective calls never pair with the training
+thread's. For one job, every rank calls, in this order: the staging agreement (a background copy
+only; it is the save's roll call) or the save's roll call; ``save_collective`` on level 1 (level
+3 when there is no level 1), and again on level 3 when level 1 failed for a storage reason on
+some rank; the flush when due; the retention's allgather. Every failure is voted on inside those
+calls, so the ranks take the same branch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.container.metadata import ManifestMeta
+from ckptfmt.errors import (
+    CkptError,
+    CollectiveTimeoutError,
+    ManagerBrokenError,
+    OutOfStepError,
+    SaveFailedError,
+)
+from ckptfmt.format.options import WriteOptions
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel import share
+from ckptfmt.parallel.outcomes import Calls, Outcomes
+from ckptfmt.parallel.protocol import FaultHook, save_collective
+from ckptfmt.parallel.retention import Retention
+from ckptfmt.parallel.stager import Stager
+from ckptfmt.parallel.staging import BufferPool, SaveHandle
+from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
+from ckptfmt.redundancy.config import Policy, Redundancy
+from ckptfmt.storage.progress import ProgressCallback, metering
+from ckptfmt.storage.steps import step_dir_name
+from ckptfmt.transport.comm import Comm, start_background
+from ckptfmt.tree.state import Name
+
+log = logging.getLogger("ckptfmt")
+
+__all__ = ["SaveJob", "Saver", "may_fall_back"]
+
+
+def may_fall_back(exc: CkptError) -> bool:
+    """Whether a failed level-1 save is worth writing to level 3 instead: every failing rank
+    met a storage failure (an ``OSError``: a full or failing node-local disk). Misuse, ranks
+    out of step, a state that could not be copied, or anything else (a bug's ``ValueError``)
+    is reported as the save's failure, never hidden by writing elsewhere."""
+    return isinstance(exc, SaveFailedError) and all(
+        f.kind == "storage" for f in exc.rank_failures.values()
+    )
+
+
+@dataclass(kw_only=True)
+class SaveJob:
+    """What one save hands its saver thread."""
+
+    step: int
+    seq: int  # the save's collective call number
+    report: SaveReport
+    handle: SaveHandle
+    mode: str  # copy_mode: "now", "background" or "none"
+    staged: dict[str, Any]  # the staged state (empty for a background copy: the job makes it)
+    taken: list[np.ndarray]  # pool buffers to give back when the job ends
+    failure: BaseException | None = None  # this rank's failure before the job (voted on)
+    ready: Callable[[], None] | None = None  # called before anything of the state is read
+    boxes: share.Boxes | None = None  # what this rank writes of the replicated tensors
+    leaves: list[tuple[Name, Any]] | None = None  # background copy: staged by the job itself
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveSettings:
+    """How and where a manager's saves go (the same on every rank but ``node``)."""
+
+    node: str
+    local_root: Path | None
+    shared_dir: Path | None
+    policy: Policy
+    flush_every: int
+    write: WriteOptions
+    fault: FaultHook | None
+    progress: ProgressCallback | None
+    fallback_to_shared: bool
+
+
+class Saver:
+    """One rank's saver thread and what it runs. ``saves`` is the job's save number (carried
+    across restarts by the manifests: a restore raises it)."""
+
+    def __init__(
+        self,
+        bg: Comm,
+        settings: SaveSettings,
+        *,
+        calls: Calls,
+        outcomes: Outcomes,
+        retention: Retention,
+        stager: Stager,
+        pool: BufferPool,
+    ) -> None:
+        self.bg = bg
+        self.settings = settings
+        self.calls, self.outcomes, self.retention = calls, outcomes, retention
+        self.stager, self.pool = stager, pool
+        self.saves = 0
+        self.idle = threading.Event()
+        self.idle.set()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._worker = start_background(bg, self._work, f"ckptfmt-saver-{bg.rank}")
+
+    def put(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` for the saver thread (the manager waits on :attr:`idle`)."""
+        self.idle.clear()
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """End the saver thread once the queued jobs are done."""
+        self._jobs.put(None)
+        self._worker.join(timeout=60)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception as exc:
+                # the communicator itself failed (a peer died or the transport broke): no
+                # further collective is safe; recorded before anyone waiting is released
+                broken = self.calls.break_on(ManagerBrokenError(f"{type(exc).__name__}: {exc}"))
+                self.outcomes.fail(-1, broken)
+                log.error("rank %s: background save failed: %s", self.bg.rank, broken)
+            finally:
+                self.idle.set()
+
+    def break_on(self, step: int, exc: Exception, report: SaveReport) -> CkptError:
+        """The save of ``step`` failed before its staging because the ranks could not agree
+        (on the training thread, or a background copy's on the saver thread): no collective
+        of this manager can be trusted any more; the failure is kept for the next call and
+        returned."""
+        broken = self.calls.break_on(exc)
+        report.error = str(broken)
+        self.outcomes.fail(step, broken)
+        log.error("rank %s: save of step %s failed: %s", self.bg.rank, step, broken)
+        return broken
+
+    def run(self, job: SaveJob) -> None:
+        """Background, collective on the saver threads' communicator: write level 1 (or level
+        3 when there is no level 1), flush when due, apply retention. Every failure of the
+        save or the flush (on any rank: any exception) is voted on and kept for the next call.
+        The staging buffers go back to the pool and the save's handle is finished at the end."""
+        report = job.report
+        started = time.perf_counter()
+        mark = len(self.outcomes.pending)
+        error: BaseException | None = None
+        staged, failure = job.staged, job.failure
+        try:
+            if failure is None and job.ready is not None:
+                try:
+                    job.ready()
+                except Exception as exc:  # voted on like a failed copy
+                    failure = exc
+            if job.mode == "background":
+                copied = self._copy(job, failure)
+                if copied is None:
+                    return
+                staged, failure = copied
+            # a background copy's agreement was this save's roll call on the saver threads'
+            # communicator: the ranks are known to be in it
+            rolled = job.mode == "background"
+            self._save(job.step, staged, job.seq, failure, report, rolled)
+        except BaseException as exc:  # the communicator broke (see _work)
+            error = ManagerBrokenError(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            report.background_s = time.perf_counter() - started
+            self.outcomes.record_save(report)
+            self.pool.give(job.taken)
+            job.handle.set_committed(error or self.outcomes.failure_since(mark, job.step))
+
+    def _copy(
+        self, job: SaveJob, failure: BaseException | None
+    ) -> tuple[dict[str, Any], BaseException | None] | None:
+        """A background copy (collective: the staging agreement on the saver threads'
+        communicator, then the local copy): the staged state and this rank's failure, or None
+        when the ranks could not agree (the manager is broken; the state is free again)."""
+        try:  # every rank takes part
+            boxes = self.stager.agree(job.step, job.seq, job.leaves, self.bg)
+        except Exception as exc:  # the roll call's deadline passed, or the transport
+            self.break_on(job.step, exc, job.report)
+            job.handle.set_staged()
+            return None
+        staged = job.staged
+        if job.leaves is not None and failure is None:
+            try:
+                staged, job.report.staged_bytes = self.stager.stage(
+                    job.leaves, job.taken, True, boxes
+                )
+            except Exception as exc:  # voted on like a failed copy
+                failure = exc
+        job.handle.set_staged()
+        return staged, failure
+
+    def _save(
+        self,
+        step: int,
+        staged: dict[str, Any],
+        seq: int,
+        failure: BaseException | None,
+        report: SaveReport,
+        rolled: bool,
+    ) -> None:
+        """Collective on the saver threads' communicator: the roll call (unless ``rolled``),
+        the write (with its fallback), the flush when due, retention."""
+        s = self.settings
+        number = self.saves + 1
+        red = s.policy.redundancy_for(number) if s.local_root is not None else None
+        if not rolled:
+            try:
+                self.calls.roll_call("save", step, self.bg, seq)
+            except (CollectiveTimeoutError, OutOfStepError) as exc:  # no later one is safe
+                self.outcomes.fail(step, exc)
+                report.error = str(exc)
+                return
+        written = self._write_somewhere(staged, step, number, red, seq, failure, report)
+        if written is None:
+            return
+        level, manifest = written
+        self.saves = number
+        report.level = level
+        report.redundancy = red.scheme if red is not None and level == 1 else None
+        report.bytes_written[str(level)] = data_bytes_of(manifest, self.bg.rank)
+        report.parity_bytes = parity_bytes_of(manifest, self.bg.rank) if level == 1 else 0
+        if level == 3:
+            self.retention.flushed.add(manifest.save_id)
+            report.flushed = True
+        else:
+            self.retention.newest_local = manifest
+            due = s.flush_every and number % s.flush_every == 0
+            wanted = due or s.policy.flush_for(number)
+            if s.shared_dir is not None and wanted and self.retention.flush(manifest, self.bg, seq):
+                report.flushed = True
+                report.bytes_written["3"] = report.bytes_written["1"]
+        self.retention.retain(self.bg, {step})
+
+    def _write_somewhere(
+        self,
+        staged: dict[str, Any],
+        step: int,
+        number: int,
+        red: Redundancy | None,
+        seq: int,
+        failure: BaseException | None,
+        report: SaveReport,
+    ) -> tuple[int, Manifest] | None:
+        """Collective: write the step to level 1 (level 3 when there is none), and to level 3
+        when level 1 failed for a storage reason (:func:`may_fall_back`). The level and the
+        manifest, or None when the save failed (the failure is kept)."""
+        s = self.settings
+        level = 1 if s.local_root is not None else 3
+        root = s.local_root or s.shared_dir
+        assert root is not None
+        try:
+            return level, self._write(staged, root, step, level, number, red, seq, failure)
+        except CkptError as exc:
+            report.error = str(exc)
+            can = level == 1 and s.shared_dir is not None and s.fallback_to_shared
+            if not (can and may_fall_back(exc)):
+                self.outcomes.fail(step, exc)
+                return None
+            # level 1 cannot take it (full, failing): the step goes to level 3 directly
+            log.warning(
+                "level-1 save of step %s failed, writing it to level 3 instead: %s", step, exc
+            )
+            assert s.shared_dir is not None  # checked above
+            try:
+                manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
+            except CkptError as exc2:
+                self.outcomes.fail(step, exc2)
+                report.error = f"{exc}; and on level 3: {exc2}"
+                return None
+            report.fell_back = True
+            self.outcomes.notices.append(
+                f"level-1 save of step {step} failed, so it was written to level 3: {exc}"
+            )
+            return 3, manifest
+
+    def _write(
+        self,
+        staged: dict[str, Any],
+        root: Path,
+        step: int,
+        level: int,
+        number: int,
+        red: Redundancy | None,
+        seq: int,
+        failure: BaseException | None,
+    ) -> Manifest:
+        """Collective: ``save_collective`` of the staged state as ``root``'s step directory."""
+        s = self.settings
+        with metering("save", s.progress) as meter:
+            manifest, _ = save_collective(
+                self.bg,
+                staged,
+                root / step_dir_name(step),
+                step=step,
+                node=s.node,
+                group=group_key(s.node, level == 1),
+                write=s.write,
+                meta=ManifestMeta(levels={str(level): {"save_number": number}}),
+                fault=s.fault,
+                redundancy=red,
+                seq=seq,
+                failure=failure,
+            )
+            meter.finish()
+        return manifest
+
+
+def group_key(node: str, node_local: bool) -> str:
+    """Which ranks see the same directory: a node's ranks on level 1, everyone on level 3."""
+    return f"node:{node}" if node_local else "shared"
