@@ -149,7 +149,7 @@ def restore_task(
 ) -> dict[str, Any]:
     """Restore from ``level`` ("l3": a callback without level 1; "l1": with it, tried first),
     first without saying what becomes of the per-rank entries, then mapping and dropping them."""
-    from ckptfmt.plan.per_rank import PerRankError
+    from ckptfmt.errors import PerRankError
 
     out, root, rank = Path(plan["out"]), Path(plan["root"]), comm.rank
     local = {"local_dir": str(root / "l1" / "{node}")} if level == "l1" else {}

@@ -111,7 +111,7 @@ def rng_digest() -> str:
 def run(plan: dict[str, Any]) -> dict[str, Any]:
     import ckptfmt_torch
 
-    from ckptfmt.plan import PerRankError
+    from ckptfmt.errors import PerRankError
 
     rank, size = dist.get_rank(), dist.get_world_size()
     out, ckpt = Path(plan["out"]), plan["ckpt"]

@@ -219,7 +219,7 @@ def test_index_rejects_bad_entries(entries: list[tuple[int, int]], data_end: int
     blob = index_with(entries)
     with pytest.raises(CorruptShardError) as info:
         decode_index(blob, len(entries), data_end + len(blob), "x/c/0")
-    assert info.value.file == "x/c/0"
+    assert info.value.path == "x/c/0"
 
 
 @settings(max_examples=200, deadline=None)

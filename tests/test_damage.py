@@ -58,7 +58,7 @@ def assert_found(
     """load, verify and open all find the damage, name the file and the tensor."""
     with pytest.raises(exc_type) as info:
         ckptfmt.load(root)
-    assert info.value.file == file
+    assert info.value.path == file
     assert info.value.tensors == (tensor,)
     report = ckptfmt.verify(root)
     assert not report.healthy
@@ -70,7 +70,7 @@ def assert_found(
     json.dumps(report.to_json())
     with pytest.raises(exc_type) as info:
         ckptfmt.open(root)[tensor][...]
-    assert info.value.file == file
+    assert info.value.path == file
     assert info.value.tensors == (tensor,)
 
 
@@ -121,7 +121,7 @@ def test_every_single_bit_flip_is_found(tmp_path: Path) -> None:
             flip_bit(path, offset, bit)
             with pytest.raises(DamagedError) as info:
                 ckptfmt.load(root)
-            assert (info.value.file, info.value.tensors) == ("t/c/1", ("t",)), (offset, bit)
+            assert (info.value.path, info.value.tensors) == ("t/c/1", ("t",)), (offset, bit)
             path.write_bytes(original)
     assert ckptfmt.verify(root).healthy
 
@@ -173,7 +173,7 @@ def test_shard_directory_replaced_by_file(tmp_path: Path) -> None:
     (root / "t/c").write_bytes(b"not a directory")
     with pytest.raises(MissingFileError) as info:
         ckptfmt.load(root)
-    assert info.value.file == "t/c/0" and info.value.tensors == ("t",)
+    assert info.value.path == "t/c/0" and info.value.tensors == ("t",)
     with pytest.raises(MissingFileError):
         ckptfmt.open(root)["t"][0:2]
     report = ckptfmt.verify(root)
@@ -197,7 +197,7 @@ def test_shard_swapped_with_sibling(tmp_path: Path) -> None:
     f1.write_bytes(b0)
     with pytest.raises(DamagedError) as info:
         ckptfmt.load(root)
-    assert info.value.file in ("w/c/0/0/0", "w/c/1/0/0")
+    assert info.value.path in ("w/c/0/0/0", "w/c/1/0/0")
     assert info.value.tensors == ("w",)
     report = ckptfmt.verify(root)
     assert sorted(p.file for p in report.problems) == ["w/c/0/0/0", "w/c/1/0/0"]
@@ -410,7 +410,7 @@ def test_format_version(tmp_path: Path, fn: Any, version: Any) -> None:
     write_manifest(root, doc)
     with pytest.raises(FormatVersionError) as info:
         fn(root)
-    assert info.value.found == version
+    assert info.value.actual == version
 
 
 def test_format_version_missing(tmp_path: Path) -> None:

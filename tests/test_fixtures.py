@@ -141,7 +141,7 @@ def test_bitflip(expected: dict[str, Any]) -> None:
 
     with pytest.raises(DamagedError) as info:
         ckptfmt.load(root)
-    assert info.value.file in {d["file"] for d in exp["damaged_files"]}
+    assert info.value.path in {d["file"] for d in exp["damaged_files"]}
     assert list(info.value.tensors) == exp["damaged_tensors"]
 
     # every other tensor and value reads back as in healthy

@@ -469,7 +469,7 @@ def test_random_bytes_in_shard(
     try:
         with pytest.raises(DamagedError) as info:
             ckptfmt.load(root)
-        assert info.value.file == which and info.value.tensors == (tensor,)
+        assert info.value.path == which and info.value.tensors == (tensor,)
         with pytest.raises(DamagedError):
             ckptfmt.open(root)[tensor][...]
         report = ckptfmt.verify(root)

@@ -82,7 +82,7 @@ def test_changed_values_are_found_by_load_and_verify(ckpt: Path, old: bytes, new
     path.write_bytes(data.replace(old, new, 1))
     with pytest.raises(DamagedError) as info:
         ckptfmt.load(ckpt)
-    assert info.value.file.endswith("ckptfmt.json")
+    assert info.value.path.endswith("ckptfmt.json")
     assert "CRC32C mismatch" in str(info.value)
     result = run("verify", ckpt)
     assert result.exit_code == ExitStatus.DAMAGED, result.output
@@ -126,13 +126,13 @@ def test_every_bit_flip_of_every_zarr_json_is_found(ckpt: Path) -> None:
             path.write_bytes(flipped(good, bit))
             with pytest.raises(DamagedError) as info:
                 read_doc(src, manifest, rel)  # what load and verify both run, for every bit
-            assert info.value.file == rel
+            assert info.value.path == rel
             if bit % 29 == 0:  # and the whole of both, for a sample
                 report = ckptfmt.verify(ckpt)
                 assert [(p.file, p.kind) for p in report.problems] == [(rel, "metadata")], bit
                 with pytest.raises(DamagedError) as info:
                     ckptfmt.load(ckpt)
-                assert info.value.file == rel
+                assert info.value.path == rel
         path.write_bytes(good)
     assert ckptfmt.verify(ckpt).healthy
 
@@ -206,4 +206,4 @@ def test_each_nodes_copy_is_checked(level1: Path, tmp_path: Path, node: str, rel
     assert [(p["file"], p["node"]) for p in problems] == [(rel, node)]
     with pytest.raises(DamagedError) as info:
         ckptfmt.load(root / node)  # this node's copy alone
-    assert info.value.file.endswith(rel)
+    assert info.value.path.endswith(rel)

@@ -67,7 +67,7 @@ try:
 except OSError as exc:  # except OSError keeps working
     out.update(
         error=type(exc).__name__, ckpt=isinstance(exc, CkptError), errno=exc.errno,
-        message=str(exc), directory=getattr(exc, "directory", None),
+        message=str(exc), path=getattr(exc, "path", None),
         needed=getattr(exc, "needed", None), free=getattr(exc, "free", None),
         free_inodes=getattr(exc, "free_inodes", None), level=getattr(exc, "level", None),
     )
@@ -82,7 +82,7 @@ def check_full(out: dict[str, object], mnt: Path) -> None:
     message = str(out["message"])
     assert "write" in message and "no space left on device" in message
     target = str(mnt / "step-0000000001")
-    assert out["directory"] == target and target in message
+    assert out["path"] == target and target in message
     assert out["level"] and str(out["level"]) in message
     assert f"{out['free']} bytes free" in message and f"needs {out['needed']} bytes" in message
     assert out["left"] == [], out  # the staging directory is removed, no checkpoint appears

@@ -57,7 +57,7 @@ def test_damaged_metadata_fixtures(expected: dict[str, Any], name: str) -> None:
     root = FIXTURES / exp["path"]
     with pytest.raises(DamagedError) as info:
         ckptfmt.load(root)
-    assert info.value.file.endswith(exp["damaged_file"])
+    assert info.value.path.endswith(exp["damaged_file"])
     kind = ManifestChecksumError if exp["damaged_file"] == "ckptfmt.json" else MetadataMismatchError
     assert isinstance(info.value, kind)
     result = run("verify", root)

@@ -484,8 +484,8 @@ print(json.dumps({"step": step, "type": f.type, "fields": f.fields, "message": f
     out = in_full_tmpfs(tmp_path, "size=512k", code)
     assert out["step"] == 1 and out["type"] == "StorageFullError", out
     fields = out["fields"]
-    assert isinstance(fields, dict) and fields["level"] == "level 1 (node-local)", out
+    assert isinstance(fields, dict) and fields["level"] == "level 1 (local_dir)", out
     assert fields["needed"] >= 4 << 20 and fields["free"] < 512 << 10, out
-    assert "level 1 (node-local)" in str(out["message"]) and "write" in str(out["message"])
+    assert "level 1 (local_dir)" in str(out["message"]) and "write" in str(out["message"])
     assert any("step 1" in w for w in out["warned"])  # type: ignore[union-attr]
     assert [n for n in out["left"] if ".tmp-" in n] == [], out  # type: ignore[union-attr]

@@ -32,7 +32,7 @@ from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
 from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.plan.options import ReadOptions
-from ckptfmt.plan.per_rank import PerRankError, PerRankWarning
+from ckptfmt.errors import PerRankError, PerRankWarning
 from ckptfmt.transport.threads import run_threads
 
 SHARD_BYTES = 8 << 10

@@ -29,7 +29,7 @@ from ckptfmt import WriteOptions
 from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import ChecksumError, DamagedError, DestinationExistsError
 from ckptfmt.maintenance.reshard import reshard
-from ckptfmt.plan.per_rank import PerRankError
+from ckptfmt.errors import PerRankError
 
 GRID = {"chunk_bytes": 1 << 10, "shard_bytes": 8 << 10, "fsync": False}
 WRITE = WriteOptions(**GRID)  # reshard takes the save's options object

@@ -629,7 +629,7 @@ def test_failure_while_writing_removes_staging(
     def failing(path: Path, pieces: Any, fsync: bool = True) -> int:
         calls["n"] += 1
         if calls["n"] == 5:
-            raise files.StorageError(28, "No space left on device (injected)")
+            raise OSError(28, "No space left on device (injected)")
         return real(path, pieces, fsync)
 
     monkeypatch.setattr(files, "write_gather", failing)

@@ -167,7 +167,7 @@ def check_single_process_load(path: Path, full_model: str) -> None:
     and data positions have no place in one process: dropped only when asked."""
     import ckptfmt_torch
 
-    from ckptfmt.plan import PerRankError
+    from ckptfmt.errors import PerRankError
 
     torch.manual_seed(77)
     model = Net()

@@ -27,7 +27,7 @@ keras = pytest.importorskip("keras")
 import ckptfmt_keras as ck  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.tree.casting import CastWarning  # noqa: E402
+from ckptfmt.errors import CastWarning  # noqa: E402
 
 pytestmark = pytest.mark.tf
 
@@ -150,7 +150,8 @@ def test_failed_model_load_leaves_everything_untouched(tmp_path: Path) -> None:
     other = compiled(keras.Sequential([keras.Input((8,)), *layers]))
     before = values(other)
     with pytest.raises(
-        ck.StateMismatchError, match=r"the variable is float32\[16, 5\], the array float32\[16, 6\]"
+        ck.StateMismatchError,
+        match=r"float32\[16, 5\] in the variables, float32\[16, 6\] in the arrays",
     ):
         ck.load(tmp_path / "c", other)
     assert values(other) == before

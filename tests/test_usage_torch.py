@@ -28,7 +28,7 @@ from ckptfmt.errors import (  # noqa: E402
     UrlNotSupportedError,
     UsageError,
 )
-from ckptfmt.tree.casting import CastWarning  # noqa: E402
+from ckptfmt.errors import CastWarning  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -56,7 +56,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import ReplicaWarning, UsageError
 from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
 from ckptfmt.plan import PerRankMode, RankMap, ReadOptions
@@ -65,7 +65,6 @@ from ckptfmt.tree import PerRank
 from ckptfmt_keras.checkpoint import restore_training_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
 from ckptfmt_keras.parallel import (
-    ReplicaWarning,
     agree,
     broadcast_variables,
     is_distributed,

@@ -39,47 +39,11 @@ import numpy as np
 import tensorflow as tf
 
 from ckptfmt.container import Checkpoint
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import StateMismatchError, UsageError
 from ckptfmt.tree import Cast, Conversion, allowed, check_policy, convert, report_casts
 
 NameMap = Mapping[str, str] | Callable[[str], str | None]
 Transform = Callable[[str, np.ndarray], np.ndarray]
-
-
-class StateMismatchError(UsageError):
-    """Arrays and variables do not match: names missing on either side, or shapes or dtypes that
-    differ (``mismatched``: name -> (what the variable has, what the array has))."""
-
-    def __init__(
-        self,
-        missing: list[str],
-        unexpected: list[str],
-        mismatched: dict[str, tuple[str, str]],
-    ) -> None:
-        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
-        parts = []
-        if missing:
-            parts.append(f"no array for {len(missing)} variable(s): {_few(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} array(s) match no variable: {_few(unexpected)}")
-        for name, (want, got) in list(mismatched.items())[:5]:
-            parts.append(f"{name}: the variable is {want}, the array {got}")
-        if len(mismatched) > 5:
-            parts.append(f"... {len(mismatched) - 5} more mismatches")
-        if any(_shape(w) == _shape(g) for w, g in mismatched.values()):
-            parts.append(
-                'dtypes differ: cast="safe" converts where no value changes, cast="any" anyway'
-            )
-        super().__init__("; ".join(parts))
-
-
-def _shape(described: str) -> str:
-    return described[described.index("[") :] if "[" in described else described
-
-
-def _few(names: list[str], n: int = 8) -> str:
-    shown = ", ".join(names[:n])
-    return shown + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 # --- names ----------------------------------------------------------------------------------------
@@ -377,8 +341,8 @@ def plan_assign(
         want_shape, want_dtype = tuple(v.shape), numpy_dtype(v)
         if value.shape != want_shape or not allowed(value.dtype, want_dtype, policy):
             mismatched[name] = (
-                f"{want_dtype}{list(want_shape)}",
                 f"{value.dtype}{list(value.shape)}",
+                f"{want_dtype}{list(want_shape)}",
             )
             continue
         if value.dtype != want_dtype:
@@ -387,5 +351,7 @@ def plan_assign(
         plan.writes.append((name, v, value))
     unexpected = sorted(set(source) - used) if strict and name_map is None else []
     if missing or unexpected or mismatched:
-        raise StateMismatchError(missing, unexpected, mismatched)
+        raise StateMismatchError(
+            missing, unexpected, mismatched, into="the variables", source="the arrays"
+        )
     return plan

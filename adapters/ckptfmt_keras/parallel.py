@@ -41,11 +41,6 @@ from ckptfmt_keras.convert import named_variables
 REDUCTIONS = ("ordered", "allreduce")
 
 
-class ReplicaWarning(UserWarning):
-    """Replicas that should be identical differ (non-trainable state such as BatchNormalization
-    statistics, which each worker updates from its own batches); rank 0's values were taken."""
-
-
 # --- numpy level ----------------------------------------------------------------------------------
 
 

@@ -101,7 +101,7 @@ def write_rebuilt(
     Returns the files written, relative to ``target``."""
     written: list[str] = []
     if not status.data_ok:
-        only = None if whole else [e.file for e in status.damage]
+        only = None if whole else [e.path for e in status.damage]
         written += write_member(target, manifest, rank, bufs.data, only, fsync)
     if not all(status.parity_ok):
         rset, j = record.set_of(rank)

@@ -18,17 +18,25 @@ from typing import Any
 
 from ckptfmt.container.metadata import write_metadata
 from ckptfmt.container.reader import geometry, read_manifest
-from ckptfmt.errors import CkptError, NotACheckpointError, SaveFailedError, UsageError
+from ckptfmt.errors import (
+    CkptError,
+    NotACheckpointError,
+    SaveFailedError,
+    StorageError,
+    UsageError,
+    level_name,
+)
 from ckptfmt.format.shard_io import decode_shard, read_file
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.protocol import FaultHook, publish_commit
+from ckptfmt.parallel.protocol import FaultHook, level_directory, publish_commit
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, write_gather
 from ckptfmt.storage.nodes import expand
+from ckptfmt.storage.paths import unwritable
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm
 
@@ -59,14 +67,51 @@ class Levels:
         return expand(self.local_dir, node).absolute()
 
     def record(self, nodes: list[str]) -> None:
-        """Write ``ckptfmt-levels.json`` at the shared root (rank 0, once per job start)."""
+        """Write ``ckptfmt-levels.json`` at the shared root (rank 0, once per job start). A
+        root that cannot be made or written is a :class:`StorageError` naming it and level 3."""
         if self.shared_dir is None:
             return
-        self.shared_dir.mkdir(parents=True, exist_ok=True)
         doc = {"local_dir": self.local_dir, "nodes": sorted(set(nodes))}
         tmp = self.shared_dir / f".{LEVELS_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, self.shared_dir / LEVELS_FILE)
+        try:
+            self.shared_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(doc, indent=1))
+            os.replace(tmp, self.shared_dir / LEVELS_FILE)
+        except OSError as exc:
+            raise StorageError.of(exc, str(self.shared_dir), level_name(3)) from exc
+
+    def problems(self, node: str, shared: bool) -> list[dict[str, Any]]:
+        """What stands in the way of writing this rank's level roots: its node's level-1 root
+        and, ``shared``, the level-3 root (a file where a directory belongs, a read-only file
+        system, no permission), as the fields of a :class:`StorageError` each. Looks only."""
+        roots = [(1, self.local_root(node))]
+        if shared:
+            roots.append((3, self.shared_dir))
+        out = []
+        for level, root in roots:
+            problem = None if root is None else unwritable(root)
+            if root is not None and problem is not None:
+                out.append(
+                    {"path": str(root), "reason": problem[0], "err": problem[1], "level": level}
+                )
+        return out
+
+
+def agree_nodes(comm: Comm, levels: Levels, node: str) -> list[str]:
+    """Collective (one allgather; every rank calls it once, at the manager's start): every
+    rank's node, in rank order, after every rank looked at the level roots it writes (rank 0
+    also at level 3). A root that cannot be written raises the same :class:`StorageError`
+    (naming the path, the level and the rank) on every rank, before any of them saves."""
+    seen = comm.allgather_json([node, levels.problems(node, comm.rank == 0)])
+    for rank, (_, problems) in enumerate(seen):
+        for p in problems:
+            raise StorageError(
+                p["path"],
+                f"{p['reason']} (seen by rank {rank})" if comm.size > 1 else p["reason"],
+                level=level_name(p["level"]),
+                err=p["err"],
+            )
+    return [n for n, _ in seen]
 
 
 def copy_verified(src: Inside, t: TensorEntry, ref: FileRef, dst: Path, fsync: bool = True) -> None:
@@ -121,7 +166,7 @@ def flush_collective(
     staging = commit.staging_dir(final, manifest.save_id)
     mine = staging if comm.rank == 0 else None
     already = False
-    with b.guard("flush-stage"):
+    with b.guard("flush-stage"), level_directory(final, 3):
         if manifest.world_size != comm.size:  # every rank copies what it wrote: the same ranks
             raise UsageError(f"cannot flush a save of {manifest.world_size} ranks with {comm.size}")
         if comm.rank == 0:
@@ -259,6 +304,7 @@ __all__ = [
     "LEVELS_FILE",
     "Levels",
     "SaveFailedError",
+    "agree_nodes",
     "flush_collective",
     "list_levels",
     "resolve_node",

@@ -41,7 +41,13 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.container.reader import check_documents, geometry, read_manifest_bytes
-from ckptfmt.errors import DamagedError, NotACheckpointError, RankFailure, UsageError
+from ckptfmt.errors import (
+    DamagedError,
+    NotACheckpointError,
+    PerRankWarning,
+    RankFailure,
+    UsageError,
+)
 from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
 from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
 from ckptfmt.format.chunk_reads import read_chunks
@@ -59,7 +65,6 @@ from ckptfmt.manifest.model import (
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.plan import per_rank as rules
 from ckptfmt.plan.options import ReadOptions
-from ckptfmt.plan.per_rank import PerRankWarning
 from ckptfmt.plan.reads import Box, FileRead, Layout, check_box
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 from ckptfmt.storage.files import Inside

@@ -44,7 +44,14 @@ from ckptfmt.engine.encode import (
     plan_set,
     reserve_buffers,
 )
-from ckptfmt.errors import CkptError, LimitExceededError, StorageFullError, UsageError
+from ckptfmt.errors import (
+    CkptError,
+    LimitExceededError,
+    StorageError,
+    StorageFullError,
+    UsageError,
+    level_name,
+)
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, plan_region, region_file_nbytes, run_jobs
@@ -346,7 +353,7 @@ class _Save:
         rename remain once every rank has written); with redundancy, every rank reserves its
         buffers. Every leader has a staging directory, or nobody goes on (none is left)."""
         b = self.b
-        with b.guard("stage"):
+        with b.guard("stage"), level_directory(self.final, self.meta.levels):
             if not b.failed:
                 self.skeleton = _build_manifest(self.declared, None, {}, {})
                 if self.redundancy is not None:  # the same on every rank
@@ -434,10 +441,28 @@ def _storage_context(
     try:
         yield
     except StorageFullError as exc:
-        level = next(iter(levels or {}), None)
-        where = {"1": "level 1 (node-local)", "3": "level 3 (shared)"}.get(str(level))
         needed = _planned_member_bytes(plan, size)[rank]
-        raise exc.with_context(level=where, needed=needed, directory=str(final.parent)) from exc
+        level = level_name(next(iter(levels or {}), None))
+        raise exc.with_context(level=level, needed=needed, path=str(final.parent)) from exc
+
+
+@contextmanager
+def level_directory(final: Path, levels: Mapping[str, Any] | int | None) -> Iterator[None]:
+    """Making (or writing into) a checkpoint's directory under the root of a level the user
+    gave: a file in the way, a read-only file system, a permission denied is raised as a
+    :class:`StorageError` naming the path and the level, instead of a bare ``OSError``; a full
+    file system as a :class:`StorageFullError` naming them too. ``levels``: the save's levels
+    (their first key is the level written), or the level itself."""
+    first = levels if isinstance(levels, int) or levels is None else next(iter(levels), None)
+    level = level_name(first)
+    try:
+        yield
+    except StorageFullError as exc:
+        raise exc.with_context(level=level, path=str(final.parent)) from exc
+    except CkptError:
+        raise
+    except OSError as exc:
+        raise StorageError.of(exc, level=level) from exc
 
 
 def publish_commit(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ckptfmt.plan.options import PerRankMode, ReadOptions, ReplicaMode
 from ckptfmt.plan.ownership import SavePlan, make_plan
-from ckptfmt.plan.per_rank import PerRankError, PerRankWarning, RankMap
+from ckptfmt.plan.per_rank import RankMap
 from ckptfmt.plan.reads import Box, FileRead, Layout, Piece, plan_reads
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 
@@ -24,9 +24,7 @@ __all__ = [
     "FileRead",
     "FileTask",
     "Layout",
-    "PerRankError",
     "PerRankMode",
-    "PerRankWarning",
     "Piece",
     "RankMap",
     "ReadOptions",

@@ -23,57 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import PerRankError, UsageError
+from ckptfmt.errors.usage import describe_per_rank
 
 RankMap = Mapping[int, int] | str | None
 UNMAPPED = ("error", "drop")
-
-
-class PerRankError(UsageError):
-    """Per-rank entries cannot be carried over to the current ranks as asked.
-
-    ``entries``: their names; ``dropped``: saved ranks whose items would be lost; ``missing``:
-    current ranks that would get none."""
-
-    def __init__(
-        self,
-        entries: Sequence[str],
-        saved: int,
-        current: int,
-        dropped: Sequence[int],
-        missing: Sequence[int],
-    ) -> None:
-        self.entries = tuple(entries)
-        self.saved, self.current = saved, current
-        self.dropped, self.missing = tuple(dropped), tuple(missing)
-        super().__init__(
-            f"{describe(entries, saved, current, dropped, missing)}; give a rank map "
-            f"(saved rank -> current rank), or drop them explicitly"
-        )
-
-
-class PerRankWarning(UserWarning):
-    """Per-rank entries were dropped because the caller asked for it (``unmapped="drop"``)."""
-
-
-def describe(
-    entries: Sequence[str], saved: int, current: int, dropped: Sequence[int], missing: Sequence[int]
-) -> str:
-    shown = ", ".join(entries[:20]) + (f" (+{len(entries) - 20} more)" if len(entries) > 20 else "")
-    parts = []
-    if dropped:
-        parts.append(f"the items of saved rank(s) {_ranks(dropped)} are not carried over")
-    if missing:
-        parts.append(f"current rank(s) {_ranks(missing)} get none")
-    return (
-        f"per-rank entries saved by {saved} ranks, loaded by {current}: {shown}: "
-        + " and ".join(parts)
-    )
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    shown = ", ".join(map(str, ranks[:32]))
-    return shown + (f" (+{len(ranks) - 32} more)" if len(ranks) > 32 else "")
 
 
 def rank_map_json(rank_map: RankMap) -> Any:
@@ -147,4 +101,6 @@ def resolve(
         return Resolution(src, None)
     if unmapped == "error":
         raise PerRankError(entries, saved, current, dropped, missing)
-    return Resolution(src, describe(entries, saved, current, dropped, missing) + " (dropped)")
+    return Resolution(
+        src, describe_per_rank(entries, saved, current, dropped, missing) + " (dropped)"
+    )

@@ -29,10 +29,6 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 Buffer = bytes | bytearray | memoryview
 
 
-class StorageError(CkptError, OSError):
-    """An operating-system error while writing or reading checkpoint files."""
-
-
 COPY_BATCH = 1 << 20  # write_gather(copy_to=...): copy this much, then write it while cached
 
 
@@ -90,7 +86,7 @@ def storage_full(
     return StorageFullError(
         str(directory),
         err=exc.errno or errno.ENOSPC,
-        file=getattr(exc, "file", None) or str(path),
+        writing=getattr(exc, "writing", None) or str(path),
         needed=needed if needed is not None else getattr(exc, "needed", None),
         free=free,
         free_inodes=inodes,

@@ -9,6 +9,7 @@ staged, a destination that cannot be written (a parent that is a file, a read-on
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -40,18 +41,26 @@ def check_destination(path: str | os.PathLike[str]) -> None:
     one clear error instead of a ``FileExistsError``/``OSError`` from deep in the commit."""
     refuse_url(path)
     target = Path(os.fspath(path)).absolute()  # itself a file: DestinationExistsError, later
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise DestinationUnwritableError(
-            str(path), f"{parent} is a file, so no directory can be made under it"
-        )
+    problem = unwritable(target.parent)
+    if problem is not None:
+        raise DestinationUnwritableError(str(path), problem[0], err=problem[1])
+
+
+def unwritable(directory: Path) -> tuple[str, int] | None:
+    """Why no file can be written in ``directory`` (made first if missing), with the ``errno``
+    that says it, or None when nothing stands in the way: ``directory`` or its nearest existing
+    ancestor is a file, on a read-only file system, or not writable. Looks only, makes nothing."""
+    probe = directory.absolute()
+    while not probe.exists() and not probe.is_symlink() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, so no directory can be made under it", errno.ENOTDIR
     try:
-        read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
     except OSError:  # pragma: no cover - statvfs of an existing directory fails only oddly
         read_only = False
     if read_only:
-        raise DestinationUnwritableError(str(path), f"{parent} is on a read-only file system")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DestinationUnwritableError(str(path), f"no permission to write in {parent}")
+        return f"{probe} is on a read-only file system", errno.EROFS
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"no permission to write in {probe}", errno.EACCES
+    return None

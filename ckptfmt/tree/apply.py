@@ -80,7 +80,7 @@ def apply_loaded(
     mine = {"/".join(n): leaf for n, leaf in flatten(state)}
     saved = _leaves(loaded, set(mine))
     writes: list[Callable[[], None]] = []
-    mismatched: list[str] = []
+    mismatched: dict[str, tuple[str, str]] = {}  # name -> (saved, the state's)
     dtypes: list[tuple[str, np.dtype[Any], np.dtype[Any]]] = []  # (name, saved, state's)
     for name, value in saved.items():
         if not _selected(name, include, exclude):
@@ -98,17 +98,14 @@ def apply_loaded(
                 isinstance(target, Shard) and int(np.prod(got[0])) == int(np.prod(want[0]))
             )
             if not shape_ok:
-                mismatched.append(
-                    f"{name}: the state has {got[1]}{list(got[0])}, the checkpoint "
-                    f"{want[1]}{list(want[0])}"
-                )
+                mismatched[name] = (f"{want[1]}{list(want[0])}", f"{got[1]}{list(got[0])}")
                 continue
             if got[1] != want[1]:
                 dtypes.append((name, want[1], got[1]))
             writes.append(_copy_into(holder, value))
         elif got is not None or (want is not None and not isinstance(target, PerRank)):
-            kind = "an array" if got is not None else "a value"
-            mismatched.append(f"{name}: the state has {kind} where the checkpoint has not")
+            kinds = ("a value", "an array")
+            mismatched[name] = kinds if got is not None else (kinds[1], kinds[0])
             continue
         else:
             writes.append(_replace(state, name.split("/"), value, target))  # type: ignore[arg-type]
@@ -121,12 +118,16 @@ def apply_loaded(
     except DtypeMismatchError as exc:
         if not (mismatched or (strict and (report.missing or report.unexpected))):
             raise
-        mismatched += [
-            f"{n}: the state has {d}, the checkpoint {s} (cast={policy!r} does not convert it)"
-            for n, (s, d) in exc.mismatched.items()
-        ]
+        for n, (s, d) in exc.mismatched.items():
+            shape = list(np.shape(saved[n]))
+            mismatched[n] = (f"{s}{shape}", f"{d}{shape}")
     if mismatched or (strict and (report.missing or report.unexpected)):
-        raise StateMismatchError(report.missing, report.unexpected, mismatched)
+        raise StateMismatchError(
+            report.missing,
+            report.unexpected,
+            mismatched,
+            hint="restore(..., strict=False) or include=/exclude= patterns restore part of a state",
+        )
     for write in writes:
         write()
     report_casts(report.casts, stacklevel=5)  # the caller of restore

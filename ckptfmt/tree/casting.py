@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 import ml_dtypes
 import numpy as np
 
-from ckptfmt.errors import DtypeMismatchError, UsageError
+from ckptfmt.errors import CastWarning, DtypeMismatchError, UsageError
 
 Cast = Literal["no", "safe", "any"]
 """The dtype policy of every load into existing destinations: the type of each ``cast=``."""
@@ -53,17 +53,6 @@ class Conversion:
 
     def __str__(self) -> str:
         return f"{self.name}: {self.saved} -> {self.target}"
-
-
-class CastWarning(UserWarning):
-    """A load converted some tensors to their destinations' dtypes, as ``cast=`` allowed it.
-    ``casts``: every conversion, by tensor."""
-
-    def __init__(self, casts: Iterable[Conversion]) -> None:
-        self.casts = tuple(casts)
-        shown = "; ".join(str(c) for c in self.casts[:8])
-        more = f"; ... {len(self.casts) - 8} more" if len(self.casts) > 8 else ""
-        super().__init__(f"ckptfmt: cast {len(self.casts)} tensor(s) on load: {shown}{more}")
 
 
 def check_policy(cast: object) -> Cast:

@@ -12,10 +12,12 @@ import errno
 
 from ckptfmt.errors import (
     CkptError,
+    CollectiveError,
     DamagedError,
-    ManifestError,
-    NotACheckpointError,
+    StorageError,
+    UnreadableError,
     UsageError,
+    family_of,
 )
 
 
@@ -38,27 +40,29 @@ EXIT_STATUSES: tuple[tuple[ExitStatus, str], ...] = (
     (ExitStatus.INTERRUPTED, "interrupted (Ctrl-C)"),
 )
 
-# Most specific first: MissingFileError is a DamagedError and a FileNotFoundError, and
-# NotACheckpointError a FileNotFoundError, so the core's own families must be matched before
-# OSError. OSError covers files the core could not read for reasons of its own (permissions, I/O).
-_STATUS_BY_ERROR: tuple[tuple[type[BaseException], ExitStatus], ...] = (
-    (DamagedError, ExitStatus.DAMAGED),
-    (UsageError, ExitStatus.USAGE),
-    (NotACheckpointError, ExitStatus.UNREADABLE),
-    (ManifestError, ExitStatus.UNREADABLE),  # FormatVersionError included
-    (CkptError, ExitStatus.UNREADABLE),
-    (OSError, ExitStatus.UNREADABLE),
-)
+# One status per family of the core's error tree (``ckptfmt.errors.FAMILIES``): an error takes
+# its family's, the first family in its MRO (ManifestChecksumError is damage, 1;
+# DestinationUnwritableError usage, 2), never a status of its own.
+STATUS_BY_FAMILY: dict[type[CkptError], ExitStatus] = {
+    UsageError: ExitStatus.USAGE,
+    DamagedError: ExitStatus.DAMAGED,
+    UnreadableError: ExitStatus.UNREADABLE,
+    CollectiveError: ExitStatus.UNREADABLE,
+    StorageError: ExitStatus.UNREADABLE,
+}
 
 MAX_MESSAGE_CHARS = 2000
 
 
 def exit_status(exc: BaseException) -> ExitStatus | None:
-    """The status a command exits with when ``exc`` escapes it; None for an unexpected error
-    (a bug, which should keep its traceback)."""
-    for cls, status in _STATUS_BY_ERROR:
-        if isinstance(exc, cls):
-            return status
+    """The status a command exits with when ``exc`` escapes it: its family's for an error of
+    the tree; 3 for another ``OSError`` (a file the core could not read for reasons of its own:
+    permissions, I/O); None for an unexpected error (a bug, which should keep its traceback)."""
+    family = family_of(exc)
+    if family is not None:
+        return STATUS_BY_FAMILY[family]
+    if isinstance(exc, CkptError | OSError):
+        return ExitStatus.UNREADABLE
     return None
 
 

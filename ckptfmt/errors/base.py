@@ -1,0 +1,60 @@
+"""The roots of the tree: :class:`CkptError` for every error, :class:`CkptWarning` for every
+warning, and the warnings themselves (they carry no family: a warning never ends a command)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+class CkptError(Exception):
+    """Base of every error ckptfmt raises on purpose.
+
+    Every subclass belongs to one family (:data:`ckptfmt.errors.FAMILIES`), which decides the
+    CLI's exit status. Fields name one idea each: ``path`` (the file or directory the error is
+    about), ``level`` (the storage level, as ``"level 1 (local_dir)"``), ``rank``/``ranks``,
+    ``step``, ``expected``/``actual``, ``tensors``, ``reason`` (what is wrong, in words)."""
+
+    def __init__(self, *args: object) -> None:
+        # Explicit so that a family root can call ``CkptError.__init__(self, message)`` by name
+        # and still reach the built-in mix-in that follows CkptError in a subclass's MRO (a
+        # diamond such as ManifestChecksumError would otherwise run one root's constructor twice).
+        super().__init__(*args)
+
+
+class CkptWarning(UserWarning):
+    """Base of every warning ckptfmt gives: something was done differently from what was asked,
+    or done with a loss the caller allowed, and the program goes on."""
+
+
+class CastWarning(CkptWarning):
+    """A load converted some tensors to their destinations' dtypes, as ``cast=`` allowed it.
+    ``casts``: every conversion, by tensor (:class:`ckptfmt.tree.casting.Conversion`)."""
+
+    def __init__(self, casts: Iterable[Any]) -> None:
+        self.casts: tuple[Any, ...] = tuple(casts)
+        shown = "; ".join(str(c) for c in self.casts[:8])
+        more = f"; ... {len(self.casts) - 8} more" if len(self.casts) > 8 else ""
+        super().__init__(f"ckptfmt: cast {len(self.casts)} tensor(s) on load: {shown}{more}")
+
+
+class PerRankWarning(CkptWarning):
+    """Per-rank entries were dropped because the caller asked for it (``unmapped="drop"``)."""
+
+
+class ReplicaWarning(CkptWarning):
+    """Replicas that should be identical differ (non-trainable state such as BatchNormalization
+    statistics, which each worker updates from its own batches); rank 0's values were taken."""
+
+
+def ranks_text(ranks: Sequence[int], most: int = 8) -> str:
+    """``"rank 3"`` or ``"ranks 0, 1, 2 and 5 more"``: ranks named in a message."""
+    shown = ", ".join(map(str, ranks[:most]))
+    more = f" and {len(ranks) - most} more" if len(ranks) > most else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
+
+
+def few(names: Sequence[str], most: int = 8) -> str:
+    """Names in a message: the first ``most``, then how many more."""
+    shown = ", ".join(names[:most])
+    return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")

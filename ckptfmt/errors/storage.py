@@ -1,0 +1,153 @@
+"""The storage family: the file system refused an operation on a path ckptfmt was given (not a
+directory, permission denied, read-only, full). Every class is also an ``OSError`` carrying the
+system's ``errno``, so ``except OSError`` keeps working; the message names the path and, where
+there is one, the storage level. The CLI exits 3 (nothing usable was read or written).
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from pathlib import Path
+
+from ckptfmt.errors.base import CkptError
+from ckptfmt.errors.usage import UsageError
+
+LEVEL_NAMES = {"1": "level 1 (local_dir)", "3": "level 3 (shared_dir)"}
+
+
+def level_name(level: int | str | None) -> str | None:
+    """How a message names storage level ``level`` (``1`` -> ``"level 1 (local_dir)"``, after
+    the manager's argument that places it); a description passes through, None stays None."""
+    if level is None:
+        return None
+    return LEVEL_NAMES.get(str(level), str(level))
+
+
+class StorageError(CkptError, OSError):
+    """The file system refused an operation on ``path`` (a file or directory ckptfmt was told to
+    use, or one under it). ``level``: the storage level it belongs to (``"level 3
+    (shared_dir)"``), or a description of the target, None when there is none; ``reason``: what
+    failed, in words; ``errno``: the system's error number, when there was one."""
+
+    def __init__(
+        self, path: str, reason: str, *, level: str | None = None, err: int | None = None
+    ) -> None:
+        self.path = path
+        self.reason = reason
+        self.level = level
+        where = f"{level} at {path}" if level else path
+        message = f"{where}: {reason}"
+        # by name: the OSError mix-in keeps errno; in DestinationUnwritableError the class after
+        # this one in the MRO is ValueError, which would drop it
+        if err is None:
+            OSError.__init__(self, message)
+        else:
+            OSError.__init__(self, err, message)
+        self.strerror = message
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    @classmethod
+    def of(cls, exc: OSError, path: str | None = None, level: str | None = None) -> StorageError:
+        """``exc``, a system error met on ``path`` (by default the path it names), as a
+        :class:`StorageError` of ``level`` with the same ``errno``; an error of the tree passes
+        through with the level filled in when it lacked one."""
+        if isinstance(exc, StorageError):
+            if exc.level is None and level is not None:
+                return StorageError(exc.path, exc.reason, level=level, err=exc.errno)
+            return exc
+        named = os_path(exc)
+        where = path if path is not None else (named or "?")
+        reason = (exc.strerror or str(exc)).lower()
+        if named and named != where:
+            reason += f" ({named})"
+        blocker = _file_in_the_way(named or where)
+        if blocker is not None and isinstance(exc, NotADirectoryError | FileExistsError):
+            reason += f": {blocker} is a file, so no directory can be made there"
+        return StorageError(where, reason, level=level, err=exc.errno)
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """The nearest existing ancestor of ``path`` (or ``path`` itself) when it is not a
+    directory: what stops a directory from being made at ``path``."""
+    for p in (Path(path), *Path(path).parents):
+        if p.is_symlink() or p.exists():
+            return None if p.is_dir() else str(p)
+    return None
+
+
+def os_path(exc: OSError) -> str | None:
+    """The path an ``OSError`` names, as text (None when it names none)."""
+    name = exc.filename
+    if name is None:
+        return None
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+
+class StorageFullError(StorageError):
+    """A save, flush, rebuild or reshard could not write: the file system is full (``ENOSPC``,
+    bytes or inodes) or the quota is exhausted (``EDQUOT``). Whatever was staged has been
+    removed.
+
+    ``path``: the directory it was writing to; ``level``: the storage level (``"level 1
+    (local_dir)"``), or a description of the target, None when unknown; ``writing``: the file
+    being written when it failed; ``needed``: the bytes the operation writes in all (a lower
+    bound when not known exactly), None when unknown; ``free``: the bytes that were free there
+    for an unprivileged writer (None when unknown); ``free_inodes`` likewise."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        err: int,
+        writing: str | None = None,
+        level: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+        free_inodes: int | None = None,
+    ) -> None:
+        self.writing = writing
+        self.needed = needed
+        self.free = free
+        self.free_inodes = free_inodes
+        quota = err == getattr(_errno, "EDQUOT", -1)
+        what = "quota exhausted" if quota else "no space left on device"
+        parts = [f"cannot write: {what}"]
+        if writing is not None:
+            parts.append(f"while writing {writing}")
+        if needed is not None:
+            parts.append(f"the write needs {needed} bytes")
+        if free is not None:
+            parts.append(f"{free} bytes free")
+        if free_inodes is not None:
+            parts.append(f"{free_inodes} inodes free")
+        super().__init__(path, "; ".join(parts), level=level, err=err)
+
+    def with_context(
+        self, level: str | None = None, needed: int | None = None, path: str | None = None
+    ) -> StorageFullError:
+        """The same error (the free space as measured when it happened) with the level, the
+        bytes needed and the directory filled in by the caller that knows them: the save knows
+        its whole write and its checkpoint's directory, a file write only its own."""
+        return StorageFullError(
+            path if path is not None else self.path,
+            err=self.errno if self.errno is not None else _errno.ENOSPC,
+            writing=self.writing,
+            level=level if level is not None else self.level,
+            needed=needed if needed is not None else self.needed,
+            free=self.free,
+            free_inodes=self.free_inodes,
+        )
+
+
+class DestinationUnwritableError(UsageError, StorageError):
+    """The destination directory cannot be made or written: a parent is a file, the file system
+    is read-only, permission is denied. Found before anything is staged, so it is also a usage
+    error (the CLI exits 2: the path given is wrong). ``path``: the path; ``reason``: what the
+    system said."""
+
+    def __init__(
+        self, path: str, reason: str, *, level: str | None = None, err: int | None = None
+    ) -> None:
+        super().__init__(path, f"cannot write: {reason}", level=level, err=err)
