@@ -153,8 +153,8 @@ def test_save_on_one_rank_only_is_reported_within_the_deadline(
 ) -> None:
     """Rank 1 never calls ``save``: rank 0 is told within the manager's deadline (3 s), under
     MpiComm and TorchComm alike (gloo's own timeout is 30 minutes), naming the step and the
-    rank; ``wait()`` never reports success for the save that did not happen (it used to, under
-    torchrun), and the manager refuses further collective calls. With ``background_copy=True``
+    rank; ``wait()`` never reports success for the save that did not happen (under torchrun
+    too), and the manager refuses further collective calls. With ``background_copy=True``
     the agreement runs on the saver thread: ``save`` returns at once, and ``wait()`` tells."""
     [res] = _hang(kind, "one-rank-bg" if background else "one-rank", tmp_path)
     if background:
@@ -189,8 +189,8 @@ def test_ranks_saving_different_steps_are_told_not_paired(kind: str, tmp_path: P
 @pytest.mark.torch
 @pytest.mark.parametrize("kind", ["mpi", "torch"])
 def test_restore_on_one_rank_while_the_other_saves_is_told(kind: str, tmp_path: Path) -> None:
-    """Rank 0 restores while rank 1 saves: the restore's messages used to pair up with the
-    save's (TorchComm exchanged the wrong data); now both ranks are told which calls met."""
+    """Rank 0 restores while rank 1 saves: the restore's messages must not pair up with the
+    save's (data exchanged between different calls); both ranks are told which calls met."""
     restorer, saver = _hang(kind, "restore-vs-save", tmp_path)
     name, message = restorer["raised"]
     assert name == "OutOfStepError", restorer
@@ -204,7 +204,7 @@ def test_restore_on_one_rank_while_the_other_saves_is_told(kind: str, tmp_path: 
 @pytest.mark.mpi
 def test_sigterm_is_acted_on_while_the_main_thread_sleeps(tmp_path: Path) -> None:
     """SIGTERM arrives on another thread while the main thread sleeps 30 s: the newest step is
-    flushed to level 3 and the process ends at once (it used to wait for the sleep to end)."""
+    flushed to level 3 and the process ends at once, without waiting for the sleep to end."""
     import time
 
     out = tmp_path / "out"
