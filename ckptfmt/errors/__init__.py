@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ckptfmt.errors.base import (
     CastWarning,
+    CheckpointWarning,
     CkptError,
     CkptWarning,
     PerRankWarning,
@@ -101,6 +102,7 @@ __all__ = [
     "FAMILIES",
     "AllocationLimitError",
     "CastWarning",
+    "CheckpointWarning",
     "ChecksumError",
     "CkptError",
     "CkptWarning",

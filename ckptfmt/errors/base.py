@@ -42,6 +42,10 @@ class PerRankWarning(CkptWarning):
     """Per-rank entries were dropped because the caller asked for it (``unmapped="drop"``)."""
 
 
+class CheckpointWarning(CkptWarning):
+    """A background save failed; training goes on with the previous checkpoints intact."""
+
+
 class ReplicaWarning(CkptWarning):
     """Replicas that should be identical differ (non-trainable state such as BatchNormalization
     statistics, which each worker updates from its own batches); rank 0's values were taken."""

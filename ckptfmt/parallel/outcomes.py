@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 
 from ckptfmt.errors import (
+    CheckpointWarning,
     CkptError,
     CollectiveTimeoutError,
     ManagerBrokenError,
@@ -29,10 +30,6 @@ from ckptfmt.transport.comm import Comm
 log = logging.getLogger("ckptfmt")
 
 __all__ = ["Calls", "CheckpointWarning", "Outcomes"]
-
-
-class CheckpointWarning(UserWarning):
-    """A background save failed; training goes on with the previous checkpoints intact."""
 
 
 class Outcomes:
