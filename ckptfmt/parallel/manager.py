@@ -33,17 +33,21 @@ from typing import Any
 from ckptfmt.engine.encode import member_sets
 from ckptfmt.errors import CkptError, ManagerBrokenError, UsageError
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.exit import ExitHooks
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
 from ckptfmt.parallel.levels import Levels, resolve_node
 from ckptfmt.parallel.options import ExitPolicy, OnError, check_on_error
 from ckptfmt.parallel.outcomes import Calls, CheckpointWarning, Outcomes
-from ckptfmt.parallel.protocol import FaultHook, check_leaf
-from ckptfmt.parallel.restore import RestoreReport, RestoreRequest, RestoreSite, restore_newest
+from ckptfmt.parallel.protocol import FaultHook
+from ckptfmt.parallel.restore import (
+    RestoreReport,
+    RestoreRequest,
+    RestoreSite,
+    restore_newest,
+    save_number,
+)
 from ckptfmt.parallel.retention import Retention, committed
-from ckptfmt.parallel.save_job import SaveJob, Saver, SaveSettings
+from ckptfmt.parallel.save_job import SaveJob, Saver, SaveSettings, checked_leaves
 from ckptfmt.parallel.stager import Stager
 from ckptfmt.parallel.staging import BufferPool, SaveHandle, copy_mode, default_pool
 from ckptfmt.parallel.telemetry import SaveReport
@@ -53,22 +57,13 @@ from ckptfmt.storage.progress import ProgressCallback
 from ckptfmt.storage.steps import StepRef, parse_step
 from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.tree.casting import Cast, check_policy
-from ckptfmt.tree.state import Name, flatten
+from ckptfmt.tree.state import Name
 
 __all__ = ["CheckpointManager", "CheckpointWarning", "RestoreReport"]
 
 log = logging.getLogger("ckptfmt")
 
 RedundancySpec = None | str | Redundancy | Policy | Mapping[str, Any] | list[dict[str, Any]] | Path
-
-
-def _save_number(manifest: Manifest) -> int:
-    """The job's save number a manifest records (``levels[..]["save_number"]``; 0 if none)."""
-    for level in manifest.levels.values():
-        n = level.get("save_number") if isinstance(level, Mapping) else None
-        if isinstance(n, int) and not isinstance(n, bool):
-            return n
-    return 0
 
 
 class CheckpointManager:
@@ -298,7 +293,7 @@ class CheckpointManager:
         usage: UsageError | None = None
         leaves: list[tuple[Name, Any]] | None = None
         try:
-            leaves = self._check_state(state)  # misuse raised here, whatever on_error says
+            leaves = checked_leaves(state)  # misuse raised here, whatever on_error says
         except UsageError as exc:
             job.failure = usage = exc
         if mode == "background":  # the agreement and the copy are the saver thread's
@@ -307,7 +302,11 @@ class CheckpointManager:
         try:  # every rank takes part, a rank whose state was refused too
             job.boxes = self._stager.agree(step, seq, leaves)
         except Exception as exc:  # the roll call's deadline passed, or the transport failed
-            return self._unshared(job, exc)
+            # no collective of this manager can be trusted any more: the save fails here at
+            # once (no background job), told as a background save's failure would be
+            self._saver.break_on(job.step, exc, job.report, job.handle)
+            self._outcomes.tell()
+            return job.handle
         if leaves is not None:
             try:
                 job.staged, job.report.staged_bytes = self._stager.stage(
@@ -333,17 +332,6 @@ class CheckpointManager:
             raise usage
         if not self.async_save or job.failure is not None:
             self.wait()
-        return job.handle
-
-    def _unshared(self, job: SaveJob, exc: Exception) -> SaveHandle:
-        """The ranks could not agree before staging (some rank did not come within the
-        deadline, or the transport failed): no collective of this manager can be trusted any
-        more. The save fails on this rank at once (no background job), reported as a
-        background save's failure would be (``on_error``)."""
-        broken = self._saver.break_on(job.step, exc, job.report)
-        self._outcomes.record_save(job.report)
-        job.handle.set_committed(broken)
-        self._outcomes.tell()
         return job.handle
 
     def wait(self) -> None:
@@ -440,19 +428,16 @@ class CheckpointManager:
         which boxes to load (its ``Shard`` leaves); nothing is written into it (an adapter that
         checks and converts ``report.state`` itself).
 
-        ``cast``: an array of ``state`` whose dtype differs from the saved one is refused
-        (:class:`DtypeMismatchError` naming every such array and both dtypes, nothing written)
-        with ``"no"``; ``"safe"`` (no value changes: ``bfloat16`` into ``float32``) or ``"any"``
-        (``float32`` into ``float16`` rounds) allows converting it; the policy of the torch and
-        Keras adapters (``ckptfmt.tree.casting``). Conversions made are listed in
+        ``cast`` (``ckptfmt.tree.casting``, as in the adapters): with ``"no"`` an array of
+        ``state`` of another dtype than the saved one is refused (:class:`DtypeMismatchError`
+        naming each, nothing written); ``"safe"`` converts where no value changes (``bfloat16``
+        into ``float32``), ``"any"`` also where values round. Conversions made are listed in
         ``report.applied.casts`` and warned of (``CastWarning``).
 
         ``into=True``: read straight into the arrays of ``state`` that can take their tensor as
-        it is (C-contiguous, writeable, the saved shape and dtype), so each is written once on
-        the way in instead of loaded and then copied; the others are loaded and copied as
-        without it. The price: a restore that fails part-way, or falls back to an older step,
-        may already have written into them (the checks before writing still run, but after the
-        read).
+        it is (C-contiguous, writeable, the saved shape and dtype): each is written once instead
+        of loaded and copied. The price: a restore that fails part-way, or falls back to an
+        older step, may already have written into them (the checks run after the read).
 
         A transport failure on the way (a peer died: gloo's "Connection closed by peer") raises
         :class:`ManagerBrokenError` and the manager refuses collective calls from then on, as
@@ -492,7 +477,7 @@ class CheckpointManager:
         )
         report, manifest = restore_newest(site, request)
         if manifest is not None:
-            self._saver.saves = max(self._saver.saves, _save_number(manifest))
+            self._saver.saves = max(self._saver.saves, save_number(manifest))
             if report.level == 1:
                 # a save by another number of ranks is not this job's to flush: its files
                 # belong to ranks that are not here (flush copies what each rank wrote)
@@ -523,11 +508,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _check_state(self, state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
-        """The leaves of ``state``, each checked (:func:`check_leaf`): misuse raises
-        ``UsageError`` at the call, before anything is copied."""
-        leaves = flatten(state)  # refuses a state that is not a mapping
-        for name, leaf in leaves:
-            check_leaf(display(name), leaf)
-        return leaves

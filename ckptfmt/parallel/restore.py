@@ -45,7 +45,7 @@ from ckptfmt.tree.state import Shard, arrays_of, flatten
 
 log = logging.getLogger("ckptfmt")
 
-__all__ = ["RestoreReport", "RestoreRequest", "RestoreSite", "restore_newest"]
+__all__ = ["RestoreReport", "RestoreRequest", "RestoreSite", "restore_newest", "save_number"]
 
 
 @dataclass
@@ -94,6 +94,16 @@ class RestoreSite:
     seq: int
     fsync: bool
     progress: ProgressCallback | None
+
+
+def save_number(manifest: Manifest) -> int:
+    """The job's save number a manifest records (``levels[..]["save_number"]``; 0 if none): a
+    restored job counts its saves on from there (the flush cadence follows it)."""
+    for level in manifest.levels.values():
+        n = level.get("save_number") if isinstance(level, Mapping) else None
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n
+    return 0
 
 
 def raise_unless_damage(exc: CollectiveError, *, storage: bool = False) -> None:

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +32,11 @@ from ckptfmt.errors import (
     SaveFailedError,
 )
 from ckptfmt.format.options import WriteOptions
+from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel import share
 from ckptfmt.parallel.outcomes import Calls, Outcomes
-from ckptfmt.parallel.protocol import FaultHook, save_collective
+from ckptfmt.parallel.protocol import FaultHook, check_leaf, save_collective
 from ckptfmt.parallel.retention import Retention
 from ckptfmt.parallel.stager import Stager
 from ckptfmt.parallel.staging import BufferPool, SaveHandle
@@ -44,11 +45,20 @@ from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.transport.comm import Comm, start_background
-from ckptfmt.tree.state import Name
+from ckptfmt.tree.state import Name, flatten
 
 log = logging.getLogger("ckptfmt")
 
-__all__ = ["SaveJob", "Saver", "may_fall_back"]
+__all__ = ["SaveJob", "SaveSettings", "Saver", "checked_leaves", "may_fall_back"]
+
+
+def checked_leaves(state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
+    """The leaves of ``state``, each checked (:func:`check_leaf`): misuse raises
+    ``UsageError`` at the call, before anything is copied."""
+    leaves = flatten(state)  # refuses a state that is not a mapping
+    for name, leaf in leaves:
+        check_leaf(display(name), leaf)
+    return leaves
 
 
 def may_fall_back(exc: CkptError) -> bool:
@@ -144,15 +154,21 @@ class Saver:
             finally:
                 self.idle.set()
 
-    def break_on(self, step: int, exc: Exception, report: SaveReport) -> CkptError:
+    def break_on(
+        self, step: int, exc: Exception, report: SaveReport, handle: SaveHandle | None = None
+    ) -> CkptError:
         """The save of ``step`` failed before its staging because the ranks could not agree
         (on the training thread, or a background copy's on the saver thread): no collective
         of this manager can be trusted any more; the failure is kept for the next call and
-        returned."""
+        returned. ``handle`` (the training thread's: no job will finish it): its save is
+        recorded and the handle finished with the failure."""
         broken = self.calls.break_on(exc)
         report.error = str(broken)
         self.outcomes.fail(step, broken)
         log.error("rank %s: save of step %s failed: %s", self.bg.rank, step, broken)
+        if handle is not None:
+            self.outcomes.record_save(report)
+            handle.set_committed(broken)
         return broken
 
     def run(self, job: SaveJob) -> None:
