@@ -189,7 +189,7 @@ def restore(
     manager: CheckpointManager,
     state_dict: MutableMapping[str, Any],
     *,
-    cast: str | None = None,
+    cast: Cast = "no",
     into: bool = False,
 ) -> int | None:
     """Collective: ``manager.restore`` for a PyTorch state dict (in place, as ``load``); returns

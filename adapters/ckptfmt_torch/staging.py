@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ckptfmt import CheckpointManager, PerRank, Shard
+from ckptfmt import Cast, CheckpointManager, PerRank, Shard
 from ckptfmt.errors import UsageError
 from ckptfmt.parallel import SaveHandle
 from ckptfmt_torch.checkpoint import restore as _restore
@@ -260,7 +260,7 @@ def restore(
     state_dict: MutableMapping[str, Any],
     *,
     map_location: torch.device | str | Callable[[str], torch.device | str] | None = None,
-    cast: str | None = None,
+    cast: Cast = "no",
 ) -> int | None:
     """Collective: ``ckptfmt_torch.restore`` (all or nothing, into the tensors in place, on
     whatever device each lives), then the tensors only the checkpoint has (added to

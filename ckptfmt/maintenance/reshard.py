@@ -265,8 +265,8 @@ def reshard(
     _check_arguments(src, dst, ranks, write)
     node_list = check_nodes(nodes if nodes is not None else ["n0"] * ranks, ranks)
     manifest, _, src_dirs = node_dirs(src)
-    read = read if read is not None else ReadOptions()
-    sel = _select(manifest, ranks, rows, read.rank_map, read.per_rank)
+    opts = read if read is not None else ReadOptions()
+    sel = _select(manifest, ranks, rows, opts.rank_map, opts.per_rank)
     plan = make_plan(
         _declarations(sel.kept, ranks, set(sel.by_rows)),
         chunk_bytes=write.chunk_bytes,
@@ -279,7 +279,7 @@ def reshard(
         finals = {n: one for n in node_list}
     for final in dict.fromkeys(finals.values()):
         check_destination(final)  # a parent that is a file, a read-only file system: say so
-    out, read, written, staged = _write_destination(
+    out, bytes_read, written, staged = _write_destination(
         manifest, sel, plan, src_dirs, dst, finals, node_list, redundancy, write, progress
     )
     return ReshardReport(
@@ -291,7 +291,7 @@ def reshard(
         nodes=node_list,
         tensors=len(out.tensors()),
         data_bytes=sum(t.size * by_name(t.dtype).itemsize for t in out.tensors()),
-        bytes_read=read,
+        bytes_read=bytes_read,
         bytes_written=written,
         seconds=time.perf_counter() - started,
         rows=sel.by_rows,
