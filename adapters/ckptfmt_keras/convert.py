@@ -290,7 +290,7 @@ def assign(
     array a variable.
 
     Shapes must match exactly; dtypes too, unless ``cast`` allows converting (``"safe"``: no
-    value changes, ``"any"``; every conversion reported as a ``ckptfmt.tree.casting.CastWarning``),
+    value changes, ``"any"``; every conversion reported as a ``ckptfmt.errors.CastWarning``),
     so what is loaded is bit-exact. Every check is made before any variable is changed.
     """
     plan = plan_assign(

@@ -153,7 +153,7 @@ def load(
     load that raises leaves every tensor and object of ``state_dict`` as it was. A dtype that
     differs from the saved one is refused unless ``cast`` allows it (``"safe"``: no value
     changes, ``"any"``; ``ckptfmt.tree.casting``); every conversion is reported as a
-    ``ckptfmt.tree.casting.CastWarning``.
+    ``ckptfmt.errors.CastWarning``.
 
     ``into=True`` reads straight into the CPU tensors that can take their saved tensor as it is
     (C-contiguous, the saved shape and dtype), so each is written once instead of read into a

@@ -292,7 +292,7 @@ def from_state(
     cast: Cast = "no",
 ) -> list[Conversion]:
     """Put a loaded ckptfmt state back into a PyTorch state dict, in place; return the dtype
-    conversions made (also reported as a ``ckptfmt.tree.casting.CastWarning``).
+    conversions made (also reported as a ``ckptfmt.errors.CastWarning``).
 
     Everything is checked before anything is written (:func:`check_state`): a missing name, a
     shape, a dtype that ``cast`` does not allow (``ckptfmt.tree.casting``: refused by default), a

@@ -72,7 +72,7 @@ def apply_loaded(
     naming every array whose dtype differs from the saved one and that ``cast``
     (``"no"``, ``"safe"``, ``"any"``: ``tree/casting.py``) does not allow converting (with other
     mismatches, they are listed in the :class:`StateMismatchError`). Conversions made are in
-    the report's ``casts`` and warned of (:class:`~ckptfmt.tree.casting.CastWarning`)."""
+    the report's ``casts`` and warned of (:class:`~ckptfmt.errors.CastWarning`)."""
     policy = check_policy(cast)
     report = ApplyReport()
     if state is None:
