@@ -24,7 +24,6 @@ process that never imports TensorFlow. Conversion only; saving, levels and resto
 from __future__ import annotations
 
 from ckptfmt.errors import ReplicaWarning, StateMismatchError
-from ckptfmt.errors import ReplicaWarning, StateMismatchError
 from ckptfmt_keras.callback import BackupAndRestore
 from ckptfmt_keras.checkpoint import (
     from_state,
