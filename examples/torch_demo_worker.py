@@ -112,19 +112,17 @@ def main() -> int:
         keep_local=2,
         keep_shared=2,
     )
-    restored = ckptfmt_torch.restore(mgr, state)
-    if restored is None:
+    r = ckptfmt_torch.restore(state, mgr)
+    if not r.restored:
         say("  no checkpoint anywhere: starting from scratch", flush=True)
     else:
-        r = mgr.last_restore
-        assert r is not None
         for line in r.tried:
             say(f"  refused: {line}", flush=True)
         for line in r.rebuilt:
             say(f"  REBUILT from parity: {line}", flush=True)
         took = f" (rebuilt in {r.rebuild_seconds:.2f} s)" if r.rebuilt else ""
         say(
-            f"  restored step {restored} from level {r.level}{took}: model, optimizer, LR "
+            f"  restored step {r.step} from level {r.level}{took}: model, optimizer, LR "
             f"schedule, RNG of every rank, data position {sampler.state_dict()}",
             flush=True,
         )

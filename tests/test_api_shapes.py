@@ -19,7 +19,7 @@ from kit.managers import NO_EXIT_HOOKS, NO_FSYNC
 
 import ckptfmt
 from ckptfmt import CheckpointManager, Progress, WriteOptions
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import StateMismatchError, UsageError
 from ckptfmt.interop import export_safetensors
 from ckptfmt.maintenance import rebuild, reshard
 from ckptfmt.manifest import Manifest
@@ -310,3 +310,150 @@ def test_import_reports_progress(tmp_path: Path) -> None:
     assert {p.op for p in seen} == {"import"} and seen[-1].final
     assert seen[-1].done == seen[-1].total
     assert all(a.done <= b.done for a, b in zip(seen, seen[1:]))  # noqa: RUF007
+
+
+# --- the adapters --------------------------------------------------------------------------------
+
+
+def read_and_cast_hints(fn: Callable[..., Any]) -> None:
+    """``read`` and ``cast`` mean the core's ideas wherever they appear."""
+    hints = typing.get_type_hints(fn)
+    if "read" in hints:
+        assert hints["read"] == ckptfmt.ReadOptions | None, fn.__qualname__
+    if "cast" in hints:
+        assert hints["cast"] == Cast, fn.__qualname__
+    if "write" in hints:
+        assert hints["write"] == WriteOptions | None, fn.__qualname__
+    if "progress" in hints:
+        assert hints["progress"] == ckptfmt.ProgressCallback | None, fn.__qualname__
+    assert not LOOSE & set(hints), fn.__qualname__
+
+
+def test_torch_verbs() -> None:
+    pytest.importorskip("torch")
+    import ckptfmt_torch as ct
+    from ckptfmt_torch import staging
+
+    assert positional(ct.save) == ["state_dict", "path"]
+    keyword_only(ct.save, "step", "write", "progress", "comm", "node")
+    assert returns(ct.save) is Manifest
+    assert positional(ct.load) == ["state_dict", "path"]
+    keyword_only(ct.load, "read", "cast", "into", "progress", "comm")
+    assert returns(ct.load) is Manifest
+    assert positional(ct.restore) == ["state_dict", "manager"]
+    keyword_only(ct.restore, "read", "cast", "into", "map_location")
+    assert returns(ct.restore) is ckptfmt.RestoreReport
+    for fn in (ct.save, ct.load, ct.restore):
+        read_and_cast_hints(fn)
+    assert not hasattr(staging, "restore")  # one restore: ckptfmt_torch.restore
+
+
+def test_keras_verbs() -> None:
+    pytest.importorskip("keras")
+    import ckptfmt_keras as ck
+
+    assert positional(ck.save) == ["model", "path"]
+    keyword_only(ck.save, "optimizer", "counters", "step", "write", "progress")
+    assert positional(ck.load) == ["model", "path"]
+    keyword_only(ck.load, "optimizer", "strict", "cast", "progress")
+    assert positional(ck.restore) == ["model", "manager"]
+    keyword_only(ck.restore, "optimizer", "metrics", "strict", "cast", "read")
+    assert returns(ck.restore) is ckptfmt.RestoreReport
+    assert positional(ck.save_variables) == ["obj", "path"]
+    keyword_only(ck.save_variables, "step", "write", "progress")
+    assert positional(ck.load_variables) == ["obj", "path"]
+    keyword_only(ck.load_variables, "strict", "name_map", "transform", "cast")
+    for fn in (ck.save, ck.load, ck.save_variables):
+        assert returns(fn) is Manifest, fn.__qualname__
+    assert positional(ck.to_state) == ["model"]
+    assert positional(ck.from_state) == ["model", "state"]
+    keyword_only(ck.from_state, "optimizer", "metrics", "strict", "cast")
+    for fn in (ck.save, ck.load, ck.restore, ck.save_variables, ck.load_variables, ck.from_state):
+        read_and_cast_hints(fn)
+
+
+def test_the_manager_restore_shape() -> None:
+    assert positional(CheckpointManager.restore) == ["self", "state"]
+    keyword_only(CheckpointManager.restore, "read", "strict", "include", "exclude", "cast", "into")
+    assert returns(CheckpointManager.restore) is ckptfmt.RestoreReport
+    read_and_cast_hints(CheckpointManager.restore)
+
+
+def one_process_manager(root: Path) -> CheckpointManager:
+    return CheckpointManager(
+        local_dir=root / "l1" / "{node}",
+        shared_dir=root / "l3",
+        node="n0",
+        write=NO_FSYNC,
+        at_exit=NO_EXIT_HOOKS,
+    )
+
+
+def test_torch_restore_puts_what_only_the_checkpoint_has_on_map_location(tmp_path: Path) -> None:
+    """The tensors the state dict has are loaded into in place; the ones only the checkpoint
+    has are added on ``map_location``; a manager with nothing saved leaves the state as it is."""
+    torch = pytest.importorskip("torch")
+    import ckptfmt_torch as ct
+
+    w = torch.arange(6.0).reshape(2, 3)
+    extra = torch.arange(5).to(torch.bfloat16)
+    with one_process_manager(tmp_path / "empty") as mgr:
+        target: dict[str, Any] = {"w": torch.zeros(2, 3), "opt": {}, "step": 0}
+        keep = target["w"]
+        report = ct.restore(target, mgr, map_location="cpu")
+        assert not report.restored and report.step is None and report.state is None
+        assert target == {"w": keep, "opt": {}, "step": 0} and not keep.any()
+    with one_process_manager(tmp_path) as mgr:
+        mgr.save(3, ct.to_state({"w": w, "opt": {"extra": extra}, "step": 3}))
+    with one_process_manager(tmp_path) as mgr:
+        report = ct.restore(target, mgr, map_location="cpu")
+    assert isinstance(report, ckptfmt.RestoreReport)
+    assert report.restored and report.step == 3 and report.state is not None
+    assert target["w"] is keep and torch.equal(keep, w)
+    added = target["opt"]["extra"]
+    assert isinstance(added, torch.Tensor) and added.device.type == "cpu"
+    assert added.dtype == torch.bfloat16
+    assert added.view(torch.int16).tolist() == extra.view(torch.int16).tolist()
+    assert target["step"] == 3
+
+
+def test_keras_restore_through_a_manager(tmp_path: Path) -> None:
+    """A model and its optimizer saved through a manager come back bit-exact into a model built
+    the same way, all or nothing; the counters are in ``report.state``."""
+    keras = pytest.importorskip("keras")
+    import ckptfmt_keras as ck
+
+    def model(seed: int, width: int = 4) -> Any:
+        keras.utils.set_random_seed(seed)
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(width), keras.layers.Dense(2)])
+        m.compile(keras.optimizers.Adam(1e-2), "mse")
+        return m
+
+    def values(variables: Any) -> list[bytes]:
+        return [np.asarray(v.numpy()).tobytes() for v in variables]
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    y = rng.standard_normal((16, 2)).astype(np.float32)
+    trained = model(0)
+    trained.fit(x, y, epochs=2, batch_size=4, verbose=0)  # moments and iterations not zero
+    counters = {"epoch": 2, "step": 0, "global_step": 8}
+    with one_process_manager(tmp_path) as mgr:
+        assert not ck.restore(model(2), mgr).restored  # nothing saved yet
+        mgr.save(8, ck.to_state(trained, counters=counters))
+
+    other = model(1, width=3)  # another shape: refused before any variable changes
+    before = values(other.weights)
+    with one_process_manager(tmp_path) as mgr, pytest.raises(StateMismatchError):
+        ck.restore(other, mgr)
+    assert values(other.weights) == before
+
+    fresh = model(1)
+    assert values(fresh.weights) != values(trained.weights)
+    with one_process_manager(tmp_path) as mgr:
+        report = ck.restore(fresh, mgr)
+    assert isinstance(report, ckptfmt.RestoreReport) and report.step == 8
+    assert report.state is not None and report.state["counters"] == counters
+    assert values(fresh.weights) == values(trained.weights)
+    assert values(fresh.optimizer.variables) == values(trained.optimizer.variables)
+    assert int(fresh.optimizer.iterations.numpy()) == 8

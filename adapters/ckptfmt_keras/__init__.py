@@ -10,11 +10,10 @@
     model.compile(optimizer=ck.distributed_optimizer(keras.optimizers.Adam(), comm), ...)
     model.fit(..., callbacks=[ck.BackupAndRestore("/shared/ckpt", save_freq=100, comm=comm)])
 
-    # a custom loop (a tf.Module, say) with the core's manager directly:
+    # a custom loop with the core's manager:
     mgr = ckptfmt.CheckpointManager(local_dir="/local/{node}", shared_dir="/shared", comm=comm)
-    if mgr.restore() is not None:
-        ck.assign(module, mgr.restored_state["module"])
-    mgr.save(step, {"module": ck.nest(ck.to_arrays(module)), "step": step})
+    report = ck.restore(model, mgr)                          # report.step None: fresh start
+    mgr.save(step, ck.to_state(model, counters={"step": step}))
 
 The checkpoints are ordinary ckptfmt checkpoints: ``ckptfmt.open`` or plain zarr read them in a
 process that never imports TensorFlow. Conversion only; saving, levels and restoring are the core's
@@ -29,6 +28,7 @@ from ckptfmt_keras.checkpoint import (
     from_state,
     load,
     load_variables,
+    restore,
     save,
     save_variables,
     to_state,
@@ -64,6 +64,7 @@ __all__ = [
     "load_variables",
     "named_variables",
     "nest",
+    "restore",
     "save",
     "save_variables",
     "to_arrays",

@@ -1,4 +1,5 @@
-"""A Keras model's training state as one ckptfmt state, and its single-process save and load.
+"""A Keras model's training state as one ckptfmt state: its single-process save and load, and
+its restore through a ``ckptfmt.CheckpointManager``.
 
 The layout (each ``/`` a level of the checkpoint, every tensor a plain zarr array)::
 
@@ -23,9 +24,12 @@ import keras
 
 import ckptfmt
 from ckptfmt.checkpoint import load_with_manifest
+from ckptfmt.errors import UsageError
 from ckptfmt.format import WriteOptions
 from ckptfmt.maintenance import NodeDirs
 from ckptfmt.manifest import Manifest
+from ckptfmt.parallel import CheckpointManager, RestoreReport
+from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import ProgressCallback
 from ckptfmt.tree import Cast, check_policy, report_casts
 from ckptfmt_keras.convert import (
@@ -158,6 +162,35 @@ def load(
     state, manifest = load_with_manifest(path, progress=progress)
     from_state(model, state, optimizer=optimizer, strict=strict, cast=cast)
     return manifest
+
+
+def restore(
+    model: keras.Model,
+    manager: CheckpointManager,
+    *,
+    optimizer: Any = AUTO,
+    metrics: bool = False,
+    strict: bool = True,
+    cast: Cast = "no",
+    read: ReadOptions | None = None,
+) -> RestoreReport:
+    """Collective (as ``manager.restore``): load the newest step every rank can load (level 1
+    first, then level 3, then older steps) into ``model`` (and its optimizer, and its metrics'
+    accumulators when asked), as :func:`from_state` does: bit-exact, all or nothing (everything
+    is checked before any variable changes). Returns the manager's
+    :class:`~ckptfmt.RestoreReport`: ``report.step`` is None when there is nothing to restore
+    (the model untouched); ``report.state`` is the loaded tree, the saved counters in
+    ``report.state["counters"]``. ``read``: as for ``CheckpointManager.restore`` (another number
+    of ranks than the save's)."""
+    check_policy(cast)  # a usage error before anything collective
+    report = manager.restore(read=read)
+    if report.restored:
+        if report.state is None:  # pragma: no cover - restore sets it with a step
+            raise UsageError("the manager restored a step but kept no state")
+        from_state(
+            model, report.state, optimizer=optimizer, metrics=metrics, strict=strict, cast=cast
+        )
+    return report
 
 
 def save_variables(

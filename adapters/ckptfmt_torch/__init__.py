@@ -7,7 +7,7 @@
 
     ts = ckptfmt_torch.TrainingState(model, optimizer, scheduler=sched, sampler=sampler)
     mgr = ckptfmt.CheckpointManager(local_dir=..., shared_dir=..., comm=ckptfmt_torch.TorchComm())
-    start = ckptfmt_torch.restore(mgr, {"train": ts})          # collective; None: fresh start
+    report = ckptfmt_torch.restore({"train": ts}, mgr)  # collective; report.step None: fresh start
     ...
     mgr.save(step, ckptfmt_torch.to_state({"train": ts}))      # async: returns once staged
 

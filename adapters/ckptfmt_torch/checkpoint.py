@@ -13,7 +13,7 @@ converts (``ckptfmt_torch.convert``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from ckptfmt.maintenance import NodeDirs
 from ckptfmt.manifest import Manifest
 from ckptfmt.parallel import (
     CheckpointManager,
+    RestoreReport,
     SaveFailedError,
     load_collective,
     resolve_node,
@@ -39,7 +40,7 @@ from ckptfmt.storage import ProgressCallback, check_destination, is_spread, mete
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import Cast, PerRank, Shard, arrays_of, check_policy
 from ckptfmt_torch.comm import TorchComm
-from ckptfmt_torch.convert import from_state, to_state, wants_of
+from ckptfmt_torch.convert import from_state, is_stateful, to_state, wants_of
 
 _GLOO: dict[int, Comm] = {}  # one gloo communicator per default group, made on first use
 
@@ -185,21 +186,35 @@ def load(
     return manifest
 
 
+Device = torch.device | str
+"""Where ``restore`` puts a tensor only the checkpoint has (``torch.Tensor.to``'s argument)."""
+
+
 def restore(
-    manager: CheckpointManager,
     state_dict: MutableMapping[str, Any],
+    manager: CheckpointManager,
     *,
+    read: ReadOptions | None = None,
     cast: Cast = "no",
     into: bool = False,
-) -> int | None:
-    """Collective: ``manager.restore`` for a PyTorch state dict (in place, as ``load``); returns
-    the restored step, or None (``state_dict`` untouched) when there is no usable checkpoint.
+    map_location: Device | Callable[[str], Device] | None = None,
+) -> RestoreReport:
+    """Collective: ``manager.restore`` for a PyTorch state dict (in place, as ``load``). Returns
+    the manager's :class:`~ckptfmt.RestoreReport`: ``report.step`` the restored step, or None
+    (``state_dict`` untouched) when there is no usable checkpoint; ``report.state`` the loaded
+    tree.
 
     As ``load``, all or nothing: the manager loads into buffers of its own (never into the
     tensors), then everything is checked against ``state_dict`` before anything is written;
-    ``cast`` is ``load``'s dtype policy. Save with
+    ``cast`` is ``load``'s dtype policy and ``read`` its :class:`~ckptfmt.ReadOptions` (another
+    number of ranks than the save's). Save with
     ``manager.save(step, ckptfmt_torch.to_state(state_dict))``: ``to_state`` gives views of the
     tensors, which the manager copies into its staging buffers before it returns.
+
+    Tensors are loaded into in place wherever they live (a device tensor gets one
+    host-to-device copy of the verified host data). Names only the checkpoint has are added to
+    ``state_dict``, as CPU tensors, or on ``map_location``: a device, or a function of the
+    '/'-joined name giving one.
 
     ``into=True`` reads straight into the CPU tensors whose dtype is the saved one (their
     memory, through numpy views), so each is written once on the way in instead of being read
@@ -209,15 +224,47 @@ def restore(
     written into some tensors (a restore that falls back to an older step writes all of them
     again). Tensors on a device are loaded into host buffers and copied, as without it.
     """
+    read = read if read is not None else ReadOptions()
+    check_policy(cast)  # a usage error before anything collective
+    before = _tensor_names(state_dict) if map_location is not None else set()
+    state = to_state(state_dict)
     if into:
-        report = manager.restore(to_state(state_dict), strict=False, cast=cast, into=True)
+        report = manager.restore(state, read=read, strict=False, cast=cast, into=True)
     else:
-        report = manager.restore(_detached(to_state(state_dict)), apply=False)
+        report = manager.restore(_detached(state), read=read, apply=False)
     if report.restored:
         if report.state is None:  # pragma: no cover - restore sets it with a step
             raise UsageError("the manager restored a step but kept no state")
-        from_state(state_dict, report.state, cast=cast)  # checks everything before it writes
-    return report.step
+        # checks everything before it writes
+        from_state(state_dict, report.state, keep_per_rank=read.per_rank == "drop", cast=cast)
+        if map_location is not None:
+            _place_new(state_dict, before, map_location, "")
+    return report
+
+
+def _tensor_names(obj: Any, path: str = "") -> set[str]:
+    out: set[str] = set()
+    if isinstance(obj, Mapping) and not is_stateful(obj):
+        for k, v in obj.items():
+            out |= _tensor_names(v, f"{path}/{k}" if path else str(k))
+    elif isinstance(obj, torch.Tensor):
+        out.add(path)
+    return out
+
+
+def _place_new(
+    obj: MutableMapping[Any, Any],
+    before: set[str],
+    where: Device | Callable[[str], Device],
+    path: str,
+) -> None:
+    """Move the tensors of ``obj`` not named in ``before`` (added by the restore) to ``where``."""
+    for k, v in list(obj.items()):
+        name = f"{path}/{k}" if path else str(k)
+        if isinstance(v, torch.Tensor) and name not in before:
+            obj[k] = v.to(where(name) if callable(where) else where)
+        elif isinstance(v, MutableMapping) and not is_stateful(v):
+            _place_new(v, before, where, name)
 
 
 def _detached(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,24 +26,21 @@ as their bits (``convert.tensor_to_numpy``'s integer views): bit-exact.
 whose ``staged`` says when the caller's tensors may change and ``committed`` when the checkpoint
 is committed; the host buffers go back to the stager when the save is over.
 
-:func:`restore` loads into existing tensors in place wherever they live (``from_state``: a
-device tensor gets one host-to-device copy of the verified host data), and ``map_location``
-places the tensors only the checkpoint has (added to the state dict) on a device of the
-caller's choice.
+``ckptfmt_torch.restore`` loads it back into the tensors in place, wherever they live, and puts
+the tensors only the checkpoint has on the device its ``map_location`` names.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ckptfmt import Cast, CheckpointManager, PerRank, Shard
+from ckptfmt import CheckpointManager, PerRank, Shard
 from ckptfmt.errors import UsageError
 from ckptfmt.parallel import SaveHandle
-from ckptfmt_torch.checkpoint import restore as _restore
 from ckptfmt_torch.convert import (
     dtensor_box,
     is_dtensor,
@@ -253,46 +250,3 @@ def save_async(
 
     inner.committed.add_done_callback(finished)
     return handle
-
-
-def restore(
-    manager: CheckpointManager,
-    state_dict: MutableMapping[str, Any],
-    *,
-    map_location: torch.device | str | Callable[[str], torch.device | str] | None = None,
-    cast: Cast = "no",
-) -> int | None:
-    """Collective: ``ckptfmt_torch.restore`` (all or nothing, into the tensors in place, on
-    whatever device each lives), then the tensors only the checkpoint has (added to
-    ``state_dict`` as CPU tensors) moved to ``map_location``: a device, or a function of the
-    '/'-joined name giving one. Returns the restored step, or None."""
-    before = _tensor_names(state_dict)
-    step = _restore(manager, state_dict, cast=cast)
-    if step is not None and map_location is not None:
-        _place_new(state_dict, before, map_location, "")
-    return step
-
-
-def _tensor_names(obj: Any, path: str = "") -> set[str]:
-    out: set[str] = set()
-    if isinstance(obj, Mapping) and not is_stateful(obj):
-        for k, v in obj.items():
-            out |= _tensor_names(v, f"{path}/{k}" if path else str(k))
-    elif isinstance(obj, torch.Tensor):
-        out.add(path)
-    return out
-
-
-def _place_new(
-    obj: MutableMapping[Any, Any],
-    before: set[str],
-    where: torch.device | str | Callable[[str], torch.device | str],
-    path: str,
-) -> None:
-    for k, v in list(obj.items()):
-        name = f"{path}/{k}" if path else str(k)
-        if isinstance(v, torch.Tensor) and name not in before:
-            device = where(name) if callable(where) else where
-            obj[k] = v.to(device)
-        elif isinstance(v, MutableMapping) and not is_stateful(v):
-            _place_new(v, before, where, name)
