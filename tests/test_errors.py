@@ -226,14 +226,24 @@ def test_shared_dir_under_a_file_is_named_at_the_constructor(tmp_path: Path) -> 
     assert f"{tmp_path / 'afile'} is a file" in str(exc)
 
 
-def test_local_dir_under_a_file_fails_the_save_naming_path_and_level(tmp_path: Path) -> None:
+def test_local_dir_under_a_file_is_refused_at_the_constructor(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
+    with pytest.raises(StorageError) as info:
+        CheckpointManager(local_dir=tmp_path / "afile" / "l1", at_exit=ExitPolicy(sigterm=False))
+    assert info.value.level == "level 1 (local_dir)"
+    assert f"{tmp_path / 'afile'} is a file" in str(info.value)
+
+
+def test_local_dir_under_a_file_fails_the_save_naming_path_and_level(tmp_path: Path) -> None:
+    """A level-1 root that became unwritable after the start (a file put where its parent
+    directory belongs) fails the save, naming the path and the level."""
     mgr = CheckpointManager(
         local_dir=tmp_path / "afile" / "l1",
         on_error="raise",
         write=WriteOptions(fsync=False),
         at_exit=ExitPolicy(sigterm=False),
     )
+    (tmp_path / "afile").write_text("x")
     try:
         with pytest.raises(SaveFailedError) as info:
             mgr.save(1, {"w": np.ones(4, np.float32)})
@@ -271,22 +281,16 @@ def test_the_level_verdict_is_the_same_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "l3").exists(), "the check makes nothing"
 
 
-def test_a_read_only_level_1_fails_the_save_naming_path_and_level(tmp_path: Path) -> None:
+def test_a_read_only_level_1_is_refused_at_the_constructor(tmp_path: Path) -> None:
     mnt = tmp_path / "ro"
     mnt.mkdir()
     code = (
-        "import numpy as np\n"
-        "from ckptfmt import CheckpointManager, ExitPolicy, WriteOptions\n"
-        "from ckptfmt.errors import SaveFailedError\n"
-        f"mgr = CheckpointManager(local_dir={str(mnt / 'l1')!r}, on_error='raise',\n"
-        "    write=WriteOptions(fsync=False), at_exit=ExitPolicy(sigterm=False))\n"
+        "from ckptfmt import CheckpointManager, ExitPolicy\n"
+        "from ckptfmt.errors import StorageError\n"
         "try:\n"
-        "    mgr.save(1, {'w': np.ones(4, np.float32)})\n"
-        "    mgr.wait()\n"
-        "except SaveFailedError as e:\n"
-        "    [f] = e.rank_failures.values()\n"
-        "    print('REFUSED', f.type, f.kind, f.fields.get('level'), '|', e)\n"
-        "mgr.close(flush=False)\n"
+        f"    CheckpointManager(local_dir={str(mnt / 'l1')!r}, at_exit=ExitPolicy(sigterm=False))\n"
+        "except StorageError as e:\n"
+        "    print('REFUSED', type(e).__name__, e.level, '|', e)\n"
     )
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
     if probe.returncode != 0:
@@ -301,5 +305,5 @@ def test_a_read_only_level_1_fails_the_save_naming_path_and_level(tmp_path: Path
         env={**os.environ, "CODE": code},
     )
     out = proc.stdout
-    assert "REFUSED StorageError storage level 1 (local_dir)" in out, out + proc.stderr
+    assert "REFUSED StorageError level 1 (local_dir)" in out, out + proc.stderr
     assert str(mnt / "l1") in out and "read-only file system" in out, out

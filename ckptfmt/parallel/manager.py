@@ -35,7 +35,7 @@ from ckptfmt.errors import CkptError, ManagerBrokenError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.exit import ExitHooks
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
-from ckptfmt.parallel.levels import Levels, resolve_node
+from ckptfmt.parallel.levels import Levels, agree_nodes, resolve_node
 from ckptfmt.parallel.options import ExitPolicy, OnError, check_on_error
 from ckptfmt.parallel.outcomes import Calls, CheckpointWarning, Outcomes
 from ckptfmt.parallel.protocol import FaultHook
@@ -187,10 +187,12 @@ class CheckpointManager:
         self._stager = Stager(self.comm, self.deadline_s, self.write, pool)
 
     def _start(self) -> None:
-        """Collective (an allgather of the node names, then ``dup`` of the communicator): every
-        rank learns the nodes (a redundancy the nodes cannot carry raises on every rank), rank
-        0 records them under level 3, and the saver thread and the exit hooks start."""
-        nodes = self.comm.allgather_json(self.node)
+        """Collective (one allgather of the node names and of what stands in the way of each
+        rank's level roots, then ``dup`` of the communicator): every rank learns the nodes and
+        raises the same error when a level root cannot be written or a redundancy the nodes
+        cannot carry is asked for; rank 0 records the nodes under level 3, and the saver thread
+        and the exit hooks start."""
+        nodes = agree_nodes(self.comm, self.levels, self.node)
         self._retention.node_leader = nodes.index(self.node) == self.comm.rank
         if self.local_root is not None:
             for red in self.policy.all_redundancies():
