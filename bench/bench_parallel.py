@@ -276,7 +276,7 @@ def planned_pieces(env: Env) -> list[memoryview]:
     into byte views of at most one default shard."""
     from ckptfmt.format.shard_io import byte_view
     from ckptfmt.manifest.grid import DEFAULT_SHARD_BYTES
-    from ckptfmt.parallel.protocol import check_state
+    from ckptfmt.parallel.save_state import check_state
     from ckptfmt.plan.ownership import make_plan
 
     holdings = check_state(env.nested).holdings()

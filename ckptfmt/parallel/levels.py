@@ -32,7 +32,7 @@ from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.protocol import FaultHook, level_directory, publish_commit
+from ckptfmt.parallel.publish import FaultHook, level_directory, publish_commit
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, write_gather
 from ckptfmt.storage.nodes import expand

@@ -38,7 +38,7 @@ from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single,
 from ckptfmt.parallel.levels import Levels, agree_nodes, resolve_node
 from ckptfmt.parallel.options import ExitPolicy, OnError, check_on_error
 from ckptfmt.parallel.outcomes import Calls, CheckpointWarning, Outcomes
-from ckptfmt.parallel.protocol import FaultHook
+from ckptfmt.parallel.publish import FaultHook
 from ckptfmt.parallel.restore import (
     RestoreReport,
     RestoreRequest,

@@ -18,7 +18,7 @@ from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.levels import Levels, flush_collective, retain, retain_steps
 from ckptfmt.parallel.outcomes import Calls, Outcomes
-from ckptfmt.parallel.protocol import FaultHook
+from ckptfmt.parallel.publish import FaultHook
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm

@@ -36,8 +36,10 @@ from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel import share
 from ckptfmt.parallel.outcomes import Calls, Outcomes
-from ckptfmt.parallel.protocol import FaultHook, check_leaf, save_collective
+from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.parallel.publish import FaultHook
 from ckptfmt.parallel.retention import Retention
+from ckptfmt.parallel.save_state import check_leaf
 from ckptfmt.parallel.stager import Stager
 from ckptfmt.parallel.staging import BufferPool, SaveHandle
 from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
