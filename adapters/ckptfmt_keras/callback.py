@@ -19,11 +19,14 @@ It takes ``keras.callbacks.BackupAndRestore``'s arguments (``backup_dir``, ``sav
   writing spread over all workers. Every call is collective: all workers run ``fit`` alike.
 - ``dataset``: anything with ``set_epoch(epoch)`` (``ResumableDataset``), called at every epoch's
   start.
-- ``rank_map``, ``per_rank``: for a job of another number of workers than the one that saved
-  (``spec/reshard.md`` §3), passed to ``CheckpointManager.restore``. The model and optimizer are
-  replicated and load at any size; each worker's metric accumulators are per-rank entries, so
-  such a restore fails with ``PerRankError`` unless a map (saved rank -> current rank) carries
-  them over or ``per_rank="drop"`` drops them (a ``PerRankWarning`` lists what). Resume such a
+- ``write``: how the checkpoints are written (``ckptfmt.WriteOptions``: fsync, chunk sizes),
+  passed to the manager.
+- ``read``: ``ckptfmt.ReadOptions``, passed to ``CheckpointManager.restore``; its ``rank_map``
+  and ``per_rank`` serve a job of another number of workers than the one that saved
+  (``spec/reshard.md`` §3). The model and optimizer are replicated and load at any size; each
+  worker's metric accumulators are per-rank entries, so such a restore fails with
+  ``PerRankError`` unless a map (saved rank -> current rank) carries them over or
+  ``per_rank="drop"`` drops them (a ``PerRankWarning`` lists what). Resume such a
   job from a checkpoint saved at an epoch's end: the batches of an epoch depend on the number
   of workers, so a ``step`` within an epoch means other batches at another size.
 
@@ -59,10 +62,10 @@ import numpy as np
 from ckptfmt.errors import ReplicaWarning, UsageError
 from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
-from ckptfmt.plan import PerRankMode, RankMap, ReadOptions
+from ckptfmt.plan import ReadOptions
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
-from ckptfmt_keras.checkpoint import restore_training_state
+from ckptfmt_keras.checkpoint import from_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
 from ckptfmt_keras.parallel import (
     agree,
@@ -97,10 +100,9 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         include_optimizer: bool = True,
         include_metrics: bool = True,
         async_save: bool = True,
-        fsync: bool = True,
+        write: WriteOptions | None = None,
         on_error: OnError = "warn",
-        rank_map: RankMap = None,
-        per_rank: PerRankMode = "error",
+        read: ReadOptions | None = None,
     ) -> None:
         super().__init__()
         if not backup_dir:
@@ -124,7 +126,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.dataset = dataset
         self.include_optimizer = include_optimizer
         self.include_metrics = include_metrics
-        self.rank_map, self.per_rank = rank_map, per_rank
+        self.read = read if read is not None else ReadOptions()
         self._manager_options: dict[str, Any] = {
             "local_dir": None if local_dir is None else str(local_dir),
             "shared_dir": self.backup_dir,
@@ -135,7 +137,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             "keep_shared": keep if keep_shared is None else keep_shared,
             "async_save": async_save,
             "on_error": on_error,
-            "write": WriteOptions(fsync=fsync),
+            "write": write if write is not None else WriteOptions(),
             "redundancy": redundancy,
         }
         self.manager: CheckpointManager | None = None
@@ -178,7 +180,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.manager = _OPEN[key] = CheckpointManager(**self._manager_options)
         self._epoch = self._step = self._global = 0
         self._resume, self._pending_metrics = None, None
-        report = self.manager.restore(read=ReadOptions(self.rank_map, self.per_rank))
+        report = self.manager.restore(read=self.read)
         self.last_restore = report
         if not report.restored:
             self.restored_counters = None
@@ -187,9 +189,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 broadcast_variables(opt, self.comm)
             return
         state = report.state or {}
-        counters = restore_training_state(
-            model, state, optimizer=opt if self.include_optimizer else None
-        )
+        counters = from_state(model, state, optimizer=opt if self.include_optimizer else None)
         steps = (self.params or {}).get("steps")
         if steps and counters["step"] >= steps:
             # saved after the epoch's last batch, before its end: resume at the next epoch's
