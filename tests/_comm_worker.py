@@ -23,7 +23,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from _worker_common import end_torch_job, make_comm
+from kit.worker import end_torch_job, make_comm
 
 BCAST_BYTES = 20 * 1000 * 1000
 RING_BYTES = 100_003

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _worker_common import end_torch_job, make_comm
+from kit.files import leftover_dirs
+from kit.worker import end_torch_job, make_comm
 
 from ckptfmt import CheckpointManager, WriteOptions
 from ckptfmt.errors import CkptError, CollectiveError
@@ -77,14 +78,6 @@ def digest(state: dict[str, Any]) -> dict[str, str]:
         k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
         for k, v in state["model"].items()
     }
-
-
-def leftovers(root: Path) -> list[str]:
-    return sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name or ".del-" in p.name)
-    )
 
 
 def manager(comm: Any, root: Path, node: str, fault: Any = None) -> CheckpointManager:
@@ -168,7 +161,7 @@ def run_save_scenario(comm: Any, root: Path, name: str) -> dict[str, Any]:
     result["after"] = [s for s, _ in mgr.failed_saves if s == 3]
     mgr.close(flush=False)
     comm.barrier()
-    result["leftovers"] = leftovers(root) if rank == 0 else []
+    result["leftovers"] = leftover_dirs(root) if rank == 0 else []
     restored: dict[str, Any] = {
         "model": {"w": np.zeros((64, 48), np.float32), "b": np.zeros(97, np.int64)},
         "step": 0,
@@ -322,7 +315,7 @@ def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
     result["seconds"] = time.perf_counter() - started
     rebuild_module.write_member = real  # type: ignore[assignment]
     comm.barrier()
-    result["leftovers"] = leftovers(root) if rank == 0 else []
+    result["leftovers"] = leftover_dirs(root) if rank == 0 else []
     restored = state_of(0, rank, size, big=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from _worker_common import end_torch_job, make_comm
+from kit.worker import end_torch_job, make_comm
 
 from ckptfmt import CheckpointManager
 from ckptfmt.errors import CkptError

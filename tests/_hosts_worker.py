@@ -52,7 +52,8 @@ mark(f"started: {' '.join(sys.argv[1:3])}")
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from _worker_common import end_torch_job, make_comm  # noqa: E402
+from kit.arrays import random_array as bits  # noqa: E402
+from kit.worker import end_torch_job, make_comm  # noqa: E402
 
 from ckptfmt import CheckpointManager, ExitPolicy, PerRank, Shard, WriteOptions  # noqa: E402  # noqa: E402
 
@@ -60,13 +61,6 @@ LOCAL = "/local/ckpt"
 LINGER_S = 90.0
 CHUNK_BYTES = 64 << 10
 SHARD_BYTES = 256 << 10
-
-
-def bits(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape)) * dt.itemsize
-    out: np.ndarray = rng.integers(0, 256, size=n, dtype=np.uint8).view(dt).reshape(shape)
-    return out
 
 
 def state_at(step: int, rank: int, size: int) -> dict[str, Any]:

@@ -37,7 +37,9 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
-from _keras_worker import PER_WORKER_BATCH, build_model, compile_model, dataset, node_of
+from _keras_worker import PER_WORKER_BATCH, build_model, compile_model, dataset
+from kit.arrays import flat
+from kit.worker import node_of
 
 RANK_MAP = {0: 0, 1: 1}
 
@@ -47,16 +49,6 @@ def digest(a: Any) -> str:
     return hashlib.sha256(f"{a.dtype}{a.shape}".encode() + a.tobytes()).hexdigest()
 
 
-def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}/"))
-        else:
-            out[prefix + k] = v
-    return out
-
-
 def main() -> None:
     import keras
     import tensorflow as tf
@@ -64,7 +56,7 @@ def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     import ckptfmt_keras as ck
-    from _worker_common import make_comm
+    from kit.worker import make_comm
 
     import ckptfmt
 

@@ -33,14 +33,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import ml_dtypes
 import numpy as np
+from kit.worker import node_of
 
 SAMPLES = 160
 FEATURES = 16
 PER_WORKER_BATCH = 8
-
-
-def node_of(rank: int, size: int) -> str:
-    return f"n{rank * 2 // size}"
 
 
 def dataset() -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +75,7 @@ def main() -> None:
 
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    from _worker_common import make_comm
+    from kit.worker import make_comm
 
     import ckptfmt
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from _worker_common import end_torch_job, make_comm
+from kit.arrays import random_array as bits
+from kit.worker import end_torch_job, make_comm, node_of
 
 SHARD_BYTES = 256 << 10  # small shards: every big tensor spans several shard files
 CHUNK_BYTES = 64 << 10
@@ -43,20 +44,8 @@ CRASH_DELAY_S = 0.5  # the crashing rank lingers so that the others run as far a
 # --- expected states (shared with the parent test) ---------------------------------------------
 
 
-def node_of(rank: int, size: int, n_nodes: int = 2) -> str:
-    return f"n{rank * n_nodes // size}"
-
-
 def nodes(size: int, n_nodes: int = 2) -> list[str]:
     return sorted({node_of(r, size, n_nodes) for r in range(size)})
-
-
-def bits(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """Random bytes viewed as ``dtype``: NaN payloads, -0, subnormals and infinities included,
-    which only a byte comparison tells apart."""
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    return rng.integers(0, 256, size=n, dtype=np.uint8).view(dt).reshape(shape)
 
 
 def dp_state(step: int) -> dict[str, Any]:

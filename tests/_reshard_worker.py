@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import sys
 import warnings
@@ -32,6 +31,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from kit.arrays import random_array as bits
+from kit.worker import node_of
 
 SHARD_BYTES = 64 << 10
 CHUNK_BYTES = 8 << 10
@@ -42,20 +43,10 @@ ROWS: dict[str, tuple[Any, tuple[int, ...]]] = {
 }
 
 
-def node_of(rank: int, size: int) -> str:
-    return f"n{rank * 2 // size}"
-
-
 def rows_of(n_rows: int, rank: int, size: int) -> tuple[int, int]:
     """``(start, count)`` of a rank's rows (``numpy.array_split``'s split)."""
     base, extra = divmod(n_rows, size)
     return rank * base + min(rank, extra), base + (rank < extra)
-
-
-def bits(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    dt = np.dtype(dtype)
-    raw = rng.integers(0, 256, size=math.prod(shape) * dt.itemsize, dtype=np.uint8)
-    return raw.view(dt).reshape(shape)
 
 
 def full_tensors() -> dict[str, np.ndarray]:

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _worker_common import end_torch_job, make_comm
+from kit.files import leftover_dirs, tree_digests
+from kit.worker import end_torch_job, make_comm, node_of
 
 from ckptfmt import CheckpointManager, PerRank
 from ckptfmt.errors import CkptError, CollectiveError
@@ -85,29 +86,12 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def file_digests(root: Path) -> dict[str, str]:
-    """Every file under ``root`` (relative path -> SHA-256)."""
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
-def leftovers(root: Path) -> list[str]:
-    return sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name or ".del-" in p.name)
-    )
-
-
 def manager(comm: Any, root: Path, fault: Any = None) -> CheckpointManager:
     return CheckpointManager(
         local_dir=f"{root}/l1/{{node}}",
         shared_dir=f"{root}/l3",
         comm=comm,
-        node=f"n{comm.rank * 2 // comm.size}",
+        node=node_of(comm.rank, comm.size),
         redundancy="xor",
         on_error="warn",
         flush_every=1,
@@ -156,7 +140,7 @@ def fault_save(comm: Any, out: Path, root: Path, name: str, sig: int) -> None:
     mgr.wait()
     comm.barrier()
     if rank == 0:
-        write_json(out / f"{name}.before.json", file_digests(root))
+        write_json(out / f"{name}.before.json", tree_digests(root))
     comm.barrier()
     armed["on"] = True
     told = out / f"{name}.rank{rank}.told.json"
@@ -196,7 +180,7 @@ def fault_restore(comm: Any, out: Path, root: Path, name: str, sig: int) -> None
     mgr.close(flush=False)
     comm.barrier()
     if rank == 0:
-        write_json(out / f"{name}.before.json", file_digests(root))
+        write_json(out / f"{name}.before.json", tree_digests(root))
     comm.barrier()
     real = load_module._read
 
@@ -247,8 +231,8 @@ def check(comm: Any, out: Path, root: Path, name: str) -> None:
     }
     comm.barrier()
     if rank == 0:
-        write_json(out / f"{name}.after-restore.json", file_digests(root))
-        res["leftovers"] = leftovers(root)
+        write_json(out / f"{name}.after-restore.json", tree_digests(root))
+        res["leftovers"] = leftover_dirs(root)
     comm.barrier()
     mgr.save(10, state_of(10, rank))
     mgr.wait()

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _worker_common import make_comm
+from kit.worker import make_comm
 
 from ckptfmt import CheckpointManager
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _worker_common import end_torch_job
+from kit.worker import end_torch_job
 
 D_IN, D_HID, D_OUT = 16, 32, 6  # D_OUT rows split 2/2/2/0 over 4 FSDP ranks, 3/3 over 2
 GLOBAL_BATCH = 16

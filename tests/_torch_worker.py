@@ -36,16 +36,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _worker_common import end_torch_job
+from kit.worker import end_torch_job, node_of
 
 N_SAMPLES = 96
 D_IN, D_HID, D_OUT = 16, 32, 6  # D_OUT rows split 2/2/2/0 over 4 FSDP ranks: an empty shard
 BATCH = 4
 KILL_EXIT = 9
-
-
-def node_of(rank: int, size: int) -> str:
-    return f"n{rank * 2 // size}"
 
 
 class Net(nn.Module):

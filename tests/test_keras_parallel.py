@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kit import REPO
+from kit.arrays import flat
 from kit.launch import describe, run_mpi
 
 import ckptfmt
@@ -98,16 +99,6 @@ def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 # --- reading what the workers wrote --------------------------------------------------------------
-
-
-def flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def tensors(path: Path) -> dict[str, np.ndarray]:

@@ -40,6 +40,7 @@ import numpy as np
 import pytest
 from _keras_reshard_worker import digest
 from kit import REPO
+from kit.arrays import flat
 from kit.launch import describe, run_mpi
 
 import ckptfmt
@@ -75,16 +76,6 @@ def results(tmp: Path, task: str, n: int) -> list[dict[str, Any]]:
         assert (res["rank"], res["size"], res["node"]) == (r, n, f"n{r * 2 // n}")
         got.append(res)
     return got
-
-
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}/"))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 def tensors(path: Path, kinds: tuple[str, ...] = ("model", "optimizer")) -> dict[str, Any]:

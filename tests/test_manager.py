@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kit.managers import node_manager as manager
 
 import ckptfmt
-from ckptfmt import CheckpointManager, CheckpointWarning, ExitPolicy, WriteOptions
+from ckptfmt import CheckpointWarning, ExitPolicy
 from ckptfmt.parallel.protocol import SaveFailedError
 from ckptfmt.storage.steps import step_dir_name
 
@@ -19,16 +20,6 @@ from ckptfmt.storage.steps import step_dir_name
 def state(seed: int) -> dict:
     rng = np.random.default_rng(seed)
     return {"w": rng.standard_normal((64, 33)).astype(np.float32), "step": seed, "h": [seed]}
-
-
-def manager(tmp_path: Path, **kw: object) -> CheckpointManager:
-    opts: dict = {
-        "node": "n0",
-        "write": WriteOptions(fsync=False),
-        "at_exit": ExitPolicy(flush=False, sigterm=False),
-    }
-    opts.update(kw)
-    return CheckpointManager(tmp_path / "l1" / "{node}", tmp_path / "l3", **opts)
 
 
 def test_async_save_snapshots_the_state_at_save_time(tmp_path: Path) -> None:

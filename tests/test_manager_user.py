@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kit.managers import make_manager as _mgr
 
 import ckptfmt
 from ckptfmt import CheckpointManager, ExitPolicy, WriteOptions
@@ -33,16 +34,6 @@ def _state(step: int) -> dict:
         "step": step,
         "lr": 1e-3 * step,
     }
-
-
-def _mgr(tmp_path: Path, **kw: object) -> CheckpointManager:
-    opts: dict = {
-        "local_dir": tmp_path / "l1",
-        "shared_dir": tmp_path / "l3",
-        "write": WriteOptions(fsync=False),
-    }
-    opts.update(kw)
-    return CheckpointManager(**opts)
 
 
 def test_restore_refuses_a_mismatched_state_and_writes_nothing(tmp_path: Path) -> None:

@@ -30,7 +30,6 @@ from _parallel_worker import (
     fsdp_full,
     fsdp_replicated,
     make_state,
-    node_of,
     nodes,
     split_rows,
 )
@@ -39,6 +38,7 @@ from click.testing import CliRunner
 from kit import REPO
 from kit.arrays import assert_state_equal
 from kit.launch import describe, run_mpi, run_torchrun
+from kit.worker import node_of
 
 import ckptfmt
 from ckptfmt.container.reader import read_manifest

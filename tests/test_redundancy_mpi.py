@@ -15,7 +15,6 @@ tests here check all of it again from the outside, plus the directories on disk 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -27,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _parallel_worker import digest, make_state, node_of, nodes
+from _parallel_worker import digest, make_state, nodes
 from kit import REPO
 from kit.faults import flip
+from kit.files import tree_digests
 from kit.launch import describe, run_mpi
+from kit.worker import node_of
 from test_parallel import committed_steps, data_files, files_under, metadata_files
 
 from ckptfmt.container.reader import read_manifest
@@ -100,15 +101,6 @@ def template(root: Path, step: int) -> str:
 
 def ranks_on(node_names: tuple[str, ...] | list[str], n: int, k: int) -> list[int]:
     return [r for r in range(n) if node_of(r, n, k) in node_names]
-
-
-def tree_bytes(path: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``path`` by relative path."""
-    return {
-        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
 
 
 def parity_files(m: Manifest, node: str) -> set[str]:
@@ -226,7 +218,7 @@ def damage(run: Run, name: str, sc: Scenario) -> None:
     except UnrecoverableDamageError as exc:
         run.dry_before[name] = exc
     run.intact_before[name] = {
-        node: tree_bytes(l1(root, node)) for node in nodes(run.n, run.k) if node not in sc.lose
+        node: tree_digests(l1(root, node)) for node in nodes(run.n, run.k) if node not in sc.lose
     }
 
 
@@ -339,8 +331,8 @@ def test_lost_nodes_rebuilt_and_restored_from_level1(run: Run) -> None:
         check_node_dirs(run, name, sc.restored)
         for node, aside in run.aside[name].items():
             assert committed_steps(l1(run.roots[name], node)) == [sc.restored], (name, node)
-            rebuilt = tree_bytes(l1(run.roots[name], node) / step_dir_name(sc.restored))
-            assert rebuilt == tree_bytes(aside / step_dir_name(sc.restored)), (name, node)
+            rebuilt = tree_digests(l1(run.roots[name], node) / step_dir_name(sc.restored))
+            assert rebuilt == tree_digests(aside / step_dir_name(sc.restored)), (name, node)
         after = repair.rebuild(template(run.roots[name], sc.restored), dry_run=True)
         assert not after.repaired and after.lost_data == after.lost_parity == [], name
 
@@ -415,7 +407,7 @@ def test_beyond_tolerance_falls_back_and_names_what_is_lost(run: Run) -> None:
     for r in results(run.out, "beyond-restore", run.n, run.k):
         assert any("/l3/step-0000000002/" in e[1] for e in r["l3_events"]), r["rank"]
     for node, tree in run.intact_before["beyond"].items():
-        assert tree_bytes(l1(root, node)) == tree, node
+        assert tree_digests(l1(root, node)) == tree, node
     for node in sc.lose:
         assert not l1(root, node).exists()
 

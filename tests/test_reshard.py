@@ -30,13 +30,13 @@ from _reshard_worker import (
     digest,
     full_tensors,
     loader_of,
-    node_of,
     rank_state,
     rng_of,
     wants_of,
 )
 from kit import REPO
 from kit.launch import describe, run_mpi
+from kit.worker import node_of
 from test_reshard_load import needed
 
 import ckptfmt

@@ -14,7 +14,6 @@ The chunks a box needs are recomputed here by brute force over the manifest's ge
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from kit.arrays import random_array as bits
+from kit.worker import node_of
 
 from ckptfmt import PerRank, Shard
 from ckptfmt.container.reader import read_manifest
@@ -42,16 +43,6 @@ ROWS = {
     "w10": (ml_dtypes.bfloat16, (10, 3, 50)),
     "w3": (np.int16, (3, 40)),
 }
-
-
-def node_of(rank: int, size: int) -> str:
-    return f"n{rank * 2 // size}"
-
-
-def bits(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    dt = np.dtype(dtype)
-    raw = rng.integers(0, 256, size=math.prod(shape) * dt.itemsize, dtype=np.uint8)
-    return raw.view(dt).reshape(shape)
 
 
 def full_state() -> dict[str, Any]:

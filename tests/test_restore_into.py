@@ -11,6 +11,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from kit.managers import make_manager
 
 from ckptfmt import CheckpointManager, Shard, WriteOptions
 from ckptfmt.errors import DtypeMismatchError
@@ -41,7 +42,7 @@ def _blank() -> dict[str, Any]:
 
 
 def _mgr(tmp_path: Path, **kw: Any) -> CheckpointManager:
-    return CheckpointManager(local_dir=tmp_path / "l1", write=WriteOptions(fsync=False), **kw)
+    return make_manager(tmp_path, shared=None, **kw)
 
 
 def _bits(a: np.ndarray) -> bytes:

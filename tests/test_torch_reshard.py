@@ -48,6 +48,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kit import REPO  # noqa: E402
+from kit.arrays import flat  # noqa: E402
 from kit.launch import describe, run_torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -92,16 +93,6 @@ def results(tmp: Path, task: str, n: int) -> list[dict[str, Any]]:
         assert (res["rank"], res["size"]) == (r, n)
         got.append(res)
     return got
-
-
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}/"))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 def test_fsdp2_saved_on_4_ranks_continues_on_2(tmp_path: Path) -> None:

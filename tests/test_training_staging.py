@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kit.managers import node_manager
 
 import ckptfmt
-from ckptfmt import CheckpointManager, CheckpointWarning, ExitPolicy, WriteOptions
+from ckptfmt import CheckpointManager, CheckpointWarning
 from ckptfmt.errors import SaveFailedError, UsageError
 from ckptfmt.parallel.staging import BufferPool, SaveHandle, default_pool
 from ckptfmt.storage.steps import step_dir_name
@@ -28,13 +29,8 @@ def state(seed: int, n: int = 4, size: int = 4096) -> dict[str, Any]:
 
 
 def manager(tmp_path: Path, **kw: Any) -> CheckpointManager:
-    opts: dict[str, Any] = {
-        "node": "n0",
-        "write": WriteOptions(fsync=False),
-        "at_exit": ExitPolicy(flush=False, sigterm=False),
-    }
-    opts.update(kw)
-    return CheckpointManager(tmp_path / "l1" / "{node}", None, **opts)
+    """A manager of level 1 only (nothing flushed to level 3 behind the staging measured)."""
+    return node_manager(tmp_path, shared=None, **kw)
 
 
 def on_disk(tmp_path: Path, step: int) -> dict[str, Any]:

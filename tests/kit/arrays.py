@@ -1,4 +1,7 @@
-"""States with every dtype and bit pattern, and comparisons that only pass bit for bit."""
+"""States with every dtype and bit pattern, and comparisons that only pass bit for bit.
+
+``random_array`` is also what the worker scripts build their states from (random bytes: NaN
+payloads, -0, subnormals and infinities included, which only a byte comparison tells apart)."""
 
 from __future__ import annotations
 
@@ -7,8 +10,6 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-
-from ckptfmt.dtypes import DTYPES
 
 
 def random_array(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -95,6 +96,8 @@ def make_state(seed: int = 0) -> dict[str, Any]:
     """A training-state-like nested mapping: every dtype (random bytes, shapes that give padded
     edge chunks with small chunk targets), special floats, 0-d and empty tensors, values and an
     empty mapping."""
+    from ckptfmt.dtypes import DTYPES  # here: worker scripts import this module before ckptfmt
+
     rng = np.random.default_rng(seed)
     tensors = {name: random_array(rng, d.numpy, (5, 7)) for name, d in DTYPES.items()}
     return {
@@ -159,3 +162,14 @@ def assert_value_equal(got: Any, want: Any, path: str = "") -> None:
         assert type(got) is float and repr(got) == repr(want), (path, got, want)
     else:
         assert type(got) is type(want) and got == want, (path, got, want)
+
+
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as one level: every leaf under its '/'-joined name."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
