@@ -16,57 +16,33 @@ are written into staging directories and committed by rename, manifest last (``s
 (``ckptfmt.engine.encode.encode_offline``). The destination is one directory, or with
 ``{node}`` one level-1
 directory per new node (each holding the metadata and its own ranks' files).
+
+This module checks the arguments and runs the steps: what the destination keeps and how the new
+ranks hold it (``reshard_select``), then its write (``reshard_write``).
 """
 
 from __future__ import annotations
 
-import fnmatch
-import math
 import os
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ckptfmt.checksum import combine
-from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import by_name
-from ckptfmt.engine.encode import encode_offline, offline_work
-from ckptfmt.errors import ChecksumError, StorageFullError, UsageError
-from ckptfmt.format.chunk_reads import read_chunks
+from ckptfmt.errors import UsageError
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.format.shard_io import Geometry, plan_region, region_cells, shard_file_nbytes
 from ckptfmt.maintenance.nodes import node_dirs
-from ckptfmt.manifest.codec import dump_manifest
-from ckptfmt.manifest.grid import cells, grid_shape
-from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
-from ckptfmt.manifest.model import (
-    Entry,
-    FileRef,
-    Manifest,
-    PerRankValueEntry,
-    RankInfo,
-    Region,
-    TensorEntry,
-)
-from ckptfmt.plan.options import PerRankMode, ReadOptions
-from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
-from ckptfmt.plan.per_rank import RankMap, resolve
-from ckptfmt.plan.reads import Box, Layout, plan_reads
+from ckptfmt.maintenance.reshard_select import check_nodes, declarations, select
+from ckptfmt.maintenance.reshard_write import write_destination
+from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
+from ckptfmt.plan.options import ReadOptions
+from ckptfmt.plan.ownership import make_plan
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.storage import commit
-from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.nodes import expand, is_template
 from ckptfmt.storage.paths import check_destination, refuse_url
-from ckptfmt.storage.progress import Meter, ProgressCallback, metering
-
-Name = tuple[str, ...]
+from ckptfmt.storage.progress import ProgressCallback
 
 
 @dataclass
@@ -114,125 +90,6 @@ class ReshardReport:
         }
 
 
-def dropped_text(
-    entries: Sequence[str], saved: int, ranks: int, sources: Sequence[int | None]
-) -> str:
-    """What leaving per-rank entries out of a rewrite loses, exactly: a per-rank entry holds
-    one item for every rank (``spec/FORMAT.md`` §12), so when some new rank has no source the
-    entries go for every new rank, and with them the items of every saved rank."""
-    without = [r for r, s in enumerate(sources) if s is None]
-    shown = ", ".join(entries[:20]) + (f" (+{len(entries) - 20} more)" if len(entries) > 20 else "")
-    return (
-        f"left out for all {ranks} new rank(s), since new rank(s) "
-        f"{_span(without)} would get no item (a per-rank entry holds one item for every rank): "
-        f"{shown}; the items of all {saved} saved rank(s) ({_span(list(range(saved)))}) are "
-        "dropped, and every new rank starts them afresh"
-    )
-
-
-def _span(ranks: Sequence[int]) -> str:
-    if ranks and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ", ".join(map(str, ranks[:32])) + (
-        f" (+{len(ranks) - 32} more)" if len(ranks) > 32 else ""
-    )
-
-
-def rows_of(n_rows: int, rank: int, size: int) -> tuple[int, int]:
-    """``(start, count)`` of rank ``rank``'s row block (``numpy.array_split``'s split)."""
-    base, extra = divmod(n_rows, size)
-    return rank * base + min(rank, extra), base + (rank < extra)
-
-
-def check_nodes(nodes: Sequence[str], ranks: int) -> list[str]:
-    if len(nodes) != ranks:
-        raise UsageError(f"{len(nodes)} node names for {ranks} ranks")
-    for n in nodes:
-        if not n or "/" in n or n in (".", "..") or n != n.strip():
-            raise UsageError(f"invalid node name {n!r}")
-    return list(nodes)
-
-
-class _SourceCrcs:
-    """Chunk CRCs of source files read in parts; a file's data CRC is checked once all of its
-    in-bounds chunks have been read (in slot order)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.seen: dict[str, dict[int, tuple[int, int]]] = {}
-        self.done: set[str] = set()
-
-    def checked(self, ref: FileRef) -> None:
-        with self.lock:
-            self.done.add(ref.path)
-            self.seen.pop(ref.path, None)
-
-    def add(
-        self,
-        ref: FileRef,
-        slots: Sequence[int],
-        crcs: Sequence[int],
-        n_present: int,
-        nb: int,
-        tensor: str,
-    ) -> None:
-        with self.lock:
-            if ref.path in self.done:
-                return
-            got = self.seen.setdefault(ref.path, {})
-            got.update({s: (c, nb) for s, c in zip(slots, crcs)})
-            if len(got) < n_present:
-                return
-            crc = 0
-            for s in sorted(got):
-                c, n = got[s]
-                crc = combine(crc, c, n)
-            self.done.add(ref.path)
-            del self.seen[ref.path]
-        if crc != ref.crc32c:
-            raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, crc, (tensor,))
-
-
-class _ChunkCache:
-    """Recently read source chunks (verified), so that a chunk that several new shards need is
-    read once: a finer new grid than the source's chunks would otherwise read each source chunk
-    once per new shard it overlaps. Least recently used first out, up to ``max_bytes``."""
-
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
-        self.lock = threading.Lock()
-        self.max_bytes = max_bytes
-        self.size = 0
-        self.chunks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-
-    def get(self, key: tuple[str, int]) -> np.ndarray | None:
-        with self.lock:
-            got = self.chunks.get(key)
-            if got is not None:
-                self.chunks.move_to_end(key)
-            return got
-
-    def put(self, key: tuple[str, int], chunk: np.ndarray) -> None:
-        with self.lock:
-            if key in self.chunks or chunk.nbytes > self.max_bytes:
-                return
-            self.chunks[key] = chunk
-            self.size += chunk.nbytes
-            while self.size > self.max_bytes:
-                _, old = self.chunks.popitem(last=False)
-                self.size -= old.nbytes
-
-
-@dataclass(frozen=True)
-class _Selection:
-    """What of the source the destination holds, and how the new ranks hold it."""
-
-    kept: list[Entry]  # the entries carried over, in order
-    by_rows: list[str]  # tensors held in row blocks
-    sources: tuple[int | None, ...]  # per new rank: the saved rank whose per-rank items it gets
-    dropped: list[str]  # per-rank entries left out
-    warning: str | None
-
-
 def reshard(
     src: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
     dst: str | os.PathLike[str],
@@ -266,9 +123,9 @@ def reshard(
     node_list = check_nodes(nodes if nodes is not None else ["n0"] * ranks, ranks)
     manifest, _, src_dirs = node_dirs(src)
     opts = read if read is not None else ReadOptions()
-    sel = _select(manifest, ranks, rows, opts.rank_map, opts.per_rank)
+    sel = select(manifest, ranks, rows, opts.rank_map, opts.per_rank)
     plan = make_plan(
-        _declarations(sel.kept, ranks, set(sel.by_rows)),
+        declarations(sel.kept, ranks, set(sel.by_rows)),
         chunk_bytes=write.chunk_bytes,
         shard_bytes=write.shard_bytes,
     )
@@ -279,7 +136,7 @@ def reshard(
         finals = {n: one for n in node_list}
     for final in dict.fromkeys(finals.values()):
         check_destination(final)  # a parent that is a file, a read-only file system: say so
-    out, bytes_read, written, staged = _write_destination(
+    out, bytes_read, written, staged = write_destination(
         manifest, sel, plan, src_dirs, dst, finals, node_list, redundancy, write, progress
     )
     return ReshardReport(
@@ -321,300 +178,4 @@ def _check_arguments(
         )
 
 
-def _select(
-    manifest: Manifest, ranks: int, rows: Sequence[str], rank_map: RankMap, per_rank: PerRankMode
-) -> _Selection:
-    """The entries the destination keeps (per-rank ones only where every new rank gets an
-    item, or refused: ``plan.per_rank.resolve``) and those held in row blocks."""
-    entries = manifest.entries
-    per_rank_names = [
-        display(e.name)
-        for e in entries
-        if isinstance(e, PerRankValueEntry) or (isinstance(e, TensorEntry) and e.per_rank)
-    ]
-    res = resolve(per_rank_names, manifest.world_size, ranks, rank_map, per_rank)
-    keep_per_rank = all(s is not None for s in res.sources)
-    dropped = [] if keep_per_rank else per_rank_names
-    warning = res.warning
-    if dropped:  # say exactly what is gone: every rank's item, not only the unmapped ranks'
-        warning = f"{warning}; {dropped_text(dropped, manifest.world_size, ranks, res.sources)}"
-    kept = [e for e in entries if keep_per_rank or display(e.name) not in set(per_rank_names)]
-    by_rows = sorted(
-        display(e.name)
-        for e in kept
-        if isinstance(e, TensorEntry)
-        and not e.per_rank
-        and e.shape
-        and any(fnmatch.fnmatchcase(display(e.name), p) for p in rows)
-    )
-    return _Selection(kept, by_rows, res.sources, dropped, warning)
-
-
-def _write_destination(
-    manifest: Manifest,
-    sel: _Selection,
-    plan: SavePlan,
-    src_dirs: Mapping[str, Path],
-    dst: str | os.PathLike[str],
-    finals: dict[str, Path],
-    node_list: list[str],
-    redundancy: Redundancy | None,
-    write: WriteOptions,
-    progress: ProgressCallback | None,
-) -> tuple[Manifest, int, int, list[Path]]:
-    """Write every destination directory into staging and commit them (manifest last); on
-    any failure remove every staging directory and raise (a full disk as
-    :class:`StorageFullError` saying where and how much). Returns the new manifest, the bytes
-    read and written, and the committed directories."""
-    per_node = is_template(dst)
-    sources = {n: Inside(p) for n, p in src_dirs.items()}
-    save_id = os.urandom(16).hex()
-    staging: dict[Path, Path] = {}
-    try:
-        for final in dict.fromkeys(finals.values()):
-            staging[final] = commit.prepare(final, save_id, write.overwrite)
-        dir_of = {k: staging[finals[node_list[k]]] for k in range(len(node_list))}
-        ranks = len(node_list)
-        skeleton = _manifest(
-            manifest, sel.kept, plan, {}, sel.sources, node_list, save_id, ranks
-        )  # fmt: skip
-        for d in staging.values():
-            write_metadata(d, skeleton, write.fsync)
-        with metering("reshard", progress) as meter:
-            meter.expect(_planned_work(plan, node_list, redundancy))
-            refs, read, written = _write_files(
-                manifest, plan, sel.sources, sources, dir_of, write.threads, write.fsync, meter
-            )
-            out = _manifest(manifest, sel.kept, plan, refs, sel.sources, node_list, save_id, ranks)
-            if per_node:
-                out = replace(out, levels={"1": {}})
-            if redundancy is not None:
-                out = encode_offline(out, dir_of, redundancy, write.fsync)  # counts on the meter
-            data = dump_manifest(out)
-            for final, d in staging.items():
-                commit.finalize(d, final, data, save_id, write.fsync)
-            meter.finish()
-    except BaseException as exc:
-        for d in staging.values():
-            commit.abort(d)
-        if isinstance(exc, OSError) and not isinstance(exc, StorageFullError):
-            exc = storage_full(exc, Path(os.fspath(dst))) or exc  # e.g. no inode for a mkdir
-        if isinstance(exc, StorageFullError):  # say where, how much, and that it was a write
-            level = "level 1, every node's directory" if per_node else None
-            needed = sum(t.size * by_name(t.dtype).itemsize for t in manifest.tensors())
-            raise exc.with_context(
-                level=level or "the reshard's destination",
-                needed=max(needed, exc.needed or 0),
-                path=os.fspath(dst),
-            ) from None
-        raise
-    return out, read, written, list(staging)
-
-
-def _planned_work(plan: SavePlan, nodes: list[str], redundancy: Redundancy | None) -> int:
-    """The bytes of work :func:`_write_files` (and, with ``redundancy``, the parity encoding)
-    counts for ``plan``: every new file's data read, every file written; every member read
-    back and every parity file written. From the plan's geometry, before any byte moves."""
-    total = 0
-    member_bytes = [0] * len(nodes)
-    for t in plan.tensors:
-        geo = Geometry.of("/".join(t.name), t.dtype, t.shape, t.shard_shape, t.chunk_shape)
-        for r in t.regions:
-            for cell in region_cells(geo, r.offset, r.shape):
-                lo = tuple(c * h for c, h in zip(cell, t.shard_shape))
-                hi = tuple(min(a + h, s) for a, h, s in zip(lo, t.shard_shape, t.shape))
-                size = shard_file_nbytes(geo, cell)
-                total += math.prod(b - a for a, b in zip(lo, hi)) * geo.dtype.itemsize + size
-                member_bytes[r.writer] += size
-    if redundancy is not None:
-        total += offline_work(redundancy, nodes, member_bytes)
-    return total
-
-
-def _declarations(entries: Sequence[Entry], ranks: int, by_rows: set[str]) -> list[list[Holding]]:
-    """What each new rank would hold of each tensor."""
-    out: list[list[Holding]] = [[] for _ in range(ranks)]
-    for e in entries:
-        if not isinstance(e, TensorEntry):
-            continue
-        for k in range(ranks):
-            if e.per_rank:
-                shape = (ranks, *e.shape[1:])
-                box: Box | None = ((k, *(0,) * (len(shape) - 1)), (1, *shape[1:]))
-                out[k].append(Holding(e.name, e.dtype, shape, box))
-                continue
-            box = None
-            if display(e.name) in by_rows:
-                start, count = rows_of(e.shape[0], k, ranks)
-                box = ((start, *(0,) * (len(e.shape) - 1)), (count, *e.shape[1:]))
-            out[k].append(Holding(e.name, e.dtype, e.shape, box))
-    return out
-
-
-def _manifest(
-    m: Manifest,
-    kept: Sequence[Entry],
-    plan: SavePlan,
-    refs: Mapping[tuple[Name, tuple[int, ...]], tuple[FileRef, ...]],
-    sources: Sequence[int | None],
-    nodes: list[str],
-    save_id: str,
-    ranks: int,
-) -> Manifest:
-    plans = {t.name: t for t in plan.tensors}
-    entries: list[Entry] = []
-    for e in kept:
-        if isinstance(e, TensorEntry):
-            t = plans[e.name]
-            regions = tuple(
-                Region(r.offset, r.shape, r.writer, refs.get((e.name, r.offset), ()))
-                for r in t.regions
-            )
-            entries.append(
-                TensorEntry(
-                    e.name,
-                    e.path,
-                    e.dtype,
-                    t.shape,
-                    t.shard_shape,
-                    t.chunk_shape,
-                    regions,
-                    e.per_rank,
-                )
-            )
-        elif isinstance(e, PerRankValueEntry):
-            entries.append(
-                PerRankValueEntry(e.name, tuple(e.values[s] for s in sources if s is not None))
-            )
-        else:
-            entries.append(e)
-    writer = {
-        **writer_info(),
-        "resharded_from": {"save_id": m.save_id, "world_size": m.world_size},
-    }
-    return Manifest(
-        save_id=save_id,
-        step=m.step,
-        created=utc_now(),
-        world_size=ranks,
-        ranks=tuple(RankInfo(k, nodes[k]) for k in range(ranks)),
-        entries=tuple(entries),
-        levels={},
-        writer=writer,
-    )
-
-
-def _write_files(
-    m: Manifest,
-    plan: SavePlan,
-    sources: Sequence[int | None],
-    src_of_node: Mapping[str, Inside],
-    dir_of: Mapping[int, Path],
-    threads: int,
-    fsync: bool,
-    meter: Meter,
-) -> tuple[dict[tuple[Name, tuple[int, ...]], tuple[FileRef, ...]], int, int]:
-    """Write every new shard file (each from the source chunks its box needs); returns the
-    files of each region, bytes read and bytes written. Each file's data read and the file
-    written are counted on ``meter`` (from the pool's threads: they do the work)."""
-    olds = {t.name: t for t in m.tensors()}
-    crcs = _SourceCrcs()
-    cache = _ChunkCache()
-    made: set[Path] = set()
-    counters = [0, 0]
-    lock = threading.Lock()
-    jobs: list[tuple[Name, tuple[int, ...], Callable[[], FileRef]]] = []
-
-    def one_cell(t: TensorPlan, old: TensorEntry, writer: int, cell: tuple[int, ...]) -> FileRef:
-        geo = Geometry.of("/".join(t.name), t.dtype, t.shape, t.shard_shape, t.chunk_shape)
-        lo = tuple(c * h for c, h in zip(cell, t.shard_shape))
-        hi = tuple(min(a + h, s) for a, h, s in zip(lo, t.shard_shape, t.shape))
-        data = np.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=geo.dtype)
-        nread = 0
-        if old.per_rank:  # new row r is saved rank sources[r]'s row
-            for r in range(lo[0], hi[0]):
-                s = sources[r]
-                assert s is not None  # entries some rank has no source for were left out
-                box = ((s, *lo[1:]), (1, *(b - a for a, b in zip(lo[1:], hi[1:]))))
-                nread += _read_box(
-                    old, box, data[r - lo[0] : r - lo[0] + 1], m, src_of_node, crcs, cache
-                )
-        else:
-            nread += _read_box(old, (lo, data.shape), data, m, src_of_node, crcs, cache)
-        meter.add(data.nbytes, "read")
-        (job,) = plan_region(dir_of[writer], geo, data, lo, made)
-        ref = job.run(fsync)
-        with lock:
-            counters[0] += nread
-            counters[1] += ref.size
-        meter.add(ref.size, "write")
-        return ref
-
-    for t in plan.tensors:
-        old = olds[t.name]
-        for r in t.regions:  # a 0-d tensor's one region has the one cell ()
-            first = tuple(o // h for o, h in zip(r.offset, t.shard_shape))
-            n = grid_shape(r.shape, t.shard_shape)
-            for rel in cells((0,) * len(n), n):
-                cell = tuple(a + b for a, b in zip(first, rel))
-                jobs.append((t.name, r.offset, _bind(one_cell, t, old, r.writer, cell)))
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        futures = [pool.submit(fn) for _, _, fn in jobs]
-        results = [f.result() for f in futures]
-    refs: dict[tuple[Name, tuple[int, ...]], list[FileRef]] = {}
-    for (name, offset, _), ref in zip(jobs, results):
-        refs.setdefault((name, offset), []).append(ref)
-    return {k: tuple(v) for k, v in refs.items()}, counters[0], counters[1]
-
-
-def _bind(fn: Callable[..., FileRef], *args: Any) -> Callable[[], FileRef]:
-    return lambda: fn(*args)
-
-
-def _read_box(
-    t: TensorEntry,
-    box: Box,
-    out: np.ndarray,
-    m: Manifest,
-    src_of_node: Mapping[str, Inside],
-    crcs: _SourceCrcs,
-    cache: _ChunkCache,
-) -> int:
-    """Fill ``out`` with the box of source tensor ``t``; returns the bytes read."""
-    geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
-    nb = geo.chunk_nbytes
-    name = display(t.name)
-    total = 0
-    for fr in plan_reads(Layout.of(t), box):
-        ref = t.regions[fr.region].files[fr.file]
-        chunks = {s: cache.get((ref.path, s)) for s in fr.slots}
-        missing = [s for s, c in chunks.items() if c is None]
-        if missing:
-            buf = np.empty(len(missing) * nb, np.uint8)
-            views = [buf[i * nb : (i + 1) * nb] for i in range(len(missing))]
-            got = read_chunks(
-                src_of_node[m.ranks[fr.writer].node],
-                geo,
-                ref,
-                fr.cell,
-                missing,
-                [memoryview(v) for v in views],  # type: ignore[arg-type]
-                len(missing) == fr.n_present,
-                (name,),
-            )
-            if len(missing) == fr.n_present:  # read whole: read_chunks checked the data CRC
-                crcs.checked(ref)
-            else:
-                crcs.add(ref, missing, got, fr.n_present, nb, name)
-            total += len(missing) * nb
-            for s, v in zip(missing, views):
-                chunks[s] = v
-                cache.put((ref.path, s), v)
-        for p in fr.pieces:
-            chunk = chunks[p.slot]
-            assert chunk is not None
-            out[p.dst(box[0])] = chunk.view(geo.dtype).reshape(geo.chunk_shape)[p.src()]
-    return total
-
-
-__all__ = ["ReshardReport", "reshard", "rows_of"]
+__all__ = ["ReshardReport", "reshard"]
