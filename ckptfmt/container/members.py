@@ -17,7 +17,8 @@ import numpy as np
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumError, DamagedError, MissingFileError, SizeMismatchError
-from ckptfmt.format.shard_io import Geometry, decode_shard
+from ckptfmt.format.shard_io import Geometry
+from ckptfmt.format.shard_read import decode_shard
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest

@@ -28,13 +28,8 @@ from ckptfmt.errors import (
     NotRegularFileError,
     UsageError,
 )
-from ckptfmt.format.shard_io import (
-    Geometry,
-    decode_shard,
-    read_file,
-    read_region,
-    region_reads,
-)
+from ckptfmt.format.shard_io import Geometry
+from ckptfmt.format.shard_read import decode_shard, read_file, read_region, region_reads
 from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.grid import cells

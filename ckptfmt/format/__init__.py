@@ -1,11 +1,12 @@
 """The shard-file format: each tensor a sharded zarr v3 array with a CRC32C on every inner chunk,
-and its zarr documents; ``shard_io`` is the one writer and reader of shard files,
-``chunk_reads`` the partial reads of inner chunks (``spec/FORMAT.md``)."""
+and its zarr documents; ``shard_io`` is the one writer of shard files, ``shard_read`` their
+reader, ``chunk_reads`` the partial reads of inner chunks (``spec/FORMAT.md``)."""
 
 from __future__ import annotations
 
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.format.shard_io import Geometry, read_region, verify_file
+from ckptfmt.format.shard_io import Geometry
+from ckptfmt.format.shard_read import read_region, verify_file
 from ckptfmt.format.zarr_meta import array_doc, group_doc
 
 __all__ = [

@@ -1,22 +1,17 @@
-"""Writing and reading the shard files of one tensor region (``spec/FORMAT.md`` §8).
+"""Writing the shard files of one tensor region (``spec/FORMAT.md`` §8), and the geometry the
+shard codec works with (the reader is ``shard_read``).
 
 The writer turns a region's array into whole shard files: every in-bounds inner chunk present, in
 slot order, each followed by its CRC32C, then the index. Chunks that are contiguous runs of the
 array (the default grid makes all but edge chunks so) go to ``writev`` as views of the array's
 own memory; the manifest's data CRC is combined from the chunk CRCs (``codecs/crc32c.py``).
-
-The reader has a fast path for files laid out the way ckptfmt writes them: one ``preadv`` of the
-whole file straight into the destination array, then every chunk CRC and the data CRC checked.
-Any other valid layout goes through :func:`decode_shard`, which reads the file into memory.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,29 +20,14 @@ import numpy as np
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import (
-    AllocationLimitError,
-    ChecksumError,
-    CkptError,
-    CorruptShardError,
-    MissingFileError,
-    NotRegularFileError,
-    SizeMismatchError,
-)
-from ckptfmt.format.shard import (
-    CRC_BYTES,
-    EMPTY,
-    FileCrc,
-    decode_index,
-    encode_index,
-    index_nbytes,
-)
+from ckptfmt.errors import CkptError
+from ckptfmt.format.shard import CRC_BYTES, FileCrc, encode_index, index_nbytes
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import Inside, make_dirs, physical_memory, read_scatter, write_gather
+from ckptfmt.storage.files import make_dirs, write_gather
 from ckptfmt.storage.progress import current_meter
 
-_CRC = struct.Struct("<I")
+CRC_FORMAT = struct.Struct("<I")  # a chunk's CRC32C as stored after it
 
 
 @dataclass(frozen=True)
@@ -87,7 +67,8 @@ def byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
-def _local(box: Sequence[int], origin: Sequence[int]) -> tuple[int, ...]:
+def local_box(box: Sequence[int], origin: Sequence[int]) -> tuple[int, ...]:
+    """A corner of a chunk's box in the coordinates of an array that starts at ``origin``."""
     return tuple(b - o for b, o in zip(box, origin))
 
 
@@ -95,7 +76,7 @@ def _chunk_buffer(
     geo: Geometry, data: np.ndarray, origin: Sequence[int], s: ChunkSlot
 ) -> memoryview:
     """The stored bytes of one inner chunk: a view of ``data`` when possible, else a padded copy."""
-    lo, hi = _local(s.box_lo, origin), _local(s.box_hi, origin)
+    lo, hi = local_box(s.box_lo, origin), local_box(s.box_hi, origin)
     if not s.padded and is_contiguous_box(data.shape, lo, hi):
         start, stop = flat_range(data.shape, lo, hi)
         return byte_view(data.reshape(-1)[start:stop])
@@ -225,7 +206,7 @@ def _write_shard(
     if not geo.shape:  # 0-d: plain [bytes, crc32c] chunk, no shard index
         buf = byte_view(data)
         c = crc32c(buf)
-        pieces = [buf, _CRC.pack(c)]
+        pieces = [buf, CRC_FORMAT.pack(c)]
         data_crc.add(c, len(buf))
         offset = len(buf) + CRC_BYTES
     else:
@@ -235,7 +216,7 @@ def _write_shard(
             buf = _chunk_buffer(geo, data, origin, s)
             c = crc32c(buf)
             placed.append((s.slot, offset, len(buf) + CRC_BYTES))
-            pieces += [buf, _CRC.pack(c)]
+            pieces += [buf, CRC_FORMAT.pack(c)]
             data_crc.add(c, len(buf))
             offset += len(buf) + CRC_BYTES
         index = encode_index(n_slots, placed)
@@ -245,266 +226,3 @@ def _write_shard(
         raise CkptError(f"internal: {key} laid out {offset} bytes, {into.size} planned")
     write_gather(target, pieces, fsync, copy_to=into)
     return FileRef(key, offset, data_crc.crc)
-
-
-# --- reading -------------------------------------------------------------------------------------
-
-
-def read_file(src: Inside, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
-    """Read a whole stored file and check its size (its checksums: :func:`decode_shard`). A
-    file larger than the memory this process may use is refused before anything is allocated
-    (:class:`AllocationLimitError`): a manifest may claim a huge file over a sparse one."""
-    limit = physical_memory()
-    if limit and ref.size > limit:
-        raise AllocationLimitError(", ".join(tensors) or ref.path, ref.size, limit)
-    try:
-        blob = src.read(ref.path, ref.size + 1)
-    except NotRegularFileError as exc:
-        raise NotRegularFileError(ref.path, exc.what, tensors) from None
-    except FileNotFoundError:
-        raise MissingFileError(ref.path, tensors) from None
-    if len(blob) != ref.size:
-        raise SizeMismatchError(ref.path, ref.size, len(blob), tensors)
-    return blob
-
-
-def decode_shard(
-    blob: bytes, geo: Geometry, cell: tuple[int, ...], ref: FileRef, tensors: Sequence[str] = ()
-) -> list[tuple[ChunkSlot, np.ndarray]]:
-    """Check every CRC in a shard file's bytes (each chunk's, the index's, and the manifest's
-    CRC of all chunk payloads); return each in-bounds chunk at full chunk shape."""
-    file = ref.path
-    data_crc = FileCrc()
-    if not geo.shape:
-        chunk, c = _check_chunk(blob, 0, len(blob), geo, file, tensors)
-        data_crc.add(c, len(blob) - CRC_BYTES)
-        _check_data_crc(data_crc.crc, ref, tensors)
-        return [(ChunkSlot(0, (), (), False), chunk)]
-    if len(blob) < index_nbytes(geo.n_slots):
-        raise CorruptShardError(file, "shorter than its index", tensors)
-    n_slots, slots = geo.slots(cell)
-    table = decode_index(
-        memoryview(blob)[-index_nbytes(n_slots) :], n_slots, len(blob), file, tensors
-    )
-    out = []
-    for s in slots:
-        off, nb = int(table[s.slot, 0]), int(table[s.slot, 1])
-        if off == EMPTY:
-            raise CorruptShardError(file, f"inner chunk {s.slot} is missing", tensors)
-        chunk, c = _check_chunk(blob, off, nb, geo, file, tensors)
-        data_crc.add(c, nb - CRC_BYTES)
-        out.append((s, chunk))
-    _check_data_crc(data_crc.crc, ref, tensors)
-    return out
-
-
-def _check_data_crc(actual: int, ref: FileRef, tensors: Sequence[str]) -> None:
-    if actual != ref.crc32c:
-        raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, actual, tensors)
-
-
-def _check_chunk(
-    blob: bytes, off: int, nb: int, geo: Geometry, file: str, tensors: Sequence[str]
-) -> tuple[np.ndarray, int]:
-    if nb != geo.chunk_nbytes + CRC_BYTES:
-        raise CorruptShardError(
-            file,
-            f"chunk at {off} has {nb} bytes, expected {geo.chunk_nbytes + CRC_BYTES}",
-            tensors,
-        )
-    payload = memoryview(blob)[off : off + nb - CRC_BYTES]
-    (stored,) = _CRC.unpack_from(blob, off + nb - CRC_BYTES)
-    actual = crc32c(payload)
-    if actual != stored:
-        raise ChecksumError(file, f"chunk at offset {off}", stored, actual, tensors)
-    chunk = np.frombuffer(payload, dtype=geo.dtype.newbyteorder("<")).reshape(geo.chunk_shape)
-    return chunk, actual
-
-
-def read_region(
-    src: Inside,
-    geo: Geometry,
-    files: Sequence[FileRef],
-    offset: Sequence[int],
-    out: np.ndarray,
-    tensors: Sequence[str] = (),
-) -> None:
-    """Fill ``out`` (the region at ``offset``, C-contiguous) from its shard files, verifying every
-    chunk CRC and every file's size and data CRC."""
-    for job in region_reads(src, geo, files, offset, out, tensors):
-        job()
-
-
-def region_reads(
-    src: Inside,
-    geo: Geometry,
-    files: Sequence[FileRef],
-    offset: Sequence[int],
-    out: np.ndarray,
-    tensors: Sequence[str] = (),
-) -> list[Callable[[], None]]:
-    """One job per shard file of a region (see :func:`read_region`); independent of each other,
-    so a caller may run them concurrently (preadv and CRC32C release the GIL)."""
-    lo = geo.cell_of(offset)
-    hi = tuple(-(-(o + s) // h) for o, s, h in zip(offset, out.shape, geo.shard_shape))
-    cell_iter = np.ndindex(*(b - a for a, b in zip(lo, hi))) if lo else iter([()])
-    jobs: list[Callable[[], None]] = []
-    for ref, rel in zip(files, cell_iter):
-        cell = tuple(a + c for a, c in zip(lo, rel))
-        jobs.append(
-            functools.partial(_read_shard, src, geo, ref, cell, tuple(offset), out, tuple(tensors))
-        )
-    return jobs
-
-
-def _read_shard(
-    src: Inside,
-    geo: Geometry,
-    ref: FileRef,
-    cell: tuple[int, ...],
-    origin: tuple[int, ...],
-    out: np.ndarray,
-    tensors: tuple[str, ...],
-) -> None:
-    if not _read_shard_fast(src, geo, ref, cell, origin, out, tensors):
-        blob = read_file(src, ref, tensors)
-        for s, chunk in decode_shard(blob, geo, cell, ref, tensors):
-            _place(chunk, s, origin, out)
-
-
-def _place(chunk: np.ndarray, s: ChunkSlot, origin: Sequence[int], out: np.ndarray) -> None:
-    lo, hi = _local(s.box_lo, origin), _local(s.box_hi, origin)
-    out[tuple(slice(a, b) for a, b in zip(lo, hi))] = chunk[
-        tuple(slice(0, b - a) for a, b in zip(lo, hi))
-    ]
-
-
-def _read_shard_fast(
-    src: Inside,
-    geo: Geometry,
-    ref: FileRef,
-    cell: tuple[int, ...],
-    origin: Sequence[int],
-    out: np.ndarray,
-    tensors: Sequence[str],
-) -> bool:
-    """Read a shard laid out as ckptfmt writes it directly into ``out``; False if it is not."""
-    fd = src.open_exact(ref.path, ref.size, tensors)
-    size = ref.size
-    try:
-        index_blob = b""
-        if not geo.shape:
-            slots: list[ChunkSlot] = [ChunkSlot(0, (), (), False)]
-        else:
-            n_idx = index_nbytes(geo.n_slots)
-            if size < n_idx:
-                raise CorruptShardError(ref.path, "shorter than its index", tensors)
-            n_slots, slots = geo.slots(cell)
-            index_blob = os.pread(fd, n_idx, size - n_idx)
-            table = decode_index(index_blob, n_slots, size, ref.path, tensors)
-            step = geo.chunk_nbytes + CRC_BYTES
-            for i, s in enumerate(slots):
-                if int(table[s.slot, 0]) != i * step or int(table[s.slot, 1]) != step:
-                    return False  # valid zarr perhaps, but not our packed layout
-            if size != len(slots) * step + n_idx:
-                return False
-        data_crc = FileCrc()
-        crc_buf = bytearray(CRC_BYTES)
-        pos = 0
-        for s in slots:  # chunk by chunk: its CRC is computed while it is still in cache
-            lo, hi = _local(s.box_lo, origin), _local(s.box_hi, origin)
-            tmp: np.ndarray | None = None
-            if not s.padded and is_contiguous_box(out.shape, lo, hi):
-                start, stop = flat_range(out.shape, lo, hi)
-                payload = byte_view(out.reshape(-1)[start:stop])
-            else:
-                tmp = np.empty(geo.chunk_shape, dtype=out.dtype)
-                payload = byte_view(tmp)
-            try:
-                read_scatter(fd, [payload, memoryview(crc_buf)], pos)
-            except EOFError:
-                raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
-            pos += len(payload) + CRC_BYTES
-            actual = crc32c(payload)
-            (stored,) = _CRC.unpack_from(crc_buf, 0)
-            if actual != stored:
-                raise ChecksumError(ref.path, f"chunk {s.slot}", stored, actual, tensors)
-            data_crc.add(actual, len(payload))
-            if tmp is not None:
-                _place(tmp, s, origin, out)
-        _check_data_crc(data_crc.crc, ref, tensors)
-        return True
-    finally:
-        os.close(fd)
-
-
-VERIFY_WINDOW = 4 << 20  # bytes read at once by verify_file, whatever a file claims
-
-
-def verify_file(
-    src: Inside,
-    geo: Geometry,
-    ref: FileRef,
-    cell: tuple[int, ...],
-    tensors: Sequence[str] = (),
-    window: int = VERIFY_WINDOW,
-) -> int:
-    """Check one stored data file in bounded memory (``verify``): its size against the manifest,
-    its index (CRC, placement, every in-bounds slot present), every chunk's CRC32C and the
-    file's data CRC, reading at most ``window`` bytes (and the index, at most 1 MiB) at a time.
-    Returns the bytes read. Raises the :class:`DamagedError` that :func:`decode_shard` would."""
-    fd = src.open_exact(ref.path, ref.size, tensors)
-    try:
-        buf = np.empty(max(1, min(window, ref.size)), np.uint8)
-        crc_buf = bytearray(CRC_BYTES)
-        read = 0
-        if not geo.shape:
-            spans = [(0, ref.size)]
-            if ref.size != geo.dtype.itemsize + CRC_BYTES:
-                raise CorruptShardError(ref.path, f"{ref.size} bytes, not one element", tensors)
-        else:
-            n_idx = index_nbytes(geo.n_slots)
-            if ref.size < n_idx:
-                raise CorruptShardError(ref.path, "shorter than its index", tensors)
-            n_slots, slots = geo.slots(cell)
-            index_blob = os.pread(fd, n_idx, ref.size - n_idx)
-            read += len(index_blob)
-            if len(index_blob) != n_idx:
-                raise SizeMismatchError(ref.path, ref.size, ref.size - n_idx, tensors)
-            table = decode_index(index_blob, n_slots, ref.size, ref.path, tensors)
-            spans = []
-            for s in slots:
-                off, nb = int(table[s.slot, 0]), int(table[s.slot, 1])
-                if off == EMPTY:
-                    raise CorruptShardError(ref.path, f"inner chunk {s.slot} is missing", tensors)
-                if nb != geo.chunk_nbytes + CRC_BYTES:
-                    raise CorruptShardError(
-                        ref.path,
-                        f"chunk at {off} has {nb} bytes, expected {geo.chunk_nbytes + CRC_BYTES}",
-                        tensors,
-                    )
-                spans.append((off, nb))
-        data_crc = FileCrc()
-        for off, nb in spans:
-            payload = nb - CRC_BYTES
-            c = 0
-            for at in range(0, payload, buf.size):
-                view = buf[: min(buf.size, payload - at)]
-                try:
-                    read_scatter(fd, [memoryview(view)], off + at)  # type: ignore[arg-type]
-                except EOFError:
-                    raise SizeMismatchError(ref.path, ref.size, off + at, tensors) from None
-                c = crc32c(view, c)
-            try:
-                read_scatter(fd, [memoryview(crc_buf)], off + payload)
-            except EOFError:
-                raise SizeMismatchError(ref.path, ref.size, off + payload, tensors) from None
-            read += nb
-            (stored,) = _CRC.unpack_from(crc_buf, 0)
-            if c != stored:
-                raise ChecksumError(ref.path, f"chunk at offset {off}", stored, c, tensors)
-            data_crc.add(c, payload)
-        _check_data_crc(data_crc.crc, ref, tensors)
-        return read
-    finally:
-        os.close(fd)

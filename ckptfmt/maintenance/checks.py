@@ -34,7 +34,7 @@ from ckptfmt.errors import (
     MissingFileError,
     SizeMismatchError,
 )
-from ckptfmt.format.shard_io import verify_file
+from ckptfmt.format.shard_read import verify_file
 from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.grid import shard_cell

@@ -26,7 +26,7 @@ from ckptfmt.errors import (
     UsageError,
     level_name,
 )
-from ckptfmt.format.shard_io import decode_shard, read_file
+from ckptfmt.format.shard_read import decode_shard, read_file
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
