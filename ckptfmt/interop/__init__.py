@@ -10,13 +10,8 @@
 from __future__ import annotations
 
 from ckptfmt.interop import hf
-from ckptfmt.interop.export import (
-    CAST_TARGETS,
-    ExportReport,
-    export_safetensors,
-    select,
-    tensors_of,
-)
+from ckptfmt.interop.export import ExportReport, export_safetensors, tensors_of
+from ckptfmt.interop.export_plan import CAST_TARGETS, select
 from ckptfmt.interop.importer import ImportReport, import_named, import_safetensors
 from ckptfmt.interop.names import Rename
 

@@ -11,12 +11,13 @@ up front from the manifest (shapes and dtypes are known), so every file is writt
 The output appears whole or not at all: everything is written into a staging directory
 ``.<name>.export-<random>`` beside ``out`` (fsynced), then renamed to ``out``; a failure removes
 the staging directory, and a torn export leaves only a dot-named directory behind.
+
+What is exported, under which names and in which files, is decided first (``export_plan``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import mmap
 import os
 import shutil
@@ -31,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import DamagedError, DestinationExistsError, UnsupportedDtypeError, UsageError
+from ckptfmt.errors import DamagedError, DestinationExistsError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
-from ckptfmt.interop.names import Rename, export_name, renames_of, unique
-from ckptfmt.interop.safetensors_format import CODE_OF, header_bytes
+from ckptfmt.interop.export_plan import FLOATS, ExportFile, Planned, layout, plan, select
+from ckptfmt.interop.names import Rename, renames_of
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Job, Source, open_source
 from ckptfmt.manifest.limits import display
@@ -44,22 +45,7 @@ from ckptfmt.storage.files import fsync_dir
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.version import __version__
 
-FLOATS = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
-CAST_TARGETS = ("bfloat16", "float16", "float32")
 DEFAULT_WINDOW = 256 << 20
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One exported tensor: the checkpoint's entry, its output name and dtype."""
-
-    entry: TensorEntry
-    name: str
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.entry.size * by_name(self.dtype).itemsize
 
 
 @dataclass
@@ -98,64 +84,6 @@ class ExportReport:
             "seconds": round(self.seconds, 6),
             "names": self.names,
         }
-
-
-def select(source: Source, rows: Sequence[str], strip: str) -> list[TensorEntry]:
-    """The tensors to export, in manifest order: those matching a ``rows`` glob ('/'-joined
-    names); by default those under ``strip`` when there are any (a ``ckptfmt_torch`` checkpoint's
-    ``model/``, not its optimizer), else every tensor."""
-    tensors = list(source.manifest.tensors())
-    if rows:
-        chosen = [t for t in tensors if any(fnmatch.fnmatchcase(display(t.name), p) for p in rows)]
-        if not chosen:
-            raise UsageError(f"no tensor matches {', '.join(rows)}")
-        return chosen
-    under = [t for t in tensors if strip and display(t.name).startswith(strip)]
-    return under or tensors
-
-
-def plan(
-    entries: Iterable[TensorEntry], strip: str, renames: Sequence[Rename], dtype: str | None
-) -> list[Planned]:
-    if dtype is not None and dtype not in CAST_TARGETS:
-        raise UsageError(f"--dtype is one of {', '.join(CAST_TARGETS)}, got {dtype!r}")
-    out = []
-    for e in entries:
-        if e.dtype not in CODE_OF:
-            raise UnsupportedDtypeError(
-                f"{e.dtype} (safetensors has no such type)", display(e.name)
-            )
-        target = dtype if dtype is not None and e.dtype in FLOATS else e.dtype
-        name = export_name(display(e.name), strip, renames)
-        if not name or name == "__metadata__":
-            raise UsageError(f"{display(e.name)!r} would be exported as {name!r}")
-        out.append(Planned(e, name, target))
-    unique(((display(p.entry.name), p.name) for p in out), "two tensors would get one name")
-    return out
-
-
-@dataclass
-class _File:
-    name: str
-    tensors: list[Planned]  # in the order of their bytes in the file
-    header: bytes
-
-
-def layout(planned: Sequence[Planned], max_bytes: int, metadata: dict[str, str]) -> list[_File]:
-    """Shards (greedy, in order) and each file's byte order: by itemsize, largest first, then in
-    order, so every tensor is aligned to its itemsize (the safetensors library's own order)."""
-    groups = hf.plan_shards([p.nbytes for p in planned], max_bytes)
-    names = hf.shard_names(len(groups))
-    files = []
-    for fname, idx in zip(names, groups):
-        ordered = sorted((planned[i] for i in idx), key=lambda p: -by_name(p.dtype).itemsize)
-        at = 0
-        rows = []
-        for p in ordered:
-            rows.append((p.name, p.dtype, p.entry.shape, at, at + p.nbytes))
-            at += p.nbytes
-        files.append(_File(fname, ordered, header_bytes(rows, metadata)))
-    return files
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -256,7 +184,7 @@ class _OutFile:
     shared mapping of its place in the file that the shard reads fill directly: the bytes go
     from the source files' page cache to the output's in one copy, CRC-checked on the way."""
 
-    def __init__(self, path: Path, f: _File) -> None:
+    def __init__(self, path: Path, f: ExportFile) -> None:
         self.size = len(f.header) + sum(p.nbytes for p in f.tensors)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         self.fd = os.open(path, flags, 0o644)
@@ -374,7 +302,7 @@ def export_safetensors(
 
 def _export(
     source: Source,
-    files: list[_File],
+    files: list[ExportFile],
     planned: list[Planned],
     out_path: Path,
     threads: int,
@@ -435,7 +363,7 @@ def _export(
 
 def _write_files(
     source: Source,
-    files: Sequence[_File],
+    files: Sequence[ExportFile],
     staging: Path,
     threads: int,
     window: int,
