@@ -241,46 +241,8 @@ def import_safetensors(
     maps: list[mmap.mmap] = []
     fds: list[int] = []
     try:
-        headers: list[tuple[Path, Header, int]] = []
-        for path, listed in files:
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as exc:
-                raise ForeignFormatError(str(path), f"cannot open: {exc}") from None
-            fds.append(fd)
-            header = read_header(fd, str(path))
-            if listed is not None:
-                have = {t.name for t in header.tensors}
-                for name in listed:
-                    if name not in have:
-                        raise ForeignFormatError(
-                            str(src_path / hf.INDEX),
-                            f"the index places it in {path.name}, which does not hold it",
-                            name,
-                        )
-                extra = sorted(have - set(listed))
-                if extra:
-                    raise ForeignFormatError(
-                        str(path), "holds a tensor its directory's index does not list", extra[0]
-                    )
-            headers.append((path, header, fd))
-        items: list[tuple[str, Any]] = []
-        where: dict[str, str] = {}
-        for path, header, fd in headers:
-            mm = _map(fd, header.file_size)
-            if mm is not None:
-                maps.append(mm)
-            for t in header.tensors:
-                dt = by_name(t.dtype).numpy
-                count = t.nbytes // dt.itemsize
-                if mm is None or count == 0:
-                    arr = np.zeros(t.shape, dt)
-                else:
-                    arr = np.frombuffer(mm, dt, count, header.data_start + t.begin).reshape(t.shape)
-                if t.name in where:
-                    raise ForeignFormatError(str(path), f"also in {where[t.name]}", t.name)
-                where[t.name] = str(path)
-                items.append((t.name, arr))
+        headers = _open_headers(src_path, files, fds)
+        items, where = _mapped_items(headers, maps)
         report = import_named(
             items,
             out,
@@ -306,3 +268,60 @@ def import_safetensors(
                 mm.close()
         for fd in fds:
             os.close(fd)
+
+
+def _open_headers(
+    src_path: Path, files: list[tuple[Path, list[str] | None]], fds: list[int]
+) -> list[tuple[Path, Header, int]]:
+    """Open every file and check its header (and, for a sharded directory, that the index
+    lists exactly the tensors the file holds). Each descriptor is added to ``fds`` as soon as
+    it is open, so the caller closes it whatever fails next."""
+    headers: list[tuple[Path, Header, int]] = []
+    for path, listed in files:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise ForeignFormatError(str(path), f"cannot open: {exc}") from None
+        fds.append(fd)
+        header = read_header(fd, str(path))
+        if listed is not None:
+            have = {t.name for t in header.tensors}
+            for name in listed:
+                if name not in have:
+                    raise ForeignFormatError(
+                        str(src_path / hf.INDEX),
+                        f"the index places it in {path.name}, which does not hold it",
+                        name,
+                    )
+            extra = sorted(have - set(listed))
+            if extra:
+                raise ForeignFormatError(
+                    str(path), "holds a tensor its directory's index does not list", extra[0]
+                )
+        headers.append((path, header, fd))
+    return headers
+
+
+def _mapped_items(
+    headers: list[tuple[Path, Header, int]], maps: list[mmap.mmap]
+) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """Every tensor as an array over its file's mapping (added to ``maps``, for the caller to
+    close), by source name, and the file each name came from (a name in two files refused)."""
+    items: list[tuple[str, Any]] = []
+    where: dict[str, str] = {}
+    for path, header, fd in headers:
+        mm = _map(fd, header.file_size)
+        if mm is not None:
+            maps.append(mm)
+        for t in header.tensors:
+            dt = by_name(t.dtype).numpy
+            count = t.nbytes // dt.itemsize
+            if mm is None or count == 0:
+                arr = np.zeros(t.shape, dt)
+            else:
+                arr = np.frombuffer(mm, dt, count, header.data_start + t.begin).reshape(t.shape)
+            if t.name in where:
+                raise ForeignFormatError(str(path), f"also in {where[t.name]}", t.name)
+            where[t.name] = str(path)
+            items.append((t.name, arr))
+    return items, where
