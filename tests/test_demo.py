@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from kit import REPO
 
 
 @pytest.mark.slow

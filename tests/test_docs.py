@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from kit import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 600

@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from kit import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("ckptfmt", "ckptfmt_torch", "ckptfmt_keras", "ckptfmt_cli", "ckptfmt_zarr_hook")
 # imports that are lazy for a reason other than a cycle: the CLI loads an adapter (and so its
 # framework) only for the command that needs it; the zarr hook runs at interpreter start-up and
 # imports ckptfmt only when zarr is imported
 LAZY_ALLOWED = {("tools/ckptfmt_cli", "ckptfmt_torch"), ("tools/ckptfmt_zarr_hook", "ckptfmt")}
-SOURCES = [ROOT / "ckptfmt", ROOT / "adapters", ROOT / "tools"]
+SOURCES = [REPO / "ckptfmt", REPO / "adapters", REPO / "tools"]
 LINT = Path(sys.executable).with_name("lint-imports")
 
 
@@ -53,7 +53,7 @@ def _imported(node: ast.Import | ast.ImportFrom, path: Path) -> list[str]:
 
 
 def test_import_contracts_hold() -> None:
-    done = _lint(ROOT)
+    done = _lint(REPO)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
 
@@ -63,8 +63,8 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     copy = tmp_path / "tree"
     copy.mkdir()
     for name in ("ckptfmt", "adapters", "tools"):
-        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+        shutil.copytree(REPO / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
     model = copy / "ckptfmt" / "manifest" / "model.py"
     model.write_text(model.read_text() + "\nimport ckptfmt.parallel.manager  # noqa\n")
     done = _lint(copy)
@@ -82,11 +82,11 @@ def test_no_project_import_inside_a_function() -> None:
             for node in ast.walk(fn):
                 if isinstance(node, ast.Import | ast.ImportFrom):
                     for mod in _imported(node, path):
-                        rel = str(path.relative_to(ROOT).parent)
+                        rel = str(path.relative_to(REPO).parent)
                         if any(rel == d and mod.split(".")[0] == m for d, m in LAZY_ALLOWED):
                             continue
                         if mod.startswith("(relative)") or mod.split(".")[0] in PROJECT:
-                            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {mod}")
+                            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {mod}")
     assert not found, "imports inside functions:\n" + "\n".join(found)
 
 
@@ -103,7 +103,7 @@ def test_adapters_and_cli_use_only_the_public_api() -> None:
     for path in [p for d in SOURCES[1:] for p in d.rglob("*.py")]:
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
             if (
                 isinstance(node, ast.ImportFrom)
                 and node.module

@@ -24,8 +24,8 @@ from ckptfmt_cli import render
 from ckptfmt_cli.main import cli
 from click.testing import CliRunner
 from kit.level1 import NODES4, save_level1
+from kit.reshard import save as save_ranks
 from rich.console import Console
-from test_reshard_load import save as save_ranks
 
 import ckptfmt
 from ckptfmt import Progress, WriteOptions

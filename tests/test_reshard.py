@@ -36,8 +36,8 @@ from _reshard_worker import (
 )
 from kit import REPO
 from kit.launch import describe, run_mpi
+from kit.reshard import needed
 from kit.worker import node_of
-from test_reshard_load import needed
 
 import ckptfmt
 from ckptfmt.container.reader import read_manifest

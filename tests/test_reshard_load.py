@@ -8,74 +8,29 @@ tensors: each chunk once, by one rank, broadcast); on level 1 (one directory per
 a rank reads only in its own node's directory, only chunks that it or a rank of another node
 needs; a saved node no current rank sees is named in the error; per-rank entries follow the
 rules of ``spec/reshard.md`` (mapped, an explicit error, or a warning listing what was dropped).
-The chunks a box needs are recomputed here by brute force over the manifest's geometry.
+The chunks a box needs are recomputed by brute force over the manifest's geometry
+(``kit.reshard.needed``).
 """
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
-from kit.arrays import random_array as bits
+from kit.reshard import ROWS, full_state, needed, per_rank_extra, rows_of, save
 from kit.worker import node_of
 
-from ckptfmt import PerRank, Shard
 from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import UsageError
 from ckptfmt.format.chunk_reads import ReadLog, record_reads
-from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
-from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.errors import PerRankError, PerRankWarning
 from ckptfmt.transport.threads import run_threads
-
-SHARD_BYTES = 8 << 10
-CHUNK_BYTES = 1 << 10
-ROWS = {
-    "w13": (np.float32, (13, 70)),
-    "w10": (ml_dtypes.bfloat16, (10, 3, 50)),
-    "w3": (np.int16, (3, 40)),
-}
-
-
-def full_state() -> dict[str, Any]:
-    """What every tensor holds, whole."""
-    rng = np.random.default_rng(7)
-    out: dict[str, Any] = {name: bits(rng, dt, shape) for name, (dt, shape) in ROWS.items()}
-    out["rep"] = bits(rng, np.float32, (40, 100))
-    out["rep16"] = bits(rng, ml_dtypes.bfloat16, (777,))
-    out["scalar"] = bits(rng, np.float64, ())
-    out["empty"] = np.zeros((0, 4), np.float32)
-    return out
-
-
-def rows_of(n_rows: int, rank: int, size: int) -> tuple[int, int]:
-    """``(start, count)`` as np.array_split: the first ``n_rows % size`` ranks get one more."""
-    base, extra = divmod(n_rows, size)
-    return rank * base + min(rank, extra), base + (rank < extra)
-
-
-def rank_state(rank: int, size: int) -> dict[str, Any]:
-    full = full_state()
-    shards = {}
-    for name in ROWS:
-        start, count = rows_of(full[name].shape[0], rank, size)
-        off = (start,) + (0,) * (full[name].ndim - 1)
-        shards[name] = Shard(full[name][start : start + count].copy(), off, full[name].shape)
-    return {
-        "shards": shards,
-        "model": {"rep": full["rep"], "rep16": full["rep16"], "scalar": full["scalar"]},
-        "empty": full["empty"],
-        "opt": {"step": 3, "lr": 0.5},
-        "group": {},
-    }
 
 
 def wants_of(rank: int, size: int) -> dict[str, Any]:
@@ -88,32 +43,6 @@ def wants_of(rank: int, size: int) -> dict[str, Any]:
             (count, *full[name].shape[1:]),
         )
     return out
-
-
-def save(tmp: Path, n: int, level: int, extra: Any = None) -> Path:
-    """Save the state with ``n`` thread-ranks; return the step path (level 1: a template)."""
-
-    def body(comm: Any) -> Manifest:
-        node = node_of(comm.rank, comm.size)
-        state = rank_state(comm.rank, comm.size)
-        if extra:
-            state.update(extra(comm.rank))
-        where = tmp / (f"l1/{node}" if level == 1 else "l3") / "step-1"
-        m, _ = save_collective(
-            comm,
-            state,
-            where,
-            step=1,
-            node=node,
-            group=node if level == 1 else "shared",
-            write=WriteOptions(
-                fsync=False, threads=1, chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES
-            ),
-        )
-        return m
-
-    run_threads(n, body)
-    return tmp / ("l1/{node}" if level == 1 else "l3") / "step-1"
 
 
 def load(path: Path, m: int, **kw: Any) -> tuple[list[Any], ReadLog]:
@@ -143,33 +72,6 @@ def check_loaded(results: list[Any], m: int) -> None:
             assert state["model"][name].shape == full[name].shape
         assert state["empty"].shape == (0, 4)
         assert state["opt"] == {"step": 3, "lr": 0.5} and state["group"] == {}
-
-
-def needed(manifest: Manifest, name: str, box: Any) -> set[tuple[str, int]]:
-    """(file, slot) of every in-bounds inner chunk that intersects ``box`` (brute force)."""
-    t = next(e for e in manifest.tensors() if "/".join(e.name) == name)
-    if not t.shape:
-        return {(t.regions[0].files[0].path, 0)}
-    out = set()
-    lo, ext = box
-    per = [h // c for h, c in zip(t.shard_shape, t.chunk_shape)]
-    for r in t.regions:
-        cells = itertools.product(
-            *(range(o // h, -(-(o + n) // h)) for o, n, h in zip(r.offset, r.shape, t.shard_shape))
-        )
-        for cell, f in zip(cells, r.files):
-            for slot, inner in enumerate(itertools.product(*(range(p) for p in per))):
-                c_lo = [
-                    i * h + k * c for i, h, k, c in zip(cell, t.shard_shape, inner, t.chunk_shape)
-                ]
-                if any(a >= s for a, s in zip(c_lo, t.shape)):
-                    continue
-                if all(
-                    a < o + n and o < a + c and n > 0
-                    for a, c, o, n in zip(c_lo, t.chunk_shape, lo, ext)
-                ):
-                    out.add((f.path, slot))
-    return out
 
 
 def reads_by_rank(log: ReadLog) -> dict[int, list[tuple[str, str, int]]]:
@@ -284,13 +186,6 @@ def test_damage_on_a_partial_read_is_found_and_voted(tmp_path: Path) -> None:
 
 
 # --- per-rank state ------------------------------------------------------------------------------
-
-
-def per_rank_extra(rank: int) -> dict[str, Any]:
-    return {
-        "rng": PerRank(np.arange(6, dtype=np.uint32) + 100 * rank),
-        "loader": PerRank({"epoch": 1, "index": 10 * rank}),
-    }
 
 
 def test_per_rank_entries_same_size_are_each_ranks_own(tmp_path: Path) -> None:

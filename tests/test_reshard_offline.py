@@ -22,7 +22,7 @@ import pytest
 from kit.cli import run_cli
 from kit.faults import flip_bit
 from kit.files import leftovers
-from test_reshard_load import ROWS, full_state, per_rank_extra, rows_of, save
+from kit.reshard import ROWS, full_state, per_rank_extra, rows_of, save
 
 import ckptfmt
 from ckptfmt import WriteOptions

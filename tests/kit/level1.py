@@ -23,6 +23,7 @@ from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.transport.threads import run_threads
+from kit.arrays import random_array
 
 NODES8 = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]  # sets [0,2,4,6], [1,3,5,7] (size 4)
 NODES4 = ["n0", "n1", "n2", "n3"]
@@ -30,9 +31,7 @@ ROWS = 23  # the sharded tensor's rows: uneven over any number of ranks
 
 
 def _bits(seed: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).view(dt).reshape(shape)
+    return random_array(np.random.default_rng(seed), dtype, shape)
 
 
 def whole(size: int, seed: int = 0) -> dict[str, np.ndarray]:
