@@ -344,7 +344,7 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     if kind == "torch":
         end_torch_job()
-    return 0  # MPI: a normal exit (_worker_common.py says why not os._exit)
+    return 0  # MPI: a normal exit (kit/worker.py says why not os._exit)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
 
 def finish(kind: str, scenario: str, comm: object) -> None:
     """Leave together where the transport still can (MPI: always, its managers are broken,
-    not MPI; a normal exit follows, ``_worker_common.py`` says why; gloo: unless a roll call
+    not MPI; a normal exit follows, ``kit/worker.py`` says why; gloo: unless a roll call
     timed out, which closes the connection to that peer)."""
     sys.stdout.flush()
     if kind == "mpi":

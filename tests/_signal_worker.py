@@ -262,7 +262,7 @@ def main(argv: list[str]) -> int:
     if kind == "torch" and phase == "check":
         end_torch_job()
     if kind != "torch":
-        return 0  # MPI: a normal exit (_worker_common.py says why not os._exit)
+        return 0  # MPI: a normal exit (kit/worker.py says why not os._exit)
     os._exit(0)
 
 
