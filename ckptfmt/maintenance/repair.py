@@ -50,6 +50,7 @@ from ckptfmt.maintenance.nodes import NodeDirs, node_copies
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.engine import run_ops
 from ckptfmt.redundancy.record import RedundancyRecord, member_files, member_size, record_of
+from ckptfmt.redundancy.stripes import Op
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside
 from ckptfmt.storage.progress import Meter, ProgressCallback, metering
@@ -104,7 +105,7 @@ def rebuild(
 def _rebuild(spec: NodeDirs, fsync: bool, dry_run: bool, meter: Meter) -> RepairReport:
     started = time.perf_counter()
     choice, dirs, copies = node_copies(spec)
-    manifest, data = choice.manifest, choice.data
+    manifest = choice.manifest
     shown = os.fspath(spec) if not isinstance(spec, Mapping) else "the node directories"
     report = RepairReport(shown, manifest.step, notes=list(choice.notes))
     record = record_of(manifest)
@@ -122,15 +123,7 @@ def _rebuild(spec: NodeDirs, fsync: bool, dry_run: bool, meter: Meter) -> Repair
         report.seconds = time.perf_counter() - started
         return report
     report.scheme = record.scheme
-    # one pass over every set to learn what is lost (and fail before writing anything)
-    status: list[MemberStatus] = []
-    meter.expect(sum(sum(buffer_sizes(record, r)) for r in range(manifest.world_size)))
-    for rank in range(manifest.world_size):
-        bufs = member_buffers(record, rank, reuse=False)
-        src = Inside(dir_of[rank]) if intact_dir[dir_of[rank]] else None
-        status.append(read_status(src, manifest, record, rank, bufs))
-        report.bytes_read += bufs.data.size + bufs.parity.size
-        meter.add(bufs.data.size + bufs.parity.size, "check")
+    status = _assess(manifest, record, dir_of, intact_dir, report, meter)
     report.lost_data = [r for r, s in enumerate(status) if not s.data_ok]
     report.lost_parity = [r for r, s in enumerate(status) if not all(s.parity_ok)]
     lost = set(report.lost_data) | set(report.lost_parity)
@@ -141,6 +134,52 @@ def _rebuild(spec: NodeDirs, fsync: bool, dry_run: bool, meter: Meter) -> Repair
         report.recreated = [str(d) for d in recreate] if report.repaired else []
         report.seconds = time.perf_counter() - started
         return report
+    _write_back(
+        choice, docs, record, status, plans, dir_of, intact_dir, recreate, report, fsync, meter
+    )
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _assess(
+    manifest: Manifest,
+    record: RedundancyRecord,
+    dir_of: dict[int, Path],
+    intact_dir: dict[Path, bool],
+    report: RepairReport,
+    meter: Meter,
+) -> list[MemberStatus]:
+    """One pass over every set to learn what is lost (and fail before writing anything):
+    every member's status, its bytes counted as read and checked."""
+    status: list[MemberStatus] = []
+    meter.expect(sum(sum(buffer_sizes(record, r)) for r in range(manifest.world_size)))
+    for rank in range(manifest.world_size):
+        bufs = member_buffers(record, rank, reuse=False)
+        src = Inside(dir_of[rank]) if intact_dir[dir_of[rank]] else None
+        status.append(read_status(src, manifest, record, rank, bufs))
+        report.bytes_read += bufs.data.size + bufs.parity.size
+        meter.add(bufs.data.size + bufs.parity.size, "check")
+    return status
+
+
+def _write_back(
+    choice: Choice,
+    docs: dict[Path, list[str]],
+    record: RedundancyRecord,
+    status: list[MemberStatus],
+    plans: list[tuple[int, list[Op]]],
+    dir_of: dict[int, Path],
+    intact_dir: dict[Path, bool],
+    recreate: list[Path],
+    report: RepairReport,
+    fsync: bool,
+    meter: Meter,
+) -> None:
+    """Rebuild every damaged set (one set in memory at a time) and write what was lost back:
+    damaged files replaced one by one, lost directories recreated whole and committed; on any
+    failure every staging directory is removed (an OS error raised as
+    :class:`UnrecoverableDamageError`)."""
+    manifest, data, shown = choice.manifest, choice.data, report.where
     staging = {d: commit.staging_dir(d.absolute(), manifest.save_id) for d in recreate}
     writes = {  # the bytes each rank of a damaged set writes (progress)
         rank: _rebuilt_bytes(manifest, record, rank, status[rank], dir_of[rank] in staging)
@@ -187,8 +226,6 @@ def _rebuild(spec: NodeDirs, fsync: bool, dry_run: bool, meter: Meter) -> Repair
                 sorted({manifest.ranks[r].node for r in report.lost_data}),
             ) from None
         raise
-    report.seconds = time.perf_counter() - started
-    return report
 
 
 def _rebuilt_bytes(

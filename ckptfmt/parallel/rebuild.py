@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckptfmt.container.reader import read_manifest_bytes
 from ckptfmt.engine.copies import repair_collective
@@ -90,20 +91,14 @@ def _no_hook(_point: str) -> None:
     pass
 
 
-def rebuild_collective(
-    comm: Comm, path: Path, group: str, fsync: bool = True, seq: int | None = None
-) -> tuple[RebuildReport, Manifest]:
-    """Collective: make the level-1 step directory ``path`` (this rank's node's copy; ``group``
-    as in ``save_collective``: ranks with equal keys share it) whole again from the redundancy
-    recorded in its manifest. Returns the report and the manifest.
-
-    Raises :class:`UnrecoverableDamageError` on every rank when no node holds the step, the save
-    has no redundancy, or more is lost than it tolerates; any other failure on any rank (any
-    exception) is voted on and raises ``SaveFailedError`` on every rank, with the directories
-    it was recreating removed. Nothing that was intact is changed."""
-    started = time.perf_counter()
-    path = path.absolute()
-    rewritten, notes, agreed = repair_collective(comm, path, group, fsync)  # metadata first
+def _agree_manifest(
+    comm: Comm, path: Path, group: str, agreed: bytes | None
+) -> tuple[list[dict[str, Any]], str | None, str]:
+    """Collective (step 1; every rank, after the metadata repair): an allgather of each rank's
+    save id and group, then, unless the repair already agreed on the manifest, a broadcast of
+    the lowest holder's copy. Returns every rank's entry, this rank's save id (None: no
+    committed copy here) and the manifest's text. Raises :class:`UnrecoverableDamageError` on
+    every rank when no node holds a committed copy."""
     data: bytes | None = None
     save_id: str | None = None
     try:
@@ -120,6 +115,24 @@ def rebuild_collective(
     else:
         mine_text = data.decode("utf-8") if comm.rank == holders[0] and data else None
         text = comm.bcast_json(mine_text, holders[0])
+    return info, save_id, text
+
+
+def rebuild_collective(
+    comm: Comm, path: Path, group: str, fsync: bool = True, seq: int | None = None
+) -> tuple[RebuildReport, Manifest]:
+    """Collective: make the level-1 step directory ``path`` (this rank's node's copy; ``group``
+    as in ``save_collective``: ranks with equal keys share it) whole again from the redundancy
+    recorded in its manifest. Returns the report and the manifest.
+
+    Raises :class:`UnrecoverableDamageError` on every rank when no node holds the step, the save
+    has no redundancy, or more is lost than it tolerates; any other failure on any rank (any
+    exception) is voted on and raises ``SaveFailedError`` on every rank, with the directories
+    it was recreating removed. Nothing that was intact is changed."""
+    started = time.perf_counter()
+    path = path.absolute()
+    rewritten, notes, agreed = repair_collective(comm, path, group, fsync)  # metadata first
+    info, save_id, text = _agree_manifest(comm, path, group, agreed)
     manifest = parse_manifest(text.encode("utf-8"), str(path))
     record = record_of(manifest)
     if record is None:
