@@ -104,6 +104,25 @@ def _redundancy_text(red: dict[str, Any] | None) -> str:
 
 def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False) -> None:
     """Print the inspect document as a header, a tensor table, a value table and totals."""
+    _header_grid(console, doc)
+    if doc["tensors"]:
+        _tensor_table(console, doc)
+    if regions and doc["tensors"]:
+        _region_table(console, doc)
+    if doc["values"]:
+        _value_table(console, doc)
+    if doc["empty_groups"]:
+        console.print(Text("empty groups: ") + plain(", ".join(doc["empty_groups"])))
+    tot = doc["totals"]
+    console.print(
+        f"{tot['tensors']} tensor(s), {human_bytes(tot['bytes'])} ({tot['bytes']} bytes); "
+        f"{tot['values']} value(s); {tot['files']} file(s), {human_bytes(tot['stored_bytes'])} "
+        f"({tot['stored_bytes']} bytes) stored"
+    )
+
+
+def _header_grid(console: Console, doc: dict[str, Any]) -> None:
+    """The checkpoint's identity: path, format version, step, save, writer, world, levels."""
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -130,61 +149,61 @@ def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False)
         head.add_row(key, plain(value))
     console.print(head)
 
-    if doc["tensors"]:
-        table = Table(title="Tensors", title_justify="left", title_style="bold")
-        for col, justify in (
-            ("name", "left"),
-            ("dtype", "left"),
-            ("shape", "left"),
-            ("bytes", "right"),
-            ("regions", "right"),
-            ("ranks", "left"),
-        ):
-            table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
-        for t in doc["tensors"]:
+
+def _tensor_table(console: Console, doc: dict[str, Any]) -> None:
+    """One row per tensor: dtype, shape, bytes, regions and the ranks that wrote them."""
+    table = Table(title="Tensors", title_justify="left", title_style="bold")
+    for col, justify in (
+        ("name", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("bytes", "right"),
+        ("regions", "right"),
+        ("ranks", "left"),
+    ):
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for t in doc["tensors"]:
+        table.add_row(
+            plain(t["name"]),
+            t["dtype"],
+            shape_text(t["shape"]),
+            human_bytes(t["bytes"]),
+            str(t["regions"]),
+            rank_ranges(t["writer_ranks"]) or "-",
+        )
+    console.print(table)
+
+
+def _region_table(console: Console, doc: dict[str, Any]) -> None:
+    """One row per region of every tensor, with its files' sizes and CRCs."""
+    table = Table(title="Regions", title_justify="left", title_style="bold")
+    for col in ("tensor", "offset", "shape", "rank", "files"):
+        table.add_column(col, overflow="fold")
+    for t in doc["tensors"]:
+        for r in t.get("region_details", []):
+            files = Text("\n").join(
+                plain(f"{f['path']} ({human_bytes(f['size'])}, crc32c {f['crc32c']})")
+                for f in r["files"]
+            )
             table.add_row(
                 plain(t["name"]),
-                t["dtype"],
-                shape_text(t["shape"]),
-                human_bytes(t["bytes"]),
-                str(t["regions"]),
-                rank_ranges(t["writer_ranks"]) or "-",
+                shape_text(r["offset"]),
+                shape_text(r["shape"]),
+                str(r["rank"]),
+                files,
             )
-        console.print(table)
-    if regions and doc["tensors"]:
-        table = Table(title="Regions", title_justify="left", title_style="bold")
-        for col in ("tensor", "offset", "shape", "rank", "files"):
-            table.add_column(col, overflow="fold")
-        for t in doc["tensors"]:
-            for r in t.get("region_details", []):
-                files = Text("\n").join(
-                    plain(f"{f['path']} ({human_bytes(f['size'])}, crc32c {f['crc32c']})")
-                    for f in r["files"]
-                )
-                table.add_row(
-                    plain(t["name"]),
-                    shape_text(r["offset"]),
-                    shape_text(r["shape"]),
-                    str(r["rank"]),
-                    files,
-                )
-        console.print(table)
-    if doc["values"]:
-        table = Table(title="Values", title_justify="left", title_style="bold")
-        table.add_column("name", overflow="fold")
-        table.add_column("type")
-        table.add_column("value", overflow="fold")
-        for v in doc["values"]:
-            table.add_row(plain(v["name"]), v["type"], plain(v["repr"]))
-        console.print(table)
-    if doc["empty_groups"]:
-        console.print(Text("empty groups: ") + plain(", ".join(doc["empty_groups"])))
-    tot = doc["totals"]
-    console.print(
-        f"{tot['tensors']} tensor(s), {human_bytes(tot['bytes'])} ({tot['bytes']} bytes); "
-        f"{tot['values']} value(s); {tot['files']} file(s), {human_bytes(tot['stored_bytes'])} "
-        f"({tot['stored_bytes']} bytes) stored"
-    )
+    console.print(table)
+
+
+def _value_table(console: Console, doc: dict[str, Any]) -> None:
+    """One row per JSON value: its type and its repr."""
+    table = Table(title="Values", title_justify="left", title_style="bold")
+    table.add_column("name", overflow="fold")
+    table.add_column("type")
+    table.add_column("value", overflow="fold")
+    for v in doc["values"]:
+        table.add_row(plain(v["name"]), v["type"], plain(v["repr"]))
+    console.print(table)
 
 
 def verify_summary(console: Console, report: VerifyReport) -> None:
