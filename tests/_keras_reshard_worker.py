@@ -92,7 +92,7 @@ def main() -> None:
             comm=comm,
             node=node,
             dataset=data,
-            fsync=False,
+            write=ckptfmt.WriteOptions(fsync=False),
         )
 
         class Observe(keras.callbacks.Callback):
@@ -100,7 +100,9 @@ def main() -> None:
 
             def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
                 ckptfmt.save(
-                    held(self.model), out / f"saved.rank{rank}", overwrite=True, fsync=False
+                    held(self.model),
+                    out / f"saved.rank{rank}",
+                    write=ckptfmt.WriteOptions(fsync=False, overwrite=True),
                 )
                 result["metrics"] = {
                     n: digest(v.numpy())
@@ -154,7 +156,7 @@ def restore_task(
             comm=comm,
             node=node_of(rank, comm.size),
             dataset=data,
-            fsync=False,
+            write=ckptfmt.WriteOptions(fsync=False),
             **local,
             **resharding,
         )
@@ -187,14 +189,14 @@ def restore_task(
     res["initial"] = before
     res["untouched"] = before == {k: digest(v) for k, v in flat(held()).items()}
 
-    backup = backup_for(rank_map=RANK_MAP, per_rank="drop")
+    backup = backup_for(read=ckptfmt.ReadOptions(rank_map=RANK_MAP, per_rank="drop"))
 
     class Observe(keras.callbacks.Callback):
         """After ``backup``: the state right after the restore, before any step."""
 
         def on_train_begin(self, logs: Any = None) -> None:
             path = out / f"restored-{level}.rank{rank}"
-            ckptfmt.save(held(), path, overwrite=True, fsync=False)
+            ckptfmt.save(held(), path, write=ckptfmt.WriteOptions(fsync=False, overwrite=True))
             assert backup.last_restore is not None
             state = backup.last_restore.state or {}
             res["per_rank_rows"] = {k: digest(v) for k, v in flat(state.get("metrics", {})).items()}

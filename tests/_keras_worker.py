@@ -143,7 +143,7 @@ def train_task(keras: Any, ckptfmt: Any, comm: Any, task: dict[str, Any], out: P
             "model": ck.nest(ck.to_arrays(model)),
             "optimizer": ck.nest(ck.to_arrays(model.optimizer)),
         }
-        ckptfmt.save(state, path, overwrite=True, fsync=False)
+        ckptfmt.save(state, path, write=ckptfmt.WriteOptions(fsync=False, overwrite=True))
 
     model = build_model(keras)
     opt = ck.distributed_optimizer(
@@ -160,7 +160,7 @@ def train_task(keras: Any, ckptfmt: Any, comm: Any, task: dict[str, Any], out: P
         node=node_of(rank, size),
         dataset=data,
         redundancy=task.get("redundancy"),
-        fsync=False,
+        write=ckptfmt.WriteOptions(fsync=False),
     )
 
     class Observe(keras.callbacks.Callback):
@@ -231,8 +231,7 @@ def dp_check(keras: Any, ck: Any, comm: Any, x: np.ndarray, y: np.ndarray, out: 
     ckptfmt.save(
         {"model": ck.nest(ck.to_arrays(model))},
         out / f"dp.rank{comm.rank}",
-        overwrite=True,
-        fsync=False,
+        write=ckptfmt.WriteOptions(fsync=False, overwrite=True),
     )
     return len(data)
 

@@ -111,6 +111,7 @@ def rng_digest() -> str:
 def run(plan: dict[str, Any]) -> dict[str, Any]:
     import ckptfmt_torch
 
+    import ckptfmt
     from ckptfmt.errors import PerRankError
 
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -155,7 +156,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     res["rng_untouched_by_error"] = rng_digest() == res["rng_before"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = ckptfmt_torch.load({"train": ts}, ckpt, rank_map={0: 0, 1: 1}, per_rank="drop")
+        read = ckptfmt.ReadOptions(rank_map={0: 0, 1: 1}, per_rank="drop")
+        step = ckptfmt_torch.load({"train": ts}, ckpt, read=read).step
     res["loaded_step"] = step
     res["counters"] = ts.counters
     res["warnings"] = [[type(w.message).__name__, str(w.message)] for w in caught]

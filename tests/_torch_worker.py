@@ -216,12 +216,10 @@ def run_task(task: dict[str, Any], comm: Any, out: Path) -> dict[str, Any] | Non
         on_error="raise",
     )
     state = {"train": ts}
-    restored = ckptfmt_torch.restore(mgr, state)
-    rep = mgr.last_restore
+    rep = ckptfmt_torch.restore(state, mgr)
+    restored = rep.step
     res["restored"] = restored
-    res["report"] = (
-        None if rep is None else {"step": rep.step, "level": rep.level, "tried": rep.tried}
-    )
+    res["report"] = {"step": rep.step, "level": rep.level, "tried": rep.tried}
     if restored is not None:
         res["restored_digest"] = digest(ckptfmt_torch.to_state(state))
         if ts.counters["step"] != restored:

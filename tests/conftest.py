@@ -12,6 +12,7 @@ import pytest
 from kit.arrays import make_state
 
 import ckptfmt
+from ckptfmt import WriteOptions
 
 # --- fixtures ------------------------------------------------------------------------------------
 
@@ -21,7 +22,7 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     """A checkpoint of :func:`make_state` with small chunks (many shard files, padded edges)."""
     state = make_state()
     root = tmp_path / "ckpt"
-    ckptfmt.save(state, root, chunk_bytes=24, shard_bytes=96, fsync=False)
+    ckptfmt.save(state, root, write=WriteOptions(chunk_bytes=24, shard_bytes=96, fsync=False))
     return root, state
 
 

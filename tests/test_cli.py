@@ -21,7 +21,7 @@ from kit.files import seal_if_sealed
 from rich.console import Console
 
 import ckptfmt
-from ckptfmt import errors
+from ckptfmt import WriteOptions, errors
 
 ARRAYS = {
     "model/layer0/weight": np.arange(24, dtype=np.float32).reshape(4, 6),
@@ -54,7 +54,9 @@ def state() -> dict[str, Any]:
 def ckpt(tmp_path: Path) -> Path:
     path = tmp_path / "ckpt"
     # small shards so that tensors span several files
-    ckptfmt.save(state(), path, step=42, fsync=False, chunk_bytes=16, shard_bytes=32)
+    ckptfmt.save(
+        state(), path, step=42, write=WriteOptions(chunk_bytes=16, shard_bytes=32, fsync=False)
+    )
     return path
 
 
@@ -192,7 +194,9 @@ def test_inspect_shows_writer_ranks_and_nodes_of_a_multi_rank_checkpoint(ckpt: P
 
 def test_inspect_does_not_render_markup_or_escapes_from_values(tmp_path: Path) -> None:
     path = tmp_path / "c"
-    ckptfmt.save({"note": "[bold red]x\x1b[2J", "w": np.zeros(2)}, path, fsync=False)
+    ckptfmt.save(
+        {"note": "[bold red]x\x1b[2J", "w": np.zeros(2)}, path, write=WriteOptions(fsync=False)
+    )
     out = run("inspect", path).stdout
     assert "[bold red]x" in out
     assert "\x1b" not in out

@@ -17,6 +17,7 @@ from kit.files import seal_if_sealed, tree
 from kit.level1 import NODES8, copy, merge, save_level1
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.redundancy.record import member_files
 
@@ -279,5 +280,5 @@ def test_a_failed_write_leaves_no_temporary_file(saved: dict[str, Path], tmp_pat
     victim.unlink()
     victim.mkdir()  # a directory where the file was: the rename onto it fails
     with pytest.raises(UnrecoverableDamageError, match="cannot write the rebuilt files"):
-        rebuild(template, fsync=False)
+        rebuild(template, write=WriteOptions(fsync=False))
     assert [p.name for p in victim.parent.iterdir()] == [victim.name]

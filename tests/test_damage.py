@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from kit.faults import flip_bit
 from kit.files import manifest_doc, write_manifest
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.errors import (
     ChecksumError,
     CkptError,
@@ -38,7 +40,9 @@ INDEX = 2 * 16 + 4
 def make(tmp_path: Path) -> Path:
     root = tmp_path / "c"
     ckptfmt.save(
-        {"t": T, "u": U, "s": S, "v": {"x": 1}}, root, chunk_bytes=16, shard_bytes=32, fsync=False
+        {"t": T, "u": U, "s": S, "v": {"x": 1}},
+        root,
+        write=WriteOptions(chunk_bytes=16, shard_bytes=32, fsync=False),
     )
     e = next(e for e in manifest_doc(root)["entries"] if e["name"] == ["t"])
     assert e["chunk_shape"] == [4] and e["shard_shape"] == [8]
@@ -189,7 +193,7 @@ def test_shard_swapped_with_sibling(tmp_path: Path) -> None:
     CRC32C must catch it (it is what ties a file's content to its place)."""
     root = tmp_path / "c"
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    ckptfmt.save({"w": a}, root, chunk_bytes=16, shard_bytes=32, fsync=False)
+    ckptfmt.save({"w": a}, root, write=WriteOptions(chunk_bytes=16, shard_bytes=32, fsync=False))
     f0, f1 = root / "w/c/0/0/0", root / "w/c/1/0/0"
     b0, b1 = f0.read_bytes(), f1.read_bytes()
     assert len(b0) == len(b1) and b0 != b1
@@ -211,9 +215,7 @@ def test_shard_from_another_checkpoint(tmp_path: Path) -> None:
     ckptfmt.save(
         {"t": T + 100, "u": U, "s": S, "v": {"x": 1}},
         other,
-        chunk_bytes=16,
-        shard_bytes=32,
-        fsync=False,
+        write=WriteOptions(chunk_bytes=16, shard_bytes=32, fsync=False),
     )
     shutil.copy(other / "t/c/0", root / "t/c/0")
     assert_found(root, "t/c/0", "t")
@@ -321,7 +323,7 @@ def test_unexpected_file_is_reported_not_damage(tmp_path: Path) -> None:
 
 def test_verify_counts(tmp_path: Path) -> None:
     root = make(tmp_path)
-    seen: list[int] = []
+    seen: list[ckptfmt.Progress] = []
     report = ckptfmt.verify(root, progress=seen.append)
     files = [
         f
@@ -330,8 +332,11 @@ def test_verify_counts(tmp_path: Path) -> None:
         for r in e["regions"]
         for f in r["files"]
     ]
-    assert report.files_checked == len(files) == len(seen) == 5
-    assert report.bytes_checked == sum(f["size"] for f in files) == sum(seen)
+    assert report.files_checked == len(files) == 5
+    assert report.bytes_checked == sum(f["size"] for f in files) == seen[-1].done
+    assert [p.op for p in seen] == ["verify"] * len(seen)
+    assert seen[-1].final and seen[-1].total == seen[-1].done
+    assert all(a.done <= b.done for a, b in itertools.pairwise(seen))
 
 
 # --- the manifest --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from kit.cli import run_cli
 from kit.files import tree_snapshot
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.errors import DamagedError, NotACheckpointError
 from ckptfmt.manifest.values import decode_value
 
@@ -325,7 +326,7 @@ def test_zarr_python_reads_a_rebuilt_node_directory(
     name = "level1-rs2"
     exp = expected[name]
     root = copy_fixture(name, tmp_path)
-    report = rebuild(str(root / "{node}"), fsync=False)
+    report = rebuild(str(root / "{node}"), write=WriteOptions(fsync=False))
     assert [Path(d).name for d in report.recreated] == ["n1"]
     node_dir = root / "n1"
     assert (node_dir / "ckptfmt-redundancy").is_dir()

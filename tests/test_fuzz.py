@@ -23,6 +23,7 @@ from kit.files import manifest_doc, write_manifest
 from kit.guards import memory_cap, time_limit, track_opens
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.errors import CkptError, DamagedError, ManifestError
 from ckptfmt.maintenance.verify import manifest_schema
 from ckptfmt.manifest.codec import parse_manifest, seal_bytes
@@ -214,7 +215,9 @@ def fuzz_state() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes, dict[str, Any]]:
     root = tmp_path_factory.mktemp("fuzz") / "c"
-    ckptfmt.save(fuzz_state(), root, chunk_bytes=16, shard_bytes=32, fsync=False)
+    ckptfmt.save(
+        fuzz_state(), root, write=WriteOptions(chunk_bytes=16, shard_bytes=32, fsync=False)
+    )
     data = (root / "ckptfmt.json").read_bytes()
     manifest_schema()  # cached before any open() is tracked
     import jsonschema  # noqa: F401 - imported before any open() is tracked
@@ -362,7 +365,7 @@ def test_readers_on_mutated_manifest(
 
 def one_tensor_ckpt(tmp_path: Path, arr: np.ndarray) -> tuple[Path, dict[str, Any]]:
     root = tmp_path / "c"
-    ckptfmt.save({"t": arr}, root, fsync=False)
+    ckptfmt.save({"t": arr}, root, write=WriteOptions(fsync=False))
     return root, manifest_doc(root)
 
 
@@ -486,7 +489,9 @@ def test_hostile_manifest_opens_nothing_outside_strace_free(tmp_path: Path) -> N
     """In a separate process with an audit hook (sys.addaudithook sees every open, whatever
     module does it): load/verify/open of manifests pointing outside open only the manifest."""
     root = tmp_path / "c"
-    ckptfmt.save(make_state(), root, chunk_bytes=64, shard_bytes=128, fsync=False)
+    ckptfmt.save(
+        make_state(), root, write=WriteOptions(chunk_bytes=64, shard_bytes=128, fsync=False)
+    )
     secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 36)
     doc = manifest_doc(root)

@@ -20,6 +20,7 @@ from kit.faults import flipped
 from kit.level1 import save_level1
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.checksum import crc32c
 from ckptfmt.container.reader import read_doc
 from ckptfmt.errors import (
@@ -41,7 +42,7 @@ STATE: dict[str, Any] = {
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
     root = tmp_path / "c"
-    ckptfmt.save(STATE, root, step=12, fsync=False)
+    ckptfmt.save(STATE, root, step=12, write=WriteOptions(fsync=False))
     return root
 
 

@@ -114,7 +114,8 @@ def test_reshard_into_a_full_file_system(tmp_path: Path) -> None:
     from click.testing import CliRunner
     from ckptfmt_cli.main import cli
     src = os.path.join(os.path.dirname(MNT), "src")
-    ckptfmt.save({"w": np.ones((512, 1024), np.float32)}, src, fsync=False)
+    ckptfmt.save({"w": np.ones((512, 1024), np.float32)}, src,
+                 write=ckptfmt.WriteOptions(fsync=False))
     dst = os.path.join(MNT, "dst")
     result = CliRunner().invoke(cli, ["reshard", src, dst, "--ranks", "2"])
     print(json.dumps({"code": result.exit_code, "output": result.output,

@@ -23,6 +23,7 @@ from kit.files import seal_if_sealed
 from kit.guards import memory_cap
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import AllocationLimitError, CkptError, NotACheckpointError
 from ckptfmt.format.zarr_meta import array_doc, doc_bytes
@@ -73,7 +74,7 @@ print(json.dumps(out))
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
     root = tmp_path / "c"
-    ckptfmt.save(STATE, root, fsync=False)
+    ckptfmt.save(STATE, root, write=WriteOptions(fsync=False))
     return root
 
 
@@ -194,7 +195,7 @@ def huge_claim(root: Path) -> str:
 
 def test_a_huge_tensor_over_a_sparse_file_is_not_allocated(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    ckptfmt.save({"w": np.zeros(8, np.int8)}, root, fsync=False)
+    ckptfmt.save({"w": np.zeros(8, np.int8)}, root, write=WriteOptions(fsync=False))
     rel = huge_claim(root)
     assert (root / rel).stat().st_size > N  # the sizes agree: only a cap can refuse it
     assert (root / rel).stat().st_blocks * 512 < 1 << 20
@@ -220,7 +221,11 @@ def test_verify_reads_in_bounded_memory(tmp_path: Path) -> None:
     whole (as verify did) cannot fit; chunk by chunk it does, and one flipped bit is found."""
     root = tmp_path / "big"
     big = np.random.default_rng(0).integers(0, 255, 192 << 20, dtype=np.uint8)
-    ckptfmt.save({"b": big}, root, fsync=False, chunk_bytes=1 << 20, shard_bytes=256 << 20)
+    ckptfmt.save(
+        {"b": big},
+        root,
+        write=WriteOptions(chunk_bytes=1 << 20, shard_bytes=256 << 20, fsync=False),
+    )
     (rel,) = [f.path for _, f in ckptfmt.open(root).manifest.files()]
     del big
     with memory_cap(96 << 20):

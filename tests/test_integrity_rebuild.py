@@ -101,7 +101,7 @@ def test_data_and_metadata_damage_together(saved: dict[str, Path], tmp_path: Pat
     flip(root / "n0" / "ckptfmt.json", 200)
     shard = next(p for p in sorted((root / "n1" / "model" / "w" / "c").rglob("*")) if p.is_file())
     flip(shard, 3)
-    report = rebuild(template, fsync=False)
+    report = rebuild(template, write=WriteOptions(fsync=False))
     assert report.lost_data == [1] and f"{root / 'n0'}: ckptfmt.json" in report.metadata
     assert tree_snapshot(root) == healthy
 

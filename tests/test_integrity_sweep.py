@@ -35,6 +35,7 @@ from kit.files import tree
 from kit.level1 import save_level1
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.errors import CkptError
 from ckptfmt.format.shard import index_nbytes
 from ckptfmt.format.shard_io import Geometry
@@ -133,7 +134,9 @@ def test_sweep_one_process(tmp_path: Path) -> None:
     rng = random.Random(f"{SEED}-one-process")
     root = tmp_path / "c"
     want = state()
-    ckptfmt.save(want, root, step=12, fsync=False, chunk_bytes=64, shard_bytes=256)
+    ckptfmt.save(
+        want, root, step=12, write=WriteOptions(chunk_bytes=64, shard_bytes=256, fsync=False)
+    )
     manifest = ckptfmt.open(root).manifest
     by_kind: dict[str, list[Region]] = {}
     for reg in regions(root, manifest):
@@ -197,7 +200,7 @@ def test_sweep_level1_xor(tmp_path: Path) -> None:
         found = _detects(lambda: ckptfmt.verify(template).healthy)
         benign = rel.endswith(".json") and same_document(original, path.read_bytes())
         try:
-            rebuild(template, fsync=False)
+            rebuild(template, write=WriteOptions(fsync=False))
             repaired = {k: v[0] for k, v in tree(base).items()} == healthy
             error = None
         except CkptError as exc:

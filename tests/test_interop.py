@@ -28,6 +28,7 @@ from kit.level1 import NODES4, merge, save_level1, whole
 from safetensors import safe_open
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.errors import (
     ChecksumError,
     DestinationExistsError,
@@ -36,6 +37,7 @@ from ckptfmt.errors import (
     UnsupportedDtypeError,
     UsageError,
 )
+from ckptfmt.interop import export as export_module
 from ckptfmt.interop import export_safetensors, import_safetensors
 from ckptfmt.interop.hf import parse_size, plan_shards
 from ckptfmt.manifest.codec import parse_manifest
@@ -80,7 +82,12 @@ def model_state(rng: np.random.Generator) -> dict[str, Any]:
 @pytest.fixture
 def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     state = model_state(np.random.default_rng(0))
-    ckptfmt.save(state, tmp_path / "ckpt", step=7, fsync=False, chunk_bytes=512, shard_bytes=2048)
+    ckptfmt.save(
+        state,
+        tmp_path / "ckpt",
+        step=7,
+        write=WriteOptions(chunk_bytes=512, shard_bytes=2048, fsync=False),
+    )
     return tmp_path / "ckpt", state
 
 
@@ -91,7 +98,7 @@ def test_export_one_file_every_dtype_bit_exact(
     saved: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
     src, state = saved
-    report = export_safetensors(src, tmp_path / "hf", fsync=False)
+    report = export_safetensors(src, tmp_path / "hf", write=WriteOptions(fsync=False))
     assert report.files == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors"]
     model = state["model"]
@@ -125,7 +132,9 @@ def test_export_shards_index_and_stable_order(
     src, state = saved
     model = {k: np.asarray(v) for k, v in state["model"].items()}
     limit = 300
-    report = export_safetensors(src, tmp_path / "a", max_shard_size=limit, fsync=False)
+    report = export_safetensors(
+        src, tmp_path / "a", max_shard_size=limit, write=WriteOptions(fsync=False)
+    )
     names = sorted(os.listdir(tmp_path / "a"))
     shards = [n for n in names if n.endswith(".safetensors")]
     n = len(shards)
@@ -146,7 +155,7 @@ def test_export_shards_index_and_stable_order(
         for i in group:
             assert raw[keys[i]][2] == model[keys[i]].tobytes()
     # the same checkpoint exported again: the same bytes
-    export_safetensors(src, tmp_path / "b", max_shard_size=limit, fsync=False)
+    export_safetensors(src, tmp_path / "b", max_shard_size=limit, write=WriteOptions(fsync=False))
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     assert report.files == [*shards, "model.safetensors.index.json"]
@@ -155,7 +164,7 @@ def test_export_shards_index_and_stable_order(
 def test_every_tensor_is_aligned_to_its_itemsize(
     saved: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
-    export_safetensors(saved[0], tmp_path / "hf", fsync=False)
+    export_safetensors(saved[0], tmp_path / "hf", write=WriteOptions(fsync=False))
     blob = (tmp_path / "hf" / "model.safetensors").read_bytes()
     (n,) = struct.unpack_from("<Q", blob)
     assert (8 + n) % 8 == 0
@@ -184,7 +193,7 @@ def test_names_rows_rename_and_clashes(saved: tuple[Path, dict[str, Any]], tmp_p
         tmp_path / "a",
         rows=["model/layers.*", "optim/*"],
         renames=["layers.=model.layers."],
-        fsync=False,
+        write=WriteOptions(fsync=False),
     )
     assert r.names == {"model/layers.0.weight": "model.layers.0.weight", "optim/m": "optim.m"}
     got = stnp.load_file(tmp_path / "a" / "model.safetensors")
@@ -204,7 +213,7 @@ def test_names_rows_rename_and_clashes(saved: tuple[Path, dict[str, Any]], tmp_p
 
 def test_cast_floating_only(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     src, state = saved
-    r = export_safetensors(src, tmp_path / "a", dtype="bfloat16", fsync=False)
+    r = export_safetensors(src, tmp_path / "a", dtype="bfloat16", write=WriteOptions(fsync=False))
     raw = raw_file(tmp_path / "a" / "model.safetensors")
     model = state["model"]
     for k, v in model.items():
@@ -230,7 +239,11 @@ def test_cast_floating_only(saved: tuple[Path, dict[str, Any]], tmp_path: Path) 
 
 
 def test_complex128_is_refused(tmp_path: Path) -> None:
-    ckptfmt.save({"model": {"c": np.zeros(3, np.complex128)}}, tmp_path / "ck", fsync=False)
+    ckptfmt.save(
+        {"model": {"c": np.zeros(3, np.complex128)}},
+        tmp_path / "ck",
+        write=WriteOptions(fsync=False),
+    )
     with pytest.raises(UnsupportedDtypeError):
         export_safetensors(tmp_path / "ck", tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
@@ -259,12 +272,14 @@ def test_export_streams_within_about_one_shard(tmp_path: Path) -> None:
     large as the checkpoint (the control) shows the measure sees the difference."""
     rng = np.random.default_rng(1)
     state = {"model": {f"w{i}": random_array(rng, np.float32, (256, 1024)) for i in range(48)}}
-    ckptfmt.save(state, tmp_path / "ck", fsync=False)
+    ckptfmt.save(state, tmp_path / "ck", write=WriteOptions(fsync=False))
     del state
     src = tmp_path / "ck"
 
     def export(out: str, **kw: Any) -> Any:
-        return lambda: export_safetensors(src, tmp_path / out, fsync=False, **kw)
+        return lambda: export_safetensors(
+            src, tmp_path / out, write=WriteOptions(fsync=False), **kw
+        )
 
     grew = _peak_rss_growth(export("a", max_shard_size="4MiB"))
     assert len(os.listdir(tmp_path / "a")) == 12 + 1
@@ -289,24 +304,30 @@ def test_export_is_atomic(saved: tuple[Path, dict[str, Any]], tmp_path: Path) ->
     out = tmp_path / "out"
     calls = []
 
-    def boom(n: int) -> None:
-        calls.append(n)
+    real = export_module._OutFile.release
+
+    def boom(self: Any, key: int) -> None:  # the third tensor written: the disk fills up
+        calls.append(key)
+        real(self, key)
         if len(calls) == 3:
             raise OSError("disk full (injected)")
 
-    with pytest.raises(OSError, match="injected"):
-        export_safetensors(src, out, max_shard_size=3000, progress=boom, fsync=False)
-    assert not out.exists() and leftovers(tmp_path) == []
-    export_safetensors(src, out, fsync=False)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError, match="injected"):
+        mp.setattr(export_module._OutFile, "release", boom)
+        export_safetensors(src, out, max_shard_size=3000, write=WriteOptions(fsync=False))
+    assert len(calls) >= 3 and not out.exists() and leftovers(tmp_path) == []
+    export_safetensors(src, out, write=WriteOptions(fsync=False))
     before = tree(out)
     with pytest.raises(DestinationExistsError):
         export_safetensors(src, out)
     assert tree(out) == before
     (out / "config.json").write_text("{}")  # not ours: never replaced
     with pytest.raises(DestinationExistsError, match=r"config\.json"):
-        export_safetensors(src, out, overwrite=True)
+        export_safetensors(src, out, write=WriteOptions(overwrite=True))
     (out / "config.json").unlink()
-    export_safetensors(src, out, max_shard_size=3000, overwrite=True, fsync=False)
+    export_safetensors(
+        src, out, max_shard_size=3000, write=WriteOptions(fsync=False, overwrite=True)
+    )
     assert (out / "model.safetensors.index.json").exists() and not (
         out / "model.safetensors"
     ).exists()
@@ -351,10 +372,10 @@ def check_whole(out: Path, size: int = 4) -> None:
 def test_export_of_four_ranks_level3_and_level1(four: tuple[Path, str], tmp_path: Path) -> None:
     root, template = four
     merged = merge(root, NODES4, tmp_path / "l3")
-    export_safetensors(merged, tmp_path / "from3", fsync=False)
+    export_safetensors(merged, tmp_path / "from3", write=WriteOptions(fsync=False))
     check_whole(tmp_path / "from3")
     before = tree(root)
-    r = export_safetensors(template, tmp_path / "from1", fsync=False)
+    r = export_safetensors(template, tmp_path / "from1", write=WriteOptions(fsync=False))
     assert r.rebuilt_nodes == []
     check_whole(tmp_path / "from1")
     assert tree(root) == before
@@ -383,7 +404,7 @@ def test_export_rebuilds_a_corrupt_file_on_the_fly(four: tuple[Path, str], tmp_p
     manifest = parse_manifest((root / "n1" / "ckptfmt.json").read_bytes())
     flip(root / "n1" / member_files(manifest, 1)[0][1].path)  # sizes fine: found by its CRC
     before = tree(root)
-    r = export_safetensors(template, tmp_path / "hf", fsync=False)
+    r = export_safetensors(template, tmp_path / "hf", write=WriteOptions(fsync=False))
     assert r.rebuilt_nodes == ["n1"]
     check_whole(tmp_path / "hf")
     assert tree(root) == before
@@ -408,8 +429,8 @@ def test_export_beyond_the_redundancy_writes_nothing(
 
 def test_roundtrip_export_import(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     src, state = saved
-    export_safetensors(src, tmp_path / "hf", max_shard_size=300, fsync=False)
-    r = import_safetensors(tmp_path / "hf", tmp_path / "back", fsync=False)
+    export_safetensors(src, tmp_path / "hf", max_shard_size=300, write=WriteOptions(fsync=False))
+    r = import_safetensors(tmp_path / "hf", tmp_path / "back", write=WriteOptions(fsync=False))
     assert r.format == "hf" and len(r.files) > 2
     back = ckptfmt.load(tmp_path / "back")
     assert list(back) == ["model"]
@@ -502,9 +523,11 @@ def hf_dir(tmp_path: Path) -> Path:
     ckptfmt.save(
         {"model": {"a": np.arange(6, dtype=np.float32), "b": np.arange(3, dtype=np.int64)}},
         tmp_path / "ck",
-        fsync=False,
+        write=WriteOptions(fsync=False),
     )
-    export_safetensors(tmp_path / "ck", tmp_path / "hf", max_shard_size=20, fsync=False)
+    export_safetensors(
+        tmp_path / "ck", tmp_path / "hf", max_shard_size=20, write=WriteOptions(fsync=False)
+    )
     return tmp_path / "hf"
 
 
@@ -599,7 +622,9 @@ def test_import_with_the_layout_of_four_ranks(tmp_path: Path) -> None:
     assert manifest.world_size == 4 and [r.node for r in manifest.ranks] == ["n0", "n0", "n1", "n1"]
     for t in manifest.tensors():  # row blocks: every rank writes its own rows
         assert sorted({r.rank for r in t.regions}) == [0, 1, 2, 3]
-    export_safetensors(template, tmp_path / "hf", fsync=False)  # back out, from level 1
+    export_safetensors(
+        template, tmp_path / "hf", write=WriteOptions(fsync=False)
+    )  # back out, from level 1
     got = stnp.load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == sorted(tensors)
     for k, v in tensors.items():

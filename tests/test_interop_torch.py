@@ -24,6 +24,7 @@ from kit.cli import run_cli as run  # noqa: E402
 from kit.files import leftovers  # noqa: E402
 
 import ckptfmt  # noqa: E402
+from ckptfmt import WriteOptions  # noqa: E402
 from ckptfmt.errors import ForeignFormatError, PickleRefusedError  # noqa: E402
 from ckptfmt.interop import export_safetensors, import_safetensors  # noqa: E402
 
@@ -68,13 +69,15 @@ def saved(tmp_path: Path) -> tuple[Net, Path]:
     opt = torch.optim.Adam(net.parameters())
     net.fc2(net.norm(net.fc1(net.embed(torch.arange(6))))).sum().backward()
     opt.step()  # optimizer tensors in the checkpoint: not exported by default
-    ckptfmt_torch.save({"model": net, "optim": opt, "step": 3}, tmp_path / "ck", fsync=False)
+    ckptfmt_torch.save(
+        {"model": net, "optim": opt, "step": 3}, tmp_path / "ck", write=WriteOptions(fsync=False)
+    )
     return net, tmp_path / "ck"
 
 
 def test_export_gives_state_dict_names_and_bits(saved: tuple[Net, Path], tmp_path: Path) -> None:
     net, ck = saved
-    export_safetensors(ck, tmp_path / "hf", max_shard_size="2KB", fsync=False)
+    export_safetensors(ck, tmp_path / "hf", max_shard_size="2KB", write=WriteOptions(fsync=False))
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     got: dict[str, Any] = {}
     for file in dict.fromkeys(index["weight_map"].values()):
@@ -91,7 +94,7 @@ def test_cast_matches_tensor_to(saved: tuple[Net, Path], tmp_path: Path) -> None
     net, ck = saved
     for dtype, tdt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         out = tmp_path / dtype
-        r = export_safetensors(ck, out, dtype=dtype, fsync=False)
+        r = export_safetensors(ck, out, dtype=dtype, write=WriteOptions(fsync=False))
         got = sttorch.load_file(out / "model.safetensors")
         for k, v in net.state_dict().items():
             want = v.to(tdt) if v.is_floating_point() else v
@@ -108,7 +111,7 @@ def test_export_to_torch_save(saved: tuple[Net, Path], tmp_path: Path) -> None:
     same_state(sd, dict(net.state_dict()))
     assert leftovers(tmp_path) == []
     assert run("export", ck, tmp_path / "sd.pt", "--to", "torch").exit_code == ExitStatus.USAGE
-    r = export_torch(ck, tmp_path / "bf.pt", dtype="bfloat16", fsync=False)
+    r = export_torch(ck, tmp_path / "bf.pt", dtype="bfloat16", write=WriteOptions(fsync=False))
     assert r.not_cast == ["model/norm.num_batches_tracked"]
     bf = torch.load(tmp_path / "bf.pt", weights_only=True)
     want = {
@@ -120,7 +123,7 @@ def test_export_to_torch_save(saved: tuple[Net, Path], tmp_path: Path) -> None:
 def test_import_torch_save_loads_in_place(tmp_path: Path) -> None:
     net = trained(1)
     torch.save(net.state_dict(), tmp_path / "sd.pt")
-    r = import_torch(tmp_path / "sd.pt", tmp_path / "ck", fsync=False)
+    r = import_torch(tmp_path / "sd.pt", tmp_path / "ck", write=WriteOptions(fsync=False))
     assert r.format == "torch" and set(r.names.values()) == {f"model/{k}" for k in net.state_dict()}
     fresh = Net()
     ckptfmt_torch.load({"model": fresh}, tmp_path / "ck")
@@ -192,7 +195,7 @@ def test_import_hf_written_by_safetensors_torch(tmp_path: Path) -> None:
     same_state(dict(fresh.state_dict()), dict(net.state_dict()))
     assert ckptfmt.verify(tmp_path / "ck").healthy
     # and back out: the same bytes per tensor as the library wrote
-    export_safetensors(tmp_path / "ck", tmp_path / "again", fsync=False)
+    export_safetensors(tmp_path / "ck", tmp_path / "again", write=WriteOptions(fsync=False))
     same_state(
         {k: v for k, v in sttorch.load_file(tmp_path / "again" / "model.safetensors").items()},
         {k: sd[k] for k in sttorch.load_file(tmp_path / "again" / "model.safetensors")},
@@ -214,7 +217,7 @@ def test_hf_model_file_into_keras(tmp_path: Path) -> None:
     tnet = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     os.mkdir(tmp_path / "hf")
     sttorch.save_file(dict(tnet.state_dict()), tmp_path / "hf" / "model.safetensors")
-    import_safetensors(tmp_path / "hf", tmp_path / "ck", fsync=False)
+    import_safetensors(tmp_path / "hf", tmp_path / "ck", write=WriteOptions(fsync=False))
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(16, name="fc1"), keras.layers.Dense(4, name="fc2")],
         name="net",
@@ -229,7 +232,7 @@ def test_hf_model_file_into_keras(tmp_path: Path) -> None:
     def transpose(name: str, a: Any) -> Any:
         return np.ascontiguousarray(a.T) if name.endswith("/kernel") else a
 
-    ckptfmt_keras.load_variables(tmp_path / "ck", model, name_map=names, transform=transpose)
+    ckptfmt_keras.load_variables(model, tmp_path / "ck", name_map=names, transform=transpose)
     sd = tnet.state_dict()
     for i, layer in ((0, "fc1"), (2, "fc2")):
         kernel = np.asarray(model.get_layer(layer).kernel)

@@ -111,12 +111,13 @@ def test_save_load_bit_exact(tmp_path: Path) -> None:
     fill_special(model)
     fill_special(model.optimizer)
     want = arrays_of(model, model.optimizer)
-    ck.save(tmp_path / "c", model, counters={"epoch": 3, "step": 7}, step=11)
+    ck.save(model, tmp_path / "c", counters={"epoch": 3, "step": 7}, step=11)
 
     fresh = compiled(build())
     assert arrays_of(fresh) != {k: v for k, v in want.items() if k.startswith("m:")}
-    counters = ck.load(tmp_path / "c", fresh)
-    assert counters == {"epoch": 3, "step": 7}
+    manifest = ck.load(fresh, tmp_path / "c")
+    assert manifest.step == 11
+    assert manifest.values("counters") == {"epoch": 3, "step": 7}
     assert arrays_of(fresh, fresh.optimizer) == want
     names = set(ckptfmt.open(tmp_path / "c").keys())
     assert {
@@ -139,12 +140,12 @@ def test_mixed_precision_and_loss_scaling(tmp_path: Path, policy: str) -> None:
             opt = keras.optimizers.LossScaleOptimizer(opt)
         model = train(compiled(build(bf16=False), opt))
         want = arrays_of(model, model.optimizer)
-        ck.save(tmp_path / "c", model)
+        ck.save(model, tmp_path / "c")
         fresh_opt = keras.optimizers.SGD(0.1, momentum=0.9)
         if policy == "mixed_float16":
             fresh_opt = keras.optimizers.LossScaleOptimizer(fresh_opt)
         fresh = compiled(build(bf16=False), fresh_opt)
-        ck.load(tmp_path / "c", fresh)
+        ck.load(fresh, tmp_path / "c")
         assert arrays_of(fresh, fresh.optimizer) == want
         keys = set(ckptfmt.open(tmp_path / "c").keys())
         if policy == "mixed_float16":
@@ -163,13 +164,13 @@ def test_same_values_as_keras_own_files(tmp_path: Path) -> None:
     model = train(compiled(build(dropout=False)))
     model.save_weights(tmp_path / "w.weights.h5")
     model.save(tmp_path / "m.keras")
-    ck.save(tmp_path / "c", model)
+    ck.save(model, tmp_path / "c")
 
     by_keras = compiled(build(dropout=False))
     by_keras.optimizer.build(by_keras.trainable_variables)  # else Keras skips its variables
     by_keras.load_weights(tmp_path / "w.weights.h5")
     by_ckptfmt = compiled(build(dropout=False))
-    ck.load(tmp_path / "c", by_ckptfmt)
+    ck.load(by_ckptfmt, tmp_path / "c")
     want = arrays_of(model, model.optimizer)
     assert arrays_of(by_ckptfmt, by_ckptfmt.optimizer) == want
     assert arrays_of(by_keras, by_keras.optimizer) == want
@@ -220,7 +221,7 @@ def test_tf_module_and_plain_variables(tmp_path: Path) -> None:
 
     net = Net()
     net.blocks[1].b.assign(tf.constant(BF16_SPECIAL[:4]))
-    ck.save_variables(tmp_path / "m", net)
+    ck.save_variables(net, tmp_path / "m")
     assert set(ck.to_arrays(net)) == {
         "blocks/0/b",
         "blocks/0/w",
@@ -230,7 +231,7 @@ def test_tf_module_and_plain_variables(tmp_path: Path) -> None:
         "steps",
     }
     other = Net()
-    ck.load_variables(tmp_path / "m", other)
+    ck.load_variables(other, tmp_path / "m")
     assert arrays_of(other) == arrays_of(net)
 
     # a custom training loop with the core's manager (what the package docstring shows)
@@ -255,7 +256,7 @@ def test_opens_without_tensorflow(tmp_path: Path) -> None:
     """A Keras checkpoint is plain arrays: ckptfmt.open and zarr read it in a process that never
     imports TensorFlow or Keras, bfloat16 included."""
     model = train(compiled(build()))
-    ck.save(tmp_path / "c", model)
+    ck.save(model, tmp_path / "c")
     want = {
         f"{prefix}/{n}": hashlib.sha256(a.tobytes()).hexdigest()
         for prefix, obj in (("model", model), ("optimizer", model.optimizer))
@@ -469,7 +470,7 @@ def test_fit_resumes_mid_epoch_bit_exact(
             save_freq=save_freq,
             delete_checkpoint=delete,
             dataset=data if data_kind == "resumable" else None,
-            fsync=False,
+            write=WriteOptions(fsync=False),
         )
         cbs = [cb] + ([Crash(crash)] if crash else [])
         if data_kind == "resumable":

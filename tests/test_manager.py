@@ -26,10 +26,6 @@ def test_async_save_snapshots_the_state_at_save_time(tmp_path: Path) -> None:
     mgr = manager(tmp_path, flush_every=2)
     s = state(1)
     expected = s["w"].copy()
-    mgr.delete(2, levels=[1])
-    newest = mgr.latest()  # a StepRef: where this rank sees the newest step, else level 3
-    assert newest is not None and newest == (2, tmp_path / "l3" / step_dir_name(2))
-    assert (newest.step, newest.path) == tuple(newest)
     mgr.save(1, s)
     s["w"] += 100  # the training loop goes on at once
     mgr.save(2, s)
@@ -39,6 +35,10 @@ def test_async_save_snapshots_the_state_at_save_time(tmp_path: Path) -> None:
     assert one["w"].tobytes() == expected.tobytes()
     assert ckptfmt.verify(tmp_path / "l3" / step_dir_name(2)).healthy  # the 2nd save flushed
     assert not (tmp_path / "l3" / step_dir_name(1)).exists()
+    mgr.delete(2, levels=[1])
+    newest = mgr.latest()  # a StepRef: where this rank sees the newest step, else level 3
+    assert newest is not None and newest == (2, tmp_path / "l3" / step_dir_name(2))
+    assert (newest.step, newest.path) == tuple(newest)
     mgr.close()
 
 

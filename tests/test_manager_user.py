@@ -327,11 +327,6 @@ def json_roundtrips(doc: dict) -> bool:
 
 def _fail_once(exc: Exception, at: str = "written") -> Any:
     """A manager's ``fault`` hook raising ``exc`` at the first ``at`` point of a save."""
-
-def test_a_level_1_that_cannot_be_written_falls_back_to_level_3(tmp_path: Path) -> None:
-    """A storage failure (an ``OSError``) while writing level 1 sends the step to level 3,
-    bit for bit, with a notice instead of a failure."""
-    fault = _fail_once(OSError(28, "No space left on device (injected)"))
     armed = {"on": True}
 
     def fault(point: str) -> None:
@@ -341,6 +336,11 @@ def test_a_level_1_that_cannot_be_written_falls_back_to_level_3(tmp_path: Path) 
 
     return fault
 
+
+def test_a_level_1_that_cannot_be_written_falls_back_to_level_3(tmp_path: Path) -> None:
+    """A storage failure (an ``OSError``) while writing level 1 sends the step to level 3,
+    bit for bit, with a notice instead of a failure."""
+    fault = _fail_once(OSError(28, "No space left on device (injected)"))
     mgr = _mgr(tmp_path, fault=fault, flush_every=100)
     mgr.save(4, _state(4))
     with pytest.warns(UserWarning, match="step 4 failed, so it was written to level 3"):

@@ -85,7 +85,7 @@ def state() -> dict[str, object]:
 def test_save_and_load_count_their_bytes(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     committed = Recorder(lambda: (path / "ckptfmt.json").exists())
-    manifest = ckptfmt.save(state(), path, progress=committed, **GRID)
+    manifest = ckptfmt.save(state(), path, progress=committed, write=WriteOptions(**GRID))
     last = committed.check("save")
     assert last.total == sum(f.size for _, f in manifest.files())  # the data files written
     assert committed.probes[-1] is True and not any(committed.probes[:-1])
@@ -100,7 +100,7 @@ def test_rebuild_checks_then_adds_the_rebuild_once(tmp_path: Path) -> None:
     template = save_level1(tmp_path / "ckpt", "xor", NODES4, set_size=4)
     shutil.rmtree(tmp_path / "ckpt" / "n2")
     back = Recorder(lambda: (tmp_path / "ckpt" / "n2" / "ckptfmt.json").exists())
-    report = rebuild(template, fsync=False, progress=back)
+    report = rebuild(template, write=WriteOptions(fsync=False), progress=back)
     assert report.recreated and report.lost_data == [2]
     back.check("rebuild", fixed_total=False)
     phases = [p.phase for p in back.events]
@@ -111,7 +111,7 @@ def test_rebuild_checks_then_adds_the_rebuild_once(tmp_path: Path) -> None:
     assert back.probes[-1] is True and not any(back.probes[:-1])  # full once n2 is committed
 
     healthy = Recorder()
-    rebuild(template, fsync=False, progress=healthy)
+    rebuild(template, write=WriteOptions(fsync=False), progress=healthy)
     assert {p.phase for p in healthy.events} == {"check"}
     healthy.check("rebuild")
 
@@ -150,7 +150,7 @@ def test_a_failing_callback_is_dropped_and_the_operation_goes_on(tmp_path: Path)
         calls.append(p)
         raise RuntimeError("the user's bar broke")
 
-    ckptfmt.save(state(), tmp_path / "ckpt", progress=boom, **GRID)
+    ckptfmt.save(state(), tmp_path / "ckpt", progress=boom, write=WriteOptions(**GRID))
     assert len(calls) == 1
     assert ckptfmt.verify(tmp_path / "ckpt").healthy
 

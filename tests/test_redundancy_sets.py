@@ -30,6 +30,7 @@ from kit.level1 import NODES4, NODES8, merge, save_level1, whole
 from test_redundancy import ref_inv, ref_mul, ref_solve
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.errors import CkptError, UnrecoverableDamageError
 from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.manifest.codec import parse_manifest
@@ -334,11 +335,11 @@ def test_repair_replaces_corrupt_data_and_parity(red: object, tmp_path: Path) ->
     assert not ckptfmt.verify(template).healthy
 
     before = tree(root)
-    dry = rebuild(template, fsync=False, dry_run=True)
+    dry = rebuild(template, write=WriteOptions(fsync=False), dry_run=True)
     assert dry.lost_data == [2] and dry.lost_parity == [7] and dry.recreated == []
     assert tree(root) == before  # a dry run writes nothing
 
-    report = rebuild(template, fsync=False)
+    report = rebuild(template, write=WriteOptions(fsync=False))
     assert report.lost_data == [2] and report.lost_parity == [7]
     assert report.lost_nodes == ["n1", "n3"] and report.recreated == []
     assert sorted(report.files_written) == sorted(
@@ -346,7 +347,7 @@ def test_repair_replaces_corrupt_data_and_parity(red: object, tmp_path: Path) ->
     )
     assert _files(root) == healthy  # bit for bit what the save wrote, nothing else
     assert ckptfmt.verify(template).healthy
-    assert not rebuild(template, fsync=False).repaired
+    assert not rebuild(template, write=WriteOptions(fsync=False)).repaired
 
 
 @pytest.mark.parametrize("red", SCHEMES, ids=["partner", "xor", "rs2"])
@@ -363,7 +364,7 @@ def test_repair_of_every_lost_node_and_one_more(red: object, tmp_path: Path) -> 
     for lost in itertools.combinations(NODES4, 2 if rs else 1):
         for node in lost:
             shutil.rmtree(root / node)
-        report = rebuild(template, fsync=False)
+        report = rebuild(template, write=WriteOptions(fsync=False))
         assert sorted(Path(d).name for d in report.recreated) == list(lost)
         assert _files(root) == healthy, lost
     beyond = [("n0", "n1", "n2")] if rs else [("n1", "n2")] if red == "partner" else [("n0", "n3")]
@@ -372,7 +373,7 @@ def test_repair_of_every_lost_node_and_one_more(red: object, tmp_path: Path) -> 
             shutil.rmtree(root / node)
         before = _files(root)
         with pytest.raises(UnrecoverableDamageError) as exc:
-            rebuild(template, fsync=False)
+            rebuild(template, write=WriteOptions(fsync=False))
         assert set(exc.value.nodes) <= set(lost) and exc.value.lost_ranks
         assert exc.value.tensors
         assert _files(root) == before
@@ -387,7 +388,7 @@ def test_rebuilt_node_loads_as_saved(red: object, tmp_path: Path) -> None:
     root = tmp_path / "l1"
     template = save_level1(root, red, NODES8, seed=4)
     shutil.rmtree(root / "n2")
-    rebuild(template, fsync=False)
+    rebuild(template, write=WriteOptions(fsync=False))
     state = ckptfmt.load(merge(root, NODES8, tmp_path / "all"))
     for name, want in whole(len(NODES8), seed=4).items():
         got = state
@@ -405,7 +406,7 @@ def test_repair_reads_one_directory_holding_every_node(tmp_path: Path) -> None:
     manifest = parse_manifest((one / "ckptfmt.json").read_bytes())
     victim = member_files(manifest, 5)[0][1].path
     (one / victim).unlink()
-    report = rebuild(one, fsync=False)
+    report = rebuild(one, write=WriteOptions(fsync=False))
     assert report.lost_data == [5] and report.lost_parity == []
     assert _files(one) == healthy
     assert ckptfmt.verify(one).healthy

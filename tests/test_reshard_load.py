@@ -24,12 +24,11 @@ from kit.reshard import ROWS, full_state, needed, per_rank_extra, rows_of, save
 from kit.worker import node_of
 
 from ckptfmt.container.reader import read_manifest
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import PerRankError, PerRankWarning, UsageError
 from ckptfmt.format.chunk_reads import ReadLog, record_reads
 from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
 from ckptfmt.plan.options import ReadOptions
-from ckptfmt.errors import PerRankError, PerRankWarning
 from ckptfmt.transport.threads import run_threads
 
 

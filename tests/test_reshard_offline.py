@@ -25,11 +25,10 @@ from kit.files import leftovers
 from kit.reshard import ROWS, full_state, per_rank_extra, rows_of, save
 
 import ckptfmt
-from ckptfmt import WriteOptions
+from ckptfmt import ReadOptions, WriteOptions
 from ckptfmt.container.reader import read_manifest
-from ckptfmt.errors import ChecksumError, DamagedError, DestinationExistsError
+from ckptfmt.errors import ChecksumError, DamagedError, DestinationExistsError, PerRankError
 from ckptfmt.maintenance.reshard import reshard
-from ckptfmt.errors import PerRankError
 
 GRID = {"chunk_bytes": 1 << 10, "shard_bytes": 8 << 10, "fsync": False}
 WRITE = WriteOptions(**GRID)  # reshard takes the save's options object
@@ -139,7 +138,8 @@ def test_per_rank_entries_follow_the_rules(tmp_path: Path) -> None:
         reshard(src, tmp_path / "dst", 2, write=WRITE)
     assert set(exc.value.entries) == {"rng", "loader"}
     assert not (tmp_path / "dst").exists()
-    rep = reshard(src, tmp_path / "dst", 2, rank_map={3: 0, 1: 1}, per_rank="drop", write=WRITE)
+    read = ReadOptions(rank_map={3: 0, 1: 1}, per_rank="drop")
+    rep = reshard(src, tmp_path / "dst", 2, read=read, write=WRITE)
     assert rep.warning is not None and "saved rank(s) 0, 2 are not carried over" in rep.warning
     got = check_equal(tmp_path / "dst")
     assert np.array_equal(got["rng"], np.stack([per_rank_extra(3)["rng"].value,
@@ -148,7 +148,8 @@ def test_per_rank_entries_follow_the_rules(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "dst")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the rewrite reports, it does not warn
-        rep = reshard(src, tmp_path / "dst", 6, rank_map="identity", per_rank="drop", write=WRITE)
+        read = ReadOptions(rank_map="identity", per_rank="drop")
+        rep = reshard(src, tmp_path / "dst", 6, read=read, write=WRITE)
     assert rep.dropped == ["rng", "loader"] and "current rank(s) 4, 5 get none" in (
         rep.warning or ""
     )

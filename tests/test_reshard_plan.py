@@ -27,9 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import PerRankError, UsageError
 from ckptfmt.plan.ownership import Holding, make_plan
-from ckptfmt.errors import PerRankError
 from ckptfmt.plan.per_rank import resolve, sources
 from ckptfmt.plan.reads import Layout, SavedRegion, plan_reads
 from ckptfmt.plan.route import route

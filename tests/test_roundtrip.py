@@ -27,6 +27,7 @@ from kit.files import manifest_doc, tree_snapshot, write_manifest
 from kit.guards import track_opens
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.dtypes import DTYPES
 from ckptfmt.errors import (
     CkptError,
@@ -38,7 +39,7 @@ from ckptfmt.errors import (
 )
 from ckptfmt.storage import commit
 
-SMALL = {"chunk_bytes": 24, "shard_bytes": 96, "fsync": False}
+SMALL = {"write": WriteOptions(chunk_bytes=24, shard_bytes=96, fsync=False)}
 
 
 def roundtrip(tmp_path: Path, state: dict[str, Any], **kw: Any) -> dict[str, Any]:
@@ -94,7 +95,7 @@ def test_zero_d_tensors(tmp_path: Path, name: str) -> None:
     while raw_bytes(arr) == b"\xa5" * arr.itemsize:
         arr = random_array(rng, DTYPES[name].numpy, ())
     root = tmp_path / "c"
-    ckptfmt.save({"s": arr}, root, fsync=False)
+    ckptfmt.save({"s": arr}, root, write=WriteOptions(fsync=False))
     _poison_small_buffers(arr.itemsize)
     got = ckptfmt.load(root)["s"]
     assert_bit_equal(got, arr)
@@ -113,7 +114,7 @@ def test_many_zero_d_tensors(tmp_path: Path) -> None:
     state = {
         f"{n}_{i}": random_array(rng, d.numpy, ()) for n, d in DTYPES.items() for i in range(3)
     }
-    got = roundtrip(tmp_path, state, fsync=False)
+    got = roundtrip(tmp_path, state, write=WriteOptions(fsync=False))
     assert_state_equal(got, state)
 
 
@@ -121,7 +122,9 @@ def test_many_zero_d_tensors(tmp_path: Path) -> None:
 def test_empty_tensors(tmp_path: Path, shape: tuple[int, ...]) -> None:
     arr = np.zeros(shape, dtype=ml_dtypes.bfloat16)
     root = tmp_path / "c"
-    ckptfmt.save({"e": arr, "f": np.zeros(shape, np.complex128)}, root, fsync=False)
+    ckptfmt.save(
+        {"e": arr, "f": np.zeros(shape, np.complex128)}, root, write=WriteOptions(fsync=False)
+    )
     got = ckptfmt.load(root)
     assert_bit_equal(got["e"], arr)
     assert_bit_equal(got["f"], np.zeros(shape, np.complex128))
@@ -168,7 +171,7 @@ def test_numpy_scalars_come_back_as_0d_arrays(tmp_path: Path) -> None:
         "e4m3": ml_dtypes.float8_e4m3fn(-2),
         "u8": np.uint8(255),
     }
-    got = roundtrip(tmp_path, scalars, fsync=False)
+    got = roundtrip(tmp_path, scalars, write=WriteOptions(fsync=False))
     for k, s in scalars.items():
         assert isinstance(got[k], np.ndarray) and got[k].shape == ()
         assert_bit_equal(got[k], np.asarray(s))
@@ -177,7 +180,7 @@ def test_numpy_scalars_come_back_as_0d_arrays(tmp_path: Path) -> None:
 def test_padded_edges_and_multi_axis_shards(tmp_path: Path) -> None:
     arr = random_array(np.random.default_rng(8), np.float32, (7, 5, 3))
     root = tmp_path / "c"
-    ckptfmt.save({"w": arr}, root, chunk_bytes=8, shard_bytes=16, fsync=False)
+    ckptfmt.save({"w": arr}, root, write=WriteOptions(chunk_bytes=8, shard_bytes=16, fsync=False))
     e = tensor_entry(root, "w")
     files = [f["path"] for r in e["regions"] for f in r["files"]]
     cells = [tuple(int(x) for x in p.split("/c/")[1].split("/")) for p in files]
@@ -192,7 +195,7 @@ def test_padded_edges_and_multi_axis_shards(tmp_path: Path) -> None:
 def test_row_bigger_than_a_chunk(tmp_path: Path) -> None:
     arr = random_array(np.random.default_rng(9), np.float64, (3, 100))
     root = tmp_path / "c"
-    ckptfmt.save({"w": arr}, root, chunk_bytes=64, shard_bytes=256, fsync=False)
+    ckptfmt.save({"w": arr}, root, write=WriteOptions(chunk_bytes=64, shard_bytes=256, fsync=False))
     e = tensor_entry(root, "w")
     assert e["chunk_shape"][0] == 1 and e["chunk_shape"][1] < 100  # split axis 1
     assert_bit_equal(ckptfmt.load(root)["w"], arr)
@@ -203,7 +206,7 @@ def test_row_bigger_than_a_chunk(tmp_path: Path) -> None:
 def test_element_bigger_than_a_chunk(tmp_path: Path) -> None:
     arr = random_array(np.random.default_rng(10), np.complex128, (3, 4))
     root = tmp_path / "c"
-    ckptfmt.save({"w": arr}, root, chunk_bytes=4, shard_bytes=4, fsync=False)
+    ckptfmt.save({"w": arr}, root, write=WriteOptions(chunk_bytes=4, shard_bytes=4, fsync=False))
     assert tensor_entry(root, "w")["chunk_shape"] == [1, 1]
     assert_bit_equal(ckptfmt.load(root)["w"], arr)
 
@@ -219,14 +222,14 @@ def test_nested_and_empty_mappings(tmp_path: Path) -> None:
         "a": 1,
         "mixed": {"t": np.ones(2, np.int8), "v": "s", "e": {}},
     }
-    got = roundtrip(tmp_path, state, fsync=False)
+    got = roundtrip(tmp_path, state, write=WriteOptions(fsync=False))
     assert_state_equal(got, state)
     assert list(got) == ["z", "empty", "deep_empty", "a", "mixed"]
 
 
 def test_empty_state(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    ckptfmt.save({}, root, fsync=False)
+    ckptfmt.save({}, root, write=WriteOptions(fsync=False))
     assert ckptfmt.load(root) == {}
     assert ckptfmt.verify(root).healthy
 
@@ -260,7 +263,9 @@ VALUES: dict[str, Any] = {
 
 
 def test_values_roundtrip(tmp_path: Path) -> None:
-    got = roundtrip(tmp_path, {"v": VALUES, "top_nan": float("nan")}, fsync=False)
+    got = roundtrip(
+        tmp_path, {"v": VALUES, "top_nan": float("nan")}, write=WriteOptions(fsync=False)
+    )
     assert_value_equal(got["top_nan"], float("nan"))
     assert list(got["v"]) == list(VALUES)
     for k, want in VALUES.items():
@@ -285,21 +290,29 @@ def test_invalid_unicode_refused(tmp_path: Path, value: Any) -> None:
 def test_falsy_and_bool_top_level_values(tmp_path: Path, value: Any) -> None:
     """A leaf that is True/False/None (or another falsy value) comes back as itself, not as an
     empty mapping and not as an unreadable manifest."""
-    got = roundtrip(tmp_path, {"flag": value, "g": {"x": value}}, fsync=False)
+    got = roundtrip(tmp_path, {"flag": value, "g": {"x": value}}, write=WriteOptions(fsync=False))
     assert_value_equal(got["flag"], value)
     assert_value_equal(got["g"]["x"], value)
     assert ckptfmt.open(tmp_path / "rt")["flag"] == value
 
 
 def test_tuples_come_back_as_lists(tmp_path: Path) -> None:
-    got = roundtrip(tmp_path, {"t": (1, (2.5, "x"), ()), "d": [{"k": (1, (2,))}]}, fsync=False)
+    got = roundtrip(
+        tmp_path,
+        {"t": (1, (2.5, "x"), ()), "d": [{"k": (1, (2,))}]},
+        write=WriteOptions(fsync=False),
+    )
     assert got["t"] == [1, [2.5, "x"], []]
     assert got["d"] == [{"k": [1, [2]]}]
     assert type(got["d"][0]["k"][1]) is list
 
 
 def test_numpy_scalars_inside_values_become_python(tmp_path: Path) -> None:
-    got = roundtrip(tmp_path, {"v": [np.float32(0.5), np.int16(-4), np.bool_(False)]}, fsync=False)
+    got = roundtrip(
+        tmp_path,
+        {"v": [np.float32(0.5), np.int16(-4), np.bool_(False)]},
+        write=WriteOptions(fsync=False),
+    )
     assert_value_equal(got["v"], [0.5, -4, False])
 
 
@@ -355,7 +368,7 @@ def test_huge_int_value_refused_or_roundtrips(tmp_path: Path) -> None:
     root = tmp_path / "c"
     value = 10**5000
     try:
-        ckptfmt.save({"v": value}, root, fsync=False)
+        ckptfmt.save({"v": value}, root, write=WriteOptions(fsync=False))
     except CkptError:
         assert not root.exists() and list(tmp_path.iterdir()) == []
     else:
@@ -408,7 +421,11 @@ def test_roundtrip_property(
 ) -> None:
     root = tmp_path_factory.mktemp("prop") / "c"
     arr = random_array(np.random.default_rng(seed), DTYPES[dtype].numpy, shape)
-    ckptfmt.save({"t": arr}, root, chunk_bytes=chunk, shard_bytes=chunk * shard_factor, fsync=False)
+    ckptfmt.save(
+        {"t": arr},
+        root,
+        write=WriteOptions(chunk_bytes=chunk, shard_bytes=chunk * shard_factor, fsync=False),
+    )
     assert_bit_equal(ckptfmt.load(root)["t"], arr)
     assert_bit_equal(ckptfmt.open(root)["t"][...], arr)
     report = ckptfmt.verify(root)
@@ -488,7 +505,7 @@ SLICE_SHAPE = (5, 6, 7)
 def sliced_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
     arr = random_array(np.random.default_rng(11), ml_dtypes.bfloat16, SLICE_SHAPE)
     root = tmp_path_factory.mktemp("slice") / "c"
-    ckptfmt.save({"t": arr}, root, chunk_bytes=10, shard_bytes=40, fsync=False)
+    ckptfmt.save({"t": arr}, root, write=WriteOptions(chunk_bytes=10, shard_bytes=40, fsync=False))
     return root, arr
 
 
@@ -554,12 +571,14 @@ def dot_dirs(parent: Path) -> list[str]:
 
 def test_existing_checkpoint_needs_overwrite(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    ckptfmt.save({"a": np.arange(4), "old_only": 1}, root, fsync=False)
+    ckptfmt.save({"a": np.arange(4), "old_only": 1}, root, write=WriteOptions(fsync=False))
     before = tree_snapshot(root)
     with pytest.raises(DestinationExistsError):
-        ckptfmt.save({"a": np.zeros(2)}, root, fsync=False)
+        ckptfmt.save({"a": np.zeros(2)}, root, write=WriteOptions(fsync=False))
     assert tree_snapshot(root) == before
-    ckptfmt.save({"a": np.full(3, 9, np.int16)}, root, overwrite=True, fsync=False)
+    ckptfmt.save(
+        {"a": np.full(3, 9, np.int16)}, root, write=WriteOptions(fsync=False, overwrite=True)
+    )
     got = ckptfmt.load(root)
     assert list(got) == ["a"]
     assert_bit_equal(got["a"], np.full(3, 9, np.int16))
@@ -576,7 +595,7 @@ def test_foreign_directory_untouched(tmp_path: Path) -> None:
     before = tree_snapshot(root)
     for overwrite in (False, True):
         with pytest.raises(DestinationExistsError):
-            ckptfmt.save({"a": np.arange(3)}, root, overwrite=overwrite)
+            ckptfmt.save({"a": np.arange(3)}, root, write=WriteOptions(overwrite=overwrite))
         assert tree_snapshot(root) == before
     assert dot_dirs(tmp_path) == []
 
@@ -585,7 +604,7 @@ def test_destination_is_a_file(tmp_path: Path) -> None:
     f = tmp_path / "c"
     f.write_text("x")
     with pytest.raises(DestinationExistsError):
-        ckptfmt.save({"a": 1}, f, overwrite=True)
+        ckptfmt.save({"a": 1}, f, write=WriteOptions(overwrite=True))
     assert f.read_text() == "x"
     assert dot_dirs(tmp_path) == []
 
@@ -593,7 +612,7 @@ def test_destination_is_a_file(tmp_path: Path) -> None:
 def test_empty_existing_directory_is_fine(tmp_path: Path) -> None:
     root = tmp_path / "c"
     root.mkdir()
-    ckptfmt.save({"a": 1}, root, fsync=False)
+    ckptfmt.save({"a": 1}, root, write=WriteOptions(fsync=False))
     assert ckptfmt.load(root) == {"a": 1}
     assert dot_dirs(tmp_path) == []
 
@@ -609,10 +628,14 @@ def test_failing_save_leaves_nothing(tmp_path: Path) -> None:
 
 def test_failing_overwrite_keeps_old(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    ckptfmt.save({"a": np.arange(5)}, root, fsync=False)
+    ckptfmt.save({"a": np.arange(5)}, root, write=WriteOptions(fsync=False))
     before = tree_snapshot(root)
     with pytest.raises(CkptError):
-        ckptfmt.save({"a": np.zeros(2), "b": np.zeros(2, np.longdouble)}, root, overwrite=True)
+        ckptfmt.save(
+            {"a": np.zeros(2), "b": np.zeros(2, np.longdouble)},
+            root,
+            write=WriteOptions(overwrite=True),
+        )
     assert tree_snapshot(root) == before
     assert dot_dirs(tmp_path) == []
 
@@ -637,7 +660,9 @@ def test_failure_while_writing_removes_staging(
         monkeypatch.setattr(f"{mod}.write_gather", failing, raising=False)
     root = tmp_path / "c"
     with pytest.raises(CkptError):
-        ckptfmt.save(make_state(), root, chunk_bytes=64, shard_bytes=64, fsync=False)
+        ckptfmt.save(
+            make_state(), root, write=WriteOptions(chunk_bytes=64, shard_bytes=64, fsync=False)
+        )
     assert calls["n"] >= 5
     assert list(tmp_path.iterdir()) == []
 
@@ -649,11 +674,11 @@ def test_clean_leftovers(tmp_path: Path) -> None:
     (tmp_path / f".a.tmp-{sid}").mkdir()
     (tmp_path / f".a.tmp-{sid}" / "junk").write_text("x")
     # an overwrite that crashed between its two renames: x is missing, .x.old holds it
-    ckptfmt.save({"v": np.arange(3)}, tmp_path / "x", fsync=False)
+    ckptfmt.save({"v": np.arange(3)}, tmp_path / "x", write=WriteOptions(fsync=False))
     os.rename(tmp_path / "x", tmp_path / f".x.old-{sid2}")
     # a finished overwrite whose old copy was not yet removed
-    ckptfmt.save({"v": 1}, tmp_path / "y", fsync=False)
-    ckptfmt.save({"v": 2}, tmp_path / f".y.old-{sid}", fsync=False)
+    ckptfmt.save({"v": 1}, tmp_path / "y", write=WriteOptions(fsync=False))
+    ckptfmt.save({"v": 2}, tmp_path / f".y.old-{sid}", write=WriteOptions(fsync=False))
     # things that are not leftovers
     (tmp_path / ".hidden").mkdir()
     (tmp_path / f".z.tmp-{sid}").write_text("a file, not a staging dir")
@@ -713,14 +738,16 @@ def test_hostile_names_refused_at_save(tmp_path: Path, bad: Any, where: str) -> 
 @pytest.mark.parametrize("good", ["c", "zarr", "a.b", ".x", "x..y", "_x", "ключ", "𝄞", "x" * 255])
 def test_unusual_but_valid_names(tmp_path: Path, good: str) -> None:
     state = {good: np.arange(4, dtype=np.int8), "g": {good: {good: 1.5}}}
-    got = roundtrip(tmp_path, state, fsync=False)
+    got = roundtrip(tmp_path, state, write=WriteOptions(fsync=False))
     assert_state_equal(got, state)
     assert ckptfmt.verify(tmp_path / "rt").healthy
 
 
 def _saved_for_names(tmp_path: Path) -> Path:
     root = tmp_path / "c"
-    ckptfmt.save({"t": np.arange(6, dtype=np.int32), "v": 1, "g": {}}, root, fsync=False)
+    ckptfmt.save(
+        {"t": np.arange(6, dtype=np.int32), "v": 1, "g": {}}, root, write=WriteOptions(fsync=False)
+    )
     return root
 
 

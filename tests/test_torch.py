@@ -177,7 +177,7 @@ def test_statefuls_and_values_load_in_place(tmp_path: Path) -> None:
         "step": 0,
     }
     assert not opt2.state  # fresh: its state comes from the checkpoint alone
-    assert ckptfmt_torch.load(target, tmp_path / "c") == 3
+    assert ckptfmt_torch.load(target, tmp_path / "c").step == 3
     assert [p for p in model2.parameters()] == params  # the same parameters, loaded into
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
         assert same_bits(a, b)

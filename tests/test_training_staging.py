@@ -241,7 +241,6 @@ def test_result_times_out_while_the_save_waits(tmp_path: Path) -> None:
 torch = pytest.importorskip("torch")
 ckptfmt_torch = pytest.importorskip("ckptfmt_torch")
 from ckptfmt_torch.staging import TorchStager, save_async  # noqa: E402
-from ckptfmt_torch.staging import restore as torch_restore  # noqa: E402
 
 CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
@@ -290,7 +289,7 @@ def roundtrip(tmp_path: Path, device: str, background: bool) -> None:
     target = torch_state(2, device)  # other values: all overwritten in place
     keep = target["bf16"]
     fresh = manager(tmp_path)
-    assert torch_restore(fresh, target) == 5
+    assert ckptfmt_torch.restore(target, fresh).step == 5
     assert target["bf16"] is keep and target["bf16"].device.type == device
     assert_bit_exact(target, expected)
     assert target["count"] == 1
@@ -344,7 +343,7 @@ def test_map_location_places_tensors_only_the_checkpoint_has(tmp_path: Path) -> 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert torch_restore(fresh, target, map_location=where) == 1
+        assert ckptfmt_torch.restore(target, fresh, map_location=where).step == 1
     assert sorted(placed) == ["bf16", "f8", "nested/i64"]
     assert bits(target["bf16"]) == bits(torch_state(1)["bf16"])
     fresh.close()
@@ -383,7 +382,7 @@ def test_cuda_map_location_moves_new_tensors_to_the_device(tmp_path: Path) -> No
     target: dict[str, Any] = {"f32": torch.zeros(64, 64)}  # a CPU model loads a GPU checkpoint
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert torch_restore(fresh, target, map_location="cuda") == 1
+        assert ckptfmt_torch.restore(target, fresh, map_location="cuda").step == 1
     assert target["f32"].device.type == "cpu" and target["bf16"].device.type == "cuda"
     assert bits(target["bf16"]) == bits(torch_state(1)["bf16"])
     fresh.close()
@@ -419,7 +418,7 @@ def test_torch_staging_of_modules_optimizers_and_dtensors(tmp_path: Path) -> Non
         mgr.close()
         assert bits(model.weight) != want_w
         fresh = manager(tmp_path / "m")
-        assert torch_restore(fresh, {"model": model, "optim": opt, "d": d}) == 1
+        assert ckptfmt_torch.restore({"model": model, "optim": opt, "d": d}, fresh).step == 1
         fresh.close()
         assert bits(model.weight) == want_w
         assert bits(opt.state[model.weight]["exp_avg"]) == want_m

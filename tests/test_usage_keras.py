@@ -27,6 +27,7 @@ keras = pytest.importorskip("keras")
 import ckptfmt_keras as ck  # noqa: E402
 
 import ckptfmt  # noqa: E402
+from ckptfmt import WriteOptions  # noqa: E402
 from ckptfmt.errors import CastWarning  # noqa: E402
 
 pytestmark = pytest.mark.tf
@@ -92,11 +93,11 @@ def values(obj: Any) -> list[tuple[str, tuple[int, ...], bytes]]:
 
 def test_second_model_built_the_same_way_loads_the_first(tmp_path: Path) -> None:
     first = trained(compiled(unnamed(bf16=True)))
-    ck.save(tmp_path / "c", first, counters={"epoch": 1})
+    ck.save(first, tmp_path / "c", counters={"epoch": 1})
     second = compiled(unnamed(bf16=True))
     assert set(ck.to_arrays(second)).isdisjoint(ck.to_arrays(first))  # sequential_1/dense_2/...
     assert values(second) != values(first)
-    assert ck.load(tmp_path / "c", second) == {"epoch": 1}
+    assert ck.load(second, tmp_path / "c").values("counters") == {"epoch": 1}
     assert values(second) == values(first)
     assert values(second.optimizer) == values(first.optimizer)  # slots follow their variables
     # the same again through load_variables / assign of the model alone
@@ -107,22 +108,22 @@ def test_second_model_built_the_same_way_loads_the_first(tmp_path: Path) -> None
 
 def test_model_without_optimizer_says_it_skipped_it(tmp_path: Path) -> None:
     first = trained(compiled(unnamed()))
-    ck.save(tmp_path / "c", first)
+    ck.save(first, tmp_path / "c")
     bare = unnamed()  # not compiled: no optimizer to receive the state
     with pytest.warns(UserWarning, match="optimizer state was skipped"):
-        ck.load(tmp_path / "c", bare)
+        ck.load(bare, tmp_path / "c")
     assert values(bare) == values(first)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ck.load(tmp_path / "c", unnamed(), optimizer=None)  # asked for: no warning
+        ck.load(unnamed(), tmp_path / "c", optimizer=None)  # asked for: no warning
 
 
 def test_optimizer_not_built_yet_is_built_and_loaded(tmp_path: Path) -> None:
     first = trained(compiled(unnamed()))
-    ck.save(tmp_path / "c", first)
+    ck.save(first, tmp_path / "c")
     second = compiled(unnamed())
     assert not second.optimizer.built
-    ck.load(tmp_path / "c", second)
+    ck.load(second, tmp_path / "c")
     assert second.optimizer.built
     assert values(second.optimizer) == values(first.optimizer)
 
@@ -132,19 +133,19 @@ def test_optimizer_not_built_yet_is_built_and_loaded(tmp_path: Path) -> None:
 
 def test_failed_optimizer_load_leaves_the_model_untouched(tmp_path: Path) -> None:
     first = trained(compiled(named()))
-    ck.save(tmp_path / "c", first)
+    ck.save(first, tmp_path / "c")
     # an SGD with momentum has other slots than the Adam that saved: the optimizer part fails
     second = trained(compiled(named(), keras.optimizers.SGD(0.1, momentum=0.9)))
     model_before, opt_before = values(second), values(second.optimizer)
     with pytest.raises(ck.StateMismatchError):
-        ck.load(tmp_path / "c", second)
+        ck.load(second, tmp_path / "c")
     assert values(second) == model_before, "the model was written before the optimizer failed"
     assert values(second.optimizer) == opt_before
 
 
 def test_failed_model_load_leaves_everything_untouched(tmp_path: Path) -> None:
     first = trained(compiled(unnamed()))
-    ck.save(tmp_path / "c", first)
+    ck.save(first, tmp_path / "c")
     keras.utils.set_random_seed(2)
     layers = [keras.layers.Dense(16), keras.layers.Dropout(0.2), keras.layers.Dense(5)]  # not 6
     other = compiled(keras.Sequential([keras.Input((8,)), *layers]))
@@ -153,7 +154,7 @@ def test_failed_model_load_leaves_everything_untouched(tmp_path: Path) -> None:
         ck.StateMismatchError,
         match=r"float32\[16, 5\] in the variables, float32\[16, 6\] in the arrays",
     ):
-        ck.load(tmp_path / "c", other)
+        ck.load(other, tmp_path / "c")
     assert values(other) == before
 
 
@@ -162,18 +163,18 @@ def test_failed_model_load_leaves_everything_untouched(tmp_path: Path) -> None:
 
 def test_dtype_mismatch_refused_unless_cast(tmp_path: Path) -> None:
     first = trained(compiled(unnamed(bf16=False)))  # float32 everywhere
-    ck.save(tmp_path / "c", first, optimizer=None)
+    ck.save(first, tmp_path / "c", optimizer=None)
     second = unnamed(bf16=True)  # the output layer is bfloat16
     before = values(second)
     with pytest.raises(ck.StateMismatchError, match='cast="safe"') as exc:
-        ck.load(tmp_path / "c", second, optimizer=None)
+        ck.load(second, tmp_path / "c", optimizer=None)
     assert len(exc.value.mismatched) == 2  # the bfloat16 layer's kernel and bias
     assert values(second) == before
     with pytest.raises(ck.StateMismatchError):  # float32 -> bfloat16 rounds: not safe
-        ck.load(tmp_path / "c", second, optimizer=None, cast="safe")
+        ck.load(second, tmp_path / "c", optimizer=None, cast="safe")
     assert values(second) == before
     with pytest.warns(CastWarning) as rec:
-        ck.load(tmp_path / "c", second, optimizer=None, cast="any")
+        ck.load(second, tmp_path / "c", optimizer=None, cast="any")
     casts = [c for r in rec if isinstance(r.message, CastWarning) for c in r.message.casts]
     assert sorted((c.saved, c.target) for c in casts) == [("float32", "bfloat16")] * 2
     want = [
@@ -185,10 +186,10 @@ def test_dtype_mismatch_refused_unless_cast(tmp_path: Path) -> None:
 
 def test_safe_cast_bfloat16_into_float32_is_exact(tmp_path: Path) -> None:
     first = trained(compiled(unnamed(bf16=True)))
-    ck.save(tmp_path / "c", first, optimizer=None)
+    ck.save(first, tmp_path / "c", optimizer=None)
     second = unnamed(bf16=False)
     with pytest.warns(CastWarning):
-        ck.load(tmp_path / "c", second, optimizer=None, cast="safe")
+        ck.load(second, tmp_path / "c", optimizer=None, cast="safe")
     for a, b in zip(ck.to_arrays(first).values(), ck.to_arrays(second).values()):
         assert b.astype(a.dtype).tobytes() == a.tobytes()
 
@@ -244,7 +245,9 @@ def test_resume_after_an_epochs_last_batch_reports_like_the_uninterrupted_run(
     def run(root: Path, crash: int | None = None) -> tuple[Any, Any, Any, BatchLogs]:
         model = compiled(named())  # names given: only the epoch's end is under test here
         data = ck.ResumableDataset(x, y, batch_size=8, seed=5)
-        cb = ck.BackupAndRestore(root, save_freq=save_freq, dataset=data, fsync=False)
+        cb = ck.BackupAndRestore(
+            root, save_freq=save_freq, dataset=data, write=WriteOptions(fsync=False)
+        )
         logs = BatchLogs()
         cbs = [cb, logs] + ([Crash(crash)] if crash else [])
         h = model.fit(data.tf_dataset(), epochs=epochs, verbose=0, callbacks=cbs)

@@ -23,12 +23,12 @@ from ckptfmt_torch import TrainingState  # noqa: E402
 import ckptfmt  # noqa: E402
 from ckptfmt import WriteOptions  # noqa: E402
 from ckptfmt.errors import (  # noqa: E402
+    CastWarning,
     DtypeMismatchError,
     UnsupportedValueError,
     UrlNotSupportedError,
     UsageError,
 )
-from ckptfmt.errors import CastWarning  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -198,10 +198,10 @@ def test_manager_restore_is_all_or_nothing(tmp_path: Path) -> None:
     mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1")
     try:
         with pytest.raises(DtypeMismatchError):
-            ckptfmt_torch.restore(mgr, {"a": a, "b": b})
+            ckptfmt_torch.restore({"a": a, "b": b}, mgr)
         assert (raw(a), raw(b)) == before  # the manager never wrote into the tensors either
         with pytest.warns(CastWarning):
-            assert ckptfmt_torch.restore(mgr, {"a": a, "b": b}, cast="any") == 3
+            assert ckptfmt_torch.restore({"a": a, "b": b}, mgr, cast="any").step == 3
         assert raw(a) == raw(torch.arange(4.0)) and raw(b) == raw(
             torch.ones(2, dtype=torch.float16)
         )
@@ -271,7 +271,7 @@ def test_into_reads_straight_into_the_tensors(tmp_path: Path, api: str) -> None:
         if api == "restore":
             mgr = ckptfmt.CheckpointManager(local_dir=tmp_path / "l1", write=write)
             try:
-                peaks[into] = _peak(lambda m=mgr, d=sd, i=into: ckptfmt_torch.restore(m, d, into=i))
+                peaks[into] = _peak(lambda m=mgr, d=sd, i=into: ckptfmt_torch.restore(d, m, into=i))
             finally:
                 mgr.close(flush=False)
         else:
@@ -367,7 +367,8 @@ def test_training_state_loads_a_reshard_that_dropped_per_rank_state(tmp_path: Pa
     ts = TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
     ts.counters["step"] = 7
     ckptfmt_torch.save({"train": ts}, tmp_path / "src", step=7)
-    rep = reshard(tmp_path / "src", tmp_path / "dst", 2, rank_map="identity", per_rank="drop")
+    read = ckptfmt.ReadOptions(rank_map="identity", per_rank="drop")
+    rep = reshard(tmp_path / "src", tmp_path / "dst", 2, read=read)
     assert rep.warning is not None and "left out for all 2 new rank(s)" in rep.warning
     assert set(rep.dropped) >= {"train/rng/torch", "train/data"}, rep.dropped
     model2 = torch.nn.Linear(3, 2)
@@ -377,6 +378,6 @@ def test_training_state_loads_a_reshard_that_dropped_per_rank_state(tmp_path: Pa
         sampler=ResumableSampler(10, shuffle=True, seed=1),
     )
     with pytest.warns(UserWarning, match=r"no per-rank 'rng'.*and no 'data'"):
-        assert ckptfmt_torch.load({"train": ts2}, tmp_path / "dst") == 7
+        assert ckptfmt_torch.load({"train": ts2}, tmp_path / "dst").step == 7
     assert ts2.counters == {"step": 7}
     assert raw(model2.weight) == raw(model.weight) and raw(model2.bias) == raw(model.bias)

@@ -16,6 +16,7 @@ import pytest
 from kit.arrays import iter_tensors, make_state, raw_bytes
 
 import ckptfmt
+from ckptfmt import WriteOptions
 from ckptfmt.dtypes import of_array
 
 READER = textwrap.dedent(
@@ -70,7 +71,7 @@ def ckpt(
 ) -> tuple[Path, dict[str, np.ndarray]]:
     state = make_state(3)
     root = tmp_path_factory.mktemp("interop") / "c"
-    ckptfmt.save(state, root, fsync=False, **GRIDS[request.param])
+    ckptfmt.save(state, root, write=WriteOptions(fsync=False, **GRIDS[request.param]))
     return root, dict(iter_tensors(state))
 
 
@@ -130,7 +131,7 @@ def test_zarr_python_reads_zero_d_and_empty(tmp_path: Path) -> None:
         "empty": np.zeros((0, 4), np.int64),
         "empty3": np.zeros((2, 0, 1), np.complex64),
     }
-    ckptfmt.save(state, root, fsync=False)
+    ckptfmt.save(state, root, write=WriteOptions(fsync=False))
     got = zarr_read(tmp_path, root)
     assert sorted(got) == sorted(state)
     for name, arr in state.items():
