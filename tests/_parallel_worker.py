@@ -281,7 +281,7 @@ class Audit:
 
 
 def make_manager(comm: Any, task: dict[str, Any], node: str, fault: Any = None) -> Any:
-    from ckptfmt import CheckpointManager
+    from ckptfmt import CheckpointManager, WriteOptions
 
     root = task["root"]
     grid = (
@@ -298,7 +298,7 @@ def make_manager(comm: Any, task: dict[str, Any], node: str, fault: Any = None) 
         on_error="raise",
         fault=fault,
         redundancy=task.get("redundancy"),
-        **grid,
+        write=WriteOptions(**grid),
     )
 
 
