@@ -1,3 +1,3 @@
 """The package version (also written into every manifest's writer record)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
