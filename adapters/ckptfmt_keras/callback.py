@@ -65,6 +65,7 @@ from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
 from ckptfmt.plan import ReadOptions
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
+from ckptfmt_keras import backend
 from ckptfmt_keras.checkpoint import from_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
 from ckptfmt_keras.parallel import (
@@ -147,6 +148,9 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._epoch = self._step = self._global = 0
         self._resume: tuple[int, int] | None = None  # (epoch, batches to pass over)
         self._pending_metrics: dict[str, Any] | None = None
+        self._pending_rng: Any = None  # the saved torch global random state, until it is due
+        self._resume_logs: dict[str, Any] = {}
+        self._save_at_epoch_end = False
         self._set_initial_epoch = False
 
     @property
@@ -179,7 +183,8 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             stale.close(flush=False)
         self.manager = _OPEN[key] = CheckpointManager(**self._manager_options)
         self._epoch = self._step = self._global = 0
-        self._resume, self._pending_metrics = None, None
+        self._resume, self._pending_metrics, self._pending_rng = None, None, None
+        self._resume_logs, self._save_at_epoch_end = {}, False
         report = self.manager.restore(read=self.read)
         self.last_restore = report
         if not report.restored:
@@ -196,6 +201,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             # start (as the uninterrupted run went on), not in an epoch of batches passed over
             counters = {**counters, "epoch": counters["epoch"] + 1, "step": 0}
         self.restored_counters = counters
+        self._pending_rng = _saved_rng(state)
         self._epoch, self._step = counters["epoch"], counters["step"]
         self._global = counters["global_step"]
         if self._epoch:
@@ -213,8 +219,15 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._epoch, self._step = epoch, 0
         if self._resume is not None and self._resume[0] == epoch:
             self._step = self._resume[1]  # passed over by the wrapped train function
+            if self._pending_metrics is not None:
+                self._restore_metrics(None)  # fit has just reset them
         else:
             self._pending_metrics = None
+            if self._pending_rng is not None:
+                # saved at an epoch's end: what the data pipeline draws at the next epoch's
+                # start, before its first batch, is drawn after this in either run
+                backend.set_rng_state(self._pending_rng)
+                self._pending_rng = None
         self._resume = None
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -226,11 +239,19 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._step = done
         freq = self.save_freq
         if not isinstance(freq, (str, bool)) and self._global // freq > before // freq:
-            self._save()
+            steps = (self.params or {}).get("steps")
+            if steps and done >= steps:
+                # the epoch's last batch: saved at the epoch's end, as the next epoch's start,
+                # after what fit does between (a data pipeline drawing random numbers for the
+                # next epoch), which a run resumed from it then does not repeat
+                self._save_at_epoch_end = True
+            else:
+                self._save()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._step = epoch + 1, 0
-        if self.save_freq == "epoch":
+        if self.save_freq == "epoch" or self._save_at_epoch_end:
+            self._save_at_epoch_end = False
             self._save()
 
     def on_train_end(self, logs: Any = None) -> None:
@@ -253,10 +274,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         manager, which writes it in the background."""
         assert self.manager is not None
         opt = self._optimizer() if self.include_optimizer else None
-        model_vars = named_variables(self.model)
-        arrays = {f"model/{n}": np.asarray(v.numpy()) for n, v in model_vars.items()}
+        model_vars = named_variables(self.model)  # under JAX, self.model syncs the variables
+        arrays = {f"model/{n}": backend.to_numpy(v) for n, v in model_vars.items()}
         opt_vars = named_variables(opt) if opt is not None else {}
-        arrays.update({f"optimizer/{n}": np.asarray(v.numpy()) for n, v in opt_vars.items()})
+        arrays.update({f"optimizer/{n}": backend.to_numpy(v) for n, v in opt_vars.items()})
         differ = agree(arrays, self.comm)
         if differ:
             self._fix_replicas(differ, arrays, model_vars, opt_vars)
@@ -266,15 +287,18 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self.include_metrics:
             state["metrics"] = nest(
                 {
-                    name: PerRank(np.asarray(v.numpy()))
+                    name: PerRank(backend.to_numpy(v))
                     for name, v in named_variables(self.model.metrics_variables).items()
                 }
             )
+        rng = backend.rng_state()
+        if rng is not None:  # each worker's own generator
+            state["rng"] = {backend.name(): PerRank(rng)}
         state["counters"] = {
             "epoch": self._epoch,
             "step": self._step,
             "global_step": self._global,
-            "optimizer_iterations": int(opt.iterations.numpy()) if opt is not None else 0,
+            "optimizer_iterations": int(backend.to_numpy(opt.iterations)) if opt is not None else 0,
         }
         self.manager.save(self._global, state)
 
@@ -307,40 +331,54 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     # --- resuming --------------------------------------------------------------------------------
 
     def _restore_metrics(self, batch: Any) -> None:
-        """At the resumed epoch's first batch (after ``fit`` reset the metrics): set this
-        worker's saved accumulators. Compiled metrics create their variables when first used,
-        so build them first from the batch's shapes, as ``fit`` itself does (nothing runs)."""
-        saved, self._pending_metrics = self._pending_metrics or {}, None
-        compiled = getattr(self.model, "_compile_metrics", None)
+        """At the resumed epoch's start (after ``fit`` reset the metrics): set this worker's
+        saved accumulators, and keep what they report for the last batch passed over. Compiled
+        metrics create their variables when first used; where ``fit`` has not built them yet
+        (TensorFlow), this waits for the first batch passed over (``batch``) and builds them
+        from its shapes, as ``fit`` itself does (nothing runs)."""
+        model = self.model
+        compiled = getattr(model, "_compile_metrics", None)
         if compiled is not None and not compiled.built:
-            self.model._symbolic_build(data_batch=batch)
-        assign(self.model.metrics_variables, flat_names(saved), strict=False)
+            if batch is None:
+                return
+            model._symbolic_build(data_batch=batch)
+        saved, self._pending_metrics = self._pending_metrics or {}, None
+        assign(model.metrics_variables, flat_names(saved), strict=False)
+        self._resume_logs = dict(model.get_metrics_result())
 
     def _pass_over(self, batches: int) -> None:
         """Wrap ``model.train_function`` (built by ``fit`` before ``on_train_begin``) so that the
-        first ``batches`` batches are taken from the data without training; then unwrap."""
+        first ``batches`` batches are taken from the data without training; then unwrap.
+
+        The wrapper is the same on every backend: the data is the last argument (TensorFlow
+        and JAX pass an iterator, from which each call takes ``steps_per_execution`` batches;
+        PyTorch passes the batch, already taken), and JAX's stateless train function also takes
+        the training state first and returns it second, which a batch passed over returns
+        unchanged."""
         model = self.model
         original = getattr(model.train_function, "_ckptfmt_original", model.train_function)
         per_call = int(getattr(model, "steps_per_execution", 1) or 1)
         remaining = [batches]
 
-        restored = [False]
-
-        def train_function(iterator: Any) -> dict[str, Any]:
-            for _ in range(per_call):
-                batch = next(iterator)
-                if self._pending_metrics is not None:
-                    self._restore_metrics(batch)
-                    restored[0] = True
+        def train_function(*args: Any) -> Any:
+            batch = _take(args[-1], per_call)
+            state = args[0] if len(args) == 2 else None
+            if self._pending_metrics is not None:
+                self._restore_metrics(batch)
+                if state is not None:  # JAX: the metrics' values travel in the state
+                    state = (*state[:3], [v.value for v in model.metrics_variables])
             remaining[0] -= per_call
+            logs: dict[str, Any] = {}
             if remaining[0] <= 0:
                 model.train_function = original
-                if restored[0]:
-                    # the last batch passed over logs what it logged when it was trained (the
-                    # metrics are the saved ones); should the epoch end here (its length was
-                    # unknown at the restore), its end reports them too, as it did then
-                    return dict(model.get_metrics_result())
-            return {}
+                if self._pending_rng is not None:  # as it was after the batch saved
+                    backend.set_rng_state(self._pending_rng)
+                    self._pending_rng = None
+                # the last batch passed over logs what it logged when it was trained (the
+                # metrics are the saved ones); should the epoch end here (its length was
+                # unknown at the restore), its end reports them too, as it did then
+                logs = self._resume_logs
+            return logs if state is None else (logs, state)
 
         train_function._ckptfmt_original = original  # type: ignore[attr-defined]
         model.train_function = train_function
@@ -366,3 +404,23 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self.comm.rank == 0:
             shutil.rmtree(self.backup_dir, ignore_errors=True)
         self.comm.barrier()
+
+
+def _take(data: Any, count: int) -> Any:
+    """Take one call's batches from what ``fit`` passes its train function (an iterator, or
+    a list of batches already taken); return the first (shapes to build metrics from)."""
+    if isinstance(data, (list, tuple)):
+        return data[0]
+    first = next(data)
+    for _ in range(count - 1):
+        try:
+            next(data)
+        except StopIteration:  # a last, shorter call
+            break
+    return first
+
+
+def _saved_rng(state: dict[str, Any]) -> Any:
+    """This worker's saved random state of the running backend, if the checkpoint has one."""
+    saved = (state.get("rng") or {}).get(backend.name())
+    return None if saved is None else np.asarray(saved)

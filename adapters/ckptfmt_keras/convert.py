@@ -1,4 +1,4 @@
-"""Keras 3 / TensorFlow variables <-> named numpy arrays, bit for bit.
+"""Keras 3 variables (any backend) and TensorFlow variables <-> named numpy arrays, bit for bit.
 
 What gets which names (components joined by ``/``; each becomes a level of the checkpoint):
 
@@ -36,11 +36,12 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from ckptfmt.container import Checkpoint
 from ckptfmt.errors import StateMismatchError, UsageError
 from ckptfmt.tree import Cast, Conversion, allowed, check_policy, convert, report_casts
+from ckptfmt_keras import backend
+from ckptfmt_keras.backend import numpy_dtype
 
 NameMap = Mapping[str, str] | Callable[[str], str | None]
 Transform = Callable[[str, np.ndarray], np.ndarray]
@@ -57,7 +58,7 @@ def _variable_name(v: Any) -> str:
 
 
 def _is_variable(x: Any) -> bool:
-    return isinstance(x, (keras.Variable, tf.Variable))
+    return backend.is_variable(x)
 
 
 def _seed_state_names(layer: Any) -> dict[int, str]:
@@ -106,7 +107,7 @@ def named_variables(obj: Any) -> dict[str, Any]:
         pairs = [(seeds.get(id(v)) or _variable_name(v), v) for v in obj.variables]
     elif isinstance(obj, keras.optimizers.Optimizer):
         pairs = _optimizer_variables(obj)
-    elif isinstance(obj, tf.Module):
+    elif backend.is_tf_module(obj):
         pairs = [
             ("/".join(str(p) for p in path), v)
             for path, v in obj._flatten(predicate=_is_variable, with_path=True)
@@ -131,18 +132,12 @@ def named_variables(obj: Any) -> dict[str, Any]:
     return out
 
 
-def numpy_dtype(v: Any) -> np.dtype[Any]:
-    """The numpy dtype of a Keras or TensorFlow variable (``ml_dtypes.bfloat16`` for bfloat16)."""
-    dtype: np.dtype[Any] = np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype)
-    return dtype
-
-
 # --- variables -> arrays --------------------------------------------------------------------------
 
 
 def to_arrays(obj: Any) -> dict[str, np.ndarray]:
     """A copy of every variable of ``obj`` as a numpy array, by name (flat, ``/``-joined)."""
-    return {name: np.asarray(v.numpy()) for name, v in named_variables(obj).items()}
+    return {name: backend.to_numpy(v) for name, v in named_variables(obj).items()}
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -265,7 +260,7 @@ class AssignPlan:
 
     def apply(self) -> list[str]:
         for _, v, value in self.writes:
-            v.assign(value)
+            backend.assign(v, value)
         return self.names
 
 

@@ -7,7 +7,7 @@ same order every time it is iterated, in any process. The callback then position
 (``set_epoch``, which it calls at every epoch's start) and skips the batches already trained.
 
     data = ResumableDataset(x, y, batch_size=32, seed=0, rank=comm.rank, size=comm.size)
-    model.fit(data.tf_dataset(), epochs=10,
+    model.fit(data.py_dataset(), epochs=10,      # or data.tf_dataset() where TF is installed
               callbacks=[BackupAndRestore("/shared/ckpt", save_freq=100, dataset=data, comm=comm)])
 
 Epoch ``e`` is a permutation of the samples drawn from ``(seed, e)``; with ``size`` workers each
@@ -18,12 +18,15 @@ number of steps and step ``s`` of all workers together is one global batch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import keras
 import numpy as np
-import tensorflow as tf
 
 from ckptfmt.errors import UsageError
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class ResumableDataset:
@@ -44,7 +47,7 @@ class ResumableDataset:
         if batch_size < 1 or size < 1 or not 0 <= rank < size:
             raise UsageError("need batch_size >= 1 and 0 <= rank < size")
         self.x, self.y = x, y
-        lengths = {len(a) for a in tf.nest.flatten((x, y)) if a is not None}
+        lengths = {len(a) for a in keras.tree.flatten((x, y)) if a is not None}
         if len(lengths) != 1:
             raise UsageError(f"the arrays have different first extents: {sorted(lengths)}")
         self.samples = lengths.pop()
@@ -80,20 +83,30 @@ class ResumableDataset:
     def batch(self, epoch: int, step: int) -> Any:
         """The batch of ``step`` in ``epoch``: ``x`` alone, or ``(x, y)``."""
         idx = self._rows(epoch)[step]
-        xs = tf.nest.map_structure(lambda a: np.asarray(a)[idx], self.x)
+        xs = keras.tree.map_structure(lambda a: np.asarray(a)[idx], self.x)
         if self.y is None:
             return xs
-        return xs, tf.nest.map_structure(lambda a: np.asarray(a)[idx], self.y)
+        return xs, keras.tree.map_structure(lambda a: np.asarray(a)[idx], self.y)
 
     def _rows(self, epoch: int) -> np.ndarray:
         if self._cached is None or self._cached[0] != epoch:
             self._cached = (epoch, self.indices(epoch))
         return self._cached[1]
 
+    def py_dataset(self) -> keras.utils.PyDataset:
+        """A ``keras.utils.PyDataset`` of one epoch's batches (any backend, no TensorFlow
+        needed), the epoch read from :meth:`set_epoch` as each batch is taken; its length is
+        ``len(self)``. Read in ``fit``'s own thread (one worker, no queue ahead of it), so a
+        batch is never taken before the epoch it belongs to is set."""
+        return _EpochBatches(self)
+
     def tf_dataset(self) -> tf.data.Dataset:
         """A ``tf.data.Dataset`` of one epoch's batches, the epoch read from :meth:`set_epoch`
         when an iteration starts; its cardinality is known (``len(self)``), so ``fit()`` counts
-        steps without running it dry."""
+        steps without running it dry. Needs TensorFlow (imported here, not before), on any
+        backend."""
+        import tensorflow as tf
+
         spec = tf.nest.map_structure(
             lambda a: tf.TensorSpec((self.batch_size, *a.shape[1:]), tf.as_dtype(a.dtype)),
             self.batch(0, 0),
@@ -106,3 +119,17 @@ class ResumableDataset:
 
         ds = tf.data.Dataset.from_generator(generate, output_signature=spec)
         return ds.apply(tf.data.experimental.assert_cardinality(self.steps))
+
+
+class _EpochBatches(keras.utils.PyDataset):  # type: ignore[misc]  # Keras is untyped
+    """:meth:`ResumableDataset.py_dataset`: batch ``i`` of the owner's current epoch."""
+
+    def __init__(self, owner: ResumableDataset) -> None:
+        super().__init__(workers=1, use_multiprocessing=False)
+        self.owner = owner
+
+    def __len__(self) -> int:
+        return self.owner.steps
+
+    def __getitem__(self, index: int) -> Any:
+        return self.owner.batch(self.owner.epoch, index)

@@ -12,8 +12,10 @@ Averaging is deterministic and the same on every rank: ``"ordered"`` (the defaul
 rank's gradients and sums them in rank order, on any ``Comm``; ``"allreduce"`` uses MPI's
 ``Allreduce`` (less traffic, needs ``MpiComm``; MPICH gives identical bits on every rank for a
 fixed world size, but the order of the sum is MPI's). Low-precision gradients (bfloat16, float16)
-are summed in float32 and rounded once. The exchange runs as a ``tf.numpy_function`` inside the
-compiled train step, so the model must not be XLA-compiled (``jit_compile=False``).
+are summed in float32 and rounded once. The exchange leaves the train step for numpy, so the
+model must not be XLA-compiled (``jit_compile=False``): under TensorFlow it runs as a
+``tf.numpy_function`` inside the compiled train step; under JAX and PyTorch, whose train steps
+then run eagerly, on the gradients' values directly. The same on every backend, on CPU.
 
 Why this and not ``tf.distribute.MultiWorkerMirroredStrategy``: that strategy needs a
 ``TF_CONFIG`` with a gRPC server per worker (ports, a cluster spec) and its own collective
@@ -32,10 +34,10 @@ from typing import Any
 import crc32c
 import keras
 import numpy as np
-import tensorflow as tf
 
 from ckptfmt.errors import UsageError
 from ckptfmt.transport import Comm
+from ckptfmt_keras import backend
 from ckptfmt_keras.convert import named_variables
 
 REDUCTIONS = ("ordered", "allreduce")
@@ -95,11 +97,29 @@ def average_arrays(
 
 
 def average_gradients(grads: Sequence[Any], comm: Comm, reduction: str = "ordered") -> list[Any]:
-    """Graph-compatible: the gradients averaged over the ranks (``None`` entries kept; sparse
-    ones made dense). One exchange per call, through ``tf.numpy_function``."""
+    """The gradients averaged over the ranks (``None`` entries kept; sparse ones made dense),
+    as tensors of the running backend. One exchange per call: under TensorFlow through
+    ``tf.numpy_function`` (so it runs inside a ``tf.function``), under JAX and PyTorch on the
+    values (an eager train step: ``jit_compile=False``)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     if comm.size == 1 or not present:
         return list(grads)
+    if backend.name() != "tensorflow":
+        if backend.name() == "jax":
+            import jax
+
+            if any(isinstance(grads[i], jax.core.Tracer) for i in present):
+                raise UsageError(
+                    "the gradient exchange cannot run in a jit-compiled JAX train step: "
+                    "compile the model with jit_compile=False"
+                )
+        values = [keras.ops.convert_to_numpy(grads[i]) for i in present]
+        out = list(grads)
+        for i, a in zip(present, average_arrays(values, comm, reduction)):
+            out[i] = keras.ops.convert_to_tensor(a, dtype=keras.backend.standardize_dtype(a.dtype))
+        return out
+    import tensorflow as tf
+
     dense = [tf.convert_to_tensor(grads[i]) for i in present]
 
     def exchange(*xs: np.ndarray) -> list[np.ndarray]:
