@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, in one short run on a machine with CUDA:
-#   1. the CUDA tests of tests/test_training_staging.py (pinned side-stream staging, bit-exact
+#   1. the CUDA tests of tests/parallel/test_staging.py (pinned side-stream staging, bit-exact
 #      bfloat16/float8 round trips from and into device tensors, map_location);
 #   2. bench/bench_training.py with CUDA tensors: the model on the GPU (nccl between ranks, one
 #      rank per GPU; with one GPU, one rank), ckptfmt_torch.save_async through pinned buffers
@@ -20,7 +20,7 @@ sys.exit(0 if torch.cuda.is_available() else 1)
 PY
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 status=0
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_training_staging.py \
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/parallel/test_staging.py \
     2>&1 | tee "$OUT_DIR/gpu_tests.txt" || status=1
 RANKS=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
 timeout 420 "$PY" bench/bench_training.py --device cuda --ranks "$RANKS" --loops gpu \

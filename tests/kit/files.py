@@ -1,11 +1,15 @@
-"""A checkpoint's manifest as a document, and snapshots of a directory's files."""
+"""A checkpoint's manifest as a document, snapshots of a directory's files, and the files a
+checkpoint's manifest says it holds."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckptfmt.manifest.model import Manifest
 
 
 def manifest_doc(root: Path) -> dict[str, Any]:
@@ -72,3 +76,43 @@ def leftover_dirs(root: Path) -> list[str]:
         for p in root.rglob("*")
         if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name or ".del-" in p.name)
     )
+
+
+def committed_steps(path: Path) -> list[int]:
+    """The steps committed under ``path`` (a level's root), oldest first."""
+    from ckptfmt.storage import commit
+
+    if not path.is_dir():
+        return []
+    return sorted(
+        int(p.name[5:])
+        for p in path.iterdir()
+        if p.name.startswith("step-") and commit.is_committed(p)
+    )
+
+
+def files_under(path: Path) -> set[str]:
+    """Every file under ``path`` by relative path."""
+    return {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
+
+
+def metadata_files(m: Manifest) -> set[str]:
+    """The manifest and the zarr documents of every group and array of the hierarchy."""
+    from ckptfmt.manifest.model import GroupEntry
+
+    names = [e.name for e in m.entries]
+    groups = {n[:k] for n in names for k in range(len(n))} | {()}
+    groups |= {e.name for e in m.entries if isinstance(e, GroupEntry)}
+    docs = {"/".join((*g, "zarr.json")) for g in groups}
+    return {"ckptfmt.json"} | docs | {f"{t.path}/zarr.json" for t in m.tensors()}
+
+
+def data_files(m: Manifest, node: str | None = None) -> set[str]:
+    """Data files of the regions written by ``node``'s ranks (every node's when None)."""
+    return {
+        f.path
+        for t in m.tensors()
+        for r in t.regions
+        if node is None or m.ranks[r.rank].node == node
+        for f in r.files
+    }

@@ -1,9 +1,10 @@
 """Launching multi-process tests: ``mpiexec`` (MPI) and ``torchrun`` (torch.distributed, gloo).
 
 Every launch runs under coreutils ``timeout`` (a hung collective becomes a test failure, never a
-hung test run), from the repository root, with this interpreter's virtual environment, and
-captures its output. MPI ranks run as ``python -m mpi4py script``, so that an exception on one
-rank aborts the whole job instead of leaving the others waiting.
+hung test run), from the repository root, with this interpreter's virtual environment and ``tests/``
+first on ``PYTHONPATH`` (so that a worker imports ``kit``), and captures its output. MPI ranks run
+as ``python -m mpi4py script``, so that an exception on one rank aborts the whole job instead of
+leaving the others waiting.
 
 Use from any test module::
 
@@ -11,7 +12,7 @@ Use from any test module::
 
     @pytest.mark.mpi
     def test_x(tmp_path):
-        assert_ok(run_mpi(4, "tests/_my_worker.py", str(tmp_path)))
+        assert_ok(run_mpi(4, "tests/workers/_my_worker.py", str(tmp_path)))
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ def describe(result: subprocess.CompletedProcess[str]) -> str:
     )
 
 
+def with_kit_path(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with ``tests/`` first on ``PYTHONPATH``: a script outside ``tests/`` (the workers
+    in ``tests/workers/``) then imports ``kit``."""
+    rest = env.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), *([rest] if rest else [])])}
+
+
 def _run(
     cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None
 ) -> subprocess.CompletedProcess[str]:
@@ -107,7 +115,7 @@ def _run(
     if timeout_exe is None:
         pytest.fail("coreutils `timeout` is needed to launch multi-process tests safely")
     full = [timeout_exe, "-k", str(_KILL_AFTER_S), str(timeout), *cmd]
-    run_env = {**os.environ, **(env or {})}
+    run_env = with_kit_path({**os.environ, **(env or {})})
     start = time.monotonic()
     try:
         result = subprocess.run(
