@@ -2,9 +2,13 @@
 """ckptfmt's Keras adapter against Keras's own ``save_weights`` (HDF5) and ``tf.train.Checkpoint``:
 save and load time of one model with its Adam state, and the time a training loop is blocked
 by checkpoints taken while ``fit`` runs. Same model, same process, interleaved rounds.
+With ``--orbax``: the same model on Keras's JAX backend (a process of its own), ckptfmt's
+``BackupAndRestore`` against ``keras.callbacks.OrbaxCheckpoint`` (asynchronous saves): the time
+``fit`` is blocked per checkpoint, the whole loop, and the restore of the newest checkpoint.
 
     .venv/bin/python bench/bench_keras.py            # ~100 MB of weights (+ 200 MB Adam), 5 rounds
     .venv/bin/python bench/bench_keras.py --quick    # smoke run: small model, 2 rounds
+    .venv/bin/python bench/bench_keras.py --orbax    # JAX: ckptfmt against Orbax
 
 See bench/README.md (section ``bench_keras.py``) for what each row means.
 """
@@ -29,7 +33,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import ckptfmt_keras as ck
 import keras
 import numpy as np
-import tensorflow as tf
 
 import ckptfmt
 from ckptfmt import WriteOptions
@@ -41,12 +44,12 @@ MIN_REPS = 5
 # --- the model ------------------------------------------------------------------------------------
 
 
-def build(width: int, layers: int) -> keras.Model:
+def build(width: int, layers: int, jit_compile: bool = False) -> keras.Model:
     keras.utils.set_random_seed(0)
     body = [keras.Input((width,))]
     body += [keras.layers.Dense(width, activation="relu", name=f"d{i}") for i in range(layers)]
     model = keras.Sequential(body, name="bench")
-    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=False)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=jit_compile)
     return model
 
 
@@ -70,6 +73,8 @@ def scramble(model: keras.Model) -> None:
 
 def methods(model: keras.Model) -> dict[str, tuple[Callable[[Path], None], Callable[[Path], None]]]:
     """name -> (save to path, load from path); every method saves the weights and the optimizer."""
+    import tensorflow as tf
+
     tf_ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return {
         "ckptfmt": (lambda p: ck.save(model, p), lambda p: ck.load(model, p)),
@@ -110,12 +115,16 @@ class TfCheckpointEvery(keras.callbacks.Callback):
 
     def __init__(self, directory: Path, every: int, asynchronous: bool) -> None:
         super().__init__()
+        import tensorflow as tf
+
         self.directory, self.every = directory, every
         self.options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=asynchronous)
-        self.ckpt: tf.train.Checkpoint | None = None
+        self.ckpt: Any = None
         self.count = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
+        import tensorflow as tf
+
         self.ckpt = tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer)
         self.count = 0
 
@@ -240,7 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/dev/shm/ckptfmt-bench-keras")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "keras.json"))
     ap.add_argument("--quick", action="store_true", help="width 512, 2 rounds (not for quoting)")
+    ap.add_argument(
+        "--orbax", action="store_true", help="JAX backend: against keras.callbacks.OrbaxCheckpoint"
+    )
     args = ap.parse_args(argv)
+    if args.orbax:
+        return orbax_main(args, argv)
     if args.quick:
         args.width, args.reps, args.out = 512, 2, "/tmp/ckptfmt-bench-keras-quick.json"
     base = Path(args.dir)
@@ -356,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**vars(args), "weights_bytes": weights_bytes, "optimizer_bytes": opt_bytes},
         "versions": {
             "python": platform.python_version(),
-            "tensorflow": tf.__version__,
+            "tensorflow": version_of("tensorflow"),
             "keras": keras.__version__,
             "numpy": np.__version__,
             "ckptfmt": ckptfmt.__version__,
@@ -405,6 +419,171 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(
             f"| {row['label']} | {row['loop_s']:.2f} | {row['overhead_per_save_s']:.3f} | "
             f"{row['blocked_per_save_s']:.3f} | {vs} |"
+        )
+    return "\n".join(lines)
+
+
+# --- JAX: against keras.callbacks.OrbaxCheckpoint -------------------------------------------------
+
+
+def version_of(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+ORBAX_LABELS = {
+    "none": "no checkpoints",
+    "ckptfmt_async": "ckptfmt_keras.BackupAndRestore (async, fsync, CRC32C)",
+    "orbax_async": "keras.callbacks.OrbaxCheckpoint (async)",
+}
+
+
+def orbax_loops(base: Path, every: int) -> dict[str, Callable[[], keras.callbacks.Callback]]:
+    return {
+        "none": lambda: keras.callbacks.Callback(),
+        "ckptfmt_async": lambda: ck.BackupAndRestore(
+            base / "ckptfmt", save_freq=every, delete_checkpoint=False
+        ),
+        "orbax_async": lambda: keras.callbacks.OrbaxCheckpoint(
+            str(base / "orbax"), save_freq=every, max_to_keep=1
+        ),
+    }
+
+
+def orbax_restore(name: str, model: keras.Model, base: Path) -> None:
+    """What a restarted job runs to get the newest checkpoint back into ``model``: ckptfmt's
+    manager (newest step, every chunk's CRC32C checked) and ``from_state``; Keras's own reader
+    of an Orbax directory (``load_weights``: the newest step, into the model and optimizer)."""
+    if name == "ckptfmt_async":
+        manager = ckptfmt.CheckpointManager(shared_dir=base / "ckptfmt")
+        try:
+            if not ck.restore(model, manager).restored:
+                raise SystemExit("ckptfmt: nothing to restore")
+        finally:
+            manager.close(flush=False)
+    else:
+        model.load_weights(str(base / "orbax"))
+
+
+def orbax_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--orbax``: run on the JAX backend (in a process of its own when this one is not)."""
+    if keras.backend.backend() != "jax":
+        env = {**os.environ, "KERAS_BACKEND": "jax"}
+        cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.run(cmd, env=env, check=False).returncode
+    if args.quick:
+        args.width, args.reps = 512, 2
+    if args.out == str(REPO / "bench" / "results" / "keras.json"):
+        args.out = str(REPO / "bench" / "results" / "keras_orbax.json")
+    if args.quick:
+        args.out = "/tmp/ckptfmt-bench-keras-orbax-quick.json"
+    base = Path(args.dir)
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    model = build(args.width, args.layers, jit_compile=True)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.steps * args.batch, args.width)).astype(np.float32)
+    y = rng.standard_normal((args.steps * args.batch, args.width)).astype(np.float32)
+    model.fit(x[: args.batch], y[: args.batch], batch_size=args.batch, verbose=0)  # builds Adam
+    weights_bytes, opt_bytes = nbytes(model)
+    print(
+        f"JAX: {args.layers} x Dense({args.width}): weights {weights_bytes / 1e6:.1f} MB, "
+        f"Adam state {opt_bytes / 1e6:.1f} MB; target {base}",
+        flush=True,
+    )
+    loops = orbax_loops(base / "loop", args.save_every)
+    loop_s: dict[str, list[float]] = {k: [] for k in loops}
+    fit_s: dict[str, list[float]] = {k: [] for k in loops}
+    blocked_s: dict[str, list[float]] = {k: [] for k in loops}
+    restore_s: dict[str, list[float]] = {k: [] for k in loops if k != "none"}
+    rounds = []
+    for r in range(args.warmup + args.reps):
+        timed = r >= args.warmup
+        order = list(loops)[r % len(loops) :] + list(loops)[: r % len(loops)]
+        for name in order:
+            shutil.rmtree(base / "loop", ignore_errors=True)
+            (base / "loop").mkdir(parents=True)
+            clock = Clock(loops[name](), args.save_every)
+            t0 = time.perf_counter()
+            model.fit(
+                x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock]
+            )
+            elapsed = time.perf_counter() - t0
+            if name != "none":  # the last save was at the last batch: the state now
+                want = snapshot(model) if not timed else None
+                if not timed:
+                    scramble(model)
+                t1 = time.perf_counter()
+                orbax_restore(name, model, base / "loop")
+                t2 = time.perf_counter()
+                if not timed and snapshot(model) != want:
+                    raise SystemExit(f"{name}: the restored state differs from the saved one")
+                if timed:
+                    restore_s[name].append(t2 - t1)
+            if timed:
+                fit_s[name].append(elapsed)
+                loop_s[name].append(clock.loop)
+                blocked_s[name] += clock.blocked
+        rounds.append({"round": r, "timed": timed, "loadavg": loadavg()})
+        print(f"round {r + 1}/{args.warmup + args.reps} done, loadavg {loadavg()}", flush=True)
+    shutil.rmtree(base, ignore_errors=True)
+
+    saves = args.steps // args.save_every
+    base_loop = med(loop_s["none"])
+    rows = {
+        name: {
+            "label": ORBAX_LABELS[name],
+            "loop_s": med(loop_s[name]),
+            "fit_s": med(fit_s[name]),
+            "overhead_per_save_s": (med(loop_s[name]) - base_loop) / saves,
+            "blocked_per_save_s": med(blocked_s[name]) if blocked_s[name] else 0.0,
+            "restore_s": med(restore_s[name]) if name in restore_s else None,
+            "loop_samples": loop_s[name],
+            "fit_samples": fit_s[name],
+            "blocked_samples": blocked_s[name],
+            "restore_samples": restore_s.get(name, []),
+        }
+        for name in loops
+    }
+    results = {
+        "config": {**vars(args), "weights_bytes": weights_bytes, "optimizer_bytes": opt_bytes},
+        "versions": {
+            "python": platform.python_version(),
+            "keras": keras.__version__,
+            "backend": keras.backend.backend(),
+            **{p: version_of(p) for p in ("jax", "jaxlib", "orbax-checkpoint", "numpy")},
+            "ckptfmt": ckptfmt.__version__,
+        },
+        "git": git_head(),
+        "training_loop": rows,
+        "rounds": rounds,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(orbax_markdown(results))
+    return 0
+
+
+def orbax_markdown(res: dict[str, Any]) -> str:
+    c = res["config"]
+    lines = [
+        f"JAX backend, {c['layers']} x Dense({c['width']}): "
+        f"{(c['weights_bytes'] + c['optimizer_bytes']) / 1e6:.0f} MB with Adam; fit() on "
+        f"{c['steps']} batches of {c['batch']}, a checkpoint every {c['save_every']}; "
+        f"medians of {c['reps']} rounds",
+        "",
+        "| checkpointing | fit s | loop s | added per save s | blocked per save s | restore s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in res["training_loop"].values():
+        restore = "" if row["restore_s"] is None else f"{row['restore_s']:.3f}"
+        lines.append(
+            f"| {row['label']} | {row['fit_s']:.2f} | {row['loop_s']:.2f} | "
+            f"{row['overhead_per_save_s']:.3f} | {row['blocked_per_save_s']:.3f} | {restore} |"
         )
     return "\n".join(lines)
 
