@@ -22,9 +22,16 @@ their order, not by their number (:func:`auto_name_map`), and only when that pai
 variable with exactly one array; optimizer slots follow their model variables.
 
 Values are copied exactly: ``bfloat16`` as ``ml_dtypes.bfloat16`` (what TensorFlow's own numpy
-conversion gives), NaN payloads and ``-0.0`` kept. ``assign`` never reshapes and casts only as
-``cast=`` allows (``ckptfmt.tree.casting``: refused by default; ``"safe"``, ``"any"``, each
-conversion reported); a mismatch is an error, found before any variable is changed.
+conversion gives), NaN payloads and ``-0.0`` kept. The names and dtypes are the same on every
+Keras backend, so a checkpoint saved under one loads under another, but for Keras's own integer
+counters, whose dtype is the backend's: a seed generator's state (a seed and a counter) is
+``int64`` under TensorFlow, ``uint32`` under JAX and ``int32`` under PyTorch, an optimizer's
+``iteration`` ``int64`` under TensorFlow and ``int32`` under JAX and PyTorch. ``assign``
+converts these from the saved integer dtype when every value fits (the values, not the random
+numbers drawn from them, are what carries over).
+Otherwise ``assign`` never reshapes and casts only as ``cast=`` allows
+(``ckptfmt.tree.casting``: refused by default; ``"safe"``, ``"any"``, each conversion
+reported); a mismatch is an error, found before any variable is changed.
 """
 
 from __future__ import annotations
@@ -246,6 +253,19 @@ def slot_name_map(optimizer_names: Iterable[str], model_map: Mapping[str, str]) 
     return out
 
 
+_COUNTER = re.compile(r"(^|/)(seed_generator(_\d+)?_state|iteration)$")
+
+
+def _counter_fits(name: str, value: np.ndarray, target: np.dtype[Any]) -> bool:
+    """One of Keras's integer counters saved under another backend's integer dtype, every value
+    representable in this backend's (see the module docstring)."""
+    if value.dtype == target or value.dtype.kind not in "iu" or target.kind not in "iu":
+        return False
+    if not _COUNTER.search(name):
+        return False
+    return bool(np.array_equal(value.astype(target).astype(value.dtype), value))
+
+
 @dataclass
 class AssignPlan:
     """What :func:`plan_assign` found: the writes to make (variable, value), the names, and
@@ -334,6 +354,9 @@ def plan_assign(
         if transform is not None:
             value = np.asarray(transform(name, value))
         want_shape, want_dtype = tuple(v.shape), numpy_dtype(v)
+        if value.shape == want_shape and _counter_fits(name, value, want_dtype):
+            plan.writes.append((name, v, value.astype(want_dtype)))
+            continue
         if value.shape != want_shape or not allowed(value.dtype, want_dtype, policy):
             mismatched[name] = (
                 f"{value.dtype}{list(value.shape)}",
