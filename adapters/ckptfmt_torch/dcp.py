@@ -1,0 +1,490 @@
+"""A storage plugin for ``torch.distributed.checkpoint``: DCP plans, ckptfmt stores.
+
+    import torch.distributed.checkpoint as dcp
+    from ckptfmt_torch.dcp import Reader, Writer
+
+    dcp.save(state_dict, storage_writer=Writer("ckpt/step-100"))      # also dcp.async_save
+    dcp.load(state_dict, storage_reader=Reader("ckpt/step-100"))
+
+What :class:`Writer` writes is a normal ckptfmt checkpoint: every tensor one zarr array at its
+global shape (a DTensor's shards at their offsets), a CRC32C per chunk, the manifest; the core's
+collective save writes it, every rank its share, and commits it atomically. :class:`Reader`
+serves DCP's load-time resharding from any ckptfmt checkpoint (written by this writer,
+``ckptfmt_torch.save`` or the manager): it describes the manifest to DCP as its ``Metadata``
+and reads each box DCP asks for through ckptfmt's verified reads (only the shard files the box
+touches, every chunk's CRC checked).
+
+Names: DCP's flattened name of an entry (``model.layer.weight``) comes from a path in the state
+dict (``("model", "layer.weight")``); the checkpoint stores it under that path joined by '/'
+(``model/layer.weight``), the name ``ckptfmt_torch.save({"model": model})`` gives it too.
+
+DCP serialises every non-tensor object with ``torch.save``. The writer stores a JSON scalar
+(int, float, bool, str, None) as a ckptfmt value, as ``ckptfmt_torch.save`` does, and any other
+object as its ``torch.save`` bytes in a ``uint8`` array (listed in the manifest's ``writer``
+under ``dcp_bytes``); ckptfmt's own readers never unpickle them, and the reader hands them to
+DCP only once ``torch.load(weights_only=True)`` accepts them, unless ``trust_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptfmt.checkpoint import open_checkpoint, writer_threads
+from ckptfmt.container import Checkpoint, ManifestMeta
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import PickleRefusedError, SaveFailedError, UnsupportedValueError, UsageError
+from ckptfmt.format import WriteOptions
+from ckptfmt.maintenance import NodeDirs
+from ckptfmt.manifest import MANIFEST_NAME, GroupEntry, TensorEntry, ValueEntry
+from ckptfmt.parallel import resolve_node, save_collective
+from ckptfmt.storage import check_destination
+from ckptfmt.transport import Comm
+from ckptfmt.tree import Shard
+from ckptfmt_torch.checkpoint import default_comm, writer_info
+from ckptfmt_torch.convert import numpy_to_tensor, tensor_to_numpy
+
+BYTES_KEY = "dcp_bytes"
+"""The manifest ``writer`` key listing the entries that hold an object's ``torch.save`` bytes."""
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class Writer(StorageWriter):
+    """DCP's storage writer for a ckptfmt checkpoint at ``path`` (one directory every rank sees;
+    ``dcp.save(..., checkpoint_id=...)`` replaces it).
+
+    ``write``: :class:`ckptfmt.WriteOptions` (chunk and shard sizes, threads, fsync,
+    ``overwrite``); ``step``: the step recorded in the manifest; ``comm``: the ckptfmt
+    communicator of the ranks that save (default: ``ckptfmt_torch.default_comm()``, over
+    torch.distributed's default group; give a ``TorchComm`` of the group passed to ``dcp.save``
+    as ``process_group`` when it is another); ``node``: this rank's node name.
+
+    DCP calls ``write_data`` on every rank, which runs ckptfmt's collective save: each rank
+    declares what its local plan holds (replicated tensors whole, DTensor shards at their
+    offsets), ckptfmt gives every region one writer, spreads replicated tensors evenly over
+    their holders and commits the directory atomically once every rank has written. A failure
+    on any rank fails the save on every rank and leaves nothing at ``path``. ``finish`` (the
+    coordinator only) has nothing left to do: the manifest is ckptfmt's, not DCP's pickle.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        write: WriteOptions | None = None,
+        step: int | None = None,
+        comm: Comm | None = None,
+        node: str | None = None,
+    ) -> None:
+        super().__init__()
+        if write is not None and not isinstance(write, WriteOptions):
+            raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise UsageError(f"step must be a non-negative int or None, got {step!r}")
+        self.path = Path(path)
+        self.write = write
+        self.step = step
+        self.comm = comm
+        self.node = node
+        self._local: SavePlan | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self._local = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Everything this rank holds, before DCP's dedup: ckptfmt dedups replicated tensors
+        # itself, and its manifest is ordered by rank 0, which must declare every entry.
+        self._local = plan
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: the collective save of what this rank's local plan holds."""
+        comm = self.comm or default_comm()
+        write = self.write if self.write is not None else WriteOptions(threads=writer_threads())
+        items = self._local.items if self._local is not None else plan.items
+        state: dict[str, Any] = {}
+        byte_names: list[str] = []
+        failure: BaseException | None = None
+        try:
+            check_destination(self.path)
+            mappings = getattr(planner, "mappings", None) or {}
+            for item in items:
+                name = _name_of(item.index.fqn, mappings)
+                leaf, is_bytes = _leaf_of(item, planner, "/".join(name))
+                _put(state, name, leaf)
+                if is_bytes:
+                    byte_names.append("/".join(name))
+        except Exception as exc:  # voted on: the other ranks must not wait in the save
+            failure, state, byte_names = exc, {}, []
+        names = sorted({n for got in comm.allgather_json(byte_names) for n in got})
+        try:
+            save_collective(
+                comm,
+                state,
+                self.path,
+                step=self.step,
+                node=resolve_node(self.node),
+                write=write,
+                meta=ManifestMeta(writer={**writer_info(), "dcp": True, BYTES_KEY: names}),
+                failure=failure,
+            )
+        except SaveFailedError as exc:
+            if comm.size == 1 and exc.cause is not None:  # one process: its own error
+                raise exc.cause from None
+            raise
+        out: Future[list[WriteResult]] = Future()
+        out.set_result([WriteResult(i.index, _item_bytes(i), None) for i in plan.items])
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The coordinator only: nothing to do, ``write_data`` committed the checkpoint."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _name_of(fqn: str, mappings: Mapping[str, Sequence[Any]]) -> tuple[str, ...]:
+    """The checkpoint's name of DCP's entry ``fqn``: its path in the state dict."""
+    path = mappings.get(fqn)
+    return tuple(str(p) for p in path) if path else (fqn,)
+
+
+def _put(state: dict[str, Any], name: tuple[str, ...], leaf: Any) -> None:
+    node = state
+    for part in name[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UnsupportedValueError("/".join(name), "a value and a subtree under one name")
+    if name[-1] in node:  # several chunks of one tensor on one rank (a ShardedTensor's)
+        raise UnsupportedValueError(
+            "/".join(name), "several local chunks of one tensor on one rank are not supported"
+        )
+    node[name[-1]] = leaf
+
+
+def _leaf_of(item: WriteItem, planner: SavePlanner, shown: str) -> tuple[Any, bool]:
+    """The ckptfmt leaf of one write item and whether it holds ``torch.save`` bytes."""
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        try:
+            obj = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception:  # not loadable safely: kept as bytes, refused at load unless trusted
+            obj = raw
+        if type(obj) in _SCALARS and _finite(obj):
+            return obj, False
+        return np.frombuffer(raw, np.uint8).copy(), True
+    if not isinstance(data, torch.Tensor):
+        raise UnsupportedValueError(shown, f"DCP resolved a {type(data).__name__}, not a tensor")
+    local = tensor_to_numpy(data, shown)
+    td = item.tensor_data
+    if td is None:
+        return local, False
+    global_shape = tuple(int(x) for x in td.size)
+    offset = tuple(int(x) for x in td.chunk.offsets)
+    if tuple(local.shape) == global_shape:
+        return local, False
+    return Shard(local, offset, global_shape), False
+
+
+def _finite(v: Any) -> bool:
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def _item_bytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    if td is None:
+        return 0
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+
+
+class Reader(StorageReader):
+    """DCP's storage reader for the ckptfmt checkpoint at ``path`` (any: written by
+    :class:`Writer`, ``ckptfmt_torch.save`` or the manager; a level-1 ``{node}`` template or a
+    mapping node -> directory too, as ``ckptfmt.open`` takes it).
+
+    ``read_metadata`` describes the manifest as DCP's ``Metadata``: each tensor with its saved
+    regions as chunks, JSON values (flattened the way DCP flattens a state dict, so an
+    optimizer's ``param_groups`` match) and ``torch.save`` bytes as bytes entries. ``read_data``
+    (every rank, no collective) reads each box DCP's planner asks for through
+    ``ckptfmt.open(path)[name][box]``: only the shard files the box touches, every chunk's CRC
+    verified (a damaged file raises :class:`ckptfmt.errors.DamagedError` naming it). Stored
+    bytes reach DCP only if ``torch.load(weights_only=True)`` accepts them (else
+    :class:`ckptfmt.errors.PickleRefusedError`), unless ``trust_pickle=True``.
+    """
+
+    def __init__(self, path: NodeDirs, *, trust_pickle: bool = False) -> None:
+        super().__init__()
+        self.path = path
+        self.trust_pickle = trust_pickle
+        self._ckpt: Checkpoint | None = None
+        # DCP's name -> ("tensor" | "bytes", the checkpoint's name) or ("value", the value)
+        self._items: dict[str, tuple[str, Any]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self._ckpt = None
+        self._items = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        ckpt = self._open()
+        manifest = ckpt.manifest
+        dcp_bytes = set(manifest.writer.get(BYTES_KEY) or ())  # type: ignore[arg-type]
+        md: dict[str, Any] = {}
+        paths: dict[str, tuple[Any, ...]] = {}
+        self._items = {}
+        tree: dict[str, Any] = {}
+        containers: dict[tuple[str, ...], str] = {}
+        for e in manifest.entries:
+            name = tuple(e.name)
+            if isinstance(e, TensorEntry):
+                shown = "/".join(name)
+                encoding = getattr(e, "encoding", None)
+                if shown in dcp_bytes:
+                    _insert(tree, name, _Stored("dcp", shown))
+                elif encoding in ("bytes", "pickle"):
+                    _insert(tree, name, _Stored(str(encoding), shown))
+                else:
+                    fqn = ".".join(name)
+                    md[fqn] = _tensor_metadata(e)
+                    self._items[fqn] = ("tensor", shown)
+                    paths[fqn] = name
+                    _insert(tree, name, _Stored("tensor", shown))
+            elif isinstance(e, ValueEntry):
+                _insert(tree, name, e.value)
+            elif isinstance(e, GroupEntry):
+                if getattr(e, "container", None):
+                    containers[name] = str(e.container)
+                _insert(tree, name, {})
+        for path, value in _dcp_leaves((), _rebuild(tree, (), containers)):
+            if isinstance(value, _Stored) and value.kind == "tensor":
+                continue
+            key = ".".join(str(p) for p in path)
+            md[key] = BytesStorageMetadata()
+            self._items[key] = ("object", value)
+            paths[key] = path
+        return Metadata(state_dict_metadata=md, planner_data=paths)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.is_coordinator = is_coordinator
+        if not self._items:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Every rank, on its own: each requested box read and verified, then handed to the
+        planner (tensors copied into its targets, bytes to ``load_bytes``)."""
+        ckpt = self._open()
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if fqn not in self._items:
+                raise UsageError(f"the checkpoint {self.path} has no entry {fqn!r}")
+            kind, what = self._items[fqn]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(self._bytes(ckpt, kind, what, fqn)))
+            else:
+                self._read_tensor(ckpt, item, planner, what)
+        out: Future[None] = Future()
+        out.set_result(None)
+        return out
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a committed ckptfmt checkpoint's directory."""
+        return isinstance(checkpoint_id, (str, os.PathLike)) and (
+            (Path(checkpoint_id) / MANIFEST_NAME).is_file()
+        )
+
+    def _open(self) -> Checkpoint:
+        if self._ckpt is None:
+            self._ckpt = open_checkpoint(self.path)
+        return self._ckpt
+
+    def _bytes(self, ckpt: Checkpoint, kind: str, what: Any, fqn: str) -> bytes:
+        """The ``torch.save`` bytes DCP's ``load_bytes`` takes for the object at ``fqn``."""
+        if kind != "object":
+            raise UsageError(f"{fqn!r} is a tensor in the checkpoint, not an object")
+        if isinstance(what, _Stored) and what.kind == "dcp":
+            raw = np.ascontiguousarray(ckpt[what.name][...]).tobytes()
+            if not self.trust_pickle:
+                try:
+                    torch.load(io.BytesIO(raw), weights_only=True)
+                except Exception as exc:
+                    raise PickleRefusedError(
+                        f"{self.path}: {what.name}",
+                        f"torch.load(weights_only=True) refuses it ({_why(exc)}); pass "
+                        "Reader(..., trust_pickle=True) only for a checkpoint you trust",
+                    ) from None
+            return raw
+        buf = io.BytesIO()
+        torch.save(self._materialize(ckpt, what), buf)  # plain values: safe to torch.load
+        return buf.getvalue()
+
+    def _materialize(self, ckpt: Checkpoint, value: Any) -> Any:
+        """A value of the checkpoint with what it holds by reference read in."""
+        if isinstance(value, _Stored):
+            raw = np.ascontiguousarray(ckpt[value.name][...])
+            if value.kind == "tensor":
+                return numpy_to_tensor(raw)
+            if value.kind == "pickle":
+                if not self.trust_pickle:
+                    raise PickleRefusedError(
+                        f"{self.path}: {value.name}",
+                        "it holds a pickled object; pass Reader(..., trust_pickle=True) only "
+                        "for a checkpoint you trust",
+                    )
+                return pickle.loads(raw.tobytes())
+            return raw.tobytes()
+        if isinstance(value, Mapping):
+            return {k: self._materialize(ckpt, v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._materialize(ckpt, v) for v in value)
+        return value
+
+    def _read_tensor(
+        self, ckpt: Checkpoint, item: ReadItem, planner: LoadPlanner, name: str
+    ) -> None:
+        view = ckpt[name]
+        at = [
+            int(o) + int(s) for o, s in zip(item.storage_index.offset or (), item.storage_offsets)
+        ]
+        at = at or [int(s) for s in item.storage_offsets]
+        box = tuple(slice(a, a + int(n)) for a, n in zip(at, item.lengths))
+        whole = not view.shape  # a 0-d tensor, which DCP describes as one element
+        src = numpy_to_tensor(np.ascontiguousarray(view[...] if whole else view[box]))
+        target = planner.resolve_tensor(item).detach()
+        if whole and target.numel() == 1:
+            src = src.reshape(target.shape)
+        if tuple(target.shape) != tuple(src.shape):
+            raise UsageError(
+                f"{name}: DCP asks for a box of shape {list(target.shape)}, the checkpoint "
+                f"gives {list(src.shape)}"
+            )
+        target.copy_(src)
+        planner.commit_tensor(item, target)
+
+
+def _tensor_metadata(e: TensorEntry) -> TensorStorageMetadata:
+    dtype = numpy_to_tensor(np.empty(0, _numpy_dtype(e))).dtype
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size(r.offset), sizes=torch.Size(r.shape))
+        for r in e.regions
+    ] or [ChunkStorageMetadata(offsets=torch.Size([0] * len(e.shape)), sizes=torch.Size(e.shape))]
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=dtype), size=torch.Size(e.shape), chunks=chunks
+    )
+
+
+def _numpy_dtype(e: TensorEntry) -> np.dtype:
+    return by_name(e.dtype).numpy
+
+
+def _why(exc: BaseException) -> str:
+    """The line of torch's refusal that says what was refused (its message is a page)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line for line in lines if "WeightsUnpickler error" in line]
+    return (said or lines or [type(exc).__name__])[0].split(" Please use")[0]
+
+
+class _Stored(NamedTuple):
+    """An entry the reader refers to: a ``"tensor"``, the writer's ``"dcp"`` object bytes, a
+    ``"bytes"`` value or a ``"pickle"`` (read only when trusted)."""
+
+    kind: str
+    name: str
+
+
+def _insert(tree: dict[str, Any], name: tuple[str, ...], leaf: Any) -> None:
+    node = tree
+    for part in name[:-1]:
+        node = node.setdefault(part, {})
+    if isinstance(leaf, dict):
+        node.setdefault(name[-1], {})
+    else:
+        node[name[-1]] = leaf
+
+
+def _rebuild(node: Any, name: tuple[str, ...], containers: Mapping[tuple[str, ...], str]) -> Any:
+    """The entries under ``name`` as the value they were: lists and tuples rebuilt."""
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebuild(v, (*name, k), containers) for k, v in node.items()}
+    kind = containers.get(name)
+    if kind is None:
+        return out
+    items = [out[str(i)] for i in range(len(out))]
+    return tuple(items) if kind == "tuple" else items
+
+
+def _dcp_leaves(path: tuple[Any, ...], value: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """The leaves of a state as DCP's ``flatten_state_dict`` finds them: mappings by key,
+    lists holding mappings, tensors (or such lists) by index, any other value one leaf."""
+    if isinstance(value, Mapping):
+        out = []
+        for k, v in value.items():
+            out += _dcp_leaves((*path, str(k)), v)
+        return out
+    if isinstance(value, list) and not _terminal(value):
+        out = []
+        for i, v in enumerate(value):
+            out += _dcp_leaves((*path, i), v)
+        return out
+    return [(path, value)]
+
+
+def _terminal(value: list[Any]) -> bool:
+    return not any(
+        isinstance(v, Mapping)
+        or (isinstance(v, list) and not _terminal(v))
+        or (isinstance(v, _Stored) and v.kind == "tensor")
+        for v in value
+    )

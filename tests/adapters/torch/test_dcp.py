@@ -1,0 +1,146 @@
+"""``torch.distributed.checkpoint`` through ckptfmt's storage plugin in one process: a model and
+its Adam state (bfloat16) round-trip bit for bit through ``dcp.save``/``dcp.async_save`` with
+``Writer`` and ``dcp.load`` with ``Reader``; checkpoints of ``ckptfmt_torch.save`` load through
+``dcp.load`` and the plugin's load through ``ckptfmt_torch.load``; an object DCP pickles loads
+only when ``torch.load(weights_only=True)`` accepts it or the reader is told to trust it; a
+damaged shard fails the load naming the file; a save that fails leaves nothing behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ckptfmt_torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from ckptfmt_torch.dcp import Reader, Writer  # noqa: E402
+from kit.files import leftover_dirs, leftovers  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import ckptfmt  # noqa: E402
+from ckptfmt.errors import ChecksumError, PickleRefusedError, UnsupportedDtypeError  # noqa: E402
+
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning"),
+]
+
+
+class Opaque:
+    """An object only a trusted unpickling may build."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = model.to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * seed, betas=(0.9, 0.99))
+    model(torch.randn(5, 4, dtype=torch.bfloat16)).square().sum().backward()
+    opt.step()
+    return model, opt
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return bool(a == b and type(a) is type(b))
+
+
+def dcp_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_round_trip_bit_exact(tmp_path: Path, asynchronous: bool) -> None:
+    model, opt = trained(1)
+    path = tmp_path / "step-100"
+    state = dcp_state(model, opt, 100)
+    if asynchronous:
+        dcp.async_save(state, storage_writer=Writer(path, step=100)).result()
+    else:
+        dcp.save(state, storage_writer=Writer(path, step=100))
+    report = ckptfmt.verify(path)
+    assert not report.problems and report.manifest.step == 100
+    assert ckptfmt.open(path)["model/0.weight"].shape == (8, 4)  # named by state-dict path
+
+    other, other_opt = trained(2)
+    target = dcp_state(other, other_opt, 0)
+    dcp.load(target, storage_reader=Reader(path))
+    assert same(target, dcp_state(model, opt, 100))  # the tuple betas included
+
+
+def test_ckptfmt_torch_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    ckptfmt_torch.save({"model": model, "optim": opt, "step": 7}, tmp_path / "c")
+    other, other_opt = trained(2)
+    target = dcp_state(other, other_opt, 0)
+    dcp.load(target, storage_reader=Reader(tmp_path / "c"))
+    want = dcp_state(model, opt, 7)
+    assert same(target["model"], want["model"]) and target["step"] == 7
+    assert same(target["optim"]["state"], want["optim"]["state"])
+    assert target["optim"]["param_groups"][0]["lr"] == 0.01
+
+
+def test_plugin_checkpoint_loads_with_ckptfmt_torch(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    dcp.save(dcp_state(model, opt, 3), storage_writer=Writer(tmp_path / "c", step=3))
+    other, _ = trained(2)
+    state: dict[str, Any] = {"model": other, "step": 0}
+    manifest = ckptfmt_torch.load(state, tmp_path / "c")
+    assert manifest.step == 3 and state["step"] == 3
+    assert same(other.state_dict(), model.state_dict())
+
+
+def test_pickled_object_needs_trust(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(3), "obj": Opaque(4)}, storage_writer=Writer(tmp_path / "c"))
+    assert "obj" in ckptfmt.open(tmp_path / "c").manifest.writer["dcp_bytes"]  # type: ignore[operator]
+    target: dict[str, Any] = {"w": torch.zeros(3), "obj": None}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=Reader(tmp_path / "c"))
+    (err,) = (e for e, _stack in info.value.failures.values())
+    assert isinstance(err, PickleRefusedError) and "test_dcp.Opaque" in str(err)
+    assert target["obj"] is None
+    dcp.load(target, storage_reader=Reader(tmp_path / "c", trust_pickle=True))
+    assert isinstance(target["obj"], Opaque) and target["obj"].x == 4
+
+
+def test_damaged_shard_names_the_file(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    path = tmp_path / "c"
+    dcp.save(dcp_state(model, opt, 1), storage_writer=Writer(path))
+    shard = path / "model" / "0.weight" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    other, other_opt = trained(2)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(dcp_state(other, other_opt, 0), storage_reader=Reader(path))
+    (err,) = (e for e, _stack in info.value.failures.values())
+    assert isinstance(err, ChecksumError)
+    assert "model/0.weight/c/0/0" in str(err)
+
+
+def test_failed_save_leaves_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    state = {"ok": torch.ones(4), "bad": torch.ones(2, dtype=torch.complex32)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(state, storage_writer=Writer(path))
+    (err,) = (e for e, _stack in info.value.failures.values())
+    assert isinstance(err, UnsupportedDtypeError)
+    assert not path.exists()
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []

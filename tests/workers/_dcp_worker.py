@@ -1,0 +1,94 @@
+"""A rank of a ``torch.distributed.checkpoint`` job through ckptfmt's storage plugin:
+``_dcp_worker.py PLAN.json``, run under ``torchrun`` (gloo, CPU) by
+``tests/adapters/torch/test_dcp_parallel.py``.
+
+``PLAN.json`` is ``{"task": "save" | "load", "ckpt": DIR, "out": DIR}``. The state (``state``)
+holds a data-parallel replica (``ddp``: a module's state dict, the same tensors on every rank),
+tensor-parallel DTensors sharded on dim 0 over all ranks of the job (``tp``: float32 and
+bfloat16), an int (``step``) and a tuple (``meta/betas``, which DCP serialises as an object).
+
+- ``save``: ``dcp.save(state, storage_writer=Writer(ckpt, step=5))`` of the values
+  ``expected()`` gives; rank 0 writes them whole to ``<out>/expected.pt``.
+- ``load``: a state of zeros laid out for this job's ranks, filled with
+  ``dcp.load(state, storage_reader=Reader(ckpt))``; rank 0 writes what was loaded, DTensors
+  gathered whole, to ``<out>/loaded-<ranks>.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ckptfmt_torch.dcp import Reader, Writer
+from kit.worker import end_torch_job
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+
+def expected() -> dict[str, Any]:
+    """The saved values, whole (the same on every rank)."""
+    g = torch.Generator().manual_seed(27)
+    return {
+        "ddp": {
+            "fc.weight": torch.randn(6, 5, generator=g),
+            "fc.bias": torch.randn(6, generator=g),
+            "count": torch.tensor(11, dtype=torch.int64),
+        },
+        "tp": {
+            "w": torch.randn(8, 6, generator=g),
+            "b": torch.randn(12, generator=g).to(torch.bfloat16),
+        },
+        "step": 5,
+        "meta": {"betas": (0.9, 0.99)},
+    }
+
+
+def state(values: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """``values`` laid out as the job holds them: ``tp`` sharded on dim 0 over ``mesh``."""
+    return {
+        "ddp": dict(values["ddp"]),
+        "tp": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in values["tp"].items()},
+        "step": values["step"],
+        "meta": dict(values["meta"]),
+    }
+
+
+def whole(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return x.full_tensor()
+    if isinstance(x, dict):
+        return {k: whole(v) for k, v in x.items()}
+    return x
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (size,))
+    out = Path(plan["out"])
+    if plan["task"] == "save":
+        values = expected()
+        dcp.save(state(values, mesh), storage_writer=Writer(plan["ckpt"], step=5))
+        if rank == 0:
+            torch.save(values, out / "expected.pt")
+    else:
+        zeros = expected()
+        for group in ("ddp", "tp"):
+            zeros[group] = {k: torch.zeros_like(v) for k, v in zeros[group].items()}
+        zeros["step"], zeros["meta"] = 0, {"betas": None}
+        target = state(zeros, mesh)
+        dcp.load(target, storage_reader=Reader(plan["ckpt"]))
+        loaded = whole(target)
+        if rank == 0:
+            torch.save(loaded, out / f"loaded-{size}.pt")
+    end_torch_job()
+
+
+if __name__ == "__main__":
+    main()
