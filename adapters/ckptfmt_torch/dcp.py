@@ -61,7 +61,13 @@ from torch.futures import Future
 from ckptfmt.checkpoint import open_checkpoint, writer_threads
 from ckptfmt.container import Checkpoint, ManifestMeta
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import PickleRefusedError, SaveFailedError, UnsupportedValueError, UsageError
+from ckptfmt.errors import (
+    PickleRefusedError,
+    SaveFailedError,
+    UnsupportedDtypeError,
+    UnsupportedValueError,
+    UsageError,
+)
 from ckptfmt.format import WriteOptions
 from ckptfmt.maintenance import NodeDirs
 from ckptfmt.manifest import MANIFEST_NAME, GroupEntry, TensorEntry, ValueEntry
@@ -70,7 +76,7 @@ from ckptfmt.storage import check_destination
 from ckptfmt.transport import Comm
 from ckptfmt.tree import Shard
 from ckptfmt_torch.checkpoint import default_comm, writer_info
-from ckptfmt_torch.convert import numpy_to_tensor, tensor_to_numpy
+from ckptfmt_torch.convert import numpy_to_tensor, tensor_to_numpy, torch_numpy_dtype
 
 BYTES_KEY = "dcp_bytes"
 """The manifest ``writer`` key listing the entries that hold an object's ``torch.save`` bytes."""
@@ -394,16 +400,24 @@ class Reader(StorageReader):
         self, ckpt: Checkpoint, item: ReadItem, planner: LoadPlanner, name: str
     ) -> None:
         view = ckpt[name]
-        at = [
-            int(o) + int(s) for o, s in zip(item.storage_index.offset or (), item.storage_offsets)
-        ]
-        at = at or [int(s) for s in item.storage_offsets]
+        chunk_at = item.storage_index.offset or (0,) * len(item.storage_offsets)
+        at = [int(o) + int(s) for o, s in zip(chunk_at, item.storage_offsets)]
         box = tuple(slice(a, a + int(n)) for a, n in zip(at, item.lengths))
-        whole = not view.shape  # a 0-d tensor, which DCP describes as one element
-        src = numpy_to_tensor(np.ascontiguousarray(view[...] if whole else view[box]))
         target = planner.resolve_tensor(item).detach()
-        if whole and target.numel() == 1:
-            src = src.reshape(target.shape)
+        if not view.shape:  # a 0-d tensor, which DCP describes as one element
+            src = numpy_to_tensor(np.ascontiguousarray(view[...]))
+            if target.numel() == 1:
+                src = src.reshape(target.shape)
+        elif _takes_as_is(target, view.dtype) and tuple(target.shape) == tuple(item.lengths):
+            out = tensor_to_numpy(target)
+            if out.size:
+                # straight into the planner's tensor: the lazy read's own fill (every chunk's
+                # CRC checked), without the buffer that indexing the view would allocate
+                view._fill(tuple((b.start, b.stop) for b in box), out)
+            planner.commit_tensor(item, target)
+            return
+        else:
+            src = numpy_to_tensor(np.ascontiguousarray(view[box]))
         if tuple(target.shape) != tuple(src.shape):
             raise UsageError(
                 f"{name}: DCP asks for a box of shape {list(target.shape)}, the checkpoint "
@@ -411,6 +425,17 @@ class Reader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(item, target)
+
+
+def _takes_as_is(t: torch.Tensor, dtype: np.dtype) -> bool:
+    """Whether ``t`` is C-contiguous CPU memory of the saved dtype, which a read can fill
+    directly (one copy instead of two)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return False
+    try:
+        return bool(torch_numpy_dtype(t.dtype) == dtype)
+    except UnsupportedDtypeError:
+        return False
 
 
 def _tensor_metadata(e: TensorEntry) -> TensorStorageMetadata:

@@ -144,3 +144,15 @@ def test_failed_save_leaves_nothing(tmp_path: Path) -> None:
     assert isinstance(err, UnsupportedDtypeError)
     assert not path.exists()
     assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+def test_targets_read_into_or_copied(tmp_path: Path) -> None:
+    """Contiguous CPU targets of the saved dtype are read into directly; others (another dtype,
+    a transposed view) get the values as ``Tensor.copy_`` gives them, as DCP's own reader."""
+    g = torch.Generator().manual_seed(3)
+    saved = {"a": torch.randn(6, 4, generator=g), "b": torch.randn(5, 3, generator=g)}
+    dcp.save(saved, storage_writer=Writer(tmp_path / "c"))
+    a = torch.zeros(6, 4, dtype=torch.float64)
+    b = torch.zeros(3, 5).t()  # not contiguous
+    dcp.load({"a": a, "b": b}, storage_reader=Reader(tmp_path / "c"))
+    assert torch.equal(a, saved["a"].double()) and torch.equal(b, saved["b"])
