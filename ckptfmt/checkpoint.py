@@ -48,7 +48,7 @@ from ckptfmt.storage.nodes import is_spread
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.transport.comm import SingleComm
-from ckptfmt.tree.state import flatten, unflatten
+from ckptfmt.tree.state import Blob, Container, Objects, encode_objects, flatten, unflatten
 
 __all__ = [
     "load",
@@ -69,12 +69,18 @@ def save(
     step: int | None = None,
     write: WriteOptions | None = None,
     progress: ProgressCallback | None = None,
+    objects: Objects = "refuse",
 ) -> Manifest:
     """Save ``state`` as a committed checkpoint directory at ``path``; return its manifest.
 
-    ``state`` maps names to numpy arrays (any dtype of ``ckptfmt.dtypes``), JSON-able values or
-    further mappings. ``write``: how the files are written (:class:`~ckptfmt.WriteOptions`:
-    chunk and shard sizes, fsync; default: the defaults with up to two writer threads); a
+    ``state`` maps names to numpy arrays (any dtype of ``ckptfmt.dtypes``), JSON-able values,
+    ``bytes``, ``None``, further mappings, and lists and tuples of any of these (they load back
+    as the same types). ``objects``: any other object (a custom class, an
+    ``argparse.Namespace``, a ``Path``) is refused (``"refuse"``:
+    :class:`UnsupportedValueError` naming its key path) or stored as its pickle
+    (``"pickle"``), which :func:`load` unpickles only with ``trust_pickle=True``.
+    ``write``: how the files are written (:class:`~ckptfmt.WriteOptions`: chunk and shard
+    sizes, fsync; default: the defaults with up to two writer threads); a
     committed checkpoint at ``path`` is replaced only with ``WriteOptions(overwrite=True)``; a
     non-empty directory that is not a checkpoint is never written into. On any error nothing is
     left at ``path`` that was not there before. This is the collective save of
@@ -92,6 +98,7 @@ def save(
         raise UsageError(
             f"need 1 <= chunk_bytes <= shard_bytes and chunk_bytes <= {MAX_CHUNK_BYTES}"
         )
+    state = encode_objects(state, objects)
     try:
         with metering("save", progress) as meter:
             manifest, _plan = save_collective(
@@ -147,8 +154,10 @@ def load(
     read: ReadOptions | None = None,
     max_bytes: int | None = None,
     progress: ProgressCallback | None = None,
+    trust_pickle: bool = False,
 ) -> dict[str, Any]:
-    """Load a whole checkpoint into memory as the nested structure that was saved, bit-exact.
+    """Load a whole checkpoint into memory as the nested structure that was saved, bit-exact
+    (lists, tuples and ``bytes`` as the same types).
 
     ``path``: the checkpoint's directory; or a level-1 checkpoint spread over node-local
     directories, as a ``{node}`` template (``/local/{node}/ckpt/step-0000000100``) or a mapping
@@ -165,9 +174,14 @@ def load(
     the manifest before anything is allocated (:class:`AllocationLimitError`); None: the
     machine's physical memory (or the address-space limit), 0: no limit. ``progress``: called
     with :class:`~ckptfmt.Progress` events (the bytes of the data files read and verified),
-    from this thread (``ckptfmt.storage.progress``).
+    from this thread (``ckptfmt.storage.progress``). ``trust_pickle``: unpickle the objects a
+    save stored with ``objects="pickle"`` (unpickling runs code: only for a checkpoint from a
+    source you trust); without it such an entry raises :class:`PickleRefusedError` naming it,
+    and nothing is unpickled.
     """
-    return load_with_manifest(path, read=read, max_bytes=max_bytes, progress=progress)[0]
+    return load_with_manifest(
+        path, read=read, max_bytes=max_bytes, progress=progress, trust_pickle=trust_pickle
+    )[0]
 
 
 def load_with_manifest(
@@ -176,11 +190,12 @@ def load_with_manifest(
     read: ReadOptions | None = None,
     max_bytes: int | None = None,
     progress: ProgressCallback | None = None,
+    trust_pickle: bool = False,
 ) -> tuple[dict[str, Any], Manifest]:
     """:func:`load`, and the manifest of what was loaded (for the adapters' in-place loads,
     which return it)."""
     leaves, manifest = _load(path, _read_options(read), max_bytes, progress)
-    return unflatten(leaves), manifest
+    return unflatten(leaves, pickled="load" if trust_pickle else "refuse"), manifest
 
 
 def load_own(
@@ -188,6 +203,7 @@ def load_own(
     *,
     read: ReadOptions | None = None,
     progress: ProgressCallback | None = None,
+    trust_pickle: bool = False,
 ) -> tuple[dict[str, Any], Manifest]:
     """:func:`load` by the one rank of a one-process job, and the manifest: what a collective
     load of one rank gives (``ckptfmt.parallel.load_collective``), from any ``path``
@@ -212,7 +228,7 @@ def load_own(
             own.append((name, value))
         elif mine is not None:
             own.append((name, value[mine]))
-    return unflatten(own), manifest
+    return unflatten(own, pickled="load" if trust_pickle else "refuse"), manifest
 
 
 def _read_options(read: ReadOptions | None) -> ReadOptions:
@@ -262,11 +278,11 @@ def _read_all(
         if isinstance(e, TensorEntry):
             out, tensor_jobs = tensor_reads(src, e, sizes)
             jobs += tensor_jobs
-            leaves.append((e.name, out))
+            leaves.append((e.name, Blob(out, e.encoding) if e.encoding else out))  # type: ignore[arg-type]
         elif isinstance(e, ValueEntry):
             leaves.append((e.name, e.value))
         elif isinstance(e, GroupEntry):
-            leaves.append((e.name, {}))
+            leaves.append((e.name, Container(e.container) if e.container else {}))  # type: ignore[arg-type]
         else:
             leaves.append((e.name, list(e.values)))
     with metering("load", progress) as meter, ThreadPoolExecutor(threads) as pool:

@@ -38,7 +38,7 @@ from ckptfmt.parallel import (
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import ProgressCallback, check_destination, is_spread, metering, refuse_url
 from ckptfmt.transport import Comm, SingleComm
-from ckptfmt.tree import Cast, PerRank, Shard, arrays_of, check_policy
+from ckptfmt.tree import Cast, Objects, PerRank, Shard, arrays_of, check_policy, encode_objects
 from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import from_state, is_stateful, to_state, wants_of
 
@@ -81,16 +81,20 @@ def save(
     progress: ProgressCallback | None = None,
     comm: Comm | None = None,
     node: str | None = None,
+    objects: Objects = "refuse",
 ) -> Manifest:
     """Collective (every rank of ``comm``, by default of torch.distributed's default group):
     save ``state_dict`` as one committed checkpoint directory at ``path``; return its manifest.
 
     ``state_dict`` maps names to tensors (DTensors: each rank its shard), objects with
     ``state_dict()`` (modules, optimizers, schedulers, ``TrainingState``), ``ckptfmt.PerRank``
-    leaves (each rank its own) and JSON-able values, nested in dicts. ``path`` is one directory
-    every rank sees (shared storage); for node-local levels use ``CheckpointManager``. Nothing is
-    pickled: anything else raises :class:`ckptfmt.errors.UnsupportedValueError` before a byte is
-    written. The tensors are read in place (no copy); do not modify them until ``save`` returns.
+    leaves (each rank its own), JSON-able values, ``bytes`` and ``None``, nested in dicts, lists
+    and tuples (a Lightning checkpoint dict as it is). ``path`` is one directory every rank sees
+    (shared storage); for node-local levels use ``CheckpointManager``. Nothing is pickled unless
+    asked: anything else raises :class:`ckptfmt.errors.UnsupportedValueError` naming its key path
+    before a byte is written; ``objects="pickle"`` stores it as its pickle instead, which
+    ``load`` unpickles only with ``trust_pickle=True``. The tensors are read in place (no
+    copy); do not modify them until ``save`` returns.
     ``write``, ``progress``: as for ``ckptfmt.save`` (the same on every rank; each rank's
     events count its own share). ``node``: this rank's node name, as the manager takes it.
     """
@@ -101,7 +105,7 @@ def save(
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
     comm = comm or default_comm()
-    state = to_state(state_dict)
+    state = encode_objects(to_state(state_dict, objects=objects), objects)
     try:
         with metering("save", progress) as meter:
             manifest, _ = save_collective(
@@ -130,6 +134,7 @@ def load(
     into: bool = False,
     progress: ProgressCallback | None = None,
     comm: Comm | None = None,
+    trust_pickle: bool = False,
 ) -> Manifest:
     """Collective (as ``save``): load the checkpoint at ``path`` into ``state_dict`` in place and
     return its manifest (``.step``; ``.values(prefix)`` its JSON values).
@@ -161,26 +166,32 @@ def load(
     buffer and copied (no second copy of the state in memory); the price is all or nothing: a
     load that fails part-way, or then finds a name or shape that does not match, may already
     have written into some tensors.
+
+    ``trust_pickle=True`` unpickles the objects a save stored with ``objects="pickle"`` (only
+    for checkpoints from a source you trust); without it such an entry raises
+    :class:`~ckptfmt.errors.PickleRefusedError` naming it, and nothing is unpickled.
     """
     read = read if read is not None else ReadOptions(threads=writer_threads())
     if not isinstance(read, ReadOptions):
         raise UsageError(f"read must be a ckptfmt.ReadOptions, got {type(read).__name__}")
     check_policy(cast)  # a usage error before anything is read
     comm = comm or default_comm()
-    state = to_state(state_dict)
+    state = to_state(state_dict, objects="pickle")  # the objects it holds are replaced
     if isinstance(path, Mapping) or is_spread(path):
         if comm.size != 1:
             raise UsageError(
                 "a {node} template or a mapping node -> directory is loaded by one process; "
                 "a job's ranks restore level-1 copies with CheckpointManager.restore"
             )
-        loaded, manifest = load_own(path, read=read, progress=progress)
+        loaded, manifest = load_own(path, read=read, progress=progress, trust_pickle=trust_pickle)
     else:
         refuse_url(path)
         wants = wants_of(state)
         targets = arrays_of(state) if into else None
         with metering("load", progress) as meter:
-            loaded, manifest = load_collective(comm, path, wants, read=read, into=targets)
+            loaded, manifest = load_collective(
+                comm, path, wants, read=read, into=targets, trust_pickle=trust_pickle
+            )
             meter.finish()
     from_state(state_dict, loaded, keep_per_rank=read.per_rank == "drop", cast=cast)
     return manifest
@@ -198,6 +209,7 @@ def restore(
     cast: Cast = "no",
     into: bool = False,
     map_location: Device | Callable[[str], Device] | None = None,
+    trust_pickle: bool = False,
 ) -> RestoreReport:
     """Collective: ``manager.restore`` for a PyTorch state dict (in place, as ``load``). Returns
     the manager's :class:`~ckptfmt.RestoreReport`: ``report.step`` the restored step, or None
@@ -223,15 +235,22 @@ def restore(
     restore that fails part-way or finds a name or shape that does not match may already have
     written into some tensors (a restore that falls back to an older step writes all of them
     again). Tensors on a device are loaded into host buffers and copied, as without it.
+
+    ``trust_pickle``: as for ``load`` (a state dict holding objects is saved with
+    ``manager.save(step, to_state(state_dict, objects="pickle"), objects="pickle")``).
     """
     read = read if read is not None else ReadOptions()
     check_policy(cast)  # a usage error before anything collective
     before = _tensor_names(state_dict) if map_location is not None else set()
-    state = to_state(state_dict)
+    state = to_state(state_dict, objects="pickle")  # the objects it holds are replaced
     if into:
-        report = manager.restore(state, read=read, strict=False, cast=cast, into=True)
+        report = manager.restore(
+            state, read=read, strict=False, cast=cast, into=True, trust_pickle=trust_pickle
+        )
     else:
-        report = manager.restore(_detached(state), read=read, apply=False)
+        report = manager.restore(
+            _detached(state), read=read, apply=False, trust_pickle=trust_pickle
+        )
     if report.restored:
         if report.state is None:  # pragma: no cover - restore sets it with a step
             raise UsageError("the manager restored a step but kept no state")

@@ -8,8 +8,10 @@ and JSON values. :func:`from_state` puts a loaded ckptfmt state back: copied int
 place, values replaced, ``load_state_dict`` called on the stateful objects, the way
 ``torch.distributed.checkpoint.load`` does it.
 
-Nothing is pickled: a value that is neither a tensor nor JSON-able raises
-:class:`ckptfmt.errors.UnsupportedValueError` here, before anything is written.
+Lists and tuples are converted item by item (tensors inside them included) and load back as
+the same types; ``bytes`` and ``None`` are kept. Nothing is pickled unless asked: any other
+object raises :class:`ckptfmt.errors.UnsupportedValueError` naming its key path here, before
+anything is written, unless ``objects="pickle"`` lets it through to be stored as its pickle.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from ckptfmt.errors import UnsupportedDtypeError, UnsupportedValueError, UsageError
 from ckptfmt.manifest import encode_value
-from ckptfmt.tree import Cast, Conversion, PerRank, Shard, plan_casts, report_casts
+from ckptfmt.tree import Cast, Conversion, Objects, PerRank, Shard, plan_casts, report_casts
 
 try:  # torch.distributed is optional in some PyTorch builds
     from torch.distributed.tensor import DTensor
@@ -212,20 +214,30 @@ def _join(path: str, key: str) -> str:
     return f"{path}/{key}" if path else key
 
 
-def to_state(obj: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+def to_state(
+    obj: Mapping[str, Any], path: str = "", *, objects: Objects = "refuse"
+) -> dict[str, Any]:
     """Collective only where a stateful's ``state_dict()`` is (``get_state_dict`` of FSDP).
 
     The ckptfmt state of a PyTorch state dict: tensors as numpy views, DTensors as ``Shard``
     leaves (or arrays when replicated), stateful objects by their ``state_dict()``, int keys as
-    their decimal strings, ``PerRank`` leaves kept (their tensor converted), values checked to be
-    JSON-able.
+    their decimal strings, ``PerRank`` leaves kept (their tensor converted), lists and tuples
+    item by item, ``bytes`` kept, values checked to be JSON-able. ``objects``: any other object
+    is refused (``"refuse"``: :class:`UnsupportedValueError` naming its key path) or kept as it
+    is (``"pickle"``: the save stores its pickle; pass the same ``objects=`` to the save).
     """
     if not isinstance(obj, Mapping):
         raise UsageError("a state dict is a mapping of names to tensors, values or statefuls")
-    return {_key(k, path): _leaf(v, _join(path, _key(k, path))) for k, v in obj.items()}
+    if objects not in ("refuse", "pickle"):
+        raise UsageError(f"objects must be 'refuse' or 'pickle', got {objects!r}")
+    return _state(obj, path, objects)
 
 
-def _leaf(v: Any, path: str) -> Any:
+def _state(obj: Mapping[str, Any], path: str, objects: Objects) -> dict[str, Any]:
+    return {_key(k, path): _leaf(v, _join(path, _key(k, path)), objects) for k, v in obj.items()}
+
+
+def _leaf(v: Any, path: str, objects: Objects) -> Any:
     if is_dtensor(v):
         return dtensor_to_leaf(v, path)
     if isinstance(v, torch.Tensor):
@@ -240,31 +252,23 @@ def _leaf(v: Any, path: str) -> Any:
     if isinstance(v, (Shard, np.ndarray, np.generic)) and not isinstance(v, (np.str_, np.bytes_)):
         return v
     if is_stateful(v):
-        return to_state(v.state_dict(), path)
+        return _state(v.state_dict(), path, objects)
     if isinstance(v, Mapping):
-        return to_state(v, path)
-    _check_value(v, path)
-    return v
-
-
-def _check_value(v: Any, path: str) -> None:
-    """A value is stored as JSON: refuse tensors hidden in lists and anything JSON cannot hold
-    (nothing is ever pickled)."""
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            raise UnsupportedValueError(
-                path, "a tensor inside a list or tuple (put tensors in dicts, under names)"
-            )
-        if isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, Mapping):
-            for y in x.values():
-                walk(y)
-
-    walk(v)
-    encode_value(v, path)
+        return _state(v, path, objects)
+    if isinstance(v, (list, tuple)):
+        items = [_leaf(x, _join(path, str(i)), objects) for i, x in enumerate(v)]
+        return tuple(items) if isinstance(v, tuple) else items
+    if v is None or isinstance(v, (bytes, str, bool, int, float)):
+        if isinstance(v, str):
+            encode_value(v, path)  # a lone surrogate, refused here
+        return v
+    if objects == "pickle" or isinstance(v, np.generic):
+        return v
+    raise UnsupportedValueError(
+        path,
+        f"{type(v).__name__} is neither a tensor, bytes, a list, tuple or mapping nor JSON-able "
+        "(objects='pickle' stores it as a pickled blob, loaded only with trust_pickle=True)",
+    )
 
 
 def wants_of(state: Mapping[str, Any]) -> dict[str, Box]:
@@ -411,6 +415,15 @@ def _check_leaf(
                 _check_optimizer(t, value, name, problems, pairs)
     elif isinstance(t, Mapping) and isinstance(value, Mapping):
         _check(t, value, name, keep_per_rank, problems, pairs, sds, ())
+    elif _same_length(t, value):
+        for i, (a, b) in enumerate(zip(t, value)):
+            _check_leaf(a, b, _join(name, str(i)), keep_per_rank, problems, pairs, sds)
+    elif _holds_tensors(t):
+        problems.append(
+            f"{name}: the checkpoint holds {type(value).__name__} "
+            f"{'of ' + str(len(value)) + ' items ' if isinstance(value, (list, tuple)) else ''}"
+            f"where the state dict has a {type(t).__name__} of {len(t)} holding tensors"
+        )
 
 
 def _check_optimizer(
@@ -517,15 +530,49 @@ def _put(
     if isinstance(t, MutableMapping) and isinstance(value, Mapping):
         _apply(t, value, name, keep_per_rank, cast, sds)
         return t
-    return like(t, value)
+    if _same_length(t, value):  # item by item: tensors in a list are loaded into in place
+        items = [
+            _put(a, b, _join(name, str(i)), keep_per_rank, cast, sds)
+            for i, (a, b) in enumerate(zip(t, value))
+        ]
+        return tuple(items) if isinstance(t, tuple) else items
+    return like(t, materialize(value))
+
+
+def _same_length(t: Any, value: Any) -> bool:
+    return (
+        isinstance(t, (list, tuple))
+        and isinstance(value, (list, tuple))
+        and len(t) == len(value)
+        and _holds_tensors(t)
+    )
+
+
+def _holds_tensors(t: Any) -> bool:
+    """Whether a list or tuple of the state dict holds tensors or statefuls (loaded into in
+    place, item by item) rather than only values (replaced whole)."""
+    if isinstance(t, torch.Tensor) or is_stateful(t) or isinstance(t, (np.ndarray, Shard)):
+        return True
+    if isinstance(t, Mapping):
+        return any(_holds_tensors(v) for v in t.values())
+    if isinstance(t, (list, tuple)):
+        return any(_holds_tensors(v) for v in t)
+    return False
 
 
 def materialize(value: Any) -> Any:
-    """A loaded leaf or subtree as PyTorch values: arrays become CPU tensors (sharing memory)."""
+    """A loaded leaf or subtree as PyTorch values: arrays become CPU tensors (sharing memory),
+    lists and tuples keep their type, an optimizer's state dict (``state`` and
+    ``param_groups``) has its state keyed by parameter index again."""
     if isinstance(value, np.ndarray):
         return numpy_to_tensor(value)
     if isinstance(value, Mapping):
-        return {k: materialize(v) for k, v in value.items()}
+        out = {k: materialize(v) for k, v in value.items()}
+        _int_state_keys(out)  # an optimizer's state dict, keyed by parameter index again
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [materialize(v) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
     return value
 
 
@@ -545,6 +592,8 @@ def _int_state_keys(sd: dict[str, Any]) -> None:
     groups = sd.get("param_groups")
     state = sd.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict):
+        return
+    if not all(isinstance(g, Mapping) for g in groups):
         return
     if all(isinstance(p, int) for g in groups for p in g.get("params", [])):
         sd["state"] = {

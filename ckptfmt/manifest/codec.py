@@ -20,7 +20,7 @@ from ckptfmt.errors import CkptError, FormatVersionError, ManifestChecksumError,
 from ckptfmt.manifest.grid import cells, grid_shape, shard_key
 from ckptfmt.manifest.limits import (
     CHECKSUM_SINCE,
-    FORMAT_VERSION,
+    CONTAINERS_SINCE,
     MANIFEST_MAX_BYTES,
     MAX_CHUNK_BYTES,
     MAX_CHUNKS_PER_SHARD,
@@ -47,6 +47,8 @@ from ckptfmt.manifest.model import (
 from ckptfmt.manifest.values import decode_value, encode_value
 
 MANIFEST_NAME = "ckptfmt.json"
+CONTAINERS = ("list", "tuple")  # a group entry's container kinds
+ENCODINGS = ("bytes", "pickle")  # what an encoded uint8 tensor holds
 FORMAT_ID = "ckptfmt"
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _CRC = re.compile(r"^[0-9a-f]{8}$")
@@ -86,6 +88,8 @@ def _tensor_json(t: TensorEntry) -> dict[str, Any]:
     }
     if t.per_rank:
         out["per_rank"] = True
+    if t.encoding is not None:
+        out["encoding"] = t.encoding
     return out
 
 
@@ -99,6 +103,8 @@ def _entry_json(e: Entry) -> dict[str, Any]:
             out["nonfinite"] = nonfinite
         return out
     if isinstance(e, GroupEntry):
+        if e.container is not None:
+            return {"kind": "group", "name": list(e.name), "container": e.container}
         return {"kind": "group", "name": list(e.name)}
     encoded = [encode_value(v, display(e.name)) for v in e.values]
     out = {"kind": "per_rank_value", "name": list(e.name), "values": [v for v, _ in encoded]}
@@ -210,7 +216,7 @@ def parse_manifest(data: bytes, path: str | None = None) -> Manifest:
         raise ManifestError(f"not JSON: {exc}", path=path) from None
     if not sealed and isinstance(doc, dict) and doc.get("format") == FORMAT_ID:
         version = doc.get("format_version")
-        if type(version) is int and CHECKSUM_SINCE <= version <= FORMAT_VERSION:
+        if type(version) is int and CHECKSUM_SINCE <= version <= max(SUPPORTED_VERSIONS):
             # a version that carries a checksum, without one: the member is lost or mangled
             raise ManifestChecksumError(path or MANIFEST_NAME, "its checksum member is missing")
     try:
@@ -309,7 +315,7 @@ def manifest_from_json(doc: Any) -> Manifest:
     entries_json = top.get("entries", list)
     if len(entries_json) > MAX_ENTRIES:
         raise ManifestError(f"more than {MAX_ENTRIES} entries", "/entries")
-    entries = [_parse_entry(e, f"/entries/{i}", size) for i, e in enumerate(entries_json)]
+    entries = [_parse_entry(e, f"/entries/{i}", size, version) for i, e in enumerate(entries_json)]
     _check_tree(entries)
     levels = top.get("levels", dict)
     return Manifest(
@@ -325,8 +331,12 @@ def manifest_from_json(doc: Any) -> Manifest:
     )
 
 
-def _parse_entry(obj: Any, pointer: str, world_size: int) -> Entry:
+def _parse_entry(obj: Any, pointer: str, world_size: int, version: int) -> Entry:
     r = _Reader(obj, pointer)
+    if version < CONTAINERS_SINCE:  # members of later versions are unknown members here
+        for member in ("container", "encoding"):
+            if member in r.obj:
+                raise ManifestError(f"unknown member {member!r}", r.at(member))
     kind = r.get("kind", str)
     name = check_name(r.get("name", list))
     if kind == "tensor":
@@ -340,6 +350,7 @@ def _parse_entry(obj: Any, pointer: str, world_size: int) -> Entry:
             "chunk_shape",
             "regions",
             "per_rank",
+            "encoding",
         )
         return _parse_tensor(r, name, world_size)
     if kind == "value":
@@ -347,8 +358,11 @@ def _parse_entry(obj: Any, pointer: str, world_size: int) -> Entry:
         nonfinite = r.get("nonfinite", dict, optional=True) or {}
         return ValueEntry(name, decode_value(r.get("value", object), nonfinite, pointer))
     if kind == "group":
-        r.only("kind", "name")
-        return GroupEntry(name)
+        r.only("kind", "name", "container")
+        container = r.get("container", str, optional=True)
+        if container is not None and container not in CONTAINERS:
+            raise ManifestError(f"unknown container {container!r}", r.at("container"))
+        return GroupEntry(name, container)
     if kind == "per_rank_value":
         r.only("kind", "name", "values", "nonfinite")
         values = r.get("values", list)
@@ -432,11 +446,17 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
                 raise ManifestError("file too small for its chunks and index", fr.at("size"))
             files.append(FileRef(fpath, size, int(crc, 16)))
         regions.append(Region(offset, rshape, rank, tuple(files)))
+    encoding = r.get("encoding", str, optional=True)
+    if encoding is not None:
+        if encoding not in ENCODINGS:
+            raise ManifestError(f"unknown encoding {encoding!r}", r.at("encoding"))
+        if dtype != "uint8" or ndim != 1 or per_rank:
+            raise ManifestError("an encoded tensor is 1-d uint8, not per rank", r.at("encoding"))
     if math.prod(shape) and len(claimed) != math.prod(grid):
         raise ManifestError("regions do not cover the tensor", f"{r.pointer}/regions")
     if not math.prod(shape) and regions:
         raise ManifestError("an empty tensor has no regions", f"{r.pointer}/regions")
-    return TensorEntry(name, path, dtype, shape, shard, chunk, tuple(regions), per_rank)
+    return TensorEntry(name, path, dtype, shape, shard, chunk, tuple(regions), per_rank, encoding)
 
 
 def _min_file_size(
@@ -457,7 +477,9 @@ def _min_file_size(
 
 
 def _check_tree(entries: list[Entry]) -> None:
-    """Names must form a tree: no name twice, and only groups have descendants."""
+    """Names must form a tree: no name twice, and only groups have descendants; a plain group
+    has none (it is an empty mapping), a container group exactly its items ``"0"`` to
+    ``"n-1"``, listed after it."""
     seen: set[tuple[str, ...]] = set()
     leaves: set[tuple[str, ...]] = set()
     for e in entries:
@@ -469,6 +491,24 @@ def _check_tree(entries: list[Entry]) -> None:
     prefixes = {e.name[:k] for e in entries for k in range(1, len(e.name))}
     for prefix in prefixes & leaves:
         raise ManifestError(f"{display(prefix)!r} is a leaf and a group", "/entries")
-    for e in entries:
-        if isinstance(e, GroupEntry) and e.name in prefixes:
+    items: dict[tuple[str, ...], set[str]] = {}
+    first: dict[tuple[str, ...], int] = {}  # the first entry below each prefix
+    for i, e in enumerate(entries):
+        for k in range(1, len(e.name)):
+            items.setdefault(e.name[:k], set()).add(e.name[k])
+            first.setdefault(e.name[:k], i)
+    for i, e in enumerate(entries):
+        if not isinstance(e, GroupEntry):
+            continue
+        if e.container is None and e.name in prefixes:
             raise ManifestError(f"group entry {display(e.name)!r} is not empty", "/entries")
+        if e.container is not None:
+            got = items.get(e.name, set())
+            if got != {str(k) for k in range(len(got))}:
+                raise ManifestError(
+                    f"container {display(e.name)!r}: items must be named 0 to n-1", "/entries"
+                )
+            if first.get(e.name, i) < i:
+                raise ManifestError(
+                    f"container {display(e.name)!r} is listed after its items", "/entries"
+                )

@@ -1,4 +1,4 @@
-"""Hard limits of format versions 1 and 2 (``spec/FORMAT.md``, "Limits") and the name rules.
+"""Hard limits of format versions 1 to 3 (``spec/FORMAT.md``, "Limits") and the name rules.
 
 A writer refuses to exceed them; a reader refuses a checkpoint that does, before allocating or
 opening anything, so that a hostile manifest cannot make it read outside the checkpoint, allocate
@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 from ckptfmt.errors import InvalidNameError
 
-FORMAT_VERSION = 2  # what ckptfmt writes
-SUPPORTED_VERSIONS = (1, 2)  # what it reads
+FORMAT_VERSION = 2  # what ckptfmt writes unless an entry needs a later version
+SUPPORTED_VERSIONS = (1, 2, 3)  # what it reads
 CHECKSUM_SINCE = 2  # the first version whose manifest carries its own CRC32C (FORMAT.md §10)
+CONTAINERS_SINCE = 3  # the first with list/tuple groups and encoded tensors (FORMAT.md §11)
 
 MANIFEST_MAX_BYTES = 256 * 1024 * 1024
 MAX_ENTRIES = 1_000_000

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfmt.manifest.limits import FORMAT_VERSION
+from ckptfmt.manifest.limits import CONTAINERS_SINCE, FORMAT_VERSION
 
 JSON = Any  # a value json.dumps accepts (after non-finite floats are taken out)
 
@@ -46,6 +46,8 @@ class TensorEntry:
     ``shard_shape`` is the zarr chunk-grid shape (one shard file per grid cell), ``chunk_shape``
     the inner chunk shape of the sharding codec (one CRC32C each). ``per_rank`` marks a tensor whose
     leading axis is the rank: each rank's own copy of something (an RNG state, say).
+    ``encoding`` marks a 1-d ``uint8`` tensor that holds opaque bytes: ``"bytes"`` (a bytes
+    value) or ``"pickle"`` (an object's pickle, unpickled only by a reader told to trust it).
     """
 
     name: tuple[str, ...]
@@ -56,6 +58,7 @@ class TensorEntry:
     chunk_shape: tuple[int, ...]
     regions: tuple[Region, ...]
     per_rank: bool = False
+    encoding: str | None = None
 
     @property
     def size(self) -> int:
@@ -75,9 +78,12 @@ class ValueEntry:
 
 @dataclass(frozen=True)
 class GroupEntry:
-    """An empty mapping, kept so that ``load`` gives back the structure ``save`` was given."""
+    """An empty mapping, kept so that ``load`` gives back the structure ``save`` was given; or,
+    with ``container`` (``"list"``, ``"tuple"``), a list or tuple whose items are the entries
+    named by its name and the item's index (``"0"``, ``"1"``, ...)."""
 
     name: tuple[str, ...]
+    container: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,15 @@ class Manifest:
     levels: dict[str, JSON] = field(default_factory=dict)
     writer: dict[str, JSON] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        # a writer writes the lowest version whose rules its entries follow (FORMAT.md §15)
+        if self.format_version < CONTAINERS_SINCE and any(
+            (isinstance(e, GroupEntry) and e.container is not None)
+            or (isinstance(e, TensorEntry) and e.encoding is not None)
+            for e in self.entries
+        ):
+            object.__setattr__(self, "format_version", CONTAINERS_SINCE)
 
     def tensors(self) -> list[TensorEntry]:
         return [e for e in self.entries if isinstance(e, TensorEntry)]

@@ -53,7 +53,7 @@ from ckptfmt.plan.reads import Box
 from ckptfmt.storage.files import Inside
 from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm
-from ckptfmt.tree.state import unflatten
+from ckptfmt.tree.state import Blob, Container, unflatten
 
 
 def load_collective(
@@ -66,6 +66,7 @@ def load_collective(
     read: ReadOptions = ReadOptions(),
     seq: int | None = None,
     into: Mapping[str, np.ndarray] | None = None,
+    trust_pickle: bool = False,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -82,7 +83,8 @@ def load_collective(
     is C-contiguous, writeable and of exactly the box's shape and the saved dtype (else a fresh
     array is allocated, as without it): a tensor is then written once on the way in, and the
     returned state holds the caller's array. A load that fails part-way may have written into
-    them (what the caller accepts by passing them).
+    them (what the caller accepts by passing them). ``trust_pickle``: unpickle the entries a save
+    stored pickled (else :class:`PickleRefusedError` naming the first, nothing unpickled).
     The chunks this rank reads and what it receives are counted on the caller's progress meter
     (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
     """
@@ -90,7 +92,7 @@ def load_collective(
     src = Inside(root)
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq)
     loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
-    return _assemble(manifest, loaded, mine, wants), manifest
+    return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
 
 
 def _read_everything(
@@ -142,23 +144,26 @@ def _assemble(
     loaded: dict[str, np.ndarray],
     mine: int | None,
     wants: Mapping[str, Box | None] | None,
+    trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """The nested state of this rank, in the manifest's order: boxes and whole tensors,
     values, groups, and its own per-rank items (from saved rank ``mine``)."""
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
-            if not e.per_rank or display(e.name) in (wants or {}):
+            if e.encoding:
+                leaves.append((e.name, Blob(loaded[display(e.name)], e.encoding)))  # type: ignore[arg-type]
+            elif not e.per_rank or display(e.name) in (wants or {}):
                 leaves.append((e.name, loaded[display(e.name)]))
             elif mine is not None:
                 leaves.append((e.name, loaded[display(e.name)].reshape(e.shape[1:])))
         elif isinstance(e, ValueEntry):
             leaves.append((e.name, e.value))
         elif isinstance(e, GroupEntry):
-            leaves.append((e.name, {}))
+            leaves.append((e.name, Container(e.container) if e.container else {}))  # type: ignore[arg-type]
         elif mine is not None:
             leaves.append((e.name, e.values[mine]))
-    return unflatten(leaves)
+    return unflatten(leaves, pickled="load" if trust_pickle else "refuse")
 
 
 def _is_per_rank(e: object, named: set[str]) -> bool:

@@ -57,7 +57,7 @@ from ckptfmt.storage.progress import ProgressCallback
 from ckptfmt.storage.steps import StepRef, parse_step
 from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.tree.casting import Cast, check_policy
-from ckptfmt.tree.state import Name
+from ckptfmt.tree.state import Name, Objects
 
 __all__ = ["CheckpointManager", "CheckpointWarning", "RestoreReport"]
 
@@ -256,6 +256,7 @@ class CheckpointManager:
         donate: bool = False,
         background_copy: bool = False,
         ready: Callable[[], None] | None = None,
+        objects: Objects = "refuse",
     ) -> SaveHandle:
         """Collective: checkpoint ``state`` as ``step``. Returns once the state is copied into
         host buffers (asynchronous mode); writing, committing and flushing go on behind.
@@ -268,7 +269,10 @@ class CheckpointManager:
         that failed, on any rank, is told at the next call); ``donate=True`` makes none (the
         writer reads ``state`` itself: ``staged`` is done when the save is). ``ready``, when
         given, is called on the saver thread before anything of ``state`` is read (e.g. to wait
-        for device-to-host copies). See ``ckptfmt.parallel.staging``.
+        for device-to-host copies). See ``ckptfmt.parallel.staging``. ``objects``: an object
+        that is neither an array, bytes, a list, tuple or mapping nor JSON-able is refused
+        (``"refuse"``: :class:`UnsupportedValueError` naming it) or pickled at the call
+        (``"pickle"``; ``restore`` unpickles it only with ``trust_pickle=True``).
 
         On this thread, every rank but with ``background_copy``: the staging agreement
         (``Stager.agree``); the rest is the saver thread's (``ckptfmt.parallel.save_job``)."""
@@ -295,7 +299,7 @@ class CheckpointManager:
         usage: UsageError | None = None
         leaves: list[tuple[Name, Any]] | None = None
         try:
-            leaves = checked_leaves(state)  # misuse raised here, whatever on_error says
+            leaves = checked_leaves(state, objects)  # misuse raised here, whatever on_error says
         except UsageError as exc:
             job.failure = usage = exc
         if mode == "background":  # the agreement and the copy are the saver thread's
@@ -403,6 +407,7 @@ class CheckpointManager:
         apply: bool = True,
         cast: Cast = "no",
         into: bool = False,
+        trust_pickle: bool = False,
     ) -> RestoreReport:
         """Collective: load the newest step that every rank can load. Returns a
         :class:`RestoreReport`: ``report.step`` (None when there is none; ``report.restored``
@@ -441,6 +446,10 @@ class CheckpointManager:
         of loaded and copied. The price: a restore that fails part-way, or falls back to an
         older step, may already have written into them (the checks run after the read).
 
+        ``trust_pickle=True`` unpickles the objects a save stored with ``objects="pickle"``
+        (only for checkpoints from a source you trust); without it such a checkpoint raises
+        :class:`PickleRefusedError` naming the entry, and nothing is unpickled.
+
         A transport failure on the way (a peer died: gloo's "Connection closed by peer") raises
         :class:`ManagerBrokenError` and the manager refuses collective calls from then on, as
         after a background save that met one. ``last_restore`` keeps the last report."""
@@ -454,6 +463,7 @@ class CheckpointManager:
             apply=apply,
             cast=check_policy(cast),  # a usage error before anything collective
             into=into,
+            trust_pickle=trust_pickle,
         )
         self.wait()
         try:

@@ -81,6 +81,7 @@ class RestoreRequest:
     apply: bool = True
     cast: Cast = "no"
     into: bool = False
+    trust_pickle: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +139,7 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
         if c.refused:
             report.tried.append(f"step {c.step} level {c.level}: {c.refused}")
             continue
-        got = _load_or_rebuild(site, c, wants, req.read, targets, report)
+        got = _load_or_rebuild(site, c, wants, req, targets, report)
         if got is None:
             continue
         loaded, manifest = got
@@ -163,14 +164,14 @@ def _load_or_rebuild(
     site: RestoreSite,
     c: Candidate,
     wants: dict[str, Any],
-    read: ReadOptions,
+    req: RestoreRequest,
     targets: dict[str, np.ndarray] | None,
     report: RestoreReport,
 ) -> tuple[dict[str, Any], Manifest] | None:
     """Collective: load candidate ``c``; on level 1, lost or damaged on some node, rebuild
     what parity covers and load again. None (the reason in ``report``) when it cannot be."""
     try:
-        return _load(site, c, wants, read, targets)
+        return _load(site, c, wants, req.read, targets, req.trust_pickle)
     except LoadFailedError as exc:
         raise_unless_damage(exc)
         if c.level == 3:
@@ -179,7 +180,7 @@ def _load_or_rebuild(
         if not _rebuild(site, c, str(exc), report):
             return None
     try:
-        return _load(site, c, wants, read, targets)
+        return _load(site, c, wants, req.read, targets, req.trust_pickle)
     except LoadFailedError as exc2:
         raise_unless_damage(exc2)
         report.tried.append(f"step {c.step} level {c.level}: {exc2}")
@@ -192,6 +193,7 @@ def _load(
     wants: dict[str, Any],
     read: ReadOptions,
     into: dict[str, np.ndarray] | None,
+    trust_pickle: bool,
 ) -> tuple[dict[str, Any], Manifest]:
     # some ranks without a copy may be new to the job (another size, another node): the load
     # finds out whether every saved node's files are visible to some rank
@@ -205,6 +207,7 @@ def _load(
             node=site.node if c.level == 1 else None,
             read=read,
             into=into,
+            trust_pickle=trust_pickle,
         )
         meter.finish()
     return loaded

@@ -30,6 +30,7 @@ from ckptfmt.errors import (
     ManagerBrokenError,
     OutOfStepError,
     SaveFailedError,
+    UsageError,
 )
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.limits import display
@@ -47,17 +48,20 @@ from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.transport.comm import Comm, start_background
-from ckptfmt.tree.state import Name, flatten
+from ckptfmt.tree.state import Name, Objects, flatten
 
 log = logging.getLogger("ckptfmt")
 
 __all__ = ["SaveJob", "SaveSettings", "Saver", "checked_leaves", "may_fall_back"]
 
 
-def checked_leaves(state: Mapping[str, Any]) -> list[tuple[Name, Any]]:
+def checked_leaves(state: Mapping[str, Any], objects: Objects = "refuse") -> list[tuple[Name, Any]]:
     """The leaves of ``state``, each checked (:func:`check_leaf`): misuse raises
-    ``UsageError`` at the call, before anything is copied."""
-    leaves = flatten(state)  # refuses a state that is not a mapping
+    ``UsageError`` at the call, before anything is copied. ``objects``: what becomes of an
+    object that is not storable (``tree.state.Objects``: refused, or pickled now)."""
+    if objects not in ("refuse", "pickle"):
+        raise UsageError(f"objects must be 'refuse' or 'pickle', got {objects!r}")
+    leaves = flatten(state, objects)  # refuses a state that is not a mapping
     for name, leaf in leaves:
         check_leaf(display(name), leaf)
     return leaves

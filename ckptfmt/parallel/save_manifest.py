@@ -136,6 +136,8 @@ def build_manifest(
         name = tuple(n)
         if kind == "group":
             entries.append(GroupEntry(name))
+        elif kind in ("list", "tuple"):
+            entries.append(GroupEntry(name, kind))
         elif kind == "value":
             entries.append(ValueEntry(name, values[name]))
         elif kind == "per_rank_value":
@@ -165,6 +167,7 @@ def build_manifest(
                     t.chunk_shape,
                     regions,
                     per_rank=kind == "per_rank_tensor",
+                    encoding=kind if kind in ("bytes", "pickle") else None,
                 )
             )
     missing = set(plans) - {e.name for e in entries if isinstance(e, TensorEntry)}

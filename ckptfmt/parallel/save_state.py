@@ -15,7 +15,7 @@ from ckptfmt.errors import CkptError, LimitExceededError
 from ckptfmt.manifest.limits import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, display
 from ckptfmt.manifest.values import encode_value
 from ckptfmt.plan.ownership import Holding, TensorPlan
-from ckptfmt.tree.state import PerRank, Pieces, Shard, flatten, is_tensor
+from ckptfmt.tree.state import Blob, Container, PerRank, Pieces, Shard, flatten, is_tensor
 
 Name = tuple[str, ...]
 
@@ -39,7 +39,8 @@ class LocalState:
     """One rank's checked state: tensors (with the region held), values and empty groups, in
     the order given."""
 
-    order: list[tuple[Name, str]]  # (name, "tensor" | "value" | "group" | "per_rank_*")
+    # (name, "tensor" | "bytes" | "pickle" | "value" | "group" | "list" | "tuple" | "per_rank_*")
+    order: list[tuple[Name, str]]
     tensors: dict[Name, tuple[np.ndarray | Pieces, DType, tuple[int, ...], tuple[int, ...] | None]]
     values: dict[Name, Any]
     per_rank_values: dict[Name, Any] = field(default_factory=dict)
@@ -54,9 +55,11 @@ class LocalState:
 
 def check_state(state: Mapping[str, Any], rank: int = 0, size: int = 1) -> LocalState:
     """Check every leaf before anything touches the disk. ``rank`` of ``size`` places this rank's
-    :class:`PerRank` arrays as row ``rank`` of their per-rank tensors."""
+    :class:`PerRank` arrays as row ``rank`` of their per-rank tensors. An object that is not
+    storable is refused (:class:`UnsupportedValueError` naming it); a save that stores objects
+    pickled turned them into :class:`Blob` leaves before (``tree.state.encode_objects``)."""
     local = LocalState([], {}, {})
-    for name, leaf in flatten(state):
+    for name, leaf in flatten(state, "refuse"):
         shown = display(name)
         if isinstance(leaf, PerRank):
             if is_tensor(leaf.value) and not isinstance(leaf.value, Shard):
@@ -68,6 +71,12 @@ def check_state(state: Mapping[str, Any], rank: int = 0, size: int = 1) -> Local
                 encode_value(leaf.value, shown)  # raises for what JSON cannot hold
                 local.per_rank_values[name] = leaf.value
                 local.order.append((name, "per_rank_value"))
+        elif isinstance(leaf, Blob):  # bytes or a pickle: a 1-d uint8 tensor, marked
+            arr, dtype = as_storable(leaf.data, shown)
+            local.tensors[name] = (arr, dtype, arr.shape, None)
+            local.order.append((name, leaf.encoding))
+        elif isinstance(leaf, Container):
+            local.order.append((name, leaf.kind))
         elif is_tensor(leaf):
             if isinstance(leaf, Shard):
                 arr, dtype = as_storable(leaf.data, shown)
@@ -94,6 +103,10 @@ def check_leaf(shown: str, leaf: Any) -> None:
     cannot hold, a value JSON cannot hold, too many dimensions). Lets a caller that walks the
     state anyway (the manager's staging copy) refuse misuse at the call."""
     value = leaf.value if isinstance(leaf, PerRank) else leaf
+    if isinstance(value, Container):
+        return
+    if isinstance(value, Blob):
+        value = value.data
     if is_tensor(value):
         arr = value.data if isinstance(value, Shard) else value
         if not hasattr(arr, "dtype") or not hasattr(arr, "shape"):

@@ -124,7 +124,7 @@ def stage(
             if isinstance(leaf, Shard):
                 staged = Shard(data, leaf.offset, leaf.global_shape)
         out.append((name, staged))
-    return unflatten(out), nbytes
+    return unflatten(out, pickled="keep"), nbytes  # saved again: blobs stay blobs
 
 
 __all__ = ["Boxes", "agree", "digest", "own_boxes", "replicated", "stage"]

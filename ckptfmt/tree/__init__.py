@@ -14,17 +14,31 @@ from ckptfmt.tree.casting import (
     plan_casts,
     report_casts,
 )
-from ckptfmt.tree.state import PerRank, Shard, arrays_of, flatten, unflatten
+from ckptfmt.tree.state import (
+    Blob,
+    Container,
+    Objects,
+    PerRank,
+    Shard,
+    arrays_of,
+    encode_objects,
+    flatten,
+    unflatten,
+)
 
 __all__ = [
     "allowed",
     "apply_loaded",
     "arrays_of",
+    "Blob",
     "Cast",
     "check_policy",
+    "Container",
     "Conversion",
     "convert",
+    "encode_objects",
     "flatten",
+    "Objects",
     "PerRank",
     "plan_casts",
     "report_casts",

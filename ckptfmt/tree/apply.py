@@ -77,7 +77,8 @@ def apply_loaded(
     report = ApplyReport()
     if state is None:
         return report
-    mine = {"/".join(n): leaf for n, leaf in flatten(state)}
+    # a list or tuple of the state is one leaf, replaced whole by the loaded one
+    mine = {"/".join(n): leaf for n, leaf in flatten(state, sequences=False)}
     saved = _leaves(loaded, set(mine))
     writes: list[Callable[[], None]] = []
     mismatched: dict[str, tuple[str, str]] = {}  # name -> (saved, the state's)

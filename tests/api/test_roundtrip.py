@@ -296,15 +296,16 @@ def test_falsy_and_bool_top_level_values(tmp_path: Path, value: Any) -> None:
     assert ckptfmt.open(tmp_path / "rt")["flag"] == value
 
 
-def test_tuples_come_back_as_lists(tmp_path: Path) -> None:
+def test_tuples_come_back_as_tuples(tmp_path: Path) -> None:
     got = roundtrip(
         tmp_path,
-        {"t": (1, (2.5, "x"), ()), "d": [{"k": (1, (2,))}]},
+        {"t": (1, (2.5, "x"), ()), "d": [{"k": (1, (2,))}], "l": [1, [2, [3]]]},
         write=WriteOptions(fsync=False),
     )
-    assert got["t"] == [1, [2.5, "x"], []]
-    assert got["d"] == [{"k": [1, [2]]}]
-    assert type(got["d"][0]["k"][1]) is list
+    assert got["t"] == (1, (2.5, "x"), ())
+    assert got["d"] == [{"k": (1, (2,))}]
+    assert type(got["d"]) is list and type(got["d"][0]["k"][1]) is tuple
+    assert got["l"] == [1, [2, [3]]] and type(got["l"][1]) is list
 
 
 def test_numpy_scalars_inside_values_become_python(tmp_path: Path) -> None:
@@ -319,26 +320,20 @@ def test_numpy_scalars_inside_values_become_python(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        b"bytes",
         1 + 2j,
         [{1: "int key"}],
-        [np.zeros(2)],
         object(),
         {1.5},
-        [b"x"],
         [{"a": [{2: 3}]}],
         [np.complex64(1j)],
         float,
         [[[[set()]]]],
     ],
     ids=[
-        "bytes",
         "complex",
         "int-key",
-        "array-in-list",
         "object",
         "set",
-        "bytes-in-list",
         "nested-int-key",
         "complex-scalar-in-list",
         "type",

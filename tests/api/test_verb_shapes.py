@@ -58,10 +58,10 @@ LOOSE = {"fsync", "chunk_bytes", "shard_bytes", "overwrite", "rank_map", "per_ra
 
 def test_core_verbs() -> None:
     assert positional(ckptfmt.save) == ["state", "path"]
-    keyword_only(ckptfmt.save, "step", "write", "progress")
+    keyword_only(ckptfmt.save, "step", "write", "progress", "objects")
     assert returns(ckptfmt.save) is Manifest
     assert positional(ckptfmt.load) == ["path"]
-    keyword_only(ckptfmt.load, "read", "max_bytes", "progress")
+    keyword_only(ckptfmt.load, "read", "max_bytes", "progress", "trust_pickle")
     assert positional(ckptfmt.open) == ["path"]
     assert positional(ckptfmt.verify) == ["path"]
     keyword_only(ckptfmt.verify, "progress")
@@ -335,13 +335,14 @@ def test_torch_verbs() -> None:
     from ckptfmt_torch import staging
 
     assert positional(ct.save) == ["state_dict", "path"]
-    keyword_only(ct.save, "step", "write", "progress", "comm", "node")
+    keyword_only(ct.save, "step", "write", "progress", "comm", "node", "objects")
     assert returns(ct.save) is Manifest
     assert positional(ct.load) == ["state_dict", "path"]
-    keyword_only(ct.load, "read", "cast", "into", "progress", "comm")
+    keyword_only(ct.load, "read", "cast", "into", "progress", "comm", "trust_pickle")
     assert returns(ct.load) is Manifest
     assert positional(ct.restore) == ["state_dict", "manager"]
-    keyword_only(ct.restore, "read", "cast", "into", "map_location")
+    keyword_only(ct.restore, "read", "cast", "into", "map_location", "trust_pickle")
+    keyword_only(ct.to_state, "objects")
     assert returns(ct.restore) is ckptfmt.RestoreReport
     for fn in (ct.save, ct.load, ct.restore):
         read_and_cast_hints(fn)
@@ -374,7 +375,11 @@ def test_keras_verbs() -> None:
 
 def test_the_manager_restore_shape() -> None:
     assert positional(CheckpointManager.restore) == ["self", "state"]
-    keyword_only(CheckpointManager.restore, "read", "strict", "include", "exclude", "cast", "into")
+    keyword_only(
+        CheckpointManager.restore, "read", "strict", "include", "exclude", "cast", "into"
+    )
+    keyword_only(CheckpointManager.restore, "trust_pickle")
+    keyword_only(CheckpointManager.save, "objects")
     assert returns(CheckpointManager.restore) is ckptfmt.RestoreReport
     read_and_cast_hints(CheckpointManager.restore)
 

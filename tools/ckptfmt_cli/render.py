@@ -113,6 +113,9 @@ def inspect_tables(console: Console, doc: dict[str, Any], regions: bool = False)
         _value_table(console, doc)
     if doc["empty_groups"]:
         console.print(Text("empty groups: ") + plain(", ".join(doc["empty_groups"])))
+    if doc["containers"]:
+        shown = (f"{c['name']} ({c['kind']} of {c['items']})" for c in doc["containers"])
+        console.print(Text("lists and tuples: ") + plain(", ".join(shown)))
     tot = doc["totals"]
     console.print(
         f"{tot['tensors']} tensor(s), {human_bytes(tot['bytes'])} ({tot['bytes']} bytes); "
@@ -165,7 +168,7 @@ def _tensor_table(console: Console, doc: dict[str, Any]) -> None:
     for t in doc["tensors"]:
         table.add_row(
             plain(t["name"]),
-            t["dtype"],
+            t["dtype"] + (f" ({t['encoding']})" if t.get("encoding") else ""),
             shape_text(t["shape"]),
             human_bytes(t["bytes"]),
             str(t["regions"]),

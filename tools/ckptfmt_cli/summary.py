@@ -61,6 +61,7 @@ def _tensor(t: TensorEntry, nbytes: int, regions: bool) -> dict[str, Any]:
         "shard_shape": list(t.shard_shape),
         "chunk_shape": list(t.chunk_shape),
         "per_rank": t.per_rank,
+        "encoding": t.encoding,
     }
     if regions:
         out["region_details"] = [_region(r) for r in t.regions]
@@ -90,13 +91,25 @@ def describe(ckpt: Checkpoint, *, regions: bool = False) -> dict[str, Any]:
     tensors: list[dict[str, Any]] = []
     values: list[dict[str, Any]] = []
     groups: list[str] = []
+    containers: list[dict[str, Any]] = []  # lists and tuples: name, kind, number of items
+    at: dict[tuple[str, ...], dict[str, Any]] = {}
     for e in m.entries:
         if isinstance(e, TensorEntry):
             tensors.append(_tensor(e, views["/".join(e.name)].nbytes, regions))
+        elif isinstance(e, GroupEntry) and e.container is not None:
+            containers.append({"name": "/".join(e.name), "kind": e.container, "items": 0})
+            at[e.name] = containers[-1]
         elif isinstance(e, GroupEntry):
             groups.append("/".join(e.name))
         else:
             values.append(_value(e))
+    items: dict[tuple[str, ...], set[str]] = {name: set() for name in at}
+    for e in m.entries:
+        for k in range(1, len(e.name)):
+            if e.name[:k] in items:
+                items[e.name[:k]].add(e.name[k])
+    for name, c in at.items():
+        c["items"] = len(items[name])
     nodes: dict[str, list[int]] = {}
     for r in m.ranks:
         nodes.setdefault(r.node, []).append(r.rank)
@@ -123,6 +136,7 @@ def describe(ckpt: Checkpoint, *, regions: bool = False) -> dict[str, Any]:
         "tensors": tensors,
         "values": values,
         "empty_groups": groups,
+        "containers": containers,
     }
 
 

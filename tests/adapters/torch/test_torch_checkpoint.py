@@ -130,10 +130,9 @@ def test_refuses_what_json_cannot_hold(tmp_path: Path) -> None:
         object(),
         lambda: 0,
         {1, 2},
-        b"bytes",
         torch.device("cpu"),
         1 + 2j,
-        [torch.zeros(2)],  # a tensor inside a list
+        [torch.zeros(3, 3).to_sparse()],  # inside a list: named by its index
         torch.zeros(3, 3).to_sparse(),
     ]
     for value in bad:
@@ -430,7 +429,8 @@ def test_checkpoint_opens_without_torch(tmp_path: Path) -> None:
     assert "model/0.weight" in want and "optim/state/0/exp_avg" in want
     assert want["lowp/bfloat16"][1] == "bfloat16" and want["lowp/float8_e5m2"][1] == "float8_e5m2"
     assert got["values"]["step"] == 1
-    assert got["values"]["optim/param_groups"][0]["params"] == [0, 1, 2, 3]
+    # param_groups hold a tuple (betas): a list container, its groups name levels
+    assert got["values"]["optim/param_groups/0/params"] == [0, 1, 2, 3]
 
 
 # --- the data-loader position ---------------------------------------------------------------------
