@@ -375,9 +375,7 @@ def test_keras_verbs() -> None:
 
 def test_the_manager_restore_shape() -> None:
     assert positional(CheckpointManager.restore) == ["self", "state"]
-    keyword_only(
-        CheckpointManager.restore, "read", "strict", "include", "exclude", "cast", "into"
-    )
+    keyword_only(CheckpointManager.restore, "read", "strict", "include", "exclude", "cast", "into")
     keyword_only(CheckpointManager.restore, "trust_pickle")
     keyword_only(CheckpointManager.save, "objects")
     assert returns(CheckpointManager.restore) is ckptfmt.RestoreReport
