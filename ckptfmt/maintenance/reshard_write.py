@@ -228,6 +228,7 @@ def _manifest(
                     t.chunk_shape,
                     regions,
                     e.per_rank,
+                    e.encoding,
                 )
             )
         elif isinstance(e, PerRankValueEntry):

@@ -148,13 +148,13 @@ def flatten(
 def encode_objects(state: Mapping[str, Any], objects: Objects) -> Mapping[str, Any]:
     """``state`` with every object that is not an array, bytes, a container or JSON-able
     stored as ``objects`` says (``"pickle"``: a :class:`Blob` of its pickle, taken now;
-    ``"refuse"``: :class:`UnsupportedValueError` naming the first one). Arrays are not copied."""
+    ``"refuse"``: the state as it is; the save's own walk refuses them, naming the first with
+    :class:`UnsupportedValueError`). Arrays are not copied."""
     if objects not in ("refuse", "pickle"):
         raise UsageError(f"objects must be 'refuse' or 'pickle', got {objects!r}")
-    leaves = flatten(state, objects)
     if objects == "refuse":
         return state
-    return unflatten(leaves, pickled="keep")
+    return unflatten(flatten(state, objects), pickled="keep")
 
 
 @dataclass(frozen=True)

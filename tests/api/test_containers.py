@@ -22,6 +22,7 @@ from kit.managers import make_manager
 import ckptfmt
 from ckptfmt import WriteOptions
 from ckptfmt.errors import ManifestError, PickleRefusedError, UnsupportedValueError
+from ckptfmt.maintenance import reshard
 from ckptfmt.tree import Blob, Container, flatten, unflatten
 
 NO_FSYNC = WriteOptions(fsync=False)
@@ -122,6 +123,19 @@ def test_zarr_python_reads_the_arrays(tmp_path: Path) -> None:
     raw = group["pair/2"]
     assert raw.dtype == np.uint8 and bytes(raw[...]) == b"\x00\xffraw"
     assert group["deep/0/0/1/0"][...].tolist() == [1, 1]
+
+
+def test_offline_reshard_keeps_containers_and_encodings(tmp_path: Path) -> None:
+    state = nested()
+    ckptfmt.save(state, tmp_path / "c", write=NO_FSYNC)
+    reshard(tmp_path / "c", tmp_path / "r", 2, write=NO_FSYNC)
+    doc = manifest_doc(tmp_path / "r")
+    assert doc["format_version"] == 3
+    by_name = {"/".join(e["name"]): e for e in doc["entries"]}
+    assert by_name["pair/2"]["encoding"] == "bytes" and by_name["pair"]["container"] == "tuple"
+    got = ckptfmt.load(tmp_path / "r")
+    assert_same(got["pair"], state["pair"])
+    assert_same(got["opt"], state["opt"])
 
 
 def test_manager_round_trip(tmp_path: Path) -> None:
