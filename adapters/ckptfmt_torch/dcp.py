@@ -68,11 +68,11 @@ from ckptfmt.errors import (
     UnsupportedValueError,
     UsageError,
 )
-from ckptfmt.format import WriteOptions
+from ckptfmt.format import Geometry, WriteOptions, read_region
 from ckptfmt.maintenance import NodeDirs
-from ckptfmt.manifest import MANIFEST_NAME, GroupEntry, TensorEntry, ValueEntry
+from ckptfmt.manifest import MANIFEST_NAME, GroupEntry, Region, TensorEntry, ValueEntry
 from ckptfmt.parallel import resolve_node, save_collective
-from ckptfmt.storage import check_destination
+from ckptfmt.storage import Inside, check_destination, is_spread
 from ckptfmt.transport import Comm
 from ckptfmt.tree import Shard
 from ckptfmt_torch.checkpoint import default_comm, writer_info
@@ -265,6 +265,7 @@ class Reader(StorageReader):
         self.path = path
         self.trust_pickle = trust_pickle
         self._ckpt: Checkpoint | None = None
+        self._inside: Inside | None = None  # the directory, when it is one
         # DCP's name -> ("tensor" | "bytes", the checkpoint's name) or ("value", the value)
         self._items: dict[str, tuple[str, Any]] = {}
 
@@ -353,6 +354,8 @@ class Reader(StorageReader):
     def _open(self) -> Checkpoint:
         if self._ckpt is None:
             self._ckpt = open_checkpoint(self.path)
+            spread = isinstance(self.path, Mapping) or is_spread(self.path)
+            self._inside = None if spread else Inside(Path(self.path))  # type: ignore[arg-type]
         return self._ckpt
 
     def _bytes(self, ckpt: Checkpoint, kind: str, what: Any, fqn: str) -> bytes:
@@ -410,9 +413,15 @@ class Reader(StorageReader):
                 src = src.reshape(target.shape)
         elif _takes_as_is(target, view.dtype) and tuple(target.shape) == tuple(item.lengths):
             out = tensor_to_numpy(target)
-            if out.size:
-                # straight into the planner's tensor: the lazy read's own fill (every chunk's
-                # CRC checked), without the buffer that indexing the view would allocate
+            region = _region_at(view.entry, tuple(at), tuple(out.shape))
+            if region is not None and isinstance(self._inside, Inside):
+                # a whole saved region: its shard files read into the tensor, CRCs checked
+                e = view.entry
+                geo = Geometry.of(e.path, e.dtype, e.shape, e.shard_shape, e.chunk_shape)
+                read_region(self._inside, geo, region.files, region.offset, out, (name,))
+            elif out.size:
+                # part of one: the lazy read's own fill (every chunk's CRC checked), without
+                # the buffer that indexing the view would allocate
                 view._fill(tuple((b.start, b.stop) for b in box), out)
             planner.commit_tensor(item, target)
             return
@@ -425,6 +434,13 @@ class Reader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(item, target)
+
+
+def _region_at(e: TensorEntry, offset: tuple[int, ...], shape: tuple[int, ...]) -> Region | None:
+    for r in e.regions:
+        if tuple(r.offset) == offset and tuple(r.shape) == shape:
+            return r
+    return None
 
 
 def _takes_as_is(t: torch.Tensor, dtype: np.dtype) -> bool:
