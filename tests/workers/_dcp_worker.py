@@ -2,13 +2,15 @@
 ``_dcp_worker.py PLAN.json``, run under ``torchrun`` (gloo, CPU) by
 ``tests/adapters/torch/test_dcp_parallel.py``.
 
-``PLAN.json`` is ``{"task": "save" | "load", "ckpt": DIR, "out": DIR}``. The state (``state``)
-holds a data-parallel replica (``ddp``: a module's state dict, the same tensors on every rank),
-tensor-parallel DTensors sharded on dim 0 over all ranks of the job (``tp``: float32 and
-bfloat16), an int (``step``) and a tuple (``meta/betas``, which DCP serialises as an object).
+``PLAN.json`` is ``{"task": "save" | "load", "ckpt": DIR, "ckpt_async": DIR, "out": DIR}``.
+The state (``state``) holds a data-parallel replica (``ddp``: a module's state dict, the same
+tensors on every rank), tensor-parallel DTensors sharded on dim 0 over all ranks of the job
+(``tp``: float32 and bfloat16), an int (``step``) and a tuple (``meta/betas``, which DCP
+serialises as an object).
 
 - ``save``: ``dcp.save(state, storage_writer=Writer(ckpt, step=5))`` of the values
-  ``expected()`` gives; rank 0 writes them whole to ``<out>/expected.pt``.
+  ``expected()`` gives, then ``dcp.async_save`` of them to ``ckpt_async``; rank 0 writes them
+  whole to ``<out>/expected.pt``.
 - ``load``: a state of zeros laid out for this job's ranks, filled with
   ``dcp.load(state, storage_reader=Reader(ckpt))``; rank 0 writes what was loaded, DTensors
   gathered whole, to ``<out>/loaded-<ranks>.pt``.
@@ -75,6 +77,8 @@ def main() -> None:
     if plan["task"] == "save":
         values = expected()
         dcp.save(state(values, mesh), storage_writer=Writer(plan["ckpt"], step=5))
+        pending = dcp.async_save(state(values, mesh), storage_writer=Writer(plan["ckpt_async"]))
+        pending.result()
         if rank == 0:
             torch.save(values, out / "expected.pt")
     else:

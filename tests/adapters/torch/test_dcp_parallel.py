@@ -1,11 +1,12 @@
 """``torch.distributed.checkpoint`` through ckptfmt's storage plugin on several ranks
 (``torchrun``, gloo, CPU; ``tests/workers/_dcp_worker.py``): a state holding a data-parallel
 replica, tensor-parallel DTensors sharded over the ranks, an int and a tuple is saved by 2 ranks
-with ``dcp.save(..., storage_writer=Writer(path))`` and loaded bit for bit on 1 rank (this
-process, into whole tensors), 2 and 4 ranks (DTensors sharded another way: DCP's resharding
-through ``Reader``). The result is a ckptfmt checkpoint that ``ckptfmt verify`` passes, with
-every tensor one array at its global shape, written once, by the rank DCP's plan held it on,
-and that zarr-python reads as plain arrays."""
+with ``dcp.save(..., storage_writer=Writer(path))`` (and with ``dcp.async_save``) and loaded
+bit for bit on 1 rank (this process, into whole tensors), 2 and 4 ranks (DTensors sharded
+another way: DCP's resharding through ``Reader``). The result is a ckptfmt checkpoint that
+``ckptfmt verify`` passes, with every tensor one array at its global shape, every element
+written once (each DTensor shard by the rank holding it), and that zarr-python reads as plain
+arrays."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ JOB_TIMEOUT = 150
 
 def job(tmp: Path, task: str, n: int) -> None:
     plan = tmp / f"{task}-{n}.plan.json"
-    plan.write_text(json.dumps({"task": task, "ckpt": str(tmp / "ckpt"), "out": str(tmp)}))
+    paths = {"ckpt": str(tmp / "ckpt"), "ckpt_async": str(tmp / "ckpt-async"), "out": str(tmp)}
+    plan.write_text(json.dumps({"task": task, **paths}))
     result = run_torchrun(n, WORKER, str(plan), timeout=JOB_TIMEOUT)
     assert result.returncode == 0, describe(result)
 
@@ -104,3 +106,22 @@ def test_loads_on_n_ranks(saved: Path, n: int) -> None:
     job(saved, "load", n)
     got = torch.load(saved / f"loaded-{n}.pt", weights_only=True)
     assert_same(got, expected())
+
+
+def test_async_save_on_two_ranks_holds_the_same(saved: Path) -> None:
+    assert not ckptfmt.verify(saved / "ckpt-async").problems
+    a, b = ckptfmt.load(saved / "ckpt"), ckptfmt.load(saved / "ckpt-async")
+    flat_a, flat_b = dict(_leaves(a)), dict(_leaves(b))
+    assert set(flat_a) == set(flat_b)
+    for k, v in flat_a.items():
+        w = flat_b[k]
+        if isinstance(v, np.ndarray):
+            assert v.dtype == w.dtype and v.tobytes() == w.tobytes(), k
+        else:
+            assert v == w, k
+
+
+def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        return [x for k, v in tree.items() for x in _leaves(v, f"{prefix}/{k}")]
+    return [(prefix, tree)]
