@@ -70,11 +70,18 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format import Geometry, WriteOptions, read_region
 from ckptfmt.maintenance import NodeDirs
-from ckptfmt.manifest import MANIFEST_NAME, GroupEntry, Region, TensorEntry, ValueEntry
+from ckptfmt.manifest import (
+    MANIFEST_NAME,
+    GroupEntry,
+    PerRankValueEntry,
+    Region,
+    TensorEntry,
+    ValueEntry,
+)
 from ckptfmt.parallel import resolve_node, save_collective
 from ckptfmt.storage import Inside, check_destination, is_spread
 from ckptfmt.transport import Comm
-from ckptfmt.tree import Shard
+from ckptfmt.tree import PerRank, Shard
 from ckptfmt_torch.checkpoint import default_comm, writer_info
 from ckptfmt_torch.convert import numpy_to_tensor, tensor_to_numpy, torch_numpy_dtype
 
@@ -252,7 +259,10 @@ class Reader(StorageReader):
 
     ``read_metadata`` describes the manifest as DCP's ``Metadata``: each tensor with its saved
     regions as chunks, JSON values (flattened the way DCP flattens a state dict, so an
-    optimizer's ``param_groups`` match) and ``torch.save`` bytes as bytes entries. ``read_data``
+    optimizer's ``param_groups`` match) and ``torch.save`` bytes as bytes entries; a per-rank
+    entry (``ckptfmt_torch.TrainingState``'s RNG streams) as an object that gives each rank
+    its own ``PerRank`` value, which the stateful takes back (a rank the save did not have
+    raises: ``ckptfmt_torch.load`` maps per-rank entries to another number of ranks). ``read_data``
     (every rank, no collective) reads each box DCP's planner asks for through
     ``ckptfmt.open(path)[name][box]``: only the shard files the box touches, every chunk's CRC
     verified (a damaged file raises :class:`ckptfmt.errors.DamagedError` naming it). Stored
@@ -266,6 +276,7 @@ class Reader(StorageReader):
         self.trust_pickle = trust_pickle
         self._ckpt: Checkpoint | None = None
         self._inside: Inside | None = None  # the directory, when it is one
+        self._rank = _default_rank()
         # DCP's name -> ("tensor" | "bytes", the checkpoint's name) or ("value", the value)
         self._items: dict[str, tuple[str, Any]] = {}
 
@@ -291,6 +302,8 @@ class Reader(StorageReader):
                 encoding = getattr(e, "encoding", None)
                 if shown in dcp_bytes:
                     _insert(tree, name, _Stored("dcp", shown))
+                elif e.per_rank:  # each rank's own row, as the PerRank leaf it was saved from
+                    _insert(tree, name, _Stored("per_rank", shown))
                 elif encoding in ("bytes", "pickle"):
                     _insert(tree, name, _Stored(str(encoding), shown))
                 else:
@@ -301,6 +314,8 @@ class Reader(StorageReader):
                     _insert(tree, name, _Stored("tensor", shown))
             elif isinstance(e, ValueEntry):
                 _insert(tree, name, e.value)
+            elif isinstance(e, PerRankValueEntry):
+                _insert(tree, name, _PerRankValues(tuple(e.values)))
             elif isinstance(e, GroupEntry):
                 if getattr(e, "container", None):
                     containers[name] = str(e.container)
@@ -318,6 +333,7 @@ class Reader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.is_coordinator = is_coordinator
+        self._rank = int(kwargs.get("rank", _default_rank()))
         if not self._items:
             self.read_metadata()
 
@@ -378,9 +394,25 @@ class Reader(StorageReader):
         torch.save(self._materialize(ckpt, what), buf)  # plain values: safe to torch.load
         return buf.getvalue()
 
+    def _row(self, saved_ranks: int, what: Any) -> int:
+        """This rank's row of a per-rank entry (an RNG state): its own, saved by the same rank."""
+        if self._rank >= saved_ranks:
+            raise UsageError(
+                f"{self.path}: a per-rank entry ({what}) was saved by {saved_ranks} rank(s); "
+                f"rank {self._rank} has none (ckptfmt_torch.load's read=ReadOptions(rank_map=, "
+                "per_rank=) says what becomes of them at another number of ranks)"
+            )
+        return self._rank
+
     def _materialize(self, ckpt: Checkpoint, value: Any) -> Any:
         """A value of the checkpoint with what it holds by reference read in."""
+        if isinstance(value, _PerRankValues):
+            return PerRank(value.values[self._row(len(value.values), value)])
         if isinstance(value, _Stored):
+            if value.kind == "per_rank":
+                rows = ckpt[value.name]
+                row = self._row(rows.shape[0], value.name)
+                return PerRank(numpy_to_tensor(np.ascontiguousarray(rows[row])))
             raw = np.ascontiguousarray(ckpt[value.name][...])
             if value.kind == "tensor":
                 return numpy_to_tensor(raw)
@@ -474,6 +506,17 @@ def _why(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     said = [line for line in lines if "WeightsUnpickler error" in line]
     return (said or lines or [type(exc).__name__])[0].split(" Please use")[0]
+
+
+def _default_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _PerRankValues(NamedTuple):
+    """A per-rank JSON value: every saved rank's own."""
+
+    values: tuple[Any, ...]
 
 
 class _Stored(NamedTuple):

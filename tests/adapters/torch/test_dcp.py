@@ -1,9 +1,10 @@
 """``torch.distributed.checkpoint`` through ckptfmt's storage plugin in one process: a model and
 its Adam state (bfloat16) round-trip bit for bit through ``dcp.save``/``dcp.async_save`` with
-``Writer`` and ``dcp.load`` with ``Reader``; checkpoints of ``ckptfmt_torch.save`` load through
-``dcp.load`` and the plugin's load through ``ckptfmt_torch.load``; an object DCP pickles loads
-only when ``torch.load(weights_only=True)`` accepts it or the reader is told to trust it; a
-damaged shard fails the load naming the file; a save that fails leaves nothing behind."""
+``Writer`` and ``dcp.load`` with ``Reader``; checkpoints of ``ckptfmt_torch.save`` and of the
+manager load through ``dcp.load``, and the plugin's through ``ckptfmt_torch.load``; an object
+DCP pickles loads only when ``torch.load(weights_only=True)`` accepts it or the reader is told
+to trust it; a damaged shard fails the load naming the file; a save that fails leaves nothing
+behind."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import ckptfmt_torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from ckptfmt_torch.dcp import Reader, Writer  # noqa: E402
 from kit.files import leftover_dirs, leftovers  # noqa: E402
+from kit.managers import node_manager  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import ckptfmt  # noqa: E402
@@ -94,6 +96,25 @@ def test_ckptfmt_torch_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
     assert same(target["model"], want["model"]) and target["step"] == 7
     assert same(target["optim"]["state"], want["optim"]["state"])
     assert target["optim"]["param_groups"][0]["lr"] == 0.01
+
+
+def test_manager_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
+    """A ``TrainingState`` saved by the manager: DCP loads it through the stateful, its RNG
+    stream (a per-rank entry) included."""
+    model, opt = trained(1)
+    with node_manager(tmp_path, flush_every=1) as mgr:
+        mgr.save(10, ckptfmt_torch.to_state({"train": ckptfmt_torch.TrainingState(model, opt)}))
+        mgr.wait()
+    after_save = torch.rand(4)  # the stream right after the save's state was taken
+    ref = ckptfmt.latest(tmp_path / "l3")
+    assert ref is not None and ref.step == 10
+    other, other_opt = trained(2)
+    dcp.load(
+        {"train": ckptfmt_torch.TrainingState(other, other_opt)}, storage_reader=Reader(ref.path)
+    )
+    assert same(other.state_dict(), model.state_dict())
+    assert same(other_opt.state_dict(), opt.state_dict())
+    assert torch.equal(torch.rand(4), after_save)
 
 
 def test_plugin_checkpoint_loads_with_ckptfmt_torch(tmp_path: Path) -> None:
