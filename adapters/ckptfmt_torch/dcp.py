@@ -19,7 +19,8 @@ dict (``("model", "layer.weight")``); the checkpoint stores it under that path j
 (``model/layer.weight``), the name ``ckptfmt_torch.save({"model": model})`` gives it too.
 
 DCP serialises every non-tensor object with ``torch.save``. The writer stores a JSON scalar
-(int, float, bool, str, None) as a ckptfmt value, as ``ckptfmt_torch.save`` does, and any other
+(int, float, bool, str, None) as a ckptfmt value, as ``ckptfmt_torch.save`` does, a
+``ckptfmt.PerRank`` leaf (``TrainingState``'s RNG streams) as a per-rank entry, and any other
 object as its ``torch.save`` bytes in a ``uint8`` array (listed in the manifest's ``writer``
 under ``dcp_bytes``); ckptfmt's own readers never unpickle them, and the reader hands them to
 DCP only once ``torch.load(weights_only=True)`` accepts them, unless ``trust_pickle=True``.
@@ -218,6 +219,14 @@ def _put(state: dict[str, Any], name: tuple[str, ...], leaf: Any) -> None:
 
 def _leaf_of(item: WriteItem, planner: SavePlanner, shown: str) -> tuple[Any, bool]:
     """The ckptfmt leaf of one write item and whether it holds ``torch.save`` bytes."""
+    if item.type == WriteItemType.BYTE_IO:
+        lookup = getattr(planner, "lookup_object", None)
+        own = lookup(item.index) if lookup is not None else None
+        if isinstance(own, PerRank):  # each rank's own (an RNG stream): a per-rank entry
+            value = own.value
+            if isinstance(value, torch.Tensor):
+                return PerRank(tensor_to_numpy(value, shown)), False
+            return own, False
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)

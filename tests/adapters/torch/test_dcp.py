@@ -117,6 +117,26 @@ def test_manager_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(4), after_save)
 
 
+def test_training_state_round_trip(tmp_path: Path) -> None:
+    """A ``TrainingState`` through DCP's stateful protocol: its RNG streams (``PerRank``) are
+    stored as per-rank entries, not pickles, and come back without trusting anything."""
+    model, opt = trained(1)
+    dcp.save(
+        {"train": ckptfmt_torch.TrainingState(model, opt)}, storage_writer=Writer(tmp_path / "c")
+    )
+    after_save = torch.rand(4)
+    entries = {"/".join(e.name): e for e in ckptfmt.open(tmp_path / "c").manifest.entries}
+    assert getattr(entries["train/rng/torch"], "per_rank", False)
+    other, other_opt = trained(2)
+    dcp.load(
+        {"train": ckptfmt_torch.TrainingState(other, other_opt)},
+        storage_reader=Reader(tmp_path / "c"),
+    )
+    assert same(other.state_dict(), model.state_dict())
+    assert same(other_opt.state_dict(), opt.state_dict())
+    assert torch.equal(torch.rand(4), after_save)
+
+
 def test_plugin_checkpoint_loads_with_ckptfmt_torch(tmp_path: Path) -> None:
     model, opt = trained(1)
     dcp.save(dcp_state(model, opt, 3), storage_writer=Writer(tmp_path / "c", step=3))
