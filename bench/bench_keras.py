@@ -151,6 +151,7 @@ class Clock(keras.callbacks.Callback):
         self.inner, self.every = inner, every
         self.blocked: list[float] = []
         self.loop = 0.0
+        self._last_save = False
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
@@ -172,9 +173,14 @@ class Clock(keras.callbacks.Callback):
         self.inner.on_train_batch_end(batch, logs)
         if (batch + 1) % self.every == 0:
             self.blocked.append(time.perf_counter() - start)
+            self._last_save = (batch + 1) == (self.params or {}).get("steps")
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        start = time.perf_counter()
         self.inner.on_epoch_end(epoch, logs)
+        if self._last_save:  # a save at the epoch's last batch may be made here (ckptfmt's is)
+            self.blocked[-1] += time.perf_counter() - start
+            self._last_save = False
 
     def on_train_end(self, logs: Any = None) -> None:
         self.inner.on_train_end(logs)
