@@ -60,6 +60,12 @@ json_scalars = (
             "value",
             "group",
             "per_rank_value",
+            "container",
+            "list",
+            "tuple",
+            "encoding",
+            "bytes",
+            "pickle",
             "float32",
             "bfloat16",
             "crc32c",
@@ -199,7 +205,7 @@ def to_bytes(doc: Any) -> bytes:
 
 def fuzz_state() -> dict[str, Any]:
     """Small but every entry form: tensors (multi-shard, padded, 0-d, empty), values with
-    non-finite floats, an empty group."""
+    non-finite floats, an empty group, list and tuple containers, byte strings."""
     return {
         "w": np.arange(40, dtype=np.float32).reshape(8, 5),
         "b": np.arange(6, dtype=np.int16),
@@ -209,6 +215,7 @@ def fuzz_state() -> dict[str, Any]:
         "v": [1.5, float("nan"), {"k": float("-inf")}],
         "n": float("inf"),
         "empty": {},
+        "l": [np.arange(3, dtype=np.int8), (1, None), b"xy", [()]],
     }
 
 
