@@ -22,7 +22,8 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from ckptfmt.dtypes import DTYPES
+from ckptfmt.dtypes import by_name
+from ckptfmt.errors import UnsupportedDtypeError
 
 
 def name() -> str:
@@ -52,10 +53,10 @@ def is_tf_module(x: Any) -> bool:
 def numpy_dtype(v: Any) -> np.dtype[Any]:
     """The numpy dtype of a Keras or TensorFlow variable (``ml_dtypes.bfloat16`` for bfloat16)."""
     dtype_name = v.dtype if isinstance(v.dtype, str) else str(v.dtype.name)
-    known = DTYPES.get(dtype_name)
-    if known is not None:
-        return known.numpy
-    return np.dtype(getattr(ml_dtypes, dtype_name, dtype_name))
+    try:
+        return by_name(dtype_name).numpy
+    except UnsupportedDtypeError:  # not a format dtype: numpy's or ml_dtypes' own name
+        return np.dtype(getattr(ml_dtypes, dtype_name, dtype_name))
 
 
 def to_numpy(v: Any) -> np.ndarray:
