@@ -188,14 +188,14 @@ def run_restore_scenario(comm: Any, root: Path) -> dict[str, Any]:
     mgr.save(1, state_of(1, rank, size))
     mgr.save(2, state_of(2, rank, size))
     mgr.close(flush=False)
-    real = load_module._allocate
+    real = load_module.allocate
 
     def failing(*args: Any, **kwargs: Any) -> Any:
-        load_module._allocate = real  # type: ignore[assignment]
+        load_module.allocate = real  # type: ignore[assignment]
         raise MemoryError("injected while allocating the restore's buffers")
 
     if rank == size - 1:
-        load_module._allocate = failing  # type: ignore[assignment]
+        load_module.allocate = failing  # type: ignore[assignment]
     mgr2 = manager(comm, root, node)
     started = time.perf_counter()
     result: dict[str, Any] = {}
@@ -206,7 +206,7 @@ def run_restore_scenario(comm: Any, root: Path) -> dict[str, Any]:
         result["ranks"] = {str(r): f.type for r, f in exc.rank_failures.items()}
         result["message"] = str(exc)
     result["seconds"] = time.perf_counter() - started
-    load_module._allocate = real  # type: ignore[assignment]
+    load_module.allocate = real  # type: ignore[assignment]
     restored = state_of(0, rank, size)
     result["again"] = mgr2.restore(restored).step
     result["bitwise"] = digest(restored) == digest(state_of(2, rank, size))

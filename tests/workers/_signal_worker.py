@@ -182,15 +182,15 @@ def fault_restore(comm: Any, out: Path, root: Path, name: str, sig: int) -> None
     if rank == 0:
         write_json(out / f"{name}.before.json", tree_digests(root))
     comm.barrier()
-    real = load_module._read
+    real = load_module.read_local
 
     def signalled_read(*args: Any, **kwargs: Any) -> Any:
-        load_module._read = real  # type: ignore[assignment]
+        load_module.read_local = real  # type: ignore[assignment]
         send_signal(out, name, sig)
         return real(*args, **kwargs)
 
     if rank == comm.size - 1:
-        load_module._read = signalled_read  # type: ignore[assignment]
+        load_module.read_local = signalled_read  # type: ignore[assignment]
     mgr2 = manager(comm, root)
     told = out / f"{name}.rank{rank}.told.json"
     got = zeros(rank)
