@@ -406,7 +406,7 @@ def test_manifest_bit_flips_never_escape(tmp_path: Path) -> None:
         path.write_bytes(original)
 
 
-@pytest.mark.parametrize("version", [99, 0, 3, -1, "1", 1.5, None, True, [1]])
+@pytest.mark.parametrize("version", [99, 0, 4, -1, "1", 1.5, None, True, [1]])
 @pytest.mark.parametrize("fn", ALL_READERS, ids=["load", "open", "verify"])
 def test_format_version(tmp_path: Path, fn: Any, version: Any) -> None:
     root = make(tmp_path)

@@ -20,6 +20,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from kit.keras import compiled, xy
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")
@@ -56,23 +57,6 @@ def build(name: str = "mlp", *, dropout: bool = True, bf16: bool = True) -> Any:
         layers.append(keras.layers.Dropout(0.2, seed=3, name="drop"))
     layers.append(keras.layers.Dense(6, name="out", dtype="bfloat16" if bf16 else None))
     return keras.Sequential(layers, name=name)
-
-
-def compiled(model: Any, optimizer: Any = None, **kwargs: Any) -> Any:
-    model.compile(
-        optimizer=optimizer or keras.optimizers.Adam(1e-2),
-        loss="mse",
-        metrics=["mae"],
-        jit_compile=False,
-        **kwargs,
-    )
-    return model
-
-
-def xy(n: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    return x, (x[:, :6] * 0.3).astype(np.float32)
 
 
 def train(model: Any, steps: int = 4) -> Any:

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 from kit import REPO
+from kit.keras import compiled
+from kit.keras import xy as kit_xy
 from kit.launch import describe, run_mpi
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -60,20 +62,8 @@ def named() -> Any:
     )
 
 
-def compiled(model: Any, optimizer: Any = None) -> Any:
-    model.compile(
-        optimizer=optimizer or keras.optimizers.Adam(1e-2),
-        loss="mse",
-        metrics=["mae"],
-        jit_compile=False,
-    )
-    return model
-
-
 def xy(n: int = 96, seed: int = 4) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    return x, (x[:, :6] * 0.3).astype(np.float32)
+    return kit_xy(n, seed)
 
 
 def trained(model: Any) -> Any:
