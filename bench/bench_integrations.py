@@ -31,13 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torchrun_self import WARM_MALLOC, launch
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-WARM_MALLOC = {  # keep freed memory in the heap (bench/README.md, "Memory")
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-}
 METHODS = {
     "dcp_fs": "DCP FileSystemWriter / FileSystemReader",
     "dcp_ckptfmt": "DCP with ckptfmt_torch.dcp.Writer / Reader",
@@ -175,33 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         return rank_main(args)
     shutil.rmtree(args.dir, ignore_errors=True)
     Path(args.dir).mkdir(parents=True)
-    part = Path(args.dir + ".part.json")
-    part.unlink(missing_ok=True)
-    cmd = [
-        "timeout",
-        "-k",
-        "5",
-        str(args.timeout),
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(args.ranks),
+    data, wall, load_start = launch(
         __file__,
-        *(argv if argv is not None else sys.argv[1:]),
-        "--part",
-        str(part),
-    ]
-    t0 = time.perf_counter()
-    load_start = os.getloadavg()
-    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, **WARM_MALLOC, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        print(f"torchrun failed with exit status {done.returncode}", file=sys.stderr)
-        return done.returncode
-    result = report(json.loads(part.read_text()), args, time.perf_counter() - t0)
+        argv if argv is not None else sys.argv[1:],
+        args.ranks,
+        args.timeout,
+        Path(args.dir + ".part.json"),
+        {**WARM_MALLOC, "OMP_NUM_THREADS": "1"},
+    )
+    if data is None:
+        return 1
+    result = report(data, args, wall)
     result["loadavg_start"] = load_start
-    part.unlink()
     shutil.rmtree(args.dir, ignore_errors=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"# written {args.out}")
