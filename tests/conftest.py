@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kit.arrays import make_state
+from kit.s3 import S3, S3Server, start_server
 
 import ckptfmt
 from ckptfmt import WriteOptions
@@ -24,6 +26,21 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     root = tmp_path / "ckpt"
     ckptfmt.save(state, root, write=WriteOptions(chunk_bytes=24, shard_bytes=96, fsync=False))
     return root, state
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One real S3 server (moto, 127.0.0.1) for the whole session; see ``kit.s3``."""
+    yield from start_server()
+
+
+@pytest.fixture
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3:
+    """A fresh bucket on the session's S3 server, with the AWS environment variables that point
+    clients at it set for this process (``s3.env`` holds them for subprocesses)."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return S3(s3_server, s3_server.make_bucket())
 
 
 # --- MPICH's shared-memory segments left by killed jobs ------------------------------------------
