@@ -463,7 +463,7 @@ class Reader(StorageReader):
             elif out.size:
                 # part of one: the lazy read's own fill (every chunk's CRC checked), without
                 # the buffer that indexing the view would allocate
-                view._fill(tuple((b.start, b.stop) for b in box), out)
+                view.read_into(out, [(b.start, b.stop) for b in box])
             planner.commit_tensor(item, target)
             return
         else:

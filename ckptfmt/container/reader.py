@@ -254,10 +254,21 @@ class TensorView:
             raise AllocationLimitError(self.name, nbytes, limit)
         out = np.empty(tuple(b - a for a, b in bounds), dtype=self.dtype)
         if out.size:
-            self._fill(bounds, out)
+            self.read_into(out, bounds)
         return out.reshape([d for i, d in enumerate(out.shape) if i not in dropped])
 
-    def _fill(self, bounds: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
+    def read_into(self, out: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
+        """Fill ``out`` (of this tensor's dtype, shaped ``[b - a for a, b in bounds]``) with the
+        box ``bounds`` (``(start, stop)`` per dimension) of this tensor, reading only the shard
+        files that overlap it, every chunk's CRC32C checked: the indexing of ``view[...]``
+        without the array it allocates (the DCP reader fills a training tensor in place)."""
+        bounds = tuple((int(a), int(b)) for a, b in bounds)
+        want = tuple(b - a for a, b in bounds)
+        if out.dtype != self.dtype or tuple(out.shape) != want:
+            raise UsageError(
+                f"{self.name}: read_into needs a {self.dtype} array of shape {list(want)}, "
+                f"got {out.dtype} {list(out.shape)}"
+            )
         t, geo = self.entry, geometry(self.entry)
         tensors = (self.name,)
         lo = tuple(a // h for (a, _), h in zip(bounds, t.shard_shape))

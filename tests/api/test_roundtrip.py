@@ -865,3 +865,20 @@ def test_per_rank_leaves_in_one_process(tmp_path: Path) -> None:
     own, _ = load_collective(SingleComm(), tmp_path / "c")
     assert own["rng"].shape == (3, 4) and np.array_equal(own["rng"], rng_state)
     assert own["pos"] == {"epoch": 2, "index": 17}
+
+
+def test_read_into_fills_a_box_in_place_and_refuses_a_wrong_buffer(
+    saved: tuple[Path, dict[str, Any]],
+) -> None:
+    """``TensorView.read_into`` is the lazy read without its allocation (the DCP reader fills a
+    training tensor with it): the same bytes as indexing, into the caller's array."""
+    root, _state = saved
+    ckpt = ckptfmt.open(root)
+    view = max(ckpt.tensors().values(), key=lambda v: v.nbytes)
+    assert view.shape, "the saved state's largest tensor has dimensions"
+    bounds = [(1 if d > 2 else 0, d) for d in view.shape]
+    out = np.full([b - a for a, b in bounds], 7, dtype=view.dtype)
+    view.read_into(out, bounds)
+    np.testing.assert_array_equal(out, view[tuple(slice(a, b) for a, b in bounds)])
+    with pytest.raises(ckptfmt.errors.UsageError, match="read_into needs"):
+        view.read_into(np.empty([d + 1 for d in out.shape], dtype=view.dtype), bounds)
