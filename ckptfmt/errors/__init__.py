@@ -62,11 +62,13 @@ from ckptfmt.errors.damage import (
 )
 from ckptfmt.errors.storage import (
     DestinationUnwritableError,
+    ObjectStoreError,
     StorageError,
     StorageFullError,
     level_name,
 )
 from ckptfmt.errors.usage import (
+    CloudNotInstalledError,
     DestinationExistsError,
     DtypeMismatchError,
     ImplicitSingleProcessError,
@@ -106,6 +108,7 @@ __all__ = [
     "ChecksumError",
     "CkptError",
     "CkptWarning",
+    "CloudNotInstalledError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "CorruptShardError",
@@ -127,6 +130,7 @@ __all__ = [
     "MissingFileError",
     "NotACheckpointError",
     "NotRegularFileError",
+    "ObjectStoreError",
     "OutOfStepError",
     "PerRankError",
     "PerRankWarning",

@@ -151,3 +151,23 @@ class DestinationUnwritableError(UsageError, StorageError):
         self, path: str, reason: str, *, level: str | None = None, err: int | None = None
     ) -> None:
         super().__init__(path, f"cannot write: {reason}", level=level, err=err)
+
+
+class ObjectStoreError(StorageError):
+    """An object store refused a request, or did not answer, after its retries (backoff on 5xx,
+    ``SlowDown``, dropped connections and timeouts, within a bounded time).
+
+    ``path``: the URL of the key (``s3://bucket/run/ckpt/ckptfmt-commit.json``); ``op``: the
+    request (``"GET"``, ``"PUT"``, ``"HEAD"``, ``"LIST"``, ``"DELETE"``); ``status``: the HTTP
+    status of the last answer, None when there was none (connection refused, timed out);
+    ``reason``: what the store said, in short. A conditional put whose condition failed has
+    status 412."""
+
+    def __init__(
+        self, path: str, op: str, status: int | None, reason: str, *, level: str | None = None
+    ) -> None:
+        self.op = op
+        self.status = status
+        answer = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(path, f"{op} failed ({answer}): {reason}", level=level)
+        self.reason = reason

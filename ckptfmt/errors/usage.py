@@ -77,6 +77,18 @@ class UrlNotSupportedError(UsageError):
         )
 
 
+class CloudNotInstalledError(UsageError):
+    """An object-store URL was given, but the library ckptfmt reaches object stores through
+    (obstore, the ``cloud`` extra) is not installed. ``path``: the URL given."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(
+            f"{path!r}: reading and writing object stores needs the cloud extra: "
+            "pip install 'ckptfmt[cloud]'"
+        )
+
+
 class PickleRefusedError(UsageError):
     """Reading ``path`` needs unpickling (DCP's ``.metadata`` is a pickle), which ckptfmt does
     only when asked explicitly (``trust_pickle=True``, ``--trust-pickle``); nothing was read."""

@@ -1,0 +1,529 @@
+"""A key prefix in an object store (S3, GCS, Azure), and the few requests ckptfmt makes there.
+
+:class:`Bucket` is the only place the object-store library (obstore, the Rust ``object_store``
+crate's bindings; the ``cloud`` extra) is called; it is imported on first use, so the core imports
+without it and a URL user without it is told what to install (:class:`CloudNotInstalledError`).
+
+Retries and timeouts are the library's own, set explicitly (:class:`Retries`): a failed request
+is retried with exponential backoff and jitter on a 5xx answer (S3's ``503 SlowDown`` included),
+a connection refused or dropped (also in the middle of a PUT body: object_store marks its PUTs
+and multipart parts idempotent and re-sends them whole) and a timeout, up to ``max_retries``
+times and never past ``retry_timeout`` after the first try; a multipart upload retries each part
+on its own. What still fails raises :class:`ObjectStoreError` naming the key's URL, the request
+and the HTTP status, so no request waits longer than about ``retry_timeout + timeout``.
+
+Settings come, highest first, from ``storage_options`` (keys as obstore and fsspec spell them:
+``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``, ``region``,
+``endpoint_url``/``endpoint``, ``allow_http``; and the retry keys of :class:`Retries`), then from
+the standard environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``; ``GOOGLE_*`` and ``AZURE_*`` for the
+other stores), read by obstore itself. ``gs://`` and ``az://`` URLs go through the same library
+unchanged; the tests cover S3 only (no local emulator of those stores with conditional writes).
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import re
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.checksum import crc32c
+from ckptfmt.errors import (
+    CloudNotInstalledError,
+    DestinationExistsError,
+    MissingFileError,
+    ObjectStoreError,
+    UsageError,
+)
+from ckptfmt.storage.objects.url import join_key, split_url
+
+MULTIPART_ABOVE = 16 << 20
+"""Objects larger than this are uploaded in parts: below it, one PUT is as fast and cheaper."""
+MIN_PART = 8 << 20
+"""The smallest part size (S3 allows 5 MiB; 8 MiB parts keep the request count low)."""
+MAX_PARTS = 9000
+"""Parts per object at most (S3 allows 10,000): the part size grows with the file to stay under."""
+UPLOAD_CONCURRENCY = 8
+"""Parts of one object in flight at once; memory held is about this many parts."""
+DELETE_BATCH = 1000
+"""Keys per bulk delete request (S3's DeleteObjects limit)."""
+
+# keys of obstore's ClientConfig: they go to ``client_options``, never to the store's config
+_CLIENT_KEYS = frozenset(
+    {
+        "allow_http",
+        "allow_invalid_certificates",
+        "connect_timeout",
+        "default_content_type",
+        "http1_only",
+        "http2_only",
+        "pool_idle_timeout",
+        "pool_max_idle_per_host",
+        "proxy_url",
+        "proxy_ca_certificate",
+        "proxy_excludes",
+        "read_timeout",
+        "timeout",
+        "user_agent",
+    }
+)
+# fsspec/boto3 spellings -> object_store's
+_ALIASES = {
+    "endpoint_url": "endpoint",
+    "aws_endpoint_url": "endpoint",
+    "aws_endpoint": "endpoint",
+    "region_name": "region",
+    "aws_region": "region",
+    "aws_allow_http": "allow_http",
+    "key": "aws_access_key_id",
+    "secret": "aws_secret_access_key",
+    "token": "aws_session_token",
+}
+# client settings the environment gives for each scheme: obstore reads them from the environment
+# only when it is given no client options, and ckptfmt always gives some (the timeouts)
+_CLIENT_ENV = {
+    "s3": "AWS_",
+    "s3a": "AWS_",
+    "gs": "GOOGLE_",
+    "az": "AZURE_",
+    "abfs": "AZURE_",
+    "abfss": "AZURE_",
+    "azure": "AZURE_",
+}
+_STATUS = re.compile(r"status(?: code)?:? (\d{3})")
+
+
+@dataclass(frozen=True)
+class Retries:
+    """How long to insist: the library's retry and timeout settings, in seconds.
+
+    ``max_retries`` retries of one request at most, backing off from ``init_backoff`` (doubling,
+    with jitter) up to ``max_backoff``; none started later than ``retry_timeout`` after the first
+    try. ``connect_timeout`` bounds a connection's setup, ``timeout`` one request whole (a part of
+    a multipart upload is one request). Each may also be given in ``storage_options`` under its
+    own name (a number of seconds, as text or number)."""
+
+    max_retries: int = 10
+    init_backoff: float = 0.05
+    max_backoff: float = 5.0
+    retry_timeout: float = 90.0
+    connect_timeout: float = 5.0
+    timeout: float = 60.0
+
+    def retry_config(self) -> dict[str, Any]:
+        return {
+            "max_retries": self.max_retries,
+            "retry_timeout": timedelta(seconds=self.retry_timeout),
+            "backoff": {
+                "init_backoff": timedelta(seconds=self.init_backoff),
+                "max_backoff": timedelta(seconds=self.max_backoff),
+                "base": 2,
+            },
+        }
+
+    def client_options(self) -> dict[str, Any]:
+        return {
+            "connect_timeout": timedelta(seconds=self.connect_timeout),
+            "timeout": timedelta(seconds=self.timeout),
+        }
+
+
+_RETRY_KEYS = frozenset(f.name for f in fields(Retries))
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+        import obstore.store  # noqa: F401  (from_url lives there)
+    except ImportError:
+        return None
+    return obstore
+
+
+def part_size(size: int) -> int:
+    """The part size for an object of ``size`` bytes: at least :data:`MIN_PART`, large enough
+    that no object needs more than :data:`MAX_PARTS` parts."""
+    return max(MIN_PART, -(-size // MAX_PARTS))
+
+
+class Bucket:
+    """A key prefix in an object store: ``s3://bucket/run/ckpt`` holds keys ``a/b`` as
+    ``run/ckpt/a/b``. Every key argument is relative to the prefix.
+
+    ``requests`` counts the requests made, by kind (``"PUT"``, ``"GET"``, ``"HEAD"``, ``"LIST"``,
+    ``"DELETE"``), shared with every :meth:`child`; a multipart upload counts its parts plus two
+    (start and completion, billed as PUTs by S3), a bulk delete one per 1000 keys; retries made
+    by the library are not seen here. Safe to use from several threads."""
+
+    def __init__(self, store: Any, scheme: str, bucket: str, prefix: str, retries: Retries) -> None:
+        self._store = store
+        self.scheme = scheme
+        self.bucket = bucket
+        self.prefix = prefix
+        self.retries = retries
+        self.requests: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def at(
+        cls,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        retries: Retries | None = None,
+    ) -> Bucket:
+        """The bucket prefix at ``url`` (``s3://bucket/run/ckpt``). ``storage_options``
+        override the environment (see the module's docstring); ``retries`` the default
+        :class:`Retries`, and retry keys in ``storage_options`` override both. Makes no
+        request. Raises :class:`CloudNotInstalledError` without the ``cloud`` extra,
+        :class:`UsageError` for a URL or option the library refuses."""
+        scheme, bucket, prefix = split_url(url)
+        obstore = _obstore()
+        if obstore is None:
+            raise CloudNotInstalledError(url)
+        from_url: Any = obstore.store.from_url
+
+        config: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        tuned: dict[str, Any] = {}  # Retries fields
+        env_prefix = _CLIENT_ENV.get(scheme)
+        if env_prefix is not None:  # see _CLIENT_ENV
+            for key in _CLIENT_KEYS:
+                value = os.environ.get(env_prefix + key.upper())
+                if value is not None:
+                    client[key] = value
+        for raw, value in (storage_options or {}).items():
+            key = _ALIASES.get(raw.lower(), raw.lower())
+            if key in _RETRY_KEYS:
+                tuned[key] = value
+            elif key in _CLIENT_KEYS:
+                client[key] = value
+            elif value is not None:
+                config[key] = value
+        try:
+            numbers: dict[str, Any] = {k: _number(k, v) for k, v in tuned.items()}
+            policy = replace(retries or Retries(), **numbers)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{url!r}: storage option {exc}") from None
+        client.update(policy.client_options())
+        for key in ("allow_http", "allow_invalid_certificates"):
+            if isinstance(client.get(key), str):
+                client[key] = client[key].strip().lower() in ("1", "true", "yes", "on")
+        if scheme in ("s3", "s3a"):  # obstore's S3 config spells every key with aws_
+            config = {k if k.startswith("aws_") else f"aws_{k}": v for k, v in config.items()}
+        root = f"{scheme}://{bucket}" if bucket else f"{scheme}:///"
+        try:
+            store = (
+                from_url(root)  # in-process, for tests: takes no client or retry settings
+                if scheme == "memory"
+                else from_url(
+                    root,
+                    config=config or None,
+                    client_options=client,
+                    retry_config=policy.retry_config(),
+                )
+            )
+        except BaseException as exc:  # obstore raises its own errors, and panics on bad keys
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            raise UsageError(
+                f"{url!r}: the object store cannot be set up with these options "
+                f"({sorted(storage_options or {})}): {_first_line(exc)}"
+            ) from None
+        return cls(store, scheme, bucket, prefix, policy)
+
+    def child(self, rel: str) -> Bucket:
+        """The deeper prefix ``rel`` of this one (same client, same request counter)."""
+        sub = Bucket(
+            self._store, self.scheme, self.bucket, join_key(self.prefix, rel), self.retries
+        )
+        sub.requests = self.requests
+        sub._lock = self._lock
+        return sub
+
+    @property
+    def url(self) -> str:
+        """The URL of the prefix (``s3://bucket/run/ckpt``)."""
+        return self.key_url("")
+
+    def key_url(self, key: str) -> str:
+        """The URL of ``key`` (errors and messages name keys by it)."""
+        full = join_key(self.prefix, key)
+        return f"{self.scheme}://{self.bucket}/{full}" if full else f"{self.scheme}://{self.bucket}"
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.url!r})"
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        """The whole object ``key``. Raises :class:`MissingFileError` when it is absent."""
+        return bytes(self.get_tagged(key)[0])
+
+    def get_tagged(self, key: str) -> tuple[bytes, str | None]:
+        """The whole object ``key`` and its etag (for a following ``put(if_match=...)``)."""
+        obstore = self._lib()
+        with self._failing("GET", key):
+            self._count("GET")
+            result = obstore.get(self._store, self._full(key))
+            data = bytes(result.bytes())
+            return data, result.meta.get("e_tag")
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from offset ``start`` (one ranged GET); fewer only where
+        the object ends before."""
+        if length <= 0:
+            return b""
+        obstore = self._lib()
+        with self._failing("GET", key):
+            self._count("GET")
+            return bytes(
+                obstore.get_range(self._store, self._full(key), start=start, length=length)
+            )
+
+    def read_into(self, key: str, offset: int, views: Sequence[memoryview]) -> int:
+        """Fill ``views``, in order, with the bytes of ``key`` from ``offset`` on, in one ranged
+        GET; returns the bytes filled (less than the views hold where the object ends early)."""
+        total = sum(v.nbytes for v in views)
+        if total == 0:
+            return 0
+        obstore = self._lib()
+        with self._failing("GET", key):
+            self._count("GET")
+            data = memoryview(
+                obstore.get_range(self._store, self._full(key), start=offset, length=total)
+            )
+        pos = 0
+        for view in views:
+            n = min(view.nbytes, len(data) - pos)
+            if n <= 0:
+                break
+            view.cast("B")[:n] = data[pos : pos + n]
+            pos += n
+        return pos
+
+    def head(self, key: str) -> int | None:
+        """The size of ``key``, None when there is no such object."""
+        meta = self.stat(key)
+        return None if meta is None else meta[0]
+
+    def stat(self, key: str) -> tuple[int, str | None] | None:
+        """``(size, etag)`` of ``key``, None when there is no such object."""
+        obstore = self._lib()
+        try:
+            with self._failing("HEAD", key):
+                self._count("HEAD")
+                meta = obstore.head(self._store, self._full(key))
+        except MissingFileError:
+            return None
+        return int(meta["size"]), meta.get("e_tag")
+
+    def put(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        create_only: bool = False,
+        if_match: str | None = None,
+    ) -> str:
+        """Write ``data`` at ``key`` in one PUT; return the new etag. ``create_only``: fail with
+        :class:`DestinationExistsError` when the key exists (``If-None-Match: *``);
+        ``if_match``: replace only the object of that etag, else :class:`ObjectStoreError` with
+        status 412."""
+        if create_only and if_match is not None:
+            raise UsageError("put: create_only and if_match exclude each other")
+        mode: Any = "create" if create_only else ({"e_tag": if_match} if if_match else None)
+        obstore = self._lib()
+        with self._failing("PUT", key):
+            self._count("PUT")
+            result = obstore.put(self._store, self._full(key), data, mode=mode, use_multipart=False)
+        return str(result.get("e_tag") or "")
+
+    def upload(self, key: str, path: Path, *, size: int | None = None) -> int:
+        """Upload the file at ``path`` to ``key`` and return the CRC32C of its bytes. Files above
+        :data:`MULTIPART_ABOVE` go in parts of :func:`part_size` (< 10,000 parts), at most
+        :data:`UPLOAD_CONCURRENCY` in flight; the file is streamed, never read whole into
+        memory, and its CRC32C computed from the same reads. ``size``: the file's size when the
+        caller knows it (saves a stat)."""
+        obstore = self._lib()
+        nbytes = os.stat(path).st_size if size is None else size
+        if nbytes <= MULTIPART_ABOVE:
+            data = Path(path).read_bytes()
+            with self._failing("PUT", key):
+                self._count("PUT")
+                obstore.put(self._store, self._full(key), data, use_multipart=False)
+            return crc32c(data)
+        chunk = part_size(nbytes)
+        crc = _Crc()
+        with open(path, "rb") as f, self._failing("PUT", key):
+            self._count("PUT", 2 + -(-nbytes // chunk))
+            obstore.put(
+                self._store,
+                self._full(key),
+                crc.chunks(f, chunk),
+                use_multipart=True,
+                chunk_size=chunk,
+                max_concurrency=UPLOAD_CONCURRENCY,
+            )
+        if crc.nbytes != nbytes:
+            raise ObjectStoreError(
+                self.key_url(key),
+                "PUT",
+                None,
+                f"{path} changed while it was uploaded ({nbytes} bytes, then {crc.nbytes})",
+            )
+        return crc.value
+
+    def download(self, key: str, path: Path) -> int:
+        """Write object ``key`` to the file ``path`` (through a temporary name beside it,
+        renamed when whole), streaming; return the CRC32C of its bytes."""
+        obstore = self._lib()
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.part-{os.getpid()}-{threading.get_ident()}")
+        crc = 0
+        try:
+            with self._failing("GET", key), open(tmp, "wb") as f:
+                self._count("GET")
+                result = obstore.get(self._store, self._full(key))
+                for piece in result.stream(min_chunk_size=8 << 20):
+                    f.write(piece)
+                    crc = crc32c(piece, crc)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return crc
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` (bulk requests; an absent key is no error)."""
+        names = [self._full(k) for k in keys]
+        obstore = self._lib()
+        for i in range(0, len(names), DELETE_BATCH):
+            batch = names[i : i + DELETE_BATCH]
+            with self._failing("DELETE", self._rel(batch[0])):
+                self._count("DELETE")
+                obstore.delete(self._store, batch)
+
+    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+        """``(key, size)`` of every object under ``prefix`` (whole path segments: ``a`` holds
+        ``a/x``, not ``ab``), keys relative to this bucket prefix, sorted."""
+        obstore = self._lib()
+        out: list[tuple[str, int]] = []
+        with self._failing("LIST", prefix):
+            self._count("LIST")
+            for page in obstore.list(self._store, self._full(prefix) or None, chunk_size=1000):
+                out += [(self._rel(m["path"]), int(m["size"])) for m in page]
+        return sorted(out)
+
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
+        """The names of the "directories" right under ``prefix`` (a LIST with delimiter ``/``):
+        ``["step-00000100", ...]``, sorted."""
+        obstore = self._lib()
+        with self._failing("LIST", prefix):
+            self._count("LIST")
+            result = obstore.list_with_delimiter(self._store, self._full(prefix) or None)
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in result["common_prefixes"])
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return join_key(self.prefix, key)
+
+    def _rel(self, full: str) -> str:
+        if self.prefix and full.startswith(self.prefix + "/"):
+            return full[len(self.prefix) + 1 :]
+        return full
+
+    def _count(self, op: str, n: int = 1) -> None:
+        with self._lock:
+            self.requests[op] += n
+
+    @staticmethod
+    def _lib() -> Any:
+        return _obstore()
+
+    def _failing(self, op: str, key: str) -> _Failing:
+        return _Failing(self, op, key)
+
+
+class _Failing:
+    """Turns the library's errors raised inside it into the tree's, naming the key's URL."""
+
+    def __init__(self, bucket: Bucket, op: str, key: str) -> None:
+        self.bucket, self.op, self.key = bucket, op, key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None or not _is_library_error(exc):
+            return
+        raise translate(exc, self.bucket.key_url(self.key), self.op) from exc
+
+
+def _is_library_error(exc: BaseException) -> bool:
+    if type(exc).__module__.startswith("obstore"):
+        return True
+    # obstore raises built-in FileNotFoundError for an absent object, and built-in errors for
+    # transport failures; an error of our own tree passes untouched
+    return isinstance(exc, OSError | ValueError | RuntimeError) and not type(
+        exc
+    ).__module__.startswith("ckptfmt")
+
+
+def translate(exc: BaseException, url: str, op: str) -> Exception:
+    """The tree's error for a library error met on ``url`` during ``op``."""
+    name = type(exc).__name__
+    text = str(exc)
+    status = _status_of(text)
+    if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
+        return MissingFileError(url, reason="missing: no such object")
+    if name == "AlreadyExistsError":
+        return DestinationExistsError(url, "an object is already there (create-only write)")
+    if name == "PreconditionError":
+        return ObjectStoreError(url, op, 412, "the object changed (its etag is not the one given)")
+    return ObjectStoreError(url, op, status, _first_line(exc))
+
+
+def _status_of(text: str) -> int | None:
+    found = _STATUS.findall(text)
+    return int(found[-1]) if found else None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The library's message without its debug dump (a page of Rust structs)."""
+    text = str(exc).split("\n\nDebug source:")[0].strip()
+    text = re.sub(r"<\?xml.*", "", text, flags=re.DOTALL).strip().rstrip(":")
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _number(key: str, value: Any) -> float | int:
+    number = float(value)
+    if number < 0:
+        raise ValueError(f"{key}={value!r} is negative")
+    return int(number) if key == "max_retries" else number
+
+
+class _Crc:
+    """Reads a file in parts for an upload, computing the CRC32C of what it hands out."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.nbytes = 0
+
+    def chunks(self, f: Any, size: int) -> Iterator[bytes]:
+        while True:
+            piece = f.read(size)
+            if not piece:
+                return
+            self.value = crc32c(piece, self.value)
+            self.nbytes += len(piece)
+            yield piece
