@@ -1,0 +1,398 @@
+"""Hugging Face ``Trainer`` with ckptfmt checkpoints: one line to enable.
+
+    from ckptfmt_torch.hf import Trainer          # in place of: from transformers import Trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=True)
+
+A trainer that is already a subclass takes the mixin: ``class MyTrainer(CheckpointMixin,
+SFTTrainer)``. Options (``ckptfmt=CheckpointOptions(...)``): background saves through
+``ckptfmt.CheckpointManager`` (``async_save``), its levels (``local_dir``, ``redundancy``,
+``shared_dir``) and HF-loadable weights beside the data (``hf_weights``).
+
+HF's own logic stays where it is right (when to save, ``trainer_state.json``, the data position:
+on resume HF skips the batches ``global_step`` says were trained; best-model bookkeeping);
+only the storage of the big state changes. Each ``output_dir/checkpoint-N/`` holds:
+
+- ``ckptfmt/``: a ckptfmt checkpoint of the model, the optimizer, the LR scheduler, the gradient
+  scaler and every rank's random generators (``PerRank``), written by every rank in parallel
+  (the core's collective save) and committed atomically; nothing in it is ever unpickled.
+  With the manager it is a link to the manager's level-3 step (``<shared_dir>/step-...``).
+- ``config.json`` (and ``generation_config.json``), the tokenizer files when the trainer has
+  one, ``training_args.json`` (the arguments as JSON; HF's pickled ``training_args.bin`` is not
+  written), ``model.safetensors`` with ``hf_weights=True`` (else ``ckptfmt export`` makes it).
+- ``trainer_state.json``, written last, once the data is committed: a directory without it is
+  a torn save. ``resume_from_checkpoint=True`` takes the newest complete one, and
+  ``save_total_limit`` counts and removes complete ones only, never the one being written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ckptfmt.errors import UsageError
+from ckptfmt.format import WriteOptions
+from ckptfmt.parallel import CheckpointManager, load_collective
+from ckptfmt.plan import ReadOptions
+from ckptfmt.storage import step_dir_name
+from ckptfmt_torch.checkpoint import default_comm, save
+from ckptfmt_torch.convert import from_state, to_state
+from ckptfmt_torch.training import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = "ckptfmt"
+"""The ckptfmt checkpoint inside ``checkpoint-N/`` (a directory, or a link to a level-3 step)."""
+MANAGED_NAME = "ckptfmt-step.json"
+"""Beside a manager's step: which step of which levels the checkpoint directory stands for."""
+STATE_NAME = "trainer_state.json"
+ARGS_NAME = "training_args.json"
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+if TYPE_CHECKING:
+    _Base = transformers.Trainer
+else:
+    _Base = object
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """How the trainer writes its checkpoints.
+
+    ``async_save``: ``save`` returns once the state is copied into host buffers; the files are
+    written and committed behind the training (``CheckpointManager``'s async save), and
+    ``trainer_state.json`` follows the commit. ``local_dir`` (may hold ``{node}``),
+    ``redundancy``, ``flush_every``, ``keep_local`` and ``shared_dir``: the manager's levels
+    (level 1 on node-local disks protected across nodes, flushed to level 3); giving any of
+    them (or ``async_save``) saves through the manager, whose level 3 defaults to
+    ``<output_dir>/ckptfmt``. ``hf_weights``: also write ``model.safetensors`` (rank 0,
+    blocking) for ``from_pretrained``. ``write``: chunk and shard sizes, threads, fsync.
+    """
+
+    async_save: bool = False
+    local_dir: str | None = None
+    shared_dir: str | None = None
+    redundancy: Any = None
+    flush_every: int | None = None
+    keep_local: int = 2
+    hf_weights: bool = False
+    write: WriteOptions | None = None
+
+    @property
+    def managed(self) -> bool:
+        """Whether saves go through a ``CheckpointManager``."""
+        return self.async_save or self.local_dir is not None or self.shared_dir is not None
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int | None:
+    """The N of a ``checkpoint-N`` directory name, else None."""
+    m = _CHECKPOINT.match(Path(path).name)
+    return int(m[1]) if m else None
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint-N/`` is a whole checkpoint: its ``trainer_state.json`` (written
+    last) is there, and its ckptfmt data, when it has a ``ckptfmt/`` entry, is committed."""
+    p = Path(path)
+    if not (p / STATE_NAME).is_file():
+        return False
+    data = p / DATA_DIR
+    return not (data.exists() or data.is_symlink()) or (data / "ckptfmt.json").is_file()
+
+
+def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest complete ``checkpoint-N`` under ``output_dir`` (``get_last_checkpoint``
+    that skips torn saves), or None."""
+    root = Path(output_dir)
+    found = [(s, p) for p in _children(root) if (s := checkpoint_step(p)) is not None]
+    complete = [(s, p) for s, p in found if is_complete(p)]
+    return str(max(complete)[1]) if complete else None
+
+
+def _children(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+
+
+class CheckpointMixin(_Base):
+    """Put before a ``transformers.Trainer`` subclass: ``class T(CheckpointMixin, SFTTrainer)``.
+    Takes the trainer's arguments plus ``ckptfmt=CheckpointOptions(...)`` (keyword)."""
+
+    def __init__(self, *args: Any, ckptfmt: CheckpointOptions | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if ckptfmt is not None and not isinstance(ckptfmt, CheckpointOptions):
+            raise UsageError(f"ckptfmt= takes a CheckpointOptions, got {type(ckptfmt).__name__}")
+        self.ckptfmt = ckptfmt or CheckpointOptions()
+        self._ckptfmt_manager: CheckpointManager | None = None
+        self._ckptfmt_loaded: tuple[str, dict[str, Any]] | None = None
+        self._ckptfmt_pending: Future[int] | None = None
+
+    # --- training ----------------------------------------------------------------------------
+
+    def train(  # type: ignore[override]
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> transformers.trainer_utils.TrainOutput:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete*
+        checkpoint (HF's ``get_last_checkpoint`` would take a torn one)."""
+        if resume_from_checkpoint is True:
+            found = last_checkpoint(str(self.args.output_dir))
+            if found is None:
+                raise UsageError(f"no complete checkpoint in output_dir {self.args.output_dir}")
+            resume_from_checkpoint = found
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            self._ckptfmt_loaded = None
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the save in flight (async saves) and finish its directory. ``train`` calls
+        it before it returns."""
+        if self._ckptfmt_manager is not None:
+            self._ckptfmt_manager.wait()
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """HF's ``_save_checkpoint`` with the big state in ckptfmt; same order of callbacks and
+        best-model bookkeeping; ``trainer_state.json`` and the rotation after the commit."""
+        step = self.state.global_step
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        out = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        sd = self._ckptfmt_state_dict()
+        state = to_state(sd)  # an unsupported object is refused here, before anything is written
+        if self.state.best_global_step:
+            best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            if best.exists():
+                self.state.best_model_checkpoint = str(best)
+        trainer_state = self._trainer_state_json()
+        if self.args.should_save:  # the step saved again (after a resume): torn until rewritten
+            (out / STATE_NAME).unlink(missing_ok=True)
+        if not self.ckptfmt.managed:
+            out.mkdir(parents=True, exist_ok=True)
+            write = self.ckptfmt.write or WriteOptions()
+            save(state, out / DATA_DIR, step=step, write=dataclasses.replace(write, overwrite=True))
+            self._write_hf_files(out)
+            self._finish(out, trainer_state, None)
+        else:
+            mgr = self._manager(run_dir)
+            handle = mgr.save(step, state)
+            if self.args.should_save:
+                out.mkdir(parents=True, exist_ok=True)
+                self._write_hf_files(out)
+            handle.committed.add_done_callback(lambda f: self._finish(out, trainer_state, f))
+            if not self.ckptfmt.async_save:
+                mgr.wait()
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(str(out))
+
+    def _ckptfmt_state_dict(self) -> dict[str, Any]:
+        """What the checkpoint holds, as a PyTorch state dict (views, nothing copied)."""
+        sd: dict[str, Any] = {"model": self.accelerator.unwrap_model(self.model)}
+        if not self.args.save_only_model:
+            sd["optimizer"] = getattr(self.optimizer, "optimizer", self.optimizer)
+            if self.lr_scheduler is not None:
+                sd["scheduler"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                sd["scaler"] = scaler
+            sd["rng"] = rng_state()
+        sd["trainer"] = {"global_step": self.state.global_step}
+        return sd
+
+    def _trainer_state_json(self) -> str:
+        """``trainer_state.json`` as HF writes it, with the stateful callbacks' state now."""
+        exportable = transformers.trainer_callback.ExportableState
+        states: Any = self.state.stateful_callbacks  # a dict by name (typed as a list in HF)
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(cb, exportable):
+                name = type(cb).__name__
+                if isinstance(states[name], list):
+                    states[name].append(cb.state())
+                else:
+                    states[name] = cb.state()
+        return json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+
+    def _write_hf_files(self, out: Path) -> None:
+        """Rank 0: what HF's tools read beside the data (not yet ``trainer_state.json``)."""
+        if not self.args.should_save:
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        if self.ckptfmt.hf_weights and hasattr(model, "save_pretrained"):
+            model.save_pretrained(str(out))
+        else:
+            config = getattr(model, "config", None)
+            if config is not None:
+                config.save_pretrained(str(out))
+            gen = getattr(model, "generation_config", None)
+            if gen is not None and getattr(model, "can_generate", lambda: False)():
+                gen.save_pretrained(str(out))
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(str(out))
+        args: Any = self.args
+        (out / ARGS_NAME).write_text(args.to_json_string(), encoding="utf-8")
+
+    def _finish(self, out: Path, trainer_state: str, committed: Future[int] | None) -> None:
+        """Rank 0, once the data is committed (at once for a blocking save, on the saver
+        thread after an async one): the link to the manager's step, ``trainer_state.json``
+        last, then the rotation. A failed save leaves the directory torn (no trainer state)."""
+        if not self.args.should_save:
+            return
+        if committed is not None:
+            if committed.exception() is not None:
+                log.warning("checkpoint %s was not committed: %s", out, committed.exception())
+                return
+            self._link_step(out, committed.result())
+        tmp = out / f".{STATE_NAME}.tmp"
+        tmp.write_text(trainer_state, encoding="utf-8")
+        os.replace(tmp, out / STATE_NAME)
+        self._rotate(out.parent)
+
+    def _link_step(self, out: Path, step: int) -> None:
+        mgr = self._ckptfmt_manager
+        if mgr is None:  # pragma: no cover - a managed save made it
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        shared = mgr.levels.shared_dir
+        record = {"step": step, "local_dir": self.ckptfmt.local_dir, "shared_dir": str(shared)}
+        (out / MANAGED_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")
+        link = out / DATA_DIR
+        if link.is_symlink() or link.exists():
+            (shutil.rmtree if link.is_dir() and not link.is_symlink() else os.unlink)(link)
+        target = None if shared is None else Path(shared) / step_dir_name(step)
+        if target is not None and (target / "ckptfmt.json").is_file():
+            link.symlink_to(os.path.relpath(target, out), target_is_directory=True)
+
+    def _rotate(self, run_dir: Path) -> None:
+        """``save_total_limit`` over complete checkpoints only (never the one in flight),
+        keeping the newest and the best, as HF's ``rotate_checkpoints`` does."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        steps = [(checkpoint_step(p), p) for p in _children(run_dir) if is_complete(p)]
+        found = sorted((s, p) for s, p in steps if s is not None)
+        protected = {found[-1][1]} if found else set()
+        if self.state.best_model_checkpoint is not None:
+            protected.add(Path(self.state.best_model_checkpoint))
+        extra = len(found) - max(limit, len(protected))
+        for _, path in found:
+            if extra <= 0:
+                break
+            if path not in protected:
+                log.info("deleting older checkpoint %s (save_total_limit=%s)", path, limit)
+                shutil.rmtree(path, ignore_errors=True)
+                extra -= 1
+
+    def _manager(self, run_dir: str | os.PathLike[str]) -> CheckpointManager:
+        """Collective the first time (every rank): the manager of the options' levels."""
+        if self._ckptfmt_manager is None:
+            o = self.ckptfmt
+            limit = self.args.save_total_limit
+            self._ckptfmt_manager = CheckpointManager(
+                local_dir=o.local_dir,
+                shared_dir=o.shared_dir or Path(run_dir) / DATA_DIR,
+                comm=default_comm(),
+                redundancy=o.redundancy,
+                flush_every=o.flush_every,
+                keep_local=o.keep_local,
+                keep_shared=limit + 1 if limit else 1 << 30,  # the one in flight comes on top
+                async_save=o.async_save,
+                on_error="raise",
+                write=o.write or WriteOptions(),
+            )
+        return self._ckptfmt_manager
+
+    # --- resuming ----------------------------------------------------------------------------
+
+    def _ckptfmt_read(self, checkpoint: str) -> dict[str, Any] | None:
+        """Collective (every rank): the ckptfmt state of ``checkpoint`` (read once per resume,
+        verified), or None for a checkpoint without ckptfmt data (HF's own files)."""
+        if self._ckptfmt_loaded is not None and self._ckptfmt_loaded[0] == checkpoint:
+            return self._ckptfmt_loaded[1]
+        ck = Path(checkpoint)
+        step = checkpoint_step(ck)
+        data, managed = ck / DATA_DIR, (ck / MANAGED_NAME).is_file()
+        if not managed and not data.is_dir():
+            return None
+        tree: dict[str, Any] | None = None
+        if managed and self.ckptfmt.managed:  # the manager's levels first: level 1, rebuilt
+            report = self._manager(ck.parent).restore()
+            if report.step == step and report.state is not None:
+                tree = dict(report.state)
+        if tree is None:
+            if not data.is_dir():
+                raise UsageError(
+                    f"{ck}: its ckptfmt step {step} is on the manager's level 1 only, and the "
+                    "levels given (ckptfmt=CheckpointOptions(local_dir=...)) do not restore it"
+                )
+            tree, manifest = load_collective(default_comm(), data, {}, read=ReadOptions())
+            if step is not None and manifest.step != step:
+                raise UsageError(f"{data} holds step {manifest.step}, not {step}")
+        self._ckptfmt_loaded = (checkpoint, tree)
+        return tree
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        tree = self._ckptfmt_read(resume_from_checkpoint)
+        if tree is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        from_state({"model": target}, {"model": tree["model"]})
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        tree = None if checkpoint is None else self._ckptfmt_read(checkpoint)
+        if tree is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        target: dict[str, Any] = {}
+        if "optimizer" in tree:
+            target["optimizer"] = getattr(self.optimizer, "optimizer", self.optimizer)
+        if "scheduler" in tree and self.lr_scheduler is not None:
+            target["scheduler"] = self.lr_scheduler
+        from_state(target, {k: tree[k] for k in target})
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        tree = None if checkpoint is None else self._ckptfmt_read(checkpoint)
+        if tree is None:
+            super()._load_scaler(checkpoint)
+            return
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and "scaler" in tree:
+            from_state({"scaler": scaler}, {"scaler": tree["scaler"]})
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        tree = None if checkpoint is None else self._ckptfmt_read(checkpoint)
+        if tree is None:
+            super()._load_rng_state(checkpoint)
+            return
+        if "rng" in tree:
+            set_rng_state(tree["rng"])
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        tree = None if best is None else self._ckptfmt_read(best)
+        if tree is None:
+            super()._load_best_model()
+            return
+        from_state({"model": self.accelerator.unwrap_model(self.model)}, {"model": tree["model"]})
+
+
+class Trainer(CheckpointMixin, transformers.Trainer):
+    """``transformers.Trainer`` with ckptfmt checkpoints (see the module's docstring); the same
+    arguments, plus ``ckptfmt=CheckpointOptions(...)``."""
