@@ -23,17 +23,15 @@ from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.record import ParityFile, RedundancyRecord, member_files
-from ckptfmt.storage.files import Inside, fsync_dir, read_scatter, write_gather
+from ckptfmt.storage.files import Inside, fsync_dir, write_gather
 
 
 def read_exact(src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]) -> None:
-    fd = src.open_exact(rel, size, tensors)
-    try:
-        read_scatter(fd, [out.data], 0)
-    except EOFError:
-        raise SizeMismatchError(rel, size, -1, tensors) from None
-    finally:
-        os.close(fd)
+    with src.open_exact(rel, size, tensors) as handle:
+        try:
+            handle.read_into([out.data], 0)
+        except EOFError:
+            raise SizeMismatchError(rel, size, -1, tensors) from None
 
 
 def read_member(

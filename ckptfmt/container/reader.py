@@ -42,7 +42,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.storage.files import Inside, physical_memory
+from ckptfmt.storage.files import Files, Inside, physical_memory
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.steps import StepRef, list_step_dirs
 
@@ -73,7 +73,7 @@ def read_manifest(root: Path) -> Manifest:
 DOC_MAX_BYTES = 1 << 20  # a zarr.json is a few hundred bytes; anything longer is not ours
 
 
-def read_doc(src: Inside, manifest: Manifest, rel: str, checker: DocChecker | None = None) -> bytes:
+def read_doc(src: Files, manifest: Manifest, rel: str, checker: DocChecker | None = None) -> bytes:
     """The bytes of the ``zarr.json`` at ``rel``, checked against what ``manifest`` implies
     (``codecs.zarr_meta.DocChecker``: from format version 2 on, exactly that document; pass one
     ``checker`` for many documents). Raises :class:`MissingFileError` (absent, a link, not a
@@ -90,7 +90,7 @@ def read_doc(src: Inside, manifest: Manifest, rel: str, checker: DocChecker | No
     return data
 
 
-def check_documents(src: Inside, manifest: Manifest) -> None:
+def check_documents(src: Files, manifest: Manifest) -> None:
     """Check every ``zarr.json`` of the checkpoint in ``src`` (``ckptfmt.load`` does, so that a
     damaged metadata document is found by a load as by ``verify``); raises the first problem,
     a :class:`DamagedError` naming the file."""
@@ -120,13 +120,14 @@ def geometry(t: TensorEntry) -> Geometry:
     return Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
 
 
-Where = Inside | Callable[[int], Inside]
-"""Where a checkpoint's files are: one directory, or (a level-1 checkpoint spread over node
-directories) the directory of the node of each saved rank (rank -> directory)."""
+Where = Files | Callable[[int], Files]
+"""Where a checkpoint's files are: one directory (or one checkpoint in a bucket), or (a level-1
+checkpoint spread over node directories) the directory of the node of each saved rank
+(rank -> directory)."""
 
 
-def _inside(src: Where, rank: int) -> Inside:
-    return src if isinstance(src, Inside) else src(rank)
+def _inside(src: Where, rank: int) -> Files:
+    return src(rank) if callable(src) else src  # a Files is never callable
 
 
 def read_tensor(src: Where, t: TensorEntry, pool: Executor | None = None) -> np.ndarray:
@@ -175,7 +176,7 @@ def tensor_reads(
     return out, jobs
 
 
-def _read_and_place(src: Inside, geo: Geometry, r: Region, view: np.ndarray, name: str) -> None:
+def _read_and_place(src: Files, geo: Geometry, r: Region, view: np.ndarray, name: str) -> None:
     target = np.empty(r.shape, dtype=geo.dtype)
     read_region(src, geo, r.files, r.offset, target, (name,))
     view[...] = target

@@ -18,14 +18,13 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumError, CorruptShardError, SizeMismatchError
 from ckptfmt.format.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
 from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import Inside, read_scatter
+from ckptfmt.storage.files import Files
 
 _CRC = struct.Struct("<I")
 _BATCH = 2 << 20  # bytes per coalesced read
@@ -60,7 +59,7 @@ def record_reads() -> Iterator[ReadLog]:
             _logs.remove(log)
 
 
-def _note(root: Path, path: str, slots: Sequence[int], nbytes: int) -> None:
+def _note(root: os.PathLike[str] | str, path: str, slots: Sequence[int], nbytes: int) -> None:
     if not _logs:
         return
     entry = (threading.current_thread().name, str(root), path, tuple(slots))
@@ -73,7 +72,7 @@ def _note(root: Path, path: str, slots: Sequence[int], nbytes: int) -> None:
 
 
 def read_chunks(
-    src: Inside,
+    src: Files,
     geo: Geometry,
     ref: FileRef,
     cell: tuple[int, ...],
@@ -88,9 +87,8 @@ def read_chunks(
     data CRC too. Returns the chunks' CRC32Cs (so that a caller reading a file in several parts
     can check its data CRC once it has every chunk). Raises a
     :class:`~ckptfmt.errors.DamagedError` naming the file."""
-    fd = src.open_exact(ref.path, ref.size, tensors)
     size = ref.size
-    try:
+    with src.open_exact(ref.path, ref.size, tensors) as handle:
         nb = geo.chunk_nbytes + CRC_BYTES
         if not geo.shape:  # 0-d: the element and its CRC, no index
             spans = [(0, nb)]
@@ -100,7 +98,7 @@ def read_chunks(
             if size < n_idx:
                 raise CorruptShardError(ref.path, "shorter than its index", tensors)
             table = decode_index(
-                os.pread(fd, n_idx, size - n_idx), geo.n_slots, size, ref.path, tensors
+                handle.pread(n_idx, size - n_idx), geo.n_slots, size, ref.path, tensors
             )
             index_read = n_idx
             spans = []
@@ -114,20 +112,21 @@ def read_chunks(
                     )
                 spans.append((off, n))
         crcs = [bytearray(CRC_BYTES) for _ in slots]
+        batch = max(_BATCH, handle.read_batch)
         data_crc = FileCrc()
         got: list[int] = []
         i = 0
         while i < len(spans):
-            # chunks stored back to back go in one preadv, up to a batch that stays in cache
-            # while its CRCs are computed
+            # chunks stored back to back go in one read, up to a batch that stays in cache
+            # while its CRCs are computed (or, from a bucket, one request's worth)
             j = i + 1
-            while j < len(spans) and spans[j][0] == spans[j - 1][0] + nb and (j - i) * nb < _BATCH:
+            while j < len(spans) and spans[j][0] == spans[j - 1][0] + nb and (j - i) * nb < batch:
                 j += 1
             bufs: list[memoryview] = []
             for k in range(i, j):
                 bufs += [targets[k], memoryview(crcs[k])]
             try:
-                read_scatter(fd, bufs, spans[i][0])
+                handle.read_into(bufs, spans[i][0])
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
             for k in range(i, j):
@@ -142,5 +141,3 @@ def read_chunks(
             raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, data_crc.crc, tensors)
         _note(src.root, ref.path, slots, index_read + len(spans) * nb)
         return got
-    finally:
-        os.close(fd)

@@ -10,7 +10,6 @@ Any other valid layout goes through :func:`decode_shard`, which reads the file i
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -28,10 +27,10 @@ from ckptfmt.format.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_
 from ckptfmt.format.shard_io import CRC_FORMAT, Geometry, byte_view, local_box
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import Inside, physical_memory, read_scatter
+from ckptfmt.storage.files import Files, physical_memory
 
 
-def read_file(src: Inside, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
+def read_file(src: Files, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
     """Read a whole stored file and check its size (its checksums: :func:`decode_shard`). A
     file larger than the memory this process may use is refused before anything is allocated
     (:class:`AllocationLimitError`): a manifest may claim a huge file over a sparse one."""
@@ -103,7 +102,7 @@ def _check_chunk(
 
 
 def read_region(
-    src: Inside,
+    src: Files,
     geo: Geometry,
     files: Sequence[FileRef],
     offset: Sequence[int],
@@ -117,7 +116,7 @@ def read_region(
 
 
 def region_reads(
-    src: Inside,
+    src: Files,
     geo: Geometry,
     files: Sequence[FileRef],
     offset: Sequence[int],
@@ -139,7 +138,7 @@ def region_reads(
 
 
 def _read_shard(
-    src: Inside,
+    src: Files,
     geo: Geometry,
     ref: FileRef,
     cell: tuple[int, ...],
@@ -161,7 +160,7 @@ def _place(chunk: np.ndarray, s: ChunkSlot, origin: Sequence[int], out: np.ndarr
 
 
 def _read_shard_fast(
-    src: Inside,
+    src: Files,
     geo: Geometry,
     ref: FileRef,
     cell: tuple[int, ...],
@@ -169,10 +168,12 @@ def _read_shard_fast(
     out: np.ndarray,
     tensors: Sequence[str],
 ) -> bool:
-    """Read a shard laid out as ckptfmt writes it directly into ``out``; False if it is not."""
-    fd = src.open_exact(ref.path, ref.size, tensors)
+    """Read a shard laid out as ckptfmt writes it directly into ``out``; False if it is not.
+
+    Chunk by chunk from a local file (each chunk's CRC computed while it is in cache); from a
+    bucket, the handle's ``read_batch`` bytes of chunks per request."""
     size = ref.size
-    try:
+    with src.open_exact(ref.path, ref.size, tensors) as handle:
         index_blob = b""
         if not geo.shape:
             slots: list[ChunkSlot] = [ChunkSlot(0, (), (), False)]
@@ -181,7 +182,7 @@ def _read_shard_fast(
             if size < n_idx:
                 raise CorruptShardError(ref.path, "shorter than its index", tensors)
             n_slots, slots = geo.slots(cell)
-            index_blob = os.pread(fd, n_idx, size - n_idx)
+            index_blob = handle.pread(n_idx, size - n_idx)
             table = decode_index(index_blob, n_slots, size, ref.path, tensors)
             step = geo.chunk_nbytes + CRC_BYTES
             for i, s in enumerate(slots):
@@ -190,40 +191,49 @@ def _read_shard_fast(
             if size != len(slots) * step + n_idx:
                 return False
         data_crc = FileCrc()
-        crc_buf = bytearray(CRC_BYTES)
+        step = geo.chunk_nbytes + CRC_BYTES
+        per_read = max(1, handle.read_batch // step)
         pos = 0
-        for s in slots:  # chunk by chunk: its CRC is computed while it is still in cache
-            lo, hi = local_box(s.box_lo, origin), local_box(s.box_hi, origin)
-            tmp: np.ndarray | None = None
-            if not s.padded and is_contiguous_box(out.shape, lo, hi):
-                start, stop = flat_range(out.shape, lo, hi)
-                payload = byte_view(out.reshape(-1)[start:stop])
-            else:
-                tmp = np.empty(geo.chunk_shape, dtype=out.dtype)
-                payload = byte_view(tmp)
+        for first in range(0, len(slots), per_read):
+            batch = slots[first : first + per_read]
+            views: list[memoryview] = []
+            crc_bufs: list[bytearray] = []
+            tmps: list[np.ndarray | None] = []
+            for s in batch:
+                lo, hi = local_box(s.box_lo, origin), local_box(s.box_hi, origin)
+                tmp: np.ndarray | None = None
+                if not s.padded and is_contiguous_box(out.shape, lo, hi):
+                    start, stop = flat_range(out.shape, lo, hi)
+                    payload = byte_view(out.reshape(-1)[start:stop])
+                else:
+                    tmp = np.empty(geo.chunk_shape, dtype=out.dtype)
+                    payload = byte_view(tmp)
+                crc_bufs.append(bytearray(CRC_BYTES))
+                views += [payload, memoryview(crc_bufs[-1])]
+                tmps.append(tmp)
             try:
-                read_scatter(fd, [payload, memoryview(crc_buf)], pos)
+                handle.read_into(views, pos)
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
-            pos += len(payload) + CRC_BYTES
-            actual = crc32c(payload)
-            (stored,) = CRC_FORMAT.unpack_from(crc_buf, 0)
-            if actual != stored:
-                raise ChecksumError(ref.path, f"chunk {s.slot}", stored, actual, tensors)
-            data_crc.add(actual, len(payload))
-            if tmp is not None:
-                _place(tmp, s, origin, out)
+            pos += len(batch) * step
+            for k, s in enumerate(batch):
+                payload = views[2 * k]
+                actual = crc32c(payload)
+                (stored,) = CRC_FORMAT.unpack_from(crc_bufs[k], 0)
+                if actual != stored:
+                    raise ChecksumError(ref.path, f"chunk {s.slot}", stored, actual, tensors)
+                data_crc.add(actual, len(payload))
+                if tmps[k] is not None:
+                    _place(tmps[k], s, origin, out)  # type: ignore[arg-type]
         _check_data_crc(data_crc.crc, ref, tensors)
         return True
-    finally:
-        os.close(fd)
 
 
 VERIFY_WINDOW = 4 << 20  # bytes read at once by verify_file, whatever a file claims
 
 
 def verify_file(
-    src: Inside,
+    src: Files,
     geo: Geometry,
     ref: FileRef,
     cell: tuple[int, ...],
@@ -234,8 +244,7 @@ def verify_file(
     its index (CRC, placement, every in-bounds slot present), every chunk's CRC32C and the
     file's data CRC, reading at most ``window`` bytes (and the index, at most 1 MiB) at a time.
     Returns the bytes read. Raises the :class:`DamagedError` that :func:`decode_shard` would."""
-    fd = src.open_exact(ref.path, ref.size, tensors)
-    try:
+    with src.open_exact(ref.path, ref.size, tensors) as handle:
         buf = np.empty(max(1, min(window, ref.size)), np.uint8)
         crc_buf = bytearray(CRC_BYTES)
         read = 0
@@ -248,7 +257,7 @@ def verify_file(
             if ref.size < n_idx:
                 raise CorruptShardError(ref.path, "shorter than its index", tensors)
             n_slots, slots = geo.slots(cell)
-            index_blob = os.pread(fd, n_idx, ref.size - n_idx)
+            index_blob = handle.pread(n_idx, ref.size - n_idx)
             read += len(index_blob)
             if len(index_blob) != n_idx:
                 raise SizeMismatchError(ref.path, ref.size, ref.size - n_idx, tensors)
@@ -266,26 +275,55 @@ def verify_file(
                     )
                 spans.append((off, nb))
         data_crc = FileCrc()
-        for off, nb in spans:
-            payload = nb - CRC_BYTES
+        i = 0
+        while i < len(spans):
+            off, nb = spans[i]
+            # chunks stored back to back that fit the window together: one read
+            j, total = i + 1, nb
+            while j < len(spans) and spans[j][0] == off + total and total + spans[j][1] <= buf.size:
+                total += spans[j][1]
+                j += 1
+            if j > i + 1 or nb <= buf.size:
+                window_view = buf[:total]
+                try:
+                    handle.read_into([memoryview(window_view)], off)  # type: ignore[arg-type]
+                except EOFError:
+                    raise SizeMismatchError(ref.path, ref.size, off, tensors) from None
+                at = 0
+                for k in range(i, j):
+                    k_off, k_nb = spans[k]
+                    c = crc32c(window_view[at : at + k_nb - CRC_BYTES])
+                    (stored,) = CRC_FORMAT.unpack_from(window_view.data, at + k_nb - CRC_BYTES)
+                    _check_chunk_crc(c, stored, k_off, ref, tensors)
+                    data_crc.add(c, k_nb - CRC_BYTES)
+                    at += k_nb
+                read += total
+                i = j
+                continue
+            payload = nb - CRC_BYTES  # one chunk larger than the window: in pieces
             c = 0
             for at in range(0, payload, buf.size):
                 view = buf[: min(buf.size, payload - at)]
                 try:
-                    read_scatter(fd, [memoryview(view)], off + at)  # type: ignore[arg-type]
+                    handle.read_into([memoryview(view)], off + at)  # type: ignore[arg-type]
                 except EOFError:
                     raise SizeMismatchError(ref.path, ref.size, off + at, tensors) from None
                 c = crc32c(view, c)
             try:
-                read_scatter(fd, [memoryview(crc_buf)], off + payload)
+                handle.read_into([memoryview(crc_buf)], off + payload)
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, off + payload, tensors) from None
             read += nb
             (stored,) = CRC_FORMAT.unpack_from(crc_buf, 0)
-            if c != stored:
-                raise ChecksumError(ref.path, f"chunk at offset {off}", stored, c, tensors)
+            _check_chunk_crc(c, stored, off, ref, tensors)
             data_crc.add(c, payload)
+            i += 1
         _check_data_crc(data_crc.crc, ref, tensors)
         return read
-    finally:
-        os.close(fd)
+
+
+def _check_chunk_crc(
+    actual: int, stored: int, off: int, ref: FileRef, tensors: Sequence[str]
+) -> None:
+    if actual != stored:
+        raise ChecksumError(ref.path, f"chunk at offset {off}", stored, actual, tensors)

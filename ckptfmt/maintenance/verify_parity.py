@@ -55,7 +55,7 @@ from ckptfmt.redundancy.record import (
     member_files,
     record_of,
 )
-from ckptfmt.storage.files import Inside, read_scatter
+from ckptfmt.storage.files import FileHandle, Inside
 from ckptfmt.storage.progress import current_meter
 
 NOT_PRESENT = "not present on this level"
@@ -203,19 +203,19 @@ class _SetCheck:
         self.record, self.manifest, self.rset = record, manifest, rset
         self.src_of, self.node_of = src_of, node_of
         self.problems: list[Problem] = []
-        self.fds: dict[tuple[int, str], int] = {}  # (member, path) -> open descriptor
+        self.fds: dict[tuple[int, str], FileHandle] = {}  # (member, path) -> open file
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        for handle in self.fds.values():
+            handle.close()
         self.fds.clear()
 
     def _problem(self, j: int, reason: str) -> None:
         node = self.node_of(self.rset.members[j])
         self.problems.append(Problem(self.rset.parity[j].path, "parity", reason, (), node))
 
-    def _open(self, j: int, path: str, size: int) -> int | str:
-        """A descriptor of member ``j``'s file ``path`` of ``size`` bytes, or why not."""
+    def _open(self, j: int, path: str, size: int) -> FileHandle | str:
+        """Member ``j``'s file ``path`` of ``size`` bytes, open, or why not."""
         src = self.src_of(self.rset.members[j])
         if src is None:
             return "its node's directory is gone"
@@ -225,13 +225,13 @@ class _SetCheck:
             return "missing"
         except OSError as exc:
             return f"cannot be read: {exc}"
-        self.fds[(j, path)] = fd
-        actual = os.fstat(fd).st_size
-        return fd if actual == size else f"size {actual} bytes, expected {size}"
+        handle = self.fds[(j, path)] = FileHandle(fd)
+        actual = handle.size()
+        return handle if actual == size else f"size {actual} bytes, expected {size}"
 
     def _read(self, j: int, path: str, start: int, out: np.ndarray) -> None:
         if out.size:
-            read_scatter(self.fds[(j, path)], [out.data], start)
+            self.fds[(j, path)].read_into([out.data], start)
 
     def _read_member(self, j: int, start: int, out: np.ndarray) -> None:
         """Bytes ``[start, start + len(out))`` of member ``j``'s data (zeros past its end)."""

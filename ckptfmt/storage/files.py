@@ -14,7 +14,8 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
 
 from ckptfmt.errors import (
     CkptError,
@@ -204,6 +205,101 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class ReadHandle(Protocol):
+    """One open file of a checkpoint, read at offsets: a local file's descriptor
+    (:class:`FileHandle`), or an object in a bucket read with ranged GETs
+    (``storage.objects.source``). Closed by :meth:`close` or by leaving a ``with`` block.
+
+    ``read_batch``: the bytes a reader should ask for at once when it reads many chunks of a
+    file in order: 0 for a local file (chunk by chunk, each CRC computed while the chunk is
+    still in cache), large for an object (one request per many chunks: a request costs a
+    round trip, a syscall does not)."""
+
+    read_batch: int
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file)."""
+        ...
+
+    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
+        """Fill ``views`` in order with the bytes from ``offset`` on; :class:`EOFError` when
+        the file ends first."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> ReadHandle: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+class FileHandle:
+    """A :class:`ReadHandle` over a local file's descriptor (``os.pread`` / ``os.preadv``);
+    it owns the descriptor and closes it once."""
+
+    __slots__ = ("fd",)
+    read_batch = 0
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
+        read_scatter(self.fd, views, offset)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> FileHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+@runtime_checkable
+class Files(Protocol):
+    """Where the readers (``format.shard_read``, ``format.chunk_reads``, ``container.reader``)
+    get one checkpoint's files: a local directory (:class:`Inside`) or a committed checkpoint
+    in a bucket (``storage.objects.source.ObjectInside``). Paths are relative to the
+    checkpoint's root, as the manifest names them."""
+
+    @property
+    def root(self) -> os.PathLike[str] | str:
+        """Where the checkpoint is (its directory, or its URL): for messages and logs."""
+        ...
+
+    def read(self, rel: str, limit: int) -> bytes:
+        """Up to ``limit`` bytes of ``rel``; FileNotFoundError when it is absent."""
+        ...
+
+    def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> ReadHandle:
+        """``rel``, which must hold ``size`` bytes, opened for reading;
+        :class:`MissingFileError` / :class:`SizeMismatchError` otherwise."""
+        ...
+
+    def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
+        """Raise a DamagedError unless ``rel`` holds ``size`` bytes."""
+        ...
+
+
 class Inside:
     """Opens files of one checkpoint for reading, refusing any that resolve outside its root.
 
@@ -269,9 +365,10 @@ class Inside:
             os.set_blocking(fd, True)
         return fd
 
-    def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> int:
-        """An O_RDONLY descriptor of ``rel``, which must be a regular file of ``size`` bytes:
-        :class:`MissingFileError` / :class:`SizeMismatchError` otherwise (nothing left open)."""
+    def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> FileHandle:
+        """``rel``, which must be a regular file of ``size`` bytes, open for reading (a
+        :class:`FileHandle`): :class:`MissingFileError` / :class:`SizeMismatchError` otherwise
+        (nothing left open)."""
         try:
             fd = self.open_fd(rel)
         except NotRegularFileError as exc:
@@ -282,7 +379,7 @@ class Inside:
         if actual != size:
             os.close(fd)
             raise SizeMismatchError(rel, size, actual, tensors)
-        return fd
+        return FileHandle(fd)
 
     def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
         """Raise a DamagedError unless ``rel`` is a regular file of ``size`` bytes."""
