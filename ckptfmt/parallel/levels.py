@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfmt.container.metadata import write_metadata
 from ckptfmt.container.reader import geometry, read_manifest
@@ -36,9 +37,13 @@ from ckptfmt.parallel.publish import FaultHook, level_directory, publish_commit
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, write_gather
 from ckptfmt.storage.nodes import expand
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import unwritable
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm
+
+if TYPE_CHECKING:
+    from ckptfmt.parallel.level3 import SharedLevel
 
 LEVELS_FILE = "ckptfmt-levels.json"
 NODE_ENV = "CKPTFMT_NODE"
@@ -59,7 +64,8 @@ class Levels:
     """Where the levels of one job are."""
 
     local_dir: str | None  # may contain "{node}"
-    shared_dir: Path | None
+    shared_dir: Path | None  # level 3 when it is a directory
+    bucket: SharedLevel | None = None  # level 3 when it is an object-store prefix
 
     def local_root(self, node: str) -> Path | None:
         if self.local_dir is None:
@@ -69,6 +75,8 @@ class Levels:
     def record(self, nodes: list[str]) -> None:
         """Write ``ckptfmt-levels.json`` at the shared root (rank 0, once per job start). A
         root that cannot be made or written is a :class:`StorageError` naming it and level 3."""
+        if self.bucket is not None:
+            self.bucket.record(self.local_dir, nodes)
         if self.shared_dir is None:
             return
         doc = {"local_dir": self.local_dir, "nodes": sorted(set(nodes))}
@@ -94,6 +102,8 @@ class Levels:
                 out.append(
                     {"path": str(root), "reason": problem[0], "err": problem[1], "level": level}
                 )
+        if shared and self.bucket is not None:
+            out += self.bucket.problems()
         return out
 
 
@@ -255,32 +265,54 @@ def _state_of(path: Path, node: str | None) -> tuple[str, str]:
     return "complete", f"save {m.save_id[:8]}"
 
 
-def list_levels(shared_root: Path) -> dict[str, Any]:
+def list_levels(
+    shared_root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """What is saved where, for ``ckptfmt list``: every step found on level 3 and on the level-1
-    directories recorded in ``ckptfmt-levels.json`` (those visible from here)."""
-    doc: dict[str, Any] = {"shared": str(shared_root), "nodes": {}, "steps": {}}
+    directories recorded in ``ckptfmt-levels.json`` (those visible from here). ``shared_root``
+    is a directory or a bucket root URL (``s3://bucket/run``, with ``storage_options``; needs
+    ``ckptfmt[cloud]``): a bucket's steps are flushed (a commit object whose objects are all
+    there), damaged (some missing or of another size), or not committed (objects without a
+    commit object: a flush in progress or one that failed)."""
+    if isinstance(shared_root, str) and is_url(shared_root):
+        from ckptfmt.parallel.level3_bucket import bucket_levels
+
+        level3, cfg = bucket_levels(shared_root, storage_options)
+        return _with_level1(shared_root, cfg, level3)
+    shared_root = Path(shared_root)
     cfg_file = shared_root / LEVELS_FILE
     cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    levels = Levels(cfg.get("local_dir"), shared_root)
-    nodes = cfg.get("nodes", [])
+    return _with_level1(str(shared_root), cfg, _dir_level3(shared_root))
 
+
+def _dir_level3(shared_root: Path) -> dict[int, str]:
+    """The state on level 3 of every step found in the shared directory ``shared_root``."""
+    out: dict[int, str] = {}
+    if shared_root.is_dir():
+        for step, path in list_step_dirs(shared_root, loose=True):
+            state, detail = _state_of(path, None)
+            labels = {"complete": "flushed", "not committed": "not committed"}
+            out[step] = labels.get(state, f"damaged: {detail}")
+        for child in shared_root.iterdir():
+            m = commit.LEFTOVER.match(child.name)
+            if m and m["kind"] == "tmp" and STEP_NAME.match(m["name"]):
+                out.setdefault(int(m["name"][5:]), "flushing")
+    return out
+
+
+def _with_level1(shared: str, cfg: Mapping[str, Any], level3: Mapping[int, str]) -> dict[str, Any]:
+    """The listing's document: level 3's states, and each recorded node's level-1 steps."""
+    doc: dict[str, Any] = {"shared": shared, "nodes": {}, "steps": {}}
+    levels = Levels(cfg.get("local_dir"), None)
+    nodes = cfg.get("nodes", [])
     steps: dict[str, dict[str, Any]] = {}
     invisible: list[str] = []
 
     def entry(step: int) -> dict[str, Any]:
         return steps.setdefault(str(step), {"level3": "absent", "level1": {}})
 
-    if shared_root.is_dir():
-        for step, path in list_step_dirs(shared_root, loose=True):
-            state, detail = _state_of(path, None)
-            labels = {"complete": "flushed", "not committed": "not committed"}
-            entry(step)["level3"] = labels.get(state, f"damaged: {detail}")
-        for child in shared_root.iterdir():
-            m = commit.LEFTOVER.match(child.name)
-            if m and m["kind"] == "tmp" and STEP_NAME.match(m["name"]):
-                e = entry(int(m["name"][5:]))
-                if e["level3"] == "absent":
-                    e["level3"] = "flushing"
+    for step, state in level3.items():
+        entry(step)["level3"] = state
     for node in nodes:
         root = levels.local_root(node)
         visible = root is not None and root.is_dir()

@@ -50,7 +50,7 @@ from ckptfmt.parallel.load_read import allocate, plan_load, read_local, transfer
 from ckptfmt.plan import per_rank as rules
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.reads import Box
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Files, Inside
 from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import Blob, Container, unflatten
@@ -67,6 +67,7 @@ def load_collective(
     seq: int | None = None,
     into: Mapping[str, np.ndarray] | None = None,
     trust_pickle: bool = False,
+    source: Files | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -87,9 +88,12 @@ def load_collective(
     stored pickled (else :class:`PickleRefusedError` naming the first, nothing unpickled).
     The chunks this rank reads and what it receives are counted on the caller's progress meter
     (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
+    ``source``: read the checkpoint through it instead of the directory ``path`` (a committed
+    checkpoint in a bucket, ``storage.objects.source.ObjectInside``, which every rank sees
+    whole; ``path`` is then its URL, for messages).
     """
-    root = Path(path).absolute()
-    src = Inside(root)
+    root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
+    src: Files = Inside(Path(root)) if source is None else source
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq)
     loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
     return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
@@ -97,7 +101,7 @@ def load_collective(
 
 def _read_everything(
     comm: Comm,
-    src: Inside,
+    src: Files,
     manifest: Manifest,
     info: list[dict[str, Any]],
     read: ReadOptions,

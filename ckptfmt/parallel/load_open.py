@@ -21,15 +21,16 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.plan import per_rank as rules
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.reads import Box
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Files
 from ckptfmt.transport.comm import Comm
 
 
-def _visible_nodes(src: Inside, m: Manifest, node: str | None) -> list[str]:
+def _visible_nodes(src: Files, m: Manifest, node: str | None) -> list[str]:
     """The saved nodes whose data files this rank's directory holds: ``node``'s alone when the
     caller says the directory is that node's level-1 copy; otherwise the nodes of which one
     data file is there (one look-up per node, nothing read)."""
@@ -68,8 +69,8 @@ class _Own:
 
 def open_copies(
     comm: Comm,
-    root: Path,
-    src: Inside,
+    root: Path | str,
+    src: Files,
     wants: Mapping[str, Box | None] | None,
     expect_step: int | None,
     node: str | None,
@@ -81,7 +82,8 @@ def open_copies(
     save or step, or ranks in another call or with other options fail every rank alike.
     Returns the manifest and every rank's declaration. Every rank calls, in order: the
     allgather of the declarations, then (when some rank has no copy) the broadcast of the
-    manifest from the first rank that has one."""
+    manifest from the first rank that has one. ``root`` is a directory, or, where ``src``
+    reads objects of a bucket, the URL that names them in messages."""
     own = _open_own(root, src, expect_step, node)
     info = comm.allgather_json(
         {
@@ -109,13 +111,16 @@ def open_copies(
     return manifest, info
 
 
-def _open_own(root: Path, src: Inside, expect_step: int | None, node: str | None) -> _Own:
+def _open_own(root: Path | str, src: Files, expect_step: int | None, node: str | None) -> _Own:
     """Local: open this rank's copy; any failure is kept for the vote, never raised (a rank
     leaving would leave its peers waiting in the allgather)."""
     own = _Own()
     try:
-        own.data = read_manifest_bytes(root)
-        own.manifest = parse_manifest(own.data, str(root / MANIFEST_NAME))
+        if isinstance(root, Path):
+            own.data = read_manifest_bytes(root)
+        else:  # committed objects: the commit object said the manifest is there
+            own.data = src.read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
+        own.manifest = parse_manifest(own.data, f"{root}/{MANIFEST_NAME}")
         check_documents(src, own.manifest)  # this node's zarr.json copies too (FORMAT.md §10)
         if expect_step is not None and own.manifest.step != expect_step:
             own.error = RankFailure(

@@ -22,7 +22,7 @@ from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.plan.reads import Box, FileRead, Layout, check_box
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Files
 from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm
 
@@ -100,7 +100,7 @@ class Buffers:
 
 def allocate(
     me: int,
-    src: Inside,
+    src: Files,
     plans: list[LoadPlan],
     errors: list[BaseException],
     lock: threading.Lock,
@@ -215,7 +215,7 @@ def _chunk(geo: Geometry, raw: np.ndarray | memoryview) -> np.ndarray:
 
 
 def _read_task(
-    src: Inside,
+    src: Files,
     p: LoadPlan,
     task: FileTask,
     out: np.ndarray,

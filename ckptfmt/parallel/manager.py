@@ -35,6 +35,7 @@ from ckptfmt.errors import CkptError, ManagerBrokenError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.exit import ExitHooks
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
+from ckptfmt.parallel.level3 import DirLevel, shared_level
 from ckptfmt.parallel.levels import Levels, agree_nodes, resolve_node
 from ckptfmt.parallel.options import ExitPolicy, OnError, check_on_error
 from ckptfmt.parallel.outcomes import Calls, CheckpointWarning, Outcomes
@@ -80,6 +81,18 @@ class CheckpointManager:
     ``local_dir`` may contain ``{node}``; the node is ``node``, else the ``CKPTFMT_NODE``
     environment variable, else the host name. Constructing the manager is collective.
 
+    ``shared_dir`` may be an object-store URL (``"s3://bucket/run"``; ``gs://``, ``az://``
+    through the same library; needs ``pip install 'ckptfmt[cloud]'``): the flush then uploads
+    each rank's committed level-1 files straight to the bucket and commits each step with a
+    commit object (``spec/FORMAT.md``, "Checkpoints in object storage"); ``restore`` falls
+    back to the bucket as to a shared directory, reading only the objects each rank needs. A
+    bucket needs a ``local_dir`` (it takes flushes, not saves: no ``fallback_to_shared``).
+    ``storage_options`` (keys as obstore and fsspec spell them: ``endpoint_url``, ``region``,
+    ``aws_access_key_id``, ``allow_http``, the retry settings of
+    :class:`~ckptfmt.storage.objects.Retries`) override the standard ``AWS_*`` environment.
+    Rank 0 makes one LIST of the bucket at the start: a bucket that does not exist, refused
+    credentials or an endpoint out of reach raise the same :class:`StorageError` on every rank.
+
     ``fallback_to_shared``: a level-1 save that fails for a storage reason on every failing
     rank (an ``OSError``: a full or failing node-local disk) is written to level 3 instead,
     when there is one; the next call warns, and ``last_save.fell_back`` says so. Any other
@@ -114,6 +127,7 @@ class CheckpointManager:
         local_dir: str | Path | None = None,
         shared_dir: str | Path | None = None,
         *,
+        storage_options: Mapping[str, Any] | None = None,
         comm: Comm | None = None,
         node: str | None = None,
         flush_every: int | None = None,
@@ -145,14 +159,15 @@ class CheckpointManager:
             raise UsageError(f"deadline_s must be > 0, got {deadline_s!r}")
         if comm is None:
             refuse_implicit_single(launcher_world_size())
-        for d in (local_dir, shared_dir):
-            if d is not None:
-                refuse_url(str(d))
+        if local_dir is not None:
+            refuse_url(str(local_dir))
+        shared = shared_level(shared_dir, storage_options, local_dir=local_dir)
         self.comm = comm or SingleComm()
         self.node = resolve_node(node)
         self.levels = Levels(
             None if local_dir is None else str(local_dir),
-            None if shared_dir is None else Path(shared_dir).absolute(),
+            shared.root if isinstance(shared, DirLevel) else None,
+            bucket=None if isinstance(shared, DirLevel) else shared,
         )
         self.local_root = self.levels.local_root(self.node)
         self.flush_every = flush_every
@@ -347,9 +362,15 @@ class CheckpointManager:
 
     def latest(self) -> StepRef | None:
         """The newest step committed on this rank's level-1 directory or on level 3, with its
-        directory (the level-1 copy when this rank sees one). A local view, not collective;
-        ``restore`` decides collectively."""
-        found = {s: p for s, p in committed(self.levels.shared_dir)}
+        directory (the level-1 copy when this rank sees one; a step only in a bucket has its
+        URL, a ``str``, there). A local view, not collective (on a bucket: a LIST and a GET
+        per step); ``restore`` decides collectively."""
+        found: dict[int, Any] = {}
+        shared = self._retention.shared
+        if shared is not None:
+            for s in shared.committed():
+                where = shared.step(s)  # a directory, or a bucket prefix named by its URL
+                found[s] = where if isinstance(where, Path) else shared.describe(where)
         found.update(committed(self.local_root))  # level 1 wins for a step on both
         if not found:
             return None
@@ -482,7 +503,8 @@ class CheckpointManager:
         site = RestoreSite(
             comm=self.comm,
             node=self.node,
-            roots={1: self.local_root, 3: self.levels.shared_dir},
+            roots={1: self.local_root},
+            shared=self._retention.shared,
             seq=seq,
             fsync=self.write.fsync,
             progress=self.progress,

@@ -22,18 +22,22 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import (
+    CkptError,
     CollectiveError,
     LoadFailedError,
     SaveFailedError,
+    StorageError,
     UnreachableNodesError,
     UnrecoverableDamageError,
+    level_name,
 )
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.level3 import SharedLevel
 from ckptfmt.parallel.load import load_collective
 from ckptfmt.parallel.outcomes import CheckpointWarning
 from ckptfmt.parallel.rebuild import rebuild_collective
-from ckptfmt.parallel.restore_order import Candidate, View, candidates
+from ckptfmt.parallel.restore_order import Candidate, StepRoot, View, candidates
 from ckptfmt.parallel.retention import committed
 from ckptfmt.parallel.save_job import group_key
 from ckptfmt.plan.options import ReadOptions
@@ -91,10 +95,11 @@ class RestoreSite:
 
     comm: Comm
     node: str
-    roots: Mapping[int, Path | None]  # {1: this node's level-1 directory, 3: level 3}
+    roots: Mapping[int, Path | None]  # {1: this node's level-1 directory}
     seq: int
     fsync: bool
     progress: ProgressCallback | None
+    shared: SharedLevel | None = None  # level 3: a shared directory or a bucket
 
 
 def save_number(manifest: Manifest) -> int:
@@ -125,25 +130,30 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
     restored (None: nothing usable)."""
     wants = _wants(req.state)
     targets = arrays_of(req.state) if req.into and req.apply and req.state is not None else None
-    views: list[View] = site.comm.allgather_json(
-        {
-            "node": site.node,
-            "l1": [s for s, _ in committed(site.roots.get(1))],
-            "l3": [s for s, _ in committed(site.roots.get(3))],
-        }
-    )
-    order = candidates(views, site.roots)
+    views, listed = _views(site)
+    roots: dict[int, StepRoot | None] = {1: site.roots.get(1), 3: site.shared}
+    order = candidates(views, roots)
     newest = order[0].step if order else None
     report = RestoreReport()
-    for c in order:
+    i = 0
+    while i < len(order):
+        c = order[i]
+        i += 1
         if c.refused:
             report.tried.append(f"step {c.step} level {c.level}: {c.refused}")
             continue
         got = _load_or_rebuild(site, c, wants, req, targets, report)
         if got is None:
+            if c.level == 3 and not listed:  # the pointer's step failed: older ones are listed
+                for v, l3 in zip(views, _list_shared(site), strict=True):
+                    v["l3"] = l3
+                listed = True
+                after = (-c.step, c.level)
+                order[i:] = [x for x in candidates(views, roots) if (-x.step, x.level) > after]
             continue
         loaded, manifest = got
-        report.step, report.level, report.path = c.step, c.level, str(c.path)
+        where = site.shared.describe(c.path) if c.level == 3 and site.shared else str(c.path)
+        report.step, report.level, report.path = c.step, c.level, where
         if req.apply:
             report.applied = apply_loaded(
                 req.state,
@@ -158,6 +168,65 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
         return report, manifest
     _log(site.comm, report, newest)
     return report, None
+
+
+def _views(site: RestoreSite) -> tuple[list[View], bool]:
+    """Collective (one allgather): what every rank sees, and whether level 3 was listed in
+    full. Each rank lists its level-1 directory; a shared directory is listed by every rank
+    (each its own mount), a bucket by rank 0 alone for every rank: the step of the latest
+    pointer (one GET, one of its commit), or, without a usable pointer, a LIST. A bucket that
+    cannot be read raises the same error on every rank: no rank starts fresh for a checkpoint
+    it could not see."""
+    shared = site.shared
+    l3: list[int] = []
+    listed = True
+    failure = None
+    if shared is not None and (not shared.one_looks or site.comm.rank == 0):
+        try:
+            newest = shared.newest()
+            listed = newest is None
+            l3 = shared.committed() if newest is None else newest
+        except CkptError as exc:
+            failure = str(exc)
+    seen = site.comm.allgather_json(
+        {
+            "node": site.node,
+            "l1": [s for s, _ in committed(site.roots.get(1))],
+            "l3": l3,
+            "listed": listed,
+            "failure": failure,
+        }
+    )
+    one = shared is not None and shared.one_looks
+    _raise_unreadable(site, [g["failure"] for g in (seen[:1] if one else seen)])
+    views: list[View] = [
+        {"node": g["node"], "l1": g["l1"], "l3": seen[0]["l3"] if one else g["l3"]} for g in seen
+    ]
+    return views, bool(seen[0]["listed"]) if one else True
+
+
+def _list_shared(site: RestoreSite) -> list[list[int]]:
+    """Collective (a broadcast from rank 0): every committed step of a bucket, for every rank
+    (rank 0 LISTs; the pointer's step did not load)."""
+    assert site.shared is not None
+    got: dict[str, Any] = {}
+    if site.comm.rank == 0:
+        try:
+            got["steps"] = site.shared.committed()
+        except CkptError as exc:
+            got["failure"] = str(exc)
+    got = site.comm.bcast_json(got)
+    _raise_unreadable(site, [got.get("failure")])
+    return [list(got["steps"])] * site.comm.size
+
+
+def _raise_unreadable(site: RestoreSite, failures: list[str | None]) -> None:
+    """Raise, on every rank alike, the first failure to read level 3 (the same list on
+    every rank)."""
+    for f in failures:
+        if f is not None:
+            where = site.shared.where if site.shared is not None else "level 3"
+            raise StorageError(where, f"cannot look for checkpoints: {f}", level=level_name(3))
 
 
 def _load_or_rebuild(
@@ -197,10 +266,14 @@ def _load(
 ) -> tuple[dict[str, Any], Manifest]:
     # some ranks without a copy may be new to the job (another size, another node): the load
     # finds out whether every saved node's files are visible to some rank
+    source = None
+    path = c.path
+    if c.level == 3 and site.shared is not None:
+        path, source = site.shared.open_step(site.comm, c.path, c.step)
     with metering("load", site.progress) as meter:
         loaded = load_collective(
             site.comm,
-            c.path,
+            path,
             wants,
             seq=site.seq,
             expect_step=c.step,
@@ -208,6 +281,7 @@ def _load(
             read=read,
             into=into,
             trust_pickle=trust_pickle,
+            source=source,
         )
         meter.finish()
     return loaded

@@ -15,8 +15,7 @@ rank's level 3 was never flushed and is no candidate on that level.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import NamedTuple, TypedDict
+from typing import Any, NamedTuple, Protocol, TypedDict
 
 from ckptfmt.storage.steps import step_dir_name
 
@@ -32,17 +31,25 @@ class View(TypedDict):
     l3: list[int]
 
 
+class StepRoot(Protocol):
+    """A level's root: ``root / "step-<n>"`` is where a step is (a ``Path``; on level 3 also a
+    ``parallel.level3.SharedLevel``, whose steps may be bucket prefixes)."""
+
+    def __truediv__(self, name: str, /) -> Any: ...
+
+
 class Candidate(NamedTuple):
-    """One copy in the restore order: ``step`` on ``level`` at ``path``. ``refused``, when not
-    empty, says why no rank tries it (it is listed for the report)."""
+    """One copy in the restore order: ``step`` on ``level`` at ``path`` (what its level's root
+    gives for the step's name: a directory, or a bucket prefix). ``refused``, when not empty,
+    says why no rank tries it (it is listed for the report)."""
 
     step: int
     level: int
-    path: Path
+    path: Any
     refused: str = ""
 
 
-def candidates(views: Sequence[View], roots: Mapping[int, Path | None]) -> list[Candidate]:
+def candidates(views: Sequence[View], roots: Mapping[int, StepRoot | None]) -> list[Candidate]:
     """The restore order for ``views`` (one per rank, by rank) and the levels' ``roots``
     (``{1: this rank's level-1 directory, 3: the shared directory}``, None where the manager
     has no such level): newest step first, level 1 before level 3."""

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.levels import Levels, flush_collective, retain, retain_steps
+from ckptfmt.parallel.level3 import level3_of
+from ckptfmt.parallel.levels import Levels, retain_steps
 from ckptfmt.parallel.outcomes import Calls, Outcomes
 from ckptfmt.parallel.publish import FaultHook
 from ckptfmt.storage import commit
@@ -52,7 +53,7 @@ class Retention:
     ) -> None:
         self.levels = levels
         self.local_root = local_root
-        self.shared_dir = levels.shared_dir
+        self.shared = level3_of(levels)  # a shared directory or a bucket
         self.keep_local, self.keep_shared = keep_local, keep_shared
         self.fsync = fsync
         self.fault = fault
@@ -66,7 +67,8 @@ class Retention:
         """Collective (an allgather on ``comm``): the same retention on every node. Each node's
         leader lists its committed level-1 steps; every node keeps the newest ``keep_local``
         steps of all nodes together (and ``protect``), so no node deletes a step another node
-        still counts on; rank 0 keeps the newest ``keep_shared`` on level 3."""
+        still counts on; rank 0 keeps the newest ``keep_shared`` on level 3 (a failure there
+        that is ckptfmt's, a bucket out of reach, is logged: the save it follows is committed)."""
         mine = [s for s, _ in committed(self.local_root)] if self.node_leader else []
         seen = comm.allgather_json(mine)
         if self.local_root is not None and self.node_leader:
@@ -74,20 +76,29 @@ class Retention:
             keep = set(everywhere[-self.keep_local :]) if self.keep_local > 0 else set(everywhere)
             retain_steps(self.local_root, keep | protect)
         if comm.rank == 0:
-            retain(self.shared_dir, self.keep_shared, protect)
+            self._retain_shared(protect)
+
+    def _retain_shared(self, protect: set[int]) -> None:
+        """Rank 0: keep the newest ``keep_shared`` steps on level 3."""
+        if self.shared is None or self.keep_shared <= 0:
+            return
+        try:
+            self.shared.retain(self.keep_shared, protect)
+        except CkptError as exc:
+            log.warning("retention on level 3 (%s) failed: %s", self.shared.where, exc)
 
     def flush(self, manifest: Manifest, comm: Comm, seq: int | None = None) -> bool:
-        """Collective (``flush_collective`` on ``comm``): copy the level-1 checkpoint of
+        """Collective (``SharedLevel.flush`` on ``comm``: ``flush_collective`` to a shared
+        directory, ``flush_to_bucket`` to a bucket): copy the level-1 checkpoint of
         ``manifest`` to level 3. False when it failed (the failure is kept for the next
         call)."""
-        assert self.local_root is not None and self.shared_dir is not None
+        assert self.local_root is not None and self.shared is not None
         started = time.perf_counter()
         try:
-            flush_collective(
+            self.shared.flush(
                 comm,
                 manifest,
                 self.local_root / step_dir_name(manifest.step or 0),
-                self.shared_dir,
                 fsync=self.fsync,
                 fault=self.fault,
                 seq=seq,
@@ -110,7 +121,7 @@ class Retention:
         next call."""
         on = comm or calls.comm
         m = self.newest_local
-        if m is None or self.shared_dir is None or m.save_id in self.flushed:
+        if m is None or self.shared is None or m.save_id in self.flushed:
             return
         nbytes = sum(f.size for _, f in m.files())
         estimate = nbytes / self.flush_rate if self.flush_rate else 0.0
@@ -131,7 +142,7 @@ class Retention:
             seq = calls.next()
         self.flush(m, on, seq)
         if on.rank == 0:
-            retain(self.shared_dir, self.keep_shared, {m.step or 0})
+            self._retain_shared({m.step or 0})
         if on.rank == 0 and m.save_id in self.flushed:
             log.info("flushed step %s to level 3 at exit", m.step)
 
@@ -142,10 +153,8 @@ class Retention:
             path = self.local_root / step_dir_name(step)
             if commit.is_committed(path):
                 commit.remove(path)
-        if 3 in levels and comm.rank == 0 and self.shared_dir is not None:
-            path = self.shared_dir / step_dir_name(step)
-            if commit.is_committed(path):
-                commit.remove(path)
+        if 3 in levels and comm.rank == 0 and self.shared is not None:
+            self.shared.remove(step)
         if 1 in levels and self.newest_local is not None and self.newest_local.step == step:
             self.newest_local = None
         comm.barrier()
@@ -155,14 +164,16 @@ class Retention:
         leader on level 1, rank 0 on level 3)."""
         if self.node_leader and self.local_root is not None:
             commit.clean_leftovers(self.local_root)
-        if comm.rank == 0 and self.shared_dir is not None:
-            commit.clean_leftovers(self.shared_dir)
+        if comm.rank == 0 and self.shared is not None:
+            self.shared.clean_leftovers()
         comm.barrier()
 
     def steps(self) -> dict[int, dict[str, bool]]:
         """The committed steps this rank sees, with the levels that hold them (local)."""
         out: dict[int, dict[str, bool]] = {}
-        for key, root in (("level1", self.local_root), ("level3", self.shared_dir)):
-            for s, _ in committed(root):
+        level1 = [s for s, _ in committed(self.local_root)]
+        level3 = self.shared.committed() if self.shared is not None else []
+        for key, steps in (("level1", level1), ("level3", level3)):
+            for s in steps:
                 out.setdefault(s, {"level1": False, "level3": False})[key] = True
         return dict(sorted(out.items()))

@@ -100,7 +100,7 @@ class SaveSettings:
 
     node: str
     local_root: Path | None
-    shared_dir: Path | None
+    shared_dir: Path | None  # a directory: what a save with no level 1, or its fallback, writes
     policy: Policy
     flush_every: int
     write: WriteOptions
@@ -271,7 +271,8 @@ class Saver:
             self.retention.newest_local = manifest
             due = s.flush_every and number % s.flush_every == 0
             wanted = due or s.policy.flush_for(number)
-            if s.shared_dir is not None and wanted and self.retention.flush(manifest, self.bg, seq):
+            shared = self.retention.shared  # a shared directory or a bucket
+            if shared is not None and wanted and self.retention.flush(manifest, self.bg, seq):
                 report.flushed = True
                 report.bytes_written["3"] = report.bytes_written["1"]
         self.retention.retain(self.bg, {step})

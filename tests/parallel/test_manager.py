@@ -356,12 +356,16 @@ def test_a_real_multi_rank_launch_without_a_comm_is_refused(tmp_path: Path, laun
     assert not (tmp_path / "l1").exists()
 
 
-def test_a_url_is_refused(tmp_path: Path) -> None:
+def test_a_url_is_refused_where_no_bucket_can_serve(tmp_path: Path) -> None:
+    """Level 1 is node-local: never a URL. Level 3 may be a bucket (tests/objects), but only
+    behind a level 1 (it takes flushes), and never of a scheme without conditional writes."""
     with pytest.raises(UsageError, match="s3"):
         CheckpointManager(local_dir="s3://bucket/x")
-    with pytest.raises(UsageError, match="gs://"):
-        CheckpointManager(local_dir=tmp_path / "l1", shared_dir="gs://bucket/ckpt")
-    assert not Path("s3:").exists() and not Path("gs:").exists()
+    with pytest.raises(UsageError, match="local_dir"):
+        CheckpointManager(shared_dir="s3://bucket/ckpt")
+    with pytest.raises(UsageError, match="ftp"):
+        CheckpointManager(local_dir=tmp_path / "l1", shared_dir="ftp://host/ckpt")
+    assert not Path("s3:").exists() and not Path("ftp:").exists()
     assert not (tmp_path / "l1").exists()  # refused before anything was made
 
 

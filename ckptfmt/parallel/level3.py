@@ -1,0 +1,196 @@
+"""Level 3 of a manager, whatever holds it: a shared directory or a bucket.
+
+A manager's level 3 is one place every rank can reach. :class:`SharedLevel` names what the
+manager does there: look whether it can be written (at the start), record where the levels are,
+list the committed steps, flush a level-1 checkpoint into it (collective), apply retention,
+delete a step, remove what crashed flushes left, and name the copy of one step that a restore
+loads. :class:`DirLevel` is the shared directory (the code in ``parallel.levels``);
+``parallel.level3_bucket.BucketLevel`` is an object-store prefix (``s3://bucket/run``), where
+steps live as ``step-<n>/`` prefixes committed by a commit object (``spec/FORMAT.md``,
+"Checkpoints in object storage").
+
+Who calls what: the methods marked collective are called by every rank of the communicator they
+are given; the others by one rank (rank 0) unless their docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.errors import UsageError
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel.levels import Levels, flush_collective, retain
+from ckptfmt.parallel.publish import FaultHook
+from ckptfmt.storage import commit
+from ckptfmt.storage.files import Files
+from ckptfmt.storage.objects.url import is_url
+from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
+from ckptfmt.transport.comm import Comm
+
+__all__ = ["DirLevel", "SharedLevel", "level3_of", "shared_level"]
+
+
+class SharedLevel(ABC):
+    """Where a manager's level 3 is: a directory or a bucket prefix."""
+
+    #: whether one rank looks for every rank (a bucket: each LIST and GET costs, and every rank
+    #: sees the same; a shared directory: each rank looks at its own mount)
+    one_looks: bool = False
+
+    @property
+    @abstractmethod
+    def where(self) -> str:
+        """The root, as messages name it (a path or a URL)."""
+
+    @abstractmethod
+    def problems(self) -> list[dict[str, Any]]:
+        """What stands in the way of writing here, as the fields of a :class:`StorageError`
+        each (``path``, ``reason``, ``err``, ``level``). Rank 0, once, at the manager's start."""
+
+    @abstractmethod
+    def record(self, local_dir: str | None, nodes: list[str]) -> None:
+        """Write ``ckptfmt-levels.json`` (where level 1 is: ``local_dir``, and the ``nodes``)
+        at the root, for ``ckptfmt list``. Rank 0, once per job start."""
+
+    @abstractmethod
+    def committed(self) -> list[int]:
+        """The committed steps this rank sees here, oldest first."""
+
+    @abstractmethod
+    def step(self, step: int) -> Any:
+        """Where ``step`` is (a directory, or the bucket of its prefix): what a restore
+        candidate names and :meth:`describe` prints."""
+
+    def __truediv__(self, name: str) -> Any:
+        """The location of the step directory or prefix ``name`` (``"step-00000100"``), as
+        :meth:`step` gives it: a level 3 is a restore order's root (``restore_order``)."""
+        return self.step(parse_step(name))
+
+    def newest(self) -> list[int] | None:
+        """The newest committed step alone when it can be found without listing the root
+        (a bucket's latest pointer); None: list it (:meth:`committed`)."""
+        return None
+
+    def open_step(self, comm: Comm, location: Any, expect_step: int) -> tuple[Any, Files | None]:
+        """What a restore's load of the step at ``location`` reads: the path or URL it names,
+        and the source of its files (None: the directory ``location`` itself). Collective
+        for a bucket (see ``BucketLevel.open_step``); local for a directory."""
+        return location, None
+
+    def describe(self, location: Any) -> str:
+        """A step location of :meth:`step`, as messages name it."""
+        return str(location)
+
+    @abstractmethod
+    def flush(
+        self,
+        comm: Comm,
+        manifest: Manifest,
+        local_path: Path,
+        *,
+        fsync: bool,
+        fault: FaultHook | None,
+        seq: int | None,
+    ) -> None:
+        """Collective: copy the committed level-1 checkpoint of ``manifest`` at ``local_path``
+        here; raises :class:`SaveFailedError` on every rank if any rank failed."""
+
+    @abstractmethod
+    def retain(self, keep: int, protect: set[int]) -> list[int]:
+        """Remove all but the newest ``keep`` committed steps (never one in ``protect``),
+        each out of sight first; the steps removed."""
+
+    @abstractmethod
+    def remove(self, step: int) -> None:
+        """Remove ``step`` if it is committed here, out of sight first."""
+
+    @abstractmethod
+    def clean_leftovers(self) -> None:
+        """Remove what crashed flushes left."""
+
+
+class DirLevel(SharedLevel):
+    """Level 3 in a shared directory (every rank mounts it)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def where(self) -> str:
+        return str(self.root)
+
+    def problems(self) -> list[dict[str, Any]]:
+        return Levels(None, self.root).problems("", shared=True)
+
+    def record(self, local_dir: str | None, nodes: list[str]) -> None:
+        Levels(local_dir, self.root).record(nodes)
+
+    def committed(self) -> list[int]:
+        return [s for s, p in list_step_dirs(self.root) if commit.is_committed(p)]
+
+    def step(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def flush(
+        self,
+        comm: Comm,
+        manifest: Manifest,
+        local_path: Path,
+        *,
+        fsync: bool,
+        fault: FaultHook | None,
+        seq: int | None,
+    ) -> None:
+        flush_collective(comm, manifest, local_path, self.root, fsync=fsync, fault=fault, seq=seq)
+
+    def retain(self, keep: int, protect: set[int]) -> list[int]:
+        return retain(self.root, keep, protect)
+
+    def remove(self, step: int) -> None:
+        path = self.step(step)
+        if commit.is_committed(path):
+            commit.remove(path)
+
+    def clean_leftovers(self) -> None:
+        commit.clean_leftovers(self.root)
+
+
+def shared_level(
+    shared_dir: str | Path | None,
+    storage_options: Mapping[str, str] | None = None,
+    *,
+    local_dir: object = None,
+) -> SharedLevel | None:
+    """The level 3 that ``shared_dir`` names: a :class:`DirLevel` for a path, a
+    :class:`~ckptfmt.parallel.level3_bucket.BucketLevel` for an object-store URL (``s3://``,
+    ``gs://``, ``az://``; needs ``ckptfmt[cloud]``), None for None. A bucket takes flushes of
+    level-1 checkpoints only: it needs a ``local_dir``."""
+    if shared_dir is None:
+        if storage_options:
+            raise UsageError("storage_options is for a shared_dir that is an object-store URL")
+        return None
+    if isinstance(shared_dir, str) and is_url(shared_dir):
+        if local_dir is None:
+            raise UsageError(
+                f"shared_dir={shared_dir!r} is a bucket: level 1 (local_dir) is needed, since "
+                "level 3 on object storage is written by flushing level-1 checkpoints"
+            )
+        from ckptfmt.parallel.level3_bucket import BucketLevel
+
+        return BucketLevel.at(shared_dir, storage_options)
+    if storage_options:
+        raise UsageError("storage_options is for a shared_dir that is an object-store URL")
+    from ckptfmt.storage.paths import refuse_url
+
+    refuse_url(str(shared_dir))  # an unsupported scheme (file://, http://) is named
+    return DirLevel(Path(shared_dir).absolute())
+
+
+def level3_of(levels: Levels) -> SharedLevel | None:
+    """The level 3 of ``levels``: its bucket, or its shared directory, or None."""
+    if levels.bucket is not None:
+        return levels.bucket
+    return None if levels.shared_dir is None else DirLevel(levels.shared_dir)

@@ -1,0 +1,373 @@
+"""Level 3 on object storage: a manager's ``shared_dir="s3://bucket/run"``.
+
+Steps live at ``<root>/step-<n>/``, each committed by its commit object, with the latest pointer
+at the root (``spec/FORMAT.md``, "Checkpoints in object storage"). Level 1 stays node-local; a
+flush (:func:`flush_to_bucket`) uploads each rank's committed level-1 files straight to the
+bucket, in parallel on every rank, and rank 0 commits. A restore (``parallel.restore``) reads
+the pointer (one GET by rank 0), and LISTs the root only when the pointer is missing or its
+step does not load; the chosen step is read through ranged GETs of the objects each rank needs
+(:meth:`BucketLevel.open_step`), never downloaded whole.
+
+Who calls what: :func:`flush_to_bucket` and :meth:`BucketLevel.open_step` are collective (every
+rank of the communicator, once); everything else is rank 0's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.checksum import crc32c
+from ckptfmt.container.reader import geometry, read_manifest_bytes
+from ckptfmt.errors import CkptError, LoadFailedError, RankFailure, UsageError
+from ckptfmt.format.shard_read import decode_shard, read_file
+from ckptfmt.manifest.codec import MANIFEST_NAME
+from ckptfmt.manifest.grid import shard_cell
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
+from ckptfmt.parallel.boundary import Boundary
+from ckptfmt.parallel.level3 import SharedLevel
+from ckptfmt.parallel.levels import LEVELS_FILE
+from ckptfmt.parallel.publish import FaultHook
+from ckptfmt.storage.files import Files, Inside
+from ckptfmt.storage.objects import Bucket, Retries
+from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE
+from ckptfmt.storage.objects.commit import (
+    COMMIT_NAME,
+    Commit,
+    ObjectRef,
+    delete_checkpoint,
+    list_steps,
+    missing_objects,
+    move_latest,
+    read_commit,
+    read_latest,
+    write_commit,
+)
+from ckptfmt.storage.steps import parse_step, step_dir_name
+from ckptfmt.transport.comm import Comm
+
+log = logging.getLogger("ckptfmt")
+
+__all__ = ["UPLOAD_THREADS", "BucketLevel", "bucket_levels", "flush_to_bucket"]
+
+UPLOAD_THREADS = 8
+"""Files each rank has in flight at once during a flush (a big file's parts are in flight
+within its own upload too): enough to fill a node's link to the store, few enough that the
+shards held in memory stay small (a file is verified in memory before it is put)."""
+
+SINGLE_PUT_MAX = 2 * MULTIPART_ABOVE
+"""A shard file up to this size is put in one PUT from the bytes just verified (a default 16 MiB
+shard is a little over 16 MiB with its index: in parts it would take five requests and a second
+read); a bigger one is streamed from the file in parts."""
+
+# the start's check that the bucket answers: fails in seconds, not after the flush's retries
+_PROBE = Retries(max_retries=2, retry_timeout=10.0, connect_timeout=3.0, timeout=10.0)
+
+
+class BucketLevel(SharedLevel):
+    """Level 3 at a bucket prefix (``Bucket``): every rank reaches the same objects, so one rank
+    looks for all of them (:attr:`one_looks`)."""
+
+    one_looks = True
+
+    def __init__(self, root: Bucket, probe: Bucket | None = None) -> None:
+        self.root = root
+        self._probe = probe or root
+
+    @classmethod
+    def at(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> BucketLevel:
+        """The level at ``url``; makes no request."""
+        root = Bucket.at(url, storage_options)
+        probe = Bucket.at(url, storage_options, retries=_PROBE)
+        return cls(root, probe)
+
+    @property
+    def where(self) -> str:
+        return self.root.url
+
+    def problems(self) -> list[dict[str, Any]]:
+        """One LIST (with a delimiter, of the root) on a client that gives up in seconds: a
+        bucket that does not exist, credentials refused or an endpoint out of reach is
+        named at the start, on every rank (``agree_nodes``)."""
+        try:
+            self._probe.list_dirs("")
+        except CkptError as exc:
+            status = getattr(exc, "status", None)
+            why = "no such bucket" if status == 404 or isinstance(exc, FileNotFoundError) else ""
+            reason = f"{why}: {exc}" if why else str(exc)
+            return [{"path": self.root.url, "reason": reason, "err": None, "level": 3}]
+        return []
+
+    def record(self, local_dir: str | None, nodes: list[str]) -> None:
+        doc = {"local_dir": local_dir, "nodes": sorted(set(nodes))}
+        self.root.put(LEVELS_FILE, json.dumps(doc, indent=1).encode())
+
+    def committed(self) -> list[int]:
+        """Every step under the root with a commit object, oldest first (a LIST and a GET per
+        step: for ``steps()`` and the restore's fallback, never the hot path)."""
+        return [s for s in list_steps(self.root) if read_commit(self.step(s)) is not None]
+
+    def newest(self) -> list[int] | None:
+        """The step the latest pointer names, when its commit object is there (one GET of
+        the pointer, one of the commit); None when the pointer is missing or names a step that
+        no longer commits (the caller then LISTs: :meth:`committed`)."""
+        latest = read_latest(self.root)
+        if latest is None:
+            return None
+        step, _save_id = latest
+        if read_commit(self.step(step)) is None:
+            return None
+        return [step]
+
+    def step(self, step: int) -> Bucket:
+        return self.root.child(step_dir_name(step))
+
+    def describe(self, location: Any) -> str:
+        return location.url if isinstance(location, Bucket) else str(location)
+
+    def flush(
+        self,
+        comm: Comm,
+        manifest: Manifest,
+        local_path: Path,
+        *,
+        fsync: bool,
+        fault: FaultHook | None,
+        seq: int | None,
+    ) -> None:
+        flush_to_bucket(comm, manifest, local_path, self.root, fault=fault, seq=seq)
+
+    def retain(self, keep: int, protect: set[int]) -> list[int]:
+        if keep <= 0:
+            return []
+        removed = []
+        for step in self.committed()[:-keep]:
+            if step not in protect:  # the commit object first: never seen half-deleted
+                delete_checkpoint(self.step(step), everything=True)
+                removed.append(step)
+        return removed
+
+    def remove(self, step: int) -> None:
+        delete_checkpoint(self.step(step))
+
+    def clean_leftovers(self) -> None:
+        """Nothing to do on the restore's path: an uncommitted prefix is invisible, and
+        removing it needs a LIST of the whole root (``ckptfmt gc``)."""
+
+    def open_step(self, comm: Comm, location: Any, expect_step: int) -> tuple[Any, Files | None]:
+        """Collective (a broadcast from rank 0): the URL of the step's checkpoint (its
+        ``<save_id>/`` prefix) and a source reading its objects. Rank 0 reads the commit
+        object and checks that every object it lists is there with its size (HEADs in
+        parallel); a step without one, or with an object missing or of another size, raises
+        :class:`LoadFailedError` (damage) on every rank, so the restore tries the next older
+        copy. A store that cannot be read raises it too, as a storage failure."""
+        verdict: dict[str, Any] = {}
+        if comm.rank == 0:
+            try:
+                found = read_commit(location)
+                if found is None:
+                    verdict["error"] = f"{location.url}: no commit object (never committed)"
+                else:
+                    bad = missing_objects(location, found)
+                    if bad:
+                        verdict["error"] = (
+                            f"{location.url}: {len(bad)} object(s) missing or of another "
+                            f"size: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+                        )
+                    else:
+                        verdict["commit"] = found.to_bytes().decode()
+            except CkptError as exc:
+                verdict["failure"] = RankFailure.of(exc, "load-open").to_json()
+        verdict = comm.bcast_json(verdict)
+        if "failure" in verdict:  # the store answered nothing usable: not damage
+            raise LoadFailedError(
+                {0: RankFailure.from_json(verdict["failure"])}, operation="load", step=expect_step
+            )
+        if "error" in verdict:
+            raise LoadFailedError(
+                {0: RankFailure("", verdict["error"], "load-open", kind="damage")},
+                operation="load",
+                step=expect_step,
+            )
+        found = Commit.from_bytes(verdict["commit"].encode(), location.key_url(COMMIT_NAME))
+        return location.key_url(found.save_id), _object_source(location, found)
+
+
+def _object_source(location: Bucket, found: Commit) -> Files:
+    """What the collective load reads the committed step through (``ObjectInside``)."""
+    from ckptfmt.storage.objects.source import ObjectInside
+
+    return ObjectInside(location, found)
+
+
+# --- the flush ----------------------------------------------------------------------------------
+
+
+def flush_to_bucket(
+    comm: Comm,
+    manifest: Manifest,
+    local_path: Path,
+    root: Bucket,
+    *,
+    fault: FaultHook | None = None,
+    seq: int | None = None,
+    threads: int = UPLOAD_THREADS,
+) -> Bucket:
+    """Collective: upload a committed level-1 checkpoint to the bucket ``root`` as its step
+    prefix, every rank the files it wrote (each verified, every CRC in it checked, before it
+    is put: damage on level 1 is refused, not propagated), rank 0 the metadata documents and
+    the manifest; then rank 0 writes the commit object (create-only), which lists every object
+    with its size and CRC32C, and moves the latest pointer. One vote per phase (stage, upload,
+    commit), as ``flush_collective``: any rank's failure raises :class:`SaveFailedError` on
+    every rank, and without a commit object nothing of this flush is visible (the objects
+    already put are left for ``ckptfmt gc``). A step already committed with this save's id (a
+    retried flush) is not uploaded again. Returns the step's bucket prefix."""
+    hook = fault or (lambda _point: None)
+    b = Boundary(comm, "flush", manifest.step, seq=seq)
+    step = manifest.step or 0
+    dest = root.child(step_dir_name(step))
+    already = False
+    with b.guard("flush-stage"):
+        if manifest.world_size != comm.size:  # every rank uploads what it wrote: the same ranks
+            raise UsageError(f"cannot flush a save of {manifest.world_size} ranks with {comm.size}")
+        if comm.rank == 0:
+            already = _already_flushed(dest, manifest)
+    votes = b.vote("flush-stage", already)
+    if votes[0]:
+        with b.guard("flush-commit"):
+            if comm.rank == 0:  # a pointer left behind by the flush that committed it
+                move_latest(root, step, manifest.save_id)
+        b.vote("flush-commit")
+        return dest
+    mine: list[ObjectRef] = []
+    with b.guard("flush-upload"):
+        hook("flush-staged")
+        mine = _upload_files(dest, manifest, local_path, comm.rank, threads)
+        if comm.rank == 0:
+            mine += _upload_metadata(dest, manifest, local_path)
+        hook("flush-copied")
+    gathered = b.vote("flush-upload", [r.to_json() for r in mine])
+    with b.guard("flush-commit"):
+        if comm.rank == 0:
+            objects = sorted(
+                (ObjectRef(**r) for refs in gathered for r in refs), key=lambda r: r.key
+            )
+            hook("flush-committing")
+            write_commit(dest, Commit(manifest.save_id, step, objects))
+            move_latest(root, step, manifest.save_id)
+    b.vote("flush-commit")
+    hook("flushed")
+    return dest
+
+
+def _already_flushed(dest: Bucket, manifest: Manifest) -> bool:
+    """Rank 0: whether ``dest`` is committed with this very save, every object in place. A
+    commit of another save (the step saved again after a restart) or one whose objects are not
+    all there is deleted first, commit object first (the old step vanishes as a whole), so
+    that this flush's create-only commit can take its place."""
+    found = read_commit(dest)
+    if found is None:
+        return False
+    if found.save_id == manifest.save_id and not missing_objects(dest, found):
+        return True
+    delete_checkpoint(dest)
+    return False
+
+
+def _upload_files(
+    dest: Bucket, manifest: Manifest, local_path: Path, rank: int, threads: int
+) -> list[ObjectRef]:
+    """This rank's data files of ``manifest``, verified and put under ``<save_id>/``,
+    ``threads`` files at a time; their object refs."""
+    src = Inside(local_path)
+    work = [
+        (t, f, local_path / f.path)
+        for t in manifest.tensors()
+        for r in t.regions
+        if r.rank == rank
+        for f in r.files
+    ]
+    if not work:
+        return []
+    save_id = manifest.save_id
+
+    def one(item: tuple[TensorEntry, FileRef, Path]) -> ObjectRef:
+        t, f, path = item
+        return _upload_verified(dest, save_id, src, t, f, path)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(work)))) as pool:
+        return list(pool.map(one, work))
+
+
+def _upload_verified(
+    dest: Bucket, save_id: str, src: Inside, t: TensorEntry, ref: FileRef, path: Path
+) -> ObjectRef:
+    """Check every CRC of one shard file, then put it (one PUT from the bytes just checked, or
+    a multipart upload of the file when it is big; its CRC32C from the bytes sent)."""
+    names = (display(t.name),)
+    blob = read_file(src, ref, names)
+    decode_shard(blob, geometry(t), shard_cell(ref.path), ref, names)
+    key = f"{save_id}/{ref.path}"
+    if len(blob) <= SINGLE_PUT_MAX:
+        dest.put(key, blob)
+        crc = crc32c(blob)
+    else:
+        del blob  # streamed from the file instead: a multipart upload with parts in flight
+        crc = dest.upload(key, path, size=ref.size)
+    return ObjectRef(ref.path, ref.size, crc)
+
+
+def _upload_metadata(dest: Bucket, manifest: Manifest, local_path: Path) -> list[ObjectRef]:
+    """Rank 0: the zarr documents of its level-1 copy (every node's copy holds all of them,
+    the same bytes) and the manifest, as stored."""
+    refs = []
+    for doc in sorted(local_path.rglob("zarr.json")):
+        rel = doc.relative_to(local_path).as_posix()
+        data = doc.read_bytes()
+        dest.put(f"{manifest.save_id}/{rel}", data)
+        refs.append(ObjectRef(rel, len(data), crc32c(data)))
+    data = read_manifest_bytes(local_path)
+    dest.put(f"{manifest.save_id}/{MANIFEST_NAME}", data)
+    refs.append(ObjectRef(MANIFEST_NAME, len(data), crc32c(data)))
+    return refs
+
+
+def step_of(location: Bucket) -> int:
+    """The step of a step prefix (``.../step-0000000100``)."""
+    return parse_step(location.prefix.rsplit("/", 1)[-1])
+
+
+def bucket_levels(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[dict[int, str], dict[str, Any]]:
+    """For ``ckptfmt list`` of a bucket root: the state of every step prefix under ``url``
+    (flushed, damaged: objects missing or of another size, not committed) and the recorded
+    ``ckptfmt-levels.json`` (``{}`` when there is none). A LIST, then a GET and the HEADs of
+    each committed step."""
+    root = Bucket.at(url, storage_options)
+    try:
+        cfg = json.loads(root.get(LEVELS_FILE))
+    except (FileNotFoundError, ValueError):
+        cfg = {}
+    out: dict[int, str] = {}
+    for step in list_steps(root):
+        try:
+            found = read_commit(root.child(step_dir_name(step)))
+        except CkptError as exc:  # an unreadable commit object
+            out[step] = f"damaged: {exc}"
+            continue
+        if found is None:
+            out[step] = "not committed"
+            continue
+        bad = missing_objects(root.child(step_dir_name(step)), found)
+        out[step] = (
+            f"damaged: {len(bad)} object(s) missing or of another size ({', '.join(bad[:3])})"
+            if bad
+            else "flushed"
+        )
+    return out, cfg if isinstance(cfg, dict) else {}
