@@ -52,8 +52,15 @@ import torch
 import torch.distributed as dist
 
 from ckptfmt.checkpoint import writer_threads
-from ckptfmt.errors import CkptError, NotACheckpointError, UsageError
+from ckptfmt.errors import (
+    CkptError,
+    InvalidNameError,
+    LoadFailedError,
+    NotACheckpointError,
+    UsageError,
+)
 from ckptfmt.format import WriteOptions
+from ckptfmt.manifest.limits import check_component
 from ckptfmt.parallel import CheckpointManager
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import commit
@@ -78,6 +85,9 @@ except ImportError:  # pragma: no cover - only ``lightning`` installed
 __all__ = ["CheckpointIO", "DDPStrategy"]
 
 POINTER_FORMAT = "ckptfmt-lightning-step"
+# a mapping whose keys are not all names (ModelCheckpoint's best_k_models is keyed by file
+# paths) is stored as {ITEMS: [(key, value), ...]} and given back as the mapping
+ITEMS = "%items"
 Location = torch.device | str | Mapping[str, Any] | Callable[..., Any]
 
 
@@ -179,6 +189,7 @@ class CheckpointIO(_CheckpointIO):
             write = dataclasses.replace(storage_options, overwrite=True)
         step = checkpoint.get("global_step")
         step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+        checkpoint = _keyed(checkpoint)
         if self.levels is not None:
             self._save_to_manager(checkpoint, os.fspath(path), step)
             return
@@ -202,7 +213,11 @@ class CheckpointIO(_CheckpointIO):
             raise NotACheckpointError(str(target), "no checkpoint is there")
         else:
             out = {}
-            load(out, target, read=self.read, comm=SingleComm(), trust_pickle=self.trust_pickle)
+            try:
+                load(out, target, read=self.read, comm=SingleComm(), trust_pickle=self.trust_pickle)
+            except LoadFailedError as exc:  # one process: its own error, not the vote's
+                raise (exc.cause if isinstance(exc.cause, CkptError) else exc) from None
+        out = _unkeyed(out)
         return _placed(out, map_location) if map_location is not None else out
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -330,6 +345,40 @@ def _ours(io: Any) -> CheckpointIO | None:
             return io
         io = getattr(io, "checkpoint_io", None)
     return None
+
+
+def _keyed(obj: Any) -> Any:
+    """``obj`` with every mapping whose keys are not all valid names (nor ints: an optimizer's
+    parameter indices) as ``{ITEMS: [(key, value), ...]}``; the tensors are the same."""
+    if isinstance(obj, Mapping):
+        out = {k: _keyed(v) for k, v in obj.items()}
+        return out if all(_is_name(k) for k in obj) else {ITEMS: [(k, v) for k, v in out.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [_keyed(v) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else items
+    return obj
+
+
+def _is_name(key: Any) -> bool:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return True
+    try:
+        check_component(key)
+    except InvalidNameError:
+        return False
+    return key != ITEMS
+
+
+def _unkeyed(obj: Any) -> Any:
+    """What :func:`_keyed` made of ``obj``, undone (pairs load as lists or tuples)."""
+    if isinstance(obj, dict):
+        if list(obj) == [ITEMS] and isinstance(obj[ITEMS], (list, tuple)):
+            return {k: _unkeyed(v) for k, v in obj[ITEMS]}
+        return {k: _unkeyed(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_unkeyed(v) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else items
+    return obj
 
 
 def _placed(obj: Any, where: Location) -> Any:

@@ -78,13 +78,16 @@ def end_state(model: L.LightningModule, trainer: L.Trainer) -> dict[str, Any]:
     }
 
 
-def make_io(io: str, mode: str, root: Path) -> Any:
-    """The plugin as the README shows it; ``root``: the run's own levels."""
+def make_io(io: str, mode: str, root: Path, nodes: int = 1) -> Any:
+    """The plugin as the README shows it; ``root``: the run's own levels, with XOR parity
+    across ``nodes`` when there are several."""
     if io == "torch":
         return L.plugins.TorchCheckpointIO()
     if mode == "levels":
         plugin = ckptfmt_torch.lightning.CheckpointIO(
-            local_dir=root / "local" / "{node}", shared_dir=root / "shared", redundancy="xor"
+            local_dir=root / "local" / "{node}",
+            shared_dir=root / "shared",
+            redundancy="xor" if nodes > 1 else None,
         )
     else:
         plugin = ckptfmt_torch.lightning.CheckpointIO(collective=mode == "collective")
@@ -105,7 +108,7 @@ def fit(args: argparse.Namespace, name: str, max_steps: int) -> None:
     if args.devices > 1:
         strategy = ckptfmt_torch.lightning.DDPStrategy() if args.mode != "rank0" else "ddp"
     trainer = L.Trainer(
-        plugins=[make_io(args.io, args.mode, root / f"{name}-levels")],
+        plugins=[make_io(args.io, args.mode, root / f"{name}-levels", args.devices)],
         callbacks=callbacks,
         strategy=strategy,
         accelerator="cpu",
@@ -117,6 +120,9 @@ def fit(args: argparse.Namespace, name: str, max_steps: int) -> None:
         enable_checkpointing=True,
     )
     trainer.fit(model, datamodule=dm, ckpt_path="last")
+    # AsyncCheckpointIO's teardown waits for the writes of rank 0 alone: the other ranks must
+    # not look for the next fit's "last" checkpoint before it is in
+    trainer.strategy.barrier()
     if trainer.is_global_zero:
         torch.save(end_state(model, trainer), root / f"{name}.end.pt")
 
