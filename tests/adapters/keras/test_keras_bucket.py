@@ -1,0 +1,68 @@
+"""The Keras adapter through a manager whose level 3 is a bucket (the tests' S3 server): a
+trained model and its optimizer flushed to the bucket come back bit for bit into a model built
+alike, once level 1 is gone (``ckptfmt_keras.to_state`` / ``restore``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kit.keras import compiled, xy
+from kit.managers import NO_EXIT_HOOKS
+from kit.s3 import S3
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+keras = pytest.importorskip("keras")
+
+import ckptfmt_keras as ck  # noqa: E402
+
+from ckptfmt import CheckpointManager, WriteOptions  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+
+def build(seed: int) -> Any:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="h"),
+            keras.layers.Dense(6, name="out"),
+        ],
+        name="mlp",
+    )
+
+
+def arrays_of(model: Any) -> dict[str, bytes]:
+    out = {f"m:{k}": a.tobytes() for k, a in ck.to_arrays(model).items()}
+    out.update({f"o:{k}": a.tobytes() for k, a in ck.to_arrays(model.optimizer).items()})
+    return out
+
+
+def test_a_keras_model_restores_from_the_bucket_through_the_manager(tmp_path: Path, s3: S3) -> None:
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            tmp_path / "l1",
+            f"{s3.url}/keras",
+            write=WriteOptions(fsync=False),
+            at_exit=NO_EXIT_HOOKS,
+        )
+
+    model = compiled(build(1))
+    x, y = xy(32)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    with manager() as mgr:
+        mgr.save(8, ck.to_state(model, counters={"step": 8}))
+    shutil.rmtree(tmp_path / "l1")
+
+    other = compiled(build(2))
+    other.fit(x[:8], y[:8], batch_size=8, epochs=1, shuffle=False, verbose=0)  # other values
+    assert arrays_of(other) != arrays_of(model)
+    with manager() as mgr:
+        report = ck.restore(other, mgr)
+    assert (report.step, report.level) == (8, 3)
+    assert report.state is not None and report.state["counters"] == {"step": 8}
+    assert arrays_of(other) == arrays_of(model)
