@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import DamagedError, LoadFailedError, UsageError
 from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, load_collective
 from ckptfmt.plan import ReadOptions
@@ -341,7 +341,12 @@ class CheckpointMixin(_Base):
                     f"{ck}: its ckptfmt step {step} is on the manager's level 1 only, and the "
                     "levels given (ckptfmt=CheckpointOptions(local_dir=...)) do not restore it"
                 )
-            tree, manifest = load_collective(default_comm(), data, {}, read=ReadOptions())
+            try:
+                tree, manifest = load_collective(default_comm(), data, {}, read=ReadOptions())
+            except LoadFailedError as exc:  # the rank that met the damage names the file
+                if isinstance(exc.cause, DamagedError):
+                    raise exc.cause from exc
+                raise
             if step is not None and manifest.step != step:
                 raise UsageError(f"{data} holds step {manifest.step}, not {step}")
         self._ckptfmt_loaded = (checkpoint, tree)

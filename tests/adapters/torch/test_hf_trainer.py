@@ -1,0 +1,226 @@
+"""``ckptfmt_torch.hf.Trainer`` on the real Hugging Face ``Trainer`` (CPU, a tiny GPT-2 built
+from a config, random tokens shuffled by HF's sampler, dropout on): the trainer the README
+enables in one line (``tests/workers/_hf_worker.py`` has those lines).
+
+Checked: a run stopped (or SIGKILLed) and resumed ends bit-identical to an uninterrupted one
+(every parameter, the optimizer's state, each rank's RNG), as HF's own resume does, in one
+process and under ``torchrun`` with 2 DDP ranks, with blocking and background saves;
+``checkpoint-N/`` holds HF's files beside the ckptfmt data and nothing pickled;
+``save_total_limit`` rotation; a torn checkpoint is never resumed from; an unsupported object
+is refused before anything is written; a damaged shard is named at resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch
+from _hf_worker import build, final_state, run
+from ckptfmt_torch.hf import CheckpointOptions, is_complete, last_checkpoint
+from kit import REPO
+from kit.faults import flip
+from kit.launch import assert_ok, run_torchrun, with_kit_path
+
+import ckptfmt
+from ckptfmt.errors import DamagedError, UnsupportedValueError
+
+pytestmark = pytest.mark.torch
+
+WORKER = REPO / "tests" / "workers" / "_hf_worker.py"
+STEPS, SAVE, STOP = 12, 4, 6  # the stopped run's newest checkpoint is 4: 2 batches are skipped
+
+
+def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    assert any(k.startswith("optim/") for k in a)
+    differ = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not differ, f"not bit-identical: {differ[:5]}"
+
+
+def checkpoints(out: Path) -> list[str]:
+    return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    """The uninterrupted run (one process)."""
+    out = tmp_path_factory.mktemp("reference")
+    return final_state(run(out, max_steps=STEPS, save_steps=SAVE))
+
+
+def test_checkpoint_layout_and_rotation(tmp_path: Path) -> None:
+    trainer = run(tmp_path, max_steps=STEPS, save_steps=SAVE, limit=2)
+    assert checkpoints(tmp_path) == ["checkpoint-8", "checkpoint-12"]  # rotated as HF does
+    ck = tmp_path / "checkpoint-12"
+    names = {p.name for p in ck.iterdir()}
+    assert {"ckptfmt", "config.json", "trainer_state.json", "training_args.json"} <= names
+    pickles = [p for p in ck.rglob("*") if p.suffix in (".pt", ".pth", ".bin", ".pkl")]
+    assert not pickles  # nothing HF would unpickle; the arguments are JSON
+    assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 12
+    assert json.loads((ck / "training_args.json").read_text())["save_steps"] == SAVE
+    assert not ckptfmt.verify(ck / "ckptfmt").problems
+    loaded = ckptfmt.load(ck / "ckptfmt")
+    assert {"model", "optimizer", "scheduler", "rng", "trainer"} <= loaded.keys()
+    assert loaded["trainer"]["global_step"] == 12
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for name, p in model.state_dict().items():
+        assert np.array_equal(loaded["model"][name], p.numpy()), name
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(ck).n_embd == 32  # HF's tools read the config
+
+
+def test_resume_is_bit_identical_like_hfs_own(
+    tmp_path: Path, reference: dict[str, np.ndarray]
+) -> None:
+    run(tmp_path / "ck", max_steps=STEPS, save_steps=SAVE, stop_at=STOP)
+    assert checkpoints(tmp_path / "ck") == ["checkpoint-4"]
+    resumed = final_state(run(tmp_path / "ck", resume=True, max_steps=STEPS, save_steps=SAVE))
+    assert_same(reference, resumed)
+    # HF's own resume of the same run, for comparison: ours is never worse
+    run(tmp_path / "hf", mode="hf", max_steps=STEPS, save_steps=SAVE, stop_at=STOP)
+    hf = final_state(run(tmp_path / "hf", resume=True, mode="hf", max_steps=STEPS, save_steps=SAVE))
+    assert_same(reference, hf)
+
+
+@pytest.mark.slow
+def test_resume_from_a_path_and_never_from_a_torn_checkpoint(
+    tmp_path: Path, reference: dict[str, np.ndarray]
+) -> None:
+    run(tmp_path, max_steps=STEPS, save_steps=SAVE, stop_at=9)
+    assert checkpoints(tmp_path) == ["checkpoint-4", "checkpoint-8"]
+    # a path to an older checkpoint than the newest
+    resumed = final_state(
+        run(tmp_path, resume=str(tmp_path / "checkpoint-4"), max_steps=STEPS, save_steps=SAVE)
+    )
+    assert_same(reference, resumed)
+    # checkpoint-8 torn (its trainer_state.json, written last, missing): True takes checkpoint-4
+    for p in tmp_path.glob("checkpoint-*"):
+        if int(p.name.split("-")[1]) > 8:
+            shutil.rmtree(p)
+    (tmp_path / "checkpoint-8" / "trainer_state.json").unlink()
+    assert not is_complete(tmp_path / "checkpoint-8")
+    assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    resumed = final_state(run(tmp_path, resume=True, max_steps=STEPS, save_steps=SAVE))
+    assert_same(reference, resumed)
+    assert is_complete(tmp_path / "checkpoint-8")  # saved again, whole
+
+
+@pytest.mark.slow
+def test_async_saves_resume_bit_identical(tmp_path: Path, reference: dict[str, np.ndarray]) -> None:
+    kw: dict[str, Any] = {"mode": "async", "max_steps": STEPS, "save_steps": SAVE, "limit": 2}
+    run(tmp_path, stop_at=9, **kw)
+    ck = tmp_path / "checkpoint-8"
+    assert is_complete(ck) and (ck / "ckptfmt").is_symlink()  # the manager's level-3 step
+    assert not ckptfmt.verify(ck / "ckptfmt").problems
+    resumed = final_state(run(tmp_path, resume=True, **kw))
+    assert_same(reference, resumed)
+    assert checkpoints(tmp_path) == ["checkpoint-8", "checkpoint-12"]
+    steps = sorted(p.name for p in (tmp_path / "ckptfmt").glob("step-*"))
+    assert len(steps) <= 3  # the manager keeps the limit's steps (+ one in flight)
+
+
+@pytest.mark.slow
+def test_hf_weights_load_with_from_pretrained(tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    trainer = build(tmp_path, max_steps=SAVE, save_steps=SAVE)
+    trainer.ckptfmt = CheckpointOptions(hf_weights=True)  # type: ignore[attr-defined]
+    trainer.train()
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / f"checkpoint-{SAVE}")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_save_then_resume(tmp_path: Path) -> None:
+    """A real SIGKILL right after the save of step 8 was handed to the background: the
+    resumed job (a new process) ends bit-identical to an uninterrupted one."""
+
+    def job(name: str, **plan: Any) -> subprocess.CompletedProcess[str]:
+        spec = {"mode": "async", "max_steps": STEPS, "save_steps": SAVE, **plan}
+        spec["result"] = str(tmp_path / name)
+        (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+        return subprocess.run(
+            [sys.executable, str(WORKER), str(tmp_path / f"{name}.json")],
+            cwd=REPO,
+            env=with_kit_path(dict(os.environ)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    assert job("full", out=str(tmp_path / "full")).returncode == 0
+    killed = job("killed", out=str(tmp_path / "run"), kill_at=8)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (tmp_path / "killed.rank0.npz").exists()
+    resumed = job("resumed", out=str(tmp_path / "run"), resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same(
+        dict(np.load(tmp_path / "full.rank0.npz")), dict(np.load(tmp_path / "resumed.rank0.npz"))
+    )
+
+
+def test_unsupported_object_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from transformers import TrainerCallback
+
+    class Annotate(TrainerCallback):  # a user's object in the scheduler's state_dict()
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            kw["lr_scheduler"].note = Path("/somewhere")
+
+    trainer = build(tmp_path, max_steps=SAVE, save_steps=SAVE)
+    trainer.add_callback(Annotate())
+    with pytest.raises(UnsupportedValueError, match="scheduler/note") as info:
+        trainer.train()
+    assert "PosixPath" in str(info.value)
+    assert checkpoints(tmp_path) == []  # nothing half-written
+
+
+def test_damaged_shard_at_resume_is_named(tmp_path: Path) -> None:
+    run(tmp_path, max_steps=SAVE, save_steps=SAVE)
+    data = tmp_path / f"checkpoint-{SAVE}" / "ckptfmt"
+    shard = next((data / "model" / "transformer.wte.weight" / "c").rglob("*"))
+    while shard.is_dir():
+        shard = next(shard.iterdir())
+    flip(shard)
+    with pytest.raises(DamagedError) as info:
+        run(tmp_path, resume=True, max_steps=2 * SAVE, save_steps=SAVE)
+    assert str(shard.relative_to(data)) in str(info.value)  # the file, by its path
+
+
+def _torchrun(tmp_path: Path, name: str, **plan: Any) -> None:
+    spec = {"max_steps": STEPS, "save_steps": SAVE, "result": str(tmp_path / name), **plan}
+    (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+    assert_ok(run_torchrun(2, WORKER, str(tmp_path / f"{name}.json"), timeout=300))
+
+
+def _ranks(tmp_path: Path, name: str) -> list[dict[str, np.ndarray]]:
+    return [dict(np.load(tmp_path / f"{name}.rank{r}.npz")) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ckptfmt", "async"])
+def test_torchrun_ddp_resume_bit_identical(tmp_path: Path, mode: str) -> None:
+    _torchrun(tmp_path, "full", out=str(tmp_path / "full"), mode="hf")
+    _torchrun(tmp_path, "stopped", out=str(tmp_path / "run"), mode=mode, stop_at=STOP)
+    data = tmp_path / "run" / "checkpoint-4" / "ckptfmt"
+    doc = (data / "ckptfmt.json").read_text()
+    assert '"rank": 0' in doc and '"rank": 1' in doc  # both ranks wrote their share
+    _torchrun(tmp_path, "resumed", out=str(tmp_path / "run"), mode=mode, resume=True)
+    full, resumed = _ranks(tmp_path, "full"), _ranks(tmp_path, "resumed")
+    assert not np.array_equal(full[0]["rng/torch"], full[1]["rng/torch"])  # ranks differ
+    for a, b in zip(full, resumed, strict=True):
+        assert_same(a, b)
