@@ -290,3 +290,27 @@ def test_latest_and_steps_name_the_bucket_steps(tmp_path: Path, s3: S3) -> None:
     assert str(ref.path) == f"{s3.url}/run/{step_dir_name(1)}"
     assert mgr.steps() == {1: {"level1": False, "level3": True}}
     mgr.close(flush=False)
+
+
+def test_list_levels_of_a_bucket_root_shows_each_steps_state(tmp_path: Path, s3: S3) -> None:
+    """``ckptfmt.list_levels`` (``ckptfmt list``) of a bucket root: flushed steps, a damaged one
+    (an object missing) and a prefix without a commit object, beside the level-1 copies."""
+    mgr = _mgr(tmp_path, s3)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.close()
+    client = s3.server.client()
+    c2 = _commit(s3, 2)
+    key = next(o["key"] for o in c2["objects"] if "/c/" in o["key"])
+    client.delete_object(Bucket=s3.bucket, Key=f"run/{step_dir_name(2)}/{c2['save_id']}/{key}")
+    client.put_object(
+        Bucket=s3.bucket, Key=f"run/{step_dir_name(3)}/{'0' * 32}/zarr.json", Body=b"{}"
+    )
+    doc = ckptfmt.list_levels(f"{s3.url}/run")
+    assert doc["shared"] == f"{s3.url}/run"
+    assert doc["steps"]["1"] == {"level3": "flushed", "level1": {"n0": "complete"}}
+    assert (
+        doc["steps"]["2"]["level3"].startswith("damaged: 1 object(s) missing")
+        and key in doc["steps"]["2"]["level3"]
+    )
+    assert doc["steps"]["3"]["level3"] == "not committed"
