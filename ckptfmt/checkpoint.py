@@ -17,6 +17,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from ckptfmt.container.reader import (
 )
 from ckptfmt.errors import DamagedError, PerRankWarning, StorageFullError, UsageError
 from ckptfmt.format.options import WriteOptions
+from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Source, open_whole
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
@@ -45,6 +47,7 @@ from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
 from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.transport.comm import SingleComm
@@ -70,6 +73,7 @@ def save(
     write: WriteOptions | None = None,
     progress: ProgressCallback | None = None,
     objects: Objects = "refuse",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """Save ``state`` as a committed checkpoint directory at ``path``; return its manifest.
 
@@ -87,7 +91,18 @@ def save(
     ``ckptfmt.parallel`` run by a single process. ``progress``: called with
     :class:`~ckptfmt.Progress` events (the bytes of the data files written; the last once the
     checkpoint is committed), from this thread (``ckptfmt.storage.progress``).
+
+    ``path`` may be an object-store URL (``s3://bucket/run/ckpt``; ``gs://``, ``az://``): the
+    checkpoint is written into a temporary directory (``TMPDIR``), its files uploaded under
+    ``<url>/<save_id>/``, then the commit object ``<url>/ckptfmt-commit.json`` is written,
+    create-only: nothing is visible before it (``spec/FORMAT.md``, "Checkpoints in object
+    storage"). ``storage_options``: settings of the store that override the ``AWS_*``
+    environment (``endpoint_url``, ``region``, ``aws_access_key_id``, ``allow_http``, ... as
+    obstore and fsspec name them); for URLs only. ``progress`` then covers the local write.
     """
+    if isinstance(path, str) and is_url(path):
+        return _save_url(state, path, step, write, progress, objects, storage_options)
+    _no_options(storage_options, path)
     check_destination(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
@@ -119,6 +134,33 @@ def save(
         _raise_full(exc, state, Path(path))
         raise
     return manifest
+
+
+def _save_url(
+    state: Mapping[str, Any],
+    url: str,
+    step: int | None,
+    write: WriteOptions | None,
+    progress: ProgressCallback | None,
+    objects: Objects,
+    storage_options: Mapping[str, Any] | None,
+) -> Manifest:
+    """:func:`save` to a bucket: stage locally, upload, commit (see there)."""
+    write = write if write is not None else WriteOptions(threads=writer_threads())
+    if not isinstance(write, WriteOptions):
+        raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
+    bucket = in_bucket.check_target(url, storage_options, write.overwrite)
+    with tempfile.TemporaryDirectory(prefix="ckptfmt-upload-") as scratch:
+        staged = Path(scratch) / "checkpoint"
+        local = replace(write, overwrite=False, fsync=False)  # the bucket makes it durable
+        manifest = save(state, staged, step=step, write=local, progress=progress, objects=objects)
+        in_bucket.publish(bucket, staged, manifest, overwrite=write.overwrite)
+    return manifest
+
+
+def _no_options(storage_options: Mapping[str, Any] | None, path: object) -> None:
+    if storage_options:
+        raise UsageError(f"storage_options apply to object-store URLs, not to the path {path!s}")
 
 
 def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> None:
@@ -155,6 +197,7 @@ def load(
     max_bytes: int | None = None,
     progress: ProgressCallback | None = None,
     trust_pickle: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a whole checkpoint into memory as the nested structure that was saved, bit-exact
     (lists, tuples and ``bytes`` as the same types).
@@ -178,9 +221,20 @@ def load(
     save stored with ``objects="pickle"`` (unpickling runs code: only for a checkpoint from a
     source you trust); without it such an entry raises :class:`PickleRefusedError` naming it,
     and nothing is unpickled.
+
+    ``path`` may be the URL of a checkpoint in a bucket (``s3://bucket/run/ckpt``): its commit
+    object is read, every object it lists HEADed (one missing or of another size:
+    :class:`NotACheckpointError` naming it), then the objects read with ranged GETs, every
+    chunk's CRC32C checked (damage names the object's URL). ``storage_options`` as for
+    :func:`save`.
     """
     return load_with_manifest(
-        path, read=read, max_bytes=max_bytes, progress=progress, trust_pickle=trust_pickle
+        path,
+        read=read,
+        max_bytes=max_bytes,
+        progress=progress,
+        trust_pickle=trust_pickle,
+        storage_options=storage_options,
     )[0]
 
 
@@ -191,10 +245,11 @@ def load_with_manifest(
     max_bytes: int | None = None,
     progress: ProgressCallback | None = None,
     trust_pickle: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """:func:`load`, and the manifest of what was loaded (for the adapters' in-place loads,
     which return it)."""
-    leaves, manifest = _load(path, _read_options(read), max_bytes, progress)
+    leaves, manifest = _load(path, _read_options(read), max_bytes, progress, storage_options)
     return unflatten(leaves, pickled="load" if trust_pickle else "refuse"), manifest
 
 
@@ -239,9 +294,22 @@ def _read_options(read: ReadOptions | None) -> ReadOptions:
 
 
 def _load(
-    path: NodeDirs, read: ReadOptions, max_bytes: int | None, progress: ProgressCallback | None
+    path: NodeDirs,
+    read: ReadOptions,
+    max_bytes: int | None,
+    progress: ProgressCallback | None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[list[tuple[tuple[str, ...], Any]], Manifest]:
     """Every entry of the checkpoint at ``path`` (module docstring) and its manifest."""
+    if isinstance(path, str) and is_url(path):
+        manifest, objects = in_bucket.open_source(path, storage_options)
+        try:
+            check_documents(objects, manifest)
+            check_allocation(manifest.tensors(), max_bytes)
+            return _read_all(manifest, objects, read.threads, progress), manifest
+        except DamagedError as exc:
+            raise in_bucket.at_key(exc, objects) from None
+    _no_options(storage_options, path)
     if isinstance(path, Mapping) or is_spread(path):
         with tempfile.TemporaryDirectory(prefix="ckptfmt-rebuild-") as scratch:
             source = open_whole(path, Path(scratch))
@@ -294,7 +362,9 @@ def _read_all(
     return leaves
 
 
-def open_checkpoint(path: NodeDirs) -> Checkpoint:
+def open_checkpoint(
+    path: NodeDirs, *, storage_options: Mapping[str, Any] | None = None
+) -> Checkpoint:
     """Open a committed checkpoint read-only (``ckptfmt.open``); see :class:`Checkpoint`.
 
     ``path`` as for :func:`load`: one directory, or a level-1 checkpoint spread over node
@@ -302,7 +372,15 @@ def open_checkpoint(path: NodeDirs) -> Checkpoint:
     files (missing, of the wrong size, a damaged ``zarr.json``) rebuilt from the redundancy into
     a temporary directory that lives as long as the returned object; a chunk whose CRC fails
     when it is read raises :class:`DamagedError` (``load`` rebuilds then; ``ckptfmt rebuild``
-    repairs the source)."""
+    repairs the source).
+
+    ``path`` may be the URL of a checkpoint in a bucket: the commit object and the manifest are
+    read (and every listed object HEADed) now; indexing a tensor reads, with ranged GETs, the
+    shard index and only the inner chunks the selection touches. ``storage_options`` as for
+    :func:`save`."""
+    if isinstance(path, str) and is_url(path):
+        return in_bucket.open_url(path, storage_options)
+    _no_options(storage_options, path)
     if not isinstance(path, Mapping) and not is_spread(path):
         refuse_url(path)
         return Checkpoint(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +28,15 @@ from ckptfmt.errors import (
     NotRegularFileError,
     UsageError,
 )
-from ckptfmt.format.shard_io import Geometry
+from ckptfmt.format.chunk_reads import read_chunks
+from ckptfmt.format.shard_io import Geometry, byte_view
 from ckptfmt.format.shard_read import decode_shard, read_file, read_region, region_reads
 from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
-from ckptfmt.manifest.grid import cells
+from ckptfmt.manifest.grid import ChunkSlot, cells
 from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
 from ckptfmt.manifest.model import (
+    FileRef,
     GroupEntry,
     Manifest,
     PerRankValueEntry,
@@ -43,6 +45,8 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.storage.files import Files, Inside, physical_memory
+from ckptfmt.storage.objects.source import latest_url
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.steps import StepRef, list_step_dirs
 
@@ -182,6 +186,32 @@ def _read_and_place(src: Files, geo: Geometry, r: Region, view: np.ndarray, name
     view[...] = target
 
 
+def _read_inner(
+    src: Files,
+    geo: Geometry,
+    ref: FileRef,
+    cell: tuple[int, ...],
+    bounds: Sequence[tuple[int, int]],
+    tensors: Sequence[str],
+) -> list[tuple[ChunkSlot, np.ndarray]]:
+    """The inner chunks of the shard file ``ref`` (at grid ``cell``) that overlap the box
+    ``bounds``, each at full chunk shape and CRC-checked (``format.chunk_reads``): the shard
+    index and those chunks are all that is read."""
+    _, slots = geo.slots(cell)
+    want = [
+        s
+        for s in slots
+        if all(max(x, a) < min(y, b) for x, y, (a, b) in zip(s.box_lo, s.box_hi, bounds))
+    ]
+    chunks = [np.empty(geo.chunk_shape, dtype=geo.dtype) for _ in want]
+    if want:
+        targets = [byte_view(c) for c in chunks]
+        read_chunks(
+            src, geo, ref, cell, [s.slot for s in want], targets, len(want) == len(slots), tensors
+        )
+    return list(zip(want, chunks))
+
+
 def _normalize_key(
     key: Any, shape: tuple[int, ...]
 ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
@@ -284,9 +314,12 @@ class TensorView:
         }
         for cell in cells(lo, hi):
             ref, rank = by_cell[cell]
-            for s, chunk in decode_shard(
-                read_file(_inside(self.src, rank), ref, tensors), geo, cell, ref, tensors
-            ):
+            src = _inside(self.src, rank)
+            if isinstance(src, Inside):  # a local file: read whole, every CRC of it checked
+                found = decode_shard(read_file(src, ref, tensors), geo, cell, ref, tensors)
+            else:  # an object: ranged GETs of its index and only the inner chunks needed
+                found = _read_inner(src, geo, ref, cell, bounds, tensors)
+            for s, chunk in found:
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]
                 if any(x >= y for x, y in zip(a, b)):
@@ -360,7 +393,9 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, step={self.step}, entries={len(self._entries)})"
 
 
-def latest(root: str | os.PathLike[str]) -> StepRef | None:
+def latest(
+    root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> StepRef | None:
     """The newest :class:`StepRef` ``(step, path)`` under a checkpoint root whose manifest
     reads and parses.
 
@@ -368,7 +403,17 @@ def latest(root: str | os.PathLike[str]) -> StepRef | None:
     write); ``step-100``, a name given by hand, counts too (``spec/PROTOCOL.md`` §4). Steps
     whose manifest is missing or damaged are skipped (a torn save never becomes latest); their
     data is not read here, ``verify`` does that.
+
+    ``root`` may be a level-3 root in a bucket (``s3://bucket/run``, what a manager with
+    ``shared_dir=`` that URL writes): the step its latest pointer names, when that step's
+    commit object is there and every object it lists is there with its size; else (no pointer,
+    or a step that no longer commits) the newest whole step found by one LIST. The path of the
+    :class:`StepRef` is then the step's URL. ``storage_options``: as for ``ckptfmt.save``.
     """
+    if isinstance(root, str) and is_url(root):
+        return latest_url(root, storage_options)
+    if storage_options:
+        raise UsageError(f"storage_options apply to object-store URLs, not to the path {root}")
     refuse_url(root)
     for step, path in reversed(list_step_dirs(Path(root), loose=True)):
         try:

@@ -40,7 +40,7 @@ from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Files
 from ckptfmt.storage.progress import current_meter
 
 
@@ -119,7 +119,7 @@ def manifest_schema() -> dict[str, Any]:
     return json.loads(text)  # type: ignore[no-any-return]
 
 
-def check_schema(data: bytes, root: Path) -> None:
+def check_schema(data: bytes, root: Path | str) -> None:
     """Validate the manifest's bytes against the JSON schema; raise :class:`ManifestError`."""
     import jsonschema
 
@@ -128,7 +128,7 @@ def check_schema(data: bytes, root: Path) -> None:
     error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     if error is not None:
         pointer = "".join(f"/{p}" for p in error.absolute_path)
-        raise ManifestError(f"schema: {error.message}", pointer, str(root / MANIFEST_NAME))
+        raise ManifestError(f"schema: {error.message}", pointer, f"{root}/{MANIFEST_NAME}")
 
 
 def _kind(exc: DamagedError) -> str:
@@ -145,7 +145,7 @@ def _kind(exc: DamagedError) -> str:
 
 
 def _check_doc(
-    src: Inside, manifest: Manifest, rel: str, tensors: tuple[str, ...], checker: DocChecker
+    src: Files, manifest: Manifest, rel: str, tensors: tuple[str, ...], checker: DocChecker
 ) -> Problem | None:
     try:
         read_doc(src, manifest, rel, checker)
@@ -157,7 +157,7 @@ def _check_doc(
 
 
 def check_metadata(
-    src: Inside, manifest: Manifest, node: str | None = None
+    src: Files, manifest: Manifest, node: str | None = None
 ) -> tuple[list[Problem], set[str]]:
     """Check every zarr metadata document of ``manifest`` in the directory ``src`` (format
     version 2 on: each must parse to exactly the document the manifest implies). Returns the
@@ -186,7 +186,7 @@ def unexpected_files(root: Path, expected: set[str]) -> list[str]:
 
 
 def check_data(
-    src: Inside,
+    src: Files,
     manifest: Manifest,
     report: VerifyReport,
     expected: set[str],

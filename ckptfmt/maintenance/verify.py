@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ckptfmt.container.reader import read_manifest_bytes
+from ckptfmt.errors import UsageError
 from ckptfmt.maintenance.checks import (
     Problem,
     VerifyReport,
@@ -22,10 +24,12 @@ from ckptfmt.maintenance.checks import (
     manifest_schema,
     unexpected_files,
 )
+from ckptfmt.maintenance.objects import verify_url
 from ckptfmt.maintenance.verify_parity import check_single_dir, verify_nodes
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.storage.files import Inside
 from ckptfmt.storage.nodes import is_template
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 
@@ -36,6 +40,7 @@ def verify(
     path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
     *,
     progress: ProgressCallback | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check a whole checkpoint. ``progress``: called with :class:`~ckptfmt.Progress` events
     (``op="verify"``, ``phase="read"``: the bytes of the data files read and checked; the last,
@@ -49,13 +54,23 @@ def verify(
     redundancy but it holds no parity files (a level-3 copy), the report says the redundancy is
     not present on this level, which is not a problem.
 
+    ``path`` may be the URL of a checkpoint in a bucket (``s3://bucket/run/ckpt``): every
+    object its commit object lists must be there with its size (one missing or of another size
+    is a problem naming its key), and every object is read and checked as a file would be.
+    ``storage_options``: as for ``ckptfmt.save``.
+
     Raises :class:`NotACheckpointError` or :class:`ManifestError` when there is no readable
-    manifest; every other finding goes into the report.
+    manifest (or, in a bucket, no commit object); every other finding goes into the report.
     """
-    if not isinstance(path, Mapping):
-        refuse_url(path)  # s3://... would read as the missing directory ./s3:/...
+    url = isinstance(path, str) and is_url(path)
+    if not isinstance(path, Mapping) and not url:
+        refuse_url(path)  # http://... would read as the missing directory ./http:/...
+    if storage_options and not url:
+        raise UsageError(f"storage_options apply to object-store URLs, not to {path!s}")
     with metering("verify", progress) as meter:
-        if isinstance(path, Mapping) or is_template(path):
+        if url:
+            report = verify_url(str(path), storage_options)
+        elif isinstance(path, Mapping) or is_template(path):
             report = verify_nodes(path)
         else:
             report = _verify_dir(Path(path))

@@ -1,0 +1,174 @@
+"""Checkpoints in a bucket for the entry points: ``ckptfmt.open``, ``load``, ``verify``,
+and ``save`` given a URL (``s3://bucket/run/ckpt``), and the CLI.
+
+Reading goes through :class:`~ckptfmt.storage.objects.source.ObjectInside`: the commit object
+first (no commit object, or one whose objects are not all there with their sizes: no checkpoint),
+then the manifest ``U/<save_id>/ckptfmt.json``, then ranged GETs of just what is read. A
+one-process save writes the checkpoint into a local staging directory, then
+:func:`publish` uploads its files under ``U/<save_id>/`` and writes the commit object last,
+create-only (``spec/FORMAT.md``, "Checkpoints in object storage").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.container.reader import Checkpoint
+from ckptfmt.errors import (
+    CkptError,
+    DamagedError,
+    DestinationExistsError,
+    NotACheckpointError,
+)
+from ckptfmt.maintenance.checks import (
+    Problem,
+    VerifyReport,
+    check_data,
+    check_metadata,
+    check_schema,
+)
+from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.redundancy.record import record_of
+from ckptfmt.storage.objects.bucket import Bucket
+from ckptfmt.storage.objects.commit import (
+    COMMIT_NAME,
+    Commit,
+    delete_checkpoint,
+    object_problems,
+    read_commit,
+    upload_files,
+    write_commit,
+)
+from ckptfmt.storage.objects.source import ObjectInside, open_committed
+from ckptfmt.storage.progress import current_meter
+
+StorageOptions = Mapping[str, Any] | None
+
+
+def read_manifest(src: ObjectInside) -> Manifest:
+    """The manifest of the checkpoint in ``src``, checked (its seal, the format's rules) and
+    of the save the commit names."""
+    where = src.key_url(MANIFEST_NAME)
+    try:
+        data = src.read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise NotACheckpointError(src.bucket.url, f"no {MANIFEST_NAME} at {where}") from None
+    manifest = parse_manifest(data, where)
+    if manifest.save_id != src.commit.save_id:
+        raise NotACheckpointError(
+            src.bucket.url,
+            f"{where} is of save {manifest.save_id}, the commit names {src.commit.save_id}",
+        )
+    return manifest
+
+
+def open_url(url: str, storage_options: StorageOptions = None) -> Checkpoint:
+    """``ckptfmt.open`` of the checkpoint at ``url``: the commit and the manifest are read (and
+    every listed object HEADed); a tensor's data only when it is indexed, by ranged GETs of the
+    shard index and the inner chunks the selection touches."""
+    src = open_committed(url, storage_options)
+    return Checkpoint(src.root, manifest=read_manifest(src), src=src)
+
+
+def open_source(url: str, storage_options: StorageOptions = None) -> tuple[Manifest, ObjectInside]:
+    """The manifest and files of the checkpoint at ``url`` (``ckptfmt.load``'s reads)."""
+    src = open_committed(url, storage_options)
+    return read_manifest(src), src
+
+
+def at_key(exc: DamagedError, src: ObjectInside) -> DamagedError:
+    """``exc`` (about a path relative to the checkpoint) made to name the object's URL."""
+    if "://" not in exc.path and exc.path:
+        exc.path = src.key_url(exc.path)
+        affected = f" (affects {', '.join(exc.tensors)})" if exc.tensors else ""
+        CkptError.__init__(exc, f"{exc.path}: {exc.reason}{affected}")
+    return exc
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+def verify_url(url: str, storage_options: StorageOptions = None) -> VerifyReport:
+    """``ckptfmt.verify`` of the checkpoint at ``url``: every object the commit lists is there
+    with its size, the manifest and every ``zarr.json`` check, every data object's chunks are
+    read and their CRC32Cs checked (ranged GETs of a few MiB each). Problems name the keys,
+    relative to the report's path ``U/<save_id>``. Raises :class:`NotACheckpointError` without
+    a commit object or a readable manifest."""
+    bucket = Bucket.at(url, storage_options)
+    commit = read_commit(bucket)
+    if commit is None:
+        raise NotACheckpointError(bucket.url, f"no {COMMIT_NAME}")
+    src = ObjectInside(bucket, commit)
+    damaged = object_problems(bucket, commit)
+    if MANIFEST_NAME in damaged:
+        raise NotACheckpointError(
+            bucket.url, f"{src.key_url(MANIFEST_NAME)} is {damaged[MANIFEST_NAME]}"
+        )
+    manifest = read_manifest(src)
+    check_schema(src.read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1), src.root)
+    report = VerifyReport(src.root, manifest)
+    for key, why in damaged.items():
+        kind = "missing" if why == "missing" else "size"
+        report.problems.append(Problem(key, kind, f"{why} (listed in {COMMIT_NAME})"))
+    sizes = {k: s for k, s in commit.sizes().items() if k not in damaged}
+    present = _Present(src, sizes)
+    problems, expected = check_metadata(present, manifest)
+    report.problems += [p for p in problems if p.file not in damaged]
+    current_meter().expect(sum(f.size for _, f in manifest.files()))
+    before = len(report.problems)
+    check_data(present, manifest, report, expected)
+    report.problems[before:] = [p for p in report.problems[before:] if p.file not in damaged]
+    for _, ref in manifest.files():
+        if ref.path not in commit.sizes() and ref.path not in damaged:
+            report.problems.append(
+                Problem(ref.path, "missing", f"the manifest lists it, {COMMIT_NAME} does not")
+            )
+    if record_of(manifest) is not None:
+        report.redundancy = {"status": "not present on this level"}
+    report.unexpected_files = sorted(set(commit.sizes()) - expected)
+    return report
+
+
+class _Present(ObjectInside):
+    """An :class:`ObjectInside` that knows which listed objects are absent or mis-sized (they
+    are reported once, from the HEADs, not again by every read)."""
+
+    def __init__(self, src: ObjectInside, sizes: dict[str, int]) -> None:
+        super().__init__(src.bucket, src.commit)
+        self._sizes = sizes
+
+
+# --- save ----------------------------------------------------------------------------------------
+
+
+def check_target(url: str, storage_options: StorageOptions, overwrite: bool) -> Bucket:
+    """The bucket prefix a save to ``url`` writes, refused before anything is staged when a
+    checkpoint is committed there and ``overwrite`` is not given."""
+    bucket = Bucket.at(url, storage_options)
+    there = read_commit(bucket)
+    if there is not None and not overwrite:
+        raise DestinationExistsError(
+            bucket.url,
+            f"a checkpoint is committed there (save {there.save_id}); "
+            "pass write=WriteOptions(overwrite=True) to replace it",
+        )
+    return bucket
+
+
+def publish(bucket: Bucket, staged: Path, manifest: Manifest, *, overwrite: bool = False) -> Commit:
+    """Upload the checkpoint directory ``staged`` (every file, by its path relative to it) under
+    ``U/<save_id>/`` (``bucket`` is ``U``; the save id is the manifest's), then commit it: with
+    ``overwrite``, the old commit object is deleted first, then its objects, then the new commit
+    is written create-only. Until that put nothing new is visible; a failure before it leaves
+    only objects under a prefix no commit names (``ckptfmt gc`` removes them)."""
+    files = sorted((p.relative_to(staged).as_posix(), p) for p in staged.rglob("*") if p.is_file())
+    refs = upload_files(bucket, manifest.save_id, files)
+    commit = Commit(manifest.save_id, manifest.step, refs)
+    if overwrite:
+        delete_checkpoint(bucket)
+    write_commit(bucket, commit)
+    return commit

@@ -1,0 +1,156 @@
+"""Reading a committed checkpoint in a bucket: the read-side twin of ``storage.files.Inside``.
+
+A checkpoint at ``U`` is read through its commit object (``U/ckptfmt-commit.json``): it names the
+save id whose prefix ``U/<save_id>/`` holds every object, and each object's size. The readers of
+``format`` and ``container`` take an :class:`ObjectInside` where they take a directory: a path
+relative to the checkpoint's root is the key relative to ``U/<save_id>/``. Nothing is LISTed;
+sizes come from the commit (no request); a read is a ranged GET of just the bytes asked for, so
+indexing one tensor of ``ckptfmt.open`` fetches the shard index and the inner chunks it needs.
+
+An object the commit does not list is absent to this reader, whatever the bucket holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from ckptfmt.errors import MissingFileError, NotACheckpointError, SizeMismatchError
+from ckptfmt.storage.objects.bucket import Bucket
+from ckptfmt.storage.objects.commit import (
+    COMMIT_NAME,
+    Commit,
+    newest_committed,
+    object_problems,
+    read_commit,
+    step_bucket,
+)
+from ckptfmt.storage.steps import StepRef
+
+READ_BATCH = 64 << 20
+"""Bytes of consecutive chunks one GET asks for when a reader reads a whole shard object (a
+request costs a round trip; 64 MiB holds a default 16 MiB shard whole)."""
+
+
+class ObjectHandle:
+    """One object of a checkpoint, read with ranged GETs (a ``storage.files.ReadHandle``):
+    :meth:`pread` is one GET of those bytes, :meth:`read_into` one GET filling the views. Holds
+    no connection, so :meth:`close` has nothing to release."""
+
+    read_batch = READ_BATCH
+
+    def __init__(self, bucket: Bucket, key: str, size: int) -> None:
+        self.bucket, self.key, self.size = bucket, key, size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return self.bucket.get_range(self.key, offset, max(0, min(n, self.size - offset)))
+
+    def read_into(self, views: Sequence[memoryview], offset: int) -> None:
+        want = sum(v.nbytes for v in views)
+        if want and self.bucket.read_into(self.key, offset, views) < want:
+            raise EOFError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> ObjectHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class ObjectInside:
+    """The files of the checkpoint committed at ``bucket`` (``U``) by ``commit``, for the
+    readers (a ``storage.files.Files``). ``root`` is the URL of ``U/<save_id>``."""
+
+    def __init__(self, bucket: Bucket, commit: Commit) -> None:
+        self.bucket = bucket
+        self.commit = commit
+        self.objects = bucket.child(commit.save_id)
+        self._sizes = commit.sizes()
+
+    @property
+    def root(self) -> str:
+        return self.objects.url
+
+    def key_url(self, rel: str) -> str:
+        """The URL of the object ``rel`` (what messages name)."""
+        return self.objects.key_url(rel)
+
+    def _listed(self, rel: str, tensors: Sequence[str] = ()) -> int:
+        size = self._sizes.get(rel)
+        if size is None:
+            raise MissingFileError(rel, tensors, "missing: the commit object does not list it")
+        return size
+
+    def read(self, rel: str, limit: int) -> bytes:
+        """Up to ``limit`` bytes of ``rel`` (one GET); :class:`MissingFileError` (a
+        FileNotFoundError) when the commit does not list it or the bucket lacks it."""
+        size = self._listed(rel)
+        if size == 0:
+            return self.objects.get(rel)[:limit]  # a GET all the same: is it there?
+        # one byte more than listed, to see an object longer than its commit says
+        return self.objects.get_range(rel, 0, min(limit, size + 1))
+
+    def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> ObjectHandle:
+        """``rel``, which the commit must list with ``size`` bytes, for ranged reads (no request
+        yet). An object shorter than listed shows as :class:`EOFError` on a read."""
+        self.check_size(rel, size, tuple(tensors))
+        return ObjectHandle(self.objects, rel, size)
+
+    def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
+        """Raise a DamagedError unless the commit lists ``rel`` with ``size`` bytes (no request:
+        opening the checkpoint checked the bucket against the commit)."""
+        listed = self._listed(rel, tensors)
+        if listed != size:
+            raise SizeMismatchError(rel, size, listed, tensors)
+
+
+def open_committed(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    check: bool = True,
+    bucket: Bucket | None = None,
+) -> ObjectInside:
+    """The checkpoint committed at ``url`` (``U``): one GET of its commit object and, with
+    ``check``, one HEAD per listed object (in parallel) to see that each is there with its size.
+    Raises :class:`NotACheckpointError` naming the URL when there is no commit object, and
+    naming the keys that are missing or of another size when it lists any."""
+    bucket = bucket if bucket is not None else Bucket.at(url, storage_options)
+    commit = read_commit(bucket)
+    if commit is None:
+        raise NotACheckpointError(
+            bucket.url, f"no {COMMIT_NAME} (never committed, removed, or not a checkpoint)"
+        )
+    if check:
+        problems = object_problems(bucket, commit)
+        if problems:
+            shown = "; ".join(
+                f"{bucket.key_url(commit.save_id + '/' + k)} {why}"
+                for k, why in sorted(problems.items())[:10]
+            )
+            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+            raise NotACheckpointError(
+                bucket.url, f"the commit lists objects that are not whole: {shown}{more}"
+            )
+    return ObjectInside(bucket, commit)
+
+
+def latest_url(root_url: str, storage_options: Mapping[str, Any] | None = None) -> StepRef | None:
+    """``ckptfmt.latest`` of a level-3 root in a bucket (``s3://bucket/run``): the step the
+    latest pointer names when it commits whole (a GET of the pointer, a GET of the commit, a
+    HEAD per object), else the newest whole step found by one LIST of the step prefixes; None
+    when there is none. The :class:`StepRef`'s path is the step's URL (a str)."""
+    root = Bucket.at(root_url, storage_options)
+    found = newest_committed(root)
+    if found is None:
+        return None
+    return StepRef(found[0], step_bucket(root, found[0]).url)  # type: ignore[arg-type]
