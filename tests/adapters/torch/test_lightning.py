@@ -84,21 +84,26 @@ def leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
 
 
+def readme_lines(max_steps: int) -> L.Trainer:
+    """The README's lines as they are there (``max_steps`` aside)."""
+    model, dm = BoringModel(), BoringDataModule()
+    checkpoints = L.callbacks.ModelCheckpoint("lightning", save_last=True, every_n_train_steps=4)
+    trainer = L.Trainer(
+        plugins=[ckptfmt_torch.lightning.CheckpointIO()],
+        callbacks=[checkpoints], max_steps=max_steps, logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=dm, ckpt_path="last")  # resumes from the newest checkpoint
+    return trainer
+
+
 def test_readme_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's lines, as they are there: a fit, then the same lines resume it."""
+    """A fit by the README's lines, then the same lines resume it."""
     monkeypatch.chdir(tmp_path)
-    for max_steps in (8, 12):
-        model, dm = BoringModel(), BoringDataModule()
-        trainer = L.Trainer(
-            plugins=[ckptfmt_torch.lightning.CheckpointIO()],
-            callbacks=[L.callbacks.ModelCheckpoint("ckpt", save_last=True, every_n_train_steps=4)],
-            max_steps=max_steps, logger=False, enable_progress_bar=False,
-        )  # fmt: skip
-        trainer.fit(model, datamodule=dm, ckpt_path="last")
-        assert trainer.ckpt_path == (None if max_steps == 8 else str(tmp_path / "ckpt/last.ckpt"))
-    assert ckptfmt.verify("ckpt/last.ckpt").healthy
-    assert ckptfmt.open("ckpt/last.ckpt").manifest.step == 12
-    assert sorted(os.listdir("ckpt")) == ["epoch=0-step=12.ckpt", "last.ckpt"]
+    assert readme_lines(8).ckpt_path is None
+    assert readme_lines(12).ckpt_path == str(tmp_path / "lightning" / "last.ckpt")
+    assert ckptfmt.verify("lightning/last.ckpt").healthy
+    assert ckptfmt.open("lightning/last.ckpt").manifest.step == 12
+    assert sorted(os.listdir("lightning")) == ["epoch=0-step=12.ckpt", "last.ckpt"]
 
 
 def test_model_checkpoint_top_k_last_and_deletions(tmp_path: Path) -> None:
