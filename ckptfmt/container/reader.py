@@ -336,8 +336,9 @@ class Checkpoint:
     """A committed checkpoint opened read-only (``ckptfmt.open``). Nothing but the manifest is
     read until a tensor is indexed.
 
-    ``path``: its directory. A checkpoint spread over node directories is given as its
-    ``manifest`` and ``src`` (rank -> the directory holding that rank's files); ``keep``: what
+    ``path``: its directory (or the URL of ``U/<save_id>`` in a bucket). A checkpoint spread
+    over node directories is given as its ``manifest`` and ``src`` (rank -> the directory
+    holding that rank's files); ``keep``: what
     must live as long as this object (a scratch directory its reads go to)."""
 
     def __init__(
@@ -348,9 +349,10 @@ class Checkpoint:
         src: Where | None = None,
         keep: object = None,
     ) -> None:
-        self.path = Path(path)
-        self.manifest = read_manifest(self.path) if manifest is None else manifest
-        self._src: Where = Inside(self.path) if src is None else src
+        # a checkpoint in a bucket keeps its URL (a Path would fold its "//")
+        self.path: Path | str = path if isinstance(path, str) and is_url(path) else Path(path)
+        self.manifest = read_manifest(Path(path)) if manifest is None else manifest
+        self._src: Where = Inside(Path(path)) if src is None else src
         self._keep = keep
         self._entries = {display(e.name): e for e in self.manifest.entries}
 

@@ -11,7 +11,8 @@ create-only (``spec/FORMAT.md``, "Checkpoints in object storage").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,92 @@ def publish(bucket: Bucket, staged: Path, manifest: Manifest, *, overwrite: bool
         delete_checkpoint(bucket)
     write_commit(bucket, commit)
     return commit
+
+
+def publish_dir(
+    local: Path, url: str, storage_options: StorageOptions = None, *, overwrite: bool = False
+) -> Commit:
+    """Upload the committed checkpoint directory ``local`` to ``url`` and commit it there (what
+    ``ckptfmt import`` to a URL does after importing into a local directory)."""
+    from ckptfmt.container.reader import read_manifest as read_local_manifest
+
+    bucket = check_target(url, storage_options, overwrite)
+    return publish(bucket, local, read_local_manifest(local), overwrite=overwrite)
+
+
+# --- plain files: a Hugging Face directory in a bucket --------------------------------------------
+
+FILES_IN_FLIGHT = 8
+"""Files uploaded or downloaded at once by :func:`upload_tree` and :func:`download_tree`."""
+
+
+def upload_tree(
+    local: Path,
+    url: str,
+    storage_options: StorageOptions = None,
+    *,
+    overwrite: bool = False,
+    last: Sequence[str] = (),
+) -> list[str]:
+    """Upload every file under the directory ``local`` to ``url/<its relative path>`` (an
+    export for other tools, which read plain keys: no commit object); the files named in
+    ``last`` (an index that names the others) go after all the rest. Refused
+    (:class:`DestinationExistsError`) when anything is under ``url`` already, unless
+    ``overwrite``, which replaces the keys it writes. Returns the keys written."""
+    bucket = Bucket.at(url, storage_options)
+    there = bucket.list("")
+    if there and not overwrite:
+        raise DestinationExistsError(
+            bucket.url, f"{len(there)} object(s) are there already (give overwrite to replace)"
+        )
+    files = sorted(
+        (p.relative_to(local).as_posix(), p) for p in Path(local).rglob("*") if p.is_file()
+    )
+    first = [f for f in files if f[0] not in last]
+    then = [f for f in files if f[0] in last]
+    for batch in (first, then):
+        if batch:
+            with ThreadPoolExecutor(min(FILES_IN_FLIGHT, len(batch))) as pool:
+                list(pool.map(lambda f: bucket.upload(f[0], f[1]), batch))
+    return [rel for rel, _ in first + then]
+
+
+def download_tree(url: str, local: Path, storage_options: StorageOptions = None) -> Path:
+    """Download what is at ``url`` into ``local``: the object ``url`` itself as
+    ``local/<its name>`` when it is one (a safetensors file), else every object under it (a
+    directory) with its relative path. Returns the local file or directory. Raises
+    :class:`NotACheckpointError` when nothing is there."""
+    bucket = Bucket.at(url, storage_options)
+    under = bucket.list("")
+    local.mkdir(parents=True, exist_ok=True)
+    if not under:
+        name = bucket.prefix.rsplit("/", 1)[-1]
+        parent = Bucket.at(url.rsplit("/", 1)[0], storage_options)
+        if not name or parent.head(name) is None:
+            raise NotACheckpointError(bucket.url, "no object and nothing under it")
+        parent.download(name, local / name)
+        return local / name
+    target = local / (bucket.prefix.rsplit("/", 1)[-1] or "bucket")
+
+    def one(item: tuple[str, int]) -> None:
+        path = target / item[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        bucket.download(item[0], path)
+
+    with ThreadPoolExecutor(min(FILES_IN_FLIGHT, len(under))) as pool:
+        list(pool.map(one, under))
+    return target
+
+
+def upload_file(
+    local: Path, url: str, storage_options: StorageOptions = None, *, overwrite: bool = False
+) -> None:
+    """Upload the file ``local`` as the object ``url`` (a ``torch.save`` export); refused
+    (:class:`DestinationExistsError`) when the object exists, unless ``overwrite``."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    bucket = Bucket.at(parent, storage_options)
+    if not name or "://" not in parent:
+        raise NotACheckpointError(url, "not the URL of an object (s3://bucket/key)")
+    if not overwrite and bucket.head(name) is not None:
+        raise DestinationExistsError(url, "an object is there already (give overwrite)")
+    bucket.upload(name, local)

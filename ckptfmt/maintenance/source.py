@@ -24,14 +24,17 @@ import numpy as np
 from ckptfmt.container.reader import check_documents, read_manifest_bytes, tensor_reads
 from ckptfmt.errors import CkptError, DamagedError
 from ckptfmt.format.options import WriteOptions
+from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import NodeDirs, node_dirs
 from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest, TensorEntry
 from ckptfmt.redundancy.record import record_of
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Files, Inside
 from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.objects.source import ObjectInside
+from ckptfmt.storage.objects.url import is_url
 
 Job = Callable[[], None]
 
@@ -122,9 +125,32 @@ class Source:
         return Source(self.spec, self.manifest, dirs, sorted(lost))
 
 
+@dataclass
+class ObjectSource(Source):
+    """A committed checkpoint in a bucket (``spec`` its URL): every rank's files are in the one
+    :class:`ObjectInside`, whose opening already checked every object against the commit."""
+
+    objects: ObjectInside | None = None
+
+    def inside(self, rank: int) -> Files:  # type: ignore[override]
+        assert self.objects is not None
+        return self.objects
+
+    def problems(self) -> list[str]:
+        return []
+
+    def check_documents(self) -> None:
+        assert self.objects is not None
+        check_documents(self.objects, self.manifest)
+
+
 def open_source(spec: NodeDirs) -> Source:
-    """The committed checkpoint ``spec`` (one directory, a ``{node}`` template, or a mapping
-    node -> directory); :class:`NotACheckpointError` when no directory holds its manifest."""
+    """The committed checkpoint ``spec`` (one directory, a ``{node}`` template, a mapping
+    node -> directory, or the URL of a checkpoint in a bucket, reached with the ``AWS_*``
+    environment); :class:`NotACheckpointError` when no directory holds its manifest."""
+    if isinstance(spec, str) and is_url(spec):
+        manifest, objects = in_bucket.open_source(spec)
+        return ObjectSource(spec, manifest, {}, objects=objects)
     manifest, _, dirs = node_dirs(spec)
     return Source(spec, manifest, {n: Path(p) for n, p in dirs.items()})
 

@@ -7,15 +7,20 @@ their arguments and their report into text or JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from ckptfmt import WriteOptions
 from ckptfmt.errors import UsageError
-from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors
+from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors, hf
+from ckptfmt.maintenance.objects import upload_file, upload_tree
+from ckptfmt.storage.objects import is_url
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.summary import human_bytes
@@ -57,6 +62,16 @@ def _torch_export() -> Callable[..., ExportReport]:
         raise UsageError(f"--to torch needs PyTorch ({exc})") from None
     fn: Callable[..., ExportReport] = export_torch
     return fn
+
+
+def _export(
+    src: str, out: str, to: str, max_shard_size: str, quiet: bool, opts: dict[str, Any]
+) -> ExportReport:
+    if to == "torch":
+        return _torch_export()(src, out, **opts)
+    console = None if quiet else render.stderr_terminal()
+    with render.progress_bar(console, "exporting") as show:
+        return export_safetensors(src, out, max_shard_size=max_shard_size, progress=show, **opts)
 
 
 @click.command("export", epilog=EXPORT_EXITS + help_epilog())
@@ -136,6 +151,10 @@ def export_command(
     stays within about one output shard. OUT appears whole or not at all (staging directory,
     then rename). Read the result with safetensors, transformers' from_pretrained, or
     `ckptfmt import`.
+
+    SRC may be the URL of a checkpoint in a bucket (s3://bucket/run/ckpt), read with ranged
+    GETs; OUT may be a URL too: the files are written locally (TMPDIR), then uploaded under it,
+    the index last (refused when anything is under OUT already, unless --overwrite).
     """
     opts: dict[str, Any] = {
         "rows": rows,
@@ -144,14 +163,17 @@ def export_command(
         "dtype": dtype,
         "write": WriteOptions(overwrite=overwrite, fsync=not no_fsync),
     }
-    if to == "torch":
-        report = _torch_export()(src, out, **opts)
+    if is_url(out):  # written locally, then uploaded: a bucket has no directory to rename
+        with tempfile.TemporaryDirectory(prefix="ckptfmt-export-") as scratch:
+            local = Path(scratch) / "out"
+            report = _export(src, str(local), to, max_shard_size, quiet or as_json, opts)
+            if to == "torch":
+                upload_file(local, out, overwrite=overwrite)
+            else:
+                upload_tree(local, out, overwrite=overwrite, last=[hf.INDEX])
+        report = dataclasses.replace(report, destination=out)
     else:
-        console = None if quiet or as_json else render.stderr_terminal()
-        with render.progress_bar(console, "exporting") as show:
-            report = export_safetensors(
-                src, out, max_shard_size=max_shard_size, progress=show, **opts
-            )
+        report = _export(src, out, to, max_shard_size, quiet or as_json, opts)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif not quiet:

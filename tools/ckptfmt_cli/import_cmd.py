@@ -8,7 +8,10 @@ the DCP import only (DCP's ``.metadata`` is a pickle) and refused with every oth
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,8 @@ import click
 from ckptfmt import WriteOptions
 from ckptfmt.errors import ForeignFormatError, UsageError
 from ckptfmt.interop import ImportReport, hf, import_safetensors
+from ckptfmt.maintenance.objects import check_target, download_tree, publish_dir
+from ckptfmt.storage.objects import is_url
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.reshard_cmd import node_names
 from ckptfmt_cli.summary import human_bytes
@@ -80,9 +85,30 @@ def report_text(r: ImportReport) -> list[str]:
     return lines
 
 
+def _import(
+    src: Path, out: Path, fmt: str | None, trust_pickle: bool, opts: dict[str, Any]
+) -> ImportReport:
+    if not src.exists():
+        raise ForeignFormatError(str(src), "no such file or directory")
+    fmt = fmt or detect(src)
+    if trust_pickle and fmt != "dcp":
+        raise click.UsageError("--trust-pickle applies to DCP checkpoints only (--format dcp)")
+    if fmt in ("safetensors", "hf"):
+        if (fmt == "hf") != src.is_dir():
+            raise click.UsageError(
+                f"--format {fmt} takes a {'directory' if fmt == 'hf' else 'file'}, {src} is not one"
+            )
+        report = import_safetensors(src, out, **opts)
+    elif fmt == "torch":
+        report = _torch_side().import_torch(src, out, **opts)
+    else:
+        report = _torch_side().import_dcp(src, out, trust_pickle=trust_pickle, **opts)
+    return report
+
+
 @click.command("import", epilog=IMPORT_EXITS + help_epilog())
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("src")
+@click.argument("out")
 @click.option(
     "--format",
     "fmt",
@@ -142,8 +168,8 @@ def report_text(r: ImportReport) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
 @click.option("-q", "--quiet", is_flag=True, help="No report.")
 def import_command(
-    src: Path,
-    out: Path,
+    src: str,
+    out: str,
     fmt: str | None,
     prefix: str | None,
     renames: tuple[str, ...],
@@ -167,33 +193,43 @@ def import_command(
     offsets that lie or overlap, an index naming missing files, names like ../x) writes
     nothing. OUT is a normal checkpoint: ckptfmt_torch.load loads it into a model in place,
     ckptfmt_keras.load_variables with a name map into Keras.
+
+    SRC and OUT may be URLs (s3://bucket/prefix): SRC is downloaded first (a file, or every
+    object under a directory's prefix); OUT is written locally (TMPDIR), then uploaded and
+    committed as a checkpoint in the bucket (its commit object last).
     """
-    if not src.exists():
-        raise ForeignFormatError(str(src), "no such file or directory")
-    fmt = fmt or detect(src)
-    if trust_pickle and fmt != "dcp":
-        raise click.UsageError("--trust-pickle applies to DCP checkpoints only (--format dcp)")
-    opts: dict[str, Any] = {
-        "prefix": prefix,
-        "renames": renames,
-        "write": WriteOptions(overwrite=overwrite, fsync=not no_fsync),
-        "step": step,
-        "ranks": ranks,
-        "nodes": None
-        if ranks == 1 and nodes is None and ranks_per_node is None
-        else node_names(ranks, ranks_per_node, nodes),
-        "rows": rows,
-    }
-    if fmt in ("safetensors", "hf"):
-        if (fmt == "hf") != src.is_dir():
-            raise click.UsageError(
-                f"--format {fmt} takes a {'directory' if fmt == 'hf' else 'file'}, {src} is not one"
-            )
-        report = import_safetensors(src, out, **opts)
-    elif fmt == "torch":
-        report = _torch_side().import_torch(src, out, **opts)
-    else:
-        report = _torch_side().import_dcp(src, out, trust_pickle=trust_pickle, **opts)
+    with contextlib.ExitStack() as stack:
+        src_path = Path(src)
+        if is_url(src):  # fetched whole first: an import reads every byte anyway
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptfmt-in-")))
+            src_path = download_tree(src, scratch / "src")
+        out_path = Path(out)
+        if is_url(out):  # imported locally, then uploaded and committed
+            if "{node}" in out:
+                raise click.UsageError("a bucket holds one level-3 checkpoint: no {node} in OUT")
+            check_target(out, None, overwrite)  # refused before the work, as a path would be
+            staged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptfmt-up-")))
+            out_path = staged / "checkpoint"
+        report = _import(
+            src_path,
+            out_path,
+            fmt,
+            trust_pickle,
+            {
+                "prefix": prefix,
+                "renames": renames,
+                "write": WriteOptions(overwrite=overwrite and not is_url(out), fsync=not no_fsync),
+                "step": step,
+                "ranks": ranks,
+                "nodes": None
+                if ranks == 1 and nodes is None and ranks_per_node is None
+                else node_names(ranks, ranks_per_node, nodes),
+                "rows": rows,
+            },
+        )
+        if is_url(out):
+            publish_dir(out_path, out, overwrite=overwrite)
+            report = dataclasses.replace(report, destination=out)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif not quiet:

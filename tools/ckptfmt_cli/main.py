@@ -20,9 +20,11 @@ import ckptfmt
 from ckptfmt import VerifyReport
 from ckptfmt.maintenance import NodeDirs
 from ckptfmt.storage import refuse_url
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt_cli import hints, render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
 from ckptfmt_cli.export_cmd import export_command
+from ckptfmt_cli.gc_cmd import gc_command
 from ckptfmt_cli.import_cmd import import_command
 from ckptfmt_cli.rebuild_cmd import node_spec, rebuild_command
 from ckptfmt_cli.reshard_cmd import reshard_command
@@ -70,10 +72,13 @@ def _json_out(doc: Any) -> None:
 )
 def cli() -> None:
     """Inspect, verify, list, rebuild, reshard, export and import ckptfmt checkpoints (a zarr
-    v3 hierarchy plus ckptfmt.json). `ckptfmt COMMAND --help` tells more of each command.
+    v3 hierarchy plus ckptfmt.json), and gc a bucket. `ckptfmt COMMAND --help` tells more of
+    each command.
 
     A level-1 checkpoint lies in one directory per node: give its path with {node} in place
-    of the node's name (verify, rebuild, inspect, reshard).
+    of the node's name (verify, rebuild, inspect, reshard). A checkpoint in a bucket is given
+    by its URL (s3://bucket/run/ckpt; inspect, verify, list, export, import, gc), reached with
+    the AWS_* environment (AWS_ENDPOINT_URL, AWS_REGION, credentials).
     """
 
 
@@ -92,9 +97,15 @@ def inspect_command(path: str, as_json: bool, regions: bool) -> None:
     """Show what the checkpoint at PATH holds: tensors, values, sizes, who wrote it.
 
     Reads only the manifest; use `ckptfmt verify` to check the data. A level-1 checkpoint:
-    PATH with {node} in place of the node's name (any node's copy describes all of it).
+    PATH with {node} in place of the node's name (any node's copy describes all of it). PATH
+    may be the URL of a checkpoint in a bucket (s3://bucket/run/ckpt; the AWS_* environment
+    says where and as whom).
     """
-    where = hints.first_node_dir(path) if "{node}" in path else Path(path)
+    where: str | Path = path
+    if "{node}" in path:
+        where = hints.first_node_dir(path)
+    elif not is_url(path):
+        where = Path(path)
     doc = describe(ckptfmt.open(where), regions=regions)
     if as_json:
         _json_out(doc)
@@ -138,9 +149,14 @@ def verify_command(
     {node} in place of the node's name (or --node NAME=DIR for each node). Its parity files are
     checked too (their CRC32Cs, and that they are the parity of the data); a level-3 copy holds
     none, by design.
+
+    PATH may be the URL of a checkpoint in a bucket (s3://bucket/run/ckpt): every object its
+    commit object lists must be there with its size, and every chunk's CRC32C is checked;
+    problems name the keys under s3://bucket/run/ckpt/<save_id>/.
     """
     spec = node_spec(path, nodes)
-    one = hints.one_node_of_level1(path) if path is not None else None
+    url = path is not None and is_url(path)
+    one = hints.one_node_of_level1(path) if path is not None and not url else None
     if one is not None:  # not damage: the other nodes' files are in their own directories
         fail(ctx, hints.one_node_message(path or "", *one), ExitStatus.USAGE)
     report = _verify(spec, show_progress=not quiet)
@@ -148,33 +164,42 @@ def verify_command(
         _json_out(report.to_json())
     elif not quiet:
         render.verify_summary(render.stdout_console(), report)
-        hint = hints.rebuild_hint(spec, report)
+        hint = None if url else hints.rebuild_hint(spec, report)
         if hint is not None:
             render.stdout_console().print(render.plain(hint))
     ctx.exit(ExitStatus.OK if report.healthy else ExitStatus.DAMAGED)
 
 
 @cli.command("list")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-def list_command(path: Path, as_json: bool) -> None:
+def list_command(path: str, as_json: bool) -> None:
     """Show the steps saved under the level-3 (shared) root PATH and their state on each level.
 
     Level 3: flushed, flushing (a copy in progress or torn), damaged, absent. Level 1, for each
     node recorded in PATH/ckptfmt-levels.json whose directory is visible from here: complete
     (manifest and that node's files present with the right sizes), damaged, absent. Reads only
     manifests and file sizes; `ckptfmt verify` checks the data.
+
+    PATH may be a level-3 root in a bucket (s3://bucket/run, a manager's shared_dir): a step
+    is flushed when its commit object is there with every object it lists, damaged when some
+    are missing or of another size, not committed when it has objects but no commit object.
     """
-    refuse_url(path)
-    if not path.is_dir():
-        raise ckptfmt.errors.NotACheckpointError(str(path), "no such directory")
-    doc = hints.without_absent_level1(ckptfmt.list_levels(path), path)
+    if is_url(path):
+        doc = ckptfmt.list_levels(path)
+    else:
+        refuse_url(path)
+        root = Path(path)
+        if not root.is_dir():
+            raise ckptfmt.errors.NotACheckpointError(str(root), "no such directory")
+        doc = hints.without_absent_level1(ckptfmt.list_levels(root), root)
     if as_json:
         _json_out(doc)
     else:
         render.level_table(render.stdout_console(), doc)
 
 
+cli.add_command(gc_command)
 cli.add_command(rebuild_command)
 cli.add_command(reshard_command)
 cli.add_command(export_command)

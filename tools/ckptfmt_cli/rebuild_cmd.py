@@ -19,6 +19,7 @@ from ckptfmt.errors import UnrecoverableDamageError
 from ckptfmt.maintenance import NodeDirs, RepairReport, rebuild
 from ckptfmt.manifest import MANIFEST_NAME
 from ckptfmt.storage import refuse_url
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import ExitStatus, help_epilog, one_line
 from ckptfmt_cli.hints import lost_for_real
@@ -45,7 +46,8 @@ def node_spec(path: str | None, nodes: Sequence[str]) -> NodeDirs:
     if path is None and not nodes:
         raise click.UsageError("give PATH (a {node} template or a directory) or --node NAME=DIR")
     if path is not None:
-        refuse_url(path)
+        if not is_url(path):  # a checkpoint in a bucket: verify and inspect read it there
+            refuse_url(path)
         return path
     mapping: dict[str, str] = {}
     for item in nodes:
@@ -183,6 +185,8 @@ def rebuild_command(
     on stderr when it is a terminal (checking, then rebuilding).
     """
     spec = node_spec(path, nodes)
+    if path is not None:
+        refuse_url(path)  # level-1 copies are node-local directories, never a bucket
     console = None if quiet or as_json else render.stderr_terminal()
     try:
         with render.progress_bar(console, "rebuild", PHASES) as show:
