@@ -37,6 +37,8 @@ from ckptfmt.parallel import (
 )
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import ProgressCallback, check_destination, is_spread, metering, refuse_url
+from ckptfmt.storage.objects import is_url
+from ckptfmt.storage.objects.source import open_committed
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import Cast, Objects, PerRank, Shard, arrays_of, check_policy, encode_objects
 from ckptfmt_torch.comm import TorchComm
@@ -100,6 +102,12 @@ def save(
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
+    if isinstance(path, str) and is_url(path):
+        raise UsageError(
+            f"{path!r}: a collective save goes to a directory every rank sees; to a bucket, "
+            "save through CheckpointManager(shared_dir=<url>) (each rank uploads its files, "
+            "one commit), or from one process with ckptfmt.save(to_state(state_dict), <url>)"
+        )
     check_destination(path)
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
@@ -149,7 +157,9 @@ def load(
     which leaves this rank's own ``PerRank`` leaves as they are. ``progress``: as for
     ``ckptfmt.load`` (each rank's events count what it reads and receives).
 
-    ``path``: the checkpoint's directory, which every rank sees; in one process, also a level-1
+    ``path``: the checkpoint's directory, which every rank sees, or the URL of a checkpoint in a
+    bucket (``s3://bucket/run/ckpt``, read by every rank with ranged GETs of its own boxes;
+    the ``AWS_*`` environment says where and as whom); in one process, also a level-1
     checkpoint spread over node directories (a ``{node}`` template or a mapping node ->
     directory, as ``ckptfmt.load`` takes it: a lost node's part rebuilt from the redundancy
     into a temporary directory, the source only read; every tensor read whole, ``into``
@@ -185,12 +195,22 @@ def load(
             )
         loaded, manifest = load_own(path, read=read, progress=progress, trust_pickle=trust_pickle)
     else:
-        refuse_url(path)
+        source = None
+        if isinstance(path, str) and is_url(path):  # every rank reads the bucket itself
+            source = open_committed(path, check=False)  # one GET; a lost object fails the read
+        else:
+            refuse_url(path)
         wants = wants_of(state)
         targets = arrays_of(state) if into else None
         with metering("load", progress) as meter:
             loaded, manifest = load_collective(
-                comm, path, wants, read=read, into=targets, trust_pickle=trust_pickle
+                comm,
+                path,
+                wants,
+                read=read,
+                into=targets,
+                trust_pickle=trust_pickle,
+                source=source,
             )
             meter.finish()
     from_state(state_dict, loaded, keep_per_rank=read.per_rank == "drop", cast=cast)
