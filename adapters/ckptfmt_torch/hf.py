@@ -38,6 +38,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -124,6 +125,22 @@ def _children(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
 
 
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with each tied tensor once (``lm_head.weight``, the embedding's
+    own memory, is left out as HF's ``save_pretrained`` leaves it): views of the module's
+    tensors, so that loading into them loads the model, tied names included."""
+    seen: set[tuple[Any, ...]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if t.numel():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+            if key in seen:
+                continue
+            seen.add(key)
+        out[name] = t
+    return out
+
+
 class CheckpointMixin(_Base):
     """Put before a ``transformers.Trainer`` subclass: ``class T(CheckpointMixin, SFTTrainer)``.
     Takes the trainer's arguments plus ``ckptfmt=CheckpointOptions(...)`` (keyword)."""
@@ -204,7 +221,7 @@ class CheckpointMixin(_Base):
 
     def _ckptfmt_state_dict(self) -> dict[str, Any]:
         """What the checkpoint holds, as a PyTorch state dict (views, nothing copied)."""
-        sd: dict[str, Any] = {"model": self.accelerator.unwrap_model(self.model)}
+        sd: dict[str, Any] = {"model": weights(self.accelerator.unwrap_model(self.model))}
         if not self.args.save_only_model:
             sd["optimizer"] = getattr(self.optimizer, "optimizer", self.optimizer)
             if self.lr_scheduler is not None:
@@ -358,7 +375,7 @@ class CheckpointMixin(_Base):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         target = self.accelerator.unwrap_model(model if model is not None else self.model)
-        from_state({"model": target}, {"model": tree["model"]})
+        from_state({"model": weights(target)}, {"model": tree["model"]})
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         tree = None if checkpoint is None else self._ckptfmt_read(checkpoint)
@@ -395,7 +412,8 @@ class CheckpointMixin(_Base):
         if tree is None:
             super()._load_best_model()
             return
-        from_state({"model": self.accelerator.unwrap_model(self.model)}, {"model": tree["model"]})
+        model = self.accelerator.unwrap_model(self.model)
+        from_state({"model": weights(model)}, {"model": tree["model"]})
 
 
 class Trainer(CheckpointMixin, transformers.Trainer):

@@ -76,6 +76,9 @@ def test_checkpoint_layout_and_rotation(tmp_path: Path) -> None:
     assert loaded["trainer"]["global_step"] == 12
     model = trainer.accelerator.unwrap_model(trainer.model)
     for name, p in model.state_dict().items():
+        if name == "lm_head.weight":  # tied to the embedding: stored once, as HF stores it
+            assert name not in loaded["model"]
+            continue
         assert np.array_equal(loaded["model"][name], p.numpy()), name
     from transformers import AutoConfig
 
