@@ -30,6 +30,7 @@ from ckptfmt.maintenance.checks import (
     check_metadata,
     check_schema,
 )
+from ckptfmt.maintenance.verify_parity import NOT_PRESENT, summary
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES
 from ckptfmt.manifest.model import Manifest
@@ -128,8 +129,9 @@ def verify_url(url: str, storage_options: StorageOptions = None) -> VerifyReport
             report.problems.append(
                 Problem(ref.path, "missing", f"the manifest lists it, {COMMIT_NAME} does not")
             )
-    if record_of(manifest) is not None:
-        report.redundancy = {"status": "not present on this level"}
+    record = record_of(manifest)
+    if record is not None:  # level-1 parity never goes to a bucket: a level-3 copy, by design
+        report.redundancy = summary(record, NOT_PRESENT)
     report.unexpected_files = sorted(set(commit.sizes()) - expected)
     return report
 
