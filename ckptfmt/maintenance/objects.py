@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.container.reader import Checkpoint
+from ckptfmt.container.reader import read_manifest as read_local_manifest
 from ckptfmt.errors import (
     CkptError,
     DamagedError,
@@ -182,8 +183,6 @@ def publish_dir(
 ) -> Commit:
     """Upload the committed checkpoint directory ``local`` to ``url`` and commit it there (what
     ``ckptfmt import`` to a URL does after importing into a local directory)."""
-    from ckptfmt.container.reader import read_manifest as read_local_manifest
-
     bucket = check_target(url, storage_options, overwrite)
     return publish(bucket, local, read_local_manifest(local), overwrite=overwrite)
 

@@ -10,6 +10,7 @@ import click
 
 from ckptfmt.errors import UsageError
 from ckptfmt.storage.objects import Bucket, is_url
+from ckptfmt.storage.objects.gc import gc
 from ckptfmt_cli.exits import help_epilog, one_line
 
 
@@ -40,8 +41,6 @@ def gc_command(url: str, min_age: float, no_multipart: bool, as_json: bool) -> N
     """
     if not is_url(url):
         raise UsageError(f"{url!r}: gc works on object-store URLs (s3://bucket/prefix)")
-    from ckptfmt.storage.objects.gc import gc
-
     result = gc(Bucket.at(url), min_age=min_age, multipart=not no_multipart)
     if as_json:
         doc = {
