@@ -36,9 +36,15 @@ from ckptfmt.parallel import (
     save_collective,
 )
 from ckptfmt.plan import ReadOptions
-from ckptfmt.storage import ProgressCallback, check_destination, is_spread, metering, refuse_url
-from ckptfmt.storage.objects import is_url
-from ckptfmt.storage.objects.source import open_committed
+from ckptfmt.storage import (
+    ProgressCallback,
+    check_destination,
+    is_spread,
+    is_url,
+    metering,
+    open_committed,
+    refuse_url,
+)
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import Cast, Objects, PerRank, Shard, arrays_of, check_policy, encode_objects
 from ckptfmt_torch.comm import TorchComm

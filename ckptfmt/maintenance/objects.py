@@ -46,6 +46,8 @@ from ckptfmt.storage.objects.commit import (
     upload_files,
     write_commit,
 )
+from ckptfmt.storage.objects.gc import GcResult
+from ckptfmt.storage.objects.gc import gc as bucket_gc
 from ckptfmt.storage.objects.source import ObjectInside, open_committed
 from ckptfmt.storage.progress import current_meter
 
@@ -263,3 +265,16 @@ def upload_file(
     if not overwrite and bucket.head(name) is not None:
         raise DestinationExistsError(url, "an object is there already (give overwrite)")
     bucket.upload(name, local)
+
+
+def gc(
+    url: str,
+    storage_options: StorageOptions = None,
+    *,
+    min_age: float = 0.0,
+    multipart: bool = True,
+) -> GcResult:
+    """Remove, under the bucket prefix ``url`` (a checkpoint or a level-3 root), every save
+    prefix ``U/<save_id>/`` no commit object names, and abort unfinished multipart uploads
+    (``ckptfmt gc``; ``storage.objects.gc.gc``, which says what is kept and why)."""
+    return bucket_gc(Bucket.at(url, storage_options), min_age=min_age, multipart=multipart)

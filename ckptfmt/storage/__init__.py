@@ -1,11 +1,14 @@
 """Files on a POSIX file system: writing and reading inside a checkpoint directory, the atomic
 commit, step directory names, node directory templates, refused destinations, the progress of the
-operations that move bytes."""
+operations that move bytes; a committed checkpoint in a bucket, read as a directory is
+(``objects``)."""
 
 from __future__ import annotations
 
 from ckptfmt.storage.files import Inside, fsync_dir
 from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
+from ckptfmt.storage.objects.source import ObjectInside, open_committed
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.progress import Progress, ProgressCallback, metering
 from ckptfmt.storage.steps import StepRef, parse_step, step_dir_name
@@ -16,9 +19,12 @@ __all__ = [
     "fsync_dir",
     "Inside",
     "is_spread",
+    "is_url",
     "is_template",
     "matching",
     "metering",
+    "ObjectInside",
+    "open_committed",
     "parse_step",
     "Progress",
     "ProgressCallback",

@@ -19,8 +19,8 @@ import click
 from ckptfmt import WriteOptions
 from ckptfmt.errors import UsageError
 from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors, hf
-from ckptfmt.maintenance.objects import upload_file, upload_tree
-from ckptfmt.storage.objects import is_url
+from ckptfmt.maintenance import upload_file, upload_tree
+from ckptfmt.storage import is_url
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.summary import human_bytes

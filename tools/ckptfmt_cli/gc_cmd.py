@@ -1,6 +1,6 @@
 """``ckptfmt gc URL``: remove from a bucket what no checkpoint commit names (crashed, failed or
-superseded saves) and abort unfinished multipart uploads; ``ckptfmt.storage.objects.gc`` does
-the work."""
+superseded saves) and abort unfinished multipart uploads; ``ckptfmt.maintenance.gc`` does the
+work."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import click
 
 from ckptfmt.errors import UsageError
-from ckptfmt.storage.objects import Bucket, is_url
-from ckptfmt.storage.objects.gc import gc
+from ckptfmt.maintenance import gc
+from ckptfmt.storage import is_url
 from ckptfmt_cli.exits import help_epilog, one_line
 
 
@@ -41,7 +41,7 @@ def gc_command(url: str, min_age: float, no_multipart: bool, as_json: bool) -> N
     """
     if not is_url(url):
         raise UsageError(f"{url!r}: gc works on object-store URLs (s3://bucket/prefix)")
-    result = gc(Bucket.at(url), min_age=min_age, multipart=not no_multipart)
+    result = gc(url, min_age=min_age, multipart=not no_multipart)
     if as_json:
         doc = {
             "removed": result.removed,

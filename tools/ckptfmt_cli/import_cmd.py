@@ -20,8 +20,8 @@ import click
 from ckptfmt import WriteOptions
 from ckptfmt.errors import ForeignFormatError, UsageError
 from ckptfmt.interop import ImportReport, hf, import_safetensors
-from ckptfmt.maintenance.objects import check_target, download_tree, publish_dir
-from ckptfmt.storage.objects import is_url
+from ckptfmt.maintenance import check_target, download_tree, publish_dir
+from ckptfmt.storage import is_url
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.reshard_cmd import node_names
 from ckptfmt_cli.summary import human_bytes

@@ -19,8 +19,7 @@ import click
 import ckptfmt
 from ckptfmt import VerifyReport
 from ckptfmt.maintenance import NodeDirs
-from ckptfmt.storage import refuse_url
-from ckptfmt.storage.objects.url import is_url
+from ckptfmt.storage import is_url, refuse_url
 from ckptfmt_cli import hints, render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
 from ckptfmt_cli.export_cmd import export_command

@@ -18,8 +18,7 @@ from ckptfmt import WriteOptions
 from ckptfmt.errors import UnrecoverableDamageError
 from ckptfmt.maintenance import NodeDirs, RepairReport, rebuild
 from ckptfmt.manifest import MANIFEST_NAME
-from ckptfmt.storage import refuse_url
-from ckptfmt.storage.objects.url import is_url
+from ckptfmt.storage import is_url, refuse_url
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import ExitStatus, help_epilog, one_line
 from ckptfmt_cli.hints import lost_for_real
