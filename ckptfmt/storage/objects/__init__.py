@@ -9,6 +9,49 @@ is made; :mod:`.url` needs nothing, so entry points can tell a URL from a path w
 from __future__ import annotations
 
 from ckptfmt.storage.objects.bucket import Bucket, Retries, part_size
+from ckptfmt.storage.objects.commit import (
+    COMMIT_NAME,
+    LATEST_NAME,
+    Commit,
+    ObjectRef,
+    delete_checkpoint,
+    missing_objects,
+    move_latest,
+    new_save_id,
+    newest_committed,
+    object_problems,
+    put_bytes,
+    read_commit,
+    read_latest,
+    upload_files,
+    write_commit,
+)
+from ckptfmt.storage.objects.gc import GcResult, gc
 from ckptfmt.storage.objects.url import SUPPORTED, is_url, join_key, split_url
 
-__all__ = ["SUPPORTED", "Bucket", "Retries", "is_url", "join_key", "part_size", "split_url"]
+__all__ = [
+    "COMMIT_NAME",
+    "LATEST_NAME",
+    "SUPPORTED",
+    "Bucket",
+    "Commit",
+    "GcResult",
+    "ObjectRef",
+    "Retries",
+    "delete_checkpoint",
+    "gc",
+    "is_url",
+    "join_key",
+    "missing_objects",
+    "move_latest",
+    "new_save_id",
+    "newest_committed",
+    "object_problems",
+    "part_size",
+    "put_bytes",
+    "read_commit",
+    "read_latest",
+    "split_url",
+    "upload_files",
+    "write_commit",
+]

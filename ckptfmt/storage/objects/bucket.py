@@ -141,7 +141,7 @@ _RETRY_KEYS = frozenset(f.name for f in fields(Retries))
 def _obstore() -> Any:
     try:
         import obstore
-        import obstore.store  # noqa: F401  (from_url lives there)
+        import obstore.store
     except ImportError:
         return None
     return obstore
@@ -170,6 +170,9 @@ class Bucket:
         self.retries = retries
         self.requests: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self.options: dict[str, Any] = {}
+        """The store settings given in ``storage_options`` (object_store's key names), for
+        another client of the same store (gc's boto3)."""
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -239,7 +242,9 @@ class Bucket:
                 f"{url!r}: the object store cannot be set up with these options "
                 f"({sorted(storage_options or {})}): {_first_line(exc)}"
             ) from None
-        return cls(store, scheme, bucket, prefix, policy)
+        made = cls(store, scheme, bucket, prefix, policy)
+        made.options = config
+        return made
 
     def child(self, rel: str) -> Bucket:
         """The deeper prefix ``rel`` of this one (same client, same request counter)."""
@@ -248,6 +253,7 @@ class Bucket:
         )
         sub.requests = self.requests
         sub._lock = self._lock
+        sub.options = self.options
         return sub
 
     @property
@@ -421,6 +427,20 @@ class Bucket:
             self._count("LIST")
             for page in obstore.list(self._store, self._full(prefix) or None, chunk_size=1000):
                 out += [(self._rel(m["path"]), int(m["size"])) for m in page]
+        return sorted(out)
+
+    def list_meta(self, prefix: str = "") -> builtins.list[tuple[str, int, float]]:
+        """``(key, size, last modified as a POSIX time)`` of every object under ``prefix``,
+        as :meth:`list`."""
+        obstore = self._lib()
+        out: builtins.list[tuple[str, int, float]] = []
+        with self._failing("LIST", prefix):
+            self._count("LIST")
+            for page in obstore.list(self._store, self._full(prefix) or None, chunk_size=1000):
+                out += [
+                    (self._rel(m["path"]), int(m["size"]), m["last_modified"].timestamp())
+                    for m in page
+                ]
         return sorted(out)
 
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:

@@ -1,0 +1,360 @@
+"""The commit on an object store, which has no rename (``spec/FORMAT.md``, "Checkpoints in object
+storage"; ``spec/PROTOCOL.md``, "The commit in object storage").
+
+A checkpoint at ``U`` is every object under ``U/<save_id>/`` (a prefix never reused nor written
+twice) plus the **commit object** ``U/ckptfmt-commit.json``, written last with a create-only put,
+which lists every object with its size and CRC32C. In order:
+
+1. every writer uploads its own files under ``U/<save_id>/`` (:func:`upload_files`,
+   :func:`put_bytes`), in parallel, and hands its :class:`ObjectRef` list to one committer;
+2. the committer writes the commit object (:func:`write_commit`): create-only, so of two saves
+   one wins; a 412 is read back, since it may answer the retry of its own put;
+3. a level-3 root's **latest pointer** ``R/ckptfmt-latest.json`` is moved forward
+   (:func:`move_latest`) with a put conditional on the etag it read, so a stale writer leaves it.
+
+A reader reads the commit object (:func:`read_commit`) and checks that every object it lists is
+there with its size (:func:`missing_objects`, HEADs in parallel); otherwise it sees no checkpoint.
+Finding the newest step reads the pointer and that step's commit; it LISTs only when the pointer
+is missing or names a step that does not commit (:func:`newest_committed`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.errors import (
+    DestinationExistsError,
+    MissingFileError,
+    NotACheckpointError,
+    ObjectStoreError,
+)
+from ckptfmt.storage.objects.bucket import Bucket
+from ckptfmt.storage.steps import STEP_NAME, step_dir_name
+
+COMMIT_NAME = "ckptfmt-commit.json"
+LATEST_NAME = "ckptfmt-latest.json"
+COMMIT_FORMAT = "ckptfmt-commit"
+COMMIT_VERSION = 1
+LATEST_ATTEMPTS = 8
+"""Conditional moves of the latest pointer tried before giving up (each 412 means another writer
+moved it in between: it is read again)."""
+FILES_IN_FLIGHT = 8
+"""Files one writer uploads at once (each large one in up to 8 parts at once)."""
+HEADS_IN_FLIGHT = 16
+"""HEAD requests in flight when checking a commit's objects."""
+
+SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def new_save_id() -> str:
+    """A fresh save id: 32 lowercase hex digits, never reused."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, order=True)
+class ObjectRef:
+    """One object of a checkpoint: ``key`` relative to ``U/<save_id>/``, its ``size`` in bytes
+    and the CRC32C of its whole content."""
+
+    key: str
+    size: int
+    crc32c: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "size": self.size, "crc32c": self.crc32c}
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What the commit object says: the save id whose prefix holds the checkpoint, the step (None
+    outside a manager) and every object, sorted by key."""
+
+    save_id: str
+    step: int | None
+    objects: list[ObjectRef] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": COMMIT_FORMAT,
+            "version": COMMIT_VERSION,
+            "save_id": self.save_id,
+            "step": self.step,
+            "objects": [o.to_json() for o in sorted(self.objects)],
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Commit:
+        """Parse and check a commit object read from ``where`` (its URL); a malformed one raises
+        :class:`NotACheckpointError` naming it."""
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise NotACheckpointError(where, f"the commit object is not JSON ({exc})") from None
+        problem = _commit_problem(body)
+        if problem:
+            raise NotACheckpointError(where, f"invalid commit object: {problem}")
+        objects = [ObjectRef(o["key"], o["size"], o["crc32c"]) for o in body["objects"]]
+        return cls(body["save_id"], body["step"], objects)
+
+    def sizes(self) -> dict[str, int]:
+        return {o.key: o.size for o in self.objects}
+
+
+def _commit_problem(body: Any) -> str | None:
+    if not isinstance(body, dict):
+        return "not a JSON object"
+    if body.get("format") != COMMIT_FORMAT:
+        return f"format is {body.get('format')!r}, not {COMMIT_FORMAT!r}"
+    if body.get("version") != COMMIT_VERSION:
+        return f"version {body.get('version')!r} is not supported (this reader knows 1)"
+    if not isinstance(body.get("save_id"), str) or not SAVE_ID.match(body["save_id"]):
+        return f"save_id {body.get('save_id')!r} is not 32 lowercase hex digits"
+    step = body.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        return f"step {step!r} is not a non-negative integer or null"
+    objects = body.get("objects")
+    if not isinstance(objects, list):
+        return "objects is not a list"
+    keys: list[str] = []
+    for i, o in enumerate(objects):
+        if not isinstance(o, dict) or set(o) != {"key", "size", "crc32c"}:
+            return f"objects[{i}] is not {{key, size, crc32c}}"
+        key, size, crc = o["key"], o["size"], o["crc32c"]
+        if not isinstance(key, str) or not _relative_key(key):
+            return f"objects[{i}].key {key!r} is not a relative key"
+        for name, value, top in (("size", size, 1 << 63), ("crc32c", crc, 1 << 32)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < top:
+                return f"objects[{i}].{name} {value!r} is out of range"
+        keys.append(key)
+    if keys != sorted(set(keys)):
+        return "objects are not sorted by key, or a key repeats"
+    return None
+
+
+def _relative_key(key: str) -> bool:
+    parts = key.split("/")
+    return bool(key) and all(p not in ("", ".", "..") for p in parts)
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+
+def upload_files(
+    bucket: Bucket, save_id: str, files: Sequence[tuple[str, Path]]
+) -> list[ObjectRef]:
+    """Upload each ``(rel, path)`` to ``U/<save_id>/<rel>`` (``bucket`` is ``U``), up to
+    :data:`FILES_IN_FLIGHT` files at once; return their refs, sorted by key. Each writer (rank)
+    calls it for its own files; the CRC32C comes from the reads that feed the upload."""
+    target = bucket.child(save_id)
+
+    def one(item: tuple[str, Path]) -> ObjectRef:
+        rel, path = item
+        size = Path(path).stat().st_size
+        return ObjectRef(rel, size, target.upload(rel, Path(path), size=size))
+
+    if len(files) <= 1:
+        return sorted(one(f) for f in files)
+    with ThreadPoolExecutor(min(FILES_IN_FLIGHT, len(files))) as pool:
+        return sorted(pool.map(one, files))
+
+
+def put_bytes(bucket: Bucket, save_id: str, rel: str, data: bytes) -> ObjectRef:
+    """Write ``data`` (metadata, a manifest) to ``U/<save_id>/<rel>`` in one PUT; its ref."""
+    from ckptfmt.checksum import crc32c
+
+    bucket.child(save_id).put(rel, data)
+    return ObjectRef(rel, len(data), crc32c(data))
+
+
+def write_commit(bucket: Bucket, commit: Commit) -> None:
+    """Write the commit object of ``U`` (``bucket``), create-only: the checkpoint appears.
+
+    A 412 (an object is there) is answered by reading it back: the same save id means this
+    commit is in (the 412 answered the library's retry of a put whose first answer was lost);
+    another raises :class:`DestinationExistsError` naming the save id that is there."""
+    try:
+        bucket.put(COMMIT_NAME, commit.to_bytes(), create_only=True)
+        return
+    except DestinationExistsError:
+        pass
+    there = read_commit(bucket)
+    if there is not None and there.save_id == commit.save_id:
+        return
+    who = f"save {there.save_id}" if there is not None else "another save, since removed"
+    raise DestinationExistsError(
+        bucket.key_url(COMMIT_NAME), f"a checkpoint is already committed there ({who})"
+    )
+
+
+def read_commit(bucket: Bucket) -> Commit | None:
+    """The commit object of ``U`` (``bucket``), None when there is none (no checkpoint)."""
+    try:
+        data = bucket.get(COMMIT_NAME)
+    except MissingFileError:
+        return None
+    return Commit.from_bytes(data, bucket.key_url(COMMIT_NAME))
+
+
+def object_problems(bucket: Bucket, commit: Commit) -> dict[str, str]:
+    """What is wrong with the objects ``commit`` lists under ``U/<save_id>/``, by key
+    (``"missing"``, ``"size 10, the commit says 12"``); empty when all are there. One HEAD per
+    object, :data:`HEADS_IN_FLIGHT` at once; sizes only (contents are checked by the reads)."""
+    target = bucket.child(commit.save_id)
+
+    def one(ref: ObjectRef) -> tuple[str, str | None]:
+        size = target.head(ref.key)
+        if size is None:
+            return ref.key, "missing"
+        if size != ref.size:
+            return ref.key, f"size {size}, the commit says {ref.size}"
+        return ref.key, None
+
+    if not commit.objects:
+        return {}
+    with ThreadPoolExecutor(min(HEADS_IN_FLIGHT, len(commit.objects))) as pool:
+        found = list(pool.map(one, commit.objects))
+    return {key: why for key, why in sorted(found) if why is not None}
+
+
+def missing_objects(bucket: Bucket, commit: Commit) -> list[str]:
+    """The keys (relative to ``U/<save_id>/``) of the objects ``commit`` lists that are absent
+    or of another size, sorted; empty when the checkpoint is whole."""
+    return list(object_problems(bucket, commit))
+
+
+def delete_checkpoint(bucket: Bucket, *, everything: bool = False) -> str | None:
+    """Remove the checkpoint at ``U`` (``bucket``): the commit object first (the checkpoint
+    vanishes as a whole, never seen half-deleted), then the objects under its save id. With
+    ``everything`` (retention of a step), every other object under ``U`` too (uncommitted
+    saves); never with a save to ``U`` in flight. Returns the save id removed, None when ``U``
+    held no commit object."""
+    commit = read_commit(bucket)
+    if commit is not None:
+        bucket.delete([COMMIT_NAME])
+        target = bucket.child(commit.save_id)
+        listed = {o.key for o in commit.objects}
+        rest = {k for k, _ in target.list()} - listed  # what a crash left beside them
+        target.delete(sorted(listed | rest))
+    if everything:
+        bucket.delete([k for k, _ in bucket.list()])
+    return None if commit is None else commit.save_id
+
+
+# --- the latest pointer --------------------------------------------------------------------------
+
+
+def _latest_bytes(step: int, save_id: str) -> bytes:
+    return json.dumps({"step": step, "save_id": save_id}, separators=(",", ":")).encode()
+
+
+def _parse_latest(data: bytes, where: str) -> tuple[int, str] | None:
+    try:
+        body = json.loads(data)
+        step, save_id = body["step"], body["save_id"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    if not isinstance(save_id, str) or not SAVE_ID.match(save_id):
+        return None
+    return step, save_id
+
+
+def read_latest(root: Bucket) -> tuple[int, str] | None:
+    """``(step, save_id)`` the latest pointer of level-3 root ``root`` names; None when there is
+    no pointer or it is unreadable (the caller then LISTs the steps)."""
+    try:
+        data = root.get(LATEST_NAME)
+    except MissingFileError:
+        return None
+    return _parse_latest(data, root.key_url(LATEST_NAME))
+
+
+def move_latest(root: Bucket, step: int, save_id: str) -> bool:
+    """Point the latest pointer of ``root`` at ``step`` (committed with ``save_id``), never
+    backwards: a pointer already at a newer step is left (returns False), as is one at this very
+    save. Created create-only when absent, else replaced on the etag just read; a 412 (another
+    writer moved it in between) reads it again, :data:`LATEST_ATTEMPTS` times at most."""
+    body = _latest_bytes(step, save_id)
+    for _ in range(LATEST_ATTEMPTS):
+        try:
+            data, etag = root.get_tagged(LATEST_NAME)
+        except MissingFileError:
+            try:
+                root.put(LATEST_NAME, body, create_only=True)
+                return True
+            except DestinationExistsError:
+                continue  # another writer created it first: compare with theirs
+        current = _parse_latest(data, root.key_url(LATEST_NAME))
+        if current is not None and (current[0] > step or current == (step, save_id)):
+            return False
+        if not etag:
+            raise ObjectStoreError(
+                root.key_url(LATEST_NAME), "GET", None, "the store gave no etag to update on"
+            )
+        try:
+            root.put(LATEST_NAME, body, if_match=etag)
+            return True
+        except ObjectStoreError as exc:
+            if exc.status != 412:
+                raise
+    raise ObjectStoreError(
+        root.key_url(LATEST_NAME),
+        "PUT",
+        412,
+        f"the pointer changed under each of {LATEST_ATTEMPTS} conditional writes",
+    )
+
+
+def list_steps(root: Bucket) -> list[int]:
+    """The steps with a step prefix (``step-%08d``) under level-3 root ``root``, committed or
+    not, oldest first: one LIST with delimiter (the fallback, never the hot path)."""
+    steps = []
+    for name in root.list_dirs(""):
+        m = STEP_NAME.match(name)
+        if m:
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def step_bucket(root: Bucket, step: int) -> Bucket:
+    """The checkpoint prefix ``U`` of ``step`` under level-3 root ``root``."""
+    return root.child(step_dir_name(step))
+
+
+def committed_step(root: Bucket, step: int, *, check: bool = True) -> Commit | None:
+    """The commit of ``step`` under ``root`` when it is a whole checkpoint (with ``check``, every
+    object listed is there with its size), else None."""
+    commit = read_commit(step_bucket(root, step))
+    if commit is None or (check and missing_objects(step_bucket(root, step), commit)):
+        return None
+    return commit
+
+
+def newest_committed(
+    root: Bucket, *, check: bool = True, below: int | None = None
+) -> tuple[int, Commit] | None:
+    """The newest whole checkpoint under level-3 root ``root`` (older than ``below`` if given):
+    the latest pointer and that step's commit (two GETs and the HEADs of ``check``); a LIST of
+    the steps only when the pointer is missing, names a step that does not commit, or is not
+    older than ``below``. In a job, one rank calls it and broadcasts the answer."""
+    pointed = read_latest(root)
+    if pointed is not None and (below is None or pointed[0] < below):
+        commit = committed_step(root, pointed[0], check=check)
+        if commit is not None:
+            return pointed[0], commit
+    for step in reversed(list_steps(root)):
+        if below is not None and step >= below:
+            continue
+        commit = committed_step(root, step, check=check)
+        if commit is not None:
+            return step, commit
+    return None
