@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from kit.arrays import make_state
 from kit.s3 import S3, S3Server, start_server
+from kit.s3_proxy import S3Proxy
 
 import ckptfmt
 from ckptfmt import WriteOptions
@@ -41,6 +42,18 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3:
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     return S3(s3_server, s3_server.make_bucket())
+
+
+@pytest.fixture
+def s3_proxy(s3: S3, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Proxy]:
+    """A fault-injecting proxy in front of the S3 server (``kit.s3_proxy``), with this process's
+    ``AWS_ENDPOINT_URL`` pointing at it; ``s3_proxy.env(s3.env)`` for subprocesses."""
+    proxy = S3Proxy(s3.server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
 
 
 # --- MPICH's shared-memory segments left by killed jobs ------------------------------------------
