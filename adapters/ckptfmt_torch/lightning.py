@@ -217,8 +217,8 @@ class CheckpointIO(_CheckpointIO):
                 load(out, target, read=self.read, comm=SingleComm(), trust_pickle=self.trust_pickle)
             except LoadFailedError as exc:  # one process: its own error, not the vote's
                 raise (exc.cause if isinstance(exc.cause, CkptError) else exc) from None
-        out = _unkeyed(out)
-        return _placed(out, map_location) if map_location is not None else out
+        got: dict[str, Any] = _unkeyed(out)
+        return _placed(got, map_location) if map_location is not None else got
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` (rank 0): out of sight first (renamed to a dot
@@ -328,6 +328,12 @@ class DDPStrategy(_DDPStrategy):
             # a group of its own: the saves may run in a thread beside DDP's all-reduces
             io.connect(TorchComm(dist.new_group(backend="gloo")))
 
+    def teardown(self) -> None:
+        io = _ours(self.checkpoint_io)
+        super().teardown()
+        if io is not None:  # AsyncCheckpointIO's teardown does not pass it on
+            io.close()
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -366,7 +372,7 @@ def _is_name(key: Any) -> bool:
         check_component(key)
     except InvalidNameError:
         return False
-    return key != ITEMS
+    return bool(key != ITEMS)
 
 
 def _unkeyed(obj: Any) -> Any:

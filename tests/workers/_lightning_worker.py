@@ -106,7 +106,8 @@ def fit(args: argparse.Namespace, name: str, max_steps: int) -> None:
         callbacks.append(KillAt(args.kill_at))
     strategy: Any = "auto"
     if args.devices > 1:
-        strategy = ckptfmt_torch.lightning.DDPStrategy() if args.mode != "rank0" else "ddp"
+        ours = args.mode != "rank0" and not args.plain_ddp
+        strategy = ckptfmt_torch.lightning.DDPStrategy() if ours else "ddp"
     trainer = L.Trainer(
         plugins=[make_io(args.io, args.mode, root / f"{name}-levels", args.devices)],
         callbacks=callbacks,
@@ -135,6 +136,7 @@ def main() -> int:
     p.add_argument("--mode", choices=["rank0", "collective", "levels"], default="rank0")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--plain-ddp", action="store_true", help="Lightning's DDP, whatever the mode")
     args = p.parse_args()
     # a node per rank, as on a cluster: the levels' parity goes across them
     os.environ["CKPTFMT_NODE"] = f"n{os.environ.get('LOCAL_RANK', '0')}"

@@ -128,7 +128,7 @@ def test_dict_matches_torch_checkpoint_io(tmp_path: Path) -> None:
     """The same dict as Lightning's default IO gives back, container types included; the
     loads move tensors as ``map_location`` says."""
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(max_steps=5, **QUIET)
+    trainer = L.Trainer(max_steps=5, enable_checkpointing=False, **QUIET)
     trainer.fit(Net(), datamodule=Data())
     ck = trainer._checkpoint_connector.dump_checkpoint()
     ours, theirs = ckptfmt_torch.lightning.CheckpointIO(), L.plugins.TorchCheckpointIO()
@@ -213,6 +213,17 @@ def test_ddp_two_processes(tmp_path: Path, mode: str, io: str) -> None:
     doc = ckptfmt.open(tmp_path / "b" / "last.ckpt").manifest
     writers = {r.rank for e in doc.tensors() for r in e.regions}
     assert writers == ({0, 1} if mode == "collective" else {0})
+
+
+@pytest.mark.slow
+def test_collective_under_lightnings_ddp_is_refused_not_hung(tmp_path: Path) -> None:
+    """Lightning's own DDPStrategy calls the plugin on rank 0 alone: a collective plugin says
+    which strategy it needs at the first save instead of waiting for the other rank."""
+    out = run_worker("--devices", "2", "--mode", "collective", "--plain-ddp",
+                     "--root", str(tmp_path), "--runs", "a:8", timeout=120)  # fmt: skip
+    assert out.returncode != 0
+    assert "strategy=ckptfmt_torch.lightning.DDPStrategy()" in out.stderr
+    assert not (tmp_path / "a").exists() or os.listdir(tmp_path / "a") == []
 
 
 @pytest.mark.slow
