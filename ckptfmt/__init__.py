@@ -18,7 +18,7 @@ from ckptfmt.container.reader import Checkpoint, TensorView, latest
 from ckptfmt.errors import CkptError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.verify import VerifyReport, verify
-from ckptfmt.parallel.levels import list_levels
+from ckptfmt.parallel.level3_pick import list_levels
 from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning, RestoreReport
 from ckptfmt.parallel.options import ExitPolicy
 from ckptfmt.plan.options import ReadOptions

@@ -4,7 +4,8 @@ of one checkpoint by every rank, each phase behind one error boundary, and the
 
 from __future__ import annotations
 
-from ckptfmt.parallel.levels import list_levels, resolve_node
+from ckptfmt.parallel.level3_pick import list_levels
+from ckptfmt.parallel.levels import resolve_node
 from ckptfmt.parallel.load import load_collective
 from ckptfmt.parallel.manager import CheckpointManager
 from ckptfmt.parallel.options import ExitPolicy, OnError

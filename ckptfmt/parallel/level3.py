@@ -5,7 +5,8 @@ manager does there: look whether it can be written (at the start), record where 
 list the committed steps, flush a level-1 checkpoint into it (collective), apply retention,
 delete a step, remove what crashed flushes left, and name the copy of one step that a restore
 loads. :class:`DirLevel` is the shared directory (the code in ``parallel.levels``);
-``parallel.level3_bucket.BucketLevel`` is an object-store prefix (``s3://bucket/run``), where
+``parallel.level3_bucket.BucketLevel`` is an object-store prefix; ``parallel.level3_pick``
+chooses between them (``s3://bucket/run``), where
 steps live as ``step-<n>/`` prefixes committed by a commit object (``spec/FORMAT.md``,
 "Checkpoints in object storage").
 
@@ -16,21 +17,18 @@ are given; the others by one rank (rank 0) unless their docstring says otherwise
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import UsageError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.levels import Levels, flush_collective, retain
 from ckptfmt.parallel.publish import FaultHook
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Files
-from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
 from ckptfmt.transport.comm import Comm
 
-__all__ = ["DirLevel", "SharedLevel", "level3_of", "shared_level"]
+__all__ = ["DirLevel", "SharedLevel"]
 
 
 class SharedLevel(ABC):
@@ -156,41 +154,3 @@ class DirLevel(SharedLevel):
 
     def clean_leftovers(self) -> None:
         commit.clean_leftovers(self.root)
-
-
-def shared_level(
-    shared_dir: str | Path | None,
-    storage_options: Mapping[str, str] | None = None,
-    *,
-    local_dir: object = None,
-) -> SharedLevel | None:
-    """The level 3 that ``shared_dir`` names: a :class:`DirLevel` for a path, a
-    :class:`~ckptfmt.parallel.level3_bucket.BucketLevel` for an object-store URL (``s3://``,
-    ``gs://``, ``az://``; needs ``ckptfmt[cloud]``), None for None. A bucket takes flushes of
-    level-1 checkpoints only: it needs a ``local_dir``."""
-    if shared_dir is None:
-        if storage_options:
-            raise UsageError("storage_options is for a shared_dir that is an object-store URL")
-        return None
-    if isinstance(shared_dir, str) and is_url(shared_dir):
-        if local_dir is None:
-            raise UsageError(
-                f"shared_dir={shared_dir!r} is a bucket: level 1 (local_dir) is needed, since "
-                "level 3 on object storage is written by flushing level-1 checkpoints"
-            )
-        from ckptfmt.parallel.level3_bucket import BucketLevel
-
-        return BucketLevel.at(shared_dir, storage_options)
-    if storage_options:
-        raise UsageError("storage_options is for a shared_dir that is an object-store URL")
-    from ckptfmt.storage.paths import refuse_url
-
-    refuse_url(str(shared_dir))  # an unsupported scheme (file://, http://) is named
-    return DirLevel(Path(shared_dir).absolute())
-
-
-def level3_of(levels: Levels) -> SharedLevel | None:
-    """The level 3 of ``levels``: its bucket, or its shared directory, or None."""
-    if levels.bucket is not None:
-        return levels.bucket
-    return None if levels.shared_dir is None else DirLevel(levels.shared_dir)

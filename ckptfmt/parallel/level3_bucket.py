@@ -48,6 +48,7 @@ from ckptfmt.storage.objects.commit import (
     read_latest,
     write_commit,
 )
+from ckptfmt.storage.objects.source import ObjectInside
 from ckptfmt.storage.steps import parse_step, step_dir_name
 from ckptfmt.transport.comm import Comm
 
@@ -199,9 +200,7 @@ class BucketLevel(SharedLevel):
 
 
 def _object_source(location: Bucket, found: Commit) -> Files:
-    """What the collective load reads the committed step through (``ObjectInside``)."""
-    from ckptfmt.storage.objects.source import ObjectInside
-
+    """What the collective load reads the committed step through."""
     return ObjectInside(location, found)
 
 

@@ -37,7 +37,6 @@ from ckptfmt.parallel.publish import FaultHook, level_directory, publish_commit
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, write_gather
 from ckptfmt.storage.nodes import expand
-from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import unwritable
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm
@@ -265,27 +264,7 @@ def _state_of(path: Path, node: str | None) -> tuple[str, str]:
     return "complete", f"save {m.save_id[:8]}"
 
 
-def list_levels(
-    shared_root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """What is saved where, for ``ckptfmt list``: every step found on level 3 and on the level-1
-    directories recorded in ``ckptfmt-levels.json`` (those visible from here). ``shared_root``
-    is a directory or a bucket root URL (``s3://bucket/run``, with ``storage_options``; needs
-    ``ckptfmt[cloud]``): a bucket's steps are flushed (a commit object whose objects are all
-    there), damaged (some missing or of another size), or not committed (objects without a
-    commit object: a flush in progress or one that failed)."""
-    if isinstance(shared_root, str) and is_url(shared_root):
-        from ckptfmt.parallel.level3_bucket import bucket_levels
-
-        level3, cfg = bucket_levels(shared_root, storage_options)
-        return _with_level1(shared_root, cfg, level3)
-    shared_root = Path(shared_root)
-    cfg_file = shared_root / LEVELS_FILE
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    return _with_level1(str(shared_root), cfg, _dir_level3(shared_root))
-
-
-def _dir_level3(shared_root: Path) -> dict[int, str]:
+def dir_level3(shared_root: Path) -> dict[int, str]:
     """The state on level 3 of every step found in the shared directory ``shared_root``."""
     out: dict[int, str] = {}
     if shared_root.is_dir():
@@ -300,7 +279,7 @@ def _dir_level3(shared_root: Path) -> dict[int, str]:
     return out
 
 
-def _with_level1(shared: str, cfg: Mapping[str, Any], level3: Mapping[int, str]) -> dict[str, Any]:
+def with_level1(shared: str, cfg: Mapping[str, Any], level3: Mapping[int, str]) -> dict[str, Any]:
     """The listing's document: level 3's states, and each recorded node's level-1 steps."""
     doc: dict[str, Any] = {"shared": shared, "nodes": {}, "steps": {}}
     levels = Levels(cfg.get("local_dir"), None)
@@ -337,9 +316,10 @@ __all__ = [
     "Levels",
     "SaveFailedError",
     "agree_nodes",
+    "dir_level3",
     "flush_collective",
-    "list_levels",
     "resolve_node",
     "retain",
     "retain_steps",
+    "with_level1",
 ]

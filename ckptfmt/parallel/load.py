@@ -55,6 +55,10 @@ from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import Blob, Container, unflatten
 
+REMOTE_READS = 8
+"""Reads (ranged GETs, one file's chunks each) a rank has in flight from a bucket: one at a
+time, each waits a round trip; a local disk is read with ``ReadOptions.threads`` per host."""
+
 
 def load_collective(
     comm: Comm,
@@ -90,12 +94,14 @@ def load_collective(
     (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
     ``source``: read the checkpoint through it instead of the directory ``path`` (a committed
     checkpoint in a bucket, ``storage.objects.source.ObjectInside``, which every rank sees
-    whole; ``path`` is then its URL, for messages).
+    whole; ``path`` is then its URL, for messages). Each rank then has at least
+    :data:`REMOTE_READS` reads in flight, whatever ``read.threads`` says for a local disk.
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq)
-    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
+    remote = source is not None
+    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into, remote)
     return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
 
 
@@ -107,6 +113,7 @@ def _read_everything(
     read: ReadOptions,
     seq: int | None,
     into: Mapping[str, np.ndarray] | None,
+    remote: bool = False,
 ) -> tuple[dict[str, np.ndarray], int | None]:
     """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
     who reads what, allocate (voted on before any exchange), read this rank's chunks and move
@@ -134,8 +141,11 @@ def _read_everything(
         bufs = allocate(comm.rank, src, plans, errors, threading.Lock(), into or {})
         current_meter().expect(bufs.work(comm.rank, plans))
     b.vote("load-allocate")
+    threads = max(1, read.threads // same_host)
+    if remote:  # requests in flight, not a disk's queue, set the pace of a bucket
+        threads = max(threads, REMOTE_READS)
     with b.guard("load-read"):
-        read_local(bufs, max(1, read.threads // same_host))
+        read_local(bufs, threads)
     transfer(comm, plans, bufs)
     if errors:
         b.fail(errors[0], "load-read")

@@ -35,7 +35,8 @@ from ckptfmt.errors import CkptError, ManagerBrokenError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.exit import ExitHooks
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
-from ckptfmt.parallel.level3 import DirLevel, shared_level
+from ckptfmt.parallel.level3 import DirLevel
+from ckptfmt.parallel.level3_pick import shared_level
 from ckptfmt.parallel.levels import Levels, agree_nodes, resolve_node
 from ckptfmt.parallel.options import ExitPolicy, OnError, check_on_error
 from ckptfmt.parallel.outcomes import Calls, CheckpointWarning, Outcomes

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.level3 import level3_of
+from ckptfmt.parallel.level3_pick import level3_of
 from ckptfmt.parallel.levels import Levels, retain_steps
 from ckptfmt.parallel.outcomes import Calls, Outcomes
 from ckptfmt.parallel.publish import FaultHook

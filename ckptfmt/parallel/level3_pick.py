@@ -1,0 +1,72 @@
+"""Which level 3 a manager has, from what it was given: a shared directory
+(:class:`~ckptfmt.parallel.level3.DirLevel`) or a bucket prefix
+(:class:`~ckptfmt.parallel.level3_bucket.BucketLevel`); and ``ckptfmt list`` of either."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ckptfmt.errors import UsageError
+from ckptfmt.parallel.level3 import DirLevel, SharedLevel
+from ckptfmt.parallel.level3_bucket import BucketLevel, bucket_levels
+from ckptfmt.parallel.levels import LEVELS_FILE, Levels, dir_level3, with_level1
+from ckptfmt.storage.objects.url import is_url
+from ckptfmt.storage.paths import refuse_url
+
+__all__ = ["level3_of", "list_levels", "shared_level"]
+
+
+def shared_level(
+    shared_dir: str | os.PathLike[str] | None,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    local_dir: object = None,
+) -> SharedLevel | None:
+    """The level 3 that ``shared_dir`` names: a :class:`DirLevel` for a path, a
+    :class:`BucketLevel` for an object-store URL (``s3://``, ``gs://``, ``az://``; needs
+    ``ckptfmt[cloud]``), None for None. A bucket takes flushes of level-1 checkpoints only: it
+    needs a ``local_dir``. Makes no request."""
+    if shared_dir is None:
+        if storage_options:
+            raise UsageError("storage_options is for a shared_dir that is an object-store URL")
+        return None
+    if isinstance(shared_dir, str) and is_url(shared_dir):
+        if local_dir is None:
+            raise UsageError(
+                f"shared_dir={shared_dir!r} is a bucket: level 1 (local_dir) is needed, since "
+                "level 3 on object storage is written by flushing level-1 checkpoints"
+            )
+        return BucketLevel.at(shared_dir, storage_options)
+    if storage_options:
+        raise UsageError("storage_options is for a shared_dir that is an object-store URL")
+    refuse_url(os.fspath(shared_dir))  # an unsupported scheme (file://, http://) is named
+    return DirLevel(Path(shared_dir).absolute())
+
+
+def level3_of(levels: Levels) -> SharedLevel | None:
+    """The level 3 of ``levels``: its bucket, or its shared directory, or None."""
+    if levels.bucket is not None:
+        return levels.bucket
+    return None if levels.shared_dir is None else DirLevel(levels.shared_dir)
+
+
+def list_levels(
+    shared_root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """What is saved where, for ``ckptfmt list``: every step found on level 3 and on the level-1
+    directories recorded in ``ckptfmt-levels.json`` (those visible from here). ``shared_root``
+    is a directory or a bucket root URL (``s3://bucket/run``, with ``storage_options``; needs
+    ``ckptfmt[cloud]``): a bucket's steps are flushed (a commit object whose objects are all
+    there), damaged (some missing or of another size), or not committed (objects without a
+    commit object: a flush in progress or one that failed)."""
+    if isinstance(shared_root, str) and is_url(shared_root):
+        level3, cfg = bucket_levels(shared_root, storage_options)
+        return with_level1(shared_root, cfg, level3)
+    root = Path(shared_root)
+    cfg_file = root / LEVELS_FILE
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    return with_level1(str(root), cfg, dir_level3(root))
