@@ -176,6 +176,11 @@ class CheckpointMixin(_Base):
             self._ckptfmt_loaded = None
             self.wait_for_checkpoint()
 
+    @property
+    def checkpoint_manager(self) -> CheckpointManager | None:
+        """The ``CheckpointManager`` of managed saves, once made (None before, and without)."""
+        return self._ckptfmt_manager
+
     def wait_for_checkpoint(self) -> None:
         """Wait for the save in flight (async saves) and finish its directory. ``train`` calls
         it before it returns."""

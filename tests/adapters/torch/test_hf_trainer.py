@@ -27,8 +27,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch
-from _hf_worker import build, final_state, run
-from ckptfmt_torch.hf import CheckpointOptions, is_complete, last_checkpoint
+import transformers
+from _hf_worker import build, final_state, model_and_args, run
+from ckptfmt_torch.hf import CheckpointMixin, CheckpointOptions, is_complete, last_checkpoint
 from kit import REPO
 from kit.faults import flip
 from kit.launch import assert_ok, run_torchrun, with_kit_path
@@ -214,16 +215,61 @@ def _ranks(tmp_path: Path, name: str) -> list[dict[str, np.ndarray]]:
     return [dict(np.load(tmp_path / f"{name}.rank{r}.npz")) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, np.ndarray]]:
+    """The uninterrupted run under ``torchrun``, 2 ranks (HF's own trainer: the same run)."""
+    tmp = tmp_path_factory.mktemp("ddp_reference")
+    _torchrun(tmp, "full", out=str(tmp / "full"), mode="hf")
+    return _ranks(tmp, "full")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ckptfmt", "async"])
-def test_torchrun_ddp_resume_bit_identical(tmp_path: Path, mode: str) -> None:
-    _torchrun(tmp_path, "full", out=str(tmp_path / "full"), mode="hf")
+def test_torchrun_ddp_resume_bit_identical(
+    tmp_path: Path, mode: str, ddp_reference: list[dict[str, np.ndarray]]
+) -> None:
     _torchrun(tmp_path, "stopped", out=str(tmp_path / "run"), mode=mode, stop_at=STOP)
     data = tmp_path / "run" / "checkpoint-4" / "ckptfmt"
     doc = (data / "ckptfmt.json").read_text()
     assert '"rank": 0' in doc and '"rank": 1' in doc  # both ranks wrote their share
     _torchrun(tmp_path, "resumed", out=str(tmp_path / "run"), mode=mode, resume=True)
-    full, resumed = _ranks(tmp_path, "full"), _ranks(tmp_path, "resumed")
+    full, resumed = ddp_reference, _ranks(tmp_path, "resumed")
     assert not np.array_equal(full[0]["rng/torch"], full[1]["rng/torch"])  # ranks differ
     for a, b in zip(full, resumed, strict=True):
         assert_same(a, b)
+
+
+def test_mixin_on_a_users_trainer_subclass(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    class UsersTrainer(transformers.Trainer):  # stands for SFTTrainer and the like
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+            calls.append(1)
+            return super().compute_loss(model, inputs, *args, **kw)
+
+    class MyTrainer(CheckpointMixin, UsersTrainer):
+        pass
+
+    model, args, data = model_and_args(tmp_path, max_steps=SAVE, save_steps=SAVE)
+    MyTrainer(model=model, args=args, train_dataset=data).train()
+    assert len(calls) == SAVE
+    assert is_complete(tmp_path / f"checkpoint-{SAVE}")
+    assert not ckptfmt.verify(tmp_path / f"checkpoint-{SAVE}" / "ckptfmt").problems
+
+
+@pytest.mark.slow
+def test_levels_local_and_shared(tmp_path: Path, reference: dict[str, np.ndarray]) -> None:
+    """Level 1 on a node-local directory, flushed to the shared one every second save: the
+    resume restores from level 1 (the manager's restore), bit-identical."""
+    options = CheckpointOptions(
+        local_dir=str(tmp_path / "local" / "{node}"),
+        shared_dir=str(tmp_path / "shared"),
+        flush_every=2,
+    )
+    kw: dict[str, Any] = {"max_steps": STEPS, "save_steps": SAVE, "options": options}
+    run(tmp_path / "out", stop_at=9, **kw)
+    assert not (tmp_path / "out" / "checkpoint-4" / "ckptfmt").exists()  # on level 1 only
+    assert (tmp_path / "out" / "checkpoint-8" / "ckptfmt").is_symlink()  # flushed
+    assert list((tmp_path / "local").glob("*/step-*"))
+    resumed = final_state(run(tmp_path / "out", resume=True, **kw))
+    assert_same(reference, resumed)
