@@ -23,7 +23,13 @@ from typing import Any
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.container.reader import geometry, read_manifest_bytes
-from ckptfmt.errors import CkptError, LoadFailedError, RankFailure, UsageError
+from ckptfmt.errors import (
+    CkptError,
+    LoadFailedError,
+    NotACheckpointError,
+    RankFailure,
+    UsageError,
+)
 from ckptfmt.format.shard_read import decode_shard, read_file
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.grid import shard_cell
@@ -109,9 +115,11 @@ class BucketLevel(SharedLevel):
         self.root.put(LEVELS_FILE, json.dumps(doc, indent=1).encode())
 
     def committed(self) -> list[int]:
-        """Every step under the root with a commit object, oldest first (a LIST and a GET per
-        step: for ``steps()`` and the restore's fallback, never the hot path)."""
-        return [s for s in list_steps(self.root) if read_commit(self.step(s)) is not None]
+        """Every step under the root with a commit object, oldest first (a LIST and a HEAD per
+        step: for ``steps()``, retention and the restore's fallback, never the hot path). A
+        commit object that does not parse is listed all the same: the restore that tries it
+        says why it is refused, retention removes it in its turn."""
+        return [s for s in list_steps(self.root) if self.step(s).head(COMMIT_NAME) is not None]
 
     def newest(self) -> list[int] | None:
         """The step the latest pointer names, when its commit object is there (one GET of
@@ -121,7 +129,7 @@ class BucketLevel(SharedLevel):
         if latest is None:
             return None
         step, _save_id = latest
-        if read_commit(self.step(step)) is None:
+        if self.step(step).head(COMMIT_NAME) is None:
             return None
         return [step]
 
@@ -148,13 +156,20 @@ class BucketLevel(SharedLevel):
             return []
         removed = []
         for step in self.committed()[:-keep]:
-            if step not in protect:  # the commit object first: never seen half-deleted
-                delete_checkpoint(self.step(step), everything=True)
+            if step not in protect:
+                self.remove(step)
                 removed.append(step)
         return removed
 
     def remove(self, step: int) -> None:
-        delete_checkpoint(self.step(step))
+        """The step's commit object first (never seen half-deleted), then everything under its
+        prefix; a commit object that does not parse goes the same way."""
+        where = self.step(step)
+        try:
+            delete_checkpoint(where, everything=True)
+        except NotACheckpointError:
+            where.delete([COMMIT_NAME])
+            where.delete([k for k, _ in where.list()])
 
     def clean_leftovers(self) -> None:
         """Nothing to do on the restore's path: an uncommitted prefix is invisible, and
@@ -167,23 +182,7 @@ class BucketLevel(SharedLevel):
         parallel); a step without one, or with an object missing or of another size, raises
         :class:`LoadFailedError` (damage) on every rank, so the restore tries the next older
         copy. A store that cannot be read raises it too, as a storage failure."""
-        verdict: dict[str, Any] = {}
-        if comm.rank == 0:
-            try:
-                found = read_commit(location)
-                if found is None:
-                    verdict["error"] = f"{location.url}: no commit object (never committed)"
-                else:
-                    bad = missing_objects(location, found)
-                    if bad:
-                        verdict["error"] = (
-                            f"{location.url}: {len(bad)} object(s) missing or of another "
-                            f"size: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
-                        )
-                    else:
-                        verdict["commit"] = found.to_bytes().decode()
-            except CkptError as exc:
-                verdict["failure"] = RankFailure.of(exc, "load-open").to_json()
+        verdict = _check_step(location) if comm.rank == 0 else {}
         verdict = comm.bcast_json(verdict)
         if "failure" in verdict:  # the store answered nothing usable: not damage
             raise LoadFailedError(
@@ -197,6 +196,28 @@ class BucketLevel(SharedLevel):
             )
         found = Commit.from_bytes(verdict["commit"].encode(), location.key_url(COMMIT_NAME))
         return location.key_url(found.save_id), _object_source(location, found)
+
+
+def _check_step(location: Bucket) -> dict[str, Any]:
+    """Rank 0's look at a step before it is loaded: ``{"commit": <its bytes>}``, or ``{"error":
+    why}`` (no commit object, one that does not parse, objects missing or of another size:
+    damage), or ``{"failure": ...}`` (the store did not answer)."""
+    try:
+        found = read_commit(location)
+        if found is None:
+            return {"error": f"{location.url}: no commit object (never committed)"}
+        bad = missing_objects(location, found)
+    except NotACheckpointError as exc:
+        return {"error": str(exc)}
+    except CkptError as exc:
+        return {"failure": RankFailure.of(exc, "load-open").to_json()}
+    if bad:
+        more = " ..." if len(bad) > 5 else ""
+        return {
+            "error": f"{location.url}: {len(bad)} object(s) missing or of another size: "
+            f"{', '.join(bad[:5])}{more}"
+        }
+    return {"commit": found.to_bytes().decode()}
 
 
 def _object_source(location: Bucket, found: Commit) -> Files:
