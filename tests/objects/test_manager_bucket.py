@@ -314,3 +314,28 @@ def test_list_levels_of_a_bucket_root_shows_each_steps_state(tmp_path: Path, s3:
         and key in doc["steps"]["2"]["level3"]
     )
     assert doc["steps"]["3"]["level3"] == "not committed"
+
+
+def test_a_commit_object_that_does_not_parse_is_refused_and_retention_removes_it(
+    tmp_path: Path, s3: S3
+) -> None:
+    mgr = _mgr(tmp_path, s3)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.close()
+    _wipe_level1(tmp_path)
+    key = f"run/{step_dir_name(2)}/ckptfmt-commit.json"
+    s3.server.client().put_object(Bucket=s3.bucket, Key=key, Body=b"{not json")
+    state = _template()
+    with pytest.warns(ckptfmt.CheckpointWarning, match="fell back to step 1"):
+        report = _mgr(tmp_path, s3).restore(state)
+    assert (report.step, report.level) == (1, 3)
+    assert_state_equal(state, _state(1))
+    [why] = [t for t in report.tried if "step 2 level 3" in t]
+    assert "ckptfmt-commit.json" in why and "not JSON" in why, why
+    mgr = _mgr(tmp_path, s3)
+    mgr.prune(keep_shared=1)  # step 2 is the newest, broken or not: step 1 goes
+    assert _steps_on_bucket(s3) == [2] and s3.keys(f"run/{step_dir_name(1)}/") == []
+    mgr.delete(2, levels=[3])  # a commit object that does not parse is removed all the same
+    assert s3.keys(f"run/{step_dir_name(2)}/") == []
+    mgr.close(flush=False)
