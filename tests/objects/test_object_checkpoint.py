@@ -6,6 +6,8 @@ resized object, no commit object), each detected and named."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +265,26 @@ def test_a_large_state_round_trips(s3: S3) -> None:
     ckptfmt.save(state, url, write=WriteOptions(chunk_bytes=24, shard_bytes=96, fsync=False))
     assert_state_equal(ckptfmt.load(url), state)
     assert ckptfmt.verify(url).healthy
+
+
+def test_without_the_cloud_extra_a_url_says_what_to_install(tmp_path: Path) -> None:
+    """The core imports without obstore; a URL then raises CloudNotInstalledError (a usage
+    error) naming the extra, in a process where obstore cannot be imported."""
+    program = (
+        "import sys; sys.modules['obstore'] = None\n"
+        "import numpy as np, ckptfmt\n"
+        "for call in (lambda: ckptfmt.load('s3://b/x'), lambda: ckptfmt.open('s3://b/x'),\n"
+        "             lambda: ckptfmt.save({'w': np.ones(2)}, 's3://b/x')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ckptfmt.errors.UsageError as exc:\n"
+        "        print(type(exc).__name__, exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 3, out.stdout
+    assert all("CloudNotInstalledError" in x and "ckptfmt[cloud]" in x for x in lines)
+    assert list(tmp_path.iterdir()) == []
