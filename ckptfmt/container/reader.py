@@ -22,6 +22,7 @@ from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     AllocationLimitError,
     CkptError,
+    DamagedError,
     MetadataMismatchError,
     MissingFileError,
     NotACheckpointError,
@@ -45,7 +46,7 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.storage.files import Files, Inside, physical_memory
-from ckptfmt.storage.objects.source import latest_url
+from ckptfmt.storage.objects.source import ObjectInside, latest_url
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.steps import StepRef, list_step_dirs
@@ -206,9 +207,13 @@ def _read_inner(
     chunks = [np.empty(geo.chunk_shape, dtype=geo.dtype) for _ in want]
     if want:
         targets = [byte_view(c) for c in chunks]
-        read_chunks(
-            src, geo, ref, cell, [s.slot for s in want], targets, len(want) == len(slots), tensors
-        )
+        whole = len(want) == len(slots)
+        try:
+            read_chunks(src, geo, ref, cell, [s.slot for s in want], targets, whole, tensors)
+        except DamagedError as exc:
+            if isinstance(src, ObjectInside):
+                raise src.at_key(exc) from None
+            raise
     return list(zip(want, chunks))
 
 

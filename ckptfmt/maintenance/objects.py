@@ -19,7 +19,6 @@ from typing import Any
 from ckptfmt.container.reader import Checkpoint
 from ckptfmt.container.reader import read_manifest as read_local_manifest
 from ckptfmt.errors import (
-    CkptError,
     DamagedError,
     DestinationExistsError,
     NotACheckpointError,
@@ -87,11 +86,7 @@ def open_source(url: str, storage_options: StorageOptions = None) -> tuple[Manif
 
 def at_key(exc: DamagedError, src: ObjectInside) -> DamagedError:
     """``exc`` (about a path relative to the checkpoint) made to name the object's URL."""
-    if "://" not in exc.path and exc.path:
-        exc.path = src.key_url(exc.path)
-        affected = f" (affects {', '.join(exc.tensors)})" if exc.tensors else ""
-        CkptError.__init__(exc, f"{exc.path}: {exc.reason}{affected}")
-    return exc
+    return src.at_key(exc)
 
 
 # --- verify ------------------------------------------------------------------------------------

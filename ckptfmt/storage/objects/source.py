@@ -16,7 +16,13 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from ckptfmt.errors import MissingFileError, NotACheckpointError, SizeMismatchError
+from ckptfmt.errors import (
+    CkptError,
+    DamagedError,
+    MissingFileError,
+    NotACheckpointError,
+    SizeMismatchError,
+)
 from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
@@ -83,6 +89,15 @@ class ObjectInside:
     def key_url(self, rel: str) -> str:
         """The URL of the object ``rel`` (what messages name)."""
         return self.objects.key_url(rel)
+
+    def at_key(self, exc: DamagedError) -> DamagedError:
+        """``exc``, about an object named relative to the checkpoint, made to name its URL (a
+        reader of a bucket wants the key to look at, not a path under no directory)."""
+        if exc.path and "://" not in exc.path:
+            exc.path = self.key_url(exc.path)
+            affected = f" (affects {', '.join(exc.tensors)})" if exc.tensors else ""
+            CkptError.__init__(exc, f"{exc.path}: {exc.reason}{affected}")
+        return exc
 
     def _listed(self, rel: str, tensors: Sequence[str] = ()) -> int:
         size = self._sizes.get(rel)
