@@ -354,7 +354,7 @@ class CheckpointMixin(_Base):
             return None
         tree: dict[str, Any] | None = None
         if managed and self.ckptfmt.managed:  # the manager's levels first: level 1, rebuilt
-            report = self._manager(ck.parent).restore()
+            report = self._manager(str(self.args.output_dir)).restore()
             if report.step == step and report.state is not None:
                 tree = dict(report.state)
         if tree is None:
