@@ -11,6 +11,7 @@ create-only (``spec/FORMAT.md``, "Checkpoints in object storage").
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 from ckptfmt.container.reader import Checkpoint
 from ckptfmt.container.reader import read_manifest as read_local_manifest
 from ckptfmt.errors import (
+    CkptError,
     DamagedError,
     DestinationExistsError,
     NotACheckpointError,
@@ -164,15 +166,29 @@ def publish(bucket: Bucket, staged: Path, manifest: Manifest, *, overwrite: bool
     """Upload the checkpoint directory ``staged`` (every file, by its path relative to it) under
     ``U/<save_id>/`` (``bucket`` is ``U``; the save id is the manifest's), then commit it: with
     ``overwrite``, the old commit object is deleted first, then its objects, then the new commit
-    is written create-only. Until that put nothing new is visible; a failure before it leaves
-    only objects under a prefix no commit names (``ckptfmt gc`` removes them)."""
+    is written create-only. Until that put nothing new is visible; a failed upload deletes
+    what it put (best effort: what a lost store keeps, no commit names, and ``ckptfmt gc``
+    removes)."""
     files = sorted((p.relative_to(staged).as_posix(), p) for p in staged.rglob("*") if p.is_file())
-    refs = upload_files(bucket, manifest.save_id, files)
+    try:
+        refs = upload_files(bucket, manifest.save_id, files)
+    except BaseException:
+        _forget(bucket, manifest.save_id)
+        raise
     commit = Commit(manifest.save_id, manifest.step, refs)
     if overwrite:
         delete_checkpoint(bucket)
     write_commit(bucket, commit)
     return commit
+
+
+def _forget(bucket: Bucket, save_id: str) -> None:
+    """Best effort after a failed upload (never after the commit put, whose outcome may be
+    unknown): delete what this save put under ``U/<save_id>/``; when the store is out of reach
+    that fails too, and ``ckptfmt gc`` removes the prefix later."""
+    target = bucket.child(save_id)
+    with contextlib.suppress(CkptError, OSError):
+        target.delete([k for k, _ in target.list("")])
 
 
 def publish_dir(
