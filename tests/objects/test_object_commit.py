@@ -10,7 +10,9 @@ import os
 from pathlib import Path
 
 import crc32c
+import jsonschema
 import pytest
+from kit import REPO
 from kit.s3 import S3
 
 from ckptfmt.errors import DestinationExistsError, NotACheckpointError
@@ -63,6 +65,7 @@ def test_the_commit_object_lists_every_object_with_size_and_crc(s3: S3, tmp_path
         .read()
     )
     assert body["format"] == "ckptfmt-commit" and body["version"] == 1
+    jsonschema.validate(body, json.loads((REPO / "spec" / "commit.schema.json").read_text()))
     assert body["save_id"] == commit.save_id and body["step"] is None
     keys = [o["key"] for o in body["objects"]]
     assert keys == sorted(keys) == ["b/c/0", "ckptfmt.json", "w/c/0"]
