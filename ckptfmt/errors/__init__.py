@@ -11,7 +11,8 @@ still be done; the CLI's exit status follows from it (``spec/CLI.md``, "Exit sta
 * collective (:class:`CollectiveError`, ``collective.py``): a collective operation failed on
   some ranks, or the ranks fell out of step -> 3;
 * storage (:class:`StorageError`, ``storage.py``): the file system refused a path ckptfmt was
-  given (not a directory, read-only, permission denied, full); also an ``OSError`` -> 3.
+  given (not a directory, read-only, permission denied, full), or an object store a request
+  after its retries (:class:`ObjectStoreError`); also an ``OSError`` -> 3.
 
 A class in two families takes the first in its bases (``ManifestChecksumError`` is damage,
 ``DestinationUnwritableError`` usage). Fields name one idea each, the same in every class:
