@@ -86,6 +86,7 @@ def test_checkpoint_layout_and_rotation(tmp_path: Path) -> None:
     assert AutoConfig.from_pretrained(ck).n_embd == 32  # HF's tools read the config
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_like_hfs_own(
     tmp_path: Path, reference: dict[str, np.ndarray]
 ) -> None:
