@@ -91,6 +91,10 @@ def test_failures_name_the_key(s3: S3, tmp_path: Path) -> None:
     assert (stale.value.status, stale.value.op, stale.value.path) == (412, "PUT", f"{s3.url}/p/k")
     assert isinstance(stale.value, StorageError)
     assert b.put("k", b"3", if_match=etag) != etag and b.get("k") == b"3"
+    nobucket = Bucket.at("s3://ckptfmt-no-such-bucket/p")
+    with pytest.raises(ObjectStoreError, match="no such bucket") as gone:
+        nobucket.list()
+    assert gone.value.status == 404 and gone.value.path == "s3://ckptfmt-no-such-bucket/p"
 
 
 def test_a_40_mib_file_goes_in_parts_with_its_crc(s3: S3, tmp_path: Path) -> None:

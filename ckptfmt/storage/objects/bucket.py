@@ -40,6 +40,7 @@ from ckptfmt.errors import (
     DestinationExistsError,
     MissingFileError,
     ObjectStoreError,
+    StorageError,
     UsageError,
 )
 from ckptfmt.storage.objects.url import join_key, split_url
@@ -107,7 +108,9 @@ class Retries:
     ``max_retries`` retries of one request at most, backing off from ``init_backoff`` (doubling,
     with jitter) up to ``max_backoff``; none started later than ``retry_timeout`` after the first
     try. ``connect_timeout`` bounds a connection's setup, ``timeout`` one request whole (a part of
-    a multipart upload is one request). Each may also be given in ``storage_options`` under its
+    a multipart upload is one request; a whole-object GET of a large shard too, hence generous),
+    ``read_timeout`` a stall while an answer is read (a dead connection found long before
+    ``timeout``). Each may also be given in ``storage_options`` under its
     own name (a number of seconds, as text or number)."""
 
     max_retries: int = 10
@@ -115,7 +118,8 @@ class Retries:
     max_backoff: float = 5.0
     retry_timeout: float = 90.0
     connect_timeout: float = 5.0
-    timeout: float = 60.0
+    timeout: float = 120.0
+    read_timeout: float = 30.0
 
     def retry_config(self) -> dict[str, Any]:
         return {
@@ -132,6 +136,7 @@ class Retries:
         return {
             "connect_timeout": timedelta(seconds=self.connect_timeout),
             "timeout": timedelta(seconds=self.timeout),
+            "read_timeout": timedelta(seconds=self.read_timeout),
         }
 
 
@@ -397,11 +402,11 @@ class Bucket:
         tmp = path.with_name(f".{path.name}.part-{os.getpid()}-{threading.get_ident()}")
         crc = 0
         try:
-            with self._failing("GET", key), open(tmp, "wb") as f:
+            with open(tmp, "wb") as f, self._failing("GET", key):
                 self._count("GET")
                 result = obstore.get(self._store, self._full(key))
                 for piece in result.stream(min_chunk_size=8 << 20):
-                    f.write(piece)
+                    _write(f, piece, tmp)
                     crc = crc32c(piece, crc)
             os.replace(tmp, path)
         finally:
@@ -504,6 +509,8 @@ def translate(exc: BaseException, url: str, op: str) -> Exception:
     name = type(exc).__name__
     text = str(exc)
     status = _status_of(text)
+    if "NoSuchBucket" in text:
+        return ObjectStoreError(url, op, status, "no such bucket")
     if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
         return MissingFileError(url, reason="missing: no such object")
     if name == "AlreadyExistsError":
@@ -523,6 +530,14 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).split("\n\nDebug source:")[0].strip()
     text = re.sub(r"<\?xml.*", "", text, flags=re.DOTALL).strip().rstrip(":")
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _write(f: Any, piece: bytes, path: Path) -> None:
+    """Write a downloaded piece; a local failure (a full disk) is the file system's error."""
+    try:
+        f.write(piece)
+    except OSError as exc:
+        raise StorageError.of(exc, str(path)) from exc
 
 
 def _number(key: str, value: Any) -> float | int:
