@@ -29,7 +29,13 @@ pytest.importorskip("accelerate")
 import torch
 import transformers
 from _hf_worker import build, final_state, model_and_args, run
-from ckptfmt_torch.hf import CheckpointMixin, CheckpointOptions, is_complete, last_checkpoint
+from ckptfmt_torch.hf import (
+    CheckpointMixin,
+    CheckpointOptions,
+    Trainer,
+    is_complete,
+    last_checkpoint,
+)
 from kit import REPO
 from kit.faults import flip
 from kit.launch import assert_ok, run_torchrun, with_kit_path
@@ -274,3 +280,33 @@ def test_levels_local_and_shared(tmp_path: Path, reference: dict[str, np.ndarray
     assert list((tmp_path / "local").glob("*/step-*"))
     resumed = final_state(run(tmp_path / "out", resume=True, **kw))
     assert_same(reference, resumed)
+
+
+@pytest.mark.slow
+def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path) -> None:
+    """HF's best-model bookkeeping as it is: the best checkpoint survives the rotation and its
+    weights (from ckptfmt) are the model's at the end."""
+    model, _, data = model_and_args(tmp_path)
+    args = transformers.TrainingArguments(
+        str(tmp_path),
+        max_steps=3 * SAVE,
+        save_steps=SAVE,
+        eval_steps=SAVE,
+        eval_strategy="steps",
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,  # the first evaluation's (highest) loss: not the last checkpoint
+        save_total_limit=1,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{SAVE}")
+    assert checkpoints(tmp_path) == [f"checkpoint-{SAVE}"]
+    best = ckptfmt.load(tmp_path / f"checkpoint-{SAVE}" / "ckptfmt")["model"]
+    for name, p in trainer.model.state_dict().items():
+        if name in best:
+            assert np.array_equal(best[name], p.numpy()), name
