@@ -13,7 +13,9 @@ just the request line, the headers and the body's framing); a client points at i
   default), then reset the connection (RST: ``SO_LINGER`` 0), nothing reaching the server;
 * :meth:`down` / :meth:`up`: the server is gone: every new connection, and every request on an
   open one, is reset at once; then back;
-* :meth:`flip_byte`: flip one byte in the body of GET answers for keys containing a string.
+* :meth:`flip_byte`: flip one byte in the body of GET answers for keys containing a string;
+* :meth:`drop_answer`: pass the next ``n`` matching requests on, then reset the connection
+  instead of relaying the server's answer (the request took effect; the client never hears).
 
 :attr:`S3Proxy.requests` counts the requests relayed or answered, by method; :attr:`faults`
 the faults injected, by rule. ``Expect: 100-continue`` is not supported (obstore never sends it).
@@ -39,7 +41,7 @@ SLOWDOWN_BODY = (
 
 @dataclass
 class _Rule:
-    kind: str  # "slowdown", "reset", "flip"
+    kind: str  # "slowdown", "reset", "flip", "drop"
     left: int | None  # None: every matching request
     method: str | None = None
     path_contains: str | None = None
@@ -175,6 +177,14 @@ class S3Proxy:
         ``key_contains``: the next ``n``, or every one when ``n`` is None."""
         self._add(_Rule("flip", n, "GET", key_contains))
 
+    def drop_answer(
+        self, n: int, method: str | None = None, path_contains: str | None = None
+    ) -> None:
+        """Pass the next ``n`` matching requests to the server, then reset the connection in
+        place of its answer: the request took effect, and the client sees a dropped
+        connection (as when a load balancer or the network fails after the server acted)."""
+        self._add(_Rule("drop", n, method, path_contains))
+
     def down(self) -> None:
         """The server is gone: reset every connection, open or new, until :meth:`up`."""
         with self._lock:
@@ -289,6 +299,9 @@ class S3Proxy:
         u.sock.sendall(head + body)
         answer = u.until(b"\r\n\r\n")
         if answer is None:
+            return False
+        if self._take("drop", method, path, length) is not None:
+            _reset(c.sock)
             return False
         status_line, rfields = _headers(answer)
         status = int(status_line.split(" ")[1])

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 from kit import REPO
 from kit.s3 import S3
+from kit.s3_proxy import S3Proxy
 
 from ckptfmt.errors import DestinationExistsError, NotACheckpointError
 from ckptfmt.storage.objects import (
@@ -238,3 +239,41 @@ def test_gc_aborts_unfinished_multipart_uploads(s3: S3) -> None:
     assert result.aborted == [up["Key"]]
     left = client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])
     assert [u["UploadId"] for u in left] == [elsewhere["UploadId"]]
+
+
+def test_a_commit_whose_answer_was_lost_is_read_back(
+    s3: S3, s3_proxy: S3Proxy, tmp_path: Path
+) -> None:
+    """The server stores the commit object but its answer is lost. The library does not retry a
+    conditional put once sent (it may have acted), so write_commit reads the object back, finds
+    its own save id, and the commit stands: no error, one PUT, one commit object."""
+    bucket = Bucket.at(f"{s3.url}/ckpt", {"init_backoff": 0.01})
+    save_id = new_save_id()
+    refs = upload_files(bucket, save_id, _files(tmp_path, {"a": 10}))
+    s3_proxy.drop_answer(1, method="PUT", path_contains=COMMIT_NAME)
+    write_commit(bucket, Commit(save_id, None, refs))
+    assert s3_proxy.faults["drop"] == 1
+    commit_puts = [p for m, p in s3_proxy.seen if m == "PUT" and COMMIT_NAME in p]
+    assert commit_puts == [f"/{s3.bucket}/ckpt/{COMMIT_NAME}"]
+    assert read_commit(bucket).save_id == save_id  # type: ignore[union-attr]
+
+
+def test_a_commit_put_cut_short_is_put_again(s3: S3, s3_proxy: S3Proxy, tmp_path: Path) -> None:
+    """The connection drops in the commit put's body (nothing stored): the read finds no commit
+    object, and the put is made again."""
+    bucket = Bucket.at(f"{s3.url}/ckpt", {"init_backoff": 0.01})
+    save_id = new_save_id()
+    refs = upload_files(bucket, save_id, _files(tmp_path, {"a": 10}))
+    s3_proxy.reset_mid_body(1, path_contains=COMMIT_NAME)
+    write_commit(bucket, Commit(save_id, None, refs))
+    assert s3_proxy.faults["reset"] == 1
+    assert read_commit(bucket).save_id == save_id  # type: ignore[union-attr]
+
+
+def test_a_pointer_move_whose_answer_was_lost_is_read_again(s3: S3, s3_proxy: S3Proxy) -> None:
+    root = Bucket.at(f"{s3.url}/run", {"init_backoff": 0.01})
+    move_latest(root, 1, new_save_id())
+    newer = new_save_id()
+    s3_proxy.drop_answer(1, method="PUT", path_contains=LATEST_NAME)
+    move_latest(root, 2, newer)  # no error: the reread shows the pointer at this save
+    assert read_latest(root) == (2, newer) and s3_proxy.faults["drop"] == 1

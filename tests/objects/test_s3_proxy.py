@@ -78,3 +78,11 @@ def test_flip_byte_changes_one_byte_of_matching_gets(s3: S3, s3_proxy: S3Proxy) 
     s3_proxy.flip_byte("shard")
     ranged = bytes(obstore.get_range(store, "ckpt/shard", start=100, length=10))
     assert ranged != data[100:110] and sum(a != b for a, b in zip(ranged, data[100:110])) == 1
+
+
+def test_drop_answer_lets_the_request_act_and_hides_the_answer(s3: S3, s3_proxy: S3Proxy) -> None:
+    s3_proxy.drop_answer(1, method="PUT")
+    with pytest.raises(Exception, match=r"(?i)error sending request|connection|reset"):
+        obstore.put(_store(s3), "k", b"acted")
+    assert s3_proxy.faults["drop"] == 1
+    assert bytes(obstore.get(_store(s3), "k").bytes()) == b"acted"

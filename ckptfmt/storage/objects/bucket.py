@@ -6,11 +6,14 @@ without it and a URL user without it is told what to install (:class:`CloudNotIn
 
 Retries and timeouts are the library's own, set explicitly (:class:`Retries`): a failed request
 is retried with exponential backoff and jitter on a 5xx answer (S3's ``503 SlowDown`` included),
-a connection refused or dropped (also in the middle of a PUT body: object_store marks its PUTs
-and multipart parts idempotent and re-sends them whole) and a timeout, up to ``max_retries``
-times and never past ``retry_timeout`` after the first try; a multipart upload retries each part
-on its own. What still fails raises :class:`ObjectStoreError` naming the key's URL, the request
-and the HTTP status, so no request waits longer than about ``retry_timeout + timeout``.
+a connection refused or dropped (also in the middle of a PUT body: object_store marks its plain
+PUTs and multipart parts idempotent and re-sends them whole) and a timeout, up to
+``max_retries`` times and never past ``retry_timeout`` after the first try; a multipart upload
+retries each part on its own. A conditional put (``create_only``, ``if_match``) whose request
+went out is *not* re-sent after a dropped connection, since it may have acted: its caller reads
+the object back (:func:`.commit.write_commit`, :func:`.commit.move_latest` do). What still
+fails raises :class:`ObjectStoreError` naming the key's URL, the request and the HTTP status,
+so no request waits longer than about ``retry_timeout + timeout``.
 
 Settings come, highest first, from ``storage_options`` (keys as obstore and fsspec spell them:
 ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``, ``region``,

@@ -42,6 +42,8 @@ COMMIT_NAME = "ckptfmt-commit.json"
 LATEST_NAME = "ckptfmt-latest.json"
 COMMIT_FORMAT = "ckptfmt-commit"
 COMMIT_VERSION = 1
+COMMIT_ATTEMPTS = 4
+"""Create-only puts of a commit object whose outcome stayed unknown, each followed by a read."""
 LATEST_ATTEMPTS = 8
 """Conditional moves of the latest pointer tried before giving up (each 412 means another writer
 moved it in between: it is read again)."""
@@ -178,13 +180,23 @@ def write_commit(bucket: Bucket, commit: Commit) -> None:
     """Write the commit object of ``U`` (``bucket``), create-only: the checkpoint appears.
 
     A 412 (an object is there) is answered by reading it back: the same save id means this
-    commit is in (the 412 answered the library's retry of a put whose first answer was lost);
-    another raises :class:`DestinationExistsError` naming the save id that is there."""
-    try:
-        bucket.put(COMMIT_NAME, commit.to_bytes(), create_only=True)
-        return
-    except DestinationExistsError:
-        pass
+    commit is in (the 412 answered a retry of a put whose first answer was lost); another raises
+    :class:`DestinationExistsError` naming the save id that is there. A put whose outcome is
+    unknown (no answer, or a 5xx: the library does not retry a conditional put once sent, since
+    it may have acted) is also read back, and put again when nothing is there, up to
+    :data:`COMMIT_ATTEMPTS` times."""
+    body = commit.to_bytes()
+    for attempt in range(COMMIT_ATTEMPTS):
+        try:
+            bucket.put(COMMIT_NAME, body, create_only=True)
+            return
+        except DestinationExistsError:
+            break
+        except ObjectStoreError as exc:
+            if (exc.status is not None and exc.status < 500) or attempt + 1 == COMMIT_ATTEMPTS:
+                raise
+            if read_commit(bucket) is not None:
+                break
     there = read_commit(bucket)
     if there is not None and there.save_id == commit.save_id:
         return
@@ -282,7 +294,8 @@ def move_latest(root: Bucket, step: int, save_id: str) -> bool:
     """Point the latest pointer of ``root`` at ``step`` (committed with ``save_id``), never
     backwards: a pointer already at a newer step is left (returns False), as is one at this very
     save. Created create-only when absent, else replaced on the etag just read; a 412 (another
-    writer moved it in between) reads it again, :data:`LATEST_ATTEMPTS` times at most."""
+    writer moved it in between) reads it again, :data:`LATEST_ATTEMPTS` times at most, as does a
+    put whose outcome is unknown (no answer, 5xx: the library does not retry conditional puts)."""
     body = _latest_bytes(step, save_id)
     for _ in range(LATEST_ATTEMPTS):
         try:
@@ -304,7 +317,8 @@ def move_latest(root: Bucket, step: int, save_id: str) -> bool:
             root.put(LATEST_NAME, body, if_match=etag)
             return True
         except ObjectStoreError as exc:
-            if exc.status != 412:
+            # 412: moved in between; no answer or a 5xx: it may have acted. Read it again.
+            if exc.status is not None and exc.status != 412 and exc.status < 500:
                 raise
     raise ObjectStoreError(
         root.key_url(LATEST_NAME),
