@@ -12,8 +12,10 @@ zeroed first). DCP deduplicates the replicated tensors (each written by one rank
 spreads them evenly over the ranks: both write the state once.
 
 Run it as ``.venv/bin/python bench/bench_integrations.py`` (it launches itself under
-``torchrun``); results go to ``bench/results/integrations.json`` and a Markdown table to stdout
-and ``bench/results/integrations.md``. See bench/README.md (``bench_integrations.py``).
+``torchrun``); ``--framework lightning`` and ``--framework hf`` run the Lightning and Hugging Face
+Trainer measurements instead (``integrations_lightning.py``, ``integrations_hf.py``). DCP's
+results go to ``bench/results/integrations.json`` and a Markdown table to stdout and
+``bench/results/integrations.md``. See bench/README.md (``bench_integrations.py``).
 """
 
 from __future__ import annotations
@@ -154,7 +156,29 @@ def report(part: dict[str, Any], args: argparse.Namespace, wall: float) -> dict[
     }
 
 
+FRAMEWORKS = ("dcp", "lightning", "hf")
+"""``--framework``: DCP's plugin (this module), Lightning's CheckpointIO
+(``integrations_lightning.py``) or the Hugging Face Trainer (``integrations_hf.py``); each of the
+other two takes its own flags (``--framework lightning --help``)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--framework", choices=FRAMEWORKS, default="dcp")
+    chosen, rest = pick.parse_known_args(argv)
+    if chosen.framework == "lightning":
+        import integrations_lightning
+
+        return integrations_lightning.main(rest)
+    if chosen.framework == "hf":
+        import integrations_hf
+
+        return integrations_hf.main(rest)
+    return main_dcp(rest)
+
+
+def main_dcp(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -174,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.dir).mkdir(parents=True)
     data, wall, load_start = launch(
         __file__,
-        argv if argv is not None else sys.argv[1:],
+        argv,
         args.ranks,
         args.timeout,
         Path(args.dir + ".part.json"),
