@@ -111,8 +111,13 @@ class BucketLevel(SharedLevel):
         return []
 
     def record(self, local_dir: str | None, nodes: list[str]) -> None:
+        """Rank 0 alone, after the start's check: a failure is logged, not raised (the
+        other ranks have gone on; the record only serves ``ckptfmt list``)."""
         doc = {"local_dir": local_dir, "nodes": sorted(set(nodes))}
-        self.root.put(LEVELS_FILE, json.dumps(doc, indent=1).encode())
+        try:
+            self.root.put(LEVELS_FILE, json.dumps(doc, indent=1).encode())
+        except CkptError as exc:
+            log.warning("could not record the levels at %s: %s", self.root.url, exc)
 
     def committed(self) -> list[int]:
         """Every step under the root with a commit object, oldest first (a LIST and a HEAD per
@@ -123,7 +128,7 @@ class BucketLevel(SharedLevel):
 
     def newest(self) -> list[int] | None:
         """The step the latest pointer names, when its commit object is there (one GET of
-        the pointer, one of the commit); None when the pointer is missing or names a step that
+        the pointer, one HEAD of the commit); None when the pointer is missing or names a step that
         no longer commits (the caller then LISTs: :meth:`committed`)."""
         latest = read_latest(self.root)
         if latest is None:
