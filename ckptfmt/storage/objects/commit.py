@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptfmt.checksum import crc32c
 from ckptfmt.errors import (
     DestinationExistsError,
     MissingFileError,
@@ -170,8 +171,6 @@ def upload_files(
 
 def put_bytes(bucket: Bucket, save_id: str, rel: str, data: bytes) -> ObjectRef:
     """Write ``data`` (metadata, a manifest) to ``U/<save_id>/<rel>`` in one PUT; its ref."""
-    from ckptfmt.checksum import crc32c
-
     bucket.child(save_id).put(rel, data)
     return ObjectRef(rel, len(data), crc32c(data))
 
