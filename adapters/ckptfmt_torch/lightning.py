@@ -60,10 +60,10 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.format import WriteOptions
-from ckptfmt.manifest.limits import check_component
+from ckptfmt.manifest import check_component
 from ckptfmt.parallel import CheckpointManager
 from ckptfmt.plan import ReadOptions
-from ckptfmt.storage import commit
+from ckptfmt.storage import is_committed, remove_committed
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import Objects
 from ckptfmt_torch.checkpoint import load, save
@@ -230,8 +230,8 @@ class CheckpointIO(_CheckpointIO):
                 self._pending[str(target)] = -1
         if target.is_symlink() or target.is_file():
             target.unlink()
-        elif commit.is_committed(target):
-            commit.remove(target)
+        elif is_committed(target):
+            remove_committed(target)
         elif target.exists():
             raise UsageError(f"{target} is not a ckptfmt checkpoint; it is left as it is")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ckptfmt.manifest.codec import MANIFEST_NAME, dump_manifest, parse_manifest
 from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.limits import check_component, display
 from ckptfmt.manifest.model import (
     GroupEntry,
     Manifest,
@@ -17,6 +17,7 @@ from ckptfmt.manifest.model import (
 from ckptfmt.manifest.values import decode_value, encode_value
 
 __all__ = [
+    "check_component",
     "decode_value",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_SHARD_BYTES",

@@ -5,6 +5,8 @@ operations that move bytes; a committed checkpoint in a bucket, read as a direct
 
 from __future__ import annotations
 
+from ckptfmt.storage.commit import is_committed
+from ckptfmt.storage.commit import remove as remove_committed
 from ckptfmt.storage.files import Inside, fsync_dir
 from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
 from ckptfmt.storage.objects.source import ObjectInside, open_committed
@@ -18,6 +20,7 @@ __all__ = [
     "expand",
     "fsync_dir",
     "Inside",
+    "is_committed",
     "is_spread",
     "is_url",
     "is_template",
@@ -29,6 +32,7 @@ __all__ = [
     "Progress",
     "ProgressCallback",
     "refuse_url",
+    "remove_committed",
     "step_dir_name",
     "StepRef",
 ]
