@@ -128,8 +128,9 @@ def rank_main(args: argparse.Namespace) -> None:
     requests: dict[str, dict[str, int]] = {}
 
     def timed(name: str, fn: Any, keep: bool = True) -> Any:
-        quiet_barrier(mpi)
+        # the log settles before the barrier: waiting for it after would start rank 0 last
         start_log = log_end(log) if rank == 0 else 0
+        quiet_barrier(mpi)
         t0 = time.perf_counter()
         out = fn()
         quiet_barrier(mpi)

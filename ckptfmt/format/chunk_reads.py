@@ -90,6 +90,10 @@ def read_chunks(
     size = ref.size
     with src.open_exact(ref.path, ref.size, tensors) as handle:
         nb = geo.chunk_nbytes + CRC_BYTES
+        if 0 < size <= handle.read_batch and 2 * len(slots) * nb >= size:
+            # an object in a bucket read mostly: one GET of it whole, not the index's and then
+            # the chunks' (each request a round trip); every check below runs as before
+            handle.prefetch()
         if not geo.shape:  # 0-d: the element and its CRC, no index
             spans = [(0, nb)]
             index_read = 0

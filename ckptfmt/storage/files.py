@@ -226,6 +226,12 @@ class ReadHandle(Protocol):
         the file ends first."""
         ...
 
+    def prefetch(self) -> None:
+        """Fetch the whole file now, in one request, for a reader about to read most of it;
+        later reads are served from what it fetched. Nothing for a local file (whose reads
+        cost no round trip); a reader calls it only when ``read_batch`` holds the file."""
+        ...
+
     def close(self) -> None: ...
 
     def __enter__(self) -> ReadHandle: ...
@@ -256,6 +262,9 @@ class FileHandle:
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
+
+    def prefetch(self) -> None:
+        pass
 
     def close(self) -> None:
         if self.fd >= 0:

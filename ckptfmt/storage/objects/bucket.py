@@ -304,6 +304,15 @@ class Bucket:
                 obstore.get_range(self._store, self._full(key), start=start, length=length)
             )
 
+    def get_view(self, key: str) -> memoryview:
+        """The whole object ``key`` (one GET) as a read-only view of the library's own buffer:
+        no copy, for a reader that verifies and places the bytes itself. Raises
+        :class:`MissingFileError` when it is absent."""
+        obstore = self._lib()
+        with self._failing("GET", key):
+            self._count("GET")
+            return memoryview(obstore.get(self._store, self._full(key)).bytes())
+
     def read_into(self, key: str, offset: int, views: Sequence[memoryview]) -> int:
         """Fill ``views``, in order, with the bytes of ``key`` from ``offset`` on, in one ranged
         GET; returns the bytes filled (less than the views hold where the object ends early)."""
