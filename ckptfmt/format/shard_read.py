@@ -174,6 +174,8 @@ def _read_shard_fast(
     bucket, the handle's ``read_batch`` bytes of chunks per request."""
     size = ref.size
     with src.open_exact(ref.path, ref.size, tensors) as handle:
+        if 0 < size <= handle.read_batch:  # an object in a bucket: one GET of it whole
+            handle.prefetch()
         index_blob = b""
         if not geo.shape:
             slots: list[ChunkSlot] = [ChunkSlot(0, (), (), False)]

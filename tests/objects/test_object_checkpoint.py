@@ -129,7 +129,7 @@ def test_load_reads_each_shard_in_one_request(s3: S3) -> None:
     requests = ckpt._src.objects.requests  # type: ignore[union-attr]
     requests.clear()
     ckpt["w"].read()
-    assert requests == {"GET": 2}  # the index, then every chunk at once
+    assert requests == {"GET": 1}  # the shard object whole: its index and every chunk
 
 
 def test_flipped_byte_in_a_shard_object_is_named(s3: S3) -> None:
