@@ -5,7 +5,9 @@ save id whose prefix ``U/<save_id>/`` holds every object, and each object's size
 ``format`` and ``container`` take an :class:`ObjectInside` where they take a directory: a path
 relative to the checkpoint's root is the key relative to ``U/<save_id>/``. Nothing is LISTed;
 sizes come from the commit (no request); a read is a ranged GET of just the bytes asked for, so
-indexing one tensor of ``ckptfmt.open`` fetches the shard index and the inner chunks it needs.
+indexing one tensor of ``ckptfmt.open`` fetches the shard index and the inner chunks it needs. A
+reader that wants most of a shard object (a load, a restore) asks for it whole instead
+(:meth:`ObjectHandle.prefetch`): one GET, index and chunks checked from the same buffer.
 
 An object the commit does not list is absent to this reader, whatever the bucket holds.
 """
