@@ -283,8 +283,10 @@ def test_export_streams_within_about_one_shard(tmp_path: Path) -> None:
 
     grew = _peak_rss_growth(export("a", max_shard_size="4MiB"))
     assert len(os.listdir(tmp_path / "a")) == 12 + 1
-    control = _peak_rss_growth(lambda: ckptfmt.load(src))  # the measure sees 48 MiB held
-    assert grew < 16 << 20 < 40 << 20 < control, (grew, control)
+    # the control: loading holds all 48 MiB, and the measure sees most of it (a process that
+    # ran large tests before keeps freed heap pages resident, which hide a part of the growth)
+    control = _peak_rss_growth(lambda: ckptfmt.load(src))
+    assert grew < 16 << 20 < 24 << 20 < control and control > 4 * grew, (grew, control)
 
     def cast_peak(out: str, **kw: Any) -> int:  # a cast reads each tensor into memory first
         tracemalloc.start()
