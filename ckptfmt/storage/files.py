@@ -15,7 +15,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 from ckptfmt.errors import (
     CkptError,
@@ -244,7 +244,25 @@ class ReadHandle(Protocol):
     ) -> None: ...
 
 
-class FileHandle:
+class ClosedOnExit:
+    """``with handle:`` closes the handle at the block's end (the handles' shared mix-in)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class FileHandle(ClosedOnExit):
     """A :class:`ReadHandle` over a local file's descriptor (``os.pread`` / ``os.preadv``);
     it owns the descriptor and closes it once."""
 
@@ -270,17 +288,6 @@ class FileHandle:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
-
-    def __enter__(self) -> FileHandle:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 @runtime_checkable

@@ -15,7 +15,6 @@ An object the commit does not list is absent to this reader, whatever the bucket
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from ckptfmt.errors import (
     NotACheckpointError,
     SizeMismatchError,
 )
+from ckptfmt.storage.files import ClosedOnExit
 from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
@@ -43,7 +43,7 @@ READ_BATCH = 64 << 20
 request costs a round trip; 64 MiB holds a default 16 MiB shard whole)."""
 
 
-class ObjectHandle:
+class ObjectHandle(ClosedOnExit):
     """One object of a checkpoint, read with ranged GETs (a ``storage.files.ReadHandle``):
     :meth:`pread` is one GET of those bytes, :meth:`read_into` one GET filling the views; after
     :meth:`prefetch`, both are served from the object fetched whole. Holds no connection, so
@@ -88,17 +88,6 @@ class ObjectHandle:
 
     def close(self) -> None:
         self._whole = None
-
-    def __enter__(self) -> ObjectHandle:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class ObjectInside:
