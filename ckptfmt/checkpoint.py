@@ -29,11 +29,20 @@ from ckptfmt.container.reader import (
     read_manifest,
     tensor_reads,
 )
-from ckptfmt.errors import DamagedError, PerRankWarning, StorageFullError, UsageError
+from ckptfmt.errors import (
+    DamagedError,
+    MissingFileError,
+    PerRankWarning,
+    SizeMismatchError,
+    StorageFullError,
+    UsageError,
+)
 from ckptfmt.format.options import WriteOptions
+from ckptfmt.format.zarr_meta import documents
 from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Source, open_whole
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
 from ckptfmt.manifest.model import (
     GroupEntry,
@@ -42,6 +51,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
+from ckptfmt.parallel.load import REMOTE_READS
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
@@ -223,9 +233,10 @@ def load(
     and nothing is unpickled.
 
     ``path`` may be the URL of a checkpoint in a bucket (``s3://bucket/run/ckpt``): its commit
-    object is read, every object it lists HEADed (one missing or of another size:
-    :class:`NotACheckpointError` naming it), then the objects read with ranged GETs, every
-    chunk's CRC32C checked (damage names the object's URL). ``storage_options`` as for
+    object is read, then every object it lists (one GET of a shard object up to 64 MiB, ranged
+    GETs of a larger one), each answer's stated size checked against the commit (one missing or
+    of another size: :class:`NotACheckpointError` naming it) and every chunk's CRC32C checked
+    (damage names the object's URL). ``storage_options`` as for
     :func:`save`.
     """
     return load_with_manifest(
@@ -306,7 +317,13 @@ def _load(
         try:
             check_documents(objects, manifest)
             check_allocation(manifest.tensors(), max_bytes)
-            return _read_all(manifest, objects, read.threads, progress), manifest
+            leaves = _read_all(manifest, objects, max(read.threads, REMOTE_READS), progress)
+            covered = {MANIFEST_NAME, *documents(manifest), *(f.path for _, f in manifest.files())}
+            for check in objects.presence_checks(covered, 0, 1):  # what the commit lists besides
+                check()
+            return leaves, manifest
+        except (MissingFileError, SizeMismatchError) as exc:
+            raise objects.not_whole(exc) from None
         except DamagedError as exc:
             raise in_bucket.at_key(exc, objects) from None
     _no_options(storage_options, path)

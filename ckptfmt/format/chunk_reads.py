@@ -90,10 +90,13 @@ def read_chunks(
     size = ref.size
     with src.open_exact(ref.path, ref.size, tensors) as handle:
         nb = geo.chunk_nbytes + CRC_BYTES
+        batch = max(_BATCH, handle.read_batch)
         if 0 < size <= handle.read_batch and 2 * len(slots) * nb >= size:
             # an object in a bucket read mostly: one GET of it whole, not the index's and then
-            # the chunks' (each request a round trip); every check below runs as before
+            # the chunks' (each request a round trip); every check below runs as before, on
+            # copies out of memory as small as a local file's reads (each CRC'd while cached)
             handle.prefetch()
+            batch = _BATCH
         if not geo.shape:  # 0-d: the element and its CRC, no index
             spans = [(0, nb)]
             index_read = 0
@@ -116,7 +119,6 @@ def read_chunks(
                     )
                 spans.append((off, n))
         crcs = [bytearray(CRC_BYTES) for _ in slots]
-        batch = max(_BATCH, handle.read_batch)
         data_crc = FileCrc()
         got: list[int] = []
         i = 0

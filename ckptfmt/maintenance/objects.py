@@ -81,8 +81,10 @@ def open_url(url: str, storage_options: StorageOptions = None) -> Checkpoint:
 
 
 def open_source(url: str, storage_options: StorageOptions = None) -> tuple[Manifest, ObjectInside]:
-    """The manifest and files of the checkpoint at ``url`` (``ckptfmt.load``'s reads)."""
-    src = open_committed(url, storage_options)
+    """The manifest and files of the checkpoint at ``url`` (``ckptfmt.load``'s reads): no HEAD
+    pass, since a load that reads every object checks each by reading it; what it does not
+    read, ``ObjectInside.presence_checks`` checks."""
+    src = open_committed(url, storage_options, check=False)
     return read_manifest(src), src
 
 

@@ -183,10 +183,12 @@ class BucketLevel(SharedLevel):
     def open_step(self, comm: Comm, location: Any, expect_step: int) -> tuple[Any, Files | None]:
         """Collective (a broadcast from rank 0): the URL of the step's checkpoint (its
         ``<save_id>/`` prefix) and a source reading its objects. Rank 0 reads the commit
-        object and checks that every object it lists is there with its size (HEADs in
-        parallel); a step without one, or with an object missing or of another size, raises
-        :class:`LoadFailedError` (damage) on every rank, so the restore tries the next older
-        copy. A store that cannot be read raises it too, as a storage failure."""
+        object; a step without one raises :class:`LoadFailedError` (damage) on every rank, so
+        the restore tries the next older copy. A store that cannot be read raises it too, as
+        a storage failure. That every object the commit lists is there with its size is
+        checked by the load, beside its reads (``ObjectInside.presence_checks``): an object
+        missing or of another size fails the load as damage, and the restore goes on to the
+        next older copy all the same, without a HEAD pass before the first read."""
         verdict = _check_step(location) if comm.rank == 0 else {}
         verdict = comm.bcast_json(verdict)
         if "failure" in verdict:  # the store answered nothing usable: not damage
@@ -205,23 +207,16 @@ class BucketLevel(SharedLevel):
 
 def _check_step(location: Bucket) -> dict[str, Any]:
     """Rank 0's look at a step before it is loaded: ``{"commit": <its bytes>}``, or ``{"error":
-    why}`` (no commit object, one that does not parse, objects missing or of another size:
-    damage), or ``{"failure": ...}`` (the store did not answer)."""
+    why}`` (no commit object, or one that does not parse: damage), or ``{"failure": ...}``
+    (the store did not answer)."""
     try:
         found = read_commit(location)
         if found is None:
             return {"error": f"{location.url}: no commit object (never committed)"}
-        bad = missing_objects(location, found)
     except NotACheckpointError as exc:
         return {"error": str(exc)}
     except CkptError as exc:
         return {"failure": RankFailure.of(exc, "load-open").to_json()}
-    if bad:
-        more = " ..." if len(bad) > 5 else ""
-        return {
-            "error": f"{location.url}: {len(bad)} object(s) missing or of another size: "
-            f"{', '.join(bad[:5])}{more}"
-        }
     return {"commit": found.to_bytes().decode()}
 
 

@@ -42,11 +42,20 @@ import numpy as np
 from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
 from ckptfmt.errors import PerRankWarning
 from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
+from ckptfmt.format.zarr_meta import documents
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import GroupEntry, Manifest, PerRankValueEntry, TensorEntry, ValueEntry
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.load_open import open_copies
-from ckptfmt.parallel.load_read import allocate, plan_load, read_local, transfer
+from ckptfmt.parallel.load_read import (
+    add_presence_checks,
+    allocate,
+    files_read,
+    plan_load,
+    read_local,
+    transfer,
+)
 from ckptfmt.plan import per_rank as rules
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.reads import Box
@@ -137,9 +146,14 @@ def _read_everything(
     same_host = sum(1 for i in info if i["host"] == info[comm.rank]["host"])
     b = Boundary(comm, "load", manifest.step, error=LoadFailedError, seq=seq)
     errors: list[BaseException] = []
+    lock = threading.Lock()
     with b.guard("load-allocate"):
-        bufs = allocate(comm.rank, src, plans, errors, threading.Lock(), into or {})
+        bufs = allocate(comm.rank, src, plans, errors, lock, into or {})
         current_meter().expect(bufs.work(comm.rank, plans))
+        # open_copies read the manifest and (each rank its share) every zarr.json
+        covered = files_read(plans) | {MANIFEST_NAME} | set(documents(manifest))
+        checks = src.presence_checks(covered, comm.rank, comm.size)
+        add_presence_checks(bufs, checks, errors, lock)
     b.vote("load-allocate")
     threads = max(1, read.threads // same_host)
     if remote:  # requests in flight, not a disk's queue, set the pace of a bucket

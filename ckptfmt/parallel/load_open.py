@@ -84,7 +84,7 @@ def open_copies(
     allgather of the declarations, then (when some rank has no copy) the broadcast of the
     manifest from the first rank that has one. ``root`` is a directory, or, where ``src``
     reads objects of a bucket, the URL that names them in messages."""
-    own = _open_own(root, src, expect_step, node)
+    own = _open_own(root, src, expect_step, node, (comm.rank, comm.size))
     info = comm.allgather_json(
         {
             "key": ["load", expect_step, seq],
@@ -111,9 +111,17 @@ def open_copies(
     return manifest, info
 
 
-def _open_own(root: Path | str, src: Files, expect_step: int | None, node: str | None) -> _Own:
+def _open_own(
+    root: Path | str,
+    src: Files,
+    expect_step: int | None,
+    node: str | None,
+    share: tuple[int, int],
+) -> _Own:
     """Local: open this rank's copy; any failure is kept for the vote, never raised (a rank
-    leaving would leave its peers waiting in the allgather)."""
+    leaving would leave its peers waiting in the allgather). A node's directory is its own
+    copy, whose documents each of its ranks checks; the one copy in a bucket has its
+    documents checked by every rank its ``share`` (rank, ranks) of them, not each all."""
     own = _Own()
     try:
         if isinstance(root, Path):
@@ -121,7 +129,8 @@ def _open_own(root: Path | str, src: Files, expect_step: int | None, node: str |
         else:  # committed objects: the commit object said the manifest is there
             own.data = src.read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
         own.manifest = parse_manifest(own.data, f"{root}/{MANIFEST_NAME}")
-        check_documents(src, own.manifest)  # this node's zarr.json copies too (FORMAT.md §10)
+        # this node's zarr.json copies too (FORMAT.md §10)
+        check_documents(src, own.manifest, (0, 1) if isinstance(root, Path) else share)
         if expect_step is not None and own.manifest.step != expect_step:
             own.error = RankFailure(
                 "",

@@ -166,6 +166,35 @@ def _destination(given: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np
     return np.empty(shape, dtype=dtype)
 
 
+def files_read(plans: list[LoadPlan]) -> set[str]:
+    """The paths of the shard files some rank reads (the same on every rank)."""
+    out: set[str] = set()
+    for p in plans:
+        for t in p.route.tasks:
+            out.add(p.t.regions[t.file.region].files[t.file.file].path)
+    return out
+
+
+def add_presence_checks(
+    bufs: Buffers,
+    checks: list[Callable[[], None]],
+    errors: list[BaseException],
+    lock: threading.Lock,
+) -> None:
+    """Put ``checks`` (``Files.presence_checks``) first among this rank's read jobs, so that
+    their requests run beside the reads; what they find is damage, voted on with the reads'."""
+
+    def run(check: Callable[[], None]) -> None:
+        try:
+            check()
+        except Exception as exc:  # damage, or the store's failure: voted on by the caller
+            with lock:
+                errors.append(exc)
+
+    bufs.jobs[:0] = [functools.partial(run, c) for c in checks]
+    bufs.job_bytes[:0] = [0] * len(checks)
+
+
 def read_local(bufs: Buffers, threads: int) -> None:
     """Step 3b (local): this rank's reads; damage is collected by the jobs, anything else
     raises (the caller's boundary records it). Each job is counted on the load's progress

@@ -12,7 +12,8 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
@@ -315,6 +316,16 @@ class Files(Protocol):
         """Raise a DamagedError unless ``rel`` holds ``size`` bytes."""
         ...
 
+    def presence_checks(
+        self, read: AbstractSet[str], rank: int, ranks: int
+    ) -> list[Callable[[], None]]:
+        """Checks a collective load runs beside its reads, each raising a DamagedError: that
+        the files of the checkpoint no rank's reads touch (``read``: the paths every rank's
+        reads cover, the same on every rank) are there whole, this rank's share of ``ranks``.
+        None where opening the checkpoint checked every file already, or where a missing file
+        that nobody reads does not matter (a local directory)."""
+        ...
+
 
 class Inside:
     """Opens files of one checkpoint for reading, refusing any that resolve outside its root.
@@ -396,6 +407,14 @@ class Inside:
             os.close(fd)
             raise SizeMismatchError(rel, size, actual, tensors)
         return FileHandle(fd)
+
+    def presence_checks(
+        self, read: AbstractSet[str], rank: int, ranks: int
+    ) -> list[Callable[[], None]]:
+        """None: a directory holds no list of what it should hold beyond the manifest, whose
+        files the load reads (a level-1 copy is checked by its reads, a missing file it does not
+        read changes nothing that is loaded)."""
+        return []
 
     def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
         """Raise a DamagedError unless ``rel`` is a regular file of ``size`` bytes."""

@@ -58,8 +58,10 @@ def test_requests_and_answers(s3: S3, tmp_path: Path) -> None:
     assert b.get_tagged("a/k") == (b"hello world", etag)
     assert b.head("a/k") == 11 and b.head("a/none") is None and b.stat("a/k") == (11, etag)
     assert b.get_range("a/k", 6, 5) == b"world"
+    assert b.get_range_sized("a/k", 6, 50) == (b"world", 11)  # the answer states the size
     views = [memoryview(bytearray(3)), memoryview(bytearray(4))]
-    assert b.read_into("a/k", 2, views) == 7 and [bytes(v) for v in views] == [b"llo", b" wor"]
+    assert b.read_into("a/k", 2, views) == (7, 11)  # bytes filled, the object's size
+    assert [bytes(v) for v in views] == [b"llo", b" wor"]
     b.put("a/b/c", b"1")
     b.put("x", b"22")
     assert b.list() == [("a/b/c", 1), ("a/k", 11), ("x", 2)]

@@ -183,6 +183,8 @@ def test_the_latest_pointer_is_read_and_the_bucket_listed_only_when_needed(
     bucket.requests.clear()
     assert mgr.restore(_template()).step == 2
     assert bucket.requests["LIST"] == 0, bucket.requests  # the pointer said where
+    # one HEAD (the pointer's commit object): the objects are checked by reading them
+    assert bucket.requests["HEAD"] == 1, bucket.requests
     # without a pointer, rank 0 lists the steps
     s3.server.client().delete_object(Bucket=s3.bucket, Key="run/ckptfmt-latest.json")
     bucket.requests.clear()

@@ -295,14 +295,16 @@ class Bucket:
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``key`` from offset ``start`` (one ranged GET); fewer only where
         the object ends before."""
+        return self.get_range_sized(key, start, length)[0]
+
+    def get_range_sized(self, key: str, start: int, length: int) -> tuple[bytes, int]:
+        """:meth:`get_range`, and the size of the whole object, which the answer to a ranged
+        GET states (``Content-Range``): a reader of part of an object learns its size without
+        a HEAD. ``length`` 0 asks for nothing and gives size -1."""
         if length <= 0:
-            return b""
-        obstore = self._lib()
-        with self._failing("GET", key):
-            self._count("GET")
-            return bytes(
-                obstore.get_range(self._store, self._full(key), start=start, length=length)
-            )
+            return b"", -1
+        data, size = self._ranged(key, start, length)
+        return bytes(data), size
 
     def get_view(self, key: str) -> memoryview:
         """The whole object ``key`` (one GET) as a read-only view of the library's own buffer:
@@ -313,18 +315,14 @@ class Bucket:
             self._count("GET")
             return memoryview(obstore.get(self._store, self._full(key)).bytes())
 
-    def read_into(self, key: str, offset: int, views: Sequence[memoryview]) -> int:
+    def read_into(self, key: str, offset: int, views: Sequence[memoryview]) -> tuple[int, int]:
         """Fill ``views``, in order, with the bytes of ``key`` from ``offset`` on, in one ranged
-        GET; returns the bytes filled (less than the views hold where the object ends early)."""
+        GET; returns the bytes filled (less than the views hold where the object ends early)
+        and the size of the whole object (-1 when the views hold nothing)."""
         total = sum(v.nbytes for v in views)
         if total == 0:
-            return 0
-        obstore = self._lib()
-        with self._failing("GET", key):
-            self._count("GET")
-            data = memoryview(
-                obstore.get_range(self._store, self._full(key), start=offset, length=total)
-            )
+            return 0, -1
+        data, size = self._ranged(key, offset, total)
         pos = 0
         for view in views:
             n = min(view.nbytes, len(data) - pos)
@@ -332,7 +330,16 @@ class Bucket:
                 break
             view.cast("B")[:n] = data[pos : pos + n]
             pos += n
-        return pos
+        return pos, size
+
+    def _ranged(self, key: str, start: int, length: int) -> tuple[memoryview, int]:
+        obstore = self._lib()
+        with self._failing("GET", key):
+            self._count("GET")
+            got = obstore.get(
+                self._store, self._full(key), options={"range": (start, start + length)}
+            )
+            return memoryview(got.bytes()), int(got.meta["size"])
 
     def head(self, key: str) -> int | None:
         """The size of ``key``, None when there is no such object."""

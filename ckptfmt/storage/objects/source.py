@@ -14,7 +14,9 @@ An object the commit does not list is absent to this reader, whatever the bucket
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -51,31 +53,36 @@ class ObjectHandle(ClosedOnExit):
 
     read_batch = READ_BATCH
 
-    def __init__(self, bucket: Bucket, key: str, size: int) -> None:
+    def __init__(self, bucket: Bucket, key: str, size: int, tensors: Sequence[str] = ()) -> None:
         self.bucket, self.key, self.size = bucket, key, size
+        self.tensors = tuple(tensors)
         self._whole: memoryview | None = None
 
     def prefetch(self) -> None:
         """Fetch the object whole in one GET, kept as the library returned it (no copy): a
         reader that wants most of an object then pays one round trip, not one for the index
-        and one per batch of chunks. Only its listed ``size`` bytes are read, as with ranged
-        GETs; an object shorter than listed shows as :class:`EOFError` on a read past its end."""
+        and one per batch of chunks. An object of another size than listed raises
+        :class:`SizeMismatchError`: the GET shows its size, which no HEAD then has to."""
         if self._whole is None:
-            self._whole = self.bucket.get_view(self.key)[: self.size]
+            whole = self.bucket.get_view(self.key)
+            self._check(len(whole))  # the GET's length is the object's
+            self._whole = whole
 
     def pread(self, n: int, offset: int) -> bytes:
         n = max(0, min(n, self.size - offset))
         if self._whole is not None:
             return bytes(self._whole[offset : offset + n])
-        return self.bucket.get_range(self.key, offset, n)
+        data, size = self.bucket.get_range_sized(self.key, offset, n)
+        self._check(size)
+        return data
 
     def read_into(self, views: Sequence[memoryview], offset: int) -> None:
         want = sum(v.nbytes for v in views)
         if not want:
             return
         if self._whole is None:
-            if self.bucket.read_into(self.key, offset, views) < want:
-                raise EOFError
+            _, size = self.bucket.read_into(self.key, offset, views)
+            self._check(size)
             return
         if offset + want > len(self._whole):
             raise EOFError
@@ -86,17 +93,27 @@ class ObjectHandle(ClosedOnExit):
             np.copyto(np.frombuffer(view, np.uint8), src[pos : pos + n])
             pos += n
 
+    def _check(self, size: int) -> None:
+        """Every answer states the object's size: another than listed is damage, whichever
+        part was read (no HEAD needed to see an object cut short or grown)."""
+        if size >= 0 and size != self.size:
+            raise SizeMismatchError(self.key, self.size, size, self.tensors)
+
     def close(self) -> None:
         self._whole = None
 
 
 class ObjectInside:
     """The files of the checkpoint committed at ``bucket`` (``U``) by ``commit``, for the
-    readers (a ``storage.files.Files``). ``root`` is the URL of ``U/<save_id>``."""
+    readers (a ``storage.files.Files``). ``root`` is the URL of ``U/<save_id>``. ``checked``:
+    every listed object was HEADed when the checkpoint was opened (:func:`open_committed`);
+    without it, a collective load checks the objects it does not read beside its reads
+    (:meth:`presence_checks`) and the ones it reads by reading them."""
 
-    def __init__(self, bucket: Bucket, commit: Commit) -> None:
+    def __init__(self, bucket: Bucket, commit: Commit, *, checked: bool = False) -> None:
         self.bucket = bucket
         self.commit = commit
+        self.checked = checked
         self.objects = bucket.child(commit.save_id)
         self._sizes = commit.sizes()
 
@@ -117,6 +134,20 @@ class ObjectInside:
             CkptError.__init__(exc, f"{exc.path}: {exc.reason}{affected}")
         return exc
 
+    def not_whole(self, exc: MissingFileError | SizeMismatchError) -> NotACheckpointError:
+        """What a reader of the whole checkpoint raises when a read finds a listed object
+        missing or of another size: as :func:`open_committed`'s HEADs would have said."""
+        if isinstance(exc, SizeMismatchError) and exc.actual != exc.expected:
+            why = f"size {exc.actual}, the commit says {exc.expected}"
+        elif isinstance(exc, SizeMismatchError):
+            why = "of another size than the commit says"
+        else:
+            why = "missing"
+        key = exc.path if "://" in exc.path else self.key_url(exc.path)
+        return NotACheckpointError(
+            self.bucket.url, f"the commit lists objects that are not whole: {key} {why}"
+        )
+
     def _listed(self, rel: str, tensors: Sequence[str] = ()) -> int:
         size = self._sizes.get(rel)
         if size is None:
@@ -125,18 +156,22 @@ class ObjectInside:
 
     def read(self, rel: str, limit: int) -> bytes:
         """Up to ``limit`` bytes of ``rel`` (one GET); :class:`MissingFileError` (a
-        FileNotFoundError) when the commit does not list it or the bucket lacks it."""
+        FileNotFoundError) when the commit does not list it or the bucket lacks it,
+        :class:`SizeMismatchError` when a read of it whole finds another size."""
         size = self._listed(rel)
         if size == 0:
             return self.objects.get(rel)[:limit]  # a GET all the same: is it there?
         # one byte more than listed, to see an object longer than its commit says
-        return self.objects.get_range(rel, 0, min(limit, size + 1))
+        data, actual = self.objects.get_range_sized(rel, 0, min(limit, size + 1))
+        if actual != size:
+            raise SizeMismatchError(rel, size, actual)
+        return data
 
     def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> ObjectHandle:
         """``rel``, which the commit must list with ``size`` bytes, for ranged reads (no request
         yet). An object shorter than listed shows as :class:`EOFError` on a read."""
         self.check_size(rel, size, tuple(tensors))
-        return ObjectHandle(self.objects, rel, size)
+        return ObjectHandle(self.objects, rel, size, tensors)
 
     def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
         """Raise a DamagedError unless the commit lists ``rel`` with ``size`` bytes (no request:
@@ -144,6 +179,28 @@ class ObjectInside:
         listed = self._listed(rel, tensors)
         if listed != size:
             raise SizeMismatchError(rel, size, listed, tensors)
+
+    def presence_checks(
+        self, read: AbstractSet[str], rank: int, ranks: int
+    ) -> list[Callable[[], None]]:
+        """One HEAD per object the commit lists and no rank's reads cover (``read``), this
+        rank's share (every ``ranks``-th in key order, from ``rank``): each raises
+        :class:`MissingFileError` or :class:`SizeMismatchError` naming the key's URL. The
+        objects that are read need none: the answer to every GET, ranged or whole, states the
+        object's size, which each read compares with the listed one. None when the open HEADed
+        them all."""
+        if self.checked:
+            return []
+        rest = sorted(k for k in self._sizes if k not in read)[rank::ranks]
+        return [functools.partial(self._check_present, key) for key in rest]
+
+    def _check_present(self, rel: str) -> None:
+        size = self.objects.head(rel)
+        listed = self._sizes[rel]
+        if size is None:
+            raise self.at_key(MissingFileError(rel, (), f"missing: listed in {COMMIT_NAME}"))
+        if size != listed:
+            raise self.at_key(SizeMismatchError(rel, listed, size))
 
 
 def open_committed(
@@ -174,7 +231,7 @@ def open_committed(
             raise NotACheckpointError(
                 bucket.url, f"the commit lists objects that are not whole: {shown}{more}"
             )
-    return ObjectInside(bucket, commit)
+    return ObjectInside(bucket, commit, checked=check)
 
 
 def latest_url(root_url: str, storage_options: Mapping[str, Any] | None = None) -> StepRef | None:
