@@ -11,13 +11,22 @@ below, each goes first every other round):
   flight; rank 0 the metadata and manifest; commit object; latest pointer);
 * ``obstore_put``: the same files read and put with plain ``obstore.put``, 8 in flight per rank
   (no verification, no commit): the ceiling the flush is held against (target >= 0.8x);
-* ``ckptfmt_restore``: what the manager's restore does on level 3 (rank 0 reads the commit and
-  HEADs its objects, every rank ranged-GETs the chunks of its rows through ``ObjectInside``,
-  every CRC checked);
+* ``ckptfmt_restore``: what the manager's restore does on level 3 (rank 0 reads the commit,
+  every rank GETs the shard objects of its rows through ``ObjectInside``, every object's size
+  and every CRC checked), into the arrays of the state being restored (a training job's model
+  and optimizer exist when it restores: ``CheckpointManager.restore(into=True)``, the torch
+  adapter's ``restore(into=True)``);
+* ``ckptfmt_restore_fresh``: the same into new arrays (``into=False``, the default), which
+  pays for first touching 512 MiB of new memory per rank (see ``touch_new_memory``);
 * ``obstore_get``: each rank GETs the same objects whole with plain ``obstore.get``, 8 in
   flight (target >= 0.8x);
 * ``download_then_load``: the other way a restore could go: each rank downloads the objects it
   needs into a local directory (``Bucket.download``, 8 in flight), then loads from it.
+
+* ``touch_new_memory`` (not a restore): the time to write one byte per page of a new 512 MiB
+  array on each rank, what new memory costs here at that moment; on this VM it swings from
+  ~0.05 s to over 1 s (memory the host reclaimed is faulted back in), which no reader of a
+  bucket can help.
 
 Then, under ``torchrun`` on the same server, ``dcp_save``: ``torch.distributed.checkpoint.save``
 of the same 2 x 512 MiB through ``FsspecWriter("s3://...")`` (s3fs), ``thread_count=8``, and
@@ -84,6 +93,22 @@ def count_requests(log: Path, start: int, end: int) -> tuple[dict[str, int], int
     return dict(out), end
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all its threads."""
+    t = os.times()
+    return t.user + t.system
+
+
+def server_cpu_seconds() -> float:
+    """The S3 server's user + system CPU seconds so far (``/proc``), 0 where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{os.environ['BENCH_SERVER_PID']}/stat").read_text().rsplit(")", 1)[1]
+        utime, stime = fields.split()[11:13]
+    except (KeyError, OSError, ValueError):
+        return 0.0
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
 def log_end(log: Path) -> int:
     """The end of the server's log once it stops growing (it logs a request after answering)."""
     size = -1
@@ -120,23 +145,28 @@ def rank_main(args: argparse.Namespace) -> None:
     mine = rows // size
     data = np.random.default_rng(rank).standard_normal((mine, COLS), dtype=np.float32)
     state = {"w": Shard(data, (rank * mine, 0), (rows, COLS))}
+    model = np.ones_like(data)  # the state a restore writes into: it exists, its pages touched
     work = Path(args.work)
     url = f"s3://{args.bucket}"
     store = from_url(url)  # the AWS_* environment: the same server and credentials
     log = Path(args.server_log)
     results: dict[str, list[float]] = {}
+    cpu: dict[str, list[list[float]]] = {}  # per round: [the ranks' CPU s, the server's CPU s]
     requests: dict[str, dict[str, int]] = {}
 
     def timed(name: str, fn: Any, keep: bool = True) -> Any:
         # the log settles before the barrier: waiting for it after would start rank 0 last
         start_log = log_end(log) if rank == 0 else 0
         quiet_barrier(mpi)
-        t0 = time.perf_counter()
+        t0, c0, s0 = time.perf_counter(), cpu_seconds(), server_cpu_seconds()
         out = fn()
         quiet_barrier(mpi)
         dt = time.perf_counter() - t0
+        used = mpi.allreduce(cpu_seconds() - c0)  # every rank's threads, barriers' waits included
+        served = server_cpu_seconds() - s0
         if keep:  # round 0 warms the connections, the allocator and the server up
             results.setdefault(name, []).append(dt)
+            cpu.setdefault(name, []).append([used, served])
         if rank == 0:
             requests[name], _ = count_requests(log, start_log, log_end(log))
         return out
@@ -191,15 +221,22 @@ def rank_main(args: argparse.Namespace) -> None:
         step_bucket = root.child(step_dir_name(rep))
         box = ((rank * mine, 0), (mine, COLS))
 
-        def restore() -> Any:
+        def restore(fresh: bool = False) -> Any:
             where, src = level.open_step(comm, step_bucket, rep)  # noqa: B023
-            got, _ = load_collective(comm, where, {"w": box}, rep, source=src)  # noqa: B023
+            into = None if fresh else {"w": model}
+            got, _ = load_collective(comm, where, {"w": box}, rep, source=src, into=into)  # noqa: B023
             return got
 
         def restore_checked() -> None:
-            got = restore()
-            if got["w"].tobytes() != data.tobytes():
-                raise SystemExit(f"rank {rank}: the restored rows differ")
+            model.fill(0)
+            for fresh in (False, True):
+                got = restore(fresh)
+                if got["w"].tobytes() != data.tobytes():
+                    raise SystemExit(f"rank {rank}: the restored rows differ")
+
+        def touch_new_memory() -> None:
+            fresh = np.empty(data.nbytes, np.uint8)
+            fresh[::4096] = 1
 
         def download_then_load() -> None:
             """The alternative to reading through ObjectInside: each rank downloads the
@@ -220,12 +257,14 @@ def rank_main(args: argparse.Namespace) -> None:
             load_collective(comm, dl, {"w": box}, rep, node=f"n{rank}")  # noqa: B023
 
         plain_keys = [f"plain/{rep}/{k}" for k, _ in my_files if "/c/" in k]
-        trio = [
+        cases = [
             ("ckptfmt_restore", restore),
             ("obstore_get", lambda: get_keys(plain_keys)),  # noqa: B023
+            ("ckptfmt_restore_fresh", lambda: restore(fresh=True)),
             ("download_then_load", download_then_load),
+            ("touch_new_memory", touch_new_memory),
         ]
-        for name, fn in trio[rep % 3 :] + trio[: rep % 3]:  # each goes first in turn
+        for name, fn in cases[rep % 5 :] + cases[: rep % 5]:  # each goes first in turn
             timed(name, fn, keep)
         shutil.rmtree(work / f"dl-{rank}", ignore_errors=True)
         restore_checked()  # untimed: the bytes are the saved ones
@@ -242,7 +281,7 @@ def rank_main(args: argparse.Namespace) -> None:
     total = sum(f.size for _, f in manifest.files())
     if rank == 0:
         Path(args.part).write_text(
-            json.dumps({"seconds": results, "requests": requests, "bytes": total})
+            json.dumps({"seconds": results, "cpu": cpu, "requests": requests, "bytes": total})
         )
 
 
@@ -337,6 +376,7 @@ def run(args: argparse.Namespace) -> None:
             "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
             "AWS_ALLOW_HTTP": "true",
             "PYTHONPATH": str(REPO),
+            "BENCH_SERVER_PID": str(server.pid),
         }
         import boto3
 
@@ -371,6 +411,10 @@ def report(args: argparse.Namespace, mine: dict[str, Any], dcp: dict[str, Any]) 
     requests = {**mine["requests"], **dcp["requests"]}
     nbytes = mine["bytes"]
     med = {k: statistics.median(v) for k, v in seconds.items()}
+    cpu_med = {  # the mpiexec cases only (the ranks' and the server's CPU seconds)
+        k: [statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)]
+        for k, v in mine.get("cpu", {}).items()
+    }
     doc = {
         "what": "level 3 on a local S3 server (moto 5, one process): flush and restore of a "
         f"{nbytes / 2**30:.2f} GiB checkpoint by 2 ranks vs plain obstore and DCP+s3fs",
@@ -380,10 +424,12 @@ def report(args: argparse.Namespace, mine: dict[str, Any], dcp: dict[str, Any]) 
         "seconds": seconds,
         "median_s": med,
         "median_mib_s": {k: nbytes / 2**20 / v for k, v in med.items()},
+        "median_cpu_s_ranks_server": cpu_med,
         "ratios": {
             "flush_vs_obstore_put": med["obstore_put"] / med["ckptfmt_flush"],
             "flush_vs_dcp_save": med["dcp_save"] / med["ckptfmt_flush"],
             "restore_vs_obstore_get": med["obstore_get"] / med["ckptfmt_restore"],
+            "restore_fresh_vs_obstore_get": med["obstore_get"] / med["ckptfmt_restore_fresh"],
             "restore_vs_dcp_load": med["dcp_load"] / med["ckptfmt_restore"],
             "restore_vs_download_then_load": med["download_then_load"] / med["ckptfmt_restore"],
         },
@@ -397,8 +443,9 @@ def report(args: argparse.Namespace, mine: dict[str, Any], dcp: dict[str, Any]) 
         f"{doc['what']}; {doc['machine']}; {args.reps} rounds, medians. Ratio: the baseline's "
         "time over ckptfmt's (> 1: ckptfmt faster).",
         "",
-        "| operation | median s | MiB/s | requests (PUT/GET/HEAD/LIST/DELETE) |",
-        "|---|---|---|---|",
+        "| operation | median s | MiB/s | CPU s: ranks / server "
+        "| requests (PUT/GET/HEAD/LIST/DELETE) |",
+        "|---|---|---|---|---|",
     ]
     for k in [
         "ckptfmt_flush",
@@ -406,12 +453,16 @@ def report(args: argparse.Namespace, mine: dict[str, Any], dcp: dict[str, Any]) 
         "dcp_save",
         "ckptfmt_restore",
         "obstore_get",
+        "ckptfmt_restore_fresh",
         "download_then_load",
         "dcp_load",
+        "touch_new_memory",
     ]:
         r = requests.get(k, {})
         counts = "/".join(str(r.get(x, 0)) for x in ("PUT", "GET", "HEAD", "LIST", "DELETE"))
-        lines.append(f"| {k} | {med[k]:.2f} | {nbytes / 2**20 / med[k]:.0f} | {counts} |")
+        used = cpu_med.get(k)
+        busy = f"{used[0]:.2f} / {used[1]:.2f}" if used else "-"
+        lines.append(f"| {k} | {med[k]:.2f} | {nbytes / 2**20 / med[k]:.0f} | {busy} | {counts} |")
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.2f}x |" for k, v in doc["ratios"].items()]
     (HERE / "results" / "object_store.md").write_text("\n".join(lines) + "\n")
