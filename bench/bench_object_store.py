@@ -8,7 +8,8 @@ barrier to a barrier (the slowest rank; a first round warms up and is not counte
 below, each goes first every other round):
 
 * ``ckptfmt_flush``: ``flush_to_bucket`` (each rank reads, verifies and puts its files, 8 in
-  flight; rank 0 the metadata and manifest; commit object; latest pointer);
+  flight, and its share of the zarr.json documents; rank 0 the manifest; commit object; latest
+  pointer);
 * ``obstore_put``: the same files read and put with plain ``obstore.put``, 8 in flight per rank
   (no verification, no commit): the ceiling the flush is held against (target >= 0.8x);
 * ``ckptfmt_restore``: what the manager's restore does on level 3 (rank 0 reads the commit,

@@ -51,7 +51,6 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.parallel.load import REMOTE_READS
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
@@ -317,7 +316,9 @@ def _load(
         try:
             check_documents(objects, manifest)
             check_allocation(manifest.tensors(), max_bytes)
-            leaves = _read_all(manifest, objects, max(read.threads, REMOTE_READS), progress)
+            leaves = _read_all(
+                manifest, objects, max(read.threads, objects.reads_in_flight), progress
+            )
             covered = {MANIFEST_NAME, *documents(manifest), *(f.path for _, f in manifest.files())}
             for check in objects.presence_checks(covered, 0, 1):  # what the commit lists besides
                 check()

@@ -11,7 +11,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,11 +99,19 @@ def check_documents(src: Files, manifest: Manifest, share: tuple[int, int] = (0,
     """Check every ``zarr.json`` of the checkpoint in ``src`` (``ckptfmt.load`` does, so that a
     damaged metadata document is found by a load as by ``verify``); raises the first problem,
     a :class:`DamagedError` naming the file. ``share`` ``(i, n)``: only every ``n``-th document
-    from the ``i``-th, in name order (one copy read by ``n`` ranks, each its share)."""
+    from the ``i``-th, in name order (one copy read by ``n`` ranks, each its share). The
+    documents are read ``src.reads_in_flight`` at a time."""
     checker = DocChecker(manifest)
     i, n = share
-    for rel in sorted(checker.docs)[i::n]:
-        read_doc(src, manifest, rel, checker)
+    mine = sorted(checker.docs)[i::n]
+    threads = min(src.reads_in_flight, len(mine))
+    if threads <= 1:
+        for rel in mine:
+            read_doc(src, manifest, rel, checker)
+        return
+    with ThreadPoolExecutor(threads) as pool:  # a bucket: each read waits a round trip
+        for _ in pool.map(functools.partial(read_doc, src, manifest, checker=checker), mine):
+            pass  # the first problem in name order raises here
 
 
 def check_allocation(tensors: Sequence[TensorEntry], limit: int | None) -> int:

@@ -14,15 +14,16 @@ rank of the communicator, once); everything else is rank 0's.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ckptfmt.checksum import crc32c
-from ckptfmt.container.reader import geometry, read_manifest_bytes
+from ckptfmt.container.reader import geometry, read_doc, read_manifest_bytes
 from ckptfmt.errors import (
     CkptError,
     LoadFailedError,
@@ -31,6 +32,7 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.format.shard_read import decode_shard, read_file
+from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
@@ -240,13 +242,15 @@ def flush_to_bucket(
 ) -> Bucket:
     """Collective: upload a committed level-1 checkpoint to the bucket ``root`` as its step
     prefix, every rank the files it wrote (each verified, every CRC in it checked, before it
-    is put: damage on level 1 is refused, not propagated), rank 0 the metadata documents and
-    the manifest; then rank 0 writes the commit object (create-only), which lists every object
-    with its size and CRC32C, and moves the latest pointer. One vote per phase (stage, upload,
-    commit), as ``flush_collective``: any rank's failure raises :class:`SaveFailedError` on
-    every rank, and without a commit object nothing of this flush is visible (the objects
-    already put are left for ``ckptfmt gc``). A step already committed with this save's id (a
-    retried flush) is not uploaded again. Returns the step's bucket prefix."""
+    is put: damage on level 1 is refused, not propagated) and its share of the metadata
+    documents (each checked against the manifest), rank 0 the manifest, all of a rank's
+    objects in one pool; then rank 0 writes the commit object (create-only), which lists every
+    object with its size and CRC32C, and moves the latest pointer. One vote per phase (stage,
+    upload, commit), as ``flush_collective``: any rank's failure raises
+    :class:`SaveFailedError` on every rank, and without a commit object nothing of this flush
+    is visible (the objects already put are left for ``ckptfmt gc``). A step already committed
+    with this save's id (a retried flush) is not uploaded again. Returns the step's bucket
+    prefix."""
     hook = fault or (lambda _point: None)
     b = Boundary(comm, "flush", manifest.step, seq=seq)
     step = manifest.step or 0
@@ -267,9 +271,7 @@ def flush_to_bucket(
     mine: list[ObjectRef] = []
     with b.guard("flush-upload"):
         hook("flush-staged")
-        mine = _upload_files(dest, manifest, local_path, comm.rank, threads)
-        if comm.rank == 0:
-            mine += _upload_metadata(dest, manifest, local_path)
+        mine = _upload_files(dest, manifest, local_path, comm.rank, comm.size, threads)
         hook("flush-copied")
     gathered = b.vote("flush-upload", [r.to_json() for r in mine])
     with b.guard("flush-commit"):
@@ -300,28 +302,33 @@ def _already_flushed(dest: Bucket, manifest: Manifest) -> bool:
 
 
 def _upload_files(
-    dest: Bucket, manifest: Manifest, local_path: Path, rank: int, threads: int
+    dest: Bucket, manifest: Manifest, local_path: Path, rank: int, ranks: int, threads: int
 ) -> list[ObjectRef]:
-    """This rank's data files of ``manifest``, verified and put under ``<save_id>/``,
-    ``threads`` files at a time; their object refs."""
+    """This rank's part of the step's objects, put under ``<save_id>/``, ``threads`` at a
+    time: its data files (each verified first), its share of the ``zarr.json`` documents
+    (every ``ranks``-th in name order from the ``rank``-th; every node's level-1 copy holds
+    them all, each checked against the manifest before it is put), and on rank 0 the
+    manifest. Their object refs."""
     src = Inside(local_path)
-    work = [
-        (t, f, local_path / f.path)
+    save_id = manifest.save_id
+    checker = DocChecker(manifest)
+    jobs: list[Callable[[], ObjectRef]] = [
+        functools.partial(_upload_verified, dest, save_id, src, t, f, local_path / f.path)
         for t in manifest.tensors()
         for r in t.regions
         if r.rank == rank
         for f in r.files
     ]
-    if not work:
+    jobs += [
+        functools.partial(_upload_doc, dest, save_id, src, manifest, checker, rel)
+        for rel in sorted(checker.docs)[rank::ranks]
+    ]
+    if rank == 0:
+        jobs.append(functools.partial(_upload_manifest, dest, save_id, local_path))
+    if not jobs:
         return []
-    save_id = manifest.save_id
-
-    def one(item: tuple[TensorEntry, FileRef, Path]) -> ObjectRef:
-        t, f, path = item
-        return _upload_verified(dest, save_id, src, t, f, path)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(work)))) as pool:
-        return list(pool.map(one, work))
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs)))) as pool:
+        return list(pool.map(lambda job: job(), jobs))
 
 
 def _upload_verified(
@@ -342,19 +349,21 @@ def _upload_verified(
     return ObjectRef(ref.path, ref.size, crc)
 
 
-def _upload_metadata(dest: Bucket, manifest: Manifest, local_path: Path) -> list[ObjectRef]:
-    """Rank 0: the zarr documents of its level-1 copy (every node's copy holds all of them,
-    the same bytes) and the manifest, as stored."""
-    refs = []
-    for doc in sorted(local_path.rglob("zarr.json")):
-        rel = doc.relative_to(local_path).as_posix()
-        data = doc.read_bytes()
-        dest.put(f"{manifest.save_id}/{rel}", data)
-        refs.append(ObjectRef(rel, len(data), crc32c(data)))
+def _upload_doc(
+    dest: Bucket, save_id: str, src: Inside, manifest: Manifest, checker: DocChecker, rel: str
+) -> ObjectRef:
+    """One ``zarr.json`` of the level-1 copy, checked against the manifest, then put as
+    stored."""
+    data = read_doc(src, manifest, rel, checker)
+    dest.put(f"{save_id}/{rel}", data)
+    return ObjectRef(rel, len(data), crc32c(data))
+
+
+def _upload_manifest(dest: Bucket, save_id: str, local_path: Path) -> ObjectRef:
+    """Rank 0: the manifest of the level-1 copy, as stored."""
     data = read_manifest_bytes(local_path)
-    dest.put(f"{manifest.save_id}/{MANIFEST_NAME}", data)
-    refs.append(ObjectRef(MANIFEST_NAME, len(data), crc32c(data)))
-    return refs
+    dest.put(f"{save_id}/{MANIFEST_NAME}", data)
+    return ObjectRef(MANIFEST_NAME, len(data), crc32c(data))
 
 
 def step_of(location: Bucket) -> int:

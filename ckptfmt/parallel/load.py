@@ -64,10 +64,6 @@ from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import Blob, Container, unflatten
 
-REMOTE_READS = 8
-"""Reads (ranged GETs, one file's chunks each) a rank has in flight from a bucket: one at a
-time, each waits a round trip; a local disk is read with ``ReadOptions.threads`` per host."""
-
 
 def load_collective(
     comm: Comm,
@@ -103,14 +99,13 @@ def load_collective(
     (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
     ``source``: read the checkpoint through it instead of the directory ``path`` (a committed
     checkpoint in a bucket, ``storage.objects.source.ObjectInside``, which every rank sees
-    whole; ``path`` is then its URL, for messages). Each rank then has at least
-    :data:`REMOTE_READS` reads in flight, whatever ``read.threads`` says for a local disk.
+    whole; ``path`` is then its URL, for messages). Each rank then has at least the source's
+    ``reads_in_flight`` reads going, whatever ``read.threads`` says for a local disk.
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq)
-    remote = source is not None
-    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into, remote)
+    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
     return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
 
 
@@ -122,7 +117,6 @@ def _read_everything(
     read: ReadOptions,
     seq: int | None,
     into: Mapping[str, np.ndarray] | None,
-    remote: bool = False,
 ) -> tuple[dict[str, np.ndarray], int | None]:
     """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
     who reads what, allocate (voted on before any exchange), read this rank's chunks and move
@@ -155,9 +149,8 @@ def _read_everything(
         checks = src.presence_checks(covered, comm.rank, comm.size)
         add_presence_checks(bufs, checks, errors, lock)
     b.vote("load-allocate")
-    threads = max(1, read.threads // same_host)
-    if remote:  # requests in flight, not a disk's queue, set the pace of a bucket
-        threads = max(threads, REMOTE_READS)
+    # a bucket's pace is set by the requests in flight, not by a disk's queue
+    threads = max(1, read.threads // same_host, src.reads_in_flight)
     with b.guard("load-read"):
         read_local(bufs, threads)
     transfer(comm, plans, bufs)

@@ -298,6 +298,12 @@ class Files(Protocol):
     in a bucket (``storage.objects.source.ObjectInside``). Paths are relative to the
     checkpoint's root, as the manifest names them."""
 
+    reads_in_flight: int
+    """How many reads a reader of many files should keep going at once: 1 for a local
+    directory (a read costs a system call, and the disk's own queue is ``ReadOptions.threads``),
+    more for a bucket (each read waits a round trip: one at a time, hundreds of ``zarr.json``
+    documents take hundreds of round trips)."""
+
     @property
     def root(self) -> os.PathLike[str] | str:
         """Where the checkpoint is (its directory, or its URL): for messages and logs."""
@@ -335,6 +341,8 @@ class Inside:
     missing file. Each directory is checked once, with one ``lstat`` when its parent is known to be
     inside (a symbolic link is resolved in full); the file itself is opened with O_NOFOLLOW.
     """
+
+    reads_in_flight = 1
 
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root))

@@ -15,10 +15,15 @@ just the request line, the headers and the body's framing); a client points at i
   open one, is reset at once; then back;
 * :meth:`flip_byte`: flip one byte in the body of GET answers for keys containing a string;
 * :meth:`drop_answer`: pass the next ``n`` matching requests on, then reset the connection
-  instead of relaying the server's answer (the request took effect; the client never hears).
+  instead of relaying the server's answer (the request took effect; the client never hears);
+* :meth:`delay`: hold every request that long before relaying it (a remote store's round trip;
+  a local server answers in a millisecond, which hides what waiting for answers one at a time
+  costs).
 
 :attr:`S3Proxy.requests` counts the requests relayed or answered, by method; :attr:`faults`
-the faults injected, by rule. ``Expect: 100-continue`` is not supported (obstore never sends it).
+the faults injected, by rule; :meth:`peak_in_flight` tells how many matching requests were
+being relayed at once, at most (whether a client overlaps its requests). ``Expect:
+100-continue`` is not supported (obstore never sends it).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -141,6 +147,8 @@ class S3Proxy:
         self.requests: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.seen: list[tuple[str, str]] = []
+        self.spans: list[tuple[str, str, float, float]] = []  # method, path, relayed from, to
+        self._delay = 0.0
         self._rules: list[_Rule] = []
         self._down = False
         self._lock = threading.Lock()
@@ -185,6 +193,23 @@ class S3Proxy:
         connection (as when a load balancer or the network fails after the server acted)."""
         self._add(_Rule("drop", n, method, path_contains))
 
+    def delay(self, seconds: float) -> None:
+        """Hold every request ``seconds`` before it is relayed (0: none)."""
+        with self._lock:
+            self._delay = seconds
+
+    def peak_in_flight(self, method: str, path_contains: str) -> int:
+        """The most requests of ``method`` whose path contains ``path_contains`` that were in
+        the proxy at once (from the request's arrival to its answer's end)."""
+        with self._lock:
+            spans = [(a, b) for m, p, a, b in self.spans if m == method and path_contains in p]
+        edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+        peak = now = 0
+        for _, step in edges:  # at equal times an end (-1) sorts before a start
+            now += step
+            peak = max(peak, now)
+        return peak
+
     def down(self) -> None:
         """The server is gone: reset every connection, open or new, until :meth:`up`."""
         with self._lock:
@@ -199,9 +224,10 @@ class S3Proxy:
             self._down = False
 
     def clear(self) -> None:
-        """Drop every rule (not the counters); the server is up."""
+        """Drop every rule and the delay (not the counters); the server is up."""
         with self._lock:
             self._rules.clear()
+            self._delay = 0.0
             self._down = False
 
     @contextmanager
@@ -275,10 +301,12 @@ class S3Proxy:
         method, path = request_line.split(" ")[:2]
         length = int(fields.get("content-length", "0") or 0)
         chunked = "chunked" in fields.get("transfer-encoding", "").lower()
+        arrived = time.monotonic()
         with self._lock:
             self.requests[method] += 1
             self.seen.append((method, path))
             down = self._down
+            delay = self._delay
         if down:
             self.faults["down"] += 1
             _reset(c.sock)
@@ -296,6 +324,8 @@ class S3Proxy:
                 + SLOWDOWN_BODY
             )
             return True
+        if delay:
+            time.sleep(delay)
         u.sock.sendall(head + body)
         answer = u.until(b"\r\n\r\n")
         if answer is None:
@@ -317,6 +347,12 @@ class S3Proxy:
         else:
             rbody = u.rest()
             c.sock.sendall(answer + rbody)
+            self._span(method, path, arrived)
             return False
         c.sock.sendall(answer + rbody)
+        self._span(method, path, arrived)
         return rfields.get("connection", "").lower() != "close"
+
+    def _span(self, method: str, path: str, arrived: float) -> None:
+        with self._lock:
+            self.spans.append((method, path, arrived, time.monotonic()))

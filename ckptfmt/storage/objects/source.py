@@ -40,6 +40,11 @@ from ckptfmt.storage.objects.commit import (
 )
 from ckptfmt.storage.steps import StepRef
 
+READS_IN_FLIGHT = 8
+"""Reads a reader of a bucket keeps going at once (``Files.reads_in_flight``): GETs of shard
+objects by a load's threads, of ``zarr.json`` documents by their checks. Each waits a round
+trip; 4, 8 and 16 measured alike for a 1 GiB restore by 2 ranks against a local server."""
+
 READ_BATCH = 64 << 20
 """Bytes of consecutive chunks one GET asks for when a reader reads a whole shard object (a
 request costs a round trip; 64 MiB holds a default 16 MiB shard whole)."""
@@ -109,6 +114,8 @@ class ObjectInside:
     every listed object was HEADed when the checkpoint was opened (:func:`open_committed`);
     without it, a collective load checks the objects it does not read beside its reads
     (:meth:`presence_checks`) and the ones it reads by reading them."""
+
+    reads_in_flight = READS_IN_FLIGHT
 
     def __init__(self, bucket: Bucket, commit: Commit, *, checked: bool = False) -> None:
         self.bucket = bucket
