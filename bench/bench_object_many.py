@@ -19,7 +19,9 @@ a barrier (a first round is not counted; each case goes first in turn):
 * ``obstore_get``: every rank GETs the objects the restore reads (its shard objects, its share
   of the documents, the manifest; rank 0 the commit), 8 in flight;
 * ``ckptfmt_load``: one process, ``ckptfmt.load(url)`` of the step;
-* ``obstore_get_all``: one process GETs every object of the step, 8 in flight.
+* ``obstore_get_all``: one process GETs every object of the step, 8 in flight;
+* ``ckptfmt_verify``: one process, ``ckptfmt.verify(url)`` of the step (the commit's HEADs,
+  every document and every chunk's CRC32C).
 
 HTTP requests are counted at the proxy (a LIST is a GET there; the multipart completions and
 batch deletes are POSTs). Ratio: the plain requests' time over ckptfmt's (1: as fast
@@ -213,8 +215,9 @@ def main() -> None:
             ("obstore_get", lambda: run_threads(2, plain_get)),
             ("ckptfmt_load", lambda: ckptfmt.load(step_url)),  # noqa: B023
             ("obstore_get_all", get_all),
+            ("ckptfmt_verify", lambda: ckptfmt.verify(step_url)),  # noqa: B023
         ]
-        for name, fn in cases[rnd % 4 :] + cases[: rnd % 4]:
+        for name, fn in cases[rnd % 5 :] + cases[: rnd % 5]:
             timed(name, fn, keep)
         proxy.delay(0)
         got = ckptfmt.load(step_url)  # untimed: the bytes are the saved ones
@@ -233,6 +236,7 @@ def report(args: Any, seconds: dict[str, list[float]], requests: dict[str, Any],
         "flush_vs_obstore_put": med["obstore_put"] / med["ckptfmt_flush"],
         "restore_vs_obstore_get": med["obstore_get"] / med["ckptfmt_restore"],
         "load_vs_obstore_get_all": med["obstore_get_all"] / med["ckptfmt_load"],
+        "verify_vs_obstore_get_all": med["obstore_get_all"] / med["ckptfmt_verify"],
     }
     total = sum(f.size for _, f in m.files())
     title = (

@@ -11,7 +11,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.storage.files import Files, Inside, physical_memory
+from ckptfmt.storage.files import Files, Inside, each_in_flight, physical_memory
 from ckptfmt.storage.objects.source import ObjectInside, latest_url
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
@@ -103,15 +103,9 @@ def check_documents(src: Files, manifest: Manifest, share: tuple[int, int] = (0,
     documents are read ``src.reads_in_flight`` at a time."""
     checker = DocChecker(manifest)
     i, n = share
-    mine = sorted(checker.docs)[i::n]
-    threads = min(src.reads_in_flight, len(mine))
-    if threads <= 1:
-        for rel in mine:
-            read_doc(src, manifest, rel, checker)
-        return
-    with ThreadPoolExecutor(threads) as pool:  # a bucket: each read waits a round trip
-        for _ in pool.map(functools.partial(read_doc, src, manifest, checker=checker), mine):
-            pass  # the first problem in name order raises here
+    check = functools.partial(read_doc, src, manifest, checker=checker)
+    for _ in each_in_flight(src, check, sorted(checker.docs)[i::n]):
+        pass  # the first problem in name order raises here
 
 
 def check_allocation(tensors: Sequence[TensorEntry], limit: int | None) -> int:

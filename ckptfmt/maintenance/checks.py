@@ -34,13 +34,14 @@ from ckptfmt.errors import (
     MissingFileError,
     SizeMismatchError,
 )
+from ckptfmt.format.shard_io import Geometry
 from ckptfmt.format.shard_read import verify_file
 from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import Manifest
-from ckptfmt.storage.files import Files
+from ckptfmt.manifest.model import FileRef, Manifest
+from ckptfmt.storage.files import Files, each_in_flight
 from ckptfmt.storage.progress import current_meter
 
 
@@ -163,15 +164,17 @@ def check_metadata(
     version 2 on: each must parse to exactly the document the manifest implies). Returns the
     problems (labelled with ``node``) and the paths of the documents (with the manifest's)."""
     problems: list[Problem] = []
-    expected = {MANIFEST_NAME}
     checker = DocChecker(manifest)
     names = {rel: (display(t.name),) for rel, t in checker.tensors.items()}
-    for rel in checker.docs:
-        expected.add(rel)
-        p = _check_doc(src, manifest, rel, names.get(rel, ()), checker)
+    docs = list(checker.docs)
+
+    def one(rel: str) -> Problem | None:
+        return _check_doc(src, manifest, rel, names.get(rel, ()), checker)
+
+    for p in each_in_flight(src, one, docs):
         if p is not None:
             problems.append(replace(p, node=node) if node is not None else p)
-    return problems, expected
+    return problems, {MANIFEST_NAME, *docs}
 
 
 def unexpected_files(root: Path, expected: set[str]) -> list[str]:
@@ -193,10 +196,13 @@ def check_data(
     ranks: Mapping[int, str] | None = None,
 ) -> None:
     """Read and check every data file in ``src`` (only those of ``ranks``, labelled with their
-    node, when given) into ``report``, one file in memory at a time; add their paths to
-    ``expected``. Each file's size is counted on the caller's progress meter once it is read
+    node, when given) into ``report``, in the manifest's order; add their paths to
+    ``expected``. One file at a time from a local directory, ``src.reads_in_flight`` from a
+    bucket (each read chunk by chunk: memory stays bounded whatever size a file claims). Each
+    file's size is counted on the caller's progress meter, in this thread, once it is read
     (``ckptfmt.storage.progress.metering``)."""
     meter = current_meter()
+    files: list[tuple[Geometry, FileRef, tuple[str, ...], str | None]] = []
     for t in manifest.tensors():
         name = (display(t.name),)
         geo = geometry(t)
@@ -206,13 +212,22 @@ def check_data(
             node = None if ranks is None else ranks[r.rank]
             for ref in r.files:
                 expected.add(ref.path)
-                cell = shard_cell(ref.path)
-                try:  # chunk by chunk: memory stays bounded whatever size a file claims
-                    verify_file(src, geo, ref, cell, name)
-                    report.bytes_checked += ref.size
-                except DamagedError as exc:
-                    report.problems.append(Problem(ref.path, _kind(exc), exc.reason, name, node))
-                except OSError as exc:  # unreadable: permissions, I/O error
-                    report.problems.append(Problem(ref.path, "unreadable", str(exc), name, node))
-                report.files_checked += 1
-                meter.add(ref.size, "read")
+                files.append((geo, ref, name, node))
+
+    def one(item: tuple[Geometry, FileRef, tuple[str, ...], str | None]) -> Problem | None:
+        geo, ref, name, node = item
+        try:
+            verify_file(src, geo, ref, shard_cell(ref.path), name)
+        except DamagedError as exc:
+            return Problem(ref.path, _kind(exc), exc.reason, name, node)
+        except OSError as exc:  # unreadable: permissions, I/O error
+            return Problem(ref.path, "unreadable", str(exc), name, node)
+        return None
+
+    for (_, ref, _, _), problem in zip(files, each_in_flight(src, one, files)):
+        if problem is None:
+            report.bytes_checked += ref.size
+        else:
+            report.problems.append(problem)
+        report.files_checked += 1
+        meter.add(ref.size, "read")

@@ -12,11 +12,12 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 from ckptfmt.errors import (
     CkptError,
@@ -331,6 +332,25 @@ class Files(Protocol):
         None where opening the checkpoint checked every file already, or where a missing file
         that nobody reads does not matter (a local directory)."""
         ...
+
+
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
+
+
+def each_in_flight(
+    src: Files, fn: Callable[[_Item], _Result], items: Sequence[_Item]
+) -> Iterator[_Result]:
+    """``fn`` of each of ``items``, yielded in their order, ``src.reads_in_flight`` running at
+    once: a reader of many files in a bucket waits for their round trips together, not one
+    after another; for a local directory, one after another in this thread. The first
+    exception raised by ``fn``, in the items' order, is raised here (the others still run)."""
+    n = min(src.reads_in_flight, len(items))
+    if n <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(n) as pool:
+        yield from pool.map(fn, items)
 
 
 class Inside:

@@ -1,5 +1,6 @@
 """A checkpoint of many tensors in a bucket has as many small ``zarr.json`` objects: they are
-read (a load, a collective load) and put (a flush) several at once, not one round trip after
+read (a load, a collective load, verify) and put (a flush) several at once, and verify reads
+the data objects several at once too, not one round trip after
 another, and a flush spreads them over the ranks, each checked against the manifest before it
 is put. Seen at the fault proxy with a round trip added to every request (a local server
 answers in a millisecond, which would hide requests made one at a time): the most requests for
@@ -55,6 +56,18 @@ def test_a_load_reads_the_documents_several_at_once(s3: S3, s3_proxy: S3Proxy) -
     s3_proxy.delay(ROUND_TRIP)
     assert_state_equal(ckptfmt.load(url), _layers())
     assert s3_proxy.peak_in_flight("GET", "zarr.json") >= 2
+
+
+def test_verify_reads_the_documents_and_the_data_objects_several_at_once(
+    s3: S3, s3_proxy: S3Proxy
+) -> None:
+    url = f"{s3.url}/many"
+    ckptfmt.save(_layers(), url)
+    s3_proxy.delay(ROUND_TRIP)
+    report = ckptfmt.verify(url)
+    assert not report.problems and report.files_checked == 2 * LAYERS, report
+    assert s3_proxy.peak_in_flight("GET", "zarr.json") >= 2
+    assert s3_proxy.peak_in_flight("GET", "/c/") >= 2
 
 
 def _flushed(tmp_path: Path, url: str) -> tuple[list[int], list[Any]]:
