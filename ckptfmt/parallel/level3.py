@@ -67,6 +67,12 @@ class SharedLevel(ABC):
         :meth:`step` gives it: a level 3 is a restore order's root (``restore_order``)."""
         return self.step(parse_step(name))
 
+    def whole(self, step: int) -> bool:
+        """Whether the committed ``step`` is there whole, as a reader must see it before it
+        offers the step: a directory's commit (its manifest, renamed in last) says so; a
+        bucket's commit object lists objects that must each be there with their sizes."""
+        return True
+
     def newest(self) -> list[int] | None:
         """The newest committed step alone when it can be found without listing the root
         (a bucket's latest pointer); None: list it (:meth:`committed`)."""

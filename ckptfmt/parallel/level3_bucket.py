@@ -128,6 +128,15 @@ class BucketLevel(SharedLevel):
         says why it is refused, retention removes it in its turn."""
         return [s for s in list_steps(self.root) if self.step(s).head(COMMIT_NAME) is not None]
 
+    def whole(self, step: int) -> bool:
+        """The step's commit object parses and every object it lists is there with its size
+        (a GET, and a HEAD per object, 16 in flight)."""
+        try:
+            found = read_commit(self.step(step))
+        except NotACheckpointError:  # a commit object that does not parse
+            return False
+        return found is not None and not missing_objects(self.step(step), found)
+
     def newest(self) -> list[int] | None:
         """The step the latest pointer names, when its commit object is there (one GET of
         the pointer, one HEAD of the commit); None when the pointer is missing or names a step that

@@ -364,24 +364,28 @@ class CheckpointManager:
     def latest(self) -> StepRef | None:
         """The newest step committed on this rank's level-1 directory or on level 3, with its
         directory (the level-1 copy when this rank sees one; a step only in a bucket has its
-        URL, a ``str``, there). A local view, not collective (on a bucket: a LIST and a GET
-        per step); ``restore`` decides collectively."""
+        URL, a ``str``, there). A local view, not collective (on a bucket: a LIST and a HEAD
+        per step, then the commit and a HEAD of each of its objects, newest first, until a
+        step is whole: a step whose objects are not all there is not offered); ``restore``
+        decides collectively."""
         found: dict[int, Any] = {}
         shared = self._retention.shared
         if shared is not None:
             for s in shared.committed():
                 where = shared.step(s)  # a directory, or a bucket prefix named by its URL
                 found[s] = where if isinstance(where, Path) else shared.describe(where)
-        found.update(committed(self.local_root))  # level 1 wins for a step on both
-        if not found:
-            return None
-        step = max(found)
-        return StepRef(step, found[step])
+        local = dict(committed(self.local_root))
+        found.update(local)  # level 1 wins for a step on both
+        for step in sorted(found, reverse=True):
+            if step in local or shared is None or shared.whole(step):
+                return StepRef(step, found[step])
+        return None
 
     def steps(self) -> dict[int, dict[str, bool]]:
         """The committed steps this rank sees, with the levels that hold them:
-        ``{step: {"level1": bool, "level3": bool}}`` (level 1: this rank's node's directory).
-        A local view, not collective."""
+        ``{step: {"level1": bool, "level3": bool}}`` (level 1: this rank's node's directory;
+        level 3: a step in a bucket whose objects are all there, see :meth:`latest`). A local
+        view, not collective."""
         return self._retention.steps()
 
     def delete(self, step: int | str, levels: Sequence[int] = (1, 3)) -> None:

@@ -169,10 +169,12 @@ class Retention:
         comm.barrier()
 
     def steps(self) -> dict[int, dict[str, bool]]:
-        """The committed steps this rank sees, with the levels that hold them (local)."""
+        """The committed steps this rank sees, with the levels that hold them (local); a step
+        on level 3 counts there when it is whole (``SharedLevel.whole``)."""
         out: dict[int, dict[str, bool]] = {}
         level1 = [s for s, _ in committed(self.local_root)]
-        level3 = self.shared.committed() if self.shared is not None else []
+        shared = self.shared
+        level3 = [s for s in shared.committed() if shared.whole(s)] if shared is not None else []
         for key, steps in (("level1", level1), ("level3", level3)):
             for s in steps:
                 out.setdefault(s, {"level1": False, "level3": False})[key] = True

@@ -139,6 +139,11 @@ def test_a_step_whose_object_is_missing_or_mis_sized_is_not_offered(tmp_path: Pa
     key2 = f"run/{step_dir_name(2)}/{c2['save_id']}/{shard2}"
     body = client.get_object(Bucket=s3.bucket, Key=key2)["Body"].read()
     client.put_object(Bucket=s3.bucket, Key=key2, Body=body + b"x")  # another size
+    looker = _mgr(tmp_path, s3)  # latest and steps do not offer them either
+    ref = looker.latest()
+    assert ref is not None and ref.step == 1, ref
+    assert looker.steps() == {1: {"level1": False, "level3": True}}
+    looker.close(flush=False)
     state = _template()
     with pytest.warns(ckptfmt.CheckpointWarning, match="fell back to step 1"):
         report = _mgr(tmp_path, s3).restore(state)
