@@ -16,6 +16,8 @@ just the request line, the headers and the body's framing); a client points at i
 * :meth:`flip_byte`: flip one byte in the body of GET answers for keys containing a string;
 * :meth:`drop_answer`: pass the next ``n`` matching requests on, then reset the connection
   instead of relaying the server's answer (the request took effect; the client never hears);
+* :meth:`stall`: take the next ``n`` matching requests whole, then never answer (the
+  connection stays open and silent until the client gives up: a server that hangs);
 * :meth:`delay`: hold every request that long before relaying it (a remote store's round trip;
   a local server answers in a millisecond, which hides what waiting for answers one at a time
   costs).
@@ -47,7 +49,7 @@ SLOWDOWN_BODY = (
 
 @dataclass
 class _Rule:
-    kind: str  # "slowdown", "reset", "flip", "drop"
+    kind: str  # "slowdown", "reset", "flip", "drop", "stall"
     left: int | None  # None: every matching request
     method: str | None = None
     path_contains: str | None = None
@@ -193,6 +195,13 @@ class S3Proxy:
         connection (as when a load balancer or the network fails after the server acted)."""
         self._add(_Rule("drop", n, method, path_contains))
 
+    def stall(
+        self, n: int | None, method: str | None = None, path_contains: str | None = None
+    ) -> None:
+        """Read the next ``n`` matching requests (every one when ``n`` is None) and answer
+        none of them, the connection left open (nothing reaches the server)."""
+        self._add(_Rule("stall", n, method, path_contains))
+
     def delay(self, seconds: float) -> None:
         """Hold every request ``seconds`` before it is relayed (0: none)."""
         with self._lock:
@@ -316,6 +325,10 @@ class S3Proxy:
             _reset(c.sock)
             return False
         body = c.chunked() if chunked else c.exact(length)
+        if self._take("stall", method, path, length) is not None:
+            while not self._stopped and c.sock.recv(1 << 16):  # silent until the client hangs up
+                pass
+            return False
         if self._take("slowdown", method, path, length) is not None:
             c.sock.sendall(
                 b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"

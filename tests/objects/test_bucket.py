@@ -146,6 +146,33 @@ def test_resets_in_the_middle_of_parts_are_retried(
     assert b.get("small") == b"0123456789abcdef"
 
 
+def test_a_server_that_never_answers_fails_within_the_deadline_naming_the_key(
+    s3: S3, s3_proxy: S3Proxy
+) -> None:
+    """A request taken and never answered (a hung server, a silent network) is given up after
+    the request timeout, retried within the deadline, then named: never a hang."""
+    b = Bucket.at(f"{s3.url}/ckpt", FAST)
+    b.put("k", b"x")
+    for call, op in (
+        (lambda: b.get("k"), "GET"),
+        (lambda: b.put("k", b"y"), "PUT"),
+        (lambda: b.head("k"), "HEAD"),
+    ):
+        s3_proxy.stall(None, method=op)
+        start = time.monotonic()
+        with pytest.raises(ObjectStoreError) as info:
+            call()
+        took = time.monotonic() - start
+        s3_proxy.clear()
+        assert took < FAST["retry_timeout"] + FAST["timeout"] + 2, (op, took)
+        assert info.value.path == b.key_url("k") and info.value.op == op, info.value
+        assert info.value.status is None and b.key_url("k") in str(info.value)
+    patient = Bucket.at(f"{s3.url}/ckpt", {**FAST, "timeout": 1, "retry_timeout": 10})
+    s3_proxy.stall(1, method="GET")  # one stalled answer: timed out, retried, answered
+    assert patient.get("k") == b"x"  # the stalled PUT never reached the server
+    assert s3_proxy.faults["stall"] >= 4
+
+
 def test_server_gone_fails_within_the_deadline_naming_the_key(
     s3: S3, s3_proxy: S3Proxy, tmp_path: Path
 ) -> None:
