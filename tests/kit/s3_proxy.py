@@ -12,7 +12,8 @@ just the request line, the headers and the body's framing); a client points at i
 * :meth:`reset_mid_body`: read part of the body of the next ``n`` matching requests (PUTs by
   default), then reset the connection (RST: ``SO_LINGER`` 0), nothing reaching the server;
 * :meth:`down` / :meth:`up`: the server is gone: every new connection, and every request on an
-  open one, is reset at once; then back;
+  open one, is reset at once; then back; :meth:`down_after`: gone once ``n`` matching requests
+  have been answered (in the middle of a flush's uploads, say);
 * :meth:`flip_byte`: flip one byte in the body of GET answers for keys containing a string;
 * :meth:`drop_answer`: pass the next ``n`` matching requests on, then reset the connection
   instead of relaying the server's answer (the request took effect; the client never hears);
@@ -49,7 +50,7 @@ SLOWDOWN_BODY = (
 
 @dataclass
 class _Rule:
-    kind: str  # "slowdown", "reset", "flip", "drop", "stall"
+    kind: str  # "slowdown", "reset", "flip", "drop", "stall", "down_after"
     left: int | None  # None: every matching request
     method: str | None = None
     path_contains: str | None = None
@@ -228,6 +229,12 @@ class S3Proxy:
             with suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
+    def down_after(
+        self, n: int, method: str | None = None, path_contains: str | None = None
+    ) -> None:
+        """Go :meth:`down` once the ``n``-th matching request from now has been answered."""
+        self._add(_Rule("down_after", n, method, path_contains))
+
     def up(self) -> None:
         with self._lock:
             self._down = False
@@ -364,6 +371,10 @@ class S3Proxy:
             return False
         c.sock.sendall(answer + rbody)
         self._span(method, path, arrived)
+        rule = self._take("down_after", method, path, length)
+        if rule is not None and rule.left == 0:
+            self.down()
+            return False
         return rfields.get("connection", "").lower() != "close"
 
     def _span(self, method: str, path: str, arrived: float) -> None:

@@ -28,6 +28,7 @@ from test_manager_bucket_jobs import WORKER, committed_steps, plan, results
 
 import ckptfmt
 from ckptfmt import WriteOptions
+from ckptfmt.storage.steps import step_dir_name
 
 FAST_FAILURE = {"retry_timeout": "2", "max_retries": "2", "connect_timeout": "1", "timeout": "10"}
 
@@ -79,9 +80,20 @@ def test_slowdown_answers_are_retried_and_every_flush_commits(
 
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["at-start", "mid-upload"])
 def test_the_server_gone_during_a_flush_fails_it_everywhere_and_the_next_one_commits(
-    tmp_path: Path, s3: S3, s3_proxy: S3Proxy
+    tmp_path: Path, s3: S3, s3_proxy: S3Proxy, when: str
 ) -> None:
+    """``at-start``: gone before step 2's flush (its first request, rank 0's read of the
+    commit, fails); ``mid-upload``: gone once 3 of step 2's objects are up (every rank is
+    uploading)."""
+
+    def gone() -> None:
+        if when == "at-start":
+            s3_proxy.down()
+        else:
+            s3_proxy.down_after(3, method="PUT", path_contains=f"/{step_dir_name(2)}/")
+
     tasks = [
         {"name": "save", "action": "save", "steps": [1, 2], "hold": {"1": "gone", "2": "back"}},
         {"name": "local", "action": "restore"},  # level 1 untouched: step 2 is there
@@ -91,7 +103,7 @@ def test_the_server_gone_during_a_flush_fails_it_everywhere_and_the_next_one_com
     ]
     p = plan(tmp_path, s3, tasks, options=FAST_FAILURE)
     out = tmp_path / "out"
-    with on_marks(out, {"gone": s3_proxy.down, "back": s3_proxy.up}):
+    with on_marks(out, {"gone": gone, "back": s3_proxy.up}):
         job = run_mpi(2, WORKER, "mpi", str(p), timeout=300, env=s3_proxy.env(s3.env))
     assert_ok(job)
     for r in results(tmp_path, "save", 2):  # every rank is told
@@ -106,6 +118,12 @@ def test_the_server_gone_during_a_flush_fails_it_everywhere_and_the_next_one_com
     for r in results(tmp_path, "again", 2):
         assert r["saves"]["3"] == {"flushed": True, "warnings": []}, r
     assert committed_steps(s3) == [1, 3]  # no commit object of step 2, ever
+    left = s3.keys(f"run/{step_dir_name(2)}/")  # what the failed flush put, no commit names
+    if when == "mid-upload":
+        assert len(left) >= 3, left
+    removed = ckptfmt.maintenance.gc(f"{s3.url}/run")
+    assert s3.keys(f"run/{step_dir_name(2)}/") == [] and removed.objects == len(left), removed
+    assert committed_steps(s3) == [1, 3]
 
 
 def _big(step: int) -> dict[str, Any]:
