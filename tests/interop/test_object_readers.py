@@ -1,7 +1,10 @@
 """A checkpoint in a bucket is a plain zarr v3 hierarchy under ``<url>/<save_id>/``: zarr-python
 (``zarr.storage.ObjectStore`` over obstore's ``S3Store``) and TensorStore (its ``s3`` kvstore
-driver) read it tensor by tensor, bit-exact, in processes that never import ckptfmt, against the
-tests' real S3 server."""
+driver) read it tensor by tensor, bit-exact, in processes whose programs never import ckptfmt,
+against the tests' real S3 server; whether ``ckptfmt.save`` wrote it to the URL or a manager's
+flush from level 1 put it under its level-3 root. (zarr-python learns the bfloat16 data type from
+the package's dtype plugin, which the installed package registers at interpreter start; TensorStore
+knows it as it is.)"""
 
 from __future__ import annotations
 
@@ -17,10 +20,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from kit.arrays import raw_bytes
+from kit.managers import node_manager
 from kit.s3 import S3
 
 import ckptfmt
 from ckptfmt import WriteOptions
+from ckptfmt.storage.objects import Bucket
+from ckptfmt.storage.objects.commit import read_commit
+from ckptfmt.storage.steps import step_dir_name
 
 ZARR_READER = textwrap.dedent(
     """
@@ -105,8 +112,10 @@ def _run(program: str, args: list[str], s3: S3, tmp_path: Path) -> dict[str, Any
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-@pytest.fixture
-def in_bucket(s3: S3) -> tuple[str, dict[str, np.ndarray]]:
+@pytest.fixture(params=["saved", "flushed"])
+def in_bucket(
+    s3: S3, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[str, dict[str, np.ndarray]]:
     rng = np.random.default_rng(11)
     tensors = {
         "model/w": rng.standard_normal((40, 70), dtype=np.float32),
@@ -116,12 +125,17 @@ def in_bucket(s3: S3) -> tuple[str, dict[str, np.ndarray]]:
     }
     state = {"model": {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}}
     state["opt"] = {"step": tensors["opt/step"]}
-    manifest = ckptfmt.save(
-        state,
-        f"{s3.url}/run/ckpt",
-        write=WriteOptions(chunk_bytes=512, shard_bytes=4096, fsync=False),
-    )
-    return f"run/ckpt/{manifest.save_id}", tensors
+    write = WriteOptions(chunk_bytes=512, shard_bytes=4096, fsync=False)
+    if request.param == "saved":
+        manifest = ckptfmt.save(state, f"{s3.url}/run/ckpt", write=write)
+        return f"run/ckpt/{manifest.save_id}", tensors
+    mgr = node_manager(tmp_path, shared=None, shared_dir=f"{s3.url}/run", write=write)
+    mgr.save(1, state)
+    mgr.close()
+    assert mgr.last_save is not None and mgr.last_save.flushed
+    commit = read_commit(Bucket.at(f"{s3.url}/run/{step_dir_name(1)}"))
+    assert commit is not None
+    return f"run/{step_dir_name(1)}/{commit.save_id}", tensors
 
 
 def test_zarr_python_reads_a_checkpoint_in_a_bucket(
