@@ -34,6 +34,7 @@ from ckptfmt.parallel import (
     load_collective,
     resolve_node,
     save_collective,
+    save_to_bucket,
 )
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import (
@@ -92,7 +93,10 @@ def save(
     objects: Objects = "refuse",
 ) -> Manifest:
     """Collective (every rank of ``comm``, by default of torch.distributed's default group):
-    save ``state_dict`` as one committed checkpoint directory at ``path``; return its manifest.
+    save ``state_dict`` as one committed checkpoint directory at ``path``, or at an object-store
+    URL (``s3://bucket/run/ckpt``: each rank writes its part into a local scratch directory and
+    uploads its own files, rank 0 commits; ``ckptfmt.parallel.save_to_bucket``, credentials and
+    endpoint from the ``AWS_*`` environment); return its manifest.
 
     ``state_dict`` maps names to tensors (DTensors: each rank its shard), objects with
     ``state_dict()`` (modules, optimizers, schedulers, ``TrainingState``), ``ckptfmt.PerRank``
@@ -108,13 +112,9 @@ def save(
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
-    if isinstance(path, str) and is_url(path):
-        raise UsageError(
-            f"{path!r}: a collective save goes to a directory every rank sees; to a bucket, "
-            "save through CheckpointManager(shared_dir=<url>) (each rank uploads its files, "
-            "one commit), or from one process with ckptfmt.save(to_state(state_dict), <url>)"
-        )
-    check_destination(path)
+    url = path if isinstance(path, str) and is_url(path) else None
+    if url is None:
+        check_destination(path)
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
@@ -122,15 +122,15 @@ def save(
     state = encode_objects(to_state(state_dict, objects=objects), objects)
     try:
         with metering("save", progress) as meter:
-            manifest, _ = save_collective(
-                comm,
-                state,
-                path,
-                step=step,
-                node=resolve_node(node),
-                write=write,
-                meta=ManifestMeta(writer=writer_info()),
-            )
+            meta = ManifestMeta(writer=writer_info())
+            if url is not None:
+                manifest = save_to_bucket(
+                    comm, state, url, step=step, node=resolve_node(node), write=write, meta=meta
+                )
+            else:
+                manifest, _ = save_collective(
+                    comm, state, path, step=step, node=resolve_node(node), write=write, meta=meta
+                )
             meter.finish()
     except SaveFailedError as exc:
         if comm.size == 1 and exc.cause is not None:  # one process: its own error, not the vote's

@@ -12,6 +12,7 @@ from ckptfmt.parallel.options import ExitPolicy, OnError
 from ckptfmt.parallel.outcomes import CheckpointWarning
 from ckptfmt.parallel.protocol import SaveFailedError, save_collective
 from ckptfmt.parallel.restore import RestoreReport
+from ckptfmt.parallel.save_bucket import save_to_bucket
 from ckptfmt.parallel.staging import SaveHandle
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "resolve_node",
     "RestoreReport",
     "save_collective",
+    "save_to_bucket",
     "SaveFailedError",
     "SaveHandle",
 ]

@@ -14,16 +14,12 @@ rank of the communicator, once); everything else is rank 0's.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.checksum import crc32c
-from ckptfmt.container.reader import geometry, read_doc, read_manifest_bytes
 from ckptfmt.errors import (
     CkptError,
     LoadFailedError,
@@ -31,23 +27,17 @@ from ckptfmt.errors import (
     RankFailure,
     UsageError,
 )
-from ckptfmt.format.shard_read import decode_shard, read_file
-from ckptfmt.format.zarr_meta import DocChecker
-from ckptfmt.manifest.codec import MANIFEST_NAME
-from ckptfmt.manifest.grid import shard_cell
-from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
+from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.boundary import Boundary
+from ckptfmt.parallel.bucket_upload import UPLOAD_THREADS, upload_phase
 from ckptfmt.parallel.level3 import SharedLevel
 from ckptfmt.parallel.levels import LEVELS_FILE
 from ckptfmt.parallel.publish import FaultHook
-from ckptfmt.storage.files import Files, Inside
+from ckptfmt.storage.files import Files
 from ckptfmt.storage.objects import Bucket, Retries
-from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
     Commit,
-    ObjectRef,
     delete_checkpoint,
     list_steps,
     missing_objects,
@@ -64,15 +54,6 @@ log = logging.getLogger("ckptfmt")
 
 __all__ = ["UPLOAD_THREADS", "BucketLevel", "bucket_levels", "flush_to_bucket"]
 
-UPLOAD_THREADS = 8
-"""Files each rank has in flight at once during a flush (a big file's parts are in flight
-within its own upload too): enough to fill a node's link to the store, few enough that the
-shards held in memory stay small (a file is verified in memory before it is put)."""
-
-SINGLE_PUT_MAX = 2 * MULTIPART_ABOVE
-"""A shard file up to this size is put in one PUT from the bytes just verified (a default 16 MiB
-shard is a little over 16 MiB with its index: in parts it would take five requests and a second
-read); a bigger one is streamed from the file in parts."""
 
 # the start's check that the bucket answers: fails in seconds, not after the flush's retries
 _PROBE = Retries(max_retries=2, retry_timeout=10.0, connect_timeout=3.0, timeout=10.0)
@@ -277,17 +258,9 @@ def flush_to_bucket(
                 move_latest(root, step, manifest.save_id)
         b.vote("flush-commit")
         return dest
-    mine: list[ObjectRef] = []
-    with b.guard("flush-upload"):
-        hook("flush-staged")
-        mine = _upload_files(dest, manifest, local_path, comm.rank, comm.size, threads)
-        hook("flush-copied")
-    gathered = b.vote("flush-upload", [r.to_json() for r in mine])
+    objects = upload_phase(comm, b, "flush-upload", dest, manifest, local_path, threads, hook)
     with b.guard("flush-commit"):
         if comm.rank == 0:
-            objects = sorted(
-                (ObjectRef(**r) for refs in gathered for r in refs), key=lambda r: r.key
-            )
             hook("flush-committing")
             write_commit(dest, Commit(manifest.save_id, step, objects))
             move_latest(root, step, manifest.save_id)
@@ -308,71 +281,6 @@ def _already_flushed(dest: Bucket, manifest: Manifest) -> bool:
         return True
     delete_checkpoint(dest)
     return False
-
-
-def _upload_files(
-    dest: Bucket, manifest: Manifest, local_path: Path, rank: int, ranks: int, threads: int
-) -> list[ObjectRef]:
-    """This rank's part of the step's objects, put under ``<save_id>/``, ``threads`` at a
-    time: its data files (each verified first), its share of the ``zarr.json`` documents
-    (every ``ranks``-th in name order from the ``rank``-th; every node's level-1 copy holds
-    them all, each checked against the manifest before it is put), and on rank 0 the
-    manifest. Their object refs."""
-    src = Inside(local_path)
-    save_id = manifest.save_id
-    checker = DocChecker(manifest)
-    jobs: list[Callable[[], ObjectRef]] = [
-        functools.partial(_upload_verified, dest, save_id, src, t, f, local_path / f.path)
-        for t in manifest.tensors()
-        for r in t.regions
-        if r.rank == rank
-        for f in r.files
-    ]
-    jobs += [
-        functools.partial(_upload_doc, dest, save_id, src, manifest, checker, rel)
-        for rel in sorted(checker.docs)[rank::ranks]
-    ]
-    if rank == 0:
-        jobs.append(functools.partial(_upload_manifest, dest, save_id, local_path))
-    if not jobs:
-        return []
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs)))) as pool:
-        return list(pool.map(lambda job: job(), jobs))
-
-
-def _upload_verified(
-    dest: Bucket, save_id: str, src: Inside, t: TensorEntry, ref: FileRef, path: Path
-) -> ObjectRef:
-    """Check every CRC of one shard file, then put it (one PUT from the bytes just checked, or
-    a multipart upload of the file when it is big; its CRC32C from the bytes sent)."""
-    names = (display(t.name),)
-    blob = read_file(src, ref, names)
-    decode_shard(blob, geometry(t), shard_cell(ref.path), ref, names)
-    key = f"{save_id}/{ref.path}"
-    if len(blob) <= SINGLE_PUT_MAX:
-        dest.put(key, blob)
-        crc = crc32c(blob)
-    else:
-        del blob  # streamed from the file instead: a multipart upload with parts in flight
-        crc = dest.upload(key, path, size=ref.size)
-    return ObjectRef(ref.path, ref.size, crc)
-
-
-def _upload_doc(
-    dest: Bucket, save_id: str, src: Inside, manifest: Manifest, checker: DocChecker, rel: str
-) -> ObjectRef:
-    """One ``zarr.json`` of the level-1 copy, checked against the manifest, then put as
-    stored."""
-    data = read_doc(src, manifest, rel, checker)
-    dest.put(f"{save_id}/{rel}", data)
-    return ObjectRef(rel, len(data), crc32c(data))
-
-
-def _upload_manifest(dest: Bucket, save_id: str, local_path: Path) -> ObjectRef:
-    """Rank 0: the manifest of the level-1 copy, as stored."""
-    data = read_manifest_bytes(local_path)
-    dest.put(f"{save_id}/{MANIFEST_NAME}", data)
-    return ObjectRef(MANIFEST_NAME, len(data), crc32c(data))
 
 
 def step_of(location: Bucket) -> int:

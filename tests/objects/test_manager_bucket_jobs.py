@@ -2,7 +2,9 @@
 tests' S3 server: every rank uploads its own files at each flush; once every node's level 1 is
 wiped, every rank restores its part from the bucket bit for bit (``tests/workers/_bucket_worker.py``
 checks each byte); retention keeps the newest steps on the bucket; the torch adapter restores a
-model and its optimizer from the bucket through the manager.
+model and its optimizer from the bucket through the manager. Without a manager, the ranks save
+straight to a bucket (``save_to_bucket``, and ``ckptfmt_torch.save`` of a URL) and load it back
+bit for bit.
 """
 
 from __future__ import annotations
@@ -81,3 +83,36 @@ def test_torchrun_flush_to_the_bucket_and_the_torch_adapter_restores_from_it(
         assert r["digest"] == s["digest"]  # model and optimizer, bit for bit
     for r in results(tmp_path, "restore", 2):
         assert (r["step"], r["level"], r["problems"]) == (7, 3, []), r
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_mpi_ranks_save_straight_to_a_bucket_and_load_it_bit_exact(tmp_path: Path, s3: S3) -> None:
+    """No manager: ``save_to_bucket`` under mpiexec, every rank its files, rank 0 the commit."""
+    tasks = [
+        {"name": "save", "action": "url-save", "step": 6},
+        {"name": "load", "action": "url-load", "step": 6},
+    ]
+    p = plan(tmp_path, s3, tasks)
+    assert_ok(run_mpi(2, WORKER, "mpi", str(p), timeout=240, env=s3.env))
+    assert len({r["save_id"] for r in results(tmp_path, "save", 2)}) == 1
+    for r in results(tmp_path, "load", 2):
+        assert (r["step"], r["problems"]) == (6, []), r
+    assert [k for k in s3.keys("run/direct/") if k.endswith("ckptfmt-commit.json")]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_save_straight_to_a_bucket_through_the_torch_adapter(
+    tmp_path: Path, s3: S3
+) -> None:
+    tasks = [
+        {"name": "tsave", "action": "torch-url-save"},
+        {"name": "tload", "action": "torch-url-load"},
+    ]
+    p = plan(tmp_path, s3, tasks)
+    assert_ok(run_torchrun(2, WORKER, "torch", str(p), timeout=240, env=s3.env))
+    for got, saved in zip(
+        results(tmp_path, "tload", 2), results(tmp_path, "tsave", 2), strict=True
+    ):
+        assert (got["step"], got["value"]) == (3, 3), got
+        assert got["digest"] == saved["digest"]  # model and optimizer, bit for bit

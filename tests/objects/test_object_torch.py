@@ -1,6 +1,7 @@
 """ckptfmt_torch with a checkpoint in a bucket (the tests' S3 server): a collective load by two
-ranks reads it in place, bit-exact; a collective save to a URL is refused with what to do
-instead (the manager's level 3, or a one-process save)."""
+ranks reads it in place, bit-exact; a collective save by two ranks to a URL (each its files,
+rank 0 the commit) loads back bit-exact, and one already there is refused unless
+overwriting."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from kit.s3 import S3
 
 import ckptfmt
 from ckptfmt import WriteOptions
-from ckptfmt.errors import UsageError
 from ckptfmt.transport.threads import ThreadComm, run_threads
 
 torch = pytest.importorskip("torch")
@@ -42,7 +42,32 @@ def test_two_ranks_load_a_checkpoint_from_a_bucket(s3: S3) -> None:
             assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
 
 
-def test_a_collective_save_to_a_url_is_refused(s3: S3) -> None:
-    with pytest.raises(UsageError, match="CheckpointManager"):
-        ckptfmt_torch.save({"model": _model(0)}, f"{s3.url}/x", comm=ckptfmt.SingleComm())
-    assert s3.keys() == []
+def test_two_ranks_save_to_a_url_and_load_it_back(s3: S3) -> None:
+    url = f"{s3.url}/torch/direct"
+    saved = _model(1)
+    opt = torch.optim.AdamW(saved.parameters(), lr=1e-3)
+    saved(torch.randn(4, 24)).sum().backward()
+    opt.step()
+    write = WriteOptions(chunk_bytes=256, fsync=False)
+
+    def save(comm: ThreadComm) -> str:
+        sd = {"model": saved, "optim": opt, "epoch": 5}
+        return ckptfmt_torch.save(sd, url, step=5, write=write, comm=comm).save_id  # type: ignore[no-any-return]
+
+    assert len(set(run_threads(2, save))) == 1
+    with pytest.raises(ckptfmt.errors.SaveFailedError, match="overwrite"):
+        run_threads(2, save)
+
+    def load(comm: ThreadComm) -> dict[str, torch.Tensor]:
+        fresh = _model(2)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        sd = {"model": fresh, "optim": fresh_opt, "epoch": 0}
+        assert ckptfmt_torch.load(sd, url, comm=comm).step == 5 and sd["epoch"] == 5
+        exp_avg = [s["exp_avg"].clone() for s in fresh_opt.state.values()]
+        return {**{k: v.clone() for k, v in fresh.state_dict().items()}, "exp_avg": exp_avg}
+
+    want_avg = [s["exp_avg"] for s in opt.state.values()]
+    for got in run_threads(2, load):
+        for name, want in saved.state_dict().items():
+            assert torch.equal(got[name], want), name
+        assert all(torch.equal(a, b) for a, b in zip(got["exp_avg"], want_avg, strict=True))

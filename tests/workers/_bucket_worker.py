@@ -6,7 +6,8 @@ Run under ``mpiexec ... python -m mpi4py`` (``mpi``) or ``torchrun`` (``torch``)
 
     {"out": DIR, "root": DIR, "url": "s3://bucket/run", "options": {...storage_options},
      "tasks": [{"name": ..., "action": "save" | "wipe" | "restore" | "torch-save" |
-                "torch-restore", ...}, ...]}
+                "torch-restore" | "url-save" | "url-load" | "torch-url-save" |
+                "torch-url-load", ...}, ...]}
 
 Level 1 is ``<root>/l1/{node}`` (rank ``r`` of ``n`` on node ``n{r * 2 // n}``). ``save`` saves
 ``steps`` (each waited for; ``hold``: after the step named, rank 0 writes ``<out>/<mark>`` and
@@ -15,6 +16,10 @@ server, so a fault lands between two flushes); ``wipe`` removes every node's lev
 node's first rank its own); ``restore`` restores into a zeroed template and checks every byte
 against the state of the step restored. ``torch-save``/``torch-restore`` do the same with a
 ``torch.nn`` model and its optimizer through ``ckptfmt_torch.to_state`` / ``restore``.
+``url-save`` saves ``step`` collectively straight to ``<url>/direct`` (no manager:
+``ckptfmt.parallel.save_to_bucket``); ``url-load`` loads it whole on each rank and checks every
+byte; ``torch-url-save`` / ``torch-url-load`` do the same through ``ckptfmt_torch.save`` /
+``load`` with a model and its optimizer.
 Each rank writes ``<out>/<task>.rank<r>.json``: what it saw and the problems it found.
 """
 
@@ -220,6 +225,49 @@ def do_torch(plan: dict[str, Any], task: dict[str, Any], comm: Any) -> dict[str,
     return res
 
 
+def do_url(plan: dict[str, Any], task: dict[str, Any], comm: Any) -> dict[str, Any]:
+    import ckptfmt
+    from ckptfmt import WriteOptions
+    from ckptfmt.parallel import save_to_bucket
+
+    url, step = f"{plan['url']}/direct", task["step"]
+    options = plan.get("options") or None
+    if task["action"] == "url-save":
+        write = WriteOptions(fsync=False, chunk_bytes=64 << 10, shard_bytes=256 << 10)
+        m = save_to_bucket(
+            comm,
+            state(step, comm.rank, comm.size),
+            url,
+            step=step,
+            node=node_of(comm.rank, comm.size),
+            write=write,
+            storage_options=options,
+        )
+        return {"save_id": m.save_id}
+    got = ckptfmt.load(url, storage_options=options)
+    want = full(step)
+    problems = [n for n in ("w", "emb") if got["model"][n].tobytes() != want[n].tobytes()]
+    ranks = [np.full(8, r * 1000 + step, np.int64).tobytes() for r in range(comm.size)]
+    if [r.tobytes() for r in got["rng"]] != ranks:
+        problems.append("rng")
+    return {"step": got["step"], "problems": problems}
+
+
+def do_torch_url(plan: dict[str, Any], task: dict[str, Any], comm: Any) -> dict[str, Any]:
+    import ckptfmt_torch
+
+    url = f"{plan['url']}/torch-direct"
+    model, opt = torch_model(seed=0 if task["action"] == "torch-url-save" else 1)
+    if task["action"] == "torch-url-save":
+        train(model, opt, 3)
+        ckptfmt_torch.save({"model": model, "optim": opt, "step": 3}, url, step=3)
+        return {"digest": tensors_digest(model, opt)}
+    train(model, opt, 1)  # an optimizer with state to be replaced
+    sd = {"model": model, "optim": opt, "step": 0}
+    manifest = ckptfmt_torch.load(sd, url)
+    return {"step": manifest.step, "value": sd["step"], "digest": tensors_digest(model, opt)}
+
+
 def main(argv: list[str]) -> int:
     kind, plan_file = argv
     plan = json.loads(Path(plan_file).read_text())
@@ -233,6 +281,10 @@ def main(argv: list[str]) -> int:
             res = do_wipe(plan, comm)
         elif action == "restore":
             res = do_restore(plan, task, comm)
+        elif action in ("url-save", "url-load"):
+            res = do_url(plan, task, comm)
+        elif action in ("torch-url-save", "torch-url-load"):
+            res = do_torch_url(plan, task, comm)
         else:
             res = do_torch(plan, task, comm)
         (out / f"{task['name']}.rank{comm.rank}.json").write_text(json.dumps(res, indent=1))
