@@ -70,22 +70,28 @@ def test_verify_reads_the_documents_and_the_data_objects_several_at_once(
     assert s3_proxy.peak_in_flight("GET", "/c/") >= 2
 
 
+def _on_level1(comm: Any, tmp_path: Path) -> tuple[Any, Path]:
+    """This thread rank's half saved to its node's level 1 (node ``n<rank>``) as step 1."""
+    local = tmp_path / f"l1-{comm.rank}" / step_dir_name(1)
+    manifest, _ = save_collective(
+        comm,
+        _layers(comm.rank),
+        local,
+        step=1,
+        node=f"n{comm.rank}",
+        group=f"node:n{comm.rank}",
+        write=WriteOptions(fsync=False),
+        meta=ManifestMeta(levels={"1": {}}),
+    )
+    return manifest, local
+
+
 def _flushed(tmp_path: Path, url: str) -> tuple[list[int], list[Any]]:
     """Two thread ranks save their halves to level 1 and flush them to ``url``; each rank's
     PUT count and manifest."""
 
     def rank(comm: Any) -> tuple[int, Any]:
-        local = tmp_path / f"l1-{comm.rank}" / step_dir_name(1)
-        manifest, _ = save_collective(
-            comm,
-            _layers(comm.rank),
-            local,
-            step=1,
-            node=f"n{comm.rank}",
-            group=f"node:n{comm.rank}",
-            write=WriteOptions(fsync=False),
-            meta=ManifestMeta(levels={"1": {}}),
-        )
+        manifest, local = _on_level1(comm, tmp_path)
         root = Bucket.at(url)
         flush_to_bucket(comm, manifest, local, root)
         return root.requests["PUT"], manifest
@@ -134,17 +140,7 @@ def test_a_flush_refuses_a_damaged_document_on_level_1(tmp_path: Path, s3: S3) -
     naming it, and no commit object appears."""
 
     def damage(comm: Any) -> None:
-        local = tmp_path / f"l1-{comm.rank}" / step_dir_name(1)
-        manifest, _ = save_collective(
-            comm,
-            _layers(comm.rank),
-            local,
-            step=1,
-            node=f"n{comm.rank}",
-            group=f"node:n{comm.rank}",
-            write=WriteOptions(fsync=False),
-            meta=ManifestMeta(levels={"1": {}}),
-        )
+        manifest, local = _on_level1(comm, tmp_path)
         doc = local / "layer3" / "w" / "zarr.json"  # each node's copy: whichever rank puts it
         doc.write_bytes(doc.read_bytes().replace(b'"float32"', b'"float64"'))
         with pytest.raises(SaveFailedError, match=r"layer3/w/zarr\.json"):
