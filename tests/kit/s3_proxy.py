@@ -24,13 +24,15 @@ just the request line, the headers and the body's framing); a client points at i
   costs).
 
 :attr:`S3Proxy.requests` counts the requests relayed or answered, by method; :attr:`faults`
-the faults injected, by rule; :meth:`peak_in_flight` tells how many matching requests were
+the faults injected, by rule; :attr:`deleted` the keys asked to be deleted, in order;
+:meth:`peak_in_flight` tells how many matching requests were
 being relayed at once, at most (whether a client overlaps its requests). ``Expect:
 100-continue`` is not supported (obstore never sends it).
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import threading
@@ -151,6 +153,7 @@ class S3Proxy:
         self.faults: Counter[str] = Counter()
         self.seen: list[tuple[str, str]] = []
         self.spans: list[tuple[str, str, float, float]] = []  # method, path, relayed from, to
+        self.deleted: list[str] = []  # keys asked to be deleted, in order (DELETE, batch POST)
         self._delay = 0.0
         self._rules: list[_Rule] = []
         self._down = False
@@ -332,6 +335,7 @@ class S3Proxy:
             _reset(c.sock)
             return False
         body = c.chunked() if chunked else c.exact(length)
+        self._note_deletes(method, path, body)
         if self._take("stall", method, path, length) is not None:
             while not self._stopped and c.sock.recv(1 << 16):  # silent until the client hangs up
                 pass
@@ -376,6 +380,16 @@ class S3Proxy:
             self.down()
             return False
         return rfields.get("connection", "").lower() != "close"
+
+    def _note_deletes(self, method: str, path: str, body: bytes) -> None:
+        if method == "DELETE":
+            keys = [urlsplit(path).path.split("/", 2)[-1]]
+        elif method == "POST" and urlsplit(path).query.startswith("delete"):
+            keys = [k.decode() for k in re.findall(rb"<Key>([^<]*)</Key>", body)]
+        else:
+            return
+        with self._lock:
+            self.deleted += keys
 
     def _span(self, method: str, path: str, arrived: float) -> None:
         with self._lock:

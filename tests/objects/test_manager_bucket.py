@@ -19,6 +19,7 @@ import pytest
 from kit.arrays import assert_state_equal, random_array
 from kit.managers import NO_EXIT_HOOKS, NO_FSYNC, node_manager
 from kit.s3 import S3
+from kit.s3_proxy import S3Proxy
 
 import ckptfmt
 from ckptfmt import CheckpointManager, Shard, WriteOptions
@@ -213,6 +214,23 @@ def test_retention_on_the_bucket_keeps_the_newest_and_leaves_nothing_of_the_othe
     mgr.delete(5, levels=[3])
     assert _steps_on_bucket(s3) == [4]
     mgr.close(flush=False)
+
+
+def test_retention_deletes_a_steps_commit_object_before_its_objects(
+    tmp_path: Path, s3: S3, s3_proxy: S3Proxy
+) -> None:
+    """Seen on the wire: the commit object of a step retention removes goes first, so a step
+    half deleted is never one a reader takes for whole."""
+    mgr = _mgr(tmp_path, s3, keep_shared=1, keep_local=1)
+    mgr.save(1, _state(1))
+    mgr.wait()
+    start = len(s3_proxy.deleted)
+    mgr.save(2, _state(2))
+    mgr.close()
+    assert _steps_on_bucket(s3) == [2] and s3.keys(f"run/{step_dir_name(1)}/") == []
+    gone = [k for k in s3_proxy.deleted[start:] if f"/{step_dir_name(1)}/" in k]
+    assert gone and gone[0].endswith("ckptfmt-commit.json"), gone
+    assert len(gone) == len(set(gone)) >= 3, gone  # then every other object, each once
 
 
 def test_a_flush_of_a_step_already_on_the_bucket_uploads_nothing(tmp_path: Path, s3: S3) -> None:
