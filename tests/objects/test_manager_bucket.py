@@ -297,6 +297,48 @@ def test_two_ranks_flush_their_own_files_and_restore_their_shards(tmp_path: Path
         np.testing.assert_array_equal(got, full[rank * 32 : (rank + 1) * 32] * 2)
 
 
+def test_level_1_parity_stays_on_the_nodes_and_both_levels_restore(tmp_path: Path, s3: S3) -> None:
+    """Four thread ranks on two simulated nodes with XOR parity: the flush puts the data, never
+    the parity; with one node's level 1 gone the step is rebuilt from the parity on level 1;
+    with every node's gone it comes from the bucket; bit for bit both times."""
+    full = np.random.default_rng(4).standard_normal((64, 300)).astype(np.float32)
+
+    def state_of(rank: int, zero: bool = False) -> dict[str, Any]:
+        rows = full[rank * 16 : (rank + 1) * 16]
+        return {"w": Shard(np.zeros_like(rows) if zero else rows, (rank * 16, 0), full.shape)}
+
+    def job(comm: Any, restore: bool) -> Any:
+        mgr = CheckpointManager(
+            f"{tmp_path}/l1/{{node}}",
+            f"{s3.url}/run",
+            comm=comm,
+            node=f"n{comm.rank // 2}",
+            redundancy="xor",
+            write=SMALL,
+            at_exit=NO_EXIT_HOOKS,
+        )
+        if not restore:
+            mgr.save(1, state_of(comm.rank))
+            mgr.close()
+            return None
+        st = state_of(comm.rank, zero=True)
+        report = mgr.restore(st)
+        mgr.close(flush=False)
+        return report.step, report.level, st["w"].data
+
+    run_threads(4, lambda c: job(c, False))
+    assert _steps_on_bucket(s3) == [1]
+    assert not [k for k in s3.keys("run/") if "ckptfmt-redundancy" in k]
+    assert list((tmp_path / "l1" / "n0").rglob("ckptfmt-redundancy/*"))  # on level 1
+    shutil.rmtree(tmp_path / "l1" / "n1")
+    for want_level in (1, 3):
+        if want_level == 3:
+            _wipe_level1(tmp_path)
+        for rank, (step, level, got) in enumerate(run_threads(4, lambda c: job(c, True))):
+            assert (step, level) == (1, want_level), (rank, level)
+            np.testing.assert_array_equal(got, full[rank * 16 : (rank + 1) * 16])
+
+
 def test_a_bucket_needs_level_1(s3: S3) -> None:
     with pytest.raises(ckptfmt.errors.UsageError, match="local_dir"):
         CheckpointManager(shared_dir=f"{s3.url}/run", write=NO_FSYNC)
