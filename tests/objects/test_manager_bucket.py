@@ -261,6 +261,20 @@ def test_a_bucket_out_of_reach_is_told_at_the_start(tmp_path: Path, s3: S3) -> N
         _mgr(tmp_path, s3, shared_dir=tmp_path / "l3", storage_options={"region": "x"})
 
 
+def _rank_mgr(tmp_path: Path, s3: S3, comm: Any, node: str, **kw: Any) -> CheckpointManager:
+    """A thread rank's manager: level 1 in ``tmp_path/l1/{node}``, level 3 the bucket's
+    ``run/``, small shards, no exit hooks."""
+    return CheckpointManager(
+        f"{tmp_path}/l1/{{node}}",
+        f"{s3.url}/run",
+        comm=comm,
+        node=node,
+        write=SMALL,
+        at_exit=NO_EXIT_HOOKS,
+        **kw,
+    )
+
+
 def test_two_ranks_flush_their_own_files_and_restore_their_shards(tmp_path: Path, s3: S3) -> None:
     """Two thread ranks on two simulated nodes, each holding half of a sharded tensor: each
     uploads its own files; after both nodes' level 1 is wiped, each restores its own half."""
@@ -271,14 +285,7 @@ def test_two_ranks_flush_their_own_files_and_restore_their_shards(tmp_path: Path
         return {"w": Shard(np.zeros_like(rows) if zero else rows, (rank * 32, 0), full.shape)}
 
     def job(comm: Any, restore: bool) -> Any:
-        mgr = CheckpointManager(
-            f"{tmp_path}/l1/{{node}}",
-            f"{s3.url}/run",
-            comm=comm,
-            node=f"n{comm.rank}",
-            write=SMALL,
-            at_exit=NO_EXIT_HOOKS,
-        )
+        mgr = _rank_mgr(tmp_path, s3, comm, f"n{comm.rank}")
         if restore:
             st = state_of(comm.rank, 0, zero=True)
             report = mgr.restore(st)
@@ -308,15 +315,7 @@ def test_level_1_parity_stays_on_the_nodes_and_both_levels_restore(tmp_path: Pat
         return {"w": Shard(np.zeros_like(rows) if zero else rows, (rank * 16, 0), full.shape)}
 
     def job(comm: Any, restore: bool) -> Any:
-        mgr = CheckpointManager(
-            f"{tmp_path}/l1/{{node}}",
-            f"{s3.url}/run",
-            comm=comm,
-            node=f"n{comm.rank // 2}",
-            redundancy="xor",
-            write=SMALL,
-            at_exit=NO_EXIT_HOOKS,
-        )
+        mgr = _rank_mgr(tmp_path, s3, comm, f"n{comm.rank // 2}", redundancy="xor")
         if not restore:
             mgr.save(1, state_of(comm.rank))
             mgr.close()
