@@ -244,9 +244,13 @@ def verify_file(
 ) -> int:
     """Check one stored data file in bounded memory (``verify``): its size against the manifest,
     its index (CRC, placement, every in-bounds slot present), every chunk's CRC32C and the
-    file's data CRC, reading at most ``window`` bytes (and the index, at most 1 MiB) at a time.
-    Returns the bytes read. Raises the :class:`DamagedError` that :func:`decode_shard` would."""
+    file's data CRC, reading at most ``window`` bytes (and the index, at most 1 MiB) at a time;
+    an object in a bucket no larger than ``window`` is fetched whole in one GET (the index and
+    the chunks then come from it, not from a request each). Returns the bytes read. Raises the
+    :class:`DamagedError` that :func:`decode_shard` would."""
     with src.open_exact(ref.path, ref.size, tensors) as handle:
+        if 0 < ref.size <= min(handle.read_batch, window):
+            handle.prefetch()  # an object that fits the window: one GET, not index then chunks
         buf = np.empty(max(1, min(window, ref.size)), np.uint8)
         crc_buf = bytearray(CRC_BYTES)
         read = 0

@@ -1,6 +1,6 @@
 """A checkpoint of many tensors in a bucket has as many small ``zarr.json`` objects: they are
 read (a load, a collective load, verify) and put (a flush) several at once, and verify reads
-the data objects several at once too, not one round trip after
+the data objects several at once too, each small one in one GET, not one round trip after
 another, and a flush spreads them over the ranks, each checked against the manifest before it
 is put. Seen at the fault proxy with a round trip added to every request (a local server
 answers in a millisecond, which would hide requests made one at a time): the most requests for
@@ -64,8 +64,11 @@ def test_verify_reads_the_documents_and_the_data_objects_several_at_once(
     url = f"{s3.url}/many"
     ckptfmt.save(_layers(), url)
     s3_proxy.delay(ROUND_TRIP)
+    start = len(s3_proxy.seen)
     report = ckptfmt.verify(url)
     assert not report.problems and report.files_checked == 2 * LAYERS, report
+    data_gets = [p for m, p in s3_proxy.seen[start:] if m == "GET" and "/c/" in p]
+    assert len(data_gets) == 2 * LAYERS  # a small object in one GET, not its index and chunks
     assert s3_proxy.peak_in_flight("GET", "zarr.json") >= 2
     assert s3_proxy.peak_in_flight("GET", "/c/") >= 2
 
