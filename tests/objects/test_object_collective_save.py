@@ -121,3 +121,34 @@ def test_the_server_gone_mid_upload_fails_the_save_on_every_rank(
     assert len(left) >= 4, left  # some objects were up: left for gc, which removes them
     assert ckptfmt.maintenance.gc(url).objects == len(left) and s3.keys("run/ckpt/") == []
     assert list(scratch.iterdir()) == []
+
+
+def test_one_rank_failing_its_uploads_fails_the_save_everywhere_and_the_old_one_stays(
+    s3: S3, scratch: Path
+) -> None:
+    """Rank 1 alone cannot reach the store (its storage options point nowhere): the save fails
+    on both ranks, naming rank 1, in the upload phase; the checkpoint it was to replace
+    (``overwrite``) still loads bit for bit; no scratch directory is left."""
+    url = f"{s3.url}/run/ckpt"
+    old = _save(url)[0].save_id
+    nowhere = {**FAST_FAILURE, "endpoint_url": "http://127.0.0.1:9"}
+    errors: list[str] = []
+
+    def rank(comm: Any) -> None:
+        with pytest.raises(SaveFailedError) as err:
+            save_to_bucket(
+                comm,
+                _state(comm.rank, 3.0),
+                url,
+                step=4,
+                node="host",
+                write=replace(SMALL, overwrite=True),
+                storage_options=nowhere if comm.rank == 1 else None,
+            )
+        errors.append(str(err.value))
+
+    run_threads(2, rank)
+    assert len(errors) == 2 and all("save-upload" in e and "rank 1" in e for e in errors), errors
+    assert read_commit(Bucket.at(url)).save_id == old  # type: ignore[union-attr]
+    np.testing.assert_array_equal(ckptfmt.load(url)["w"], FULL)
+    assert list(scratch.iterdir()) == []
