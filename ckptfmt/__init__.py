@@ -15,7 +15,7 @@ from __future__ import annotations
 from ckptfmt import errors
 from ckptfmt.checkpoint import load, open_checkpoint, save
 from ckptfmt.container.reader import Checkpoint, TensorView, latest
-from ckptfmt.errors import CkptError
+from ckptfmt.errors import CkptError, FlushWarning
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.verify import VerifyReport, verify
 from ckptfmt.parallel.level3_pick import list_levels
@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointWarning",
     "Comm",
     "ExitPolicy",
+    "FlushWarning",
     "PerRank",
     "Progress",
     "ProgressCallback",

@@ -28,6 +28,7 @@ from ckptfmt.errors.base import (
     CheckpointWarning,
     CkptError,
     CkptWarning,
+    FlushWarning,
     PerRankWarning,
     ReplicaWarning,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "AllocationLimitError",
     "CastWarning",
     "CheckpointWarning",
+    "FlushWarning",
     "ChecksumError",
     "CkptError",
     "CkptWarning",

@@ -46,6 +46,20 @@ class CheckpointWarning(CkptWarning):
     """A background save failed; training goes on with the previous checkpoints intact."""
 
 
+class FlushWarning(CheckpointWarning):
+    """The flush of a step to level 3 failed (a full or unreachable shared level); the step is
+    committed on level 1 and the save it follows did not fail. The manager tries again at its
+    next save. ``step``: the step; ``error``: why the flush failed."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step = step
+        self.error = error
+        super().__init__(
+            f"step {step} is saved on level 1, but its flush to level 3 failed (tried again "
+            f"at the next save): {error}"
+        )
+
+
 class ReplicaWarning(CkptWarning):
     """Replicas that should be identical differ (non-trainable state such as BatchNormalization
     statistics, which each worker updates from its own batches); rank 0's values were taken."""

@@ -23,6 +23,7 @@ from typing import Any
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.levels import Levels, flush_collective, retain
 from ckptfmt.parallel.publish import FaultHook
+from ckptfmt.parallel.room import make_room_here
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Files
 from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
@@ -107,6 +108,12 @@ class SharedLevel(ABC):
         """Remove all but the newest ``keep`` committed steps (never one in ``protect``),
         each out of sight first; the steps removed."""
 
+    def make_room(self, nbytes: int, protect: set[int]) -> list[int]:
+        """Rank 0, after a flush failed because this level is full: remove the oldest steps
+        so that ``nbytes`` fit, never the newest nor one in ``protect`` (``parallel.room``);
+        the steps removed. A level with no room to run out of (a bucket) removes none."""
+        return []
+
     @abstractmethod
     def remove(self, step: int) -> None:
         """Remove ``step`` if it is committed here, out of sight first."""
@@ -152,6 +159,9 @@ class DirLevel(SharedLevel):
 
     def retain(self, keep: int, protect: set[int]) -> list[int]:
         return retain(self.root, keep, protect)
+
+    def make_room(self, nbytes: int, protect: set[int]) -> list[int]:
+        return make_room_here(self.root, nbytes, protect)
 
     def remove(self, step: int) -> None:
         path = self.step(step)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.engine.encode import member_sets
-from ckptfmt.errors import CkptError, ManagerBrokenError, UsageError
+from ckptfmt.errors import CkptError, FlushWarning, ManagerBrokenError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.exit import ExitHooks
 from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
@@ -61,7 +61,7 @@ from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.tree.casting import Cast, check_policy
 from ckptfmt.tree.state import Name, Objects
 
-__all__ = ["CheckpointManager", "CheckpointWarning", "RestoreReport"]
+__all__ = ["CheckpointManager", "CheckpointWarning", "FlushWarning", "RestoreReport"]
 
 log = logging.getLogger("ckptfmt")
 
@@ -108,6 +108,13 @@ class CheckpointManager:
     step, instead of waiting forever; ranks that meet from different calls (one saves step 6,
     the others step 5) are all told (:class:`~ckptfmt.errors.OutOfStepError`). The manager then
     refuses further collective calls (:class:`ManagerBrokenError`): its ranks are out of step.
+
+    A level that fills up does not stop the saves (``docs/levels.md``, "When a level fills
+    up"): a full level's oldest steps are removed to make room (never its newest), a save that
+    fits on no level is told by its step, and a failed flush to level 3 is a
+    :class:`FlushWarning` (``failed_flushes``), never a failed save: the step is on level 1
+    and the next save flushes again. A failure told by a later ``save`` is told after that
+    save's own checkpoint was taken.
 
     ``write`` (:class:`~ckptfmt.WriteOptions`: chunk and shard sizes, writer threads, fsync; the
     same object ``save_collective`` and ``ckptfmt reshard`` take) says how the files are written;
@@ -259,8 +266,16 @@ class CheckpointManager:
 
     @property
     def failed_saves(self) -> list[tuple[int, CkptError]]:
-        """The failed saves told so far, ``(step, error)``, oldest first."""
+        """The failed saves told so far, ``(step, error)``, oldest first: steps that were
+        committed on no level."""
         return self._outcomes.failed_saves
+
+    @property
+    def failed_flushes(self) -> list[tuple[int, CkptError]]:
+        """The steps whose flush to level 3 failed, ``(step, error)``, each once, oldest first:
+        they were committed on level 1 (:class:`FlushWarning`); a later flush may have put
+        them, or a newer step, on level 3 since (``steps()`` says where each step is)."""
+        return self._outcomes.failed_flushes
 
     # --- the training-loop API -------------------------------------------------------------------
 
@@ -295,12 +310,34 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         self._calls.check_open()
+        mode = copy_mode(donate, background_copy)
         entered = time.perf_counter()
-        self.wait()
+        self._saver.idle.wait()
+        # an earlier save's failure is told after this save is taken, never instead of it
+        earlier = self._outcomes.take()
         waited = time.perf_counter() - entered
         if waited > 0.01:
             log.info("save of step %s waited %.2f s for the previous save", step, waited)
-        mode = copy_mode(donate, background_copy)
+        try:
+            handle = self._take(step, state, mode, entered, waited, ready, objects)
+        except BaseException:
+            self._outcomes.pending[:0] = earlier  # told at the next call
+            raise
+        self._outcomes.tell(earlier, then=_what_became_of(handle))
+        return handle
+
+    def _take(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        mode: str,
+        entered: float,
+        waited: float,
+        ready: Callable[[], None] | None,
+        objects: Objects,
+    ) -> SaveHandle:
+        """:meth:`save` once the previous save is over: stage ``state`` and hand the job to
+        the saver thread; its failures are kept, not told (the caller tells them)."""
         seq = self._calls.next()
         job = SaveJob(
             step=step,
@@ -327,7 +364,6 @@ class CheckpointManager:
             # no collective of this manager can be trusted any more: the save fails here at
             # once (no background job), told as a background save's failure would be
             self._saver.break_on(job.step, exc, job.report, job.handle)
-            self._outcomes.tell()
             return job.handle
         if leaves is not None:
             try:
@@ -345,7 +381,7 @@ class CheckpointManager:
     def _hand_over(self, job: SaveJob, usage: UsageError | None, entered: float) -> SaveHandle:
         """Give ``job`` to the saver thread; raise ``usage`` (this rank's state was refused)
         once the job, which the other ranks' saves pair with, is done; without ``async_save``
-        or after a failure, wait for it and report."""
+        or after a failure, wait for it (the caller reports)."""
         job.report.blocked_s = time.perf_counter() - entered
         self._saver.put(lambda: self._saver.run(job))
         if usage is not None:
@@ -353,7 +389,7 @@ class CheckpointManager:
             self._outcomes.forget(job.step)
             raise usage
         if not self.async_save or job.failure is not None:
-            self.wait()
+            self._saver.idle.wait()
         return job.handle
 
     def wait(self) -> None:
@@ -530,20 +566,36 @@ class CheckpointManager:
     def close(self, flush: bool | None = None) -> None:
         """Wait for the save in flight and, unless told not to, flush the newest level-1
         checkpoint to level 3 if it is not there yet (collective: ``Retention.flush_newest``
-        on the manager's communicator)."""
+        on the manager's communicator). The manager is closed whatever happens; a failed
+        save not told yet is told after (warned, or raised with ``on_error="raise"``), and a
+        failed flush is a :class:`FlushWarning`."""
         if self._calls.closed:
             return
-        self.wait()
-        if self._calls.broken is not None:  # no collective is safe any more: nothing to flush with
-            flush = False
-        if self.at_exit.flush if flush is None else flush:
-            self._retention.flush_newest(self._calls, self.at_exit.budget_s)
-            self._outcomes.tell()
-        self._calls.closed = True
-        self._saver.stop()
+        self._saver.idle.wait()
+        # the last save's failure is told once the manager is closed, never instead of closing
+        failed = self._outcomes.take()
+        try:
+            if self._calls.broken is not None:  # no collective is safe any more: no flush
+                flush = False
+            if self.at_exit.flush if flush is None else flush:
+                self._retention.flush_newest(self._calls, self.at_exit.budget_s)
+        finally:
+            self._calls.closed = True
+            self._saver.stop()
+            self._outcomes.tell(failed)
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _what_became_of(handle: SaveHandle) -> str:
+    """How the save of ``handle`` stands, as a failure of an earlier save told at its call
+    says it (the loop must know that this call's own checkpoint was taken)."""
+    if not handle.done():
+        return f"the save of step {handle.step} was taken and goes on in the background"
+    if handle.committed.exception() is None:
+        return f"the save of step {handle.step} was committed"
+    return f"the save of step {handle.step} failed as well"

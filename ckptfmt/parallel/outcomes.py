@@ -19,6 +19,7 @@ from ckptfmt.errors import (
     CheckpointWarning,
     CkptError,
     CollectiveTimeoutError,
+    FlushWarning,
     ManagerBrokenError,
     OutOfStepError,
     UsageError,
@@ -29,12 +30,17 @@ from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
 
-__all__ = ["Calls", "CheckpointWarning", "Outcomes"]
+__all__ = ["Calls", "CheckpointWarning", "FlushWarning", "Outcomes"]
 
 
 class Outcomes:
     """The saves' reports and the failures and notices to tell at the next call. Written by
-    the saver thread, told by the training thread (:meth:`tell`) once the saver is idle."""
+    the saver thread, told by the training thread (:meth:`tell`) once the saver is idle.
+
+    A failed save and a failed flush are told differently: a save that failed left no new
+    checkpoint (``failed_saves``, a :class:`CheckpointWarning` or raised, ``on_error``); a flush
+    that failed left its step safe on level 1 (``failed_flushes``, a :class:`FlushWarning`
+    once per step, never raised: the save it follows is committed)."""
 
     def __init__(self, on_error: OnError, on_save: Callable[[SaveReport], None] | None) -> None:
         self.on_error = on_error
@@ -44,10 +50,20 @@ class Outcomes:
         self.save_reports: list[SaveReport] = []  # the newest 100, oldest first
         self.failed_saves: list[tuple[int, CkptError]] = []  # told failures, oldest first
         self.pending: list[tuple[int, CkptError]] = []  # failures not told yet (step -1: none)
+        self.failed_flushes: list[tuple[int, CkptError]] = []  # each step once, oldest first
+        self._flush_notices: list[tuple[int, CkptError]] = []  # failed flushes not told yet
 
     def fail(self, step: int, exc: CkptError) -> None:
         """Keep the failure of ``step`` for the next call."""
         self.pending.append((step, exc))
+
+    def flush_failed(self, step: int, exc: CkptError) -> None:
+        """The flush of ``step`` (committed on level 1) to level 3 failed: keep it for the next
+        call, once per step (a step whose flush fails again at exit is not told twice)."""
+        if any(s == step for s, _ in self.failed_flushes):
+            return
+        self.failed_flushes.append((step, exc))
+        self._flush_notices.append((step, exc))
 
     def failure_since(self, mark: int, step: int) -> CkptError | None:
         """The first failure of ``step`` (or of no step in particular) kept after ``mark``
@@ -70,25 +86,45 @@ class Outcomes:
             except Exception as exc:
                 log.warning("on_save callback failed: %s", exc)
 
-    def tell(self) -> None:
-        """Warn of the notices and of each failure kept, or raise the first failure
-        (``on_error="raise"``)."""
+    def take(self) -> list[tuple[int, CkptError]]:
+        """The failures kept so far, no longer pending (told later by :meth:`tell`)."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def tell(self, taken: list[tuple[int, CkptError]] | None = None, then: str = "") -> None:
+        """Warn of the notices and the failed flushes; then record every failed save kept
+        (``taken`` before, then those still pending) in ``failed_saves`` and warn of each, or,
+        with ``on_error="raise"``, raise the oldest with the others named in its notes.
+        ``then``: what the call that tells them did anyway (``"step 40 was saved"``), added to
+        each warning and to the raised error's notes, so that a loop told of an earlier
+        step's failure knows that this call's own checkpoint was taken."""
         notices, self.notices = self.notices, []
         for notice in notices:
             warnings.warn(notice, CheckpointWarning, stacklevel=3)
-        pending, self.pending = self.pending, []
-        for step, exc in pending:
-            self.failed_saves.append((step, exc))
-            if self.on_error == "raise":
-                raise exc
-            warnings.warn(
-                f"checkpoint of step {step} failed: {exc}", CheckpointWarning, stacklevel=3
-            )
+        flushes, self._flush_notices = self._flush_notices, []
+        for step, exc in flushes:
+            warnings.warn(FlushWarning(step, exc), stacklevel=3)
+        failed = [*(taken or []), *self.take()]
+        self.failed_saves.extend(failed)
+        after = f" ({then})" if then else ""
+        if self.on_error == "raise" and failed:
+            step, exc = failed[0]
+            if then:
+                exc.add_note(f"ckptfmt: told at a later call: {then}")
+            others = sorted({s for s, _ in failed[1:] if s >= 0})
+            if others:
+                exc.add_note(f"ckptfmt: the saves of steps {others} failed too (failed_saves)")
+            raise exc
+        for step, exc in failed:
+            what = f"checkpoint of step {step} failed" if step >= 0 else "checkpoints failed"
+            warnings.warn(f"{what}: {exc}{after}", CheckpointWarning, stacklevel=3)
 
     def log_quietly(self, when: str) -> None:
         """Log the failures kept, raising nothing (a signal handler's thread)."""
         for step, exc in self.pending:
             log.warning("%s: step %s: %s", when, step, exc)
+        for step, exc in self._flush_notices:
+            log.warning("%s: flush of step %s to level 3 failed: %s", when, step, exc)
 
 
 class Calls:

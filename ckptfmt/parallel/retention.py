@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
+from ckptfmt.parallel import room
 from ckptfmt.parallel.level3_pick import level3_of
 from ckptfmt.parallel.levels import Levels, retain_steps
 from ckptfmt.parallel.outcomes import Calls, Outcomes
@@ -62,6 +63,8 @@ class Retention:
         self.newest_local: Manifest | None = None  # this job's newest level-1 checkpoint
         self.flushed: set[str] = set()  # save ids on level 3
         self.flush_rate = 0.0  # bytes/s of the last flush
+        self.flush_owed = False  # the last flush failed: the next save flushes, due or not
+        self.flush_error: str | None = None  # why it failed
 
     def retain(self, comm: Comm, protect: set[int]) -> None:
         """Collective (an allgather on ``comm``): the same retention on every node. Each node's
@@ -90,26 +93,60 @@ class Retention:
     def flush(self, manifest: Manifest, comm: Comm, seq: int | None = None) -> bool:
         """Collective (``SharedLevel.flush`` on ``comm``: ``flush_collective`` to a shared
         directory, ``flush_to_bucket`` to a bucket): copy the level-1 checkpoint of
-        ``manifest`` to level 3. False when it failed (the failure is kept for the next
-        call)."""
+        ``manifest`` to level 3; when level 3 is full, its oldest steps are removed to make
+        room (never its newest, ``parallel.room``) and the flush is tried once more. False when
+        it failed: the step is safe on level 1, the failure is told once as a
+        :class:`FlushWarning` and the flush is owed (the next save flushes)."""
         assert self.local_root is not None and self.shared is not None
         started = time.perf_counter()
-        try:
-            self.shared.flush(
-                comm,
-                manifest,
-                self.local_root / step_dir_name(manifest.step or 0),
-                fsync=self.fsync,
-                fault=self.fault,
-                seq=seq,
-            )
-        except CkptError as exc:
-            self.outcomes.fail(manifest.step or 0, exc)
-            return False
+        step = manifest.step or 0
         nbytes = sum(f.size for _, f in manifest.files())
+        try:
+            try:
+                self._flush_once(comm, manifest, seq)
+            except CkptError as exc:
+                if not (room.is_full(exc) and self._make_room(comm, nbytes, step)):
+                    raise
+                self._flush_once(comm, manifest, seq)
+        except CkptError as exc:
+            # the step is safe on level 1: a failed flush is no failed save (FlushWarning)
+            self.outcomes.flush_failed(step, exc)
+            self.flush_owed, self.flush_error = True, str(exc)
+            return False
         self.flush_rate = nbytes / max(time.perf_counter() - started, 1e-6)
         self.flushed.add(manifest.save_id)
+        self.flush_owed, self.flush_error = False, None
         return True
+
+    def _flush_once(self, comm: Comm, manifest: Manifest, seq: int | None) -> None:
+        assert self.local_root is not None and self.shared is not None
+        self.shared.flush(
+            comm,
+            manifest,
+            self.local_root / step_dir_name(manifest.step or 0),
+            fsync=self.fsync,
+            fault=self.fault,
+            seq=seq,
+        )
+
+    def _make_room(self, comm: Comm, nbytes: int, step: int) -> bool:
+        """Collective (a broadcast from rank 0; every rank, after a flush failed full: the vote
+        gave every rank the same error): rank 0 removes the oldest level-3 steps so that the
+        flush of ``step`` (``nbytes``) fits (``parallel.room``); whether any was removed."""
+        assert self.shared is not None
+        mine = self.shared.make_room(nbytes, {step}) if comm.rank == 0 else []
+        removed = comm.bcast_json(mine)
+        if removed:
+            log.warning(
+                "level 3 (%s) was full: removed steps %s to flush step %s",
+                self.shared.where,
+                removed,
+                step,
+            )
+            self.outcomes.notices.append(
+                f"level 3 was full: steps {removed} were removed to make room for step {step}"
+            )
+        return bool(removed)
 
     def flush_newest(
         self, calls: Calls, budget_s: float, comm: Comm | None = None, seq: int | None = None

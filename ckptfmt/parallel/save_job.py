@@ -35,7 +35,7 @@ from ckptfmt.errors import (
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel import share
+from ckptfmt.parallel import room, share
 from ckptfmt.parallel.outcomes import Calls, Outcomes
 from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.parallel.publish import FaultHook
@@ -270,11 +270,16 @@ class Saver:
         else:
             self.retention.newest_local = manifest
             due = s.flush_every and number % s.flush_every == 0
-            wanted = due or s.policy.flush_for(number)
+            # a flush that failed (a full or unreachable level 3) is owed: the next save
+            # flushes its own step whether due or not
+            wanted = due or s.policy.flush_for(number) or self.retention.flush_owed
             shared = self.retention.shared  # a shared directory or a bucket
-            if shared is not None and wanted and self.retention.flush(manifest, self.bg, seq):
-                report.flushed = True
-                report.bytes_written["3"] = report.bytes_written["1"]
+            if shared is not None and wanted:
+                if self.retention.flush(manifest, self.bg, seq):
+                    report.flushed = True
+                    report.bytes_written["3"] = report.bytes_written["1"]
+                else:
+                    report.flush_error = self.retention.flush_error
         self.retention.retain(self.bg, {step})
 
     def _write_somewhere(
@@ -294,8 +299,17 @@ class Saver:
         level = 1 if s.local_root is not None else 3
         root = s.local_root or s.shared_dir
         assert root is not None
+        need = _bytes_to_write(staged, red)
         try:
-            return level, self._write(staged, root, step, level, number, red, seq, failure)
+            try:
+                return level, self._write(staged, root, step, level, number, red, seq, failure)
+            except CkptError as exc:
+                if not (room.is_full(exc) and self._make_room(level, need, step)):
+                    raise
+                log.warning(
+                    "level %s was full: removed older steps to make room for step %s", level, step
+                )
+                return level, self._write(staged, root, step, level, number, red, seq, failure)
         except CkptError as exc:
             report.error = str(exc)
             can = level == 1 and s.shared_dir is not None and s.fallback_to_shared
@@ -308,7 +322,12 @@ class Saver:
             )
             assert s.shared_dir is not None  # checked above
             try:
-                manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
+                try:
+                    manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
+                except CkptError as exc3:
+                    if not (room.is_full(exc3) and self._make_room(3, need, step)):
+                        raise
+                    manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
             except CkptError as exc2:
                 self.outcomes.fail(step, exc2)
                 report.error = f"{exc}; and on level 3: {exc2}"
@@ -318,6 +337,28 @@ class Saver:
                 f"level-1 save of step {step} failed, so it was written to level 3: {exc}"
             )
             return 3, manifest
+
+    def _make_room(self, level: int, need: int, step: int) -> bool:
+        """Collective (one allgather on the saver threads' communicator, every rank, after a
+        write to ``level`` failed full on some rank: the vote gave every rank the same error):
+        remove the oldest steps of ``level`` so that the write of ``step`` fits
+        (``parallel.room``); whether any was removed (then the write is tried once more)."""
+        s = self.settings
+        if level == 1:
+            assert s.local_root is not None
+            removed = room.make_room_on_nodes(
+                self.bg, s.local_root, s.node, self.retention.node_leader, need, {step}
+            )
+        else:
+            assert s.shared_dir is not None
+            total = sum(self.bg.allgather_json(need))
+            mine = room.make_room_here(s.shared_dir, total, {step}) if self.bg.rank == 0 else []
+            removed = self.bg.bcast_json(mine)  # make_room_here never raises: no rank is left
+        if removed:
+            self.outcomes.notices.append(
+                f"level {level} was full: steps {removed} were removed to make room for step {step}"
+            )
+        return bool(removed)
 
     def _write(
         self,
@@ -354,3 +395,22 @@ class Saver:
 def group_key(node: str, node_local: bool) -> str:
     """Which ranks see the same directory: a node's ranks on level 1, everyone on level 3."""
     return f"node:{node}" if node_local else "shared"
+
+
+def _bytes_to_write(staged: Mapping[str, Any], red: Redundancy | None) -> int:
+    """About how many bytes this rank writes for ``staged``: its arrays, and the parity the
+    redundancy adds (a partner's whole copy, or up to half as much again for XOR and
+    Reed-Solomon sets), for deciding how much room a full level needs."""
+    nbytes = 0
+    todo: list[Any] = [staged]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, Mapping):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+        else:
+            nbytes += int(getattr(value, "nbytes", 0) or 0)
+    if red is None:
+        return nbytes
+    return nbytes * 2 if red.scheme == "partner" else nbytes * 3 // 2

@@ -137,7 +137,8 @@ class SaveHandle:
 
     ``staged``: a ``Future`` done when the state given to ``save`` may be mutated again (result
     None). ``committed``: a ``Future`` whose result is the step once the checkpoint is committed
-    (and flushed to level 3 when this save was due to be), or whose exception is the save's
+    (and its flush to level 3, when due, tried: a failed flush is no failed save, see
+    ``CheckpointManager.failed_flushes``), or whose exception is the save's
     error (:class:`~ckptfmt.errors.SaveFailedError` when the ranks voted the save failed;
     :class:`~ckptfmt.errors.ManagerBrokenError` when the communicator failed). ``staged`` is
     always done when ``committed`` is. The failure is also reported by the manager's next call,

@@ -40,6 +40,7 @@ class SaveReport:
     bytes_written: dict[str, int] = field(default_factory=dict)
     parity_bytes: int = 0
     error: str | None = None
+    flush_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

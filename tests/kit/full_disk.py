@@ -46,3 +46,36 @@ def in_full_tmpfs(tmp_path: Path, options: str, code: str) -> dict[str, object]:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
+
+
+def run_in_tmpfs_mounts(
+    tmp_path: Path, mounts: dict[str, str], argv: list[str], timeout: float = 300
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Path]]:
+    """Run ``argv`` in a child mount namespace where each ``mounts`` name is a directory under
+    ``tmp_path`` with a tmpfs mounted with its options (``{"l1": "size=4m"}``); the finished
+    process (checked by the caller) and the directories. The host's mounts are never
+    touched; the tmpfs vanish with the namespace."""
+    if UNSHARE is None:
+        pytest.skip("no unshare(1)")
+    args = ["--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        args = ["--user", "--map-root-user", *args]
+    probe = subprocess.run([UNSHARE, *args, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace: {probe.stderr.decode().strip()}")
+    dirs = {name: tmp_path / name for name in mounts}
+    shell = []
+    for name, options in mounts.items():
+        dirs[name].mkdir()
+        shell.append(f"mount -t tmpfs -o {options} tmpfs {dirs[name]}")
+    shell.append('exec "$@"')
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO / 'tools'}"}
+    proc = subprocess.run(
+        [UNSHARE, *args, "sh", "-c", " && ".join(shell), "sh", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+    return proc, dirs
