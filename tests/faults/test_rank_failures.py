@@ -63,6 +63,8 @@ def _check_save(out: Path, name: str, n: int) -> None:
             assert ranks == {failing: want_type}, f"{where}: {ranks}"
             assert res["phases"][failing] == want_phase, f"{where}: {res['phases']}"
         assert any("step 2" in w for w in res["warnings"]), where
+        # a failed flush is told as such (a FlushWarning), never as a failed save
+        assert res["flush_failed"] == ([2] if name == "flush-value" else []), where
         assert res["seconds"] < DEADLINE_S, f"{where}: told after {res['seconds']:.1f} s"
         # committed nowhere; a failed flush leaves the level-1 save, whole on every node
         whole_l1 = ["l1/n0/step-0000000002", "l1/n1/step-0000000002"]

@@ -98,10 +98,13 @@ def manager(comm: Any, root: Path, node: str, fault: Any = None) -> CheckpointMa
 
 
 def told(mgr: CheckpointManager, caught: list[warnings.WarningMessage]) -> dict[str, Any]:
-    """The failure this rank was told of: the newest failed save and the warnings."""
+    """The failure this rank was told of: the newest failed save (or, when no save failed,
+    the newest failed flush: its step is safe on level 1) and the warnings."""
     out: dict[str, Any] = {"warnings": [str(w.message) for w in caught]}
-    if mgr.failed_saves:
-        step, exc = mgr.failed_saves[-1]
+    out["flush_failed"] = [s for s, _ in mgr.failed_flushes]
+    failures = mgr.failed_saves or mgr.failed_flushes
+    if failures:
+        step, exc = failures[-1]
         out["step"] = step
         out["error"] = type(exc).__name__
         out["message"] = str(exc)
