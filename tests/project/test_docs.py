@@ -17,6 +17,7 @@ The README is the first page a user reads, and runs again as they try it: it sta
 :data:`README_MAX_LINES` lines, starts with its two commands, every relative link in it resolves
 (a file, and a heading of a Markdown file when the link names one), and its examples run twice
 in a row in one directory (a second run must not meet the first one's checkpoints as errors).
+Its advice to ``source .venv/bin/activate`` is what puts ``ckptfmt`` on ``PATH``.
 """
 
 from __future__ import annotations
@@ -212,3 +213,24 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path: Path) -> None:
     )
     assert r.returncode == 0 and "WARNING" not in r.stdout + r.stderr, r.stdout + r.stderr
     assert (tmp_path / "site" / "spec" / "FORMAT" / "index.html").is_file()
+
+
+def test_activating_the_environment_puts_ckptfmt_on_path(tmp_path: Path) -> None:
+    """What the README says to type: after ``source .venv/bin/activate`` (this environment's
+    script), ``ckptfmt`` and a ``python`` that imports ckptfmt are found on a bare ``PATH``."""
+    activate = BIN / "activate"
+    if not activate.is_file():
+        pytest.skip(f"{BIN} is not a virtual environment")
+    env = {k: v for k, v in _env().items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = "/usr/bin:/bin"
+    script = (
+        f"source {shlex.quote(str(activate))} && ckptfmt --version && python -c 'import ckptfmt'"
+    )
+    r = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "ckptfmt" in r.stdout, r.stdout + r.stderr
+    before = subprocess.run(
+        ["bash", "-c", "command -v ckptfmt"], cwd=tmp_path, env=env, capture_output=True
+    )
+    assert before.returncode != 0  # not found without it: the README's advice is needed
