@@ -14,8 +14,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -r requirements/dev.txt
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
+  echo "ckptfmt is installed in .venv: 'source .venv/bin/activate' puts its python and ckptfmt on PATH"
 fi
-# A regular install puts ckptfmt_zarr_dtypes.pth into site-packages (see setup.py and
-# ckptfmt/zarr_plugin.py); pip's editable installs drop it, so put it there ourselves.
+# pip installs ckptfmt_zarr_dtypes.pth, the start-up hook that teaches plain zarr bfloat16, into
+# site-packages, from a wheel and an editable install alike (setup.py); say so when it is missing.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cp tools/ckptfmt_zarr_dtypes.pth "$site/"
+if [ ! -f "$site/ckptfmt_zarr_dtypes.pth" ]; then
+  echo "setup.sh: $site/ckptfmt_zarr_dtypes.pth is missing after 'pip install -e .';" \
+    "remove $stamp and run scripts/setup.sh again" >&2
+  exit 1
+fi

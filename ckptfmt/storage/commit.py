@@ -43,7 +43,9 @@ def prepare(final: Path, save_id: str, overwrite: bool) -> Path:
         if is_committed(final):
             if not overwrite:
                 raise DestinationExistsError(
-                    str(final), "a checkpoint is already there (pass overwrite=True to replace it)"
+                    str(final),
+                    "a checkpoint is already there "
+                    "(pass write=WriteOptions(overwrite=True) to replace it)",
                 )
         elif any(final.iterdir()):
             raise DestinationExistsError(

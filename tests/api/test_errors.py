@@ -307,3 +307,21 @@ def test_a_read_only_level_1_is_refused_at_the_constructor(tmp_path: Path) -> No
     out = proc.stdout
     assert "REFUSED StorageError level 1 (local_dir)" in out, out + proc.stderr
     assert str(mnt / "l1") in out and "read-only file system" in out, out
+
+
+def test_saving_onto_a_checkpoint_names_the_keyword_that_replaces_it(tmp_path: Path) -> None:
+    """Saving twice to one path (re-running an example) is refused with a hint that is a call
+    ``save`` takes, copied from the message as it is."""
+    path = tmp_path / "ckpt"
+    ckptfmt.save({"w": np.zeros(3, np.float32)}, path)
+    with pytest.raises(errors.DestinationExistsError) as info:
+        ckptfmt.save({"w": np.ones(3, np.float32)}, path)
+    message = str(info.value)
+    assert str(path) in message
+    hint = message.split("(pass ", 1)[1].split(" to replace it", 1)[0]
+    assert hint == "write=WriteOptions(overwrite=True)"
+    eval(
+        f"save(state, path, {hint})",
+        {**vars(ckptfmt), "state": {"w": np.ones(3, np.float32)}, "path": path},
+    )
+    assert (ckptfmt.load(path)["w"] == 1).all()

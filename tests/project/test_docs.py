@@ -9,8 +9,15 @@ line with the installed ``ckptfmt`` command. The blocks of one page share one fr
 directory and run in the page's order, so a page can save a checkpoint in one block and inspect
 it in the next; each block is still a complete program (its own imports). A command is expected
 to exit 0 unless its line ends with a comment ``# exit N``. A block preceded by the line
-``<!-- skip: why -->`` is not run (one that needs ``mpiexec``, say); other blocks (```text,
-```json) are prose.
+``<!-- skip: why -->`` is not run; one preceded by ``<!-- run: torchrun N -->`` is a script that
+runs on N ranks under ``torchrun --standalone`` (gloo on this host), in the page's directory like
+the others. Other blocks (```text, ```json) are prose.
+
+The README is the first page a user reads, and runs again as they try it: it stays within
+:data:`README_MAX_LINES` lines, starts with its two commands, every relative link in it resolves
+(a file, and a heading of a Markdown file when the link names one), and its examples run twice
+in a row in one directory (a second run must not meet the first one's checkpoints as errors).
+Its advice to ``source .venv/bin/activate`` is what puts ``ckptfmt`` on ``PATH``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ TIMEOUT_S = 600
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 SKIP = re.compile(r"<!--\s*skip:[^>]*-->\s*$")
+TORCHRUN = re.compile(r"<!--\s*run:\s*torchrun\s+(\d+)\s*-->\s*$")
 EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 
 
@@ -40,6 +48,7 @@ class Block(NamedTuple):
     line: int
     lang: str
     code: str
+    ranks: int = 0  # > 0: run under torchrun on this many ranks
 
     @property
     def id(self) -> str:
@@ -55,8 +64,10 @@ def blocks(page: Path) -> list[Block]:
         before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
         if SKIP.search(before):
             continue
+        ranks = TORCHRUN.search(before)
         if lang == "python" or (lang == "sh" and commands(code)):
-            out.append(Block(page, text.count("\n", 0, m.start()) + 1, lang, code))
+            line = text.count("\n", 0, m.start()) + 1
+            out.append(Block(page, line, lang, code, int(ranks.group(1)) if ranks else 0))
     return out
 
 
@@ -98,15 +109,23 @@ def _failed(block: Block, what: str, r: subprocess.CompletedProcess[str]) -> str
 
 @pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
 def test_example_runs(block: Block, page_dirs: dict[Path, Path]) -> None:
-    cwd = page_dirs[block.page]
+    run_block(block, page_dirs[block.page])
+
+
+def run_block(block: Block, cwd: Path) -> None:
+    """Run ``block`` in ``cwd`` as the module's docstring says; fail the test if it fails."""
     if block.lang == "python":
+        argv = [sys.executable, "-c", block.code]
+        if block.ranks:
+            script = cwd / f"_{block.page.stem}_{block.line}.py"
+            script.write_text(block.code, encoding="utf-8")
+            argv = [
+                *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+                *("--nproc-per-node", str(block.ranks), "--monitor-interval", "0.2"),
+                str(script),
+            ]
         r = subprocess.run(
-            [sys.executable, "-c", block.code],
-            cwd=cwd,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
+            argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
         )
         assert r.returncode == 0, _failed(block, "the example", r)
         return
@@ -126,6 +145,61 @@ def test_every_page_has_examples_or_says_why() -> None:
     """The extraction finds blocks at all (a changed fence syntax would otherwise pass empty)."""
     found = {b.page.name for b in ALL}
     assert {"README.md", "quickstart.md", "levels.md", "torch.md", "keras.md"} <= found
+    assert {"hf.md", "dcp.md"} <= found
+    assert any(b.ranks > 1 for b in ALL), "no example runs on several ranks"
+
+
+README = REPO / "README.md"
+README_MAX_LINES = 200
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a Markdown page's headings, as GitHub and mkdocs make them."""
+    out = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if m := re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line):
+            words = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower())
+            out.add(words.replace(" ", "-"))
+    return out
+
+
+def test_readme_is_short_and_starts_with_its_two_commands() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+    first = next(b for b in FENCE.finditer(README.read_text(encoding="utf-8")))
+    assert first.group(1) == "sh"
+    assert [ln.split()[0] for ln in first.group(2).splitlines() if ln.strip()] == [
+        "scripts/demo.sh",
+        "scripts/test.sh",
+    ]
+    before = README.read_text(encoding="utf-8")[: first.start()]
+    assert [ln for ln in before.splitlines() if ln.strip()] == ["# ckptfmt"]
+    assert "source .venv/bin/activate" in README.read_text(encoding="utf-8")
+
+
+def test_readme_links_resolve() -> None:
+    text = README.read_text(encoding="utf-8")
+    links = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+    assert links, "no relative links found: the pattern is broken"
+    for target in links:
+        path, _, anchor = target.partition("#")
+        dest = README.parent / path if path else README
+        assert dest.exists(), f"README.md links to {target}: {dest} does not exist"
+        if anchor and dest.suffix == ".md":
+            assert anchor in _anchors(dest), f"README.md links to {target}: no such heading"
+    # a repository path named in code quotes (`adapters/ckptfmt_torch/lightning.py`) exists too
+    for code in re.findall(r"`([\w.-]+(?:/[\w.-]+)+\.(?:py|md|sh|json|toml|txt))`", text):
+        assert (README.parent / code).exists(), f"README.md names {code}, which does not exist"
+
+
+def test_readme_examples_run_twice_in_one_directory(tmp_path: Path) -> None:
+    """Trying the README again must work: its examples, run a second time where they ran, do
+    not fail on what the first run left (a checkpoint already there, say)."""
+    mine = [b for b in ALL if b.page == README]
+    for _ in range(2):
+        for block in mine:
+            run_block(block, tmp_path)
 
 
 def test_mkdocs_build_is_strict_and_clean(tmp_path: Path) -> None:
@@ -139,3 +213,24 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path: Path) -> None:
     )
     assert r.returncode == 0 and "WARNING" not in r.stdout + r.stderr, r.stdout + r.stderr
     assert (tmp_path / "site" / "spec" / "FORMAT" / "index.html").is_file()
+
+
+def test_activating_the_environment_puts_ckptfmt_on_path(tmp_path: Path) -> None:
+    """What the README says to type: after ``source .venv/bin/activate`` (this environment's
+    script), ``ckptfmt`` and a ``python`` that imports ckptfmt are found on a bare ``PATH``."""
+    activate = BIN / "activate"
+    if not activate.is_file():
+        pytest.skip(f"{BIN} is not a virtual environment")
+    env = {k: v for k, v in _env().items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = "/usr/bin:/bin"
+    script = (
+        f"source {shlex.quote(str(activate))} && ckptfmt --version && python -c 'import ckptfmt'"
+    )
+    r = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and "ckptfmt" in r.stdout, r.stdout + r.stderr
+    before = subprocess.run(
+        ["bash", "-c", "command -v ckptfmt"], cwd=tmp_path, env=env, capture_output=True
+    )
+    assert before.returncode != 0  # not found without it: the README's advice is needed

@@ -76,7 +76,8 @@ def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 # can pass. Most specific first (the export command's message names both already).
 _FLAG_WORDING: tuple[tuple[str, str], ...] = (
     ("--overwrite, overwrite=True,", "--overwrite"),
-    ("pass overwrite=True to replace it", "pass --overwrite to replace it"),
+    ("pass write=WriteOptions(overwrite=True) to replace it", "pass --overwrite to replace it"),
+    ("write=WriteOptions(overwrite=True)", "--overwrite"),
     ("overwrite=True", "--overwrite"),
     (
         "give a rank map (saved rank -> current rank), or drop them explicitly",
