@@ -10,7 +10,9 @@ directory and run in the page's order, so a page can save a checkpoint in one bl
 it in the next; each block is still a complete program (its own imports). A command is expected
 to exit 0 unless its line ends with a comment ``# exit N``. A block preceded by the line
 ``<!-- skip: why -->`` is not run (one that needs ``mpiexec``, say); other blocks (```text,
-```json) are prose.
+```json) are prose. A block preceded by ``<!-- bucket -->`` runs against the tests' S3 server
+(``kit.s3``): the ``AWS_*`` environment points at it and the bucket ``my-bucket`` exists, the
+same one for every such block of the session.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import NamedTuple
 
 import pytest
 from kit import REPO
+from kit.s3 import S3Server
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
@@ -32,6 +35,8 @@ TIMEOUT_S = 600
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 SKIP = re.compile(r"<!--\s*skip:[^>]*-->\s*$")
+BUCKET = re.compile(r"<!--\s*bucket\s*-->\s*$")
+BUCKET_NAME = "my-bucket"
 EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 
 
@@ -40,6 +45,7 @@ class Block(NamedTuple):
     line: int
     lang: str
     code: str
+    bucket: bool = False
 
     @property
     def id(self) -> str:
@@ -56,7 +62,8 @@ def blocks(page: Path) -> list[Block]:
         if SKIP.search(before):
             continue
         if lang == "python" or (lang == "sh" and commands(code)):
-            out.append(Block(page, text.count("\n", 0, m.start()) + 1, lang, code))
+            line = text.count("\n", 0, m.start()) + 1
+            out.append(Block(page, line, lang, code, bool(BUCKET.search(before))))
     return out
 
 
@@ -96,14 +103,26 @@ def _failed(block: Block, what: str, r: subprocess.CompletedProcess[str]) -> str
     return f"{block.id}: {what} exited {r.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
 
 
+def _bucket_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The environment of a ``<!-- bucket -->`` block: the S3 server's, with ``my-bucket``."""
+    server: S3Server = request.getfixturevalue("s3_server")
+    names = {b["Name"] for b in server.client().list_buckets().get("Buckets", [])}
+    if BUCKET_NAME not in names:
+        server.make_bucket(BUCKET_NAME)
+    return {**_env(), **server.env}
+
+
 @pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
-def test_example_runs(block: Block, page_dirs: dict[Path, Path]) -> None:
+def test_example_runs(
+    block: Block, page_dirs: dict[Path, Path], request: pytest.FixtureRequest
+) -> None:
     cwd = page_dirs[block.page]
+    env = _bucket_env(request) if block.bucket else _env()
     if block.lang == "python":
         r = subprocess.run(
             [sys.executable, "-c", block.code],
             cwd=cwd,
-            env=_env(),
+            env=env,
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
@@ -114,7 +133,7 @@ def test_example_runs(block: Block, page_dirs: dict[Path, Path]) -> None:
         r = subprocess.run(
             ["bash", "-c", cmd],
             cwd=cwd,
-            env=_env(),
+            env=env,
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
