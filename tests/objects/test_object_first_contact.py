@@ -14,6 +14,7 @@ the issue met). Refused credentials come from a second moto server that checks t
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import re
 import threading
@@ -26,6 +27,7 @@ import pytest
 from kit.cli import run_cli
 from kit.managers import NO_EXIT_HOOKS, NO_FSYNC
 from kit.s3 import S3, S3Server, start_checking_server
+from kit.s3_proxy import S3Proxy
 
 import ckptfmt
 from ckptfmt import CheckpointManager
@@ -167,7 +169,45 @@ def _wrong_secret(monkeypatch: pytest.MonkeyPatch, checking: S3Server, **_: Any)
     )
 
 
+def _denied(monkeypatch: pytest.MonkeyPatch, checking: S3Server, **_: Any) -> Case:
+    """A key the store knows whose user may do nothing (no policy)."""
+    key = _powerless_key(checking)
+    _only(monkeypatch, {**checking.env, **key})
+    return Case(
+        "s3://checked/run",
+        CredentialsError,
+        "s3://checked",
+        key["AWS_ACCESS_KEY_ID"],
+        "may not make this request",
+        "s3:GetObject",
+    )
+
+
+_POWERLESS: dict[str, str] = {}
+
+
+def _powerless_key(checking: S3Server) -> dict[str, str]:
+    """The access key of an IAM user without any policy on the checking server (made once)."""
+    if not _POWERLESS:
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            endpoint_url=checking.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=checking.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=checking.env["AWS_SECRET_ACCESS_KEY"],
+        )
+        iam.create_user(UserName="powerless")
+        made = iam.create_access_key(UserName="powerless")["AccessKey"]
+        _POWERLESS.update(
+            AWS_ACCESS_KEY_ID=made["AccessKeyId"], AWS_SECRET_ACCESS_KEY=made["SecretAccessKey"]
+        )
+    return dict(_POWERLESS)
+
+
 CASES: dict[str, Callable[..., Case]] = {
+    "denied": _denied,
     "missing-bucket": _missing_bucket,
     "http-not-allowed": _http_not_allowed,
     "no-credentials": _no_credentials,
@@ -300,3 +340,50 @@ def test_no_request_is_made_before_the_settings_are_told(
     with pytest.raises(HttpNotAllowedError, match=re.escape(f"(endpoint {dead})")) as refused:
         ckptfmt.latest("s3://any-bucket/run")
     assert refused.value.status is None and refused.value.op == "SETUP"
+
+
+def test_a_bucket_in_another_region_names_it(s3: S3, s3_proxy: S3Proxy) -> None:
+    """S3's answer to a request signed for another region than the bucket's (400
+    ``AuthorizationHeaderMalformed`` naming the right one), given by the proxy: the error says
+    which ``AWS_REGION`` to set, and with it set the call goes through."""
+    s3_proxy.answer_error(
+        1,
+        "400 Bad Request",
+        "AuthorizationHeaderMalformed",
+        "The authorization header is malformed; the region 'us-east-1' is wrong; "
+        "expecting 'eu-west-1'",
+        {"Region": "eu-west-1"},
+    )
+    with pytest.raises(ObjectStoreSetupError) as got:
+        ckptfmt.latest(f"{s3.url}/run")
+    assert got.value.status == 400 and s3.url in got.value.bucket
+    assert 'AWS_REGION=eu-west-1 (in Python also storage_options={"region": "eu-west-1"})' in str(
+        got.value
+    )
+    assert ckptfmt.latest(f"{s3.url}/run", storage_options={"region": "eu-west-1"}) is None
+
+
+def test_a_public_bucket_needs_no_credentials_when_told(
+    s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AWS_SKIP_SIGNATURE=true``, which the no-credentials error names for a public bucket,
+    is taken as a setting of credentials: requests go out unsigned, which a public bucket
+    answers, and a private one refuses with an error that asks for keys."""
+    ckptfmt.save(STATE, f"{s3.url}/public/step-1")
+    _only(monkeypatch, {k: v for k, v in s3.env.items() if "KEY" not in k})
+    with pytest.raises(CredentialsError, match="AWS_SKIP_SIGNATURE=true for a public bucket"):
+        ckptfmt.latest(f"{s3.url}/public")
+    monkeypatch.setenv("AWS_SKIP_SIGNATURE", "true")
+    with pytest.raises(CredentialsError, match="not a public bucket") as private:
+        ckptfmt.latest(f"{s3.url}/public")
+    assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in str(private.value)
+    anyone = {"Effect": "Allow", "Principal": "*", "Action": ["s3:GetObject", "s3:ListBucket"]}
+    anyone["Resource"] = [f"arn:aws:s3:::{s3.bucket}", f"arn:aws:s3:::{s3.bucket}/*"]
+    policy = json.dumps({"Version": "2012-10-17", "Statement": [anyone]})
+    client = s3.server.client()
+    client.put_bucket_policy(Bucket=s3.bucket, Policy=policy)
+    for key in s3.keys("public/"):  # moto answers an unsigned HEAD by the object's ACL alone
+        client.put_object_acl(Bucket=s3.bucket, Key=key, ACL="public-read")
+    ref = ckptfmt.latest(f"{s3.url}/public")
+    assert ref is not None and ref.step == 1
+    assert ckptfmt.load(str(ref.path))["w"].tolist() == STATE["w"].tolist()

@@ -561,6 +561,7 @@ def translate(exc: BaseException, url: str, op: str, bucket: Bucket | None = Non
 # --- first contact: the bucket, the endpoint, the credentials ---------------------------------
 
 _S3_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
+_S3_REGION = re.compile(r"<Region>([a-z0-9-]+)</Region>")
 _REFUSED = {
     "InvalidAccessKeyId": (
         "the store knows no access key id {key}",
@@ -642,6 +643,11 @@ def _setup_error(
     if code in _REFUSED or (status == 403 and not code):
         what, fix = _REFUSED.get(code or "AccessDenied", _REFUSED["AccessDenied"])
         key = _access_key_id(bucket)
+        if key is None:  # unsigned requests (AWS_SKIP_SIGNATURE): the bucket is not public
+            what, fix = (
+                "requests without credentials are refused (not a public bucket)",
+                (_NO_CREDENTIALS_FIX.split(", or AWS_SKIP_SIGNATURE")[0]),
+            )
         return CredentialsError(
             url,
             op,
@@ -653,6 +659,8 @@ def _setup_error(
             code=code or str(status),
         )
     if code in _REGION:
+        found = _S3_REGION.findall(text)
+        region = found[0] if found else "<the bucket's region>"
         return ObjectStoreSetupError(
             url,
             op,
@@ -660,8 +668,8 @@ def _setup_error(
             f"the bucket is in another region than the client's ({code})",
             bucket=where,
             endpoint=endpoint,
-            fix="set AWS_REGION to the bucket's region (in Python also "
-            'storage_options={"region": "<region>"})',
+            fix=f"set AWS_REGION={region} (in Python also "
+            f'storage_options={{"region": "{region}"}})',
         )
     if "builder error" in text and endpoint and endpoint.lower().startswith("http://"):
         return _http_refused(url, where, op, endpoint)
