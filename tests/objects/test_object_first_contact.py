@@ -3,7 +3,8 @@
 refuses each give a :class:`~ckptfmt.errors.CkptError` that names the bucket or the endpoint and
 what to set, in every path a user meets first: ``ckptfmt.save``, ``ckptfmt.load``,
 ``ckptfmt.latest``, a ``CheckpointManager`` with the bucket as level 3, and ``ckptfmt list`` /
-``ckptfmt verify`` (one line, a non-zero status, no traceback).
+``ckptfmt verify`` / ``ckptfmt inspect`` / ``ckptfmt gc`` (one line, a non-zero status, no
+traceback).
 
 No test reaches beyond 127.0.0.1: where credentials are missing the environment has none and
 names a loopback store, which ckptfmt refuses before any request; where the client would ask an
@@ -274,9 +275,9 @@ def test_a_manager_names_what_to_set_at_its_start(case: Case, tmp_path: Path) ->
         assert name in text, (name, text)
 
 
-@pytest.mark.parametrize("command", ["list", "verify"])
+@pytest.mark.parametrize("command", ["list", "verify", "inspect", "gc"])
 def test_the_cli_names_what_to_set_in_one_line(case: Case, command: str) -> None:
-    url = case.url if command == "list" else f"{case.url}/step-1"
+    url = case.url if command in ("list", "gc") else f"{case.url}/step-1"
     result = run_cli(command, url)
     assert result.exit_code != 0, result.output
     lines = result.output.strip().splitlines()

@@ -13,7 +13,10 @@ retries each part on its own. A conditional put (``create_only``, ``if_match``) 
 went out is *not* re-sent after a dropped connection, since it may have acted: its caller reads
 the object back (:func:`.commit.write_commit`, :func:`.commit.move_latest` do). What still
 fails raises :class:`ObjectStoreError` naming the key's URL, the request and the HTTP status,
-so no request waits longer than about ``retry_timeout + timeout``.
+so no request waits longer than about ``retry_timeout + timeout``. A first contact that fails
+(:func:`translate`) raises an :class:`ObjectStoreSetupError` naming the bucket, the endpoint and
+what to set: :class:`BucketNotFoundError`, :class:`CredentialsError` (missing, refused,
+expired, not allowed), :class:`HttpNotAllowedError`, or the wrong region.
 
 Settings come, highest first, from ``storage_options`` (keys as obstore and fsspec spell them:
 ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``, ``region``,
@@ -203,7 +206,11 @@ class Bucket:
         override the environment (see the module's docstring); ``retries`` the default
         :class:`Retries`, and retry keys in ``storage_options`` override both. Makes no
         request. Raises :class:`CloudNotInstalledError` without the ``cloud`` extra,
-        :class:`UsageError` for a URL or option the library refuses."""
+        :class:`UsageError` for a URL or option the library refuses; for S3, what the settings
+        alone show will fail, before a request: :class:`HttpNotAllowedError` for a plain
+        ``http://`` endpoint without ``allow_http``, :class:`CredentialsError` when nothing says
+        where credentials come from and the endpoint is not AWS's (whose instances may have a
+        role; another store has none to give)."""
         scheme, bucket, prefix = split_url(url)
         obstore = _obstore()
         if obstore is None:
