@@ -171,3 +171,83 @@ class ObjectStoreError(StorageError):
         answer = f"HTTP {status}" if status is not None else "no answer"
         super().__init__(path, f"{op} failed ({answer}): {reason}", level=level)
         self.reason = reason
+
+
+class ObjectStoreSetupError(ObjectStoreError):
+    """The object store cannot be used as it is set up: the bucket, the endpoint or the
+    credentials are not what the store takes. Found before the first request where the settings
+    alone show it, else from the store's first answer. The message ends with what to set.
+
+    ``path``: the URL of the key the request was for (the bucket's URL when no request was
+    made); ``bucket``: the bucket's URL (``s3://bucket``); ``endpoint``: the endpoint the
+    client used, None for the store's default; ``fix``: what to set or do, naming the
+    environment variable and the ``storage_options`` key; ``op``, ``status`` as
+    :class:`ObjectStoreError` (``op`` ``"SETUP"`` and ``status`` None when no request was
+    made)."""
+
+    def __init__(
+        self,
+        path: str,
+        op: str,
+        status: int | None,
+        reason: str,
+        *,
+        bucket: str,
+        endpoint: str | None,
+        fix: str,
+    ) -> None:
+        self.bucket = bucket
+        self.endpoint = endpoint
+        self.fix = fix
+        at = f" (endpoint {endpoint})" if endpoint else ""
+        super().__init__(path, op, status, f"{reason}{at}: {fix}")
+        self._tell(None)
+
+    def _tell(self, level: str | None) -> None:
+        """The message: as :class:`ObjectStoreError`'s after a request; without one (``op``
+        ``"SETUP"``), the path and what is wrong, no request named."""
+        if self.op == "SETUP":
+            StorageError.__init__(self, self.path, self.reason, level=level)
+        else:
+            ObjectStoreError.__init__(
+                self, self.path, self.op, self.status, self.reason, level=level
+            )
+
+    def at_level(self, level: str) -> ObjectStoreSetupError:
+        """The same error, said of the storage level ``level`` (``"level 3 (shared_dir)"``):
+        a manager names which of its arguments to fix."""
+        told = type(self).__new__(type(self))
+        told.__dict__.update(self.__dict__)
+        told._tell(level)
+        return told
+
+
+class BucketNotFoundError(ObjectStoreSetupError):
+    """The bucket of the URL does not exist at the endpoint (S3 ``NoSuchBucket``): ckptfmt
+    never creates a bucket."""
+
+
+class CredentialsError(ObjectStoreSetupError):
+    """No credentials are set up for the store, or the store refuses the ones given (S3
+    ``InvalidAccessKeyId``, ``SignatureDoesNotMatch``, ``AccessDenied``). ``code``: the
+    store's error code, or ``"missing"`` when none were found."""
+
+    def __init__(
+        self,
+        path: str,
+        op: str,
+        status: int | None,
+        reason: str,
+        *,
+        bucket: str,
+        endpoint: str | None,
+        fix: str,
+        code: str,
+    ) -> None:
+        self.code = code
+        super().__init__(path, op, status, reason, bucket=bucket, endpoint=endpoint, fix=fix)
+
+
+class HttpNotAllowedError(ObjectStoreSetupError):
+    """The endpoint is a plain ``http://`` URL and the client is not allowed plain HTTP (it
+    refuses to send the request: obstore's ``HTTP error: builder error``)."""

@@ -24,6 +24,7 @@ from ckptfmt.errors import (
     CkptError,
     LoadFailedError,
     NotACheckpointError,
+    ObjectStoreSetupError,
     RankFailure,
     UsageError,
 )
@@ -44,6 +45,7 @@ from ckptfmt.storage.objects.commit import (
     move_latest,
     read_commit,
     read_latest,
+    step_names,
     write_commit,
 )
 from ckptfmt.storage.objects.source import ObjectInside
@@ -86,6 +88,9 @@ class BucketLevel(SharedLevel):
         named at the start, on every rank (``agree_nodes``)."""
         try:
             self._probe.list_dirs("")
+        except ObjectStoreSetupError as exc:  # names what to set already
+            reason = str(exc).removeprefix(f"{exc.path}: ")
+            return [{"path": self.root.url, "reason": reason, "err": None, "level": 3}]
         except CkptError as exc:
             status = getattr(exc, "status", None)
             why = "no such bucket" if status == 404 or isinstance(exc, FileNotFoundError) else ""
@@ -292,7 +297,8 @@ def bucket_levels(
     url: str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[dict[int, str], dict[str, Any]]:
     """For ``ckptfmt list`` of a bucket root: the state of every step prefix under ``url``
-    (flushed, damaged: objects missing or of another size, not committed) and the recorded
+    (flushed, damaged: objects missing or of another size, not committed; ``step-100``
+    written by hand too, as for a directory: ``storage.steps.pick_steps``) and the recorded
     ``ckptfmt-levels.json`` (``{}`` when there is none). A LIST, then a GET and the HEADs of
     each committed step."""
     root = Bucket.at(url, storage_options)
@@ -301,16 +307,17 @@ def bucket_levels(
     except (FileNotFoundError, ValueError):
         cfg = {}
     out: dict[int, str] = {}
-    for step in list_steps(root):
+    for step, name in step_names(root, loose=True):  # the names a directory's listing takes
+        where = root.child(name)
         try:
-            found = read_commit(root.child(step_dir_name(step)))
+            found = read_commit(where)
         except CkptError as exc:  # an unreadable commit object
             out[step] = f"damaged: {exc}"
             continue
         if found is None:
             out[step] = "not committed"
             continue
-        bad = missing_objects(root.child(step_dir_name(step)), found)
+        bad = missing_objects(where, found)
         out[step] = (
             f"damaged: {len(bad)} object(s) missing or of another size ({', '.join(bad[:3])})"
             if bad

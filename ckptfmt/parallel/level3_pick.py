@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import ObjectStoreSetupError, UsageError, level_name
 from ckptfmt.parallel.level3 import DirLevel, SharedLevel
 from ckptfmt.parallel.level3_bucket import BucketLevel, bucket_levels
 from ckptfmt.parallel.levels import LEVELS_FILE, Levels, dir_level3, with_level1
@@ -40,7 +40,10 @@ def shared_level(
                 f"shared_dir={shared_dir!r} is a bucket: level 1 (local_dir) is needed, since "
                 "level 3 on object storage is written by flushing level-1 checkpoints"
             )
-        return BucketLevel.at(shared_dir, storage_options)
+        try:
+            return BucketLevel.at(shared_dir, storage_options)
+        except ObjectStoreSetupError as exc:  # told by the settings alone, before a request
+            raise exc.at_level(level_name(3) or "level 3") from None
     if storage_options:
         raise UsageError("storage_options is for a shared_dir that is an object-store URL")
     refuse_url(os.fspath(shared_dir))  # an unsupported scheme (file://, http://) is named

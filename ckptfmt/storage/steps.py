@@ -10,6 +10,7 @@ manifest's ``save_id``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,8 +19,8 @@ from ckptfmt.errors import UsageError
 STEP_NAME = re.compile(r"^step-(\d{10,})$")
 
 
-_LOOSE_STEP = re.compile(r"^(?:step-)?(\d+)$")
-_LOOSE_NAME = re.compile(r"^step-(\d+)$")
+_LOOSE_STEP = re.compile(r"^(?:step-)?([0-9]+)$")
+_LOOSE_NAME = re.compile(r"^step-([0-9]+)$")
 
 
 def parse_step(step: int | str) -> int:
@@ -49,26 +50,38 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
-def list_step_dirs(root: Path, *, loose: bool = False) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every step-named directory under ``root``, ascending (committed or
-    not).
+def pick_steps(names: Iterable[str], *, loose: bool = False) -> list[tuple[int, str]]:
+    """``(step, name)`` of the step names among ``names``, ascending by step: the one rule
+    (``spec/PROTOCOL.md`` §4) for the children of a directory and the step prefixes of a bucket
+    alike.
 
-    ``loose``: also directories named ``step-<digits>`` without the padding (``step-100``,
-    what a user names a checkpoint saved by hand, as the README's examples do), for a step no
-    directory of the canonical name holds (``spec/PROTOCOL.md`` §4). What searches for
-    checkpoints to read takes them (``latest``, ``ckptfmt list``); a manager's own roots hold
-    only canonical names, which are all its retention and restore look at."""
-    if not root.is_dir():
-        return []
-    canonical: dict[int, Path] = {}
-    other: dict[int, Path] = {}
-    for child in root.iterdir():
-        m = STEP_NAME.match(child.name) or (_LOOSE_NAME.match(child.name) if loose else None)
-        if not m or not child.is_dir():
+    A name is a step's exactly when it is :func:`step_dir_name` of it (``step-0000000100``).
+    ``loose``: also ``step-<digits>`` without that padding (``step-100``, ``step-00100``),
+    for a step no exact name holds; of several such names for one step, the one that sorts
+    first. So ``step-2`` and ``step-0000000002`` side by side are step 2 once, at
+    ``step-0000000002``. What searches for checkpoints to read takes loose names (``latest``,
+    ``ckptfmt list``); a manager writes exact names, and its retention and restore see only
+    those."""
+    exact: dict[int, str] = {}
+    other: dict[int, str] = {}
+    for name in names:
+        m = _LOOSE_NAME.match(name)
+        if not m:
             continue
         step = int(m[1])
-        if step_dir_name(step) == child.name:
-            canonical[step] = child
-        elif step not in other or child.name < other[step].name:  # step-100 before step-0100
-            other[step] = child
-    return sorted({**other, **canonical}.items())
+        if step_dir_name(step) == name:
+            exact[step] = name
+        elif loose and (step not in other or name < other[step]):
+            other[step] = name
+    return sorted({**other, **exact}.items())
+
+
+def list_step_dirs(root: Path, *, loose: bool = False) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every step-named directory under ``root``, ascending (committed or
+    not), as :func:`pick_steps` chooses them: exact names, and with ``loose`` also
+    ``step-100`` (what a user names a checkpoint saved by hand, as the README's examples do)
+    for a step no directory of the exact name holds."""
+    if not root.is_dir():
+        return []
+    names = [c.name for c in root.iterdir() if _LOOSE_NAME.match(c.name) and c.is_dir()]
+    return [(step, root / name) for step, name in pick_steps(names, loose=loose)]

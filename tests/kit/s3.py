@@ -13,7 +13,10 @@ environment variables, which :attr:`S3.env` holds; in-process code gets them thr
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -102,3 +105,78 @@ def start_server() -> Iterator[S3Server]:
         yield S3Server(endpoint, env)
     finally:
         server.stop()
+
+
+# moto's server in a process of its own: IAM authentication is a process-wide setting of moto's
+_CHECKING_SERVER = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()  # until the test session closes it
+server.stop()
+"""
+_SETUP_ACTIONS = 3  # unauthenticated: create the user, give it a policy, make its key
+
+
+def start_checking_server() -> Iterator[S3Server]:
+    """Start a moto server that checks credentials as S3 does, on a free port of 127.0.0.1, in a
+    process of its own; yield it; stop it.
+
+    moto accepts any key unless its IAM authentication is on (``INITIAL_NO_AUTH_ACTION_COUNT``:
+    the requests answered before it checks). The first three requests make an IAM user allowed
+    everything and its access key; from then on every request must be signed with that key:
+    an unknown key id is answered ``403 InvalidAccessKeyId``, a wrong secret ``403
+    SignatureDoesNotMatch``, as by S3. :attr:`S3Server.env` holds the valid key."""
+    import boto3
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(_SETUP_ACTIONS)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHECKING_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        endpoint = proc.stdout.readline().strip()
+        assert endpoint.startswith("http://127.0.0.1:"), endpoint
+        iam = boto3.client(
+            "iam",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="setup",
+            aws_secret_access_key="setup",
+        )
+        iam.create_user(UserName="ckptfmt")
+        allow = {"Effect": "Allow", "Action": "*", "Resource": "*"}
+        iam.put_user_policy(
+            UserName="ckptfmt",
+            PolicyName="everything",
+            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [allow]}),
+        )
+        key = iam.create_access_key(UserName="ckptfmt")["AccessKey"]
+        yield S3Server(
+            endpoint,
+            {
+                "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+                "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+                "AWS_REGION": "us-east-1",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ALLOW_HTTP": "true",
+            },
+        )
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

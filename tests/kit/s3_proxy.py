@@ -7,6 +7,9 @@ just the request line, the headers and the body's framing); a client points at i
 ``AWS_ENDPOINT_URL`` (:meth:`S3Proxy.env`). Rules, set at any time from the test's process
 (processes it launches go through the same proxy, so the test controls their faults too):
 
+* :meth:`answer_error`: answer the next ``n`` matching requests with an S3 error of the status,
+  code and fields given (``400 AuthorizationHeaderMalformed`` naming the bucket's region, say),
+  without passing them on;
 * :meth:`slowdown`: answer the next ``n`` matching requests ``503 SlowDown`` (S3's throttling
   answer, with its XML body) without passing them on;
 * :meth:`reset_mid_body`: read part of the body of the next ``n`` matching requests (PUTs by
@@ -52,11 +55,12 @@ SLOWDOWN_BODY = (
 
 @dataclass
 class _Rule:
-    kind: str  # "slowdown", "reset", "flip", "drop", "stall", "down_after"
+    kind: str  # "slowdown", "error", "reset", "flip", "drop", "stall", "down_after"
     left: int | None  # None: every matching request
     method: str | None = None
     path_contains: str | None = None
     min_body: int = 0
+    answer: bytes = b""  # "error": the whole answer sent
 
     def matches(self, method: str, path: str, length: int) -> bool:
         if self.left is not None and self.left <= 0:
@@ -174,6 +178,30 @@ class S3Proxy:
     def env(self, base: dict[str, str]) -> dict[str, str]:
         """``base`` (an S3 environment) with the endpoint pointing at this proxy."""
         return {**base, "AWS_ENDPOINT_URL": self.endpoint}
+
+    def answer_error(
+        self,
+        n: int,
+        status: str,
+        code: str,
+        message: str,
+        fields: dict[str, str] | None = None,
+        method: str | None = None,
+        path_contains: str | None = None,
+    ) -> None:
+        """Answer the next ``n`` matching requests ``status`` (``"400 Bad Request"``) with S3's
+        error document of ``code``, ``message`` and the other ``fields`` (``{"Region": ...}``)."""
+        extra = "".join(f"<{k}>{v}</{k}>" for k, v in (fields or {}).items())
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message>{extra}"
+            "<RequestId>ckptfmt-proxy</RequestId></Error>"
+        ).encode()
+        answer = (
+            f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
+        ).encode() + body
+        self._add(_Rule("error", n, method, path_contains, answer=answer))
 
     def slowdown(self, n: int, method: str | None = None, path_contains: str | None = None) -> None:
         """Answer the next ``n`` matching requests ``503 SlowDown``."""
@@ -340,6 +368,10 @@ class S3Proxy:
             while not self._stopped and c.sock.recv(1 << 16):  # silent until the client hangs up
                 pass
             return False
+        error = self._take("error", method, path, length)
+        if error is not None:
+            c.sock.sendall(error.answer)
+            return True
         if self._take("slowdown", method, path, length) is not None:
             c.sock.sendall(
                 b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"

@@ -11,7 +11,9 @@ it in the next; each block is still a complete program (its own imports). A comm
 to exit 0 unless its line ends with a comment ``# exit N``. A block preceded by the line
 ``<!-- skip: why -->`` is not run; one preceded by ``<!-- run: torchrun N -->`` is a script that
 runs on N ranks under ``torchrun --standalone`` (gloo on this host), in the page's directory like
-the others. Other blocks (```text, ```json) are prose.
+the others. A block preceded by ``<!-- bucket -->`` runs against the tests' S3 server
+(``kit.s3``): the ``AWS_*`` environment points at it and the bucket ``my-bucket`` exists, the
+same one for every such block of the session. Other blocks (```text, ```json) are prose.
 
 The README is the first page a user reads, and runs again as they try it: it stays within
 :data:`README_MAX_LINES` lines, starts with its two commands, every relative link in it resolves
@@ -32,6 +34,7 @@ from typing import NamedTuple
 
 import pytest
 from kit import REPO
+from kit.s3 import S3Server
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
@@ -40,6 +43,8 @@ TIMEOUT_S = 600
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 SKIP = re.compile(r"<!--\s*skip:[^>]*-->\s*$")
 TORCHRUN = re.compile(r"<!--\s*run:\s*torchrun\s+(\d+)\s*-->\s*$")
+BUCKET = re.compile(r"<!--\s*bucket\s*-->\s*$")
+BUCKET_NAME = "my-bucket"
 EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 
 
@@ -49,6 +54,7 @@ class Block(NamedTuple):
     lang: str
     code: str
     ranks: int = 0  # > 0: run under torchrun on this many ranks
+    bucket: bool = False  # run against the tests' S3 server
 
     @property
     def id(self) -> str:
@@ -67,7 +73,8 @@ def blocks(page: Path) -> list[Block]:
         ranks = TORCHRUN.search(before)
         if lang == "python" or (lang == "sh" and commands(code)):
             line = text.count("\n", 0, m.start()) + 1
-            out.append(Block(page, line, lang, code, int(ranks.group(1)) if ranks else 0))
+            n = int(ranks.group(1)) if ranks else 0
+            out.append(Block(page, line, lang, code, n, bool(BUCKET.search(before))))
     return out
 
 
@@ -107,13 +114,26 @@ def _failed(block: Block, what: str, r: subprocess.CompletedProcess[str]) -> str
     return f"{block.id}: {what} exited {r.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
 
 
+def _bucket_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The environment of a ``<!-- bucket -->`` block: the S3 server's, with ``my-bucket``."""
+    server: S3Server = request.getfixturevalue("s3_server")
+    names = {b["Name"] for b in server.client().list_buckets().get("Buckets", [])}
+    if BUCKET_NAME not in names:
+        server.make_bucket(BUCKET_NAME)
+    return {**_env(), **server.env}
+
+
 @pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
-def test_example_runs(block: Block, page_dirs: dict[Path, Path]) -> None:
-    run_block(block, page_dirs[block.page])
+def test_example_runs(
+    block: Block, page_dirs: dict[Path, Path], request: pytest.FixtureRequest
+) -> None:
+    env = _bucket_env(request) if block.bucket else _env()
+    run_block(block, page_dirs[block.page], env)
 
 
-def run_block(block: Block, cwd: Path) -> None:
+def run_block(block: Block, cwd: Path, env: dict[str, str] | None = None) -> None:
     """Run ``block`` in ``cwd`` as the module's docstring says; fail the test if it fails."""
+    env = _env() if env is None else env
     if block.lang == "python":
         argv = [sys.executable, "-c", block.code]
         if block.ranks:
@@ -125,7 +145,7 @@ def run_block(block: Block, cwd: Path) -> None:
                 str(script),
             ]
         r = subprocess.run(
-            argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+            argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
         )
         assert r.returncode == 0, _failed(block, "the example", r)
         return
@@ -133,7 +153,7 @@ def run_block(block: Block, cwd: Path) -> None:
         r = subprocess.run(
             ["bash", "-c", cmd],
             cwd=cwd,
-            env=_env(),
+            env=env,
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import re
 
 from ckptfmt.errors import (
     CkptError,
@@ -91,11 +92,16 @@ _FLAG_WORDING: tuple[tuple[str, str], ...] = (
 )
 
 
+# A setting a core message names for Python callers only: the commands read the store's
+# settings from the environment, which the message names beside it.
+_PYTHON_ONLY = re.compile(r" \(in Python also storage_options=\{[^{}]*\}\)")
+
+
 def cli_wording(text: str) -> str:
     """A core message as the command line says it: CLI flags, not Python keywords."""
     for core, flag in _FLAG_WORDING:
         text = text.replace(core, flag)
-    return text
+    return _PYTHON_ONLY.sub("", text)
 
 
 def error_message(exc: BaseException) -> str:

@@ -13,7 +13,10 @@ retries each part on its own. A conditional put (``create_only``, ``if_match``) 
 went out is *not* re-sent after a dropped connection, since it may have acted: its caller reads
 the object back (:func:`.commit.write_commit`, :func:`.commit.move_latest` do). What still
 fails raises :class:`ObjectStoreError` naming the key's URL, the request and the HTTP status,
-so no request waits longer than about ``retry_timeout + timeout``.
+so no request waits longer than about ``retry_timeout + timeout``. A first contact that fails
+(:func:`translate`) raises an :class:`ObjectStoreSetupError` naming the bucket, the endpoint and
+what to set: :class:`BucketNotFoundError`, :class:`CredentialsError` (missing, refused,
+expired, not allowed), :class:`HttpNotAllowedError`, or the wrong region.
 
 Settings come, highest first, from ``storage_options`` (keys as obstore and fsspec spell them:
 ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``, ``region``,
@@ -39,10 +42,14 @@ from typing import Any
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import (
+    BucketNotFoundError,
     CloudNotInstalledError,
+    CredentialsError,
     DestinationExistsError,
+    HttpNotAllowedError,
     MissingFileError,
     ObjectStoreError,
+    ObjectStoreSetupError,
     StorageError,
     UsageError,
 )
@@ -181,6 +188,9 @@ class Bucket:
         self.options: dict[str, Any] = {}
         """The store settings given in ``storage_options`` (object_store's key names), for
         another client of the same store (gc's boto3)."""
+        self.endpoint: str | None = None
+        """The endpoint the client talks to when one is set (``storage_options`` or the
+        environment), None for the store's default: errors about the setup name it."""
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -196,7 +206,11 @@ class Bucket:
         override the environment (see the module's docstring); ``retries`` the default
         :class:`Retries`, and retry keys in ``storage_options`` override both. Makes no
         request. Raises :class:`CloudNotInstalledError` without the ``cloud`` extra,
-        :class:`UsageError` for a URL or option the library refuses."""
+        :class:`UsageError` for a URL or option the library refuses; for S3, what the settings
+        alone show will fail, before a request: :class:`HttpNotAllowedError` for a plain
+        ``http://`` endpoint without ``allow_http``, :class:`CredentialsError` when nothing says
+        where credentials come from and the endpoint is not AWS's (whose instances may have a
+        role; another store has none to give)."""
         scheme, bucket, prefix = split_url(url)
         obstore = _obstore()
         if obstore is None:
@@ -229,8 +243,16 @@ class Bucket:
         for key in ("allow_http", "allow_invalid_certificates"):
             if isinstance(client.get(key), str):
                 client[key] = client[key].strip().lower() in ("1", "true", "yes", "on")
+        client["allow_http"] = bool(client.get("allow_http", False))
+        endpoint = None
         if scheme in ("s3", "s3a"):  # obstore's S3 config spells every key with aws_
             config = {k if k.startswith("aws_") else f"aws_{k}": v for k, v in config.items()}
+            endpoint = _s3_endpoint(config)
+            where = f"{scheme}://{bucket}"
+            if endpoint and endpoint.lower().startswith("http://") and not client["allow_http"]:
+                raise _http_refused(url, where, "SETUP", endpoint)
+            if not _s3_credentials_set(config) and not _aws_endpoint(endpoint):
+                raise _no_credentials(url, where, "SETUP", endpoint, "none are set")
         root = f"{scheme}://{bucket}" if bucket else f"{scheme}:///"
         try:
             store = (
@@ -252,6 +274,7 @@ class Bucket:
             ) from None
         made = cls(store, scheme, bucket, prefix, policy)
         made.options = config
+        made.endpoint = endpoint
         return made
 
     def child(self, rel: str) -> Bucket:
@@ -262,6 +285,7 @@ class Bucket:
         sub.requests = self.requests
         sub._lock = self._lock
         sub.options = self.options
+        sub.endpoint = self.endpoint
         return sub
 
     @property
@@ -510,7 +534,7 @@ class _Failing:
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is None or not _is_library_error(exc):
             return
-        raise translate(exc, self.bucket.key_url(self.key), self.op) from exc
+        raise translate(exc, self.bucket.key_url(self.key), self.op, self.bucket) from exc
 
 
 def _is_library_error(exc: BaseException) -> bool:
@@ -523,13 +547,15 @@ def _is_library_error(exc: BaseException) -> bool:
     ).__module__.startswith("ckptfmt")
 
 
-def translate(exc: BaseException, url: str, op: str) -> Exception:
-    """The tree's error for a library error met on ``url`` during ``op``."""
+def translate(exc: BaseException, url: str, op: str, bucket: Bucket | None = None) -> Exception:
+    """The tree's error for a library error met on ``url`` during ``op`` (of ``bucket``, when
+    known: a setup error names its bucket and endpoint)."""
     name = type(exc).__name__
     text = str(exc)
     status = _status_of(text)
-    if "NoSuchBucket" in text:
-        return ObjectStoreError(url, op, status, "no such bucket")
+    setup = _setup_error(text, status, url, op, bucket)
+    if setup is not None:
+        return setup
     if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
         return MissingFileError(url, reason="missing: no such object")
     if name == "AlreadyExistsError":
@@ -537,6 +563,202 @@ def translate(exc: BaseException, url: str, op: str) -> Exception:
     if name == "PreconditionError":
         return ObjectStoreError(url, op, 412, "the object changed (its etag is not the one given)")
     return ObjectStoreError(url, op, status, _first_line(exc))
+
+
+# --- first contact: the bucket, the endpoint, the credentials ---------------------------------
+
+_S3_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
+_S3_REGION = re.compile(r"<Region>([a-z0-9-]+)</Region>")
+_REFUSED = {
+    "InvalidAccessKeyId": (
+        "the store knows no access key id {key}",
+        "check AWS_ACCESS_KEY_ID (in Python also storage_options="
+        '{"aws_access_key_id": "<key id>"}) and that the endpoint is the store the key '
+        "belongs to",
+    ),
+    "SignatureDoesNotMatch": (
+        "the secret access key does not match the access key id {key}",
+        "check AWS_SECRET_ACCESS_KEY (in Python also storage_options="
+        '{"aws_secret_access_key": "<secret>"})',
+    ),
+    "AccessDenied": (
+        "the credentials (access key id {key}) may not make this request",
+        "grant them s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject on the "
+        "bucket, or set other credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
+    ),
+    "InvalidToken": (
+        "the session token is not valid for access key id {key}",
+        "set AWS_SESSION_TOKEN to the token issued with the key, or unset it for a long-term key",
+    ),
+    "ExpiredToken": (
+        "the session token of access key id {key} has expired",
+        "renew the temporary credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_SESSION_TOKEN)",
+    ),
+}
+_REGION = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed"})
+_METADATA = ("/latest/api/token", "/latest/meta-data/", "169.254.169.254")
+_CREDENTIAL_KEYS = (
+    "aws_access_key_id",
+    "aws_skip_signature",
+    "aws_web_identity_token_file",
+    "aws_container_credentials_relative_uri",
+    "aws_container_credentials_full_uri",
+    "aws_metadata_endpoint",
+)
+_NO_CREDENTIALS_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and AWS_SESSION_TOKEN for temporary "
+    'credentials (in Python also storage_options={"aws_access_key_id": "<key id>", '
+    '"aws_secret_access_key": "<secret>"}), or AWS_SKIP_SIGNATURE=true for a public bucket; '
+    "ckptfmt does not read ~/.aws/credentials or AWS_PROFILE"
+)
+
+
+def _setup_error(
+    text: str, status: int | None, url: str, op: str, bucket: Bucket | None
+) -> ObjectStoreSetupError | None:
+    """The setup error a library error shows, or None: a missing bucket, credentials refused
+    or missing (no instance role answered at the metadata endpoint), plain HTTP not allowed,
+    the wrong region."""
+    where = _bucket_url(url, bucket)
+    endpoint = bucket.endpoint if bucket is not None else None
+    codes = _S3_CODE.findall(text)
+    code = codes[0] if codes else ""
+    if code == "NoSuchBucket" or "NoSuchBucket" in text:
+        name = where.split("://", 1)[-1]
+        return BucketNotFoundError(
+            url,
+            op,
+            status,
+            f"no such bucket {name!r}",
+            bucket=where,
+            endpoint=endpoint,
+            fix=f"create the bucket {name} (ckptfmt never creates one), or correct the "
+            "bucket in the URL or the endpoint: AWS_ENDPOINT_URL (in Python also "
+            'storage_options={"endpoint_url": "<url>"})',
+        )
+    # before the 403s: a metadata service without a role answers 403 too
+    if any(m in text for m in _METADATA) or _metadata_endpoint_in(text, bucket):
+        return _no_credentials(
+            url,
+            where,
+            op,
+            endpoint,
+            "none are set, and no instance role answered at the instance-metadata endpoint",
+            status,
+        )
+    if code in _REFUSED or (status == 403 and not code):
+        what, fix = _REFUSED.get(code or "AccessDenied", _REFUSED["AccessDenied"])
+        key = _access_key_id(bucket)
+        if key is None:  # unsigned requests (AWS_SKIP_SIGNATURE): the bucket is not public
+            what, fix = (
+                "requests without credentials are refused (not a public bucket)",
+                (_NO_CREDENTIALS_FIX.split(", or AWS_SKIP_SIGNATURE")[0]),
+            )
+        return CredentialsError(
+            url,
+            op,
+            status,
+            "credentials refused: " + what.format(key=repr(key) if key else "(none given)"),
+            bucket=where,
+            endpoint=endpoint,
+            fix=fix,
+            code=code or str(status),
+        )
+    if code in _REGION:
+        found = _S3_REGION.findall(text)
+        region = found[0] if found else "<the bucket's region>"
+        return ObjectStoreSetupError(
+            url,
+            op,
+            status,
+            f"the bucket is in another region than the client's ({code})",
+            bucket=where,
+            endpoint=endpoint,
+            fix=f"set AWS_REGION={region} (in Python also "
+            f'storage_options={{"region": "{region}"}})',
+        )
+    if "builder error" in text and endpoint and endpoint.lower().startswith("http://"):
+        return _http_refused(url, where, op, endpoint)
+    return None
+
+
+def _bucket_url(url: str, bucket: Bucket | None) -> str:
+    if bucket is not None:
+        return f"{bucket.scheme}://{bucket.bucket}"
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def _access_key_id(bucket: Bucket | None) -> str | None:
+    given = bucket.options.get("aws_access_key_id") if bucket is not None else None
+    return str(given) if given else os.environ.get("AWS_ACCESS_KEY_ID") or None
+
+
+def _metadata_endpoint_in(text: str, bucket: Bucket | None) -> bool:
+    given = bucket.options.get("aws_metadata_endpoint") if bucket is not None else None
+    endpoint = given or os.environ.get("AWS_METADATA_ENDPOINT")
+    return bool(endpoint) and str(endpoint).rstrip("/") in text
+
+
+def _s3_endpoint(config: Mapping[str, Any]) -> str | None:
+    """The endpoint an S3 client of ``config`` (object_store's keys) uses: the option, else the
+    environment's (``AWS_ENDPOINT_URL``, ``AWS_ENDPOINT``, as object_store reads them); None for
+    AWS's own."""
+    given = config.get("aws_endpoint") or config.get("aws_endpoint_url")
+    if given:
+        return str(given)
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or None
+
+
+def _aws_endpoint(endpoint: str | None) -> bool:
+    """Whether ``endpoint`` is AWS's own (None: the default), where credentials may come from
+    the instance's role; another store (MinIO, Ceph, a test server) takes only keys given."""
+    if endpoint is None:
+        return True
+    host = re.sub(r"^[a-z0-9+.-]+://", "", endpoint.lower()).split("/", 1)[0].split(":", 1)[0]
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+
+
+def _s3_credentials_set(config: Mapping[str, Any]) -> bool:
+    """Whether anything tells the S3 client where its credentials are (keys, no signing, a web
+    identity, a container's credentials, a metadata endpoint), in ``config`` or the
+    environment."""
+    return any(
+        _set(config.get(key)) or _set(os.environ.get(key.upper())) for key in _CREDENTIAL_KEYS
+    )
+
+
+def _set(value: Any) -> bool:
+    return value is not None and str(value).strip().lower() not in ("", "false", "0", "no", "off")
+
+
+def _no_credentials(
+    url: str, where: str, op: str, endpoint: str | None, why: str, status: int | None = None
+) -> CredentialsError:
+    return CredentialsError(
+        url,
+        op,
+        status,
+        f"no credentials: {why}",
+        bucket=where,
+        endpoint=endpoint,
+        fix=_NO_CREDENTIALS_FIX,
+        code="missing",
+    )
+
+
+def _http_refused(url: str, where: str, op: str, endpoint: str) -> HttpNotAllowedError:
+    return HttpNotAllowedError(
+        url,
+        op,
+        None,
+        "the endpoint is plain http://, which the client refuses unless allowed",
+        bucket=where,
+        endpoint=endpoint,
+        fix='set AWS_ALLOW_HTTP=true (in Python also storage_options={"allow_http": True}), '
+        "or use an https:// endpoint",
+    )
 
 
 def _status_of(text: str) -> int | None:

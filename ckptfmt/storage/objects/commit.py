@@ -37,7 +37,7 @@ from ckptfmt.errors import (
     ObjectStoreError,
 )
 from ckptfmt.storage.objects.bucket import Bucket
-from ckptfmt.storage.steps import STEP_NAME, step_dir_name
+from ckptfmt.storage.steps import pick_steps, step_dir_name
 
 COMMIT_NAME = "ckptfmt-commit.json"
 LATEST_NAME = "ckptfmt-latest.json"
@@ -328,14 +328,17 @@ def move_latest(root: Bucket, step: int, save_id: str) -> bool:
 
 
 def list_steps(root: Bucket) -> list[int]:
-    """The steps with a step prefix (``step-%08d``) under level-3 root ``root``, committed or
-    not, oldest first: one LIST with delimiter (the fallback, never the hot path)."""
-    steps = []
-    for name in root.list_dirs(""):
-        m = STEP_NAME.match(name)
-        if m:
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    """The steps with a step prefix of the exact name (``step-0000000100``) under level-3 root
+    ``root``, committed or not, oldest first: one LIST with delimiter (the fallback, never the
+    hot path). A manager's view: the names it writes."""
+    return [step for step, _ in step_names(root)]
+
+
+def step_names(root: Bucket, *, loose: bool = False) -> list[tuple[int, str]]:
+    """``(step, name)`` of the step prefixes under ``root``, oldest first, chosen by the rule
+    of a directory's step names (``storage.steps.pick_steps``; ``loose``: ``step-100`` too, for
+    a step no exact name holds): one LIST with delimiter."""
+    return pick_steps(root.list_dirs(""), loose=loose)
 
 
 def step_bucket(root: Bucket, step: int) -> Bucket:

@@ -33,10 +33,12 @@ from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
     Commit,
-    newest_committed,
+    missing_objects,
     object_problems,
     read_commit,
+    read_latest,
     step_bucket,
+    step_names,
 )
 from ckptfmt.storage.steps import StepRef
 
@@ -242,12 +244,32 @@ def open_committed(
 
 
 def latest_url(root_url: str, storage_options: Mapping[str, Any] | None = None) -> StepRef | None:
-    """``ckptfmt.latest`` of a level-3 root in a bucket (``s3://bucket/run``): the step the
-    latest pointer names when it commits whole (a GET of the pointer, a GET of the commit, a
-    HEAD per object), else the newest whole step found by one LIST of the step prefixes; None
-    when there is none. The :class:`StepRef`'s path is the step's URL (a str)."""
+    """``ckptfmt.latest`` of a root in a bucket (``s3://bucket/run``): the step the latest
+    pointer names when it commits whole (a GET of the pointer, a GET of the commit, a HEAD per
+    object); else, by one LIST of the step prefixes, the newest step that commits whole, its
+    prefix named as a directory's step would be (``storage.steps.pick_steps``, loose:
+    ``step-2`` written by hand counts, and ``step-0000000002`` beside it wins). A step whose
+    commit object does not parse is skipped, as a directory whose manifest does not; a store
+    that does not answer raises. None when there is none. The :class:`StepRef`'s path is the
+    step's URL (a str)."""
     root = Bucket.at(root_url, storage_options)
-    found = newest_committed(root)
-    if found is None:
-        return None
-    return StepRef(found[0], step_bucket(root, found[0]).url)  # type: ignore[arg-type]
+    pointed = read_latest(root)
+    if pointed is not None:
+        where = step_bucket(root, pointed[0])
+        if _whole(where):
+            return StepRef(pointed[0], where.url)  # type: ignore[arg-type]
+    for step, name in reversed(step_names(root, loose=True)):
+        where = root.child(name)
+        if _whole(where):
+            return StepRef(step, where.url)  # type: ignore[arg-type]
+    return None
+
+
+def _whole(where: Bucket) -> bool:
+    """Whether a checkpoint is committed whole at ``where`` (a GET, a HEAD per object); one
+    whose commit object does not parse is not."""
+    try:
+        found = read_commit(where)
+    except NotACheckpointError:
+        return False
+    return found is not None and not missing_objects(where, found)
