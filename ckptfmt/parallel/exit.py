@@ -131,11 +131,6 @@ class ExitRegistry:
         self._watch: SigtermWatch | None = None
         self._exiting = False
 
-    @property
-    def hooks(self) -> tuple[ExitHooks, ...]:
-        """The open managers' hooks, oldest first."""
-        return self._hooks
-
     def register(self, hooks: ExitHooks) -> None:
         """Add ``hooks`` (last in the order); install the SIGTERM watch if it asks for one, none
         is in place and this is the main thread; move the ``atexit`` hook to the end of the
