@@ -120,7 +120,9 @@ class CheckpointManager:
     same object ``save_collective`` and ``ckptfmt reshard`` take) says how the files are written;
     its ``overwrite`` is the manager's own (a step saved again after a restart replaces the
     old one). ``at_exit`` (:class:`~ckptfmt.ExitPolicy`): the flush at ``close`` / interpreter
-    exit and on SIGTERM. ``on_error``: ``"warn"`` (a failed background save is a
+    exit and on SIGTERM; with several managers in one process, SIGTERM flushes every open one,
+    one after another in the order they were made, and a closed one not at all
+    (``parallel.exit``). ``on_error``: ``"warn"`` (a failed background save is a
     :class:`CheckpointWarning` at the next call; training goes on) or ``"raise"``.
 
     ``progress``: called with :class:`~ckptfmt.Progress` events of each save (``op="save"``,
@@ -568,7 +570,9 @@ class CheckpointManager:
         checkpoint to level 3 if it is not there yet (collective: ``Retention.flush_newest``
         on the manager's communicator). The manager is closed whatever happens; a failed
         save not told yet is told after (warned, or raised with ``on_error="raise"``), and a
-        failed flush is a :class:`FlushWarning`."""
+        failed flush is a :class:`FlushWarning`. Then the manager leaves the process's exit
+        registry (``parallel.exit``): SIGTERM and interpreter exit no longer touch it, and when
+        it was the last open manager, SIGTERM is handled again as it was before the first one."""
         if self._calls.closed:
             return
         self._saver.idle.wait()
@@ -580,6 +584,7 @@ class CheckpointManager:
             if self.at_exit.flush if flush is None else flush:
                 self._retention.flush_newest(self._calls, self.at_exit.budget_s)
         finally:
+            self._exit.uninstall()
             self._calls.closed = True
             self._saver.stop()
             self._outcomes.tell(failed)
