@@ -110,9 +110,10 @@ def save(
     ``<url>/<save_id>/``, then the commit object ``<url>/ckptfmt-commit.json`` is written,
     create-only: nothing is visible before it (``spec/FORMAT.md``, "Checkpoints in object
     storage"). An overwrite writes it in place of the old one, conditional on its etag: the old
-    checkpoint stays whole until that put, and its objects are deleted after it. ``storage_options``: settings of the store that override the ``AWS_*``
-    environment (``endpoint_url``, ``region``, ``aws_access_key_id``, ``allow_http``, ... as
-    obstore and fsspec name them); for URLs only. ``progress`` then covers the local write.
+    checkpoint stays whole until that put, and its objects are deleted after it.
+    ``storage_options``: settings of the store that override the ``AWS_*`` environment
+    (``endpoint_url``, ``region``, ``aws_access_key_id``, ``allow_http``, ... as obstore and
+    fsspec name them); for URLs only. ``progress`` then covers the local write.
     """
     if isinstance(path, str) and is_url(path):
         return _save_url(state, path, step, write, progress, objects, storage_options)

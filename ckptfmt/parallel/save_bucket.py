@@ -5,7 +5,8 @@ A bucket has no directory to stage in and no rename (FORMAT.md §16), so each ra
 part into a scratch directory of its own (under ``TMPDIR``: node-local) with the ordinary
 collective save, then every rank uploads its files (``bucket_upload.upload_phase``) and rank 0
 writes the commit object, create-only or in place of the old one on its etag: the checkpoint
-appears whole or not at all, and one it replaces stays whole until then (PROTOCOL.md §7). The scratch directories are removed before the call returns, whatever happened.
+appears whole or not at all, and one it replaces stays whole until then (PROTOCOL.md §7). The
+scratch directories are removed before the call returns, whatever happened.
 
 Who calls what: :func:`save_to_bucket` is collective (every rank of the communicator, once per
 checkpoint).

@@ -140,7 +140,10 @@ def _headers(head: bytes) -> tuple[str, dict[str, str]]:
     return lines[0], fields
 
 
-_ERROR_CODES = {403: ("Forbidden", "AccessDenied"), 412: ("Precondition Failed", "PreconditionFailed")}
+_ERROR_CODES = {
+    403: ("Forbidden", "AccessDenied"),
+    412: ("Precondition Failed", "PreconditionFailed"),
+}
 
 
 def _error_answer(status: int) -> bytes:

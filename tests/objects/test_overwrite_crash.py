@@ -16,16 +16,17 @@ import sys
 import time
 from collections.abc import Callable
 
-import ckptfmt
 import pytest
-from ckptfmt.errors import CkptError
-from ckptfmt.storage.objects import COMMIT_NAME, LATEST_NAME, Bucket, gc, read_commit
 from kit import REPO
 from kit.arrays import assert_state_equal
 from kit.launch import with_kit_path
 from kit.overwrite import BUCKET_ROUTES, checkpoint_of, save, state
 from kit.s3 import S3
 from kit.s3_proxy import S3Proxy
+
+import ckptfmt
+from ckptfmt.errors import CkptError
+from ckptfmt.storage.objects import COMMIT_NAME, LATEST_NAME, Bucket, gc, read_commit
 
 WORKER = "tests/workers/_overwrite_worker.py"
 OLD, NEW = 1, 2
@@ -70,7 +71,9 @@ def _killed_at(s3: S3, proxy: S3Proxy, route: str, stop: Callable[[S3Proxy], Non
     )
     try:
         end = time.monotonic() + 90
-        while proxy.faults["stall"] == held_before and proc.poll() is None and time.monotonic() < end:
+        while (
+            proxy.faults["stall"] == held_before and proc.poll() is None and time.monotonic() < end
+        ):
             time.sleep(0.02)
         held = proxy.faults["stall"] > held_before
         proc.kill()

@@ -195,7 +195,9 @@ class Committed:
 
     @property
     def who(self) -> str:
-        return f"save {self.commit.save_id}" if self.commit else "a commit object that does not parse"
+        return (
+            f"save {self.commit.save_id}" if self.commit else "a commit object that does not parse"
+        )
 
 
 def find_commit(bucket: Bucket) -> Committed | None:
@@ -262,10 +264,10 @@ def write_commit(bucket: Bucket, commit: Commit, replacing: Committed | None = N
         who = there.who if there is not None else "another save, since removed"
         reason = f"a checkpoint is already committed there ({who})"
     else:
-        now = there.who if there is not None else "none: it was removed"
+        held = there.who if there is not None else "none: it was removed"
         reason = (
             f"the checkpoint there ({replacing.who}) changed while this save was writing "
-            f"(now {now}); this save was not committed"
+            f"(now {held}); this save was not committed"
         )
     raise DestinationExistsError(bucket.key_url(COMMIT_NAME), reason)
 
