@@ -38,9 +38,18 @@ def checkpoint_of(route: str, target: str) -> str:
     return f"{target}/step-{STEP:010d}" if route == "flush" else target
 
 
-def save(route: str, target: str, seed: int, *, overwrite: bool = True, fault: Any = None) -> None:
+def save(
+    route: str,
+    target: str,
+    seed: int,
+    *,
+    overwrite: bool = True,
+    fault: Any = None,
+    comm: Any = None,
+) -> None:
     """Save :func:`state` of ``seed`` at ``target`` by ``route`` (``fault``: the ``fs`` route's
-    crash hook)."""
+    crash hook; ``comm``: the ``collective`` route's communicator, one rank by default, every
+    rank saving the same state)."""
     import ckptfmt
     from ckptfmt import WriteOptions
     from ckptfmt.transport.comm import SingleComm
@@ -57,7 +66,9 @@ def save(route: str, target: str, seed: int, *, overwrite: bool = True, fault: A
     elif route == "collective":
         from ckptfmt.parallel import save_to_bucket
 
-        save_to_bucket(SingleComm(), state(seed), target, step=None, node="n0", write=write)
+        comm = comm or SingleComm()
+        node = f"n{comm.rank}"
+        save_to_bucket(comm, state(seed), target, step=None, node=node, write=write)
     elif route == "flush":
         from ckptfmt.parallel.level3_bucket import flush_to_bucket
         from ckptfmt.storage.objects import Bucket

@@ -11,6 +11,9 @@ stopped overwrite left and nothing of the committed checkpoint, which still load
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +22,7 @@ from collections.abc import Callable
 import pytest
 from kit import REPO
 from kit.arrays import assert_state_equal
-from kit.launch import with_kit_path
+from kit.launch import mpiexec, with_kit_path
 from kit.overwrite import BUCKET_ROUTES, checkpoint_of, save, state
 from kit.s3 import S3
 from kit.s3_proxy import S3Proxy
@@ -57,17 +60,25 @@ def _check_whole(s3: S3, route: str, seed: int) -> None:
     assert_state_equal(ckptfmt.load(url), state(seed))
 
 
-def _killed_at(s3: S3, proxy: S3Proxy, route: str, stop: Callable[[S3Proxy], None]) -> None:
-    """Run the overwrite in a process, and SIGKILL it once the proxy holds the stop's request."""
+def _killed_at(
+    s3: S3, proxy: S3Proxy, route: str, stop: Callable[[S3Proxy], None], ranks: int = 0
+) -> None:
+    """Run the overwrite in a process (``ranks``: in an ``mpiexec`` job of that many), and
+    SIGKILL it (the job's whole process group) once the proxy holds the stop's request."""
     held_before = proxy.faults["stall"]
     stop(proxy)
-    env = with_kit_path(proxy.env({**s3.env}))
+    env = with_kit_path(proxy.env({**os.environ, **s3.env}))
+    cmd = [sys.executable, WORKER, route, _target(s3, route), str(NEW)]
+    if ranks:
+        cmd = [str(mpiexec()), "-n", str(ranks), sys.executable, "-m", "mpi4py", *cmd[1:]]
+        cmd += ["-", "mpi"]
     proc = subprocess.Popen(
-        [sys.executable, WORKER, route, _target(s3, route), str(NEW)],
+        cmd,
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the ranks die with the launcher
     )
     try:
         end = time.monotonic() + 90
@@ -76,13 +87,17 @@ def _killed_at(s3: S3, proxy: S3Proxy, route: str, stop: Callable[[S3Proxy], Non
         ):
             time.sleep(0.02)
         held = proxy.faults["stall"] > held_before
-        proc.kill()
+        _kill_group(proc)
         out = proc.communicate(timeout=30)[0].decode(errors="replace")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_group(proc)
         proxy.clear()
     assert held, f"the overwrite never reached the stop (status {proc.returncode}):\n{out[-4000:]}"
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("route", BUCKET_ROUTES)
@@ -102,6 +117,23 @@ def test_an_overwrite_killed_at_each_step_leaves_the_old_or_the_new_whole(
             save(route, _target(s3, route), OLD)
     if route == "flush":  # the pointer still names the step
         assert s3.keys(f"run/{LATEST_NAME}") == [f"run/{LATEST_NAME}"]
+
+
+@pytest.mark.mpi
+def test_a_collective_overwrite_by_two_mpi_ranks_killed_at_each_step(
+    s3: S3, s3_proxy: S3Proxy
+) -> None:
+    """``save_to_bucket`` by the two ranks of an ``mpiexec`` job, the job killed while the
+    proxy holds a data upload, the commit put, or the first delete after the commit."""
+    save("collective", _target(s3, "collective"), OLD, overwrite=False)
+    for name, (stop, expect) in STOPS.items():
+        _killed_at(s3, s3_proxy, "collective", stop, ranks=2)
+        try:
+            _check_whole(s3, "collective", expect)
+        except AssertionError as exc:
+            raise AssertionError(f"killed at {name}: {exc}") from exc
+        if expect == NEW:
+            save("collective", _target(s3, "collective"), OLD)
 
 
 @pytest.mark.parametrize("status", [403, 412, 500])

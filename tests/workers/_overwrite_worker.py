@@ -1,5 +1,6 @@
 """One overwrite, in a process the test kills part way: ``_overwrite_worker.py ROUTE TARGET SEED
-[POINT [noexchange]]`` (``kit.overwrite`` has the routes).
+[POINT [noexchange|mpi]]`` (``kit.overwrite`` has the routes; ``mpi``: the ``collective`` route
+by every rank of an ``mpiexec`` job, ``POINT`` then ``-``).
 
 The bucket routes are stopped from outside: the test's S3 proxy holds a request and the test
 kills this process. The ``fs`` route kills itself (SIGKILL) when its commit reaches the named
@@ -29,7 +30,12 @@ def main() -> None:
         if at == point:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    save(route, target, seed, fault=hook)
+    comm = None
+    if "mpi" in sys.argv[5:]:
+        from kit.worker import make_comm
+
+        comm = make_comm("mpi")
+    save(route, target, seed, fault=hook, comm=comm)
 
 
 if __name__ == "__main__":
