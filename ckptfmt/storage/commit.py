@@ -43,7 +43,7 @@ _NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EN
 
 
 @cache
-def _renameat2() -> object | None:
+def _renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
     """glibc's ``renameat2`` (2.28 and later), None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
@@ -53,7 +53,7 @@ def _renameat2() -> object | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn
+    return fn  # type: ignore[no-any-return]
 
 
 def exchange(a: Path, b: Path) -> bool:
@@ -64,7 +64,7 @@ def exchange(a: Path, b: Path) -> bool:
     fn = _renameat2()
     if fn is None:
         return False
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)  # type: ignore[operator]
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     if rc == 0:
         return True
     err = ctypes.get_errno()
