@@ -204,7 +204,7 @@ def test_an_overwrite_replaces_the_commit_it_found_in_one_put_and_no_other(
     assert drop_replaced(bucket, find_commit(bucket), first) == 0  # never its own objects
     assert sorted(s3.keys("ckpt/")) == sorted([f"ckpt/{COMMIT_NAME}", f"ckpt/{a}/x", f"ckpt/{b}/y"])
     gc(bucket)  # the refused save's objects
-    assert sorted(s3.keys("ckpt/")) == [f"ckpt/{a}/x", f"ckpt/{COMMIT_NAME}"]
+    assert sorted(s3.keys("ckpt/")) == sorted([f"ckpt/{a}/x", f"ckpt/{COMMIT_NAME}"])
 
 
 def test_delete_removes_the_commit_object_first_and_only_its_save(s3: S3, tmp_path: Path) -> None:
