@@ -94,9 +94,13 @@ def save(
     (``"pickle"``), which :func:`load` unpickles only with ``trust_pickle=True``.
     ``write``: how the files are written (:class:`~ckptfmt.WriteOptions`: chunk and shard
     sizes, fsync; default: the defaults with up to two writer threads); a
-    committed checkpoint at ``path`` is replaced only with ``WriteOptions(overwrite=True)``; a
-    non-empty directory that is not a checkpoint is never written into. On any error nothing is
-    left at ``path`` that was not there before. This is the collective save of
+    committed checkpoint at ``path`` is replaced only with ``WriteOptions(overwrite=True)``, in
+    one step: at every instant ``path`` names the old checkpoint or the new one, whole (on
+    Linux the two directories are swapped by one ``renameat2(RENAME_EXCHANGE)``; elsewhere the
+    old one is renamed aside first and put back by the next save or restore if a crash comes
+    between the two renames: ``spec/PROTOCOL.md`` §1); a non-empty directory that is not a
+    checkpoint is never written into. On any error nothing is left at ``path`` that was not
+    there before. This is the collective save of
     ``ckptfmt.parallel`` run by a single process. ``progress``: called with
     :class:`~ckptfmt.Progress` events (the bytes of the data files written; the last once the
     checkpoint is committed), from this thread (``ckptfmt.storage.progress``).
@@ -105,9 +109,11 @@ def save(
     checkpoint is written into a temporary directory (``TMPDIR``), its files uploaded under
     ``<url>/<save_id>/``, then the commit object ``<url>/ckptfmt-commit.json`` is written,
     create-only: nothing is visible before it (``spec/FORMAT.md``, "Checkpoints in object
-    storage"). ``storage_options``: settings of the store that override the ``AWS_*``
-    environment (``endpoint_url``, ``region``, ``aws_access_key_id``, ``allow_http``, ... as
-    obstore and fsspec name them); for URLs only. ``progress`` then covers the local write.
+    storage"). An overwrite writes it in place of the old one, conditional on its etag: the old
+    checkpoint stays whole until that put, and its objects are deleted after it.
+    ``storage_options``: settings of the store that override the ``AWS_*`` environment
+    (``endpoint_url``, ``region``, ``aws_access_key_id``, ``allow_http``, ... as obstore and
+    fsspec name them); for URLs only. ``progress`` then covers the local write.
     """
     if isinstance(path, str) and is_url(path):
         return _save_url(state, path, step, write, progress, objects, storage_options)
@@ -158,12 +164,12 @@ def _save_url(
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
-    bucket = in_bucket.check_target(url, storage_options, write.overwrite)
+    bucket, there = in_bucket.check_target(url, storage_options, write.overwrite)
     with tempfile.TemporaryDirectory(prefix="ckptfmt-upload-") as scratch:
         staged = Path(scratch) / "checkpoint"
         local = replace(write, overwrite=False, fsync=False)  # the bucket makes it durable
         manifest = save(state, staged, step=step, write=local, progress=progress, objects=objects)
-        in_bucket.publish(bucket, staged, manifest, overwrite=write.overwrite)
+        in_bucket.publish(bucket, staged, manifest, replacing=there)
     return manifest
 
 

@@ -41,9 +41,12 @@ from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
     Commit,
-    delete_checkpoint,
+    Committed,
+    drop_replaced,
+    find_commit,
     object_problems,
     read_commit,
+    refuse_existing,
     upload_files,
     write_commit,
 )
@@ -150,27 +153,28 @@ class _Present(ObjectInside):
 # --- save ----------------------------------------------------------------------------------------
 
 
-def check_target(url: str, storage_options: StorageOptions, overwrite: bool) -> Bucket:
-    """The bucket prefix a save to ``url`` writes, refused before anything is staged when a
+def check_target(
+    url: str, storage_options: StorageOptions, overwrite: bool
+) -> tuple[Bucket, Committed | None]:
+    """The bucket prefix a save to ``url`` writes and what is committed there now (the commit
+    object an overwrite replaces, with its etag), refused before anything is staged when a
     checkpoint is committed there and ``overwrite`` is not given."""
     bucket = Bucket.at(url, storage_options)
-    there = read_commit(bucket)
-    if there is not None and not overwrite:
-        raise DestinationExistsError(
-            bucket.url,
-            f"a checkpoint is committed there (save {there.save_id}); "
-            "pass write=WriteOptions(overwrite=True) to replace it",
-        )
-    return bucket
+    there = find_commit(bucket)
+    refuse_existing(bucket, there, overwrite, "pass write=WriteOptions(overwrite=True)")
+    return bucket, there
 
 
-def publish(bucket: Bucket, staged: Path, manifest: Manifest, *, overwrite: bool = False) -> Commit:
+def publish(
+    bucket: Bucket, staged: Path, manifest: Manifest, *, replacing: Committed | None = None
+) -> Commit:
     """Upload the checkpoint directory ``staged`` (every file, by its path relative to it) under
-    ``U/<save_id>/`` (``bucket`` is ``U``; the save id is the manifest's), then commit it: with
-    ``overwrite``, the old commit object is deleted first, then its objects, then the new commit
-    is written create-only. Until that put nothing new is visible; a failed upload deletes
-    what it put (best effort: what a lost store keeps, no commit names, and ``ckptfmt gc``
-    removes)."""
+    ``U/<save_id>/`` (``bucket`` is ``U``; the save id is the manifest's), then commit it:
+    create-only, or, when ``replacing`` (what :func:`check_target` found there), in place of
+    that commit object on its etag; only then are the replaced save's objects deleted. Until
+    the commit put the old checkpoint (if any) is whole and nothing new is visible; a failed
+    upload deletes what it put (best effort: what a lost store keeps, no commit names, and
+    ``ckptfmt gc`` removes)."""
     files = sorted((p.relative_to(staged).as_posix(), p) for p in staged.rglob("*") if p.is_file())
     try:
         refs = upload_files(bucket, manifest.save_id, files)
@@ -178,9 +182,8 @@ def publish(bucket: Bucket, staged: Path, manifest: Manifest, *, overwrite: bool
         _forget(bucket, manifest.save_id)
         raise
     commit = Commit(manifest.save_id, manifest.step, refs)
-    if overwrite:
-        delete_checkpoint(bucket)
-    write_commit(bucket, commit)
+    write_commit(bucket, commit, replacing)
+    drop_replaced(bucket, replacing, commit)
     return commit
 
 
@@ -198,8 +201,8 @@ def publish_dir(
 ) -> Commit:
     """Upload the committed checkpoint directory ``local`` to ``url`` and commit it there (what
     ``ckptfmt import`` to a URL does after importing into a local directory)."""
-    bucket = check_target(url, storage_options, overwrite)
-    return publish(bucket, local, read_local_manifest(local), overwrite=overwrite)
+    bucket, there = check_target(url, storage_options, overwrite)
+    return publish(bucket, local, read_local_manifest(local), replacing=there)
 
 
 # --- plain files: a Hugging Face directory in a bucket --------------------------------------------

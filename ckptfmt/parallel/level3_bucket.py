@@ -39,7 +39,10 @@ from ckptfmt.storage.objects import Bucket, Retries
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
     Commit,
+    Committed,
     delete_checkpoint,
+    drop_replaced,
+    find_commit,
     list_steps,
     missing_objects,
     move_latest,
@@ -239,8 +242,10 @@ def flush_to_bucket(
     prefix, every rank the files it wrote (each verified, every CRC in it checked, before it
     is put: damage on level 1 is refused, not propagated) and its share of the metadata
     documents (each checked against the manifest), rank 0 the manifest, all of a rank's
-    objects in one pool; then rank 0 writes the commit object (create-only), which lists every
-    object with its size and CRC32C, and moves the latest pointer. One vote per phase (stage,
+    objects in one pool; then rank 0 writes the commit object, which lists every object with
+    its size and CRC32C (create-only; over a commit of the step already there, in its place on
+    its etag, so the step holds the old checkpoint, whole, until then), deletes the replaced
+    save's objects and moves the latest pointer. One vote per phase (stage,
     upload, commit), as ``flush_collective``: any rank's failure raises
     :class:`SaveFailedError` on every rank, and without a commit object nothing of this flush
     is visible (the objects already put are left for ``ckptfmt gc``). A step already committed
@@ -251,11 +256,12 @@ def flush_to_bucket(
     step = manifest.step or 0
     dest = root.child(step_dir_name(step))
     already = False
+    there: Committed | None = None  # rank 0's: the step's commit object that this one replaces
     with b.guard("flush-stage"):
         if manifest.world_size != comm.size:  # every rank uploads what it wrote: the same ranks
             raise UsageError(f"cannot flush a save of {manifest.world_size} ranks with {comm.size}")
         if comm.rank == 0:
-            already = _already_flushed(dest, manifest)
+            already, there = _already_flushed(dest, manifest)
     votes = b.vote("flush-stage", already)
     if votes[0]:
         with b.guard("flush-commit"):
@@ -267,25 +273,26 @@ def flush_to_bucket(
     with b.guard("flush-commit"):
         if comm.rank == 0:
             hook("flush-committing")
-            write_commit(dest, Commit(manifest.save_id, step, objects))
+            commit = Commit(manifest.save_id, step, objects)
+            write_commit(dest, commit, there)
+            drop_replaced(dest, there, commit)
             move_latest(root, step, manifest.save_id)
     b.vote("flush-commit")
     hook("flushed")
     return dest
 
 
-def _already_flushed(dest: Bucket, manifest: Manifest) -> bool:
-    """Rank 0: whether ``dest`` is committed with this very save, every object in place. A
-    commit of another save (the step saved again after a restart) or one whose objects are not
-    all there is deleted first, commit object first (the old step vanishes as a whole), so
-    that this flush's create-only commit can take its place."""
-    found = read_commit(dest)
-    if found is None:
-        return False
-    if found.save_id == manifest.save_id and not missing_objects(dest, found):
-        return True
-    delete_checkpoint(dest)
-    return False
+def _already_flushed(dest: Bucket, manifest: Manifest) -> tuple[bool, Committed | None]:
+    """Rank 0: whether ``dest`` is committed with this very save, every object in place, and
+    the commit object found there. A commit of another save (the step saved again after a
+    restart), one whose objects are not all there, or one that does not parse is left in
+    place: this flush's commit replaces it on its etag once every object is up
+    (:func:`write_commit`), so the step holds the old checkpoint until then."""
+    there = find_commit(dest)
+    if there is None or there.commit is None:
+        return False, there
+    found = there.commit
+    return found.save_id == manifest.save_id and not missing_objects(dest, found), there
 
 
 def step_of(location: Bucket) -> int:

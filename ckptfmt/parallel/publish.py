@@ -62,7 +62,7 @@ def publish_commit(
     with b.guard("commit"):
         if is_leader:
             hook("committing")
-            old = commit.publish(staging, final, save_id, fsync)
+            old = commit.publish(staging, final, save_id, fsync, hook)
             published = True
         hook("committed")
 

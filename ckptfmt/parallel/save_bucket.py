@@ -4,8 +4,9 @@ one checkpoint at a URL without a manager's levels.
 A bucket has no directory to stage in and no rename (FORMAT.md §16), so each rank writes its
 part into a scratch directory of its own (under ``TMPDIR``: node-local) with the ordinary
 collective save, then every rank uploads its files (``bucket_upload.upload_phase``) and rank 0
-writes the commit object, create-only: the checkpoint appears whole or not at all (PROTOCOL.md
-§7). The scratch directories are removed before the call returns, whatever happened.
+writes the commit object, create-only or in place of the old one on its etag: the checkpoint
+appears whole or not at all, and one it replaces stays whole until then (PROTOCOL.md §7). The
+scratch directories are removed before the call returns, whatever happened.
 
 Who calls what: :func:`save_to_bucket` is collective (every rank of the communicator, once per
 checkpoint).
@@ -21,14 +22,20 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.container.metadata import ManifestMeta
-from ckptfmt.errors import DestinationExistsError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.bucket_upload import UPLOAD_THREADS, upload_phase
 from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.storage.objects import Bucket
-from ckptfmt.storage.objects.commit import Commit, delete_checkpoint, read_commit, write_commit
+from ckptfmt.storage.objects.commit import (
+    Commit,
+    Committed,
+    drop_replaced,
+    find_commit,
+    refuse_existing,
+    write_commit,
+)
 from ckptfmt.transport.comm import Comm
 
 __all__ = ["save_to_bucket"]
@@ -49,26 +56,24 @@ def save_to_bucket(
     """Collective: save ``state`` (each rank its own, as ``save_collective`` takes it) as one
     checkpoint at the URL ``url`` (``U``); return its manifest, the same on every rank.
 
-    In order, every rank: rank 0 reads ``U``'s commit object (a checkpoint there is refused
-    unless ``write.overwrite``; one vote); every rank writes its part into its own scratch
-    directory (``save_collective``, its votes; no fsync: the bucket makes it durable); every rank
-    puts its data files, each verified, and its share of the ``zarr.json`` documents, rank 0
-    the manifest (one vote); rank 0 deletes the checkpoint that was at ``U`` when overwriting
-    (commit object first), then writes the new commit object create-only (one vote). Any
-    rank's failure raises :class:`~ckptfmt.errors.SaveFailedError` on every rank, and nothing
-    new is visible without the commit object (what was put is left for ``ckptfmt gc``).
-    ``node``: this rank's node, recorded in the manifest."""
+    In order, every rank: rank 0 reads ``U``'s commit object and its etag (a checkpoint there
+    is refused unless ``write.overwrite``; one vote); every rank writes its part into its own
+    scratch directory (``save_collective``, its votes; no fsync: the bucket makes it durable);
+    every rank puts its data files, each verified, and its share of the ``zarr.json``
+    documents, rank 0 the manifest (one vote); rank 0 writes the new commit object, create-only
+    or, when overwriting, in place of the one it read, conditional on its etag (the old
+    checkpoint is whole until this put), then deletes the replaced save's objects (one vote).
+    Any rank's failure raises :class:`~ckptfmt.errors.SaveFailedError` on every rank, and
+    nothing new is visible without the commit object (what was put is left for ``ckptfmt
+    gc``); a checkpoint that changed at ``U`` during the save is not replaced (that failure
+    names it). ``node``: this rank's node, recorded in the manifest."""
     b = Boundary(comm, "save", step)
     dest = Bucket.at(url, storage_options)
+    there: Committed | None = None  # rank 0's: what an overwrite replaces
     with b.guard("save-target"):
         if comm.rank == 0:
-            there = read_commit(dest)
-            if there is not None and not write.overwrite:
-                raise DestinationExistsError(
-                    dest.url,
-                    f"a checkpoint is committed there (save {there.save_id}); "
-                    "pass write=WriteOptions(overwrite=True) to replace it",
-                )
+            there = find_commit(dest)
+            refuse_existing(dest, there, write.overwrite, "pass write=WriteOptions(overwrite=True)")
     b.vote("save-target")
     scratch = Path(tempfile.mkdtemp(prefix="ckptfmt-upload-"))
     try:
@@ -86,9 +91,9 @@ def save_to_bucket(
         objects = upload_phase(comm, b, "save-upload", dest, manifest, local, threads)
         with b.guard("save-commit"):
             if comm.rank == 0:
-                if write.overwrite:
-                    delete_checkpoint(dest)
-                write_commit(dest, Commit(manifest.save_id, manifest.step, objects))
+                commit = Commit(manifest.save_id, manifest.step, objects)
+                write_commit(dest, commit, there)
+                drop_replaced(dest, there, commit)
         b.vote("save-commit")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -1,12 +1,19 @@
-"""The commit protocol (``spec/PROTOCOL.md`` §1): a checkpoint appears whole or not at all.
+"""The commit protocol (``spec/PROTOCOL.md`` §1): a checkpoint appears whole or not at all, and a
+checkpoint path names a whole checkpoint at every instant, also while it is overwritten.
 
 1. ``prepare``: refuse a destination that is a committed checkpoint (unless overwriting) or a
    non-empty directory that is not one; create the staging directory ``.<name>.tmp-<save_id>``
    beside the destination.
 2. The caller writes every data and metadata file into the staging directory, fsyncing each.
 3. ``finalize``: write the manifest last and fsync it, fsync every directory of the tree, rename
-   the staging directory to the destination, fsync the parent. When overwriting, the old
-   checkpoint is first renamed to ``.<name>.old-<save_id>`` and removed after the new one is in.
+   the staging directory to the destination, fsync the parent. When overwriting, the staging
+   directory and the old checkpoint are swapped in one ``renameat2(RENAME_EXCHANGE)`` (Linux:
+   :func:`exchange`), so the destination goes from the old checkpoint to the new one in one
+   step; the old one, now at the staging name, is renamed to ``.<name>.old-<save_id>`` and
+   removed once the new one stands. Where the file system cannot exchange, the old checkpoint
+   is renamed aside to ``.<name>.old-<save_id>`` first and the new one renamed in: a crash
+   between the two leaves no directory at the name, and :func:`recover` (run by the next save
+   to it and by ``clean_leftovers``) renames the old one back.
 
 A crash before the last rename leaves only a staging directory, which no reader takes for a
 checkpoint (it has a dot name and, until the very end, no manifest); ``clean_leftovers`` removes it.
@@ -14,9 +21,14 @@ checkpoint (it has a dot name and, until the very end, no manifest); ``clean_lef
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import shutil
+import sys
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 from ckptfmt.errors import DestinationExistsError
@@ -24,6 +36,41 @@ from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.files import fsync_dir, write_gather
 
 LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{32}$")
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+@cache
+def _renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
+    """glibc's ``renameat2`` (2.28 and later), None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` (both exist, same file system) in one atomic step
+    (Linux ``renameat2(RENAME_EXCHANGE)``): a reader of either path sees one of the two trees,
+    never none. False, with nothing changed, where the kernel, C library or file system cannot
+    (the caller then renames in two steps); any other failure raises ``OSError``."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def is_committed(path: Path) -> bool:
@@ -36,7 +83,10 @@ def staging_dir(final: Path, save_id: str) -> Path:
 
 
 def prepare(final: Path, save_id: str, overwrite: bool) -> Path:
-    """Check the destination and create the staging directory; return it."""
+    """Check the destination and create the staging directory; return it. An overwrite that a
+    crash cut between its two renames is undone first (:func:`recover`): the checkpoint it was
+    replacing is the one there."""
+    recover(final)
     if final.exists() or final.is_symlink():
         if not final.is_dir() or final.is_symlink():
             raise DestinationExistsError(str(final), "it exists and is not a directory")
@@ -80,27 +130,50 @@ def stage_manifest(staging: Path, manifest: bytes, fsync: bool = True) -> None:
         fsync_tree(staging)
 
 
-def publish(staging: Path, final: Path, save_id: str, fsync: bool = True) -> Path | None:
-    """Phase 2: rename the staged tree into place (an existing copy is moved aside to
-    ``.name.old-<save_id>``, not deleted, so :func:`unpublish` can put it back). Returns the
-    moved-aside copy, for :func:`discard` once every node has published."""
+def publish(
+    staging: Path,
+    final: Path,
+    save_id: str,
+    fsync: bool = True,
+    hook: Callable[[str], None] | None = None,
+) -> Path | None:
+    """Phase 2: put the staged tree in place. An existing copy is swapped out in one step
+    (:func:`exchange`; where that cannot be done, renamed aside first, then the new one in) and
+    kept at ``.name.old-<save_id>``, not deleted, so :func:`unpublish` can put it back. Returns
+    the moved-aside copy, for :func:`discard` once every node has published. ``hook`` (tests'
+    crash points) is called with ``"swapped"`` after the exchange (the old tree at the staging
+    name) and ``"aside"`` between the two renames where there was no exchange."""
     old: Path | None = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{save_id}"
-        os.rename(final, old)
-    os.rename(staging, final)
+        if exchange(staging, final):
+            if hook:
+                hook("swapped")
+            os.rename(staging, old)  # the old tree, now at the staging name
+        else:
+            os.rename(final, old)
+            if hook:
+                hook("aside")
+            os.rename(staging, final)
+    else:
+        os.rename(staging, final)
     if fsync:
         fsync_dir(final.parent)
     return old
 
 
 def unpublish(staging: Path, final: Path, old: Path | None, fsync: bool = True) -> None:
-    """Roll a published step back (another node failed to publish it): out of sight first,
-    then the previous copy back in place, then removed."""
-    if final.exists() and (final / MANIFEST_NAME).is_file():
-        os.rename(final, staging)
-    if old is not None and old.exists():
-        os.rename(old, final)
+    """Roll a published step back (another node failed to publish it): the previous copy
+    swapped back in one step where there is one (else out of sight first, then the previous
+    copy back in place), then the rolled-back one removed."""
+    new_there = final.exists() and (final / MANIFEST_NAME).is_file()
+    if new_there and old is not None and old.exists() and exchange(old, final):
+        os.rename(old, staging)
+    else:
+        if new_there:
+            os.rename(final, staging)
+        if old is not None and old.exists():
+            os.rename(old, final)
     if fsync:
         fsync_dir(final.parent)
     shutil.rmtree(staging, ignore_errors=True)
@@ -126,13 +199,35 @@ def abort(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
+def recover(final: Path) -> Path | None:
+    """Undo an overwrite of ``final`` that a crash cut between its two renames (where the file
+    system could not exchange): ``final`` is missing and a committed ``.<name>.old-*`` beside it
+    holds the checkpoint it was replacing, which is renamed back (the newest, if several).
+    Returns the restored directory's former path, None when there was nothing to undo."""
+    if final.exists() or final.is_symlink() or not final.parent.is_dir():
+        return None
+    aside = [
+        c
+        for c in final.parent.iterdir()
+        if (m := LEFTOVER.match(c.name)) and m["kind"] == "old" and m["name"] == final.name
+    ]
+    aside = [c for c in aside if c.is_dir() and is_committed(c)]
+    if not aside:
+        return None
+    back = max(aside, key=lambda c: (c / MANIFEST_NAME).stat().st_mtime_ns)
+    os.rename(back, final)
+    fsync_dir(final.parent)
+    return back
+
+
 def clean_leftovers(parent: Path) -> list[Path]:
     """Remove what crashed saves left in ``parent``; return what was removed.
 
-    A ``.name.tmp-*`` directory is a save that never committed. A ``.name.old-*`` directory is a
-    replaced checkpoint: removed if ``name`` is committed, else renamed back (the crash came between
-    the two renames of an overwrite). A ``.name.del-*`` directory is a checkpoint that retention
-    was deleting: removed.
+    A ``.name.tmp-*`` directory is a save that never committed (or, after an exchange, the
+    checkpoint it replaced). A ``.name.old-*`` directory is a replaced checkpoint: removed if
+    ``name`` is committed, else renamed back (:func:`recover`: the crash came between the two
+    renames of an overwrite). A ``.name.del-*`` directory is a checkpoint that retention was
+    deleting: removed.
     """
     removed: list[Path] = []
     if not parent.is_dir():
@@ -141,10 +236,7 @@ def clean_leftovers(parent: Path) -> list[Path]:
         m = LEFTOVER.match(child.name)
         if not m or not child.is_dir():
             continue
-        final = parent / m["name"]
-        if m["kind"] == "old" and not final.exists() and is_committed(child):
-            os.rename(child, final)
-            fsync_dir(parent)
+        if m["kind"] == "old" and recover(parent / m["name"]) == child:
             continue
         shutil.rmtree(child, ignore_errors=True)
         removed.append(child)

@@ -18,6 +18,9 @@ just the request line, the headers and the body's framing); a client points at i
   open one, is reset at once; then back; :meth:`down_after`: gone once ``n`` matching requests
   have been answered (in the middle of a flush's uploads, say);
 * :meth:`flip_byte`: flip one byte in the body of GET answers for keys containing a string;
+* :meth:`refuse`: answer the next ``n`` matching requests with an error status (``403
+  AccessDenied`` by default) and S3's XML error body, without passing them on (a store that
+  refuses the request: a policy, a quota, a failed precondition);
 * :meth:`drop_answer`: pass the next ``n`` matching requests on, then reset the connection
   instead of relaying the server's answer (the request took effect; the client never hears);
 * :meth:`stall`: take the next ``n`` matching requests whole, then never answer (the
@@ -55,12 +58,13 @@ SLOWDOWN_BODY = (
 
 @dataclass
 class _Rule:
-    kind: str  # "slowdown", "error", "reset", "flip", "drop", "stall", "down_after"
+    kind: str  # "slowdown", "error", "refuse", "reset", "flip", "drop", "stall", "down_after"
     left: int | None  # None: every matching request
     method: str | None = None
     path_contains: str | None = None
     min_body: int = 0
     answer: bytes = b""  # "error": the whole answer sent
+    status: int = 0  # "refuse": the status answered
 
     def matches(self, method: str, path: str, length: int) -> bool:
         if self.left is not None and self.left <= 0:
@@ -140,6 +144,26 @@ def _headers(head: bytes) -> tuple[str, dict[str, str]]:
     return lines[0], fields
 
 
+_ERROR_CODES = {
+    403: ("Forbidden", "AccessDenied"),
+    412: ("Precondition Failed", "PreconditionFailed"),
+}
+
+
+def _error_answer(status: int) -> bytes:
+    """An S3 error answer of ``status``, with its XML body."""
+    phrase, code = _ERROR_CODES.get(status, ("Internal Server Error", "InternalError"))
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        f"<Message>refused by the test proxy</Message>"
+        f"<RequestId>ckptfmt-proxy</RequestId></Error>"
+    ).encode()
+    return (
+        f"HTTP/1.1 {status} {phrase}\r\nContent-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
+    ).encode() + body
+
+
 def _reset(sock: socket.socket) -> None:
     """Close ``sock`` with a TCP RST (as a crashed peer or a middlebox does), not a FIN."""
     with suppress(OSError):
@@ -206,6 +230,18 @@ class S3Proxy:
     def slowdown(self, n: int, method: str | None = None, path_contains: str | None = None) -> None:
         """Answer the next ``n`` matching requests ``503 SlowDown``."""
         self._add(_Rule("slowdown", n, method, path_contains))
+
+    def refuse(
+        self,
+        n: int,
+        status: int = 403,
+        method: str | None = None,
+        path_contains: str | None = None,
+    ) -> None:
+        """Answer the next ``n`` matching requests ``status`` (with S3's error body: code
+        ``AccessDenied`` for 403, ``PreconditionFailed`` for 412, ``InternalError`` otherwise),
+        nothing reaching the server."""
+        self._add(_Rule("refuse", n, method, path_contains, status=status))
 
     def reset_mid_body(
         self, n: int, method: str = "PUT", min_body: int = 1, path_contains: str | None = None
@@ -379,6 +415,10 @@ class S3Proxy:
                 + b"Connection: keep-alive\r\n\r\n"
                 + SLOWDOWN_BODY
             )
+            return True
+        refused = self._take("refuse", method, path, length)
+        if refused is not None:
+            c.sock.sendall(_error_answer(refused.status))
             return True
         if delay:
             time.sleep(delay)

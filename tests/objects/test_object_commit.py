@@ -23,6 +23,8 @@ from ckptfmt.storage.objects import (
     Bucket,
     Commit,
     delete_checkpoint,
+    drop_replaced,
+    find_commit,
     gc,
     missing_objects,
     move_latest,
@@ -178,10 +180,37 @@ def test_newest_committed_reads_the_pointer_and_lists_only_without_it(
     assert newest_committed(root, below=100) is None
 
 
+def test_an_overwrite_replaces_the_commit_it_found_in_one_put_and_no_other(
+    s3: S3, tmp_path: Path
+) -> None:
+    """Two overwrites found the same checkpoint: the first replaces its commit object on its
+    etag (the old objects still there until it drops them); the second is refused, naming the
+    save now there; the first put again (a retry whose answer was lost) is read back as in."""
+    bucket = Bucket.at(f"{s3.url}/ckpt")
+    old = _save(bucket, tmp_path)
+    found = find_commit(bucket)
+    assert found is not None and found.commit is not None and found.etag
+    assert (found.commit.save_id, found.commit.objects) == (old.save_id, sorted(old.objects))
+    a, b = new_save_id(), new_save_id()
+    first = Commit(a, None, upload_files(bucket, a, _files(tmp_path, {"x": 7})))
+    second = Commit(b, None, upload_files(bucket, b, _files(tmp_path, {"y": 9})))
+    write_commit(bucket, first, found)
+    assert read_commit(bucket).save_id == a  # type: ignore[union-attr]
+    assert missing_objects(bucket, old) == []
+    with pytest.raises(DestinationExistsError, match=f"changed while this save.*now save {a}"):
+        write_commit(bucket, second, found)
+    write_commit(bucket, first, found)  # 412, read back: this save is in
+    assert drop_replaced(bucket, found, first) == len(old.objects)
+    assert drop_replaced(bucket, find_commit(bucket), first) == 0  # never its own objects
+    assert sorted(s3.keys("ckpt/")) == sorted([f"ckpt/{COMMIT_NAME}", f"ckpt/{a}/x", f"ckpt/{b}/y"])
+    gc(bucket)  # the refused save's objects
+    assert sorted(s3.keys("ckpt/")) == sorted([f"ckpt/{a}/x", f"ckpt/{COMMIT_NAME}"])
+
+
 def test_delete_removes_the_commit_object_first_and_only_its_save(s3: S3, tmp_path: Path) -> None:
     bucket = Bucket.at(f"{s3.url}/ckpt")
     old = _save(bucket, tmp_path)
-    # an overwrite: the new save's objects are up before the old checkpoint goes
+    # a save beside it that is not committed (retention deletes the checkpoint, not it)
     new_id = new_save_id()
     refs = upload_files(bucket, new_id, _files(tmp_path, {"x": 7}))
     assert delete_checkpoint(bucket) == old.save_id

@@ -86,3 +86,14 @@ def test_drop_answer_lets_the_request_act_and_hides_the_answer(s3: S3, s3_proxy:
         obstore.put(_store(s3), "k", b"acted")
     assert s3_proxy.faults["drop"] == 1
     assert bytes(obstore.get(_store(s3), "k").bytes()) == b"acted"
+
+
+def test_refuse_answers_the_status_and_passes_nothing_on(s3: S3, s3_proxy: S3Proxy) -> None:
+    s3_proxy.refuse(1, 403, method="PUT", path_contains="commit")
+    obstore.put(_store(s3), "other", b"x")  # not matching: passes
+    with pytest.raises(Exception, match="403") as info:
+        obstore.put(_store(s3, retries=3), "a/commit", b"x")  # a 4xx is not retried
+    assert "AccessDenied" in str(info.value)
+    assert s3_proxy.faults["refuse"] == 1 and s3.keys() == ["other"]
+    obstore.put(_store(s3), "a/commit", b"y")  # the rule is spent
+    assert s3.keys() == ["a/commit", "other"]

@@ -2,14 +2,19 @@
 storage"; ``spec/PROTOCOL.md``, "The commit in object storage").
 
 A checkpoint at ``U`` is every object under ``U/<save_id>/`` (a prefix never reused nor written
-twice) plus the **commit object** ``U/ckptfmt-commit.json``, written last with a create-only put,
-which lists every object with its size and CRC32C. In order:
+twice) plus the **commit object** ``U/ckptfmt-commit.json``, written last, which names the save
+id and lists every object with its size and CRC32C. In order:
 
-1. every writer uploads its own files under ``U/<save_id>/`` (:func:`upload_files`,
+1. the committer looks at ``U`` (:func:`find_commit`): what is committed there and its etag; a
+   checkpoint there is refused unless overwriting;
+2. every writer uploads its own files under ``U/<save_id>/`` (:func:`upload_files`,
    :func:`put_bytes`), in parallel, and hands its :class:`ObjectRef` list to one committer;
-2. the committer writes the commit object (:func:`write_commit`): create-only, so of two saves
-   one wins; a 412 is read back, since it may answer the retry of its own put;
-3. a level-3 root's **latest pointer** ``R/ckptfmt-latest.json`` is moved forward
+3. the committer writes the commit object (:func:`write_commit`): create-only when ``U`` held
+   no checkpoint (of two saves one wins), else in place of the commit object it found, on that
+   one's etag (of two overwrites one wins). A refused or unanswered put is read back, since it
+   may answer the retry of its own put. Until this put the old checkpoint is whole; from it on,
+   the new one. Only then the replaced save's objects go (:func:`drop_replaced`);
+4. a level-3 root's **latest pointer** ``R/ckptfmt-latest.json`` is moved forward
    (:func:`move_latest`) with a put conditional on the etag it read, so a stale writer leaves it.
 
 A reader reads the commit object (:func:`read_commit`) and checks that every object it lists is
@@ -21,6 +26,7 @@ is missing or names a step that does not commit (:func:`newest_committed`).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Sequence
@@ -31,6 +37,7 @@ from typing import Any
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import (
+    CkptError,
     DestinationExistsError,
     MissingFileError,
     NotACheckpointError,
@@ -38,6 +45,8 @@ from ckptfmt.errors import (
 )
 from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.steps import pick_steps, step_dir_name
+
+log = logging.getLogger("ckptfmt")
 
 COMMIT_NAME = "ckptfmt-commit.json"
 LATEST_NAME = "ckptfmt-latest.json"
@@ -175,34 +184,146 @@ def put_bytes(bucket: Bucket, save_id: str, rel: str, data: bytes) -> ObjectRef:
     return ObjectRef(rel, len(data), crc32c(data))
 
 
-def write_commit(bucket: Bucket, commit: Commit) -> None:
-    """Write the commit object of ``U`` (``bucket``), create-only: the checkpoint appears.
+@dataclass(frozen=True)
+class Committed:
+    """The commit object found at ``U`` before a save, as an overwrite replaces it: ``commit``,
+    what it says (None when it does not parse: its save is then left for ``ckptfmt gc``), and
+    ``etag``, the store's tag of that very object (None when the store gives none)."""
 
-    A 412 (an object is there) is answered by reading it back: the same save id means this
-    commit is in (the 412 answered a retry of a put whose first answer was lost); another raises
-    :class:`DestinationExistsError` naming the save id that is there. A put whose outcome is
-    unknown (no answer, or a 5xx: the library does not retry a conditional put once sent, since
-    it may have acted) is also read back, and put again when nothing is there, up to
-    :data:`COMMIT_ATTEMPTS` times."""
+    commit: Commit | None
+    etag: str | None
+
+    @property
+    def who(self) -> str:
+        return (
+            f"save {self.commit.save_id}" if self.commit else "a commit object that does not parse"
+        )
+
+
+def find_commit(bucket: Bucket) -> Committed | None:
+    """What is committed at ``U`` (``bucket``) and its etag, read once, for a save that may
+    replace it (:func:`write_commit`); None when ``U`` holds no commit object. A commit object
+    that does not parse is returned too (``commit`` None): it is there, and an overwrite
+    replaces it."""
+    try:
+        data, etag = bucket.get_tagged(COMMIT_NAME)
+    except MissingFileError:
+        return None
+    try:
+        return Committed(Commit.from_bytes(data, bucket.key_url(COMMIT_NAME)), etag)
+    except NotACheckpointError:
+        return Committed(None, etag)
+
+
+def refuse_existing(bucket: Bucket, there: Committed | None, overwrite: bool, how: str) -> None:
+    """Raise :class:`DestinationExistsError` when ``U`` holds a commit object (``there``, from
+    :func:`find_commit`) and the save does not overwrite; ``how``: how to ask for an
+    overwrite, for the message."""
+    if there is not None and not overwrite:
+        raise DestinationExistsError(
+            bucket.url, f"a checkpoint is committed there ({there.who}); {how} to replace it"
+        )
+
+
+def write_commit(bucket: Bucket, commit: Commit, replacing: Committed | None = None) -> None:
+    """Write the commit object of ``U`` (``bucket``): the checkpoint appears, in one put.
+
+    ``replacing`` None: create-only (``If-None-Match: *``), for a ``U`` that held no commit
+    object when the save looked. ``replacing``, the commit object the save found there
+    (:func:`find_commit`, an overwrite): a put conditional on its etag (``If-Match``), which
+    replaces it in one step, so that ``U`` holds the old checkpoint, whole, until this put and
+    the new one from it on; a store that gives no etag, or answers 501 to a conditional put,
+    gets a plain put (the same single-step replacement, without the refusal of a concurrent
+    writer's). Either way a refused put (412) is read back: this save id there means the commit
+    is in (the 412 answered a retry of a put whose first answer was lost); another raises
+    :class:`DestinationExistsError` naming the save that is there (another save committed or
+    overwrote in between; nothing of this save is visible). A put whose outcome is unknown (no
+    answer, or a 5xx: the library does not retry a conditional put once sent, since it may have
+    acted) is also read back, and put again while the object it was to replace is still there
+    unchanged, up to :data:`COMMIT_ATTEMPTS` times."""
     body = commit.to_bytes()
     for attempt in range(COMMIT_ATTEMPTS):
         try:
-            bucket.put(COMMIT_NAME, body, create_only=True)
+            _put_commit(bucket, body, replacing)
             return
         except DestinationExistsError:
             break
         except ObjectStoreError as exc:
+            if exc.status == 412:
+                break
             if (exc.status is not None and exc.status < 500) or attempt + 1 == COMMIT_ATTEMPTS:
                 raise
-            if read_commit(bucket) is not None:
+            now = find_commit(bucket)
+            unchanged = now is None if replacing is None else _same(now, replacing)
+            if not unchanged:
                 break
-    there = read_commit(bucket)
-    if there is not None and there.save_id == commit.save_id:
+    there = find_commit(bucket)
+    if there is not None and there.commit is not None and there.commit.save_id == commit.save_id:
         return
-    who = f"save {there.save_id}" if there is not None else "another save, since removed"
-    raise DestinationExistsError(
-        bucket.key_url(COMMIT_NAME), f"a checkpoint is already committed there ({who})"
-    )
+    if replacing is None:
+        who = there.who if there is not None else "another save, since removed"
+        reason = f"a checkpoint is already committed there ({who})"
+    else:
+        held = there.who if there is not None else "none: it was removed"
+        reason = (
+            f"the checkpoint there ({replacing.who}) changed while this save was writing "
+            f"(now {held}); this save was not committed"
+        )
+    raise DestinationExistsError(bucket.key_url(COMMIT_NAME), reason)
+
+
+def _put_commit(bucket: Bucket, body: bytes, replacing: Committed | None) -> None:
+    if replacing is None:
+        bucket.put(COMMIT_NAME, body, create_only=True)
+        return
+    if replacing.etag:
+        try:
+            bucket.put(COMMIT_NAME, body, if_match=replacing.etag)
+            return
+        except ObjectStoreError as exc:
+            if exc.status != 501:  # 501: the store does not do conditional replaces
+                raise
+    bucket.put(COMMIT_NAME, body)
+
+
+def _same(now: Committed | None, then: Committed) -> bool:
+    """Whether the commit object read ``now`` is the one read ``then`` (by etag, or by what it
+    says when the store gives no etag)."""
+    if now is None:
+        return False
+    if now.etag and then.etag:
+        return now.etag == then.etag
+    return now.commit == then.commit
+
+
+def drop_replaced(bucket: Bucket, replaced: Committed | None, commit: Commit) -> int:
+    """After ``commit`` replaced ``replaced`` at ``U`` (:func:`write_commit`): delete the old
+    save's objects, those its commit listed and whatever else is under its prefix (a crash
+    beside them). Nothing when ``U`` held nothing, when the old commit did not parse (its save
+    is unknown: ``ckptfmt gc`` finds it) or named this very save (a repeated commit of one
+    save). Each save's objects live under its own prefix, so the new checkpoint shares none of
+    them. Best effort: the checkpoint is committed whatever happens here; a delete that fails
+    is logged and the objects are left for ``ckptfmt gc``. Returns how many were deleted."""
+    old = replaced.commit if replaced is not None else None
+    if old is None or old.save_id == commit.save_id:
+        return 0
+    target = bucket.child(old.save_id)
+    listed = {o.key for o in old.objects}
+    try:
+        rest = {k for k, _ in target.list()} - listed
+        keys = sorted(listed | rest)
+        target.delete(keys)
+    except (CkptError, OSError) as exc:
+        log.warning(
+            "the checkpoint at %s replaced save %s; its objects were not all deleted (%s): "
+            "`ckptfmt gc %s` removes them",
+            bucket.url,
+            old.save_id,
+            exc,
+            bucket.url,
+        )
+        return 0
+    return len(keys)
 
 
 def read_commit(bucket: Bucket) -> Commit | None:
