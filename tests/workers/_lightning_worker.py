@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ckptfmt_torch
 import ckptfmt_torch.lightning
 import pytorch_lightning as L
 import torch
@@ -56,6 +57,21 @@ class Data(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.ds, batch_size=8, shuffle=False)
+
+
+class ShuffledData(L.LightningDataModule):
+    """96 random samples in a shuffled order from ``ckptfmt_torch.ResumableSampler``: 12
+    batches of 8 per epoch, 6 per rank under 2-process DDP, so a checkpoint every 4 steps
+    falls mid-epoch. The Trainer needs ``use_distributed_sampler=False``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.ds = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 4, generator=g))
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        sampler = ckptfmt_torch.ResumableSampler(self.ds, shuffle=True, seed=3)
+        return DataLoader(self.ds, batch_size=8, sampler=sampler)
 
 
 class KillAt(L.Callback):
