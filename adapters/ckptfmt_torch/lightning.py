@@ -52,7 +52,6 @@ then need ``trust_pickle=True``.
 from __future__ import annotations
 
 import contextvars
-import copy
 import dataclasses
 import json
 import os
@@ -282,6 +281,9 @@ class CheckpointIO(_CheckpointIO):
             out = self._load_from_manager(target)
         elif not target.exists():
             raise NotACheckpointError(str(target), "no checkpoint is there")
+        elif not is_committed(target):
+            reason = "no manifest in it (never committed, torn before commit, or not ckptfmt's)"
+            raise _named(NotACheckpointError(str(target), reason), target)
         else:
             out = {}
             try:
@@ -604,7 +606,8 @@ def _named(exc: CkptError, target: Path) -> CkptError:
             f"`ckptfmt verify {path}` and resume from it with "
             f"trainer.fit(model, ckpt_path={str(path)!r})"
         )
-    named = copy.copy(exc)
+    named = type(exc).__new__(type(exc))  # not copy.copy: it would call __init__ with args
+    named.__dict__.update(exc.__dict__)
     named.args = (text,)
     return named
 
