@@ -58,26 +58,22 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from ckptfmt.checkpoint import open_checkpoint, writer_threads
 from ckptfmt.errors import (
     CkptError,
     DamagedError,
-    InvalidNameError,
     LoadFailedError,
     NotACheckpointError,
     UnreadableError,
-    UnsupportedValueError,
     UsageError,
 )
 from ckptfmt.format import WriteOptions
-from ckptfmt.manifest import check_component
 from ckptfmt.parallel import CheckpointManager
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import is_committed, remove_committed
@@ -87,6 +83,15 @@ from ckptfmt_torch.checkpoint import load, save
 from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import materialize, to_state
 from ckptfmt_torch.lightning_data import DataPosition
+from ckptfmt_torch.lightning_dict import (
+    CONTAINERS,
+    Location,
+    containers_json,
+    keyed,
+    placed,
+    restored,
+    unkeyed,
+)
 
 try:  # the standalone package first; the unified ``lightning`` package as well
     # the two modules whose file loader (pl_load) is wrapped, see load_from_checkpoint
@@ -112,17 +117,9 @@ except ImportError:  # pragma: no cover - only ``lightning`` installed
 __all__ = ["CheckpointIO", "DDPStrategy", "DataPosition", "load_from_checkpoint"]
 
 POINTER_FORMAT = "ckptfmt-lightning-step"
-# a mapping whose keys are not all names (ModelCheckpoint's best_k_models is keyed by file
-# paths) is stored as {ITEMS: [(key, value), ...]} and given back as the mapping; keys starting
-# with "%" are this module's, so a user's such key makes its mapping one of pairs too
-ITEMS = "%items"
-# one JSON string at the top of the saved dict: which mappings were OrderedDicts and the
-# _metadata of each (a module state dict's versions, read by load_state_dict), by key path
-CONTAINERS = "%containers"
 # tombstones kept at most: deletions asked for while their write was still queued
 MAX_TOMBSTONES = 256
 M = TypeVar("M")
-Location = torch.device | str | Mapping[str, Any] | Callable[..., Any]
 
 
 class CheckpointIO(_CheckpointIO):
@@ -234,10 +231,10 @@ class CheckpointIO(_CheckpointIO):
             write = dataclasses.replace(storage_options, overwrite=True)
         step = checkpoint.get("global_step")
         step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-        keyed = _keyed(checkpoint)
-        containers = _containers(checkpoint)
+        tree = keyed(checkpoint)
+        containers = containers_json(checkpoint)
         if containers is not None:
-            keyed[CONTAINERS] = containers
+            tree[CONTAINERS] = containers
         key = _key(path)
         with self._lock:
             asker = self._tombstones.pop(key, None)
@@ -249,10 +246,10 @@ class CheckpointIO(_CheckpointIO):
             self._writing[key] = self._writing.get(key, 0) + 1
         try:
             if self.levels is not None:
-                self._save_to_manager(keyed, key, step, point=not removed)
+                self._save_to_manager(tree, key, step, point=not removed)
             else:
                 comm = self._collective_comm() if self.collective else SingleComm()
-                save(keyed, path, step=step, write=write, comm=comm, objects=self.objects)
+                save(tree, path, step=step, write=write, comm=comm, objects=self.objects)
         finally:
             with self._lock:
                 self._writing[key] -= 1
@@ -296,11 +293,11 @@ class CheckpointIO(_CheckpointIO):
             except (DamagedError, UnreadableError) as exc:
                 raise _named(exc, target) from None
         containers = out.pop(CONTAINERS, None)
-        got: dict[str, Any] = _unkeyed(out)
+        got: dict[str, Any] = unkeyed(out)
         if map_location is not None:
-            got = _placed(got, map_location)
-        restored: dict[str, Any] = _restored(got, containers)
-        return restored
+            got = placed(got, map_location)
+        back: dict[str, Any] = restored(got, containers)
+        return back
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` (rank 0): out of sight first (renamed to a dot
@@ -459,133 +456,10 @@ def _ours(io: Any) -> CheckpointIO | None:
     return None
 
 
-def _keyed(obj: Any) -> Any:
-    """``obj`` with every mapping whose keys are not all valid names (nor ints: an optimizer's
-    parameter indices) as ``{ITEMS: [(key, value), ...]}``; the tensors are the same."""
-    if isinstance(obj, Mapping):
-        out = {k: _keyed(v) for k, v in obj.items()}
-        return out if all(_is_name(k) for k in obj) else {ITEMS: [(k, v) for k, v in out.items()]}
-    if isinstance(obj, (list, tuple)):
-        items = [_keyed(v) for v in obj]
-        return tuple(items) if isinstance(obj, tuple) else items
-    return obj
-
-
-def _is_name(key: Any) -> bool:
-    if isinstance(key, int) and not isinstance(key, bool):
-        return True
-    try:
-        check_component(key)
-    except InvalidNameError:
-        return False
-    return not key.startswith("%")
-
-
-def _unkeyed(obj: Any) -> Any:
-    """What :func:`_keyed` made of ``obj``, undone (pairs load as lists or tuples)."""
-    if isinstance(obj, dict):
-        if list(obj) == [ITEMS] and isinstance(obj[ITEMS], (list, tuple)):
-            return {k: _unkeyed(v) for k, v in obj[ITEMS]}
-        return {k: _unkeyed(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_unkeyed(v) for v in obj]
-        return tuple(items) if isinstance(obj, tuple) else items
-    return obj
-
-
-def _placed(obj: Any, where: Location) -> Any:
-    """``obj`` with its tensors moved as ``torch.load``'s ``map_location`` would move them (a
-    function's ``None`` keeps a tensor where it is, as ``torch.load`` keeps its storage)."""
-    if isinstance(obj, torch.Tensor):
-        if callable(where) and not isinstance(where, (str, torch.device)):
-            moved = where(obj, "cpu")
-            return obj if moved is None else moved
-        if isinstance(where, Mapping):
-            return obj.to(where["cpu"]) if "cpu" in where else obj
-        return obj.to(where)
-    if isinstance(obj, dict):
-        return {k: _placed(v, where) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_placed(v, where) for v in obj]
-        return tuple(items) if isinstance(obj, tuple) else items
-    return obj
-
-
 def _key(path: Any) -> str:
     """The one spelling of a checkpoint path the bookkeeping uses (Lightning names a path the
     same way for its save and its deletion, but relative or absolute as it was given)."""
     return str(os.path.abspath(os.fspath(path)))
-
-
-# --- OrderedDict and _metadata ------------------------------------------------------------------
-
-
-def _mappings(obj: Any, where: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """Every mapping in ``obj`` with its key path, where every key on it can be written in JSON
-    (strings and ints; below another key nothing is addressable, so nothing is recorded)."""
-    if isinstance(obj, Mapping):
-        yield where, obj
-        items: Any = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    else:
-        return
-    for k, v in items:
-        if isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool)):
-            yield from _mappings(v, (*where, k))
-
-
-def _containers(checkpoint: Mapping[str, Any]) -> str | None:
-    """JSON naming the ``OrderedDict``s of ``checkpoint`` by key path, each with its
-    ``_metadata`` (the versions ``load_state_dict`` passes to each module) as pairs; ``None``
-    when there is none. Metadata that is not JSON is refused, naming it."""
-    found: list[dict[str, Any]] = []
-    for where, mapping in _mappings(checkpoint, ()):
-        if not isinstance(mapping, OrderedDict):
-            continue
-        entry: dict[str, Any] = {"path": list(where)}
-        meta = getattr(mapping, "_metadata", None)
-        if meta is not None:
-            name = "/".join(map(str, (*where, "_metadata")))
-            if not isinstance(meta, Mapping):
-                raise UnsupportedValueError(name, f"a {type(meta).__name__}, not a mapping")
-            entry["metadata"] = [[k, v] for k, v in meta.items()]
-            entry["ordered"] = isinstance(meta, OrderedDict)
-            try:
-                json.dumps(entry, allow_nan=False)
-            except (TypeError, ValueError) as exc:
-                raise UnsupportedValueError(name, f"not JSON ({exc})") from None
-        found.append(entry)
-    return json.dumps(found, allow_nan=False) if found else None
-
-
-def _restored(obj: Any, containers: Any) -> Any:
-    """``obj`` with the mappings :func:`_containers` named made ``OrderedDict``s again, each
-    with its ``_metadata``."""
-    if not isinstance(containers, str):
-        return obj
-    for entry in json.loads(containers):
-        obj = _replaced(obj, entry["path"], entry)
-    return obj
-
-
-def _replaced(obj: Any, where: list[Any], entry: dict[str, Any]) -> Any:
-    if not where:
-        if not isinstance(obj, dict):
-            return obj
-        out: Any = OrderedDict(obj)
-        if "metadata" in entry:
-            pairs = [(k, v) for k, v in entry["metadata"]]
-            out._metadata = OrderedDict(pairs) if entry.get("ordered", True) else dict(pairs)
-        return out
-    head, rest = where[0], where[1:]
-    if isinstance(obj, dict) and head in obj:
-        obj[head] = _replaced(obj[head], rest, entry)
-    elif isinstance(obj, (list, tuple)) and isinstance(head, int) and 0 <= head < len(obj):
-        items = list(obj)
-        items[head] = _replaced(items[head], rest, entry)
-        return tuple(items) if isinstance(obj, tuple) else items
-    return obj
 
 
 # --- damage: which checkpoint, and which other to resume from ----------------------------------

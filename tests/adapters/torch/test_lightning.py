@@ -530,6 +530,18 @@ def test_load_from_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"head.weight\""):
         Wider.load_from_checkpoint(theirs)
     same_model(load(Net, theirs), want)  # a torch file goes to Lightning's loader
+    levels = tmp_path / "levels"
+    fit(tmp_path / "managed", 8, make_io("ckptfmt", "levels", levels))
+    pointer = tmp_path / "managed" / "last.ckpt"  # a file naming step 8 of the manager
+    with pytest.raises(UsageError, match=r"names step 8 of a CheckpointManager.*checkpoint_io="):
+        Net.load_from_checkpoint(pointer)
+    io = make_io("ckptfmt", "levels", levels)
+    try:
+        managed = load(Net, pointer, checkpoint_io=io)
+    finally:
+        io.close()
+    whole = fit(tmp_path / "whole", 8, make_io("torch", "", levels))
+    assert_same(dict(managed.state_dict()), whole["params"])
     (tmp_path / "empty.ckpt").mkdir()
     with pytest.raises(NotACheckpointError, match=r"empty\.ckpt"):
         Net.load_from_checkpoint(tmp_path / "empty.ckpt")
