@@ -430,6 +430,11 @@ def test_deletion_during_or_before_a_threads_write(tmp_path: Path) -> None:
     plugin.save_checkpoint({"w": torch.ones(3)}, tmp_path / "c.ckpt")
     assert os.listdir(tmp_path) == ["c.ckpt"]
 
+    for i in range(1000):  # deletions of names never written: remembered, but not without end
+        plugin.remove_checkpoint(tmp_path / f"never-{i}.ckpt")
+    bound = ckptfmt_torch.lightning.MAX_TOMBSTONES
+    assert len(plugin._tombstones) == bound and not plugin._writing and not plugin._doomed
+
 
 # --- the dict as saved ----------------------------------------------------------------------------
 
