@@ -11,8 +11,19 @@ zarr arrays (written by parallel threads, nothing pickled), the rest of Lightnin
 (``loops``, ``callbacks``, ``hyper_parameters``, counters) as values, lists and tuples kept.
 ``ModelCheckpoint`` works unchanged (top-k, ``save_last``, ``every_n_train_steps``, its
 deletions); a rewritten ``last.ckpt`` is replaced atomically and a deleted checkpoint disappears
-whole. ``AsyncCheckpointIO(ckptfmt_torch.lightning.CheckpointIO())`` writes in a thread. A load
-gives Lightning the dict back (CPU tensors, or on ``map_location``), every byte verified.
+whole. ``AsyncCheckpointIO(ckptfmt_torch.lightning.CheckpointIO())`` writes in a thread and keeps
+what it keeps around ``TorchCheckpointIO``: a deletion asked for while that checkpoint's write is
+still queued skips the write, one asked for while it is being written happens once it is
+written. A load gives Lightning the dict it saved (an ``OrderedDict`` with its ``_metadata``
+where it was one; CPU tensors, or on ``map_location``), every byte verified; a damaged
+checkpoint is named with the newest other checkpoint beside it, and nothing of it is loaded.
+
+Loading outside a Trainer, as ``MyModel.load_from_checkpoint`` does:
+``ckptfmt_torch.lightning.load_from_checkpoint(MyModel, path, map_location=..., strict=...,
+**hparams)``. Importing this module also lets Lightning's own ``load_from_checkpoint`` and
+``TorchCheckpointIO`` read a ckptfmt checkpoint directory (see :func:`load_from_checkpoint`).
+``DataPosition`` (``ckptfmt_torch.lightning_data``) carries the data loader's position, so a run
+stopped mid-epoch resumes on the next batch.
 
 Who writes, three ways:
 
@@ -40,27 +51,29 @@ then need ``trust_pickle=True``.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import os
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
-from ckptfmt.checkpoint import writer_threads
+from ckptfmt.checkpoint import open_checkpoint, writer_threads
 from ckptfmt.errors import (
     CkptError,
-    InvalidNameError,
+    DamagedError,
     LoadFailedError,
     NotACheckpointError,
+    UnreadableError,
     UsageError,
 )
 from ckptfmt.format import WriteOptions
-from ckptfmt.manifest import check_component
 from ckptfmt.parallel import CheckpointManager
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import is_committed, remove_committed
@@ -69,12 +82,31 @@ from ckptfmt.tree import Objects
 from ckptfmt_torch.checkpoint import load, save
 from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import materialize, to_state
+from ckptfmt_torch.lightning_data import DataPosition
+from ckptfmt_torch.lightning_dict import (
+    CONTAINERS,
+    Location,
+    containers_json,
+    keyed,
+    placed,
+    restored,
+    unkeyed,
+)
 
 try:  # the standalone package first; the unified ``lightning`` package as well
+    # the two modules whose file loader (pl_load) is wrapped, see load_from_checkpoint
+    import lightning_fabric.plugins.io.torch_io  # noqa: F401
+    import pytorch_lightning.core.saving  # noqa: F401
+    from pytorch_lightning import LightningDataModule as _LightningDataModule
+    from pytorch_lightning import LightningModule as _LightningModule
     from pytorch_lightning.plugins.io import CheckpointIO as _CheckpointIO
     from pytorch_lightning.strategies import DDPStrategy as _DDPStrategy
 except ImportError:  # pragma: no cover - only ``lightning`` installed
     try:
+        import lightning.fabric.plugins.io.torch_io
+        import lightning.pytorch.core.saving  # noqa: F401
+        from lightning.pytorch import LightningDataModule as _LightningDataModule  # type: ignore[no-redef]
+        from lightning.pytorch import LightningModule as _LightningModule  # type: ignore[no-redef]
         from lightning.pytorch.plugins.io import CheckpointIO as _CheckpointIO  # type: ignore[no-redef]
         from lightning.pytorch.strategies import DDPStrategy as _DDPStrategy  # type: ignore[no-redef]
     except ImportError as exc:
@@ -82,13 +114,12 @@ except ImportError:  # pragma: no cover - only ``lightning`` installed
             "ckptfmt_torch.lightning needs PyTorch Lightning: pip install 'ckptfmt[lightning]'"
         ) from exc
 
-__all__ = ["CheckpointIO", "DDPStrategy"]
+__all__ = ["CheckpointIO", "DDPStrategy", "DataPosition", "load_from_checkpoint"]
 
 POINTER_FORMAT = "ckptfmt-lightning-step"
-# a mapping whose keys are not all names (ModelCheckpoint's best_k_models is keyed by file
-# paths) is stored as {ITEMS: [(key, value), ...]} and given back as the mapping
-ITEMS = "%items"
-Location = torch.device | str | Mapping[str, Any] | Callable[..., Any]
+# tombstones kept at most: deletions asked for while their write was still queued
+MAX_TOMBSTONES = 256
+M = TypeVar("M")
 
 
 class CheckpointIO(_CheckpointIO):
@@ -146,6 +177,12 @@ class CheckpointIO(_CheckpointIO):
         self._comm: Comm | None = None
         self._manager: CheckpointManager | None = None
         self._lock = threading.Lock()
+        # the bookkeeping that lets AsyncCheckpointIO delete what it is told to (keys: absolute
+        # paths): the saves running now, the deletions to do once they end, and the deletions
+        # asked for while nothing was there yet (a write still queued), with the asking thread
+        self._writing: dict[str, int] = {}
+        self._doomed: set[str] = set()
+        self._tombstones: OrderedDict[str, int] = OrderedDict()
         self._pending: dict[str, int] = {}  # manager mode: path -> step, until its pointer is in
         self._last: tuple[int, Any] | None = None  # manager mode: (step, handle) of the last save
 
@@ -178,7 +215,12 @@ class CheckpointIO(_CheckpointIO):
         """Save Lightning's ``checkpoint`` dict as the checkpoint directory ``path`` (rank 0
         alone, or every rank when collective; see the module). Nothing is written when the dict
         holds an object ``objects`` refuses (:class:`~ckptfmt.errors.UnsupportedValueError`
-        naming its key path)."""
+        naming its key path).
+
+        Under ``AsyncCheckpointIO`` this runs in its thread, in the order the saves were asked
+        for; a deletion of ``path`` asked for (on the caller's thread) since this save was
+        queued skips it, or, for a collective save that every rank must join, removes it once
+        written."""
         write = self.write
         if storage_options is not None:
             if not isinstance(storage_options, WriteOptions):
@@ -189,45 +231,102 @@ class CheckpointIO(_CheckpointIO):
             write = dataclasses.replace(storage_options, overwrite=True)
         step = checkpoint.get("global_step")
         step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-        checkpoint = _keyed(checkpoint)
-        if self.levels is not None:
-            self._save_to_manager(checkpoint, os.fspath(path), step)
-            return
-        comm = self._collective_comm() if self.collective else SingleComm()
-        save(checkpoint, path, step=step, write=write, comm=comm, objects=self.objects)
+        tree = keyed(checkpoint)
+        containers = containers_json(checkpoint)
+        if containers is not None:
+            tree[CONTAINERS] = containers
+        key = _key(path)
+        with self._lock:
+            asker = self._tombstones.pop(key, None)
+            # removed since it was queued: a save from another thread than the one that asked
+            # (a save asked for after the deletion, on the same thread, is written)
+            removed = asker is not None and asker != threading.get_ident()
+            if removed and not self.collective:
+                return
+            self._writing[key] = self._writing.get(key, 0) + 1
+        try:
+            if self.levels is not None:
+                self._save_to_manager(tree, key, step, point=not removed)
+            else:
+                comm = self._collective_comm() if self.collective else SingleComm()
+                save(tree, path, step=step, write=write, comm=comm, objects=self.objects)
+        finally:
+            with self._lock:
+                self._writing[key] -= 1
+                if not self._writing[key]:
+                    del self._writing[key]
+                doomed = key not in self._writing and (key in self._doomed or removed)
+                if doomed:
+                    self._doomed.discard(key)
+                    if self.levels is None:
+                        self._remove_now(Path(key))
 
     def load_checkpoint(
         self, path: Any, map_location: Location | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Every rank that resumes: Lightning's dict from the checkpoint at ``path``, every
-        byte verified (:class:`~ckptfmt.errors.DamagedError` naming a damaged file; nothing is
-        returned then). Tensors are CPU tensors, or moved to ``map_location`` (a device, a
-        mapping ``{"cpu": device}``, or a function called as ``torch.load`` calls it, with each
-        tensor for its storage and ``"cpu"``). ``weights_only`` is moot: nothing is unpickled
-        unless ``trust_pickle``."""
+        byte verified, ``OrderedDict`` and ``_metadata`` as saved. A damaged or unreadable
+        checkpoint raises its :class:`~ckptfmt.errors.DamagedError` (or ``UnreadableError``)
+        naming the checkpoint, the file in it, and the newest other checkpoint beside it to
+        resume from instead; nothing is returned then. Tensors are CPU tensors, or moved to
+        ``map_location`` (a device, a mapping ``{"cpu": device}``, or a function called as
+        ``torch.load`` calls it, with each tensor for its storage and ``"cpu"``; ``None`` back
+        keeps it). ``weights_only`` is moot: nothing is unpickled unless ``trust_pickle``."""
         del weights_only
         target = Path(os.fspath(path))
         if target.is_file():
             out = self._load_from_manager(target)
         elif not target.exists():
             raise NotACheckpointError(str(target), "no checkpoint is there")
+        elif not is_committed(target):
+            reason = "no manifest in it (never committed, torn before commit, or not ckptfmt's)"
+            raise _named(NotACheckpointError(str(target), reason), target)
         else:
             out = {}
             try:
                 load(out, target, read=self.read, comm=SingleComm(), trust_pickle=self.trust_pickle)
             except LoadFailedError as exc:  # one process: its own error, not the vote's
-                raise (exc.cause if isinstance(exc.cause, CkptError) else exc) from None
-        got: dict[str, Any] = _unkeyed(out)
-        return _placed(got, map_location) if map_location is not None else got
+                cause = exc.cause if isinstance(exc.cause, CkptError) else exc
+                if isinstance(cause, (DamagedError, UnreadableError)):
+                    raise _named(cause, target) from None
+                raise cause from None
+            except (DamagedError, UnreadableError) as exc:
+                raise _named(exc, target) from None
+        containers = out.pop(CONTAINERS, None)
+        got: dict[str, Any] = unkeyed(out)
+        if map_location is not None:
+            got = placed(got, map_location)
+        back: dict[str, Any] = restored(got, containers)
+        return back
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` (rank 0): out of sight first (renamed to a dot
         name), then deleted, so no reader sees half of it. A manager's pointer file is removed;
-        its step stays for the manager's retention. A missing path is no error."""
-        target = Path(os.fspath(path))
+        its step stays for the manager's retention. A missing path is no error.
+
+        Under ``AsyncCheckpointIO`` (the saves in its thread, this on the caller's), a
+        checkpoint being written is removed once written, and one not there yet (its write
+        still queued) is remembered, so that write is skipped."""
+        key = _key(path)
         with self._lock:
-            if str(target) in self._pending:  # its save is not committed yet: no pointer then
-                self._pending[str(target)] = -1
+            pending = key in self._pending
+            if pending:  # manager: its save is not committed yet, no pointer then
+                self._pending[key] = -1
+            if key in self._writing:
+                self._doomed.add(key)
+                return
+            target = Path(key)
+            if not (target.exists() or target.is_symlink()):
+                if pending:
+                    return
+                self._tombstones[key] = threading.get_ident()
+                self._tombstones.move_to_end(key)
+                while len(self._tombstones) > MAX_TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+                return
+            self._remove_now(target)
+
+    def _remove_now(self, target: Path) -> None:
         if target.is_symlink() or target.is_file():
             target.unlink()
         elif is_committed(target):
@@ -260,7 +359,9 @@ class CheckpointIO(_CheckpointIO):
             self._manager = self._new_manager(self._collective_comm())
         return self._manager
 
-    def _save_to_manager(self, checkpoint: dict[str, Any], path: str, step: int | None) -> None:
+    def _save_to_manager(
+        self, checkpoint: dict[str, Any], path: str, step: int | None, *, point: bool = True
+    ) -> None:
         if step is None:
             raise UsageError("the checkpoint dict has no global_step: the manager saves steps")
         manager = self._manager_now()
@@ -270,7 +371,7 @@ class CheckpointIO(_CheckpointIO):
             state = to_state(checkpoint, objects=self.objects)
             handle = manager.save(step, state, objects=self.objects)
             self._last = (step, handle)
-        if manager.comm.rank != 0:
+        if manager.comm.rank != 0 or not point:
             return
         with self._lock:
             self._pending[path] = step
@@ -304,7 +405,9 @@ class CheckpointIO(_CheckpointIO):
         if self.levels is None:
             raise UsageError(
                 f"{target} names step {step} of a CheckpointManager: load it with the "
-                "CheckpointIO(local_dir=..., shared_dir=...) that saved it"
+                "CheckpointIO(local_dir=..., shared_dir=...) that saved it (outside a Trainer: "
+                "ckptfmt_torch.lightning.load_from_checkpoint(MyModel, path, "
+                "checkpoint_io=CheckpointIO(local_dir=..., shared_dir=...)))"
             )
         report = self._manager_now().restore(None, read=self.read, trust_pickle=self.trust_pickle)
         if report.step != step or report.state is None:
@@ -353,51 +456,163 @@ def _ours(io: Any) -> CheckpointIO | None:
     return None
 
 
-def _keyed(obj: Any) -> Any:
-    """``obj`` with every mapping whose keys are not all valid names (nor ints: an optimizer's
-    parameter indices) as ``{ITEMS: [(key, value), ...]}``; the tensors are the same."""
-    if isinstance(obj, Mapping):
-        out = {k: _keyed(v) for k, v in obj.items()}
-        return out if all(_is_name(k) for k in obj) else {ITEMS: [(k, v) for k, v in out.items()]}
-    if isinstance(obj, (list, tuple)):
-        items = [_keyed(v) for v in obj]
-        return tuple(items) if isinstance(obj, tuple) else items
-    return obj
+def _key(path: Any) -> str:
+    """The one spelling of a checkpoint path the bookkeeping uses (Lightning names a path the
+    same way for its save and its deletion, but relative or absolute as it was given)."""
+    return str(os.path.abspath(os.fspath(path)))
 
 
-def _is_name(key: Any) -> bool:
-    if isinstance(key, int) and not isinstance(key, bool):
-        return True
+# --- damage: which checkpoint, and which other to resume from ----------------------------------
+
+
+def _named(exc: CkptError, target: Path) -> CkptError:
+    """``exc`` (its class and fields kept, so ``except ChecksumError`` still catches it) with a
+    message that names the checkpoint ``target`` and the newest other checkpoint beside it."""
+    text = str(exc)
+    if str(target) not in text:
+        text = f"{target}: {text}"
+    text += "; nothing of it was loaded"
+    other = _newest_beside(target)
+    if other is None:
+        text += f"; there is no other checkpoint in {target.parent}"
+    else:
+        path, step = other
+        text += (
+            f"; an older checkpoint is beside it: {path} (step {step}): check it with "
+            f"`ckptfmt verify {path}` and resume from it with "
+            f"trainer.fit(model, ckpt_path={str(path)!r})"
+        )
+    named = type(exc).__new__(type(exc))  # not copy.copy: it would call __init__ with args
+    named.__dict__.update(exc.__dict__)
+    named.args = (text,)
+    return named
+
+
+def _newest_beside(target: Path) -> tuple[Path, int | None] | None:
+    """The committed ckptfmt checkpoint in ``target``'s directory, other than ``target``, with
+    the highest step (the newest file of those of one step); ``None`` when there is none."""
+    best: tuple[tuple[int, float], Path, int | None] | None = None
     try:
-        check_component(key)
-    except InvalidNameError:
-        return False
-    return bool(key != ITEMS)
+        siblings = list(target.parent.iterdir())
+    except OSError:
+        return None
+    for path in siblings:
+        if path.name.startswith(".") or path.name == target.name or not path.is_dir():
+            continue
+        try:
+            if not is_committed(path):
+                continue
+            step = open_checkpoint(path).manifest.step
+            rank = (step if step is not None else -1, path.stat().st_mtime)
+        except (CkptError, OSError):
+            continue
+        if best is None or rank > best[0]:
+            best = (rank, path, step)
+    return None if best is None else (best[1], best[2])
 
 
-def _unkeyed(obj: Any) -> Any:
-    """What :func:`_keyed` made of ``obj``, undone (pairs load as lists or tuples)."""
-    if isinstance(obj, dict):
-        if list(obj) == [ITEMS] and isinstance(obj[ITEMS], (list, tuple)):
-            return {k: _unkeyed(v) for k, v in obj[ITEMS]}
-        return {k: _unkeyed(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_unkeyed(v) for v in obj]
-        return tuple(items) if isinstance(obj, tuple) else items
-    return obj
+# --- loading as Lightning's load_from_checkpoint does ------------------------------------------
+
+# the plugin a load_from_checkpoint call asked for, seen by the hooked pl_load inside it
+_LOAD_WITH: contextvars.ContextVar[CheckpointIO | None] = contextvars.ContextVar(
+    "ckptfmt_lightning_load_with", default=None
+)
 
 
-def _placed(obj: Any, where: Location) -> Any:
-    """``obj`` with its tensors moved as ``torch.load``'s ``map_location`` would move them."""
-    if isinstance(obj, torch.Tensor):
-        if callable(where) and not isinstance(where, (str, torch.device)):
-            return where(obj, "cpu")
-        if isinstance(where, Mapping):
-            return obj.to(where["cpu"]) if "cpu" in where else obj
-        return obj.to(where)
-    if isinstance(obj, dict):
-        return {k: _placed(v, where) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_placed(v, where) for v in obj]
-        return tuple(items) if isinstance(obj, tuple) else items
-    return obj
+def load_from_checkpoint(
+    cls: type[M],
+    path: str | os.PathLike[str],
+    /,
+    *,
+    map_location: Location | None = None,
+    hparams_file: str | os.PathLike[str] | None = None,
+    strict: bool | None = None,
+    checkpoint_io: CheckpointIO | None = None,
+    **hparams: Any,
+) -> M:
+    """``cls.load_from_checkpoint(path, ...)`` for a ckptfmt checkpoint: the ``LightningModule``
+    (or ``LightningDataModule``) ``cls`` built from the hyper-parameters saved with
+    ``save_hyperparameters`` (``hparams`` override them, ``hparams_file`` replaces them), its
+    weights loaded (``strict`` as Lightning's), on ``map_location`` (the CPU by default: the
+    checkpoint does not record the device it was saved from). It is Lightning's own
+    ``load_from_checkpoint``, reading the checkpoint through ``checkpoint_io`` (default
+    ``CheckpointIO()``; the one with ``local_dir``/``shared_dir`` for a manager's pointer), so
+    every argument means what it means there; a ``torch.save`` file loads as Lightning loads it.
+
+    Importing ``ckptfmt_torch.lightning`` also makes ``MyModel.load_from_checkpoint(path)`` and
+    Lightning's ``TorchCheckpointIO`` (a Trainer without the plugin: ``trainer.validate(model,
+    ckpt_path=path)``) read a ckptfmt checkpoint directory: their file loader (``pl_load``) is
+    wrapped so that a local directory or a manager's pointer file goes through ckptfmt, and
+    anything else to Lightning's."""
+    if not (isinstance(cls, type) and issubclass(cls, (_LightningModule, _LightningDataModule))):
+        raise UsageError(
+            "load_from_checkpoint builds a LightningModule or LightningDataModule class, "
+            f"got {cls!r}"
+        )
+    _install_load_hook()
+    kwargs: dict[str, Any] = {"map_location": map_location, "hparams_file": hparams_file}
+    if issubclass(cls, _LightningModule):
+        kwargs["strict"] = strict
+    elif strict is not None:
+        raise UsageError("strict is an argument of a LightningModule's load, not a data module's")
+    token = _LOAD_WITH.set(checkpoint_io)
+    try:
+        model: M = cls.load_from_checkpoint(os.fspath(path), **kwargs, **hparams)
+    finally:
+        _LOAD_WITH.reset(token)
+    return model
+
+
+def _on_disk(path: Any) -> Path | None:
+    """``path`` if it names a local directory (a checkpoint of ours, or nothing Lightning's
+    loader can read) or a manager's pointer file; ``None`` for anything else."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    text = os.fspath(path)
+    if not isinstance(text, str) or "://" in text or text.startswith("http"):
+        return None
+    target = Path(text)
+    if target.is_dir():
+        return target
+    if target.is_file():
+        try:
+            with target.open("rb") as f:
+                head = f.read(96)
+        except OSError:
+            return None
+        if head.lstrip().startswith(b"{") and POINTER_FORMAT.encode() in head:
+            return target
+    return None
+
+
+def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
+    def pl_load(
+        path_or_url: Any, map_location: Location | None = None, weights_only: bool | None = None
+    ) -> Any:
+        target = _on_disk(path_or_url)
+        if target is None:
+            return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        io = _LOAD_WITH.get() or CheckpointIO()
+        return io.load_checkpoint(target, map_location=map_location)
+
+    pl_load.ckptfmt_wraps = original  # type: ignore[attr-defined]
+    return pl_load
+
+
+def _install_load_hook() -> None:
+    """Wrap ``pl_load`` where Lightning's ``load_from_checkpoint`` and ``TorchCheckpointIO``
+    call it (once; the modules of the ``lightning`` package as well, when imported)."""
+    for name in _LOADER_MODULES:
+        module = sys.modules.get(name)
+        current = getattr(module, "pl_load", None)
+        if callable(current) and not hasattr(current, "ckptfmt_wraps"):
+            module.pl_load = _hooked(current)  # type: ignore[union-attr]
+
+
+_LOADER_MODULES = (
+    "pytorch_lightning.core.saving",
+    "lightning_fabric.plugins.io.torch_io",
+    "lightning.pytorch.core.saving",
+    "lightning.fabric.plugins.io.torch_io",
+)
+_install_load_hook()

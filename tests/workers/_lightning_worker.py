@@ -2,7 +2,10 @@
 module, a Trainer with the plugin as the README shows it, and the end state written out.
 
     python -m _lightning_worker --root DIR --name run --max-steps 12 [--io ckptfmt|torch|async]
-        [--kill-at K] [--devices 2] [--mode rank0|collective|levels]
+        [--kill-at K] [--devices 2] [--mode rank0|collective|levels] [--data plain|shuffled]
+
+``--data shuffled``: ``ShuffledData`` (a ``ResumableSampler``, checkpoints mid-epoch) with the
+``DataPosition`` callback and ``use_distributed_sampler=False``.
 
 Runs of one launch go one after the other (``--runs`` ``name:max_steps`` ...): under
 ``strategy="ddp"`` Lightning starts the other ranks by running this same command again, so every
@@ -19,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ckptfmt_torch
 import ckptfmt_torch.lightning
 import pytorch_lightning as L
 import torch
@@ -56,6 +60,21 @@ class Data(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.ds, batch_size=8, shuffle=False)
+
+
+class ShuffledData(L.LightningDataModule):
+    """96 random samples in a shuffled order from ``ckptfmt_torch.ResumableSampler``: 12
+    batches of 8 per epoch, 6 per rank under 2-process DDP, so a checkpoint every 4 steps
+    falls mid-epoch. The Trainer needs ``use_distributed_sampler=False``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.ds = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 4, generator=g))
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        sampler = ckptfmt_torch.ResumableSampler(self.ds, shuffle=True, seed=3)
+        return DataLoader(self.ds, batch_size=8, sampler=sampler)
 
 
 class KillAt(L.Callback):
@@ -97,11 +116,14 @@ def make_io(io: str, mode: str, root: Path, nodes: int = 1) -> Any:
 def fit(args: argparse.Namespace, name: str, max_steps: int) -> None:
     L.seed_everything(0, verbose=False)
     root = Path(args.root)
-    model, dm = Net(), Data()
+    model = Net()
+    dm: L.LightningDataModule = ShuffledData() if args.data == "shuffled" else Data()
     checkpoint = L.callbacks.ModelCheckpoint(
         root / name, save_last=True, every_n_train_steps=4, save_top_k=-1
     )
     callbacks: list[L.Callback] = [checkpoint]
+    if args.data == "shuffled":
+        callbacks.append(ckptfmt_torch.lightning.DataPosition())
     if args.kill_at is not None:
         callbacks.append(KillAt(args.kill_at))
     strategy: Any = "auto"
@@ -119,6 +141,7 @@ def fit(args: argparse.Namespace, name: str, max_steps: int) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=True,
+        use_distributed_sampler=args.data != "shuffled",
     )
     trainer.fit(model, datamodule=dm, ckpt_path="last")
     # AsyncCheckpointIO's teardown waits for the writes of rank 0 alone: the other ranks must
@@ -137,6 +160,7 @@ def main() -> int:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--plain-ddp", action="store_true", help="Lightning's DDP, whatever the mode")
+    p.add_argument("--data", choices=["plain", "shuffled"], default="plain")
     args = p.parse_args()
     # a node per rank, as on a cluster: the levels' parity goes across them
     os.environ["CKPTFMT_NODE"] = f"n{os.environ.get('LOCAL_RANK', '0')}"

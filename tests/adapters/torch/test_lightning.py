@@ -4,9 +4,13 @@
 committed ckptfmt directories under Lightning's names; a run stopped (or SIGKILLed) after a
 checkpoint and resumed with ``ckpt_path="last"`` ends bit for bit where an uninterrupted run
 ends, and where the same resume through Lightning's default ``TorchCheckpointIO`` ends;
-``AsyncCheckpointIO`` wraps it; 2-process DDP (rank 0 writing, every rank writing its share,
-the manager's levels with a node's copy rebuilt from parity); refused objects and damaged
-shards are named and nothing is half-written or half-loaded.
+``AsyncCheckpointIO`` wraps it and keeps what it keeps around Lightning's own IO; 2-process DDP
+(rank 0 writing, every rank writing its share, the manager's levels with a node's copy rebuilt
+from parity, a run SIGKILLed mid-epoch resumed bit for bit with ``DataPosition``); the dict
+comes back as saved (``OrderedDict`` and ``_metadata``); ``load_from_checkpoint`` and
+``trainer.validate/test/predict(ckpt_path=...)`` give what they give from Lightning's own
+files; refused objects and damaged shards are named (with the checkpoint to resume from
+instead) and nothing is half-written or half-loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +33,7 @@ pytest.importorskip("pytorch_lightning")
 import ckptfmt_torch.lightning
 import pytorch_lightning as L
 import torch
-from _lightning_worker import Data, Net, end_state, make_io
+from _lightning_worker import Data, Net, ShuffledData, end_state, make_io
 from kit import REPO
 from kit.faults import flip
 from pytorch_lightning.demos.boring_classes import BoringDataModule, BoringModel
@@ -36,6 +42,7 @@ import ckptfmt
 from ckptfmt.errors import (
     ChecksumError,
     DamagedError,
+    NotACheckpointError,
     PickleRefusedError,
     UnsupportedValueError,
     UsageError,
@@ -51,8 +58,9 @@ def assert_same(got: Any, want: Any, where: str = "") -> None:
         assert isinstance(got, torch.Tensor), where
         assert (got.dtype, got.shape) == (want.dtype, want.shape), where
         assert got.reshape(-1).view(torch.uint8).equal(want.reshape(-1).view(torch.uint8)), where
-    elif isinstance(want, dict):  # an OrderedDict (a module's state dict) loads as a dict
-        assert isinstance(got, dict) and list(got) == list(want), where
+    elif isinstance(want, dict):  # an OrderedDict with its _metadata, or a dict
+        assert type(got) is type(want) and list(got) == list(want), where
+        assert getattr(got, "_metadata", None) == getattr(want, "_metadata", None), where
         for k in want:
             assert_same(got[k], want[k], f"{where}/{k}")
     elif isinstance(want, (list, tuple)):
@@ -262,6 +270,9 @@ def test_unsupported_hyperparameter_is_named_and_nothing_written(tmp_path: Path)
 
 
 def test_damaged_shard_at_resume_is_named(tmp_path: Path) -> None:
+    """A flipped byte in ``last.ckpt``: the resume stops naming that checkpoint, the file in it
+    and the newest other checkpoint; nothing reached the model; the call the message gives
+    resumes from that one, and ends where an undamaged resume ends."""
     fit(tmp_path, 8, ckptfmt_torch.lightning.CheckpointIO())
     shard = tmp_path / "last.ckpt" / "state_dict" / "net.0.weight" / "c" / "0" / "0"
     flip(shard)
@@ -277,8 +288,31 @@ def test_damaged_shard_at_resume_is_named(tmp_path: Path) -> None:
     with pytest.raises(ChecksumError) as info:
         trainer.fit(model, datamodule=Data(), ckpt_path="last")
     assert isinstance(info.value, DamagedError)
-    assert "state_dict/net.0.weight/c/0/0" in str(info.value)
-    assert_same(model.state_dict(), before)  # nothing of the checkpoint reached the model
+    assert info.value.path == "state_dict/net.0.weight/c/0/0"  # the fields kept
+    text = str(info.value)
+    assert str(tmp_path / "last.ckpt") in text
+    assert "state_dict/net.0.weight/c/0/0" in text
+    older = tmp_path / "epoch=0-step=8.ckpt"
+    assert f"an older checkpoint is beside it: {older} (step 8)" in text
+    assert f"trainer.fit(model, ckpt_path={str(older)!r})" in text
+    assert_same(dict(model.state_dict()), before)  # nothing of the checkpoint reached the model
+    assert ckptfmt.verify(older).healthy  # the hint's checkpoint, resumed as it says
+    shutil.rmtree(tmp_path / "last.ckpt")
+    resumed = fit_from(tmp_path, 12, older)
+    assert_same(resumed, fit(tmp_path / "whole", 12, ckptfmt_torch.lightning.CheckpointIO()))
+
+
+def fit_from(root: Path, max_steps: int, ckpt_path: Path) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    trainer = L.Trainer(
+        plugins=[ckptfmt_torch.lightning.CheckpointIO()],
+        callbacks=[L.callbacks.ModelCheckpoint(root, save_last=True, every_n_train_steps=4)],
+        max_steps=max_steps,
+        **QUIET,
+    )
+    trainer.fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    return end_state(model, trainer)
 
 
 def test_remove_checkpoint(tmp_path: Path) -> None:
@@ -295,3 +329,343 @@ def test_remove_checkpoint(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["mine"]
     with pytest.raises(UsageError, match="WriteOptions"):
         plugin.save_checkpoint({}, tmp_path / "y.ckpt", storage_options={"a": 1})
+
+
+# --- AsyncCheckpointIO: what is kept --------------------------------------------------------------
+
+
+class SlowIO(ckptfmt_torch.lightning.CheckpointIO):
+    """Latency injected before each write (a file system slower than the training steps):
+    every deletion ``ModelCheckpoint`` asks for meets its checkpoint's write still queued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self.asked.append(Path(path).name)
+        time.sleep(0.05)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def top_k_async(root: Path, io: Any) -> tuple[set[str], set[str]]:
+    """The issue's run: 33 steps, top 2 by ``train_loss`` every 3 steps and ``last.ckpt``,
+    through ``AsyncCheckpointIO(io)``; the names on disk, and those ModelCheckpoint keeps."""
+    L.seed_everything(0, verbose=False)
+    cb = L.callbacks.ModelCheckpoint(
+        root, monitor="train_loss", save_top_k=2, save_last=True, every_n_train_steps=3
+    )
+    trainer = L.Trainer(
+        plugins=[L.plugins.AsyncCheckpointIO(io)], callbacks=[cb], max_steps=33, **QUIET
+    )
+    trainer.fit(Net(), datamodule=Data())
+    return set(os.listdir(root)), {Path(p).name for p in cb.best_k_models} | {"last.ckpt"}
+
+
+@pytest.mark.slow
+def test_async_keeps_what_lightnings_async_keeps(tmp_path: Path) -> None:
+    """The same run through Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``, through
+    ``AsyncCheckpointIO(ckptfmt_torch.lightning.CheckpointIO())``, and through the latter on a
+    slow file system (every deletion asked for while its write is queued: the write is
+    skipped): the same names stay, ModelCheckpoint's top 2 and ``last.ckpt``, and each loads
+    as Lightning's file of the same name."""
+    theirs, kept = top_k_async(tmp_path / "torch", L.plugins.TorchCheckpointIO())
+    assert theirs == kept and len(kept) == 3
+    ours, kept_ours = top_k_async(tmp_path / "ckptfmt", ckptfmt_torch.lightning.CheckpointIO())
+    slow = SlowIO()
+    on_slow, kept_slow = top_k_async(tmp_path / "slow", slow)
+    assert ours == on_slow == theirs and kept_ours == kept_slow == kept
+    assert set(slow.asked) - kept  # deletions were asked for (while their writes were queued)
+    reference = L.plugins.TorchCheckpointIO()
+    for name in theirs:
+        want = reference.load_checkpoint(tmp_path / "torch" / name)
+        for root in ("ckptfmt", "slow"):
+            got = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(tmp_path / root / name)
+            assert_same(got["state_dict"], want["state_dict"], f"{root}/{name}")
+            assert got["global_step"] == want["global_step"]
+
+
+class Gate:
+    """A stateful object in the checkpoint whose ``state_dict()`` (called while the save
+    converts the dict) waits for ``release``: a write held in progress."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.entered.set()
+        assert self.release.wait(30)
+        return {"n": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+def test_deletion_during_or_before_a_threads_write(tmp_path: Path) -> None:
+    """A deletion asked for while the checkpoint is being written in another thread happens
+    once it is written; one asked for before that thread's write began skips it; one asked for
+    on the saving thread itself (nothing queued) leaves a later save of the name alone."""
+    plugin = ckptfmt_torch.lightning.CheckpointIO()
+    gate, path = Gate(), tmp_path / "a.ckpt"
+    writer = threading.Thread(
+        target=plugin.save_checkpoint, args=({"w": torch.ones(3), "g": gate}, path)
+    )
+    writer.start()
+    assert gate.entered.wait(30)
+    plugin.remove_checkpoint(path)  # being written
+    assert not path.exists()
+    gate.release.set()
+    writer.join(30)
+    assert os.listdir(tmp_path) == []  # written, then removed; no staging left
+
+    plugin.remove_checkpoint(tmp_path / "b.ckpt")  # queued, not begun
+    writer = threading.Thread(
+        target=plugin.save_checkpoint, args=({"w": torch.ones(3)}, tmp_path / "b.ckpt")
+    )
+    writer.start()
+    writer.join(30)
+    assert os.listdir(tmp_path) == []
+
+    plugin.remove_checkpoint(tmp_path / "c.ckpt")  # nothing there, nothing queued
+    plugin.save_checkpoint({"w": torch.ones(3)}, tmp_path / "c.ckpt")
+    assert os.listdir(tmp_path) == ["c.ckpt"]
+
+    for i in range(1000):  # deletions of names never written: remembered, but not without end
+        plugin.remove_checkpoint(tmp_path / f"never-{i}.ckpt")
+    bound = ckptfmt_torch.lightning.MAX_TOMBSTONES
+    assert len(plugin._tombstones) == bound and not plugin._writing and not plugin._doomed
+
+
+# --- the dict as saved ----------------------------------------------------------------------------
+
+
+class Versioned(Net):
+    """A module of version 3 that records the version ``load_state_dict`` passes it."""
+
+    def __init__(self, width: int = 32, lr: float = 1e-2, extra: Any = None) -> None:
+        super().__init__(width, lr, extra)
+        self.net[0]._version = 3  # type: ignore[assignment]
+        self.net[0]._load_from_state_dict = self.record  # type: ignore[method-assign]
+        self.seen: list[Any] = []
+
+    def record(self, state_dict: Any, prefix: str, local_metadata: Any, *args: Any) -> None:
+        self.seen.append(local_metadata.get("version"))
+        torch.nn.Linear._load_from_state_dict(
+            self.net[0], state_dict, prefix, local_metadata, *args
+        )
+
+
+def test_ordered_dict_and_metadata_come_back(tmp_path: Path) -> None:
+    """``state_dict`` loads an ``OrderedDict`` with the ``_metadata`` it was saved with (also
+    moved by ``map_location``); a resume passes the saved module version to the module."""
+    L.seed_everything(0, verbose=False)
+    cb = L.callbacks.ModelCheckpoint(tmp_path, save_last=True, every_n_train_steps=4)
+    plugin = ckptfmt_torch.lightning.CheckpointIO()
+    trainer = L.Trainer(plugins=[plugin], callbacks=[cb], max_steps=4, **QUIET)
+    model = Versioned()
+    trainer.fit(model, datamodule=Data())
+    ck = trainer._checkpoint_connector.dump_checkpoint()
+    assert isinstance(ck["state_dict"], OrderedDict) and ck["state_dict"]._metadata["net.0"] == {
+        "version": 3
+    }
+    plugin.save_checkpoint(ck, tmp_path / "x.ckpt")
+    got = plugin.load_checkpoint(tmp_path / "x.ckpt")
+    assert_same(got, ck)
+    assert_same(plugin.load_checkpoint(tmp_path / "x.ckpt", map_location="cpu"), ck)
+    meta = plugin.load_checkpoint(tmp_path / "x.ckpt", map_location="meta")["state_dict"]
+    assert type(meta) is OrderedDict and meta._metadata == ck["state_dict"]._metadata
+    L.seed_everything(0, verbose=False)
+    resumed = Versioned()
+    trainer = L.Trainer(plugins=[plugin], max_steps=5, enable_checkpointing=False, **QUIET)
+    trainer.fit(resumed, datamodule=Data(), ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.seen == [3]
+
+
+# --- load_from_checkpoint; validate, test and predict from a checkpoint --------------------------
+
+
+class Wider(Net):
+    """Net with one more layer: a checkpoint of Net lacks its weights (``strict`` decides)."""
+
+    def __init__(self, width: int = 32, lr: float = 1e-2, extra: Any = None) -> None:
+        super().__init__(width, lr, extra)
+        self.head = torch.nn.Linear(4, 4)
+
+
+def two_fits(tmp_path: Path) -> tuple[Path, Path]:
+    """The same 8 steps of ``Net(width=16, lr=0.02)`` saved through ckptfmt and through
+    Lightning's ``TorchCheckpointIO``; the two ``last.ckpt``."""
+    for name, io in (
+        ("ours", ckptfmt_torch.lightning.CheckpointIO()),
+        ("theirs", L.plugins.TorchCheckpointIO()),
+    ):
+        L.seed_everything(0, verbose=False)
+        cb = L.callbacks.ModelCheckpoint(tmp_path / name, save_last=True, every_n_train_steps=4)
+        trainer = L.Trainer(plugins=[io], callbacks=[cb], max_steps=8, **QUIET)
+        trainer.fit(Net(width=16, lr=0.02), datamodule=Data())
+    return tmp_path / "ours" / "last.ckpt", tmp_path / "theirs" / "last.ckpt"
+
+
+def same_model(got: L.LightningModule, want: L.LightningModule) -> None:
+    assert type(got) is type(want) and dict(got.hparams) == dict(want.hparams)
+    assert_same(got.state_dict(), want.state_dict())
+    assert got.device == want.device and got.training == want.training
+
+
+def test_load_from_checkpoint(tmp_path: Path) -> None:
+    """``ckptfmt_torch.lightning.load_from_checkpoint(Cls, path, ...)`` and Lightning's own
+    ``Cls.load_from_checkpoint(path, ...)`` on the ckptfmt directory give what Lightning gives
+    from its own file: hyper-parameters saved and overridden, ``map_location``, ``strict``."""
+    ours, theirs = two_fits(tmp_path)
+    load = ckptfmt_torch.lightning.load_from_checkpoint
+    want = Net.load_from_checkpoint(theirs)
+    assert dict(want.hparams) == {"width": 16, "lr": 0.02, "extra": None}
+    same_model(load(Net, ours), want)
+    same_model(Net.load_from_checkpoint(ours), want)  # Lightning's own call, on the directory
+    same_model(load(Net, str(ours), lr=0.5), Net.load_from_checkpoint(theirs, lr=0.5))
+    for where in ("cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda storage, loc: storage):
+        same_model(load(Net, ours, map_location=where), want)
+    L.seed_everything(5, verbose=False)  # the same initial head, which the checkpoint lacks
+    loose = load(Wider, ours, strict=False)
+    L.seed_everything(5, verbose=False)
+    same_model(loose, Wider.load_from_checkpoint(theirs, strict=False))
+    assert_same(loose.net.state_dict(), want.net.state_dict())
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"head.weight\""):
+        load(Wider, ours)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"head.weight\""):
+        Wider.load_from_checkpoint(theirs)
+    same_model(load(Net, theirs), want)  # a torch file goes to Lightning's loader
+    levels = tmp_path / "levels"
+    fit(tmp_path / "managed", 8, make_io("ckptfmt", "levels", levels))
+    pointer = tmp_path / "managed" / "last.ckpt"  # a file naming step 8 of the manager
+    with pytest.raises(UsageError, match=r"names step 8 of a CheckpointManager.*checkpoint_io="):
+        Net.load_from_checkpoint(pointer)
+    io = make_io("ckptfmt", "levels", levels)
+    try:
+        managed = load(Net, pointer, checkpoint_io=io)
+    finally:
+        io.close()
+    whole = fit(tmp_path / "whole", 8, make_io("torch", "", levels))
+    assert_same(dict(managed.state_dict()), whole["params"])
+    (tmp_path / "empty.ckpt").mkdir()
+    with pytest.raises(NotACheckpointError, match=r"empty\.ckpt"):
+        Net.load_from_checkpoint(tmp_path / "empty.ckpt")
+    with pytest.raises(UsageError, match="LightningModule"):
+        load(torch.nn.Linear, ours)  # type: ignore[type-var]
+
+
+class Evaluated(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out: torch.Tensor = self.net(batch[0])
+        return out
+
+
+class EvalData(Data):
+    def val_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+    def test_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+    def predict_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+
+def evaluate(io: Any, path: Path | str) -> tuple[Any, Any, Any]:
+    """``validate``, ``test`` and ``predict`` of a fresh (differently seeded) model with
+    ``ckpt_path=path``, each on its own Trainer with ``io`` (None: Lightning's default)."""
+    out = []
+    for how in ("validate", "test", "predict"):
+        L.seed_everything(7, verbose=False)
+        trainer = L.Trainer(plugins=[io] if io is not None else None, **QUIET)
+        out.append(getattr(trainer, how)(Evaluated(width=16), EvalData(), ckpt_path=path))
+    return tuple(out)  # type: ignore[return-value]
+
+
+def test_validate_test_predict_from_a_checkpoint(tmp_path: Path) -> None:
+    """``trainer.validate/test/predict(model, ckpt_path=...)`` with the plugin give Lightning's
+    results from its own file bit for bit (metrics and predictions), and differ from the
+    fresh model's; a Trainer without the plugin reads the ckptfmt directory too."""
+    ours, theirs = two_fits(tmp_path)
+    want = evaluate(None, theirs)
+    assert_same(evaluate(ckptfmt_torch.lightning.CheckpointIO(), ours), want)
+    assert_same(evaluate(None, ours), want)
+    L.seed_everything(7, verbose=False)
+    fresh = L.Trainer(**QUIET).validate(Evaluated(width=16), EvalData())
+    assert fresh[0]["val_loss"] != want[0][0]["val_loss"]
+
+
+# --- the data position: mid-epoch resume ----------------------------------------------------------
+
+
+def fit_shuffled(root: Path, max_steps: int, position: bool) -> dict[str, Any]:
+    """A fit on ``ShuffledData`` (12 batches an epoch, a checkpoint at step 8), with or
+    without ``DataPosition``; resumes from ``last`` when there is one. (Unsynced writes, as
+    ``torch.save``'s: durability is not what is tested here.)"""
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    callbacks: list[L.Callback] = [
+        L.callbacks.ModelCheckpoint(root, save_last=True, every_n_train_steps=8, save_top_k=-1)
+    ]
+    if position:
+        callbacks.append(ckptfmt_torch.lightning.DataPosition())
+    trainer = L.Trainer(
+        plugins=[ckptfmt_torch.lightning.CheckpointIO(write=ckptfmt.WriteOptions(fsync=False))],
+        callbacks=callbacks,
+        max_steps=max_steps,
+        use_distributed_sampler=False,
+        **QUIET,
+    )
+    trainer.fit(model, datamodule=ShuffledData(), ckpt_path="last")
+    return end_state(model, trainer)
+
+
+def test_data_position_resumes_mid_epoch(tmp_path: Path) -> None:
+    """Stopped at step 8 of a 12-batch epoch and resumed to 16 (into the next epoch): with
+    ``DataPosition`` the end state of the uninterrupted run bit for bit; without it (Lightning's
+    own resume) the epoch's data starts over and the end differs."""
+    whole = fit_shuffled(tmp_path / "whole", 16, position=True)
+    fit_shuffled(tmp_path / "kept", 8, position=True)
+    got = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(tmp_path / "kept" / "last.ckpt")
+    assert got["callbacks"]["DataPosition"] == {"epoch": 0, "batches": 8}
+    assert_same(fit_shuffled(tmp_path / "kept", 16, position=True), whole)
+    fit_shuffled(tmp_path / "lost", 8, position=False)
+    lost = fit_shuffled(tmp_path / "lost", 16, position=False)
+    assert lost["global_step"] == 16
+    assert not torch.equal(lost["params"]["net.0.weight"], whole["params"]["net.0.weight"])
+
+
+def test_data_position_says_what_the_loader_needs(tmp_path: Path) -> None:
+    trainer = L.Trainer(
+        callbacks=[ckptfmt_torch.lightning.DataPosition()],
+        max_steps=2,
+        enable_checkpointing=False,
+        **QUIET,
+    )
+    with pytest.raises(UsageError, match=r"sampler=ckptfmt_torch.ResumableSampler\(dataset"):
+        trainer.fit(Net(), datamodule=Data())
+
+
+@pytest.mark.slow
+def test_ddp_killed_mid_epoch_resumes_bitwise(tmp_path: Path) -> None:
+    """``strategy="ddp"``, 2 processes (gloo): SIGKILLed at step 10 (the last checkpoint at
+    step 8, 2 batches into the second epoch of 6 per rank) and resumed with ``ckpt_path="last"``
+    to step 14: with ``ResumableSampler`` and ``DataPosition`` the end state of an
+    uninterrupted run, bit for bit."""
+    args = ["--devices", "2", "--data", "shuffled", "--root", str(tmp_path)]
+    killed = run_worker(*args, "--runs", "k:14", "--kill-at", "10")
+    assert killed.returncode in (-9, 128 + 9), killed.stderr[-4000:]
+    assert (tmp_path / "k" / "epoch=1-step=8.ckpt").is_dir()
+    assert not (tmp_path / "k" / "epoch=2-step=12.ckpt").exists()
+    ok(run_worker(*args, "--runs", "k:14", "u:14"))
+    assert_same(end(tmp_path, "k"), end(tmp_path, "u"))
+    got = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(
+        tmp_path / "k" / "epoch=1-step=8.ckpt"
+    )
+    assert got["callbacks"]["DataPosition"] == {"epoch": 1, "batches": 2}
