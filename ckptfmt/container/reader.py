@@ -22,7 +22,6 @@ from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     AllocationLimitError,
     CkptError,
-    DamagedError,
     MetadataMismatchError,
     MissingFileError,
     NotACheckpointError,
@@ -45,8 +44,15 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.storage.files import Files, Inside, each_in_flight, physical_memory
-from ckptfmt.storage.objects.source import ObjectInside, latest_url
+from ckptfmt.storage.files import (
+    Files,
+    Inside,
+    each_in_flight,
+    naming,
+    naming_checkpoint,
+    physical_memory,
+)
+from ckptfmt.storage.objects.source import latest_url
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.steps import StepRef, list_step_dirs
@@ -78,6 +84,7 @@ def read_manifest(root: Path) -> Manifest:
 DOC_MAX_BYTES = 1 << 20  # a zarr.json is a few hundred bytes; anything longer is not ours
 
 
+@naming_checkpoint
 def read_doc(src: Files, manifest: Manifest, rel: str, checker: DocChecker | None = None) -> bytes:
     """The bytes of the ``zarr.json`` at ``rel``, checked against what ``manifest`` implies
     (``codecs.zarr_meta.DocChecker``: from format version 2 on, exactly that document; pass one
@@ -212,12 +219,7 @@ def _read_inner(
     if want:
         targets = [byte_view(c) for c in chunks]
         whole = len(want) == len(slots)
-        try:
-            read_chunks(src, geo, ref, cell, [s.slot for s in want], targets, whole, tensors)
-        except DamagedError as exc:
-            if isinstance(src, ObjectInside):
-                raise src.at_key(exc) from None
-            raise
+        read_chunks(src, geo, ref, cell, [s.slot for s in want], targets, whole, tensors)
     return list(zip(want, chunks))
 
 
@@ -324,10 +326,11 @@ class TensorView:
         for cell in cells(lo, hi):
             ref, rank = by_cell[cell]
             src = _inside(self.src, rank)
-            if isinstance(src, Inside):  # a local file: read whole, every CRC of it checked
-                found = decode_shard(read_file(src, ref, tensors), geo, cell, ref, tensors)
-            else:  # an object: ranged GETs of its index and only the inner chunks needed
-                found = _read_inner(src, geo, ref, cell, bounds, tensors)
+            with naming(src):
+                if isinstance(src, Inside):  # a local file: read whole, every CRC of it checked
+                    found = decode_shard(read_file(src, ref, tensors), geo, cell, ref, tensors)
+                else:  # an object: ranged GETs of its index and only the inner chunks needed
+                    found = _read_inner(src, geo, ref, cell, bounds, tensors)
             for s, chunk in found:
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]

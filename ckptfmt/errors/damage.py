@@ -7,12 +7,18 @@
   tensor larger than the reader may allocate (the CLI exits 3).
 
 ``path`` is always the file or directory the error is about (for data inside a checkpoint, the
-path relative to its root), ``tensors`` the tensors it affects.
+path relative to its root), ``tensors`` the tensors it affects. A :class:`DamagedError` about a
+file inside a checkpoint also names the checkpoint, ``checkpoint`` (its directory or URL), in
+its field and its message: ``/ckpt/step-100: model/w/c/0/0: chunk 0 CRC32C mismatch``, the same
+for a directory and a bucket (the reader that met the damage fills it in,
+:meth:`DamagedError.in_checkpoint`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Self
 
 from ckptfmt.errors.base import CkptError
 
@@ -21,16 +27,45 @@ class DamagedError(CkptError):
     """Some stored data is missing or fails a checksum.
 
     ``path``: the file, relative to the checkpoint root (empty where the damage is not one
-    file's); ``reason``: what is wrong; ``tensors``: the tensors it affects."""
+    file's); ``reason``: what is wrong; ``tensors``: the tensors it affects; ``checkpoint``:
+    the checkpoint's root (its directory or URL) that ``path`` is relative to, None until the
+    reader that met the damage names it (then the message starts with it)."""
+
+    checkpoint: str | None = None
 
     def __init__(self, path: str, reason: str, tensors: Sequence[str] = ()) -> None:
         self.path = path
+        self.checkpoint = None
         self.reason = reason
         self.tensors = tuple(tensors)
         affected = f" (affects {', '.join(self.tensors)})" if self.tensors else ""
         where = f"{path}: " if path else ""
         # by name, not super(): in ManifestChecksumError the next class would be ManifestError
         CkptError.__init__(self, f"{where}{reason}{affected}")
+
+    def in_checkpoint(self, root: str | os.PathLike[str]) -> Self:
+        """This error, naming ``root`` as the checkpoint its ``path`` is in: ``checkpoint`` set
+        and the message prefixed with it (``/ckpt/step-100: model/w/c/0/0: ...``). Only the
+        first call counts (the innermost reader knows the root best), and an error whose
+        ``path`` already names where it is (absolute, or a URL) is left as it is."""
+        where = os.fspath(root)
+        if self.checkpoint is None and where and not _names_a_place(self.path):
+            self.checkpoint = where
+            CkptError.__init__(self, f"{where}: {self}")
+        return self
+
+    @property
+    def location(self) -> str:
+        """Where the damaged file is, whole: ``checkpoint/path`` (a path or a URL), or ``path``
+        alone while the checkpoint is not named."""
+        if self.checkpoint is None:
+            return self.path
+        return f"{self.checkpoint.rstrip('/')}/{self.path}" if self.path else self.checkpoint
+
+
+def _names_a_place(path: str) -> bool:
+    """Whether ``path`` names where it is by itself (an absolute path, a URL)."""
+    return os.path.isabs(path) or "://" in path
 
 
 class MissingFileError(DamagedError, FileNotFoundError):

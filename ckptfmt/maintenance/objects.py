@@ -89,7 +89,7 @@ def open_source(url: str, storage_options: StorageOptions = None) -> tuple[Manif
 
 
 def at_key(exc: DamagedError, src: ObjectInside) -> DamagedError:
-    """``exc`` (about a path relative to the checkpoint) made to name the object's URL."""
+    """``exc`` (about a path relative to the checkpoint) made to name the checkpoint's URL."""
     return src.at_key(exc)
 
 

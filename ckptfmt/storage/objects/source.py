@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import (
-    CkptError,
     DamagedError,
     MissingFileError,
     NotACheckpointError,
@@ -133,13 +132,11 @@ class ObjectInside:
         return self.objects.key_url(rel)
 
     def at_key(self, exc: DamagedError) -> DamagedError:
-        """``exc``, about an object named relative to the checkpoint, made to name its URL (a
-        reader of a bucket wants the key to look at, not a path under no directory)."""
-        if exc.path and "://" not in exc.path:
-            exc.path = self.key_url(exc.path)
-            affected = f" (affects {', '.join(exc.tensors)})" if exc.tensors else ""
-            CkptError.__init__(exc, f"{exc.path}: {exc.reason}{affected}")
-        return exc
+        """``exc``, about an object named relative to the checkpoint, made to name the
+        checkpoint (``root``, the URL its keys are under) as a directory's reader names its
+        directory: ``s3://bucket/run/step-1/<save_id>: model/w/c/0: ...``; ``exc.location`` is
+        the object's URL."""
+        return exc.in_checkpoint(self.root)
 
     def not_whole(self, exc: MissingFileError | SizeMismatchError) -> NotACheckpointError:
         """What a reader of the whole checkpoint raises when a read finds a listed object
@@ -150,7 +147,7 @@ class ObjectInside:
             why = "of another size than the commit says"
         else:
             why = "missing"
-        key = exc.path if "://" in exc.path else self.key_url(exc.path)
+        key = exc.location if exc.checkpoint or "://" in exc.path else self.key_url(exc.path)
         return NotACheckpointError(
             self.bucket.url, f"the commit lists objects that are not whole: {key} {why}"
         )
@@ -158,7 +155,9 @@ class ObjectInside:
     def _listed(self, rel: str, tensors: Sequence[str] = ()) -> int:
         size = self._sizes.get(rel)
         if size is None:
-            raise MissingFileError(rel, tensors, "missing: the commit object does not list it")
+            raise self.at_key(
+                MissingFileError(rel, tensors, "missing: the commit object does not list it")
+            )
         return size
 
     def read(self, rel: str, limit: int) -> bytes:
@@ -171,7 +170,7 @@ class ObjectInside:
         # one byte more than listed, to see an object longer than its commit says
         data, actual = self.objects.get_range_sized(rel, 0, min(limit, size + 1))
         if actual != size:
-            raise SizeMismatchError(rel, size, actual)
+            raise self.at_key(SizeMismatchError(rel, size, actual))
         return data
 
     def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> ObjectHandle:
@@ -185,7 +184,7 @@ class ObjectInside:
         opening the checkpoint checked the bucket against the commit)."""
         listed = self._listed(rel, tensors)
         if listed != size:
-            raise SizeMismatchError(rel, size, listed, tensors)
+            raise self.at_key(SizeMismatchError(rel, size, listed, tensors))
 
     def presence_checks(
         self, read: AbstractSet[str], rank: int, ranks: int
