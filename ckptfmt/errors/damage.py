@@ -165,6 +165,31 @@ class UnrecoverableError(DamagedError):
         )
 
 
+class DamagedCheckpointError(DamagedError):
+    """A checkpoint a training run was to resume from is damaged or unreadable; nothing of it
+    was loaded, and the run does not start from it. ``path``: that checkpoint; ``cause``: what
+    was found (naming the file in it); ``older``: the newest older complete checkpoint beside
+    it, None when there is none; ``hint``: how to resume from ``older`` (the call, as the
+    framework spells it), or what else to do."""
+
+    def __init__(self, path: str, cause: BaseException, older: str | None, hint: str = "") -> None:
+        self.cause = cause
+        self.older = older
+        self.hint = hint
+        found = f"{type(cause).__name__}: {cause}"
+        there = (
+            f"an older checkpoint exists: {older}"
+            if older is not None
+            else "no older complete checkpoint exists beside it"
+        )
+        advice = f"; {hint}" if hint else ""
+        super().__init__(
+            path,
+            f"cannot resume from this checkpoint, it is damaged ({found}); {there}{advice}",
+            getattr(cause, "tensors", ()),
+        )
+
+
 class UnreadableError(CkptError):
     """The thing given is not a readable checkpoint (or import source): nothing of it is used."""
 
