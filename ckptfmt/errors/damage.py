@@ -195,12 +195,17 @@ class UnreadableError(CkptError):
 
 
 class NotACheckpointError(UnreadableError, FileNotFoundError):
-    """The path holds no committed checkpoint (missing, torn before commit, or something else)."""
+    """The path holds no committed checkpoint (missing, torn before commit, or something else).
+    ``hint``: where the checkpoint meant probably is, when the path is a near miss (a Hugging
+    Face ``checkpoint-N/`` whose ckptfmt data is in ``ckptfmt/``, a root of step directories),
+    else empty."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, hint: str = "") -> None:
         self.path = path
         self.reason = reason
-        super().__init__(f"{path} is not a readable checkpoint: {reason}")
+        self.hint = hint
+        more = f"; {hint}" if hint else ""
+        super().__init__(f"{path} is not a readable checkpoint: {reason}{more}")
 
 
 class ManifestError(UnreadableError, ValueError):

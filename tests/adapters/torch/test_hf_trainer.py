@@ -213,6 +213,9 @@ def test_damaged_shard_at_resume_is_named(tmp_path: Path) -> None:
     assert str(shard.relative_to(data)) in str(info.value)  # the file, by its path
     assert f"{data.resolve()}: " in str(info.value)  # in the checkpoint, by its path
     assert isinstance(info.value, DamagedCheckpointError) and info.value.older is None
+    assert info.value.hint == f"`ckptfmt verify {data}` lists every damaged file"
+    told = run_cli("verify", data)  # the command the hint names
+    assert told.exit_code == 1 and str(shard.relative_to(data)) in told.output
 
 
 def _first_shard(data: Path) -> Path:
@@ -374,6 +377,8 @@ def test_cli_export_of_a_trainer_checkpoint_loads_with_from_pretrained(tmp_path:
     trainer = run(tmp_path / "run", max_steps=SAVE, save_steps=SAVE)
     trained = trainer.accelerator.unwrap_model(trainer.model)
     ck = tmp_path / "run" / f"checkpoint-{SAVE}"
+    near = run_cli("export", ck, tmp_path / "hf")  # checkpoint-N/ given: the CLI says where
+    assert near.exit_code == 3 and f"its ckptfmt checkpoint is {ck / 'ckptfmt'}" in near.output
     result = run_cli("export", ck / "ckptfmt", tmp_path / "hf")
     assert result.exit_code == 0, result.output
     assert f"config.json from {ck / 'config.json'}" in result.output
