@@ -6,6 +6,7 @@ is (and ``ckptfmt list ROOT`` for a root of steps), and what they suggest then w
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -13,15 +14,17 @@ import numpy as np
 import pytest
 from kit.cli import run_cli
 from kit.managers import make_manager
+from kit.s3 import S3
 
 import ckptfmt
 from ckptfmt.errors import NotACheckpointError
+from ckptfmt.storage.steps import step_dir_name
 
 STATE = {"model": {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}}
 COMMANDS = [("inspect",), ("verify",), ("export", "OUT")]
 
 
-def _args(command: tuple[str, ...], path: Path, tmp_path: Path) -> list[str]:
+def _args(command: tuple[str, ...], path: Path | str, tmp_path: Path) -> list[str]:
     return [
         a if a != "OUT" else str(tmp_path / "out") for a in (command[0], str(path), *command[1:])
     ]
@@ -65,8 +68,8 @@ def test_a_root_of_steps_suggests_ckptfmt_list_and_the_newest(
     assert f"the newest committed, {newest};" in text
     suggested = f"ckptfmt list {shlex.quote(str(root))}"
     assert f"`{suggested}` lists them" in text
-    listed = run_cli(*shlex.split(suggested)[1:])  # the command it suggests
-    assert listed.exit_code == 0 and "2" in listed.output, listed.output
+    listed = run_cli(*shlex.split(suggested)[1:], "--json")  # the command it suggests
+    assert listed.exit_code == 0 and set(json.loads(listed.output)["steps"]) == {"1", "2"}
     fixed = run_cli(*_args(command, newest, tmp_path))
     assert fixed.exit_code == 0, fixed.output
     assert ckptfmt.latest(root).path == newest  # the Python call it names
@@ -98,3 +101,22 @@ def test_load_and_open_carry_the_same_hint(tmp_path: Path) -> None:
     with pytest.raises(NotACheckpointError) as info:
         ckptfmt.load(plain)
     assert info.value.hint == "" and str(info.value).endswith("or not ours)")
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_a_bucket_root_of_steps_suggests_ckptfmt_list_and_the_newest(
+    tmp_path: Path, s3: S3, command: tuple[str, ...]
+) -> None:
+    root = f"{s3.url}/run"
+    with make_manager(tmp_path, shared=None, shared_dir=root, node="n0") as mgr:
+        for n in (1, 2):
+            mgr.save(n, STATE)
+    result = run_cli(*_args(command, root, tmp_path))
+    assert result.exit_code == 3, result.output
+    text = " ".join(result.output.split())
+    newest = f"{root}/{step_dir_name(2)}"
+    assert f"such as the newest, {newest};" in text
+    assert f"`ckptfmt list {root}` lists them" in text
+    listed = run_cli("list", root, "--json")  # the command it suggests, as JSON to check
+    assert listed.exit_code == 0 and set(json.loads(listed.output)["steps"]) == {"1", "2"}
+    assert run_cli(*_args(command, newest, tmp_path)).exit_code == 0

@@ -15,6 +15,8 @@ An object the commit does not list is absent to this reader, whatever the bucket
 from __future__ import annotations
 
 import functools
+import re
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import (
+    CkptError,
     DamagedError,
     MissingFileError,
     NotACheckpointError,
@@ -224,7 +227,9 @@ def open_committed(
     commit = read_commit(bucket)
     if commit is None:
         raise NotACheckpointError(
-            bucket.url, f"no {COMMIT_NAME} (never committed, removed, or not a checkpoint)"
+            bucket.url,
+            f"no {COMMIT_NAME} (never committed, removed, or not a checkpoint)",
+            steps_hint(bucket),
         )
     if check:
         problems = object_problems(bucket, commit)
@@ -238,6 +243,29 @@ def open_committed(
                 bucket.url, f"the commit lists objects that are not whole: {shown}{more}"
             )
     return ObjectInside(bucket, commit, checked=check)
+
+
+_ANY_STEP = re.compile(r"^step-(\d+)$")
+
+
+def steps_hint(bucket: Bucket) -> str:
+    """For a URL with no commit object that is a level-3 root (its "directories" are step
+    prefixes, ``step-00000100`` or ``step-100``): which steps it holds, the newest URL and
+    ``ckptfmt list URL``, as a hint (one LIST); empty for anything else, or when the LIST
+    fails (the error being told is the missing commit, not this)."""
+    try:
+        names = bucket.list_dirs("")
+    except CkptError:
+        return ""
+    steps = sorted((int(m[1]), n) for n in names if (m := _ANY_STEP.match(n)))
+    if not steps:
+        return ""
+    shown = ", ".join(n for _, n in steps[:8]) + (", ..." if len(steps) > 8 else "")
+    return (
+        f"it holds the checkpoints of {len(steps)} step(s) ({shown}): give one, such as the "
+        f"newest, {bucket.key_url(steps[-1][1])}; `ckptfmt list {shlex.quote(bucket.url)}` "
+        "lists them"
+    )
 
 
 def latest_url(root_url: str, storage_options: Mapping[str, Any] | None = None) -> StepRef | None:
