@@ -59,7 +59,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ckptfmt.errors import ReplicaWarning, UsageError
+from ckptfmt.errors import ReplicaWarning, StateMismatchError, UsageError
 from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
 from ckptfmt.plan import ReadOptions
@@ -194,7 +194,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 broadcast_variables(opt, self.comm)
             return
         state = report.state or {}
-        counters = from_state(model, state, optimizer=opt if self.include_optimizer else None)
+        try:
+            counters = from_state(model, state, optimizer=opt if self.include_optimizer else None)
+        except StateMismatchError as exc:
+            raise self._not_this_models(exc, report, state) from None
         steps = (self.params or {}).get("steps")
         if steps and counters["step"] >= steps:
             # saved after the epoch's last batch, before its end: resume at the next epoch's
@@ -393,6 +396,38 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
 
     def _optimizer(self) -> Any:
         return getattr(self.model, "optimizer", None)
+
+    def _not_this_models(
+        self, exc: StateMismatchError, report: RestoreReport, state: dict[str, Any]
+    ) -> StateMismatchError:
+        """``exc`` (the model does not match the backup found) told as a leftover backup: its
+        path and step, what differs, and which directories to remove (a ``fit`` that ends
+        deletes its backup, so one is left only by a run that did not end)."""
+        counters = dict(state.get("counters") or {})
+        at = (
+            f" (saved at epoch {counters['epoch']}, batch {counters['step']})"
+            if {"epoch", "step"} <= counters.keys()
+            else ""
+        )
+        dirs = [str(self.backup_dir)]
+        if self.manager is not None and self.manager.local_root is not None:
+            dirs.append(str(self.manager.local_root))
+        note = (
+            f"This backup{at} is left by a fit that did not end (a fit that ends deletes its "
+            "backup) and is not of this model: remove "
+            + " and ".join(dirs)
+            + " to start afresh, or give BackupAndRestore another backup_dir"
+        )
+        return StateMismatchError(
+            exc.missing,
+            exc.unexpected,
+            exc.mismatched,
+            into="the model",
+            source="the backup",
+            note=note,
+            path=report.path,
+            step=report.step,
+        )
 
     def _delete(self, manager: CheckpointManager) -> None:
         """Collective: remove every level's directory (rank 0 the shared one, the lowest rank of

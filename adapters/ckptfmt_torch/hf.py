@@ -42,7 +42,13 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptfmt.errors import DamagedError, LoadFailedError, UsageError
+from ckptfmt.errors import (
+    DamagedCheckpointError,
+    DamagedError,
+    LoadFailedError,
+    UnreadableError,
+    UsageError,
+)
 from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, load_collective
 from ckptfmt.plan import ReadOptions
@@ -119,6 +125,27 @@ def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     found = [(s, p) for p in _children(root) if (s := checkpoint_step(p)) is not None]
     complete = [(s, p) for s, p in found if is_complete(p)]
     return str(max(complete)[1]) if complete else None
+
+
+def damaged_checkpoint(checkpoint: Path, cause: BaseException) -> DamagedCheckpointError:
+    """The error a resume from ``checkpoint`` (``checkpoint-N/``) raises when its data is
+    damaged (``cause``, naming the file): it names the checkpoint, the newest older complete
+    one beside it and the call that resumes from that one. Resuming from another step is the
+    user's choice (the steps since are trained again), so it is never taken silently."""
+    step = checkpoint_step(checkpoint)
+    older = [
+        (s, p)
+        for p in _children(checkpoint.parent)
+        if (s := checkpoint_step(p)) is not None and step is not None and s < step
+        if is_complete(p)
+    ]
+    if older:
+        found = str(max(older)[1])
+        hint = f"resume from it with trainer.train(resume_from_checkpoint={found!r})"
+        return DamagedCheckpointError(str(checkpoint), cause, found, hint)
+    data = checkpoint / DATA_DIR
+    hint = f"`ckptfmt verify {data}` lists every damaged file"
+    return DamagedCheckpointError(str(checkpoint), cause, None, hint)
 
 
 def _children(root: Path) -> list[Path]:
@@ -365,10 +392,13 @@ class CheckpointMixin(_Base):
                 )
             try:
                 tree, manifest = load_collective(default_comm(), data, {}, read=ReadOptions())
-            except LoadFailedError as exc:  # the rank that met the damage names the file
-                if isinstance(exc.cause, DamagedError):
-                    raise exc.cause from exc
-                raise
+            except LoadFailedError as exc:  # every rank: the rank that met the damage names it
+                if not any(f.kind == "damage" for f in exc.rank_failures.values()):
+                    raise
+                own = exc.cause if isinstance(exc.cause, DamagedError | UnreadableError) else None
+                raise damaged_checkpoint(ck, own or exc) from exc
+            except (DamagedError, UnreadableError) as exc:
+                raise damaged_checkpoint(ck, exc) from exc
             if step is not None and manifest.step != step:
                 raise UsageError(f"{data} holds step {manifest.step}, not {step}")
         self._ckptfmt_loaded = (checkpoint, tree)

@@ -23,9 +23,10 @@ from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.record import ParityFile, RedundancyRecord, member_files
-from ckptfmt.storage.files import Inside, fsync_dir, write_gather
+from ckptfmt.storage.files import Inside, fsync_dir, naming_checkpoint, write_gather
 
 
+@naming_checkpoint
 def read_exact(src: Inside, rel: str, size: int, out: np.ndarray, tensors: tuple[str, ...]) -> None:
     with src.open_exact(rel, size, tensors) as handle:
         try:
@@ -51,9 +52,11 @@ def read_member(
                 geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
                 decode_shard(memoryview(view), geo, shard_cell(ref.path), ref, shown)  # type: ignore[arg-type]
         except DamagedError as exc:
-            damage.append(exc)
+            damage.append(exc.in_checkpoint(src.root))
         except OSError as exc:
-            damage.append(DamagedError(ref.path, f"cannot be read: {exc}", shown))
+            damage.append(
+                DamagedError(ref.path, f"cannot be read: {exc}", shown).in_checkpoint(src.root)
+            )
         off += ref.size
     out[off:] = 0
     return damage

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
+import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -22,13 +24,13 @@ from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     AllocationLimitError,
     CkptError,
-    DamagedError,
     MetadataMismatchError,
     MissingFileError,
     NotACheckpointError,
     NotRegularFileError,
     UsageError,
 )
+from ckptfmt.errors.base import few
 from ckptfmt.format.chunk_reads import read_chunks
 from ckptfmt.format.shard_io import Geometry, byte_view
 from ckptfmt.format.shard_read import decode_shard, read_file, read_region, region_reads
@@ -45,8 +47,15 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.storage.files import Files, Inside, each_in_flight, physical_memory
-from ckptfmt.storage.objects.source import ObjectInside, latest_url
+from ckptfmt.storage.files import (
+    Files,
+    Inside,
+    each_in_flight,
+    naming,
+    naming_checkpoint,
+    physical_memory,
+)
+from ckptfmt.storage.objects.source import latest_url
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.steps import StepRef, list_step_dirs
@@ -63,10 +72,62 @@ def read_manifest_bytes(root: Path) -> bytes:
         raise NotACheckpointError(str(root), f"{MANIFEST_NAME} is {exc.what}, refused") from None
     except FileNotFoundError:
         raise NotACheckpointError(
-            str(root), f"no {MANIFEST_NAME} (never committed, torn before commit, or not ours)"
+            str(root),
+            f"no {MANIFEST_NAME} (never committed, torn before commit, or not ours)",
+            near_miss(root),
         ) from None
     except OSError as exc:
         raise NotACheckpointError(str(root), f"cannot read {MANIFEST_NAME}: {exc}") from None
+
+
+HF_DATA_DIR = "ckptfmt"
+"""Where a Hugging Face ``Trainer`` checkpoint (``checkpoint-N/``) keeps its ckptfmt data."""
+_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def near_miss(root: Path) -> str:
+    """Where the checkpoint meant probably is, when ``root`` (a directory without a manifest)
+    is a near miss, said as a hint; empty otherwise. Only names and manifests' presence are
+    looked at (one directory listing):
+
+    * a Hugging Face ``Trainer``'s ``checkpoint-N/``: its ckptfmt data is ``checkpoint-N/ckptfmt``;
+    * a root of step directories (``step-0000000100``, ``step-100``): one of them, the newest
+      committed named, and ``ckptfmt list ROOT`` (``ckptfmt.latest(ROOT)``) to choose;
+    * a ``Trainer``'s ``output_dir``: the newest ``checkpoint-N/ckptfmt``."""
+    if (root / HF_DATA_DIR / MANIFEST_NAME).is_file():
+        return (
+            f"its ckptfmt checkpoint is {root / HF_DATA_DIR} (a Hugging Face Trainer "
+            "checkpoint-N/ keeps it there): give that path"
+        )
+    steps = list_step_dirs(root, loose=True)
+    if steps:
+        committed = [p for _, p in steps if (p / MANIFEST_NAME).is_file()]
+        newest = f", such as the newest committed, {committed[-1]}" if committed else ""
+        shown = few([p.name for _, p in steps])
+        return (
+            f"it holds the checkpoints of {len(steps)} step(s) ({shown}): give one{newest}; "
+            f"`ckptfmt list {shlex.quote(str(root))}` lists them "
+            f"(in Python, ckptfmt.latest({str(root)!r}) gives the newest)"
+        )
+    hf = sorted(
+        (int(m[1]), p)
+        for p in _subdirs(root)
+        if (m := _HF_CHECKPOINT.match(p.name)) and (p / HF_DATA_DIR / MANIFEST_NAME).is_file()
+    )
+    if hf:
+        return (
+            f"it holds Hugging Face Trainer checkpoints ({few([p.name for _, p in hf])}), each "
+            f"with its ckptfmt checkpoint in ckptfmt/: give one, the newest is "
+            f"{hf[-1][1] / HF_DATA_DIR}"
+        )
+    return ""
+
+
+def _subdirs(root: Path) -> list[Path]:
+    try:
+        return [p for p in root.iterdir() if p.is_dir()]
+    except OSError:
+        return []
 
 
 def read_manifest(root: Path) -> Manifest:
@@ -78,6 +139,7 @@ def read_manifest(root: Path) -> Manifest:
 DOC_MAX_BYTES = 1 << 20  # a zarr.json is a few hundred bytes; anything longer is not ours
 
 
+@naming_checkpoint
 def read_doc(src: Files, manifest: Manifest, rel: str, checker: DocChecker | None = None) -> bytes:
     """The bytes of the ``zarr.json`` at ``rel``, checked against what ``manifest`` implies
     (``codecs.zarr_meta.DocChecker``: from format version 2 on, exactly that document; pass one
@@ -212,12 +274,7 @@ def _read_inner(
     if want:
         targets = [byte_view(c) for c in chunks]
         whole = len(want) == len(slots)
-        try:
-            read_chunks(src, geo, ref, cell, [s.slot for s in want], targets, whole, tensors)
-        except DamagedError as exc:
-            if isinstance(src, ObjectInside):
-                raise src.at_key(exc) from None
-            raise
+        read_chunks(src, geo, ref, cell, [s.slot for s in want], targets, whole, tensors)
     return list(zip(want, chunks))
 
 
@@ -324,10 +381,11 @@ class TensorView:
         for cell in cells(lo, hi):
             ref, rank = by_cell[cell]
             src = _inside(self.src, rank)
-            if isinstance(src, Inside):  # a local file: read whole, every CRC of it checked
-                found = decode_shard(read_file(src, ref, tensors), geo, cell, ref, tensors)
-            else:  # an object: ranged GETs of its index and only the inner chunks needed
-                found = _read_inner(src, geo, ref, cell, bounds, tensors)
+            with naming(src):
+                if isinstance(src, Inside):  # a local file: read whole, every CRC of it checked
+                    found = decode_shard(read_file(src, ref, tensors), geo, cell, ref, tensors)
+                else:  # an object: ranged GETs of its index and only the inner chunks needed
+                    found = _read_inner(src, geo, ref, cell, bounds, tensors)
             for s, chunk in found:
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]

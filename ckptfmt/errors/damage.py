@@ -7,12 +7,18 @@
   tensor larger than the reader may allocate (the CLI exits 3).
 
 ``path`` is always the file or directory the error is about (for data inside a checkpoint, the
-path relative to its root), ``tensors`` the tensors it affects.
+path relative to its root), ``tensors`` the tensors it affects. A :class:`DamagedError` about a
+file inside a checkpoint also names the checkpoint, ``checkpoint`` (its directory or URL), in
+its field and its message: ``/ckpt/step-100: model/w/c/0/0: chunk 0 CRC32C mismatch``, the same
+for a directory and a bucket (the reader that met the damage fills it in,
+:meth:`DamagedError.in_checkpoint`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Self
 
 from ckptfmt.errors.base import CkptError
 
@@ -21,16 +27,45 @@ class DamagedError(CkptError):
     """Some stored data is missing or fails a checksum.
 
     ``path``: the file, relative to the checkpoint root (empty where the damage is not one
-    file's); ``reason``: what is wrong; ``tensors``: the tensors it affects."""
+    file's); ``reason``: what is wrong; ``tensors``: the tensors it affects; ``checkpoint``:
+    the checkpoint's root (its directory or URL) that ``path`` is relative to, None until the
+    reader that met the damage names it (then the message starts with it)."""
+
+    checkpoint: str | None = None
 
     def __init__(self, path: str, reason: str, tensors: Sequence[str] = ()) -> None:
         self.path = path
+        self.checkpoint = None
         self.reason = reason
         self.tensors = tuple(tensors)
         affected = f" (affects {', '.join(self.tensors)})" if self.tensors else ""
         where = f"{path}: " if path else ""
         # by name, not super(): in ManifestChecksumError the next class would be ManifestError
         CkptError.__init__(self, f"{where}{reason}{affected}")
+
+    def in_checkpoint(self, root: str | os.PathLike[str]) -> Self:
+        """This error, naming ``root`` as the checkpoint its ``path`` is in: ``checkpoint`` set
+        and the message prefixed with it (``/ckpt/step-100: model/w/c/0/0: ...``). Only the
+        first call counts (the innermost reader knows the root best), and an error whose
+        ``path`` already names where it is (absolute, or a URL) is left as it is."""
+        where = os.fspath(root)
+        if self.checkpoint is None and where and not _names_a_place(self.path):
+            self.checkpoint = where
+            CkptError.__init__(self, f"{where}: {self}")
+        return self
+
+    @property
+    def location(self) -> str:
+        """Where the damaged file is, whole: ``checkpoint/path`` (a path or a URL), or ``path``
+        alone while the checkpoint is not named."""
+        if self.checkpoint is None:
+            return self.path
+        return f"{self.checkpoint.rstrip('/')}/{self.path}" if self.path else self.checkpoint
+
+
+def _names_a_place(path: str) -> bool:
+    """Whether ``path`` names where it is by itself (an absolute path, a URL)."""
+    return os.path.isabs(path) or "://" in path
 
 
 class MissingFileError(DamagedError, FileNotFoundError):
@@ -130,17 +165,47 @@ class UnrecoverableError(DamagedError):
         )
 
 
+class DamagedCheckpointError(DamagedError):
+    """A checkpoint a training run was to resume from is damaged or unreadable; nothing of it
+    was loaded, and the run does not start from it. ``path``: that checkpoint; ``cause``: what
+    was found (naming the file in it); ``older``: the newest older complete checkpoint beside
+    it, None when there is none; ``hint``: how to resume from ``older`` (the call, as the
+    framework spells it), or what else to do."""
+
+    def __init__(self, path: str, cause: BaseException, older: str | None, hint: str = "") -> None:
+        self.cause = cause
+        self.older = older
+        self.hint = hint
+        found = f"{type(cause).__name__}: {cause}"
+        there = (
+            f"an older checkpoint exists: {older}"
+            if older is not None
+            else "no older complete checkpoint exists beside it"
+        )
+        advice = f"; {hint}" if hint else ""
+        super().__init__(
+            path,
+            f"cannot resume from this checkpoint, it is damaged ({found}); {there}{advice}",
+            getattr(cause, "tensors", ()),
+        )
+
+
 class UnreadableError(CkptError):
     """The thing given is not a readable checkpoint (or import source): nothing of it is used."""
 
 
 class NotACheckpointError(UnreadableError, FileNotFoundError):
-    """The path holds no committed checkpoint (missing, torn before commit, or something else)."""
+    """The path holds no committed checkpoint (missing, torn before commit, or something else).
+    ``hint``: where the checkpoint meant probably is, when the path is a near miss (a Hugging
+    Face ``checkpoint-N/`` whose ckptfmt data is in ``ckptfmt/``, a root of step directories),
+    else empty."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, hint: str = "") -> None:
         self.path = path
         self.reason = reason
-        super().__init__(f"{path} is not a readable checkpoint: {reason}")
+        self.hint = hint
+        more = f"; {hint}" if hint else ""
+        super().__init__(f"{path} is not a readable checkpoint: {reason}{more}")
 
 
 class ManifestError(UnreadableError, ValueError):

@@ -121,7 +121,9 @@ class StateMismatchError(UsageError):
     source that the destination lacks; ``mismatched``: name -> (saved, destination), each
     described as ``"float32[16, 8]"`` (or the kind of value, where one side holds no array).
     ``into`` and ``source`` name the two sides in the message; ``hint`` says how to load part of
-    the destination, shown when names are missing or unexpected."""
+    the destination, shown when names are missing or unexpected; ``note``: what to do, shown
+    always (a leftover backup of another model: which directory to remove); ``path`` and
+    ``step``: the checkpoint loaded from, when the message should start with it."""
 
     def __init__(
         self,
@@ -132,7 +134,12 @@ class StateMismatchError(UsageError):
         into: str = "the state",
         source: str = "the checkpoint",
         hint: str = "",
+        note: str = "",
+        path: str | None = None,
+        step: int | None = None,
     ) -> None:
+        self.path = path
+        self.step = step
         self.missing = tuple(missing)
         self.unexpected = tuple(unexpected)
         self.mismatched = dict(mismatched)
@@ -149,10 +156,14 @@ class StateMismatchError(UsageError):
                 'dtypes differ: cast="safe" converts where no value changes, cast="any" anyway'
             )
         shown_hint = f" ({hint})" if hint and (self.missing or self.unexpected) else ""
+        shown_note = f". {note}" if note else ""
+        at = "" if step is None else f" (step {step})"
+        where = f"{path}{at}: " if path is not None else ""
         super().__init__(
-            f"{into} does not match {source}, nothing was written into it: "
+            f"{where}{into} does not match {source}, nothing was written into it: "
             + "; ".join(parts)
             + shown_hint
+            + shown_note
         )
 
 

@@ -24,7 +24,7 @@ from ckptfmt.errors import ChecksumError, CorruptShardError, SizeMismatchError
 from ckptfmt.format.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
 from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import Files
+from ckptfmt.storage.files import Files, naming_checkpoint
 
 _CRC = struct.Struct("<I")
 _BATCH = 2 << 20  # bytes per coalesced read
@@ -71,6 +71,7 @@ def _note(root: os.PathLike[str] | str, path: str, slots: Sequence[int], nbytes:
             log.reads.append(entry)
 
 
+@naming_checkpoint
 def read_chunks(
     src: Files,
     geo: Geometry,
@@ -86,7 +87,7 @@ def read_chunks(
     every chunk's CRC32C checked; with ``whole`` (``slots`` are all in-bounds chunks) the file's
     data CRC too. Returns the chunks' CRC32Cs (so that a caller reading a file in several parts
     can check its data CRC once it has every chunk). Raises a
-    :class:`~ckptfmt.errors.DamagedError` naming the file."""
+    :class:`~ckptfmt.errors.DamagedError` naming the checkpoint and the file."""
     size = ref.size
     with src.open_exact(ref.path, ref.size, tensors) as handle:
         nb = geo.chunk_nbytes + CRC_BYTES

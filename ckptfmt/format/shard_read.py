@@ -27,9 +27,10 @@ from ckptfmt.format.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_
 from ckptfmt.format.shard_io import CRC_FORMAT, Geometry, byte_view, local_box
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import Files, physical_memory
+from ckptfmt.storage.files import Files, naming_checkpoint, physical_memory
 
 
+@naming_checkpoint
 def read_file(src: Files, ref: FileRef, tensors: Sequence[str] = ()) -> bytes:
     """Read a whole stored file and check its size (its checksums: :func:`decode_shard`). A
     file larger than the memory this process may use is refused before anything is allocated
@@ -137,6 +138,7 @@ def region_reads(
     return jobs
 
 
+@naming_checkpoint
 def _read_shard(
     src: Files,
     geo: Geometry,
@@ -234,6 +236,7 @@ def _read_shard_fast(
 VERIFY_WINDOW = 4 << 20  # bytes read at once by verify_file, whatever a file claims
 
 
+@naming_checkpoint
 def verify_file(
     src: Files,
     geo: Geometry,

@@ -13,11 +13,18 @@ The output appears whole or not at all: everything is written into a staging dir
 the staging directory, and a torn export leaves only a dot-named directory behind.
 
 What is exported, under which names and in which files, is decided first (``export_plan``).
+
+``transformers``' ``from_pretrained(out)`` also needs the model's ``config.json``: the export
+copies it into ``out`` (with ``generation_config.json``, when there is one) from ``config=``, or
+else from beside the checkpoint as a Hugging Face ``Trainer`` leaves it (``checkpoint-N/`` holds
+``config.json`` and the ckptfmt checkpoint ``ckptfmt/``); the report says which, or that there
+was none (:func:`config_beside`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import shutil
@@ -32,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import DamagedError, DestinationExistsError
+from ckptfmt.errors import DamagedError, DestinationExistsError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
 from ckptfmt.interop.export_plan import FLOATS, ExportFile, Planned, layout, plan, select
@@ -41,11 +48,20 @@ from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Job, Source, open_source
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import TensorEntry
-from ckptfmt.storage.files import fsync_dir
+from ckptfmt.storage.files import fsync_dir, write_gather
+from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.version import __version__
 
 DEFAULT_WINDOW = 256 << 20
+
+CONFIG = "config.json"
+"""The model's configuration, which ``from_pretrained`` reads to build the model."""
+GENERATION_CONFIG = "generation_config.json"
+"""Carried along with ``config.json`` when it sits beside it (a generating model's defaults)."""
+HF_DATA_DIR = "ckptfmt"
+HF_STATE = "trainer_state.json"
 
 
 @dataclass
@@ -66,6 +82,7 @@ class ExportReport:
     bytes_read: int = 0
     seconds: float = 0.0
     format: str = "safetensors"
+    config: str | None = None  # the config.json copied into the output (its source), if any
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,11 +99,16 @@ class ExportReport:
             "rebuilt_nodes": self.rebuilt_nodes,
             "bytes_read": self.bytes_read,
             "seconds": round(self.seconds, 6),
+            "config": self.config,
             "names": self.names,
         }
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool, writes: Sequence[str] = ()) -> None:
+    """Refuse ``out`` when it exists, unless ``overwrite`` and it holds only what an export
+    writes: the weights, and the configuration files when this export writes them
+    (``writes``; a ``config.json`` put there by hand is never replaced by an export that has
+    none to put in its place)."""
     if out.exists() or out.is_symlink():
         if not overwrite:
             raise DestinationExistsError(
@@ -94,12 +116,55 @@ def _check_out(out: Path, overwrite: bool) -> None:
             )
         if out.is_symlink() or not out.is_dir():
             raise DestinationExistsError(str(out), "it exists and is not a directory")
-        ours = {hf.SINGLE, hf.INDEX}
+        ours = {hf.SINGLE, hf.INDEX, *writes}
         for p in out.iterdir():
             if not (p.name in ours or (p.name.startswith("model-") and p.suffix == ".safetensors")):
                 raise DestinationExistsError(
                     str(out), f"it holds {p.name!r}, which an export does not write"
                 )
+
+
+def config_beside(src: NodeDirs) -> Path | None:
+    """The ``config.json`` a Hugging Face ``Trainer`` checkpoint keeps beside its ckptfmt data:
+    ``checkpoint-N/config.json`` when ``src`` is ``checkpoint-N/ckptfmt`` (as given, a link to
+    the manager's step not followed) or its directory holds ``trainer_state.json``; None for
+    any other source (a bucket, level-1 copies, a checkpoint of no HF model)."""
+    if not isinstance(src, str | os.PathLike) or is_spread(src) or is_url(os.fspath(src)):
+        return None
+    given = Path(os.path.abspath(src))
+    if given.name != HF_DATA_DIR and not (given.parent / HF_STATE).is_file():
+        return None
+    found = given.parent / CONFIG
+    return found if found.is_file() else None
+
+
+def read_config(path: Path) -> bytes:
+    """The bytes of the model configuration ``path`` (``config=``), which must be a JSON
+    object: :class:`UsageError` naming it otherwise, before anything is written."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"config {path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise UsageError(f"config {path}: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"config {path}: not a JSON object, as a model's config.json is")
+    return data
+
+
+def _config_files(config: str | os.PathLike[str] | None, src: NodeDirs) -> list[tuple[str, bytes]]:
+    """What to write beside the weights: ``config`` (a ``config.json``), else the one beside
+    ``src`` (:func:`config_beside`), with the ``generation_config.json`` beside either."""
+    path = Path(config) if config is not None else config_beside(src)
+    if path is None:
+        return []
+    files = [(CONFIG, read_config(path))]
+    generation = path.parent / GENERATION_CONFIG
+    if generation.is_file():
+        files.append((GENERATION_CONFIG, read_config(generation)))
+    return files
 
 
 def staging_of(out: Path) -> Path:
@@ -253,9 +318,16 @@ def export_safetensors(
     threads: int = 2,
     window_bytes: int | None = None,
     progress: ProgressCallback | None = None,
+    config: str | os.PathLike[str] | None = None,
 ) -> ExportReport:
     """Write the checkpoint ``src`` as a Hugging Face safetensors directory ``out`` (module
     docstring); return what was written.
+
+    ``config``: the model's ``config.json``, copied into ``out`` so that ``from_pretrained``
+    builds the model the weights are of; by default the one beside ``src`` when ``src`` is a
+    Hugging Face ``Trainer`` checkpoint's ``checkpoint-N/ckptfmt``. ``report.config`` says
+    which was copied (None: none was found, and ``from_pretrained`` would build a default
+    model: give ``config``).
 
     ``src``: a committed checkpoint directory (level 3), or level-1 copies as a ``{node}``
     template or a mapping node -> directory (lost or damaged parts rebuilt from the redundancy
@@ -276,7 +348,8 @@ def export_safetensors(
     max_bytes = hf.parse_size(max_shard_size)
     rules = renames_of(renames)
     out_path = Path(out).absolute()
-    _check_out(out_path, write.overwrite)
+    extra = _config_files(config, src)
+    _check_out(out_path, write.overwrite, [name for name, _ in extra])
     source = open_source(src)
     planned = plan(select(source, rows, strip), strip, rules, dtype)
     meta = {
@@ -293,8 +366,13 @@ def export_safetensors(
     files = layout(planned, max_bytes, meta)
     with metering("export", progress) as meter:
         meter.expect(sum(p.nbytes for p in planned))
-        report = _export(source, files, planned, out_path, threads, max_bytes, window_bytes, fsync)
+        report = _export(
+            source, files, planned, out_path, threads, max_bytes, window_bytes, fsync, extra
+        )
         meter.finish()
+    if extra:
+        report.config = str(config if config is not None else config_beside(src))
+        report.files += [name for name, _ in extra]
     report.not_cast, report.cast_tensors, report.cast = not_cast, n_cast, dtype
     report.seconds = time.perf_counter() - started
     return report
@@ -309,8 +387,10 @@ def _export(
     max_bytes: int,
     window_bytes: int | None,
     fsync: bool,
+    extra: Sequence[tuple[str, bytes]] = (),
 ) -> ExportReport:
-    """Write ``files`` into a staging directory beside ``out_path``, then rename it there."""
+    """Write ``files`` (and ``extra``: name, bytes) into a staging directory beside
+    ``out_path``, then rename it there."""
     window = max(1, min(window_bytes or DEFAULT_WINDOW, max_bytes))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_of(out_path)
@@ -341,6 +421,8 @@ def _export(
                     os.fsync(fd)
             finally:
                 os.close(fd)
+        for name, data in extra:
+            write_gather(staging / name, [data], fsync)
         shutil.rmtree(staging / ".rebuilt", ignore_errors=True)
         if fsync:
             fsync_dir(staging)

@@ -40,6 +40,9 @@ def node_copies(spec: NodeDirs) -> tuple[Choice, dict[str, Path], list[Copy]]:
     try:
         choice = choose(copies)
     except NotACheckpointError as exc:
+        single = [c.error for c in copies if isinstance(c.error, NotACheckpointError)]
+        if not isinstance(spec, Mapping) and len(copies) == 1 and single:
+            raise single[0] from None  # one directory: its own error, hint and all
         shown = (
             os.fspath(spec) if not isinstance(spec, Mapping) else ", ".join(map(str, candidates))
         )

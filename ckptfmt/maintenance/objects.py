@@ -52,7 +52,7 @@ from ckptfmt.storage.objects.commit import (
 )
 from ckptfmt.storage.objects.gc import GcResult
 from ckptfmt.storage.objects.gc import gc as bucket_gc
-from ckptfmt.storage.objects.source import ObjectInside, open_committed
+from ckptfmt.storage.objects.source import ObjectInside, open_committed, steps_hint
 from ckptfmt.storage.progress import current_meter
 
 StorageOptions = Mapping[str, Any] | None
@@ -92,7 +92,7 @@ def open_source(url: str, storage_options: StorageOptions = None) -> tuple[Manif
 
 
 def at_key(exc: DamagedError, src: ObjectInside) -> DamagedError:
-    """``exc`` (about a path relative to the checkpoint) made to name the object's URL."""
+    """``exc`` (about a path relative to the checkpoint) made to name the checkpoint's URL."""
     return src.at_key(exc)
 
 
@@ -108,7 +108,7 @@ def verify_url(url: str, storage_options: StorageOptions = None) -> VerifyReport
     bucket = Bucket.at(url, storage_options)
     commit = read_commit(bucket)
     if commit is None:
-        raise NotACheckpointError(bucket.url, f"no {COMMIT_NAME}")
+        raise NotACheckpointError(bucket.url, f"no {COMMIT_NAME}", steps_hint(bucket))
     src = ObjectInside(bucket, commit)
     damaged = object_problems(bucket, commit)
     if MANIFEST_NAME in damaged:

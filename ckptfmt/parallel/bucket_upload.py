@@ -25,7 +25,7 @@ from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.publish import FaultHook
-from ckptfmt.storage.files import Inside
+from ckptfmt.storage.files import Inside, naming
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE
 from ckptfmt.storage.objects.commit import ObjectRef
@@ -108,8 +108,9 @@ def _upload_verified(
     """Check every CRC of one shard file, then put it (one PUT from the bytes just checked, or
     a multipart upload of the file when it is big; its CRC32C from the bytes sent)."""
     names = (display(t.name),)
-    blob = read_file(src, ref, names)
-    decode_shard(blob, geometry(t), shard_cell(ref.path), ref, names)
+    with naming(src):
+        blob = read_file(src, ref, names)
+        decode_shard(blob, geometry(t), shard_cell(ref.path), ref, names)
     key = f"{save_id}/{ref.path}"
     if len(blob) <= SINGLE_PUT_MAX:
         dest.put(key, blob)

@@ -35,7 +35,7 @@ from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.parallel.boundary import Boundary
 from ckptfmt.parallel.publish import FaultHook, level_directory, publish_commit
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import Inside, write_gather
+from ckptfmt.storage.files import Inside, naming, write_gather
 from ckptfmt.storage.nodes import expand
 from ckptfmt.storage.paths import unwritable
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
@@ -126,8 +126,9 @@ def agree_nodes(comm: Comm, levels: Levels, node: str) -> list[str]:
 def copy_verified(src: Inside, t: TensorEntry, ref: FileRef, dst: Path, fsync: bool = True) -> None:
     """Copy one shard file after checking every CRC in it: damage on level 1 is refused, not
     propagated to level 3."""
-    blob = read_file(src, ref, (display(t.name),))
-    decode_shard(blob, geometry(t), shard_cell(ref.path), ref, (display(t.name),))
+    with naming(src):
+        blob = read_file(src, ref, (display(t.name),))
+        decode_shard(blob, geometry(t), shard_cell(ref.path), ref, (display(t.name),))
     dst.parent.mkdir(parents=True, exist_ok=True)
     write_gather(dst, [blob], fsync)
 

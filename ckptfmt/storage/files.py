@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import stat
@@ -17,10 +18,11 @@ from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, ParamSpec, Protocol, Self, TypeVar, runtime_checkable
 
 from ckptfmt.errors import (
     CkptError,
+    DamagedError,
     MissingFileError,
     NotRegularFileError,
     SizeMismatchError,
@@ -336,6 +338,32 @@ class Files(Protocol):
 
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
+_Params = ParamSpec("_Params")
+
+
+@contextlib.contextmanager
+def naming(src: Files) -> Iterator[None]:
+    """Every :class:`DamagedError` raised in the block names the checkpoint ``src`` reads (its
+    ``root``; :meth:`DamagedError.in_checkpoint`): a damaged file is reported as
+    ``/ckpt/step-100: model/w/c/0/0: ...``, not relative to a checkpoint the message does not
+    name."""
+    try:
+        yield
+    except DamagedError as exc:
+        exc.in_checkpoint(src.root)
+        raise
+
+
+def naming_checkpoint(fn: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
+    """``fn``, a reader whose first argument is the :class:`Files` it reads, made to name that
+    checkpoint in every :class:`DamagedError` it raises (:func:`naming`)."""
+
+    @functools.wraps(fn)
+    def reading(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        with naming(args[0]):  # type: ignore[arg-type]
+            return fn(*args, **kwargs)
+
+    return reading
 
 
 def each_in_flight(
@@ -427,13 +455,13 @@ class Inside:
         try:
             fd = self.open_fd(rel)
         except NotRegularFileError as exc:
-            raise NotRegularFileError(rel, exc.what, tensors) from None
+            raise NotRegularFileError(rel, exc.what, tensors).in_checkpoint(self.root) from None
         except FileNotFoundError:
-            raise MissingFileError(rel, tensors) from None
+            raise MissingFileError(rel, tensors).in_checkpoint(self.root) from None
         actual = os.fstat(fd).st_size
         if actual != size:
             os.close(fd)
-            raise SizeMismatchError(rel, size, actual, tensors)
+            raise SizeMismatchError(rel, size, actual, tensors).in_checkpoint(self.root)
         return FileHandle(fd)
 
     def presence_checks(
@@ -452,12 +480,12 @@ class Inside:
         except OSError:
             st = None
         if st is None:
-            raise MissingFileError(rel, tensors)
+            raise MissingFileError(rel, tensors).in_checkpoint(self.root)
         if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFileError(rel, _kind_of(st.st_mode), tensors)
+            raise NotRegularFileError(rel, _kind_of(st.st_mode), tensors).in_checkpoint(self.root)
         actual = st.st_size
         if actual != size:
-            raise SizeMismatchError(rel, size, actual, tensors)
+            raise SizeMismatchError(rel, size, actual, tensors).in_checkpoint(self.root)
 
     def read(self, rel: str, limit: int) -> bytes:
         """Up to ``limit`` bytes of ``rel`` (FileNotFoundError as for :meth:`open_fd`)."""

@@ -144,15 +144,18 @@ def test_flipped_byte_in_a_shard_object_is_named(s3: S3) -> None:
     client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
     with pytest.raises(DamagedError) as err:
         ckptfmt.load(url)
-    assert err.value.path == f"{s3.url}/{key}"
-    assert key in str(err.value) and "CRC32C" in str(err.value)
+    # the checkpoint (the URL its objects are under) and the object in it, as for a directory
+    assert (err.value.checkpoint, err.value.path) == (f"{url}/{manifest.save_id}", ref.path)
+    assert err.value.location == f"{s3.url}/{key}"
+    assert str(err.value).startswith(f"{url}/{manifest.save_id}: {ref.path}: ")
+    assert "CRC32C" in str(err.value)
     report = ckptfmt.verify(url)
     assert not report.healthy
     assert [(p.file, p.kind) for p in report.problems] == [(ref.path, "checksum")]
     assert report.path.endswith(manifest.save_id)
     with pytest.raises(DamagedError) as lazy:
         ckptfmt.open(url)["w"][0, 0]
-    assert lazy.value.path == f"{s3.url}/{key}"
+    assert lazy.value.location == f"{s3.url}/{key}"
 
 
 @pytest.mark.parametrize("fault", ["missing", "resized"])

@@ -75,8 +75,9 @@ def test_an_unread_object_missing_fails_the_load_on_every_rank(s3: S3) -> None:
 
     run_threads(2, rank)
     assert len(errors) == 2
-    for message in errors:
-        assert keys[-1] in message and "missing" in message, message
+    checkpoint, file = keys[-1].rsplit("/", 4)[0], keys[-1].split("/", 2)[2]
+    for message in errors:  # the checkpoint (its objects' URL) and the object in it
+        assert f"{s3.url}/{checkpoint}: {file}: missing" in message, message
 
 
 @pytest.mark.parametrize("fault", ["missing", "longer", "shorter"])

@@ -61,6 +61,6 @@ def test_a_byte_flipped_on_the_wire_is_named(s3: S3, s3_proxy: S3Proxy) -> None:
     s3_proxy.flip_byte(f"{manifest.save_id}/{ref.path}")
     with pytest.raises(DamagedError) as err:
         ckptfmt.load(url)
-    assert err.value.path == f"{url}/{manifest.save_id}/{ref.path}"
+    assert err.value.location == f"{url}/{manifest.save_id}/{ref.path}"
     report = ckptfmt.verify(url)
     assert [(p.file, p.kind) for p in report.problems] == [(ref.path, "checksum")]

@@ -47,6 +47,15 @@ def report_text(r: ExportReport) -> list[str]:
         if r.not_cast:
             shown = ", ".join(r.not_cast[:8]) + (", ..." if len(r.not_cast) > 8 else "")
             lines.append(f"  not cast (integer, bool or complex, kept as saved): {shown}")
+    if r.format == "safetensors":
+        if r.config is not None:
+            lines.append(f"  config.json from {r.config}")
+        else:
+            lines.append(
+                "  no config.json (none given, none beside SRC): transformers' "
+                "from_pretrained(OUT) needs the model's; add it with --config PATH "
+                "(with --overwrite over this export), or copy it into OUT"
+            )
     if r.rebuilt_nodes:
         lines.append(
             f"  rebuilt from parity on the fly (source untouched): node(s) "
@@ -65,13 +74,21 @@ def _torch_export() -> Callable[..., ExportReport]:
 
 
 def _export(
-    src: str, out: str, to: str, max_shard_size: str, quiet: bool, opts: dict[str, Any]
+    src: str,
+    out: str,
+    to: str,
+    max_shard_size: str,
+    quiet: bool,
+    opts: dict[str, Any],
+    config: str | None = None,
 ) -> ExportReport:
     if to == "torch":
         return _torch_export()(src, out, **opts)
     console = None if quiet else render.stderr_terminal()
     with render.progress_bar(console, "exporting") as show:
-        return export_safetensors(src, out, max_shard_size=max_shard_size, progress=show, **opts)
+        return export_safetensors(
+            src, out, max_shard_size=max_shard_size, progress=show, config=config, **opts
+        )
 
 
 @click.command("export", epilog=EXPORT_EXITS + help_epilog())
@@ -124,6 +141,16 @@ def _export(
     help="Cast floating tensors to this dtype (round to nearest even). Integer, bool and "
     "complex tensors are never cast; the output lists them.",
 )
+@click.option(
+    "--config",
+    "config",
+    default=None,
+    metavar="PATH",
+    type=click.Path(dir_okay=False),
+    help="The model's config.json, copied into OUT for transformers' from_pretrained "
+    "(with the generation_config.json beside it). Default: the one beside SRC when SRC is a "
+    "Hugging Face Trainer's checkpoint-N/ckptfmt.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a previous export at OUT.")
 @click.option("--no-fsync", is_flag=True, help="Do not fsync (faster; not crash-safe).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
@@ -137,6 +164,7 @@ def export_command(
     strip: str,
     renames: tuple[str, ...],
     dtype: str | None,
+    config: str | None,
     overwrite: bool,
     no_fsync: bool,
     as_json: bool,
@@ -156,6 +184,8 @@ def export_command(
     GETs; OUT may be a URL too: the files are written locally (TMPDIR), then uploaded under it,
     the index last (refused when anything is under OUT already, unless --overwrite).
     """
+    if config is not None and to == "torch":
+        raise UsageError("--config is for a safetensors export (--to safetensors)")
     opts: dict[str, Any] = {
         "rows": rows,
         "strip": strip,
@@ -166,14 +196,14 @@ def export_command(
     if is_url(out):  # written locally, then uploaded: a bucket has no directory to rename
         with tempfile.TemporaryDirectory(prefix="ckptfmt-export-") as scratch:
             local = Path(scratch) / "out"
-            report = _export(src, str(local), to, max_shard_size, quiet or as_json, opts)
+            report = _export(src, str(local), to, max_shard_size, quiet or as_json, opts, config)
             if to == "torch":
                 upload_file(local, out, overwrite=overwrite)
             else:
                 upload_tree(local, out, overwrite=overwrite, last=[hf.INDEX])
         report = dataclasses.replace(report, destination=out)
     else:
-        report = _export(src, out, to, max_shard_size, quiet or as_json, opts)
+        report = _export(src, out, to, max_shard_size, quiet or as_json, opts, config)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif not quiet:

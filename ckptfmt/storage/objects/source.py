@@ -15,6 +15,8 @@ An object the commit does not list is absent to this reader, whatever the bucket
 from __future__ import annotations
 
 import functools
+import re
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -135,13 +137,11 @@ class ObjectInside:
         return self.objects.key_url(rel)
 
     def at_key(self, exc: DamagedError) -> DamagedError:
-        """``exc``, about an object named relative to the checkpoint, made to name its URL (a
-        reader of a bucket wants the key to look at, not a path under no directory)."""
-        if exc.path and "://" not in exc.path:
-            exc.path = self.key_url(exc.path)
-            affected = f" (affects {', '.join(exc.tensors)})" if exc.tensors else ""
-            CkptError.__init__(exc, f"{exc.path}: {exc.reason}{affected}")
-        return exc
+        """``exc``, about an object named relative to the checkpoint, made to name the
+        checkpoint (``root``, the URL its keys are under) as a directory's reader names its
+        directory: ``s3://bucket/run/step-1/<save_id>: model/w/c/0: ...``; ``exc.location`` is
+        the object's URL."""
+        return exc.in_checkpoint(self.root)
 
     def not_whole(self, exc: MissingFileError | SizeMismatchError) -> NotACheckpointError:
         """What a reader of the whole checkpoint raises when a read finds a listed object
@@ -152,7 +152,7 @@ class ObjectInside:
             why = "of another size than the commit says"
         else:
             why = "missing"
-        key = exc.path if "://" in exc.path else self.key_url(exc.path)
+        key = exc.location if exc.checkpoint or "://" in exc.path else self.key_url(exc.path)
         return NotACheckpointError(
             self.bucket.url, f"the commit lists objects that are not whole: {key} {why}"
         )
@@ -160,7 +160,9 @@ class ObjectInside:
     def _listed(self, rel: str, tensors: Sequence[str] = ()) -> int:
         size = self._sizes.get(rel)
         if size is None:
-            raise MissingFileError(rel, tensors, "missing: the commit object does not list it")
+            raise self.at_key(
+                MissingFileError(rel, tensors, "missing: the commit object does not list it")
+            )
         return size
 
     def read(self, rel: str, limit: int) -> bytes:
@@ -173,7 +175,7 @@ class ObjectInside:
         # one byte more than listed, to see an object longer than its commit says
         data, actual = self.objects.get_range_sized(rel, 0, min(limit, size + 1))
         if actual != size:
-            raise SizeMismatchError(rel, size, actual)
+            raise self.at_key(SizeMismatchError(rel, size, actual))
         return data
 
     def open_exact(self, rel: str, size: int, tensors: Sequence[str] = ()) -> ObjectHandle:
@@ -187,7 +189,7 @@ class ObjectInside:
         opening the checkpoint checked the bucket against the commit)."""
         listed = self._listed(rel, tensors)
         if listed != size:
-            raise SizeMismatchError(rel, size, listed, tensors)
+            raise self.at_key(SizeMismatchError(rel, size, listed, tensors))
 
     def presence_checks(
         self, read: AbstractSet[str], rank: int, ranks: int
@@ -227,7 +229,9 @@ def open_committed(
     commit = read_commit(bucket)
     if commit is None:
         raise NotACheckpointError(
-            bucket.url, f"no {COMMIT_NAME} (never committed, removed, or not a checkpoint)"
+            bucket.url,
+            f"no {COMMIT_NAME} (never committed, removed, or not a checkpoint)",
+            steps_hint(bucket),
         )
     if check:
         problems = object_problems(bucket, commit)
@@ -241,6 +245,29 @@ def open_committed(
                 bucket.url, f"the commit lists objects that are not whole: {shown}{more}"
             )
     return ObjectInside(bucket, commit, checked=check)
+
+
+_ANY_STEP = re.compile(r"^step-(\d+)$")
+
+
+def steps_hint(bucket: Bucket) -> str:
+    """For a URL with no commit object that is a level-3 root (its "directories" are step
+    prefixes, ``step-00000100`` or ``step-100``): which steps it holds, the newest URL and
+    ``ckptfmt list URL``, as a hint (one LIST); empty for anything else, or when the LIST
+    fails (the error being told is the missing commit, not this)."""
+    try:
+        names = bucket.list_dirs("")
+    except CkptError:
+        return ""
+    steps = sorted((int(m[1]), n) for n in names if (m := _ANY_STEP.match(n)))
+    if not steps:
+        return ""
+    shown = ", ".join(n for _, n in steps[:8]) + (", ..." if len(steps) > 8 else "")
+    return (
+        f"it holds the checkpoints of {len(steps)} step(s) ({shown}): give one, such as the "
+        f"newest, {bucket.key_url(steps[-1][1])}; `ckptfmt list {shlex.quote(bucket.url)}` "
+        "lists them"
+    )
 
 
 def latest_url(root_url: str, storage_options: Mapping[str, Any] | None = None) -> StepRef | None:

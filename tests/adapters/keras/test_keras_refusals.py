@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -303,3 +304,80 @@ def test_two_workers_resume_after_an_epochs_last_batch(tmp_path: Path) -> None:
         for key, vals in res["history"].items():
             assert len(vals) == 2, f"rank {r}: {key} has {len(vals)} values for 2 epochs"
             assert vals == ref["history"][key][2:], f"rank {r}: {key}"
+
+
+# --- a leftover backup ------------------------------------------------------------------------
+
+
+class _Crash(keras.callbacks.Callback):  # type: ignore[misc]
+    """Ends ``fit`` by an exception after batch ``n`` of the first epoch (a crashed run)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if batch + 1 == self.n:
+            raise RuntimeError("crashed")
+
+
+def other() -> Any:
+    """Not ``named()``: an output of another width, and a layer ``named()`` lacks."""
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="h"),
+            keras.layers.Dense(16, activation="relu", name="extra"),
+            keras.layers.Dense(5, name="out"),
+        ],
+        name="mlp",
+    )
+
+
+def test_a_leftover_backup_of_another_model_is_named_with_what_differs(tmp_path: Path) -> None:
+    """A crashed ``fit`` leaves its backup; a ``fit`` of another model on the same directories
+    is refused naming the backup's path and step, each difference, and the directories to
+    remove; removed as it says, the ``fit`` starts afresh and, having ended, deletes its own
+    backup (Keras's semantics, which the docs state)."""
+    shared, local = tmp_path / "backup", tmp_path / "local" / "{node}"
+    x, y = xy(64)
+
+    def callback() -> Any:
+        return ck.BackupAndRestore(
+            shared, save_freq=2, local_dir=local, node="n0", async_save=False
+        )
+
+    with pytest.raises(RuntimeError, match="crashed"):
+        compiled(named()).fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[callback(), _Crash(5)],
+        )
+    assert ckptfmt.latest(shared) is not None and ckptfmt.latest(shared).step == 4
+    model = compiled(other())
+    before = values(model)
+    y5 = y[:, :5]
+    with pytest.raises(ckptfmt.errors.StateMismatchError) as info:
+        model.fit(x, y5, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback()])
+    exc, message = info.value, str(info.value)
+    step_dir = tmp_path / "local" / "n0" / "step-0000000004"  # level 1 is tried first
+    assert (exc.path, exc.step) == (str(step_dir), 4)
+    assert message.startswith(f"{step_dir} (step 4): the model does not match the backup")
+    assert "mlp/out/kernel: float32[16, 5] in the model, float32[16, 6] in the backup" in message
+    assert "not in the backup: mlp/extra/kernel, mlp/extra/bias" in message
+    assert "saved at epoch 0, batch 4" in message
+    remove = f"remove {shared} and {tmp_path / 'local' / 'n0'} to start afresh"
+    assert remove in message
+    assert any("extra" in n for n in exc.missing) and "mlp/out/bias" in exc.mismatched
+    assert values(model) == before  # nothing written into it
+    for d in (shared, tmp_path / "local" / "n0"):  # as the message says
+        shutil.rmtree(d)
+    backup = callback()
+    model.fit(x, y5, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[backup])
+    assert backup.last_restore is not None and not backup.last_restore.restored
+    assert not shared.exists() and not (tmp_path / "local" / "n0").exists()  # fit ended: deleted

@@ -37,11 +37,12 @@ from ckptfmt_torch.hf import (
     last_checkpoint,
 )
 from kit import REPO
+from kit.cli import run_cli
 from kit.faults import flip
 from kit.launch import assert_ok, run_torchrun, with_kit_path
 
 import ckptfmt
-from ckptfmt.errors import DamagedError, UnsupportedValueError
+from ckptfmt.errors import DamagedCheckpointError, DamagedError, UnsupportedValueError
 
 pytestmark = pytest.mark.torch
 
@@ -210,6 +211,53 @@ def test_damaged_shard_at_resume_is_named(tmp_path: Path) -> None:
     with pytest.raises(DamagedError) as info:
         run(tmp_path, resume=True, max_steps=2 * SAVE, save_steps=SAVE)
     assert str(shard.relative_to(data)) in str(info.value)  # the file, by its path
+    assert f"{data.resolve()}: " in str(info.value)  # in the checkpoint, by its path
+    assert isinstance(info.value, DamagedCheckpointError) and info.value.older is None
+    assert info.value.hint == f"`ckptfmt verify {data}` lists every damaged file"
+    told = run_cli("verify", data)  # the command the hint names
+    assert told.exit_code == 1 and str(shard.relative_to(data)) in told.output
+
+
+def _first_shard(data: Path) -> Path:
+    shard = next((data / "model" / "transformer.wte.weight" / "c").rglob("*"))
+    while shard.is_dir():
+        shard = next(shard.iterdir())
+    return shard
+
+
+def _fingerprint(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_resume_meeting_damage_names_it_and_the_older_checkpoint(
+    tmp_path: Path, reference: dict[str, np.ndarray]
+) -> None:
+    """``resume_from_checkpoint=True`` picks checkpoint-8 for the user; damaged, it is named,
+    with checkpoint-4 and the call that resumes from it; nothing is trained or written. The
+    call, as the message gives it, then resumes and ends where an uninterrupted run ends."""
+    run(tmp_path, max_steps=STEPS, save_steps=SAVE, stop_at=9)
+    assert checkpoints(tmp_path) == ["checkpoint-4", "checkpoint-8"]
+    newest, older = tmp_path / "checkpoint-8", tmp_path / "checkpoint-4"
+    shard = _first_shard(newest / "ckptfmt")
+    flip(shard)
+    before = _fingerprint(tmp_path)
+    trainer = build(tmp_path, max_steps=STEPS, save_steps=SAVE)
+    with pytest.raises(DamagedCheckpointError) as info:
+        trainer.train(resume_from_checkpoint=True)
+    exc = info.value
+    message = str(exc)
+    assert exc.path == str(newest) and message.startswith(f"{newest}: cannot resume")
+    assert f"{(newest / 'ckptfmt').resolve()}: {shard.relative_to(newest / 'ckptfmt')}" in message
+    assert "CRC32C mismatch" in message
+    assert exc.older == str(older) and f"an older checkpoint exists: {older}" in message
+    call = f"trainer.train(resume_from_checkpoint={str(older)!r})"
+    assert call in message and exc.hint.endswith(call)
+    assert trainer.state.global_step == 0  # not one step trained on wrong data
+    assert _fingerprint(tmp_path) == before  # and nothing written
+    resumed = build(tmp_path, max_steps=STEPS, save_steps=SAVE)
+    eval(call, {"trainer": resumed})  # the call the message gives, as it gives it
+    assert_same(reference, final_state(resumed))
 
 
 def _torchrun(tmp_path: Path, name: str, **plan: Any) -> None:
@@ -310,3 +358,49 @@ def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path) -> Non
     for name, p in trainer.model.state_dict().items():
         if name in best:
             assert np.array_equal(best[name], p.numpy()), name
+
+
+def _assert_loads_bit_exact(out: Path, trained: torch.nn.Module) -> None:
+    """``from_pretrained(out)`` builds the trained model's architecture, every tensor equal."""
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is type(trained)
+    want, got = trained.state_dict(), loaded.state_dict()
+    assert want.keys() == got.keys()
+    for name, t in want.items():
+        assert t.dtype == got[name].dtype and torch.equal(t, got[name]), name
+
+
+def test_cli_export_of_a_trainer_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
+    """``ckptfmt export checkpoint-N/ckptfmt OUT`` carries the ``config.json`` beside it, so
+    ``from_pretrained(OUT)`` builds the trained model, bit-exact; a checkpoint with no config
+    beside it is exported with a note saying how to add one, and ``--config`` does."""
+    trainer = run(tmp_path / "run", max_steps=SAVE, save_steps=SAVE)
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    ck = tmp_path / "run" / f"checkpoint-{SAVE}"
+    near = run_cli("export", ck, tmp_path / "hf")  # checkpoint-N/ given: the CLI says where
+    assert near.exit_code == 3 and f"its ckptfmt checkpoint is {ck / 'ckptfmt'}" in near.output
+    result = run_cli("export", ck / "ckptfmt", tmp_path / "hf")
+    assert result.exit_code == 0, result.output
+    assert f"config.json from {ck / 'config.json'}" in result.output
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (ck / "config.json").read_bytes()
+    _assert_loads_bit_exact(tmp_path / "hf", trained)
+
+    bare = tmp_path / "bare"  # the ckptfmt data alone, as copied elsewhere
+    shutil.copytree(ck / "ckptfmt", bare)
+    result = run_cli("export", bare, tmp_path / "hf2")
+    assert result.exit_code == 0, result.output
+    assert "no config.json" in result.output and "--config PATH" in result.output
+    assert not (tmp_path / "hf2" / "config.json").exists()
+    with pytest.raises((OSError, ValueError)):  # no config: nothing to build the model from
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
+    # the note's way: --config PATH, with --overwrite over that export
+    result = run_cli(
+        "export", bare, tmp_path / "hf2", "--config", ck / "config.json", "--overwrite"
+    )
+    assert result.exit_code == 0, result.output
+    _assert_loads_bit_exact(tmp_path / "hf2", trained)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    result = run_cli("export", bare, tmp_path / "hf3", "--config", bad)
+    assert result.exit_code == 2 and "not a JSON object" in result.output
+    assert not (tmp_path / "hf3").exists()
