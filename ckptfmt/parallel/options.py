@@ -23,9 +23,11 @@ class ExitPolicy:
 
     ``flush``: at ``close()`` and at interpreter exit, flush the newest level-1 step to level 3
     when level 3 lacks it and the last measured flush rate says it fits in ``budget_s``
-    seconds; ``sigterm``: install a SIGTERM handler (from the main thread only) that does the
-    same flush from the saver thread and then ends the process, whatever the main thread is
-    doing (SCR's and torch-elastic's preemption signal)."""
+    seconds; ``sigterm``: at SIGTERM, do the same flush from the saver thread, whatever the
+    main thread is doing (SCR's and torch-elastic's preemption signal), then let the signal
+    take its course (the handler that was there before, or the end of the process). One
+    handler serves every open manager of the process (``parallel.exit``): each flushes its
+    newest step, oldest manager first; a closed manager is no longer in it."""
 
     flush: bool = True
     budget_s: float = 120.0
