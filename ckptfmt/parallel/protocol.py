@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.container.metadata import ManifestMeta, utc_now, write_metadata, writer_info
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.engine.encode import (
     SetLayout,
     data_buffer,
@@ -47,7 +48,6 @@ from ckptfmt.engine.encode import (
 )
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
 from ckptfmt.errors import StorageFullError, level_name
-from ckptfmt.container.reader import read_manifest
 from ckptfmt.format import incremental as inc
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import plan_region, run_jobs

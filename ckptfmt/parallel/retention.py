@@ -18,8 +18,8 @@ from typing import Any
 from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel import room
-from ckptfmt.parallel.level3_pick import level3_of
 from ckptfmt.parallel.level3 import DirLevel
+from ckptfmt.parallel.level3_pick import level3_of
 from ckptfmt.parallel.levels import Levels, flush_collective, newest_base, retain_steps
 from ckptfmt.parallel.outcomes import Calls, Outcomes
 from ckptfmt.parallel.publish import FaultHook
