@@ -232,10 +232,10 @@ def flush_collective(
     staging = commit.staging_dir(final, manifest.save_id)
     mine = staging if comm.rank == 0 else None
     already = False
+    base: Path | None = None
     with b.guard("flush-stage"), level_directory(final, 3):
         if manifest.world_size != comm.size:  # every rank copies what it wrote: the same ranks
             raise UsageError(f"cannot flush a save of {manifest.world_size} ranks with {comm.size}")
-        base: Path | None = None
         if comm.rank == 0:
             already = _already_flushed(final, manifest)
             if not already:
