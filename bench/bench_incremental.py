@@ -57,9 +57,7 @@ def touch(state: dict[str, np.ndarray]) -> None:
 
 def new_bytes(step: Path) -> int:
     """The bytes of the files under ``step`` that were written for it (one link: not shared)."""
-    return sum(
-        p.stat().st_size for p in step.rglob("*") if p.is_file() and p.stat().st_nlink == 1
-    )
+    return sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
 
 
 def files_written(step: Path, prefix: str) -> tuple[int, int]:

@@ -2,18 +2,22 @@
 hard-linked from the base instead of written again (``spec/FORMAT.md`` §17).
 
 The decision is per shard file, by content: the file's **content hash** (a 64-bit hash of its
-chunk payloads in slot order, the bytes its manifest CRC32C covers) is computed by the writer in
-the same loop as the chunk CRC32Cs, chunk by chunk while the chunk is in the cache, and compared
-with the hash the base's manifest records for the file at the same path, together with the file's
-size, its payload CRC32C and its tensor's geometry. A file is unchanged only when all of them
-agree: never on the CRC32C alone (32 bits: one false match in 4 billion changed files).
+chunk payloads in slot order, the bytes its manifest CRC32C covers) is compared with the hash
+the base's manifest records for the file at the same path, together with the file's size and
+its tensor's geometry. When the base has such a file, the writer first hashes the shard's
+chunks alone (one pass over memory, no CRC32C): the same hash links the base's file, whose
+manifest CRC32C is then the base's; another hash, or no such file in the base, and the file is
+written by the ordinary pass, which computes the hash right after each chunk's CRC32C while the
+chunk is in the cache. With redundancy (whose parity needs every file's bytes, chunk CRCs
+included) only that one pass runs, and an unchanged file must match on the CRC32C as well.
+Never on the CRC32C alone (32 bits: one false match in 4 billion changed files).
 
 The hash is CRC-64/XZ computed by ISA-L (``redundancy/isal.py``, about 30 GB/s on one core) when
 it is available, else BLAKE2b with an 8-byte digest (``hashlib``, about 1 GB/s); the manifest
-names the algorithm, and a base hashed with another algorithm (or none) links nothing. With the
-CRC32C the comparison holds 96 bits of check; the writer is the training job itself, so the
-content is not adversarial and a CRC's guarantees (every burst up to 64 bits changed is seen)
-are worth more than a cryptographic hash's 30x cost.
+names the algorithm, and a base hashed with another algorithm (or none) links nothing. A random
+change goes unseen by a 64-bit hash with probability 2^-64 (as by xxHash64); the writer is the
+training job itself, so the content is not adversarial, and a CRC's guarantee (every change
+confined to 64 consecutive bits is seen) is worth more than a cryptographic hash's 30x cost.
 
 The hashes are recorded in the manifest's open ``writer`` object (readers ignore it, §12):
 ``writer["content_hash"] = {"algorithm": ..., "files": [16 hex digits per data file, in
@@ -146,6 +150,14 @@ class Incremental:
 
     def hasher(self) -> Hasher:
         return Hasher(self.name)
+
+    def candidate(self, key: str, geo: GeoKey, size: int) -> BaseFile | None:
+        """The base's record of the file at ``key`` if it has this geometry and size (then
+        the content decides, :meth:`unchanged`)."""
+        known = self.base.get(key)
+        if known is None or self.base_root is None or (known.geo, known.size) != (geo, size):
+            return None
+        return known
 
     def unchanged(self, key: str, geo: GeoKey, size: int, crc: int, digest: str) -> Path | None:
         """The base's file holding exactly these bytes, if there is one on disk (a regular file

@@ -219,6 +219,11 @@ def _write_shard(
     into: np.ndarray | None = None,
     incremental: Incremental | None = None,
 ) -> FileRef:
+    refused = False  # the fast path found the file unchanged but could not link it
+    if incremental is not None and into is None:
+        linked, refused = _link_if_unchanged(target, key, geo, data, origin, cell, incremental)
+        if linked is not None:
+            return linked
     pieces: list[memoryview | bytes] = []
     data_crc = FileCrc()  # CRC32C of the chunk payloads in slot order (the manifest's crc32c)
     # the content hash, chunk by chunk right after its CRC while the chunk is in the cache
@@ -252,7 +257,9 @@ def _write_shard(
     if incremental is not None and hasher is not None:
         digest = hasher.hexdigest()
         geo_key = (_dtype_name(geo), geo.shape, geo.shard_shape, geo.chunk_shape)
-        source = incremental.unchanged(key, geo_key, offset, data_crc.crc, digest)
+        source = (
+            None if refused else incremental.unchanged(key, geo_key, offset, data_crc.crc, digest)
+        )
         linked = source is not None and incremental.link(source, target)
         if linked:
             if into is not None:  # the parity covers this file too: its bytes, from memory
@@ -263,6 +270,42 @@ def _write_shard(
         return FileRef(key, offset, data_crc.crc)
     write_gather(target, pieces, fsync, copy_to=into)
     return FileRef(key, offset, data_crc.crc)
+
+
+def _link_if_unchanged(
+    target: Path,
+    key: str,
+    geo: Geometry,
+    data: np.ndarray,
+    origin: Sequence[int],
+    cell: tuple[int, ...],
+    incremental: Incremental,
+) -> tuple[FileRef | None, bool]:
+    """An incremental save's fast path (no parity to feed): when the base has a file at
+    ``key`` of this geometry and size, hash the shard's chunk payloads alone (one pass, no
+    CRC32C) and, if the base's recorded hash is the same, link the base's file; its manifest
+    CRC32C is the base's. None when the file is to be written (the caller then computes the
+    CRC32C and the hash in its one pass: a changed file's payloads are hashed twice), with
+    True when it was unchanged but the file system refused the link (not to be tried again)."""
+    geo_key = (_dtype_name(geo), geo.shape, geo.shard_shape, geo.chunk_shape)
+    size = shard_file_nbytes(geo, cell)
+    known = incremental.candidate(key, geo_key, size)
+    if known is None:
+        return None, False
+    hasher = incremental.hasher()
+    if not geo.shape:
+        hasher.add(byte_view(data))
+    else:
+        for s in geo.slots(cell)[1]:
+            hasher.add(_chunk_buffer(geo, data, origin, s))
+    digest = hasher.hexdigest()
+    source = incremental.unchanged(key, geo_key, size, known.crc32c, digest)
+    if source is None:
+        return None, False
+    if not incremental.link(source, target):
+        return None, True
+    incremental.record(key, digest, size, True)
+    return FileRef(key, size, known.crc32c), False
 
 
 def _dtype_name(geo: Geometry) -> str:
