@@ -221,9 +221,9 @@ def _write_shard(
 ) -> FileRef:
     refused = False  # the fast path found the file unchanged but could not link it
     if incremental is not None and into is None:
-        linked, refused = _link_if_unchanged(target, key, geo, data, origin, cell, incremental)
-        if linked is not None:
-            return linked
+        fast, refused = _link_if_unchanged(target, key, geo, data, origin, cell, incremental)
+        if fast is not None:
+            return fast
     pieces: list[memoryview | bytes] = []
     data_crc = FileCrc()  # CRC32C of the chunk payloads in slot order (the manifest's crc32c)
     # the content hash, chunk by chunk right after its CRC while the chunk is in the cache
