@@ -181,13 +181,12 @@ def _save_url(
 
 
 def _checked_base(base: str | os.PathLike[str] | None) -> Path | None:
-    """The base of an incremental save: a committed checkpoint directory (else a clear error
-    before anything is written)."""
+    """The base of an incremental save: a directory (the save reads its manifest: one that is
+    not a committed checkpoint fails it with NotACheckpointError naming it, nothing written)."""
     if base is None:
         return None
     if isinstance(base, str) and is_url(base):
         raise UsageError(f"the base of an incremental save is a directory, not {base}")
-    read_manifest(Path(base))  # NotACheckpointError / DamagedError naming it
     return Path(base)
 
 
