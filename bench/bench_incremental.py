@@ -15,10 +15,13 @@ since this VM hands idle memory back to the host and a save would otherwise time
   base's (data files written, the zarr documents and the manifest).
 - sparse rows: one large table of which a few rows changed: the data files written, against
   the table's files.
+- targets: ``/dev/shm`` (tmpfs, no fsync: a full save is a memory copy, the hardest case for an
+  incremental save, which still reads every byte once to hash it) and ``/tmp`` (the local disk,
+  with the default fsync: what a node-local level 1 is).
 - restore: ``ckptfmt.load`` of the tenth step of a chain of incremental saves (each 5% changed
   from the one before) against a load of a full save of the same state.
 
-    python bench/bench_incremental.py             # ~400 MiB state on /dev/shm, 7 rounds
+    python bench/bench_incremental.py             # 400 MiB state, /dev/shm and /tmp, 7 rounds
     python bench/bench_incremental.py --quick     # 40 MiB, 3 rounds
 """
 
@@ -103,24 +106,23 @@ def hash_alone(state: dict[str, np.ndarray]) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", default="/dev/shm/ckptfmt-bench-incr")
-    ap.add_argument("--tensors", type=int, default=40)
-    ap.add_argument("--tensor-mib", type=int, default=10)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "incremental.json"))
-    args = ap.parse_args()
-    if args.quick:
-        args.tensors, args.tensor_mib, args.reps = 20, 2, 3
-    root = Path(args.dir)
+TARGETS = {
+    # tmpfs: "storage" at memory speed, nothing to fsync (the hardest case for incremental saves:
+    # a full save is a memcpy, an incremental one still reads every byte once to hash it)
+    "shm": ("/dev/shm/ckptfmt-bench-incr", False),
+    # the local disk with ckptfmt's default fsync (what a node-local level 1 is)
+    "disk": ("/tmp/ckptfmt-bench-incr", True),
+}
+
+
+def run_target(root: Path, fsync: bool, n: int, tensor_mib: int, reps: int) -> dict[str, Any]:
+    """Every measurement on one target directory; the numbers as a JSON-able dict."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    plain = WriteOptions(fsync=False)  # tmpfs: nothing to fsync
-    hashed = WriteOptions(fsync=False, content_hash=True)
+    plain = WriteOptions(fsync=fsync)
+    hashed = WriteOptions(fsync=fsync, content_hash=True)
 
-    state = make_state(args.tensors, args.tensor_mib)
+    state = make_state(n, tensor_mib)
     nbytes = sum(a.nbytes for a in state.values())
     base = root / "base"
     ckptfmt.save(state, base, write=hashed)
@@ -135,7 +137,7 @@ def main() -> None:
     }
     hash_s: list[float] = []
     order = list(runs)
-    for rep in range(args.reps):
+    for rep in range(reps):
         for name in order[rep % len(order) :] + order[: rep % len(order)]:
             st, fn = runs[name]
             path = root / f"{name}-{rep}"
@@ -144,7 +146,7 @@ def main() -> None:
             shutil.rmtree(path)
         hash_s.append(hash_alone(s5))
 
-    # sparse rows inside one large table (its own run: 128 MiB, 16 MiB shards)
+    # sparse rows inside one large table (128 MiB, 16 MiB shards)
     rng = np.random.default_rng(5)
     table = {"table": rng.standard_normal((128 * 256, 1024), dtype=np.float32)}
     ckptfmt.save(table, root / "t0", write=hashed)
@@ -162,24 +164,24 @@ def main() -> None:
     chain_state, prev = state, base
     for k in range(1, 11):
         names = sorted(chain_state)
-        pick = names[(2 * k) % len(names) : (2 * k) % len(names) + max(1, len(names) // 20)]
+        at = (2 * k) % len(names)
         chain_state = dict(chain_state)
-        for n in pick:
-            chain_state[n] = chain_state[n] + np.float32(k)
+        for name in names[at : at + max(1, len(names) // 20)]:
+            chain_state[name] = chain_state[name] + np.float32(k)
         step = root / f"chain-{k}"
         ckptfmt.save(chain_state, step, write=hashed, base=prev)
         prev = step
     full10 = root / "full10"
     ckptfmt.save(chain_state, full10, write=plain)
     load_t: dict[str, list[float]] = {"full": [], "chain10": []}
-    for rep in range(args.reps):
+    for rep in range(reps):
         for name, path in [("full", full10), ("chain10", prev)][:: 1 if rep % 2 == 0 else -1]:
             t0 = time.perf_counter()
             got = ckptfmt.load(path)
             load_t[name].append(time.perf_counter() - t0)
             del got
     check = ckptfmt.load(prev)
-    assert all(np.array_equal(check[n], chain_state[n]) for n in chain_state)
+    assert all(np.array_equal(check[k], chain_state[k]) for k in chain_state)
     del check
     shutil.rmtree(root, ignore_errors=True)
 
@@ -187,14 +189,10 @@ def main() -> None:
     wmed = {k: statistics.median(v) for k, v in written.items()}
     lmed = {k: statistics.median(v) for k, v in load_t.items()}
     gb = nbytes / 1e9
-    result = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    return {
         "target": str(root),
+        "fsync": fsync,
         "state_bytes": nbytes,
-        "tensors": args.tensors,
-        "reps": args.reps,
-        "hash": incremental.algorithm(),
-        "isal": isal.version(),
         "save_s": times,
         "save_median_s": med,
         "written_median_bytes": wmed,
@@ -216,30 +214,61 @@ def main() -> None:
         "load_median_s": lmed,
         "chain10_load_ratio": lmed["chain10"] / lmed["full"],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"state {nbytes / MIB:.0f} MiB in {args.tensors} tensors, {args.reps} rounds, {root}")
+
+
+def show(name: str, r: dict[str, Any]) -> None:
+    med, wmed, lmed = r["save_median_s"], r["written_median_bytes"], r["load_median_s"]
+    sp = r["sparse"]
+    print(f"== {name}: {r['target']} (fsync {r['fsync']}), state {r['state_bytes'] / MIB:.0f} MiB")
     print(f"{'save':>10} {'median s':>9} {'written MiB':>12}")
-    for k in times:
+    for k in med:
         print(f"{k:>10} {med[k]:9.3f} {wmed[k] / MIB:12.2f}")
     print(
-        f"hash: {result['hash']}: {result['hash_cost_s_per_gb']:.4f} s/GB on top of a full save "
-        f"(alone, one thread: {result['hash_alone_s_per_gb']:.4f} s/GB)"
+        f"hash: {r['hash_cost_s_per_gb']:.4f} s/GB on top of a full save "
+        f"(alone, one thread: {r['hash_alone_s_per_gb']:.4f} s/GB)"
     )
     print(
-        f"incr 5%: {result['incr5_fewer_bytes']:.1f}x fewer bytes "
-        f"(limit {result['incr5_limit_bytes'] / MIB:.1f} MiB), "
-        f"{result['incr5_time_ratio']:.3f}x the time; incr 25%: "
-        f"{result['incr25_fewer_bytes']:.1f}x fewer bytes, {result['incr25_time_ratio']:.3f}x"
+        f"incr 5%: {r['incr5_fewer_bytes']:.1f}x fewer bytes "
+        f"(limit {r['incr5_limit_bytes'] / MIB:.1f} MiB), {r['incr5_time_ratio']:.3f}x the time; "
+        f"incr 25%: {r['incr25_fewer_bytes']:.1f}x fewer bytes, {r['incr25_time_ratio']:.3f}x"
     )
     print(
-        f"sparse rows {rows}: {sparse_written} of {sparse_files} table files written "
-        f"({sparse_bytes / MIB:.1f} MiB)"
+        f"sparse rows {sp['rows_changed']}: {sp['table_files_written']} of {sp['table_files']} "
+        f"table files written ({sp['bytes_written'] / MIB:.1f} MiB)"
     )
     print(
         f"load: full {lmed['full']:.3f} s, 10th incremental step {lmed['chain10']:.3f} s "
-        f"({result['chain10_load_ratio']:.3f}x)"
+        f"({r['chain10_load_ratio']:.3f}x)"
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="shm,disk", help="comma-separated: " + ",".join(TARGETS))
+    ap.add_argument("--tensors", type=int, default=40)
+    ap.add_argument("--tensor-mib", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "incremental.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.tensors, args.tensor_mib, args.reps = 20, 2, 3
+    result: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "tensors": args.tensors,
+        "reps": args.reps,
+        "hash": incremental.algorithm(),
+        "isal": isal.version(),
+        "targets": {},
+    }
+    for name in args.targets.split(","):
+        where, fsync = TARGETS[name]
+        result["targets"][name] = run_target(
+            Path(where), fsync, args.tensors, args.tensor_mib, args.reps
+        )
+        show(name, result["targets"][name])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

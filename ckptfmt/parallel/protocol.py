@@ -26,6 +26,7 @@ directories and the commit vote (``publish``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +73,8 @@ from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage import commit
 from ckptfmt.transport.comm import Comm
+
+log = logging.getLogger("ckptfmt")
 
 
 def save_collective(
@@ -131,6 +134,16 @@ def save_collective(
     refs, parity = run.write()
     manifest = run.manifest(refs, parity)
     publish_commit(run.b, run.is_leader, run.staging, run.final, run.save_id, write.fsync, run.hook)
+    mine = run.tallies[comm.rank] if len(run.tallies) == comm.size else None
+    if mine is not None and mine["unlinkable"]:
+        log.warning(
+            "incremental save to %s: %d unchanged file(s) written, not linked from %s (the file "
+            "system refused a hard link: %s)",
+            run.final,
+            mine["unlinkable"],
+            run.base,
+            mine["unlinkable_example"],
+        )
     if report is not None and run.tallies:
         report.update(run.tallies[comm.rank])
         report["job_linked_bytes"] = sum(t["linked_bytes"] for t in run.tallies)

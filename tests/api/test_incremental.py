@@ -7,6 +7,7 @@ file system refuses is a write."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -234,7 +235,9 @@ def test_a_base_without_hashes_links_nothing_and_a_missing_base_is_refused(
     assert not (tmp_path / "c").exists()
 
 
-def test_a_link_across_file_systems_is_a_write(tmp_path: Path) -> None:
+def test_a_link_across_file_systems_is_a_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
         pytest.skip("needs a second file system (/dev/shm)")
@@ -243,17 +246,19 @@ def test_a_link_across_file_systems_is_a_write(tmp_path: Path) -> None:
         state = _state()
         ckptfmt.save(state, base, write=W)
         report: dict[str, Any] = {}
-        save_collective(
-            SingleComm(),
-            state,
-            tmp_path / "b",
-            step=None,
-            node="n",
-            write=W,
-            base=base,
-            report=report,
-        )
+        with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+            save_collective(
+                SingleComm(),
+                state,
+                tmp_path / "b",
+                step=None,
+                node="n",
+                write=W,
+                base=base,
+                report=report,
+            )
         files = len(_inodes(tmp_path / "b"))
+        assert f"{files} unchanged file(s) written, not linked" in caplog.text
         assert report["linked_files"] == 0 and report["unlinkable"] == files
         assert "Invalid cross-device link" in report["unlinkable_example"]
         assert _equal(ckptfmt.load(tmp_path / "b"), state)
