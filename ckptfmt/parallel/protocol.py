@@ -268,7 +268,9 @@ class _Save:
                     self.member = data_buffer(self.layout)
                 if self.is_leader:
                     commit.prepare(self.final, self.save_id, self.write_options.overwrite)
-                    write_metadata(self.staging, self.skeleton, self.write_options.fsync)
+                    write_metadata(
+                        self.staging, self.skeleton, self.write_options.fsync, like=self.base
+                    )
         b.vote("stage", cleanup=self.mine_staging)
 
     def write(self) -> tuple[list[Any], list[Any]]:

@@ -341,3 +341,20 @@ def test_a_process_killed_in_an_incremental_save_leaves_the_base_whole(
     assert leftovers(tmp_path) == []
     assert ckptfmt.verify(tmp_path / "a").healthy
     assert _equal(ckptfmt.load(tmp_path / "a"), before)
+
+
+def test_zarr_documents_are_linked_only_when_the_base_holds_the_same_bytes(
+    tmp_path: Path,
+) -> None:
+    state = _state()
+    ckptfmt.save(state, tmp_path / "a", write=W)
+    damaged = tmp_path / "a" / "adapter" / "zarr.json"
+    damaged.write_bytes(damaged.read_bytes().replace(b'"float32"', b'"float64"'))
+    ckptfmt.save(state, tmp_path / "b", write=W, base=tmp_path / "a")
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert (b / "table/zarr.json").stat().st_ino == (a / "table/zarr.json").stat().st_ino
+    assert (b / "zarr.json").stat().st_ino == (a / "zarr.json").stat().st_ino
+    assert (b / "adapter/zarr.json").stat().st_ino != damaged.stat().st_ino
+    assert b'"float32"' in (b / "adapter/zarr.json").read_bytes()
+    assert ckptfmt.verify(b).healthy and not ckptfmt.verify(a).healthy
+    assert _equal(ckptfmt.load(b), state)
