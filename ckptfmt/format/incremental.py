@@ -140,14 +140,6 @@ class Incremental:
     unlinkable: list[str] = field(default_factory=list)  # link refused: written instead
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    @classmethod
-    def against(cls, base: Path | None, manifest: Manifest | None) -> Incremental:
-        """An incremental write against the checkpoint at ``base`` whose manifest is given."""
-        inc = cls()
-        if base is not None and manifest is not None:
-            inc.base_root, inc.base = base, base_files(manifest, inc.name)
-        return inc
-
     def hasher(self) -> Hasher:
         return Hasher(self.name)
 
