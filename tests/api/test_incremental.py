@@ -358,3 +358,21 @@ def test_zarr_documents_are_linked_only_when_the_base_holds_the_same_bytes(
     assert b'"float32"' in (b / "adapter/zarr.json").read_bytes()
     assert ckptfmt.verify(b).healthy and not ckptfmt.verify(a).healthy
     assert _equal(ckptfmt.load(b), state)
+
+
+def test_without_isal_the_hash_is_blake2b_and_bases_of_another_hash_link_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _state()
+    ckptfmt.save(state, tmp_path / "crc", write=W)
+    monkeypatch.setattr("ckptfmt.redundancy.isal.crc64_available", lambda: False)
+    m = ckptfmt.save(state, tmp_path / "a", write=W, base=tmp_path / "crc")
+    assert m.writer[CONTENT_HASH]["algorithm"] == "blake2b-64"
+    assert not set(_inodes(tmp_path / "crc").values()) & set(_inodes(tmp_path / "a").values())
+    _step(state, 0, np.random.default_rng(6))
+    ckptfmt.save(state, tmp_path / "b", write=W, base=tmp_path / "a")
+    old, new = _inodes(tmp_path / "a"), _inodes(tmp_path / "b")
+    assert all(new[p] == old[p] for p in new if p.startswith("frozen/"))
+    assert all(new[p] != old[p] for p in new if p.startswith("adapter/"))
+    shutil.rmtree(tmp_path / "a")
+    assert _equal(ckptfmt.load(tmp_path / "b"), state)
