@@ -285,10 +285,10 @@ class Saver:
                     report.flushed = True
                     report.bytes_written["3"] = data_bytes_of(manifest, self.bg.rank)
                     linked = self.retention.flush_linked
-                    if linked is not None:
-                        report.bytes_written["3"] = int(linked["written_bytes"])
-                        report.bytes_linked["3"] = int(linked["linked_bytes"])
-                        report.link_refused += int(linked["unlinkable"])
+                    if linked:  # an incremental flush that copied (a flushed one: empty)
+                        report.bytes_written["3"] = int(linked.get("written_bytes", 0))
+                        report.bytes_linked["3"] = int(linked.get("linked_bytes", 0))
+                        report.link_refused += int(linked.get("unlinkable", 0))
                 else:
                     report.flush_error = self.retention.flush_error
         self.retention.retain(self.bg, {step})
