@@ -83,6 +83,7 @@ def save(
     progress: ProgressCallback | None = None,
     objects: Objects = "refuse",
     storage_options: Mapping[str, Any] | None = None,
+    base: str | os.PathLike[str] | None = None,
 ) -> Manifest:
     """Save ``state`` as a committed checkpoint directory at ``path``; return its manifest.
 
@@ -114,8 +115,19 @@ def save(
     ``storage_options``: settings of the store that override the ``AWS_*`` environment
     (``endpoint_url``, ``region``, ``aws_access_key_id``, ``allow_http``, ... as obstore and
     fsspec name them); for URLs only. ``progress`` then covers the local write.
+
+    ``base``: the directory of a committed checkpoint to save incrementally against: a data
+    file whose content is the same as the base's file at the same path (by a content hash the
+    base's manifest records, ``WriteOptions(content_hash=True)``, and the CRC32C, never the CRC
+    alone) is hard-linked from the base instead of written (written after all where the file
+    system refuses a link: another file system). The result is a complete checkpoint that
+    any reader opens on its own; deleting the base later breaks nothing. The manifest records
+    the content hashes, so the next save can be incremental against this one. A base without
+    recorded hashes links nothing. Directories only (not with a URL ``path``).
     """
     if isinstance(path, str) and is_url(path):
+        if base is not None:
+            raise UsageError(f"base applies to a save into a directory, not to {path}")
         return _save_url(state, path, step, write, progress, objects, storage_options)
     _no_options(storage_options, path)
     check_destination(path)
@@ -138,6 +150,7 @@ def save(
                 step=step,
                 node=socket.gethostname(),
                 write=write,
+                base=_checked_base(base),
             )
             meter.finish()
     except SaveFailedError as exc:  # one process: re-raise its own error, not the vote's
@@ -171,6 +184,16 @@ def _save_url(
         manifest = save(state, staged, step=step, write=local, progress=progress, objects=objects)
         in_bucket.publish(bucket, staged, manifest, replacing=there)
     return manifest
+
+
+def _checked_base(base: str | os.PathLike[str] | None) -> Path | None:
+    """The base of an incremental save: a directory (the save reads its manifest: one that is
+    not a committed checkpoint fails it with NotACheckpointError naming it, nothing written)."""
+    if base is None:
+        return None
+    if isinstance(base, str) and is_url(base):
+        raise UsageError(f"the base of an incremental save is a directory, not {base}")
+    return Path(base)
 
 
 def _no_options(storage_options: Mapping[str, Any] | None, path: object) -> None:

@@ -91,6 +91,7 @@ def save(
     comm: Comm | None = None,
     node: str | None = None,
     objects: Objects = "refuse",
+    base: str | os.PathLike[str] | None = None,
 ) -> Manifest:
     """Collective (every rank of ``comm``, by default of torch.distributed's default group):
     save ``state_dict`` as one committed checkpoint directory at ``path``, or at an object-store
@@ -109,12 +110,16 @@ def save(
     copy); do not modify them until ``save`` returns.
     ``write``, ``progress``: as for ``ckptfmt.save`` (the same on every rank; each rank's
     events count its own share). ``node``: this rank's node name, as the manager takes it.
+    ``base``: a committed checkpoint directory to save incrementally against, as for
+    ``ckptfmt.save`` (unchanged shard files hard-linked from it; directories only).
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
     url = path if isinstance(path, str) and is_url(path) else None
     if url is None:
         check_destination(path)
+    elif base is not None:
+        raise UsageError(f"base applies to a save into a directory, not to {url}")
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
@@ -129,7 +134,14 @@ def save(
                 )
             else:
                 manifest, _ = save_collective(
-                    comm, state, path, step=step, node=resolve_node(node), write=write, meta=meta
+                    comm,
+                    state,
+                    path,
+                    step=step,
+                    node=resolve_node(node),
+                    write=write,
+                    meta=meta,
+                    base=base,
                 )
             meter.finish()
     except SaveFailedError as exc:

@@ -5,6 +5,8 @@ the whole hierarchy (the same bytes in every node's copy, ``spec/FORMAT.md``) an
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 from ckptfmt.dtypes import by_name
 from ckptfmt.format.zarr_meta import array_doc, group_doc
 from ckptfmt.manifest.model import GroupEntry, Manifest
-from ckptfmt.storage.files import write_json
+from ckptfmt.storage.files import doc_bytes, write_json
 from ckptfmt.version import __version__
 
 __all__ = ["ManifestMeta", "utc_now", "write_metadata", "writer_info"]
@@ -40,15 +42,32 @@ def writer_info() -> dict[str, Any]:
     return {"library": "ckptfmt", "version": __version__}
 
 
-def write_metadata(root: Path, manifest: Manifest, fsync: bool) -> None:
-    """The zarr group and array documents of the whole hierarchy."""
+def write_metadata(root: Path, manifest: Manifest, fsync: bool, like: Path | None = None) -> None:
+    """The zarr group and array documents of the whole hierarchy. ``like`` (an incremental
+    save's base): a document whose bytes the base holds at the same path already is hard-linked
+    from there instead of written (no fsync of it: the base's is durable)."""
     names = [e.name for e in manifest.entries]
     groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always
     groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
     for g in sorted(groups, key=len):
         (root / "/".join(g)).mkdir(parents=True, exist_ok=True)
-        write_json(root / "/".join(g) / "zarr.json", group_doc(), fsync)
+        _document(root, "/".join(g), group_doc(), fsync, like)
     for t in manifest.tensors():
         (root / t.path).mkdir(parents=True, exist_ok=True)
         doc = array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
-        write_json(root / t.path / "zarr.json", doc, fsync)
+        _document(root, t.path, doc, fsync, like)
+
+
+def _document(root: Path, node: str, doc: Any, fsync: bool, like: Path | None) -> None:
+    """Write the ``zarr.json`` of ``node``, or link the base's when it holds the same bytes."""
+    target = root / node / "zarr.json"
+    if like is not None:
+        source = like / node / "zarr.json"
+        try:
+            same = stat.S_ISREG(os.lstat(source).st_mode) and source.read_bytes() == doc_bytes(doc)
+            if same:
+                os.link(source, target, follow_symlinks=False)
+                return
+        except OSError:
+            pass  # no such document, or no link here: written
+    write_json(target, doc, fsync)

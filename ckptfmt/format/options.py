@@ -18,11 +18,15 @@ class WriteOptions:
     ``chunk_bytes`` / ``shard_bytes``: the target size of an inner chunk (the unit of checksums
     and partial reads) and of a shard file (``spec/FORMAT.md`` §7); ``threads``: writer
     threads per node; ``fsync``: make every file and directory durable before the commit;
-    ``overwrite``: replace a committed checkpoint at the destination (else refused). The sizes
-    are checked where the plan is made (``ckptfmt.plan.make_plan``)."""
+    ``overwrite``: replace a committed checkpoint at the destination (else refused);
+    ``content_hash``: record a content hash of every data file in the manifest's ``writer``,
+    so that a later save can be incremental against this one (``format/incremental.py``; a
+    save with a ``base`` records them anyway). The sizes are checked where the plan is made
+    (``ckptfmt.plan.make_plan``)."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shard_bytes: int = DEFAULT_SHARD_BYTES
     threads: int = 2
     fsync: bool = True
     overwrite: bool = False
+    content_hash: bool = False

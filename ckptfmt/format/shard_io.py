@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from ckptfmt.checksum import crc32c
-from ckptfmt.dtypes import by_name
+from ckptfmt.dtypes import by_name, of_array
 from ckptfmt.errors import CkptError
+from ckptfmt.format.incremental import Incremental
 from ckptfmt.format.shard import CRC_BYTES, FileCrc, encode_index, index_nbytes
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
 from ckptfmt.manifest.model import FileRef
@@ -98,11 +99,26 @@ class ShardJob:
     origin: tuple[int, ...]
     cell: tuple[int, ...]
 
-    def run(self, fsync: bool = True, into: np.ndarray | None = None) -> FileRef:
+    def run(
+        self,
+        fsync: bool = True,
+        into: np.ndarray | None = None,
+        incremental: Incremental | None = None,
+    ) -> FileRef:
         """Write the file. ``into`` (uint8, exactly :meth:`nbytes` long): also leave the file's
-        bytes there, and write them from it (the redundancy encoding then needs no read-back)."""
+        bytes there, and write them from it (the redundancy encoding then needs no read-back).
+        ``incremental``: also hash the content, and hard-link the base's file instead of writing
+        when it holds the same bytes (``format/incremental.py``)."""
         return _write_shard(
-            self.target, self.key, self.geo, self.data, self.origin, self.cell, fsync, into
+            self.target,
+            self.key,
+            self.geo,
+            self.data,
+            self.origin,
+            self.cell,
+            fsync,
+            into,
+            incremental,
         )
 
     def nbytes(self) -> int:
@@ -168,21 +184,23 @@ def run_jobs(
     pool: Executor | None,
     fsync: bool = True,
     into: Sequence[np.ndarray | None] | None = None,
+    incremental: Incremental | None = None,
 ) -> list[FileRef]:
     """Write the shard files, concurrently with ``pool`` (the file system takes two streams faster
     than one; writev and CRC32C release the GIL). Results in the order of ``jobs``. ``into[i]``:
     where job ``i`` also leaves its file's bytes (:meth:`ShardJob.run`).
 
     Each file written is counted on the operation's progress meter (``storage.progress``), in
-    this thread, as its result comes back: the meter is told every file's size first."""
+    this thread, as its result comes back: the meter is told every file's size first (a file
+    hard-linked by an incremental save, ``incremental``, counts as written)."""
     dests = list(into) if into is not None else [None] * len(jobs)
     meter = current_meter()
     meter.expect(sum(j.nbytes() for j in jobs) if meter.active else 0)
     results: Iterator[FileRef]
     if pool is None or len(jobs) < 2:
-        results = (j.run(fsync, d) for j, d in zip(jobs, dests))
+        results = (j.run(fsync, d, incremental) for j, d in zip(jobs, dests))
     else:
-        results = pool.map(lambda jd: jd[0].run(fsync, jd[1]), zip(jobs, dests))
+        results = pool.map(lambda jd: jd[0].run(fsync, jd[1], incremental), zip(jobs, dests))
     out = []
     for ref in results:
         meter.add(ref.size, "write")
@@ -199,13 +217,23 @@ def _write_shard(
     cell: tuple[int, ...],
     fsync: bool,
     into: np.ndarray | None = None,
+    incremental: Incremental | None = None,
 ) -> FileRef:
+    refused = False  # the fast path found the file unchanged but could not link it
+    if incremental is not None and into is None:
+        fast, refused = _link_if_unchanged(target, key, geo, data, origin, cell, incremental)
+        if fast is not None:
+            return fast
     pieces: list[memoryview | bytes] = []
     data_crc = FileCrc()  # CRC32C of the chunk payloads in slot order (the manifest's crc32c)
+    # the content hash, chunk by chunk right after its CRC while the chunk is in the cache
+    hasher = incremental.hasher() if incremental is not None else None
     offset = 0
     if not geo.shape:  # 0-d: plain [bytes, crc32c] chunk, no shard index
         buf = byte_view(data)
         c = crc32c(buf)
+        if hasher is not None:
+            hasher.add(buf)
         pieces = [buf, CRC_FORMAT.pack(c)]
         data_crc.add(c, len(buf))
         offset = len(buf) + CRC_BYTES
@@ -215,6 +243,8 @@ def _write_shard(
         for s in slots:
             buf = _chunk_buffer(geo, data, origin, s)
             c = crc32c(buf)
+            if hasher is not None:
+                hasher.add(buf)
             placed.append((s.slot, offset, len(buf) + CRC_BYTES))
             pieces += [buf, CRC_FORMAT.pack(c)]
             data_crc.add(c, len(buf))
@@ -224,5 +254,68 @@ def _write_shard(
         offset += len(index)
     if into is not None and into.size != offset:
         raise CkptError(f"internal: {key} laid out {offset} bytes, {into.size} planned")
+    if incremental is not None and hasher is not None:
+        digest = hasher.hexdigest()
+        geo_key = (_dtype_name(geo), geo.shape, geo.shard_shape, geo.chunk_shape)
+        source = (
+            None if refused else incremental.unchanged(key, geo_key, offset, data_crc.crc, digest)
+        )
+        linked = source is not None and incremental.link(source, target)
+        if linked:
+            if into is not None:  # the parity covers this file too: its bytes, from memory
+                _gather(pieces, into)
+        else:
+            write_gather(target, pieces, fsync, copy_to=into)
+        incremental.record(key, digest, offset, linked)
+        return FileRef(key, offset, data_crc.crc)
     write_gather(target, pieces, fsync, copy_to=into)
     return FileRef(key, offset, data_crc.crc)
+
+
+def _link_if_unchanged(
+    target: Path,
+    key: str,
+    geo: Geometry,
+    data: np.ndarray,
+    origin: Sequence[int],
+    cell: tuple[int, ...],
+    incremental: Incremental,
+) -> tuple[FileRef | None, bool]:
+    """An incremental save's fast path (no parity to feed): when the base has a file at
+    ``key`` of this geometry and size, hash the shard's chunk payloads alone (one pass, no
+    CRC32C) and, if the base's recorded hash is the same, link the base's file; its manifest
+    CRC32C is the base's. None when the file is to be written (the caller then computes the
+    CRC32C and the hash in its one pass: a changed file's payloads are hashed twice), with
+    True when it was unchanged but the file system refused the link (not to be tried again)."""
+    geo_key = (_dtype_name(geo), geo.shape, geo.shard_shape, geo.chunk_shape)
+    size = shard_file_nbytes(geo, cell)
+    known = incremental.candidate(key, geo_key, size)
+    if known is None:
+        return None, False
+    hasher = incremental.hasher()
+    if not geo.shape:
+        hasher.add(byte_view(data))
+    else:
+        for s in geo.slots(cell)[1]:
+            hasher.add(_chunk_buffer(geo, data, origin, s))
+    digest = hasher.hexdigest()
+    source = incremental.unchanged(key, geo_key, size, known.crc32c, digest)
+    if source is None:
+        return None, False
+    if not incremental.link(source, target):
+        return None, True
+    incremental.record(key, digest, size, True)
+    return FileRef(key, size, known.crc32c), False
+
+
+def _dtype_name(geo: Geometry) -> str:
+    return of_array(geo.dtype, geo.path).name
+
+
+def _gather(pieces: Sequence[memoryview | bytes], into: np.ndarray) -> None:
+    """Copy ``pieces`` back to back into ``into`` (what a write with ``copy_to`` leaves)."""
+    at = 0
+    for p in pieces:
+        view = np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8)
+        into[at : at + view.size] = view
+        at += view.size

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from ckptfmt.errors import (
     UsageError,
     level_name,
 )
+from ckptfmt.format.incremental import Incremental, base_files, hashes_of
 from ckptfmt.format.shard_read import decode_shard, read_file
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.grid import shard_cell
@@ -133,6 +135,53 @@ def copy_verified(src: Inside, t: TensorEntry, ref: FileRef, dst: Path, fsync: b
     write_gather(dst, [blob], fsync)
 
 
+def newest_base(root: Path | None, but: Path | None = None) -> Path | None:
+    """The base of an incremental save or flush into ``root``: its newest committed step
+    (other than ``but``) whose manifest reads; None when there is none (a full save)."""
+    if root is None or not root.is_dir():
+        return None
+    for _, path in reversed(list_step_dirs(root)):
+        if not commit.is_committed(path):
+            continue
+        if but is not None and path.absolute() == but.absolute():
+            continue
+        try:
+            read_manifest(path)
+        except CkptError:
+            continue
+        return path
+    return None
+
+
+def _link_plan(manifest: Manifest, base: Path | None) -> dict[str, Path]:
+    """The files of ``manifest`` that the level-3 step at ``base`` holds with the same content
+    (path, geometry, size, CRC32C and content hash, ``format/incremental.py``): path -> the
+    base's file. Empty without a base or without hashes on either side."""
+    recorded = hashes_of(manifest)
+    if base is None or recorded is None:
+        return {}
+    try:
+        known = base_files(read_manifest(base), recorded[0])
+    except CkptError:
+        return {}
+    out = {}
+    for (t, f), digest in zip(manifest.files(), recorded[1]):
+        geo = (t.dtype, tuple(t.shape), tuple(t.shard_shape), tuple(t.chunk_shape))
+        b = known.get(f.path)
+        if b is not None and (b.geo, b.size, b.crc32c, b.digest) == (geo, f.size, f.crc32c, digest):
+            out[f.path] = base / f.path
+    return out
+
+
+def _linkable(path: Path, size: int) -> bool:
+    """Whether the base's file is there to link: a regular file of its recorded size."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size
+
+
 def _already_flushed(final: Path, manifest: Manifest) -> bool:
     """Whether ``final`` is a committed copy of this very save with every file in place."""
     if not commit.is_committed(final):
@@ -161,11 +210,19 @@ def flush_collective(
     fsync: bool = True,
     fault: FaultHook | None = None,
     seq: int | None = None,
+    incremental: bool = False,
+    report: dict[str, Any] | None = None,
 ) -> Path:
     """Collective: copy a committed level-1 checkpoint to the shared level, every rank copying the
     files it wrote from its own node's directory; rank 0 commits the copy once every rank's files
     are in place (same protocol as a save: staging directory, one vote per phase, manifest last,
     rename).
+
+    ``incremental``: rank 0 picks the newest other committed step on the shared level as the
+    base (its vote tells every rank); a file whose content hash, CRC32C and size the base's
+    manifest records alike (``format/incremental.py``) is hard-linked from the base instead of
+    read and copied; a link the file system refuses is a copy. ``report``: this rank's
+    ``linked_bytes``, ``written_bytes`` (copied) and ``unlinkable``.
 
     Raises :class:`SaveFailedError` on every rank if any rank failed (any exception); the shared
     level then holds no trace of this step beyond what was there before.
@@ -176,26 +233,46 @@ def flush_collective(
     staging = commit.staging_dir(final, manifest.save_id)
     mine = staging if comm.rank == 0 else None
     already = False
+    base: Path | None = None
     with b.guard("flush-stage"), level_directory(final, 3):
         if manifest.world_size != comm.size:  # every rank copies what it wrote: the same ranks
             raise UsageError(f"cannot flush a save of {manifest.world_size} ranks with {comm.size}")
         if comm.rank == 0:
             already = _already_flushed(final, manifest)
             if not already:
+                if incremental:
+                    base = newest_base(shared_root.absolute(), but=final)
                 commit.prepare(final, manifest.save_id, overwrite=True)
-    votes = b.vote("flush-stage", already, cleanup=mine if not already else None)
-    if votes[0]:
+    votes = b.vote(
+        "flush-stage",
+        [already, None if base is None else str(base)],
+        cleanup=mine if not already else None,
+    )
+    if votes[0][0]:
         return final
+    tally = {"linked_bytes": 0, "written_bytes": 0, "unlinkable": 0}
     with b.guard("flush-copy"):
         hook("flush-staged")
+        links = _link_plan(manifest, Path(votes[0][1])) if votes[0][1] else {}
+        linker = Incremental()
         src = Inside(local_path)
         for t in manifest.tensors():
             for r in t.regions:
                 if r.rank != comm.rank:
                     continue
                 for f in r.files:
-                    copy_verified(src, t, f, staging / f.path, fsync)
+                    dst = staging / f.path
+                    if f.path in links and _linkable(links[f.path], f.size):
+                        dst.parent.mkdir(parents=True, exist_ok=True)
+                        if linker.link(links[f.path], dst):
+                            tally["linked_bytes"] += f.size
+                            continue
+                        tally["unlinkable"] += 1
+                    copy_verified(src, t, f, dst, fsync)
+                    tally["written_bytes"] += f.size
         hook("flush-copied")
+    if report is not None:
+        report.update(tally)
     b.vote("flush-copy", cleanup=mine)
     with b.guard("flush-manifest"):
         if comm.rank == 0:

@@ -154,6 +154,7 @@ class CheckpointManager:
         progress: ProgressCallback | None = None,
         pool: BufferPool | None = None,
         fault: FaultHook | None = None,
+        incremental: bool = False,
     ) -> None:
         if local_dir is None and shared_dir is None:
             raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
@@ -185,7 +186,10 @@ class CheckpointManager:
         self.async_save = async_save
         self.at_exit = at_exit
         # a step saved again (a job restarted from an older step) replaces the old directory
-        self.write = dataclasses.replace(write, overwrite=True)
+        self.write = dataclasses.replace(
+            write, overwrite=True, content_hash=write.content_hash or bool(incremental)
+        )
+        self.incremental = bool(incremental)
         self.fault = fault
         self.deadline_s = float(deadline_s)
         self.on_save = on_save
@@ -208,6 +212,7 @@ class CheckpointManager:
             fsync=self.write.fsync,
             fault=self.fault,
             outcomes=self._outcomes,
+            incremental=self.incremental,
         )
         self._stager = Stager(self.comm, self.deadline_s, self.write, pool)
 
@@ -236,6 +241,7 @@ class CheckpointManager:
             fault=self.fault,
             progress=self.progress,
             fallback_to_shared=self.fallback_to_shared,
+            incremental=self.incremental,
         )
         self._saver = Saver(
             self.comm.dup(),

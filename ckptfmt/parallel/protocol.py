@@ -26,6 +26,7 @@ directories and the commit vote (``publish``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.container.metadata import ManifestMeta, utc_now, write_metadata, writer_info
+from ckptfmt.container.reader import read_manifest
 from ckptfmt.engine.encode import (
     SetLayout,
     data_buffer,
@@ -47,6 +49,7 @@ from ckptfmt.engine.encode import (
 )
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
 from ckptfmt.errors import StorageFullError, level_name
+from ckptfmt.format import incremental as inc
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import plan_region, run_jobs
 from ckptfmt.manifest.codec import dump_manifest
@@ -71,6 +74,8 @@ from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage import commit
 from ckptfmt.transport.comm import Comm
 
+log = logging.getLogger("ckptfmt")
+
 
 def save_collective(
     comm: Comm,
@@ -86,6 +91,8 @@ def save_collective(
     redundancy: Redundancy | None = None,
     seq: int | None = None,
     failure: BaseException | None = None,
+    base: str | os.PathLike[str] | None = None,
+    report: dict[str, Any] | None = None,
 ) -> tuple[Manifest, SavePlan]:
     """Collective: every rank of ``comm`` calls it, once per checkpoint, with its own ``state``
     and the final directory it writes to (``path``: this rank's node-local copy, or the shared
@@ -107,14 +114,40 @@ def save_collective(
     on some node is rolled back). ``failure``: this rank failed before the save (staging the
     state); it takes part in the first vote only, which fails the save everywhere. ``seq``: the
     caller's call number, checked by every vote like the step.
+
+    ``base`` (this rank's view of a committed checkpoint, like ``path``: its node-local copy or
+    the shared one): an incremental save. Each rank hashes the content of every file it writes
+    (``format/incremental.py``) and hard-links the base's file at the same path instead of
+    writing it when the base's manifest records the same content; the result is a complete
+    checkpoint like any other. Hashes are recorded in the manifest's ``writer`` (also with
+    ``write.content_hash`` and no base). A base that is not a committed checkpoint fails the
+    save. ``report``: filled with this rank's tallies (``linked_bytes``, ``written_bytes``,
+    ``linked_files``, ``unlinkable``: files written because the file system refused a link)
+    and the job's (``job_linked_bytes``, ``job_written_bytes``).
     """
     run = _Save(comm, state, Path(path).absolute(), step, node, write, meta, fault, seq, failure)
+    run.base = None if base is None else Path(base).absolute()
+    run.hashing = run.base is not None or write.content_hash
     run.declare(group)
     run.plan(redundancy)
     run.stage()
     refs, parity = run.write()
     manifest = run.manifest(refs, parity)
     publish_commit(run.b, run.is_leader, run.staging, run.final, run.save_id, write.fsync, run.hook)
+    mine = run.tallies[comm.rank] if len(run.tallies) == comm.size else None
+    if mine is not None and mine["unlinkable"]:
+        log.warning(
+            "incremental save to %s: %d unchanged file(s) written, not linked from %s (the file "
+            "system refused a hard link: %s)",
+            run.final,
+            mine["unlinkable"],
+            run.base,
+            mine["unlinkable_example"],
+        )
+    if report is not None and run.tallies:
+        report.update(run.tallies[comm.rank])
+        report["job_linked_bytes"] = sum(t["linked_bytes"] for t in run.tallies)
+        report["job_written_bytes"] = sum(t["written_bytes"] for t in run.tallies)
     return manifest, run.plan_
 
 
@@ -145,6 +178,10 @@ class _Save:
         self.layout: SetLayout | None = None
         self.member: np.ndarray | None = None
         self.redundancy: Redundancy | None = None
+        self.base: Path | None = None
+        self.hashing = False
+        self.hash_name = inc.algorithm()
+        self.tallies: list[dict[str, Any]] = []
 
     def declare(self, group: str | None) -> None:
         """Collective: check this rank's state and gather every rank's declarations (what it
@@ -173,8 +210,12 @@ class _Save:
                 "node": self.node,
                 "save_id": self.meta.save_id or os.urandom(16).hex(),
                 "created": self.meta.created or utc_now(),
+                "hash": inc.algorithm(),
             },
         )
+        # one content hash for the whole job: ISA-L's CRC-64 only where every rank has it
+        names = {i["hash"] for i in self.info}
+        self.hash_name = names.pop() if len(names) == 1 else "blake2b-64"
         leaders = groups_of([i["group"] for i in self.info])
         self.is_leader = leaders[comm.rank] == comm.rank
         self.save_id: str = self.info[0]["save_id"]  # rank 0's proposal, the same everywhere
@@ -227,7 +268,9 @@ class _Save:
                     self.member = data_buffer(self.layout)
                 if self.is_leader:
                     commit.prepare(self.final, self.save_id, self.write_options.overwrite)
-                    write_metadata(self.staging, self.skeleton, self.write_options.fsync)
+                    write_metadata(
+                        self.staging, self.skeleton, self.write_options.fsync, like=self.base
+                    )
         b.vote("stage", cleanup=self.mine_staging)
 
     def write(self) -> tuple[list[Any], list[Any]]:
@@ -237,12 +280,14 @@ class _Save:
         ranks encode across the nodes, each writing its parity file."""
         b, comm, write = self.b, self.comm, self.write_options
         refs: dict[str, list[list[Any]]] = {}
+        tally: dict[str, Any] | None = None
         levels = self.meta.levels
         with (
             b.guard("write"),
             _storage_context(self.final, levels, self.plan_, comm.rank, comm.size),
         ):
             self.hook("staged")
+            incremental = self._incremental() if self.hashing else None
             jobs_by_region = []
             made: set[Path] = set()
             for t, r in self.plan_.for_rank(comm.rank):
@@ -254,14 +299,23 @@ class _Save:
             on_node = sum(1 for i in self.info if i["node"] == self.node)
             workers = max(1, write.threads // on_node)
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                files = iter(run_jobs(all_jobs, pool if workers > 1 else None, write.fsync, into))
+                files = iter(
+                    run_jobs(
+                        all_jobs, pool if workers > 1 else None, write.fsync, into, incremental
+                    )
+                )
+            digests = incremental.digests if incremental is not None else {}
             for t, r, jobs in jobs_by_region:
                 refs.setdefault("/".join(t.name), []).append(
                     [
                         list(r.offset),
-                        [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)],
+                        [
+                            [f.path, f.size, f.crc32c, *([digests[f.path]] if digests else [])]
+                            for f in (next(files) for _ in jobs)
+                        ],
                     ]
                 )
+            tally = incremental.report() if incremental is not None else None
             self.hook("written")
         parity: dict[str, Any] | None = None
         if self.layout is not None and self.member is not None:  # the vote carries the parity
@@ -270,8 +324,20 @@ class _Save:
                     comm, self.layout, self.member, self.staging, write.fsync, failed=b.failed
                 )
                 self.hook("encoded")
-        gathered = b.vote("write", {"refs": refs, "parity": parity}, cleanup=self.mine_staging)
+        gathered = b.vote(
+            "write", {"refs": refs, "parity": parity, "tally": tally}, cleanup=self.mine_staging
+        )
+        self.tallies = [g["tally"] for g in gathered if g["tally"] is not None]
         return [g["refs"] for g in gathered], [g["parity"] for g in gathered]
+
+    def _incremental(self) -> inc.Incremental:
+        """This rank's hashing (and, with a base, linking) for the files it writes: the base's
+        manifest read from this rank's view of it (a node's copy holds the whole manifest)."""
+        if self.base is None:
+            return inc.Incremental(name=self.hash_name)
+        found = inc.Incremental(name=self.hash_name, base_root=self.base)
+        found.base = inc.base_files(read_manifest(self.base), self.hash_name)
+        return found
 
     def manifest(self, refs: list[Any], parity: list[Any]) -> Manifest:
         """Collective (a vote): every rank builds the same manifest from the gathered file
@@ -282,6 +348,12 @@ class _Save:
         with b.guard("manifest"):
             writer = self.meta.writer or writer_info()
             manifest = build_manifest(self.declared, refs, writer, self.meta.levels or {})
+            if self.hashing:
+                digests = _digests(refs)
+                writer = inc.with_hashes(
+                    writer, self.hash_name, [digests[f.path] for _, f in manifest.files()]
+                )
+                manifest = dataclasses.replace(manifest, writer=writer)
             if self.redundancy is not None:
                 sets = member_sets(self.redundancy, self.nodes)
                 record = make_record(self.redundancy, manifest, sets, parity)
@@ -294,6 +366,17 @@ class _Save:
                 commit.stage_manifest(self.staging, data, self.write_options.fsync)
         b.vote("manifest", cleanup=self.mine_staging)
         return manifest
+
+
+def _digests(refs: list[Any]) -> dict[str, str]:
+    """Every file's content hash from the gathered file lists (``[path, size, crc, hash]``)."""
+    return {
+        f[0]: f[3]
+        for rank_refs in refs
+        for regions in rank_refs.values()
+        for _, files in regions
+        for f in files
+    }
 
 
 @contextmanager

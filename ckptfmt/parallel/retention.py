@@ -13,12 +13,14 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel import room
+from ckptfmt.parallel.level3 import DirLevel
 from ckptfmt.parallel.level3_pick import level3_of
-from ckptfmt.parallel.levels import Levels, retain_steps
+from ckptfmt.parallel.levels import Levels, flush_collective, newest_base, retain_steps
 from ckptfmt.parallel.outcomes import Calls, Outcomes
 from ckptfmt.parallel.publish import FaultHook
 from ckptfmt.storage import commit
@@ -27,7 +29,7 @@ from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
 
-__all__ = ["Retention", "committed"]
+__all__ = ["Retention", "committed", "newest_base"]
 
 
 def committed(root: Path | None) -> list[tuple[int, Path]]:
@@ -51,8 +53,11 @@ class Retention:
         fsync: bool,
         fault: FaultHook | None,
         outcomes: Outcomes,
+        incremental: bool = False,
     ) -> None:
         self.levels = levels
+        self.incremental = incremental
+        self.flush_linked: dict[str, Any] | None = None  # the last incremental flush's tallies
         self.local_root = local_root
         self.shared = level3_of(levels)  # a shared directory or a bucket
         self.keep_local, self.keep_shared = keep_local, keep_shared
@@ -120,14 +125,24 @@ class Retention:
 
     def _flush_once(self, comm: Comm, manifest: Manifest, seq: int | None) -> None:
         assert self.local_root is not None and self.shared is not None
-        self.shared.flush(
-            comm,
-            manifest,
-            self.local_root / step_dir_name(manifest.step or 0),
-            fsync=self.fsync,
-            fault=self.fault,
-            seq=seq,
-        )
+        local = self.local_root / step_dir_name(manifest.step or 0)
+        self.flush_linked = None
+        if self.incremental and isinstance(self.shared, DirLevel):
+            # against the newest step on level 3: unchanged files are linked, not copied
+            self.flush_linked = {}
+            flush_collective(
+                comm,
+                manifest,
+                local,
+                self.shared.root,
+                fsync=self.fsync,
+                fault=self.fault,
+                seq=seq,
+                incremental=True,
+                report=self.flush_linked,
+            )
+            return
+        self.shared.flush(comm, manifest, local, fsync=self.fsync, fault=self.fault, seq=seq)
 
     def _make_room(self, comm: Comm, nbytes: int, step: int) -> bool:
         """Collective (a broadcast from rank 0; every rank, after a flush failed full: the vote

@@ -55,7 +55,9 @@ def is_full(exc: CkptError) -> bool:
 
 
 def _tree_bytes(path: Path) -> int:
-    """The bytes the files under ``path`` hold on disk (allocated blocks)."""
+    """The bytes the files under ``path`` hold on disk (allocated blocks); a file hard-linked
+    into other steps by incremental saves counts its share (its blocks over its links): removing
+    one of the steps that name it frees nothing of it, removing all of them frees it all."""
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:
@@ -63,7 +65,7 @@ def _tree_bytes(path: Path) -> int:
                 st = os.lstat(os.path.join(dirpath, name))
             except OSError:
                 continue
-            total += st.st_blocks * 512
+            total += st.st_blocks * 512 // max(1, st.st_nlink)
     return total
 
 

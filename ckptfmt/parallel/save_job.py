@@ -39,7 +39,7 @@ from ckptfmt.parallel import room, share
 from ckptfmt.parallel.outcomes import Calls, Outcomes
 from ckptfmt.parallel.protocol import save_collective
 from ckptfmt.parallel.publish import FaultHook
-from ckptfmt.parallel.retention import Retention
+from ckptfmt.parallel.retention import Retention, newest_base
 from ckptfmt.parallel.save_state import check_leaf
 from ckptfmt.parallel.stager import Stager
 from ckptfmt.parallel.staging import BufferPool, SaveHandle
@@ -107,6 +107,7 @@ class SaveSettings:
     fault: FaultHook | None
     progress: ProgressCallback | None
     fallback_to_shared: bool
+    incremental: bool = False  # each save against the newest committed step of its level
 
 
 class Saver:
@@ -129,6 +130,7 @@ class Saver:
         self.calls, self.outcomes, self.retention = calls, outcomes, retention
         self.stager, self.pool = stager, pool
         self.saves = 0
+        self._linked: dict[str, Any] | None = None  # the last incremental write's tallies
         self.idle = threading.Event()
         self.idle.set()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -263,6 +265,10 @@ class Saver:
         report.level = level
         report.redundancy = red.scheme if red is not None and level == 1 else None
         report.bytes_written[str(level)] = data_bytes_of(manifest, self.bg.rank)
+        if self._linked is not None:  # an incremental save: what was written, what linked
+            report.bytes_written[str(level)] = int(self._linked.get("written_bytes", 0))
+            report.bytes_linked[str(level)] = int(self._linked.get("linked_bytes", 0))
+            report.link_refused += int(self._linked.get("unlinkable", 0))
         report.parity_bytes = parity_bytes_of(manifest, self.bg.rank) if level == 1 else 0
         if level == 3:
             self.retention.flushed.add(manifest.save_id)
@@ -277,7 +283,12 @@ class Saver:
             if shared is not None and wanted:
                 if self.retention.flush(manifest, self.bg, seq):
                     report.flushed = True
-                    report.bytes_written["3"] = report.bytes_written["1"]
+                    report.bytes_written["3"] = data_bytes_of(manifest, self.bg.rank)
+                    linked = self.retention.flush_linked
+                    if linked:  # an incremental flush that copied (a flushed one: empty)
+                        report.bytes_written["3"] = int(linked.get("written_bytes", 0))
+                        report.bytes_linked["3"] = int(linked.get("linked_bytes", 0))
+                        report.link_refused += int(linked.get("unlinkable", 0))
                 else:
                     report.flush_error = self.retention.flush_error
         self.retention.retain(self.bg, {step})
@@ -371,8 +382,12 @@ class Saver:
         seq: int,
         failure: BaseException | None,
     ) -> Manifest:
-        """Collective: ``save_collective`` of the staged state as ``root``'s step directory."""
+        """Collective: ``save_collective`` of the staged state as ``root``'s step directory;
+        incremental against the newest committed step there when the manager is."""
         s = self.settings
+        base = newest_base(root) if s.incremental else None
+        linked: dict[str, Any] = {}
+        self._linked = linked if s.incremental else None
         with metering("save", s.progress) as meter:
             manifest, _ = save_collective(
                 self.bg,
@@ -387,6 +402,8 @@ class Saver:
                 redundancy=red,
                 seq=seq,
                 failure=failure,
+                base=base,
+                report=linked,
             )
             meter.finish()
         return manifest

@@ -129,7 +129,8 @@ def build_manifest(
     for rank_refs in all_refs or []:
         for path, regions in rank_refs.items():
             for offset, files in regions:
-                files_at[(path, tuple(offset))] = tuple(FileRef(p, s, c) for p, s, c in files)
+                # a file is [path, size, crc32c] and, when the save hashes, its content hash
+                files_at[(path, tuple(offset))] = tuple(FileRef(*f[:3]) for f in files)
     plans = {t.name: t for t in plan.tensors}
     entries: list[Entry] = []
     for n, kind in order_values["order"]:

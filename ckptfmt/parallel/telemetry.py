@@ -26,6 +26,9 @@ class SaveReport:
     it failed); ``fell_back``: level 1 failed and the step was written to level 3 instead;
     ``bytes_written``: this rank's data bytes by level (``"1"``, ``"3"``); ``parity_bytes``:
     this rank's parity file; ``flushed``: the step reached level 3 in this save;
+    ``bytes_linked``: an incremental manager's data bytes by level that were hard-linked from
+    the previous step instead of written (``bytes_written`` then counts only what was
+    written); ``link_refused``: files written because the file system refused a link;
     ``error``: why it failed (or why it fell back)."""
 
     step: int
@@ -39,6 +42,8 @@ class SaveReport:
     redundancy: str | None = None
     bytes_written: dict[str, int] = field(default_factory=dict)
     parity_bytes: int = 0
+    bytes_linked: dict[str, int] = field(default_factory=dict)
+    link_refused: int = 0
     error: str | None = None
     flush_error: str | None = None
 

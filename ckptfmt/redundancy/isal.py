@@ -24,6 +24,7 @@ import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -287,6 +288,41 @@ def encode_data_update(
         )
 
 
+def crc64_available() -> bool:
+    """True when ISA-L is loaded and exports ``crc64_ecma_refl`` (CRC-64/XZ)."""
+    return _CRC64 is not None
+
+
+def crc64(data: object, value: int = 0) -> int:
+    """CRC-64/XZ (ECMA-182 polynomial, reflected; ``crc64("123456789") = 0x995DC9BBDF1939FA``)
+    of a bytes-like object, continuing from ``value`` (the CRC of what came before), with ISA-L's
+    carry-less-multiply kernel (about 30 GB/s on one core here, several times the CRC32C
+    package). The incremental save's content hash (``format/incremental.py``). The GIL is
+    released during the call; nothing is copied."""
+    if _CRC64 is None:
+        raise UsageError(f"ISA-L's crc64 is not available: {_ERROR or 'not exported'}")
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    n = len(view)
+    if not n:
+        return value
+    buf = np.frombuffer(view, dtype=np.uint8)
+    return int(_CRC64(value, int(buf.ctypes.data), n))
+
+
+def _load_crc64() -> Any:
+    if _LIB is None or not hasattr(_LIB, "crc64_ecma_refl"):
+        return None
+    fn = _LIB.crc64_ecma_refl
+    fn.argtypes = [ctypes.c_uint64, _vp, ctypes.c_uint64]
+    fn.restype = ctypes.c_uint64
+    if fn(0, b"123456789", 9) != 0x995DC9BBDF1939FA:  # the CRC-64/XZ check value
+        return None
+    return fn
+
+
+_CRC64 = _load_crc64()
+
+
 __all__ = [
     "LIBRARY_NAME",
     "MAX_CALL",
@@ -294,6 +330,8 @@ __all__ = [
     "Tables",
     "available",
     "cauchy1_matrix",
+    "crc64",
+    "crc64_available",
     "encode_data",
     "encode_data_update",
     "find_library",

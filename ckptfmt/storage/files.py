@@ -196,9 +196,14 @@ def read_scatter(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
                 break
 
 
+def doc_bytes(doc: Any) -> bytes:
+    """The bytes :func:`write_json` writes for ``doc``."""
+    return json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")
+
+
 def write_json(path: Path, doc: Any, fsync: bool = True) -> None:
     """A metadata document, as ``codecs.zarr_meta.doc_bytes`` gives its bytes."""
-    write_gather(path, [json.dumps(doc, allow_nan=False, indent=1).encode("utf-8")], fsync)
+    write_gather(path, [doc_bytes(doc)], fsync)
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Incremental saves (``ckptfmt.save(..., base=...)``) against full saves of the same state.
+
+One run, every variant interleaved round by round (the order rotates), medians of ``--reps``
+rounds; every array of the state is touched (each page read) just before each timed window,
+since this VM hands idle memory back to the host and a save would otherwise time page faults.
+
+- ``full``: the default save (no content hash computed).
+- ``full+hash``: the same save recording content hashes (what the first save of a chain and
+  every incremental save pay for change detection); the difference to ``full`` is the cost of
+  the hash. The hash alone (CRC-64 by ISA-L over the state, one thread, 1 MiB pieces) is timed too.
+- ``incr 5%`` / ``incr 25%``: a frozen base of equal tensors of which 5% / 25% of the bytes
+  changed since the base (a committed full save with hashes): the incremental save.
+- bytes written: the bytes of the files a step's directory holds that are not links of the
+  base's (data files written, the zarr documents and the manifest).
+- sparse rows: one large table of which a few rows changed: the data files written, against
+  the table's files.
+- targets: ``/dev/shm`` (tmpfs, no fsync: a full save is a memory copy, the hardest case for an
+  incremental save, which still reads every byte once to hash it) and ``/tmp`` (the local disk,
+  with the default fsync: what a node-local level 1 is).
+- restore: ``ckptfmt.load`` of the tenth step of a chain of incremental saves (each 5% changed
+  from the one before) against a load of a full save of the same state.
+
+    python bench/bench_incremental.py             # 400 MiB state, /dev/shm and /tmp, 7 rounds
+    python bench/bench_incremental.py --quick     # 40 MiB, 3 rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import ckptfmt  # noqa: E402
+from ckptfmt import WriteOptions  # noqa: E402
+from ckptfmt.format import incremental  # noqa: E402
+from ckptfmt.redundancy import isal  # noqa: E402
+
+MIB = 1 << 20
+
+
+def touch(state: dict[str, np.ndarray]) -> None:
+    """Read one byte of every page of every array (fault back what the host took)."""
+    for a in state.values():
+        int(a.reshape(-1).view(np.uint8)[::4096].sum())
+
+
+def new_bytes(step: Path) -> int:
+    """The bytes of the files under ``step`` that were written for it (one link: not shared)."""
+    return sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+
+
+def files_written(step: Path, prefix: str) -> tuple[int, int]:
+    """(files written, files) of the data files under ``step/prefix``."""
+    files = [p for p in (step / prefix / "c").rglob("*") if p.is_file()]
+    return sum(1 for p in files if p.stat().st_nlink == 1), len(files)
+
+
+def make_state(n: int, tensor_mib: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    rows = tensor_mib * MIB // (4 * 1024)
+    return {f"layer{i:03d}": rng.standard_normal((rows, 1024), dtype=np.float32) for i in range(n)}
+
+
+def changed(state: dict[str, np.ndarray], fraction: float, salt: int) -> dict[str, np.ndarray]:
+    """``state`` with its first ``fraction`` of tensors changed (new arrays; the rest shared)."""
+    names = sorted(state)
+    k = round(len(names) * fraction)
+    out = dict(state)
+    for name in names[:k]:
+        out[name] = state[name] + np.float32(salt)
+    return out
+
+
+def timed(fn: Callable[[], Any], state: dict[str, np.ndarray]) -> float:
+    touch(state)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def hash_alone(state: dict[str, np.ndarray]) -> float:
+    """Seconds to hash the state's bytes with the content hash, 1 MiB pieces, one thread."""
+    name = incremental.algorithm()
+    touch(state)
+    t0 = time.perf_counter()
+    for a in state.values():
+        flat = a.reshape(-1).view(np.uint8)
+        h = incremental.Hasher(name)
+        for at in range(0, flat.size, MIB):
+            h.add(flat[at : at + MIB])
+        h.hexdigest()
+    return time.perf_counter() - t0
+
+
+TARGETS = {
+    # tmpfs: "storage" at memory speed, nothing to fsync (the hardest case for incremental saves:
+    # a full save is a memcpy, an incremental one still reads every byte once to hash it)
+    "shm": ("/dev/shm/ckptfmt-bench-incr", False),
+    # the local disk with ckptfmt's default fsync (what a node-local level 1 is)
+    "disk": ("/tmp/ckptfmt-bench-incr", True),
+}
+
+
+def run_target(root: Path, fsync: bool, n: int, tensor_mib: int, reps: int) -> dict[str, Any]:
+    """Every measurement on one target directory; the numbers as a JSON-able dict."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    plain = WriteOptions(fsync=fsync)
+    hashed = WriteOptions(fsync=fsync, content_hash=True)
+
+    state = make_state(n, tensor_mib)
+    nbytes = sum(a.nbytes for a in state.values())
+    base = root / "base"
+    ckptfmt.save(state, base, write=hashed)
+    s5, s25 = changed(state, 0.05, 1), changed(state, 0.25, 2)
+    times: dict[str, list[float]] = {k: [] for k in ("full", "full+hash", "incr5", "incr25")}
+    written: dict[str, list[int]] = {k: [] for k in times}
+    runs: dict[str, tuple[dict[str, np.ndarray], Callable[[Path], Any]]] = {
+        "full": (s5, lambda p: ckptfmt.save(s5, p, write=plain)),
+        "full+hash": (s5, lambda p: ckptfmt.save(s5, p, write=hashed)),
+        "incr5": (s5, lambda p: ckptfmt.save(s5, p, write=hashed, base=base)),
+        "incr25": (s25, lambda p: ckptfmt.save(s25, p, write=hashed, base=base)),
+    }
+    hash_s: list[float] = []
+    order = list(runs)
+    for rep in range(reps):
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
+            st, fn = runs[name]
+            path = root / f"{name}-{rep}"
+            times[name].append(timed(lambda: fn(path), st))  # noqa: B023
+            written[name].append(new_bytes(path))
+            shutil.rmtree(path)
+        hash_s.append(hash_alone(s5))
+
+    # sparse rows inside one large table (128 MiB, 16 MiB shards)
+    rng = np.random.default_rng(5)
+    table = {"table": rng.standard_normal((128 * 256, 1024), dtype=np.float32)}
+    ckptfmt.save(table, root / "t0", write=hashed)
+    rows = [100, 101, 20000]  # in shards 0 and 4 of 8 (4096 rows each)
+    sparse = {"table": table["table"].copy()}
+    sparse["table"][rows] += 1
+    ckptfmt.save(sparse, root / "t1", write=hashed, base=root / "t0")
+    sparse_written, sparse_files = files_written(root / "t1", "table")
+    sparse_bytes = new_bytes(root / "t1")
+    shutil.rmtree(root / "t0")
+    shutil.rmtree(root / "t1")
+    del table, sparse
+
+    # a chain of ten incremental steps, each 5% changed from the one before; restore the tenth
+    chain_state, prev = state, base
+    for k in range(1, 11):
+        names = sorted(chain_state)
+        at = (2 * k) % len(names)
+        chain_state = dict(chain_state)
+        for name in names[at : at + max(1, len(names) // 20)]:
+            chain_state[name] = chain_state[name] + np.float32(k)
+        step = root / f"chain-{k}"
+        ckptfmt.save(chain_state, step, write=hashed, base=prev)
+        prev = step
+    full10 = root / "full10"
+    ckptfmt.save(chain_state, full10, write=plain)
+    load_t: dict[str, list[float]] = {"full": [], "chain10": []}
+    for rep in range(reps):
+        for name, path in [("full", full10), ("chain10", prev)][:: 1 if rep % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            got = ckptfmt.load(path)
+            load_t[name].append(time.perf_counter() - t0)
+            del got
+    check = ckptfmt.load(prev)
+    assert all(np.array_equal(check[k], chain_state[k]) for k in chain_state)
+    del check
+    shutil.rmtree(root, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    wmed = {k: statistics.median(v) for k, v in written.items()}
+    lmed = {k: statistics.median(v) for k, v in load_t.items()}
+    gb = nbytes / 1e9
+    return {
+        "target": str(root),
+        "fsync": fsync,
+        "state_bytes": nbytes,
+        "save_s": times,
+        "save_median_s": med,
+        "written_median_bytes": wmed,
+        "hash_alone_median_s": statistics.median(hash_s),
+        "hash_cost_s_per_gb": (med["full+hash"] - med["full"]) / gb,
+        "hash_alone_s_per_gb": statistics.median(hash_s) / gb,
+        "incr5_time_ratio": med["incr5"] / med["full"],
+        "incr25_time_ratio": med["incr25"] / med["full"],
+        "incr5_fewer_bytes": wmed["full"] / wmed["incr5"],
+        "incr25_fewer_bytes": wmed["full"] / wmed["incr25"],
+        "incr5_limit_bytes": 1.1 * 0.05 * nbytes + MIB,
+        "sparse": {
+            "rows_changed": rows,
+            "table_files_written": sparse_written,
+            "table_files": sparse_files,
+            "bytes_written": sparse_bytes,
+        },
+        "load_s": load_t,
+        "load_median_s": lmed,
+        "chain10_load_ratio": lmed["chain10"] / lmed["full"],
+    }
+
+
+def show(name: str, r: dict[str, Any]) -> None:
+    med, wmed, lmed = r["save_median_s"], r["written_median_bytes"], r["load_median_s"]
+    sp = r["sparse"]
+    print(f"== {name}: {r['target']} (fsync {r['fsync']}), state {r['state_bytes'] / MIB:.0f} MiB")
+    print(f"{'save':>10} {'median s':>9} {'written MiB':>12}")
+    for k in med:
+        print(f"{k:>10} {med[k]:9.3f} {wmed[k] / MIB:12.2f}")
+    print(
+        f"hash: {r['hash_cost_s_per_gb']:.4f} s/GB on top of a full save "
+        f"(alone, one thread: {r['hash_alone_s_per_gb']:.4f} s/GB)"
+    )
+    print(
+        f"incr 5%: {r['incr5_fewer_bytes']:.1f}x fewer bytes "
+        f"(limit {r['incr5_limit_bytes'] / MIB:.1f} MiB), {r['incr5_time_ratio']:.3f}x the time; "
+        f"incr 25%: {r['incr25_fewer_bytes']:.1f}x fewer bytes, {r['incr25_time_ratio']:.3f}x"
+    )
+    print(
+        f"sparse rows {sp['rows_changed']}: {sp['table_files_written']} of {sp['table_files']} "
+        f"table files written ({sp['bytes_written'] / MIB:.1f} MiB)"
+    )
+    print(
+        f"load: full {lmed['full']:.3f} s, 10th incremental step {lmed['chain10']:.3f} s "
+        f"({r['chain10_load_ratio']:.3f}x)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="shm,disk", help="comma-separated: " + ",".join(TARGETS))
+    ap.add_argument("--tensors", type=int, default=40)
+    ap.add_argument("--tensor-mib", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "incremental.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.tensors, args.tensor_mib, args.reps = 20, 2, 3
+    result: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "tensors": args.tensors,
+        "reps": args.reps,
+        "hash": incremental.algorithm(),
+        "isal": isal.version(),
+        "targets": {},
+    }
+    for name in args.targets.split(","):
+        where, fsync = TARGETS[name]
+        result["targets"][name] = run_target(
+            Path(where), fsync, args.tensors, args.tensor_mib, args.reps
+        )
+        show(name, result["targets"][name])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Incremental saves on the levels: level-1 steps whose unchanged files are hard links of the
+previous step's keep their own redundancy (a byte flipped in a shared file is seen in every step
+that holds it and rebuilt from each step's parity), and an incremental manager's retention,
+deletion and flushes (linked on level 3 too) never take data a kept step needs. Every rank is a
+thread (``ThreadComm``) on a simulated node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ckptfmt_cli.exits import ExitStatus
+from kit.cli import run_cli as run
+from kit.faults import flip
+from kit.files import tree_snapshot
+from kit.level1 import rank_state
+
+import ckptfmt
+from ckptfmt import ExitPolicy, Shard, WriteOptions
+from ckptfmt.container.metadata import ManifestMeta
+from ckptfmt.parallel.manager import CheckpointManager
+from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.redundancy.config import Redundancy
+from ckptfmt.transport.threads import run_threads
+
+NODES = ["n0", "n1"]
+W = WriteOptions(fsync=False, chunk_bytes=40, shard_bytes=160, threads=1, content_hash=True)
+
+
+def _save(root: Path, base: Path | None, seed_w: int) -> None:
+    """Both nodes save :func:`rank_state` with xor redundancy into ``root/<node>``, rank 0's
+    rows of ``model/w`` changed by ``seed_w``; incremental against ``base/<node>``."""
+    red = Redundancy.of({"scheme": "xor", "set_size": 2})
+
+    def body(comm: Any) -> None:
+        state = rank_state(comm.rank, comm.size)
+        if comm.rank == 0 and seed_w:
+            state["model"]["w"].data[:] += seed_w
+        save_collective(
+            comm,
+            state,
+            root / NODES[comm.rank],
+            step=5,
+            node=NODES[comm.rank],
+            redundancy=red,
+            write=W,
+            meta=ManifestMeta(levels={"1": {}}),
+            base=None if base is None else base / NODES[comm.rank],
+        )
+
+    run_threads(2, body)
+
+
+def _shared_file(a: Path, b: Path) -> str:
+    """A data file of ``b`` that is a hard link of ``a``'s (the same inode)."""
+    for node in NODES:
+        m = ckptfmt.open(b / node).manifest
+        for t, f in m.files():
+            if m.ranks[next(r.rank for r in t.regions if f in r.files)].node != node:
+                continue
+            if (b / node / f.path).stat().st_ino == (a / node / f.path).stat().st_ino:
+                return f"{node}/{f.path}"
+    raise AssertionError("no file is shared")
+
+
+def test_a_flip_in_a_shared_file_is_seen_in_both_steps_and_rebuilt_from_each_parity(
+    tmp_path: Path,
+) -> None:
+    """A bit flipped on disk in a file two steps share (one inode) damages both: each step's
+    verify names it, each step loads from its own parity, and ``ckptfmt rebuild`` of one step
+    replaces the file in that step only (a new file under a temporary name, renamed over the
+    link: a rebuild never writes through a link into another checkpoint), so the other step is
+    damaged until it is rebuilt in turn from its own parity."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _save(a, None, 0)
+    _save(b, a, 3)
+    healthy_a, healthy_b = tree_snapshot(a), tree_snapshot(b)
+    whole_a, whole_b = ckptfmt.load(f"{a}/{{node}}"), ckptfmt.load(f"{b}/{{node}}")
+    rel = _shared_file(a, b)
+    assert (b / rel).stat().st_nlink == 2
+    flip(b / rel, 5, 0x10)  # in place: the inode both steps name
+    assert (a / rel).read_bytes() == (b / rel).read_bytes() != healthy_a[rel]
+    for root in (a, b):
+        report = ckptfmt.verify(f"{root}/{{node}}")
+        assert not report.healthy
+        assert rel.split("/", 1)[1] in str(report.to_json()), report.to_json()
+        assert run("verify", f"{root}/{{node}}").exit_code == ExitStatus.DAMAGED
+    # a load rebuilds what it needs from the step's own parity (in scratch space)
+    for root, whole in ((a, whole_a), (b, whole_b)):
+        got = ckptfmt.load(f"{root}/{{node}}")
+        assert all(np.array_equal(got["model"][k], whole["model"][k]) for k in whole["model"])
+    assert run("rebuild", "--no-fsync", f"{b}/{{node}}").exit_code == ExitStatus.OK
+    assert tree_snapshot(b) == healthy_b
+    assert (b / rel).stat().st_nlink == 1  # replaced, not written through the link
+    assert run("verify", f"{b}/{{node}}").exit_code == ExitStatus.OK
+    assert run("verify", f"{a}/{{node}}").exit_code == ExitStatus.DAMAGED
+    assert run("rebuild", "--no-fsync", f"{a}/{{node}}").exit_code == ExitStatus.OK
+    assert tree_snapshot(a) == healthy_a
+    assert run("verify", f"{a}/{{node}}").exit_code == ExitStatus.OK
+
+
+ROWS = 96
+
+
+def _state(rank: int, k: int) -> dict[str, Any]:
+    """Step ``k`` of a job of two ranks: a frozen replicated table, a sharded weight of which
+    only a few rows change per step, and a step counter."""
+    frozen = np.random.default_rng(7).standard_normal((256, 32), dtype=np.float32)
+    w = np.random.default_rng(8).standard_normal((ROWS, 32), dtype=np.float32)
+    for j in range(1, k + 1):
+        w[(j * 37) % ROWS] += j
+    half = ROWS // 2
+    return {
+        "frozen": frozen,
+        "w": Shard(w[rank * half : (rank + 1) * half].copy(), (rank * half, 0), (ROWS, 32)),
+        "k": k,
+    }
+
+
+def _whole(k: int) -> dict[str, Any]:
+    parts = [_state(r, k) for r in range(2)]
+    return {
+        "frozen": parts[0]["frozen"],
+        "w": np.concatenate([p["w"].data for p in parts]),
+        "k": k,
+    }
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    return (
+        np.array_equal(got["frozen"], want["frozen"])
+        and np.array_equal(got["w"], want["w"])
+        and got["k"] == want["k"]
+    )
+
+
+def test_an_incremental_managers_retention_and_flushes_keep_what_kept_steps_need(
+    tmp_path: Path,
+) -> None:
+    reports: dict[int, list[Any]] = {0: [], 1: []}
+    write = WriteOptions(fsync=False, chunk_bytes=1024, shard_bytes=4096, threads=1)
+
+    def manager(comm: Any, **kw: Any) -> CheckpointManager:
+        return CheckpointManager(
+            f"{tmp_path}/l1/{{node}}",
+            tmp_path / "l3",
+            comm=comm,
+            node=NODES[comm.rank],
+            redundancy={"scheme": "xor", "set_size": 2},
+            keep_local=2,
+            keep_shared=2,
+            incremental=True,
+            async_save=False,
+            write=write,
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+            **kw,
+        )
+
+    def body(comm: Any) -> None:
+        m = manager(comm, on_save=reports[comm.rank].append)
+        for k in range(6):
+            m.save(k, _state(comm.rank, k))
+        m.delete(4)  # the base of step 5 on both levels
+        m.close(flush=False)
+
+    run_threads(2, body)
+    l1 = {n: tmp_path / "l1" / n for n in NODES}
+    l3 = tmp_path / "l3"
+    assert sorted(p.name for p in l1["n0"].iterdir()) == ["step-0000000005"]
+    assert sorted(p.name for p in l3.glob("step-*")) == ["step-0000000005"]
+    for first in (reports[0][0], reports[1][0]):
+        assert first.error is None and not first.bytes_linked.get("1")
+    for both in zip(reports[0][1:], reports[1][1:]):  # from the second save on: mostly links
+        for r in both:
+            assert r.error is None and r.flush_error is None and r.flushed, r
+            assert r.link_refused == 0
+        for level in ("1", "3"):
+            linked = sum(r.bytes_linked[level] for r in both)
+            written = sum(r.bytes_written[level] for r in both)
+            assert linked > 2 * written > 0, both
+    step5 = f"{tmp_path}/l1/{{node}}/step-0000000005"
+    assert ckptfmt.verify(step5).healthy
+    assert ckptfmt.verify(l3 / "step-0000000005").healthy
+    assert _same(ckptfmt.load(step5), _whole(5))
+    assert _same(ckptfmt.load(l3 / "step-0000000005"), _whole(5))
+
+    def restore(comm: Any) -> Any:
+        m = manager(comm)
+        try:
+            return m.restore(_state(comm.rank, 0)).step
+        finally:
+            m.close(flush=False)
+
+    assert run_threads(2, restore) == [5, 5]
+
+
+def test_retention_of_an_incremental_chain_on_one_level_keeps_every_kept_step_whole(
+    tmp_path: Path,
+) -> None:
+    """A manager with level 3 only (its saves are incremental there): after every save the
+    steps retention kept load bit for bit, though each one's base was removed."""
+    m = CheckpointManager(
+        shared_dir=tmp_path / "l3",
+        keep_shared=3,
+        incremental=True,
+        async_save=False,
+        write=WriteOptions(fsync=False, chunk_bytes=1024, shard_bytes=4096),
+        at_exit=ExitPolicy(flush=False, sigterm=False),
+    )
+    try:
+        for k in range(7):
+            whole = _whole(k)
+            m.save(k, {"frozen": whole["frozen"], "w": whole["w"], "k": k})
+            kept = sorted(int(p.name[5:]) for p in (tmp_path / "l3").glob("step-*"))
+            assert kept == list(range(max(0, k - 2), k + 1))
+            for s in kept:
+                assert _same(ckptfmt.load(tmp_path / "l3" / f"step-{s:010d}"), _whole(s)), s
+            assert m.last_save is not None and (k == 0 or m.last_save.bytes_linked["3"] > 0)
+    finally:
+        m.close(flush=False)

@@ -1,0 +1,55 @@
+"""An incremental manager under ``mpiexec -n 2``: after the first save each rank writes only
+the shards whose rows changed and links the rest on level 1 and on level 3, the level-1 steps
+kept by retention verify with their parity and load bit for bit with their bases removed, and
+a fresh job restores the newest step bit for bit (``tests/workers/_incremental_worker.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kit import REPO
+from kit.launch import assert_ok, run_mpi
+
+import ckptfmt
+
+pytestmark = pytest.mark.mpi
+
+
+def test_an_incremental_manager_on_two_nodes(tmp_path: Path) -> None:
+    result = run_mpi(2, REPO / "tests" / "workers" / "_incremental_worker.py", str(tmp_path))
+    assert_ok(result)
+    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    assert sorted(x["rank"] for x in lines) == [0, 1]
+    for x in lines:
+        assert x["step"] == 4 and x["level"] == 1 and x["exact"], x
+        first = x["reports"][0]
+        assert first["error"] is None and not first["bytes_linked"].get("1")
+    for both in zip(*(x["reports"][1:] for x in lines)):  # a rank may have written nothing
+        for r in both:
+            assert r["error"] is None and r["flushed"] and r["link_refused"] == 0, r
+            assert r["parity_bytes"] > 0  # the redundancy covers every step whole
+        for level in ("1", "3"):
+            linked = sum(r["bytes_linked"][level] for r in both)
+            written = sum(r["bytes_written"][level] for r in both)
+            assert linked > 2 * written > 0, both
+    # retention kept two steps per level; each one whole on its own
+    for k in (3, 4):
+        step = f"step-{k:010d}"
+        template = f"{tmp_path}/l1/{{node}}/{step}"
+        assert ckptfmt.verify(template).healthy
+        assert ckptfmt.verify(tmp_path / "l3" / step).healthy
+    assert sorted(p.name for p in (tmp_path / "l1" / "n0").glob("step-*")) == [
+        "step-0000000003",
+        "step-0000000004",
+    ]
+    sys.path.insert(0, str(REPO / "tests" / "workers"))
+    from _incremental_worker import whole
+
+    got = ckptfmt.load(tmp_path / "l3" / "step-0000000004")
+    assert np.array_equal(got["w"], whole(4)["w"]) and np.array_equal(
+        got["frozen"], whole(4)["frozen"]
+    )
