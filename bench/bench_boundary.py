@@ -82,7 +82,8 @@ def time_repair() -> dict[str, float]:
     ``ckptfmt.engine.copies`` after the layout move, ``ckptfmt.copies`` before; absent before
     the error boundary: stays 0)."""
     spent = {"s": 0.0}
-    import ckptfmt.parallel.rebuild as rebuild  # it imports the name: patch it where it is called
+    # it imports the name: patch it where it is called
+    import ckptfmt.parallel.collective.rebuild as rebuild
 
     orig = getattr(rebuild, "repair_collective", None)
     if orig is None:
@@ -158,9 +159,9 @@ def launch(args: argparse.Namespace) -> None:
 
     import ckptfmt
     from ckptfmt import CheckpointManager
-    from ckptfmt.parallel.load import load_collective
-    from ckptfmt.parallel.protocol import save_collective
-    from ckptfmt.parallel.rebuild import rebuild_collective
+    from ckptfmt.parallel.collective.load import load_collective
+    from ckptfmt.parallel.collective.rebuild import rebuild_collective
+    from ckptfmt.parallel.collective.save import save_collective
     from ckptfmt.redundancy.config import Redundancy
     from ckptfmt.storage import commit
 

@@ -82,7 +82,7 @@ def names(n: int) -> list[str]:
 def save_ckptfmt(path: Path, n: int, n_rows: int) -> None:
     from ckptfmt import Shard
     from ckptfmt.format.options import WriteOptions
-    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.parallel.collective.save import save_collective
     from ckptfmt.transport.threads import run_threads
 
     def body(comm: Any) -> None:

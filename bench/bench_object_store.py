@@ -136,9 +136,9 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from ckptfmt import Shard, WriteOptions
     from ckptfmt.container.metadata import ManifestMeta
-    from ckptfmt.parallel.level3_bucket import BucketLevel, flush_to_bucket
-    from ckptfmt.parallel.load import load_collective
-    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.parallel.collective.load import load_collective
+    from ckptfmt.parallel.collective.save import save_collective
+    from ckptfmt.parallel.levels.bucket import BucketLevel, flush_to_bucket
     from ckptfmt.storage.objects import Bucket
     from ckptfmt.storage.steps import step_dir_name
     from ckptfmt.transport.mpi import MpiComm

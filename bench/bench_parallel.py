@@ -153,7 +153,7 @@ def timed_collective(env: Env, body: Callable[[], list[Path]]) -> Sample:
 
 def run_par(env: Env, rep: int, threads: int) -> Sample:
     from ckptfmt.format.options import WriteOptions
-    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.parallel.collective.save import save_collective
 
     path = env.node_dir() / f"par-t{threads}-{rep}"
     plan_box: list[Any] = []
@@ -276,7 +276,7 @@ def planned_pieces(env: Env) -> list[memoryview]:
     into byte views of at most one default shard."""
     from ckptfmt.format.shard_io import byte_view
     from ckptfmt.manifest.grid import DEFAULT_SHARD_BYTES
-    from ckptfmt.parallel.save_state import check_state
+    from ckptfmt.parallel.collective.save_state import check_state
     from ckptfmt.plan.ownership import make_plan
 
     holdings = check_state(env.nested).holdings()
@@ -295,8 +295,8 @@ def planned_pieces(env: Env) -> list[memoryview]:
 
 def check_parallel_save(env: Env) -> None:
     """A collective save, loaded back collectively from each node's directory, is bit-exact."""
-    from ckptfmt.parallel.load import load_collective
-    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.parallel.collective.load import load_collective
+    from ckptfmt.parallel.collective.save import save_collective
 
     path = env.node_dir() / "check"
     save_collective(env.comm, env.nested, path, step=0, node=env.node)
@@ -373,7 +373,7 @@ def mem_available() -> int:
 def run_launch(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from ckptfmt.parallel.manager import CheckpointManager
+    from ckptfmt.parallel.manager.checkpoint_manager import CheckpointManager
     from ckptfmt.transport.mpi import MpiComm
 
     mpi = MPI.COMM_WORLD

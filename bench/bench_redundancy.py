@@ -144,8 +144,8 @@ def instrument(comm: Any) -> Profile:
     remainder of the total is ``other``."""
     from ckptfmt.engine import encode
     from ckptfmt.engine import rebuild as steps
-    from ckptfmt.parallel import rebuild
-    from ckptfmt.parallel.boundary import Boundary
+    from ckptfmt.parallel.collective import rebuild
+    from ckptfmt.parallel.collective.boundary import Boundary
     from ckptfmt.redundancy import engine
 
     prof = Profile()
@@ -183,8 +183,8 @@ def instrument(comm: Any) -> Profile:
         return wrapper
 
     size = lambda *a, **k: a[-1].size  # noqa: E731  (the block multiplied)
-    # encoding (ckptfmt/engine/encode.py, called by the save in ckptfmt/parallel/protocol.py)
-    import ckptfmt.parallel.protocol as protocol
+    # encoding (ckptfmt/engine/encode.py, called by the save in ckptfmt/parallel/collective/save.py)
+    import ckptfmt.parallel.collective.save as protocol
 
     encode.mul_xor_into = timed("gf", encode.mul_xor_into, size)
     encode.crc32c = timed("crc", encode.crc32c)
@@ -204,8 +204,8 @@ def instrument(comm: Any) -> Profile:
 
     comm.start_exchange = start_exchange
     protocol.encode_collective = section("encode", protocol.encode_collective)  # type: ignore[attr-defined]
-    # the rebuild (the driver ckptfmt/parallel/rebuild.py, its steps ckptfmt/engine/rebuild.py;
-    # ops run in ckptfmt/redundancy/engine.py)
+    # the rebuild (the driver ckptfmt/parallel/collective/rebuild.py, its steps
+    # ckptfmt/engine/rebuild.py; ops run in ckptfmt/redundancy/engine.py)
     rebuild.read_manifest_bytes = timed("manifest", rebuild.read_manifest_bytes)
     rebuild.parse_manifest = timed("manifest", rebuild.parse_manifest)
     steps.assess_member = timed("assess", steps.assess_member)
@@ -276,8 +276,8 @@ def run_save(env: Env, key: str, rnd: int, fsync: bool) -> dict[str, Any]:
     from ckptfmt.container.members import read_member
     from ckptfmt.container.metadata import ManifestMeta
     from ckptfmt.format.options import WriteOptions
-    from ckptfmt.parallel import rebuild
-    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.parallel.collective import rebuild
+    from ckptfmt.parallel.collective.save import save_collective
     from ckptfmt.redundancy.config import Redundancy
     from ckptfmt.redundancy.record import record_of
     from ckptfmt.storage import commit

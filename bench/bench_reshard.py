@@ -106,8 +106,8 @@ def dp_state(rows: int) -> dict[str, Any]:
 def worker(args: argparse.Namespace) -> int:
     from ckptfmt.format.chunk_reads import record_reads
     from ckptfmt.format.options import WriteOptions
-    from ckptfmt.parallel.load import load_collective
-    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.parallel.collective.load import load_collective
+    from ckptfmt.parallel.collective.save import save_collective
     from ckptfmt.plan.options import ReadOptions
     from ckptfmt.transport.mpi import MpiComm
 

@@ -18,9 +18,13 @@ from ckptfmt.container.reader import Checkpoint, TensorView, latest
 from ckptfmt.errors import CkptError, FlushWarning
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.verify import VerifyReport, verify
-from ckptfmt.parallel.level3_pick import list_levels
-from ckptfmt.parallel.manager import CheckpointManager, CheckpointWarning, RestoreReport
-from ckptfmt.parallel.options import ExitPolicy
+from ckptfmt.parallel.levels.pick import list_levels
+from ckptfmt.parallel.manager.checkpoint_manager import (
+    CheckpointManager,
+    CheckpointWarning,
+    RestoreReport,
+)
+from ckptfmt.parallel.manager.options import ExitPolicy
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.storage.progress import Progress, ProgressCallback
 from ckptfmt.storage.steps import StepRef, step_dir_name

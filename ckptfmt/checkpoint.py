@@ -1,7 +1,7 @@
 """Single-process save, load and open of a whole checkpoint (``ckptfmt.save`` /
 ``ckptfmt.load`` / ``ckptfmt.open``).
 
-``save`` is the collective save of ``ckptfmt.parallel.protocol`` run by one process, so one
+``save`` is the collective save of ``ckptfmt.parallel.collective.save`` run by one process, so one
 code path writes every checkpoint; ``load`` reads every tensor whole, verifying every byte.
 ``load`` and ``open`` read one directory, or a level-1 checkpoint spread over node directories
 (a ``{node}`` template or a mapping node -> directory) through ``maintenance.source``, which
@@ -51,7 +51,7 @@ from ckptfmt.manifest.model import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.parallel.protocol import SaveFailedError, save_collective
+from ckptfmt.parallel.collective.save import SaveFailedError, save_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
 from ckptfmt.storage.files import Inside, storage_full

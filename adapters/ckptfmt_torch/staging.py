@@ -22,9 +22,10 @@ at once, or on the saver thread with ``background_copy=True``). bfloat16 and flo
 as their bits (``convert.tensor_to_numpy``'s integer views): bit-exact.
 
 :func:`save_async` hands the staged host state to ``CheckpointManager.save`` as donated
-(``donate=True``: no second copy) and returns a :class:`ckptfmt.parallel.staging.SaveHandle`
-whose ``staged`` says when the caller's tensors may change and ``committed`` when the checkpoint
-is committed; the host buffers go back to the stager when the save is over.
+(``donate=True``: no second copy) and returns a
+:class:`ckptfmt.parallel.collective.staging.SaveHandle` whose ``staged`` says when the caller's
+tensors may change and ``committed`` when the checkpoint is committed; the host buffers go back to
+the stager when the save is over.
 
 ``ckptfmt_torch.restore`` loads it back into the tensors in place, wherever they live, and puts
 the tensors only the checkpoint has on the device its ``map_location`` names.

@@ -12,7 +12,7 @@ byte; version 1: by version 1's rules) is written anew. Each file is replaced at
 
 :func:`choose` and :func:`rewrite_copies` serve the offline ``ckptfmt rebuild`` (one process
 sees every directory); :func:`repair_collective` is the same at restore, every rank with its own
-node's directory (called first by ``parallel.rebuild.rebuild_collective``).
+node's directory (called first by ``parallel.collective.rebuild.rebuild_collective``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The rebuild engine: the steps that make a level-1 step whole again from its redundancy,
-shared by the collective restore (``ckptfmt.parallel.rebuild``: one member per rank, the data
-moving over a ``Comm``) and the offline repair (``ckptfmt.maintenance.repair``: every member in
+shared by the collective restore (``ckptfmt.parallel.collective.rebuild``: one member per rank, the
+data moving over a ``Comm``) and the offline repair (``ckptfmt.maintenance.repair``: every member in
 one process, no transport). Each driver decides how the members' statuses meet (a vote, a loop);
 what a member's buffers hold, how the plan is made from the statuses, what is zeroed before the
 ops run and what is written afterwards is decided here, once (``spec/redundancy.md`` §7).

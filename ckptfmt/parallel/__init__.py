@@ -4,16 +4,16 @@ of one checkpoint by every rank, each phase behind one error boundary, and the
 
 from __future__ import annotations
 
-from ckptfmt.parallel.level3_pick import list_levels
-from ckptfmt.parallel.levels import resolve_node
-from ckptfmt.parallel.load import load_collective
-from ckptfmt.parallel.manager import CheckpointManager
-from ckptfmt.parallel.options import ExitPolicy, OnError
-from ckptfmt.parallel.outcomes import CheckpointWarning
-from ckptfmt.parallel.protocol import SaveFailedError, save_collective
-from ckptfmt.parallel.restore import RestoreReport
-from ckptfmt.parallel.save_bucket import save_to_bucket
-from ckptfmt.parallel.staging import SaveHandle
+from ckptfmt.parallel.collective.load import load_collective
+from ckptfmt.parallel.collective.save import SaveFailedError, save_collective
+from ckptfmt.parallel.collective.save_bucket import save_to_bucket
+from ckptfmt.parallel.collective.staging import SaveHandle
+from ckptfmt.parallel.levels.layout import resolve_node
+from ckptfmt.parallel.levels.pick import list_levels
+from ckptfmt.parallel.manager.checkpoint_manager import CheckpointManager
+from ckptfmt.parallel.manager.options import ExitPolicy, OnError
+from ckptfmt.parallel.manager.outcomes import CheckpointWarning
+from ckptfmt.parallel.manager.restore import RestoreReport
 
 __all__ = [
     "CheckpointManager",

@@ -4,7 +4,7 @@ ranks saved, M load): :mod:`~ckptfmt.plan.reads` (saved regions x wanted box -> 
 to read and where each piece goes), :mod:`~ckptfmt.plan.route` (which current rank reads
 which chunks and what it sends to whom), :mod:`~ckptfmt.plan.per_rank` (the rules for
 per-rank state when the number of ranks changes), :mod:`~ckptfmt.plan.options` (how a load
-reads). ``ckptfmt.parallel.load`` executes them;
+reads). ``ckptfmt.parallel.collective.load`` executes them;
 ``spec/reshard.md`` states the rules.
 """
 

@@ -198,10 +198,11 @@ class PerRank:
 @dataclass(frozen=True)
 class Pieces:
     """A whole tensor of which only some boxes are at hand: the manager's staging copy of a
-    replicated tensor holds just the regions this rank writes (``parallel.manager``: every rank
-    agreed on the state's structure, so the plan is known before the copy). A save declares it
-    held whole, like the array it stands for, and takes each region it writes from the piece
-    containing it. ``boxes``: (offset, data) pairs, data C-contiguous of ``dtype``."""
+    replicated tensor holds just the regions this rank writes
+    (``parallel.manager.checkpoint_manager``: every rank agreed on the state's structure, so the
+    plan is known before the copy). A save declares it held whole, like the array it stands for, and
+    takes each region it writes from the piece containing it. ``boxes``: (offset, data) pairs, data
+    C-contiguous of ``dtype``."""
 
     dtype: np.dtype[Any]
     shape: tuple[int, ...]

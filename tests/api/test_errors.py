@@ -33,7 +33,7 @@ from ckptfmt.errors import (
     StorageError,
     family_of,
 )
-from ckptfmt.parallel.levels import Levels, agree_nodes
+from ckptfmt.parallel.levels.layout import Levels, agree_nodes
 from ckptfmt.transport.threads import run_threads
 
 ERRORS_DIR = REPO / "ckptfmt" / "errors"

@@ -27,7 +27,7 @@ from ckptfmt import WriteOptions
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import NotACheckpointError, SaveFailedError
 from ckptfmt.format.incremental import CONTENT_HASH
-from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.parallel.collective.save import save_collective
 from ckptfmt.storage import commit
 from ckptfmt.transport.comm import SingleComm
 
@@ -300,7 +300,7 @@ KILLED = textwrap.dedent(
     from pathlib import Path
     import numpy as np
     from ckptfmt import WriteOptions
-    from ckptfmt.parallel.protocol import save_collective
+    from ckptfmt.parallel.collective.save import save_collective
     from ckptfmt.transport.comm import SingleComm
 
     state = dict(np.load(sys.argv[1]))

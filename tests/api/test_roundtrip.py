@@ -848,7 +848,7 @@ def test_per_rank_leaves_in_one_process(tmp_path: Path) -> None:
     sees its own row / value back through a collective load, and the whole through ``load``."""
     from ckptfmt import PerRank
     from ckptfmt.container.reader import read_manifest
-    from ckptfmt.parallel.load import load_collective
+    from ckptfmt.parallel.collective.load import load_collective
     from ckptfmt.transport.comm import SingleComm
 
     rng_state = np.arange(12, dtype=np.uint32).reshape(3, 4)

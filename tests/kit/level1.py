@@ -20,7 +20,7 @@ import numpy as np
 from ckptfmt import PerRank, Shard
 from ckptfmt.container.metadata import ManifestMeta
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.parallel.collective.save import save_collective
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.transport.threads import run_threads
 from kit.arrays import random_array

@@ -56,7 +56,7 @@ def save(
 
     write = WriteOptions(overwrite=overwrite, **WRITE)
     if route == "fs":
-        from ckptfmt.parallel.protocol import save_collective
+        from ckptfmt.parallel.collective.save import save_collective
 
         save_collective(
             SingleComm(), state(seed), target, step=None, node="n0", write=write, fault=fault
@@ -70,7 +70,7 @@ def save(
         node = f"n{comm.rank}"
         save_to_bucket(comm, state(seed), target, step=None, node=node, write=write)
     elif route == "flush":
-        from ckptfmt.parallel.level3_bucket import flush_to_bucket
+        from ckptfmt.parallel.levels.bucket import flush_to_bucket
         from ckptfmt.storage.objects import Bucket
 
         with tempfile.TemporaryDirectory(prefix="ckptfmt-l1-") as tmp:

@@ -19,7 +19,7 @@ import numpy as np
 from ckptfmt import PerRank, Shard
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.parallel.collective.save import save_collective
 from ckptfmt.transport.threads import run_threads
 from kit.arrays import random_array
 from kit.worker import node_of

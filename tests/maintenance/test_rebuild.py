@@ -21,7 +21,7 @@ from kit.level1 import NODES4, copy, rank_state, save_level1
 import ckptfmt
 from ckptfmt import WriteOptions
 from ckptfmt.maintenance.repair import rebuild
-from ckptfmt.parallel.rebuild import rebuild_collective
+from ckptfmt.parallel.collective.rebuild import rebuild_collective
 from ckptfmt.transport.threads import run_threads
 
 NODES2 = ["n0", "n1"]

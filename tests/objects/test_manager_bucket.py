@@ -241,7 +241,7 @@ def test_a_flush_of_a_step_already_on_the_bucket_uploads_nothing(tmp_path: Path,
     mgr.close(flush=True)  # the exit flush
     assert _steps_on_bucket(s3) == [1]
     from ckptfmt.container.reader import read_manifest
-    from ckptfmt.parallel.level3_bucket import flush_to_bucket
+    from ckptfmt.parallel.levels.bucket import flush_to_bucket
     from ckptfmt.storage.objects import Bucket
     from ckptfmt.transport.comm import SingleComm
 

@@ -15,7 +15,7 @@ from kit.s3 import S3
 import ckptfmt
 from ckptfmt import WriteOptions
 from ckptfmt.errors import LoadFailedError, NotACheckpointError
-from ckptfmt.parallel.load import load_collective
+from ckptfmt.parallel.collective.load import load_collective
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.commit import read_commit
 from ckptfmt.storage.objects.source import ObjectInside

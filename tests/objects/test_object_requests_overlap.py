@@ -22,9 +22,9 @@ from ckptfmt import Shard, WriteOptions
 from ckptfmt.container.metadata import ManifestMeta
 from ckptfmt.errors import SaveFailedError
 from ckptfmt.format.zarr_meta import documents
-from ckptfmt.parallel.level3_bucket import flush_to_bucket
-from ckptfmt.parallel.load import load_collective
-from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.parallel.collective.load import load_collective
+from ckptfmt.parallel.collective.save import save_collective
+from ckptfmt.parallel.levels.bucket import flush_to_bucket
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.commit import read_commit
 from ckptfmt.storage.objects.source import ObjectInside

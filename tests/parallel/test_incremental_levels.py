@@ -19,8 +19,8 @@ from kit.level1 import rank_state
 import ckptfmt
 from ckptfmt import ExitPolicy, Shard, WriteOptions
 from ckptfmt.container.metadata import ManifestMeta
-from ckptfmt.parallel.manager import CheckpointManager
-from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.parallel.collective.save import save_collective
+from ckptfmt.parallel.manager.checkpoint_manager import CheckpointManager
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.transport.threads import run_threads
 

@@ -27,7 +27,7 @@ from ckptfmt.errors import (
     UnsupportedValueError,
     UsageError,
 )
-from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single
+from ckptfmt.parallel.collective.launch import launcher_world_size, refuse_implicit_single
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 from ckptfmt.transport.threads import run_threads
 
@@ -128,8 +128,8 @@ def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: P
     verify); the flush is not attempted and, called directly, refused."""
     from ckptfmt import ExitPolicy, WriteOptions
     from ckptfmt.container.reader import read_manifest
-    from ckptfmt.parallel.levels import flush_collective
-    from ckptfmt.parallel.manager import CheckpointManager as Manager
+    from ckptfmt.parallel.levels.layout import flush_collective
+    from ckptfmt.parallel.manager.checkpoint_manager import CheckpointManager as Manager
     from ckptfmt.transport.threads import run_threads
 
     root = tmp_path

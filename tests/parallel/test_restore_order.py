@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptfmt.parallel.restore_order import Candidate, View, candidates
+from ckptfmt.parallel.manager.restore_order import Candidate, View, candidates
 from ckptfmt.storage.steps import step_dir_name
 
 L1, L3 = Path("/local/n"), Path("/shared")

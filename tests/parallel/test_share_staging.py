@@ -1,5 +1,5 @@
 """The manager stages only the share of the replicated tensors each rank writes
-(``ckptfmt.parallel.share``), and the checkpoint is the same as with a whole copy.
+(``ckptfmt.parallel.collective.share``), and the checkpoint is the same as with a whole copy.
 
 Four thread-ranks on two simulated nodes (``ThreadComm``): with data-parallel replicas each rank
 copies about a quarter of them (``SaveReport.staged_bytes``), its own ``Shard`` and ``PerRank``
@@ -23,7 +23,7 @@ from ckptfmt import CheckpointManager, CheckpointWarning, ExitPolicy, PerRank, S
 from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import UsageError
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.parallel import share
+from ckptfmt.parallel.collective import share
 from ckptfmt.plan.ownership import Holding
 from ckptfmt.transport.threads import run_threads
 

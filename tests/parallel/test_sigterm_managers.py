@@ -1,4 +1,4 @@
-"""SIGTERM with several managers in one process (``ckptfmt.parallel.exit``: one registry per
+"""SIGTERM with several managers in one process (``ckptfmt.parallel.manager.exit``: one registry per
 process, one SIGTERM watch, one ``atexit`` hook).
 
 Each test runs ``tests/workers/_sigterm_managers_worker.py`` in a real process (one, or two under

@@ -16,7 +16,7 @@ from kit.managers import node_manager
 import ckptfmt
 from ckptfmt import CheckpointManager, CheckpointWarning
 from ckptfmt.errors import SaveFailedError, UsageError
-from ckptfmt.parallel.staging import BufferPool, SaveHandle, default_pool
+from ckptfmt.parallel.collective.staging import BufferPool, SaveHandle, default_pool
 from ckptfmt.storage.steps import step_dir_name
 
 

@@ -66,10 +66,11 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
         shutil.copytree(REPO / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
     model = copy / "ckptfmt" / "manifest" / "model.py"
-    model.write_text(model.read_text() + "\nimport ckptfmt.parallel.manager  # noqa\n")
+    upward = "\nimport ckptfmt.parallel.manager.checkpoint_manager  # noqa\n"
+    model.write_text(model.read_text() + upward)
     done = _lint(copy)
     assert done.returncode != 0
-    assert "ckptfmt.manifest.model -> ckptfmt.parallel.manager" in done.stdout
+    assert "ckptfmt.manifest.model -> ckptfmt.parallel.manager.checkpoint_manager" in done.stdout
 
 
 def test_no_project_import_inside_a_function() -> None:

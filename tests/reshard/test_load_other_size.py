@@ -28,7 +28,7 @@ from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import PerRankError, PerRankWarning, UsageError
 from ckptfmt.format.chunk_reads import ReadLog, record_reads
 from ckptfmt.manifest.model import Manifest, TensorEntry
-from ckptfmt.parallel.load import LoadFailedError, UnreachableNodesError, load_collective
+from ckptfmt.parallel.collective.load import LoadFailedError, UnreachableNodesError, load_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.transport.threads import run_threads
 

@@ -157,7 +157,7 @@ def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
 
 def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[str, Any]:
     from ckptfmt.format.chunk_reads import record_reads
-    from ckptfmt.parallel.load import load_collective
+    from ckptfmt.parallel.collective.load import load_collective
     from ckptfmt.plan.options import ReadOptions
 
     path = task["path"].replace("{node}", node)

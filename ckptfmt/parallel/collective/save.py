@@ -56,9 +56,14 @@ from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.manifest.values import encode_value
-from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.publish import FaultHook, groups_of, level_directory, publish_commit
-from ckptfmt.parallel.save_manifest import (
+from ckptfmt.parallel.collective.boundary import Boundary
+from ckptfmt.parallel.collective.publish import (
+    FaultHook,
+    groups_of,
+    level_directory,
+    publish_commit,
+)
+from ckptfmt.parallel.collective.save_manifest import (
     Declared,
     build_manifest,
     check_rank0_declares_all,
@@ -68,7 +73,7 @@ from ckptfmt.parallel.save_manifest import (
     order_and_values,
     planned_member_bytes,
 )
-from ckptfmt.parallel.save_state import LocalState, Name, check_state, region_data
+from ckptfmt.parallel.collective.save_state import LocalState, Name, check_state, region_data
 from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage import commit
@@ -108,12 +113,12 @@ def save_collective(
 
     Values (non-tensor leaves) are taken from rank 0; every rank must have the same names.
 
-    Errors: any exception on any rank, in any phase, is voted on (``parallel/boundary.py``): every
-    rank raises :class:`SaveFailedError` naming each failing rank's error, every staging
-    directory is removed, and nothing is committed anywhere (a step already renamed into place
-    on some node is rolled back). ``failure``: this rank failed before the save (staging the
-    state); it takes part in the first vote only, which fails the save everywhere. ``seq``: the
-    caller's call number, checked by every vote like the step.
+    Errors: any exception on any rank, in any phase, is voted on
+    (``parallel/collective/boundary.py``): every rank raises :class:`SaveFailedError` naming each
+    failing rank's error, every staging directory is removed, and nothing is committed anywhere (a
+    step already renamed into place on some node is rolled back). ``failure``: this rank failed
+    before the save (staging the state); it takes part in the first vote only, which fails the save
+    everywhere. ``seq``: the caller's call number, checked by every vote like the step.
 
     ``base`` (this rank's view of a committed checkpoint, like ``path``: its node-local copy or
     the shared one): an incremental save. Each rank hashes the content of every file it writes
@@ -153,8 +158,8 @@ def save_collective(
 
 class _Save:
     """One rank's side of one :func:`save_collective`, phase by phase. Each phase is local work
-    under the boundary's guard (``parallel/boundary.py``) and a vote; every rank calls the
-    phases in this order: :meth:`declare`, :meth:`plan`, :meth:`stage`, :meth:`write` (with
+    under the boundary's guard (``parallel/collective/boundary.py``) and a vote; every rank calls
+    the phases in this order: :meth:`declare`, :meth:`plan`, :meth:`stage`, :meth:`write` (with
     the encode when there is redundancy), :meth:`manifest`, then ``publish_commit``."""
 
     def __init__(

@@ -3,8 +3,8 @@ manager of the process together.
 
 One registry per process (:data:`EXITS`) holds the open managers' hooks in the order they were
 made; a manager is added when it starts and taken out when it is closed. It owns one SIGTERM
-watch (``ckptfmt.parallel.sigterm``) and one ``atexit`` hook, and so it is the same whether a
-process makes one manager or many (the Lightning plugin and the Keras callback make several):
+watch (``ckptfmt.parallel.manager.sigterm``) and one ``atexit`` hook, and so it is the same whether
+a process makes one manager or many (the Lightning plugin and the Keras callback make several):
 
 - At interpreter exit every open manager is closed, oldest first (``close`` waits for the save in
   flight and flushes the newest level-1 checkpoint within its exit policy's budget; collective on
@@ -43,11 +43,11 @@ import threading
 from collections.abc import Callable
 
 from ckptfmt.errors import CkptError
-from ckptfmt.parallel.options import ExitPolicy
-from ckptfmt.parallel.outcomes import Calls, Outcomes
-from ckptfmt.parallel.retention import Retention
-from ckptfmt.parallel.save_job import Saver
-from ckptfmt.parallel.sigterm import SigtermWatch
+from ckptfmt.parallel.manager.options import ExitPolicy
+from ckptfmt.parallel.manager.outcomes import Calls, Outcomes
+from ckptfmt.parallel.manager.retention import Retention
+from ckptfmt.parallel.manager.save_job import Saver
+from ckptfmt.parallel.manager.sigterm import SigtermWatch
 
 log = logging.getLogger("ckptfmt")
 

@@ -3,8 +3,8 @@
 Steps live at ``<root>/step-<n>/``, each committed by its commit object, with the latest pointer
 at the root (``spec/FORMAT.md``, "Checkpoints in object storage"). Level 1 stays node-local; a
 flush (:func:`flush_to_bucket`) uploads each rank's committed level-1 files straight to the
-bucket, in parallel on every rank, and rank 0 commits. A restore (``parallel.restore``) reads
-the pointer (one GET by rank 0), and LISTs the root only when the pointer is missing or its
+bucket, in parallel on every rank, and rank 0 commits. A restore (``parallel.manager.restore``)
+reads the pointer (one GET by rank 0), and LISTs the root only when the pointer is missing or its
 step does not load; the chosen step is read through ranged GETs of the objects each rank needs
 (:meth:`BucketLevel.open_step`), never downloaded whole.
 
@@ -29,11 +29,11 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.bucket_upload import UPLOAD_THREADS, upload_phase
-from ckptfmt.parallel.level3 import SharedLevel
-from ckptfmt.parallel.levels import LEVELS_FILE
-from ckptfmt.parallel.publish import FaultHook
+from ckptfmt.parallel.collective.boundary import Boundary
+from ckptfmt.parallel.collective.bucket_upload import UPLOAD_THREADS, upload_phase
+from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.levels.layout import LEVELS_FILE
+from ckptfmt.parallel.levels.shared import SharedLevel
 from ckptfmt.storage.files import Files
 from ckptfmt.storage.objects import Bucket, Retries
 from ckptfmt.storage.objects.commit import (

@@ -17,12 +17,12 @@ from typing import Any
 
 from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel import room
-from ckptfmt.parallel.level3 import DirLevel
-from ckptfmt.parallel.level3_pick import level3_of
-from ckptfmt.parallel.levels import Levels, flush_collective, newest_base, retain_steps
-from ckptfmt.parallel.outcomes import Calls, Outcomes
-from ckptfmt.parallel.publish import FaultHook
+from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.levels import room
+from ckptfmt.parallel.levels.layout import Levels, flush_collective, newest_base, retain_steps
+from ckptfmt.parallel.levels.pick import level3_of
+from ckptfmt.parallel.levels.shared import DirLevel
+from ckptfmt.parallel.manager.outcomes import Calls, Outcomes
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm
@@ -99,8 +99,8 @@ class Retention:
         """Collective (``SharedLevel.flush`` on ``comm``: ``flush_collective`` to a shared
         directory, ``flush_to_bucket`` to a bucket): copy the level-1 checkpoint of
         ``manifest`` to level 3; when level 3 is full, its oldest steps are removed to make
-        room (never its newest, ``parallel.room``) and the flush is tried once more. False when
-        it failed: the step is safe on level 1, the failure is told once as a
+        room (never its newest, ``parallel.levels.room``) and the flush is tried once more. False
+        when it failed: the step is safe on level 1, the failure is told once as a
         :class:`FlushWarning` and the flush is owed (the next save flushes)."""
         assert self.local_root is not None and self.shared is not None
         started = time.perf_counter()
@@ -147,7 +147,7 @@ class Retention:
     def _make_room(self, comm: Comm, nbytes: int, step: int) -> bool:
         """Collective (a broadcast from rank 0; every rank, after a flush failed full: the vote
         gave every rank the same error): rank 0 removes the oldest level-3 steps so that the
-        flush of ``step`` (``nbytes``) fits (``parallel.room``); whether any was removed."""
+        flush of ``step`` (``nbytes``) fits (``parallel.levels.room``); whether any was removed."""
         assert self.shared is not None
         mine = self.shared.make_room(nbytes, {step}) if comm.rank == 0 else []
         removed = comm.bcast_json(mine)

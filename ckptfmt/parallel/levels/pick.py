@@ -1,6 +1,6 @@
 """Which level 3 a manager has, from what it was given: a shared directory
-(:class:`~ckptfmt.parallel.level3.DirLevel`) or a bucket prefix
-(:class:`~ckptfmt.parallel.level3_bucket.BucketLevel`); and ``ckptfmt list`` of either."""
+(:class:`~ckptfmt.parallel.levels.shared.DirLevel`) or a bucket prefix
+(:class:`~ckptfmt.parallel.levels.bucket.BucketLevel`); and ``ckptfmt list`` of either."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.errors import ObjectStoreSetupError, UsageError, level_name
-from ckptfmt.parallel.level3 import DirLevel, SharedLevel
-from ckptfmt.parallel.level3_bucket import BucketLevel, bucket_levels
-from ckptfmt.parallel.levels import LEVELS_FILE, Levels, dir_level3, with_level1
+from ckptfmt.parallel.levels.bucket import BucketLevel, bucket_levels
+from ckptfmt.parallel.levels.layout import LEVELS_FILE, Levels, dir_level3, with_level1
+from ckptfmt.parallel.levels.shared import DirLevel, SharedLevel
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 
@@ -53,6 +53,7 @@ def shared_level(
 def level3_of(levels: Levels) -> SharedLevel | None:
     """The level 3 of ``levels``: its bucket, or its shared directory, or None."""
     if levels.bucket is not None:
+        assert isinstance(levels.bucket, SharedLevel)  # what the manager put there
         return levels.bucket
     return None if levels.shared_dir is None else DirLevel(levels.shared_dir)
 

@@ -3,8 +3,8 @@
 Tensors that every rank holds whole (replicated: data parallelism) are written once, each rank
 writing its share; :meth:`Stager.agree` is the ranks' agreement on those shares (a digest of what
 each holds, compared), and :meth:`Stager.stage` the copy of this rank's part of the state into
-the pool's buffers (``ckptfmt.parallel.share``). A training loop saves the same tensors each
-time, so the shares of the last agreed digest are kept.
+the pool's buffers (``ckptfmt.parallel.collective.share``). A training loop saves the same tensors
+each time, so the shares of the last agreed digest are kept.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.parallel import share
-from ckptfmt.parallel.staging import BufferPool
+from ckptfmt.parallel.collective import share
+from ckptfmt.parallel.collective.staging import BufferPool
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import Name
 

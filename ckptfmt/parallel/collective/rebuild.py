@@ -45,8 +45,8 @@ from ckptfmt.engine.rebuild import (
 from ckptfmt.errors import CkptError, UnrecoverableDamageError
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.publish import groups_of, publish_commit
+from ckptfmt.parallel.collective.boundary import Boundary
+from ckptfmt.parallel.collective.publish import groups_of, publish_commit
 from ckptfmt.redundancy.engine import run_ops
 from ckptfmt.redundancy.record import record_of
 from ckptfmt.storage import commit

@@ -1,5 +1,5 @@
-"""The options of a :class:`~ckptfmt.parallel.manager.CheckpointManager` that come as objects
-(one object per concern instead of a long parameter list): how its files are written
+"""The options of a :class:`~ckptfmt.parallel.manager.checkpoint_manager.CheckpointManager` that
+come as objects (one object per concern instead of a long parameter list): how its files are written
 (:class:`~ckptfmt.format.options.WriteOptions`, the same object the one-process save and
 ``ckptfmt reshard`` take) and what it does when the job ends (:class:`ExitPolicy`). The
 manager's other keywords (levels, redundancy, cadence, retention, error handling) are its
@@ -26,7 +26,7 @@ class ExitPolicy:
     seconds; ``sigterm``: at SIGTERM, do the same flush from the saver thread, whatever the
     main thread is doing (SCR's and torch-elastic's preemption signal), then let the signal
     take its course (the handler that was there before, or the end of the process). One
-    handler serves every open manager of the process (``parallel.exit``): each flushes its
+    handler serves every open manager of the process (``parallel.manager.exit``): each flushes its
     newest step, oldest manager first; a closed manager is no longer in it."""
 
     flush: bool = True

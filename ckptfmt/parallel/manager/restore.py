@@ -2,12 +2,12 @@
 
 Every rank of the communicator calls :func:`restore_newest` with the same request, after the
 manager's roll call and the removal of leftovers. In order: an allgather of what each rank sees
-(:class:`~ckptfmt.parallel.restore_order.View`); then, for each candidate of the restore order
-(:func:`~ckptfmt.parallel.restore_order.candidates`) not refused outright, ``load_collective``;
-where a level-1 load fails for damage, ``rebuild_collective`` and ``load_collective`` again.
-The first candidate that loads is the result; the loads' and rebuilds' votes make every rank
-take the same branch. A failure that is not damage (an allocation failure, a bug, a transport
-error on some rank) is raised on every rank alike instead of trying older steps.
+(:class:`~ckptfmt.parallel.manager.restore_order.View`); then, for each candidate of the restore
+order (:func:`~ckptfmt.parallel.manager.restore_order.candidates`) not refused outright,
+``load_collective``; where a level-1 load fails for damage, ``rebuild_collective`` and
+``load_collective`` again. The first candidate that loads is the result; the loads' and rebuilds'
+votes make every rank take the same branch. A failure that is not damage (an allocation failure, a
+bug, a transport error on some rank) is raised on every rank alike instead of trying older steps.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from ckptfmt.errors import (
 )
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.level3 import SharedLevel
-from ckptfmt.parallel.load import load_collective
-from ckptfmt.parallel.outcomes import CheckpointWarning
-from ckptfmt.parallel.rebuild import rebuild_collective
-from ckptfmt.parallel.restore_order import Candidate, StepRoot, View, candidates
-from ckptfmt.parallel.retention import committed
-from ckptfmt.parallel.save_job import group_key
+from ckptfmt.parallel.collective.load import load_collective
+from ckptfmt.parallel.collective.rebuild import rebuild_collective
+from ckptfmt.parallel.levels.layout import group_key
+from ckptfmt.parallel.levels.shared import SharedLevel
+from ckptfmt.parallel.manager.outcomes import CheckpointWarning
+from ckptfmt.parallel.manager.restore_order import Candidate, StepRoot, View, candidates
+from ckptfmt.parallel.manager.retention import committed
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.transport.comm import Comm

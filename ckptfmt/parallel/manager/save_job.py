@@ -35,15 +35,17 @@ from ckptfmt.errors import (
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel import room, share
-from ckptfmt.parallel.outcomes import Calls, Outcomes
-from ckptfmt.parallel.protocol import save_collective
-from ckptfmt.parallel.publish import FaultHook
-from ckptfmt.parallel.retention import Retention, newest_base
-from ckptfmt.parallel.save_state import check_leaf
-from ckptfmt.parallel.stager import Stager
-from ckptfmt.parallel.staging import BufferPool, SaveHandle
-from ckptfmt.parallel.telemetry import SaveReport, data_bytes_of, parity_bytes_of
+from ckptfmt.parallel.collective import share
+from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.collective.save import save_collective
+from ckptfmt.parallel.collective.save_state import check_leaf
+from ckptfmt.parallel.collective.stager import Stager
+from ckptfmt.parallel.collective.staging import BufferPool, SaveHandle
+from ckptfmt.parallel.levels import room
+from ckptfmt.parallel.levels.layout import group_key
+from ckptfmt.parallel.manager.outcomes import Calls, Outcomes
+from ckptfmt.parallel.manager.retention import Retention, newest_base
+from ckptfmt.parallel.manager.telemetry import SaveReport, data_bytes_of, parity_bytes_of
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.storage.steps import step_dir_name
@@ -353,7 +355,7 @@ class Saver:
         """Collective (one allgather on the saver threads' communicator, every rank, after a
         write to ``level`` failed full on some rank: the vote gave every rank the same error):
         remove the oldest steps of ``level`` so that the write of ``step`` fits
-        (``parallel.room``); whether any was removed (then the write is tried once more)."""
+        (``parallel.levels.room``); whether any was removed (then the write is tried once more)."""
         s = self.settings
         if level == 1:
             assert s.local_root is not None
@@ -407,11 +409,6 @@ class Saver:
             )
             meter.finish()
         return manifest
-
-
-def group_key(node: str, node_local: bool) -> str:
-    """Which ranks see the same directory: a node's ranks on level 1, everyone on level 3."""
-    return f"node:{node}" if node_local else "shared"
 
 
 def _bytes_to_write(staged: Mapping[str, Any], red: Redundancy | None) -> int:

@@ -24,9 +24,9 @@ from typing import Any
 from ckptfmt.container.metadata import ManifestMeta
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.bucket_upload import UPLOAD_THREADS, upload_phase
-from ckptfmt.parallel.protocol import save_collective
+from ckptfmt.parallel.collective.boundary import Boundary
+from ckptfmt.parallel.collective.bucket_upload import UPLOAD_THREADS, upload_phase
+from ckptfmt.parallel.collective.save import save_collective
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.commit import (
     Commit,

@@ -4,8 +4,8 @@ A manager's level 3 is one place every rank can reach. :class:`SharedLevel` name
 manager does there: look whether it can be written (at the start), record where the levels are,
 list the committed steps, flush a level-1 checkpoint into it (collective), apply retention,
 delete a step, remove what crashed flushes left, and name the copy of one step that a restore
-loads. :class:`DirLevel` is the shared directory (the code in ``parallel.levels``);
-``parallel.level3_bucket.BucketLevel`` is an object-store prefix; ``parallel.level3_pick``
+loads. :class:`DirLevel` is the shared directory (the code in ``parallel.levels.layout``);
+``parallel.levels.bucket.BucketLevel`` is an object-store prefix; ``parallel.levels.pick``
 chooses between them (``s3://bucket/run``), where
 steps live as ``step-<n>/`` prefixes committed by a commit object (``spec/FORMAT.md``,
 "Checkpoints in object storage").
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.levels import Levels, flush_collective, retain
-from ckptfmt.parallel.publish import FaultHook
-from ckptfmt.parallel.room import make_room_here
+from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.levels.layout import Levels, flush_collective, retain
+from ckptfmt.parallel.levels.room import make_room_here
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Files
 from ckptfmt.storage.steps import list_step_dirs, parse_step, step_dir_name
@@ -110,7 +110,7 @@ class SharedLevel(ABC):
 
     def make_room(self, nbytes: int, protect: set[int]) -> list[int]:
         """Rank 0, after a flush failed because this level is full: remove the oldest steps
-        so that ``nbytes`` fit, never the newest nor one in ``protect`` (``parallel.room``);
+        so that ``nbytes`` fit, never the newest nor one in ``protect`` (``parallel.levels.room``);
         the steps removed. A level with no room to run out of (a bucket) removes none."""
         return []
 

@@ -15,10 +15,10 @@ a :class:`CheckpointWarning` by default (training goes on), or raised with ``on_
 Anything else escaping the background thread aborts the whole job (``comm.start_background``).
 
 The manager is a facade over one module per job: the staging agreement and copy
-(``parallel.stager``), the save job and its saver thread (``parallel.save_job``), the restore
-(``parallel.restore``, its order a pure function in ``parallel.restore_order``), flush and
-retention (``parallel.retention``), the end of the job (``parallel.exit``), and what it reports
-(``parallel.outcomes``).
+(``parallel.collective.stager``), the save job and its saver thread (``parallel.manager.save_job``),
+the restore (``parallel.manager.restore``, its order a pure function in
+``parallel.manager.restore_order``), flush and retention (``parallel.manager.retention``), the end
+of the job (``parallel.manager.exit``), and what it reports (``parallel.manager.outcomes``).
 """
 
 from __future__ import annotations
@@ -33,26 +33,30 @@ from typing import Any
 from ckptfmt.engine.encode import member_sets
 from ckptfmt.errors import CkptError, FlushWarning, ManagerBrokenError, UsageError
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.parallel.exit import ExitHooks
-from ckptfmt.parallel.launch import launcher_world_size, refuse_implicit_single, refuse_url
-from ckptfmt.parallel.level3 import DirLevel
-from ckptfmt.parallel.level3_pick import shared_level
-from ckptfmt.parallel.levels import Levels, agree_nodes, resolve_node
-from ckptfmt.parallel.options import ExitPolicy, OnError, check_on_error
-from ckptfmt.parallel.outcomes import Calls, CheckpointWarning, Outcomes
-from ckptfmt.parallel.publish import FaultHook
-from ckptfmt.parallel.restore import (
+from ckptfmt.parallel.collective.launch import (
+    launcher_world_size,
+    refuse_implicit_single,
+    refuse_url,
+)
+from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.collective.stager import Stager
+from ckptfmt.parallel.collective.staging import BufferPool, SaveHandle, copy_mode, default_pool
+from ckptfmt.parallel.levels.layout import Levels, agree_nodes, resolve_node
+from ckptfmt.parallel.levels.pick import shared_level
+from ckptfmt.parallel.levels.shared import DirLevel
+from ckptfmt.parallel.manager.exit import ExitHooks
+from ckptfmt.parallel.manager.options import ExitPolicy, OnError, check_on_error
+from ckptfmt.parallel.manager.outcomes import Calls, CheckpointWarning, Outcomes
+from ckptfmt.parallel.manager.restore import (
     RestoreReport,
     RestoreRequest,
     RestoreSite,
     restore_newest,
     save_number,
 )
-from ckptfmt.parallel.retention import Retention, committed
-from ckptfmt.parallel.save_job import SaveJob, Saver, SaveSettings, checked_leaves
-from ckptfmt.parallel.stager import Stager
-from ckptfmt.parallel.staging import BufferPool, SaveHandle, copy_mode, default_pool
-from ckptfmt.parallel.telemetry import SaveReport
+from ckptfmt.parallel.manager.retention import Retention, committed
+from ckptfmt.parallel.manager.save_job import SaveJob, Saver, SaveSettings, checked_leaves
+from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.progress import ProgressCallback
@@ -122,7 +126,7 @@ class CheckpointManager:
     old one). ``at_exit`` (:class:`~ckptfmt.ExitPolicy`): the flush at ``close`` / interpreter
     exit and on SIGTERM; with several managers in one process, SIGTERM flushes every open one,
     one after another in the order they were made, and a closed one not at all
-    (``parallel.exit``). ``on_error``: ``"warn"`` (a failed background save is a
+    (``parallel.manager.exit``). ``on_error``: ``"warn"`` (a failed background save is a
     :class:`CheckpointWarning` at the next call; training goes on) or ``"raise"``.
 
     ``progress``: called with :class:`~ckptfmt.Progress` events of each save (``op="save"``,
@@ -300,21 +304,22 @@ class CheckpointManager:
         """Collective: checkpoint ``state`` as ``step``. Returns once the state is copied into
         host buffers (asynchronous mode); writing, committing and flushing go on behind.
 
-        Returns a :class:`~ckptfmt.parallel.staging.SaveHandle`: ``staged`` says when ``state``
-        may be mutated again, ``committed`` when the checkpoint is committed (or why it failed).
-        ``background_copy=True`` makes the staging copy on the saver thread instead, after the
-        ranks' agreement on what each copies, which is the saver threads' too (``save`` makes
+        Returns a :class:`~ckptfmt.parallel.collective.staging.SaveHandle`: ``staged`` says when
+        ``state`` may be mutated again, ``committed`` when the checkpoint is committed (or why it
+        failed). ``background_copy=True`` makes the staging copy on the saver thread instead, after
+        the ranks' agreement on what each copies, which is the saver threads' too (``save`` makes
         no collective call and returns at once; wait on ``staged`` before mutating: a save
         that failed, on any rank, is told at the next call); ``donate=True`` makes none (the
         writer reads ``state`` itself: ``staged`` is done when the save is). ``ready``, when
         given, is called on the saver thread before anything of ``state`` is read (e.g. to wait
-        for device-to-host copies). See ``ckptfmt.parallel.staging``. ``objects``: an object
-        that is neither an array, bytes, a list, tuple or mapping nor JSON-able is refused
+        for device-to-host copies). See ``ckptfmt.parallel.collective.staging``. ``objects``: an
+        object that is neither an array, bytes, a list, tuple or mapping nor JSON-able is refused
         (``"refuse"``: :class:`UnsupportedValueError` naming it) or pickled at the call
         (``"pickle"``; ``restore`` unpickles it only with ``trust_pickle=True``).
 
         On this thread, every rank but with ``background_copy``: the staging agreement
-        (``Stager.agree``); the rest is the saver thread's (``ckptfmt.parallel.save_job``)."""
+        (``Stager.agree``); the rest is the saver thread's
+        (``ckptfmt.parallel.manager.save_job``)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         self._calls.check_open()
@@ -484,11 +489,11 @@ class CheckpointManager:
         says whether there was), the level and path, what was refused and rebuilt, and
         ``report.state``, the loaded tree. Level 1 is tried first (every rank's data present or
         rebuildable from the save's redundancy, every checksum good), then level 3, then older
-        steps (``ckptfmt.parallel.restore_order``). ``state``, when given, is updated in place
-        (arrays copied into, other values replaced; ``Shard`` leaves say which region this rank
-        wants). Leftovers of crashed saves are removed first. In order, every rank: the
+        steps (``ckptfmt.parallel.manager.restore_order``). ``state``, when given, is updated in
+        place (arrays copied into, other values replaced; ``Shard`` leaves say which region this
+        rank wants). Leftovers of crashed saves are removed first. In order, every rank: the
         wait for the save in flight, a roll call, the leftovers' barrier, then
-        ``ckptfmt.parallel.restore``'s calls.
+        ``ckptfmt.parallel.manager.restore``'s calls.
 
         ``read`` (:class:`~ckptfmt.ReadOptions`): the job may have another number of ranks
         than the save (``spec/reshard.md``): each rank gets its ``Shard`` boxes or whole
@@ -577,8 +582,9 @@ class CheckpointManager:
         on the manager's communicator). The manager is closed whatever happens; a failed
         save not told yet is told after (warned, or raised with ``on_error="raise"``), and a
         failed flush is a :class:`FlushWarning`. Then the manager leaves the process's exit
-        registry (``parallel.exit``): SIGTERM and interpreter exit no longer touch it, and when
-        it was the last open manager, SIGTERM is handled again as it was before the first one."""
+        registry (``parallel.manager.exit``): SIGTERM and interpreter exit no longer touch it, and
+        when it was the last open manager, SIGTERM is handled again as it was before the first
+        one."""
         if self._calls.closed:
             return
         self._saver.idle.wait()

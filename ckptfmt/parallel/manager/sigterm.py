@@ -11,7 +11,7 @@ other waits for it. Then the previous handler runs (from the main thread), or, w
 none and the main thread has not got to it, the process ends as SIGTERM would end it (status
 143).
 
-There is one watch per process (``ckptfmt.parallel.exit`` installs it for every open manager
+There is one watch per process (``ckptfmt.parallel.manager.exit`` installs it for every open manager
 together): ``on_term`` is the flush of all of them. It acts on one SIGTERM; :meth:`remove` takes it
 away again, giving SIGTERM back what it had before, so that a process with no open manager
 handles SIGTERM as if ckptfmt were not there.

@@ -31,7 +31,7 @@ import numpy as np
 from ckptfmt.dtypes import of_array
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.limits import display
-from ckptfmt.parallel.staging import BufferPool
+from ckptfmt.parallel.collective.staging import BufferPool
 from ckptfmt.plan.ownership import Box, Holding, make_plan
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import Name, PerRank, Pieces, Shard, is_tensor, unflatten

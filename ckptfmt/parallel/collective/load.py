@@ -46,9 +46,9 @@ from ckptfmt.format.zarr_meta import documents
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import GroupEntry, Manifest, PerRankValueEntry, TensorEntry, ValueEntry
-from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.load_open import open_copies
-from ckptfmt.parallel.load_read import (
+from ckptfmt.parallel.collective.boundary import Boundary
+from ckptfmt.parallel.collective.load_open import open_copies
+from ckptfmt.parallel.collective.load_read import (
     add_presence_checks,
     allocate,
     files_read,

@@ -16,7 +16,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ckptfmt.container.metadata import write_metadata
 from ckptfmt.container.reader import geometry, read_manifest
@@ -34,17 +34,14 @@ from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
-from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.publish import FaultHook, level_directory, publish_commit
+from ckptfmt.parallel.collective.boundary import Boundary
+from ckptfmt.parallel.collective.publish import FaultHook, level_directory, publish_commit
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside, naming, write_gather
 from ckptfmt.storage.nodes import expand
 from ckptfmt.storage.paths import unwritable
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm
-
-if TYPE_CHECKING:
-    from ckptfmt.parallel.level3 import SharedLevel
 
 LEVELS_FILE = "ckptfmt-levels.json"
 NODE_ENV = "CKPTFMT_NODE"
@@ -60,13 +57,27 @@ def resolve_node(node: str | None = None) -> str:
     return name
 
 
+def group_key(node: str, node_local: bool) -> str:
+    """Which ranks see the same directory: a node's ranks on level 1, everyone on level 3."""
+    return f"node:{node}" if node_local else "shared"
+
+
+class RecordedElsewhere(Protocol):
+    """A level 3 that is no directory (a bucket, ``levels.bucket.BucketLevel``): what
+    :class:`Levels` asks of it at a job's start."""
+
+    def record(self, local_dir: str | None, nodes: list[str]) -> None: ...
+
+    def problems(self) -> list[dict[str, Any]]: ...
+
+
 @dataclass(frozen=True)
 class Levels:
     """Where the levels of one job are."""
 
     local_dir: str | None  # may contain "{node}"
     shared_dir: Path | None  # level 3 when it is a directory
-    bucket: SharedLevel | None = None  # level 3 when it is an object-store prefix
+    bucket: RecordedElsewhere | None = None  # level 3 when it is an object-store prefix
 
     def local_root(self, node: str) -> Path | None:
         if self.local_dir is None:
@@ -396,6 +407,7 @@ __all__ = [
     "agree_nodes",
     "dir_level3",
     "flush_collective",
+    "group_key",
     "resolve_node",
     "retain",
     "retain_steps",

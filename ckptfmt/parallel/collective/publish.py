@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.errors import CkptError, StorageError, StorageFullError, level_name
-from ckptfmt.parallel.boundary import Boundary
+from ckptfmt.parallel.collective.boundary import Boundary
 from ckptfmt.storage import commit
 
 FaultHook = Callable[[str], None]

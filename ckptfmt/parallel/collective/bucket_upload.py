@@ -23,8 +23,8 @@ from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
-from ckptfmt.parallel.boundary import Boundary
-from ckptfmt.parallel.publish import FaultHook
+from ckptfmt.parallel.collective.boundary import Boundary
+from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.storage.files import Inside, naming
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE

@@ -33,7 +33,7 @@ class View(TypedDict):
 
 class StepRoot(Protocol):
     """A level's root: ``root / "step-<n>"`` is where a step is (a ``Path``; on level 3 also a
-    ``parallel.level3.SharedLevel``, whose steps may be bucket prefixes)."""
+    ``parallel.levels.shared.SharedLevel``, whose steps may be bucket prefixes)."""
 
     def __truediv__(self, name: str, /) -> Any: ...
 

@@ -27,7 +27,7 @@ from ckptfmt.manifest.model import (
     ValueEntry,
 )
 from ckptfmt.manifest.values import decode_value, encode_value
-from ckptfmt.parallel.save_state import LocalState
+from ckptfmt.parallel.collective.save_state import LocalState
 from ckptfmt.plan.ownership import SavePlan, TensorPlan
 
 Name = tuple[str, ...]

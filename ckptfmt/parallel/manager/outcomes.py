@@ -1,5 +1,5 @@
-"""What a :class:`~ckptfmt.parallel.manager.CheckpointManager` reports, and the state of its
-collective calls.
+"""What a :class:`~ckptfmt.parallel.manager.checkpoint_manager.CheckpointManager` reports, and the
+state of its collective calls.
 
 :class:`Outcomes` keeps each save's :class:`SaveReport`, the failures not yet told, and the
 notices (a save that fell back to level 3); they are told at the manager's next call, as a
@@ -24,8 +24,8 @@ from ckptfmt.errors import (
     OutOfStepError,
     UsageError,
 )
-from ckptfmt.parallel.options import OnError
-from ckptfmt.parallel.telemetry import SaveReport
+from ckptfmt.parallel.manager.options import OnError
+from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
