@@ -43,7 +43,7 @@ from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Source, open_whole
 from ckptfmt.manifest.codec import MANIFEST_NAME
-from ckptfmt.manifest.limits import MAX_CHUNK_BYTES, display
+from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import (
     GroupEntry,
     Manifest,
@@ -136,10 +136,6 @@ def save(
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
-    if not 1 <= write.chunk_bytes <= min(write.shard_bytes, MAX_CHUNK_BYTES):
-        raise UsageError(
-            f"need 1 <= chunk_bytes <= shard_bytes and chunk_bytes <= {MAX_CHUNK_BYTES}"
-        )
     state = encode_objects(state, objects)
     try:
         with metering("save", progress) as meter:

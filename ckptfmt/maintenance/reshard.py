@@ -36,7 +36,6 @@ from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.nodes import node_dirs
 from ckptfmt.maintenance.reshard_select import check_nodes, declarations, select
 from ckptfmt.maintenance.reshard_write import write_destination
-from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.ownership import make_plan
 from ckptfmt.redundancy.config import Redundancy
@@ -172,10 +171,6 @@ def _check_arguments(
         raise UsageError(f"ranks must be an int from 1 to 2^20, got {ranks!r}")
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a WriteOptions, got {type(write).__name__}")
-    if not 1 <= write.chunk_bytes <= min(write.shard_bytes, MAX_CHUNK_BYTES):
-        raise UsageError(
-            f"need 1 <= chunk_bytes <= shard_bytes and chunk_bytes <= {MAX_CHUNK_BYTES}"
-        )
 
 
 __all__ = ["ReshardReport", "reshard"]
