@@ -33,7 +33,7 @@ from kit.worker import end_torch_job, make_comm
 
 from ckptfmt import CheckpointManager, WriteOptions
 from ckptfmt.errors import CkptError, CollectiveError
-from ckptfmt.parallel import load as load_module
+from ckptfmt.parallel.collective import load as load_module
 from ckptfmt.parallel.manager.checkpoint_manager import CheckpointWarning
 
 SHARD_BYTES = 1 << 16

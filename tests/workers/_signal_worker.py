@@ -46,7 +46,7 @@ from kit.worker import end_torch_job, make_comm, node_of
 
 from ckptfmt import CheckpointManager, PerRank
 from ckptfmt.errors import CkptError, CollectiveError
-from ckptfmt.parallel import load as load_module
+from ckptfmt.parallel.collective import load as load_module
 
 DEADLINE_S = 8.0  # the manager's roll-call deadline: a rank left alone is told within it
 LINGER_S = 60.0  # a rank still alive this long after the signal was not ended by the launcher
