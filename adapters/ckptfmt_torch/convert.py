@@ -182,7 +182,8 @@ def dtensor_box(t: Any, name: str = "") -> tuple[Box, tuple[int, ...]]:
     (not yet reduced) and strided shards (FSDP on top of tensor parallelism) are refused.
     """
     types = _dtensor_types()
-    assert types is not None  # a DTensor exists, so torch.distributed does
+    if types is None or not isinstance(t, types[0]):
+        raise UnsupportedValueError(name, f"a {type(t).__name__}, not a DTensor")
     _, shard_placement, replicate = types
     for p in t.placements:
         if type(p) not in (shard_placement, replicate):  # exact: _StridedShard subclasses Shard
