@@ -11,9 +11,9 @@ name and the supported range, instead of a feature silently switched off.
 ``tests/adapters/torch/test_compat.py`` resolves every entry against the installed frameworks.
 
 The supported ranges (:data:`SUPPORTED`) are the upper bounds of the extras in
-``pyproject.toml`` (a test keeps the two equal): the newest version the entries were checked
-against, exclusive of the next minor release (the next major for Lightning and transformers'
-extras, whose entries have stayed the same across minors).
+``pyproject.toml`` (a test keeps the two equal): each excludes the minor release after the
+newest one the entries were checked against (torch 2.13, Lightning 2.6, transformers 5.25),
+since a private name may change in any release.
 
 Where a public API does the same in every supported version, it is used instead, outside this
 module (``torch.distributed.tensor.DTensor`` and its placements, public since torch 2.4).
@@ -80,7 +80,7 @@ def resolve(entry: Private) -> Any:
     module_name, _, owner = entry.where.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
-        for part in [*owner.split(".")] if owner else []:
+        for part in owner.split(".") if owner else []:
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
         raise _error(entry, f"cannot be imported ({type(exc).__name__}: {exc})") from None

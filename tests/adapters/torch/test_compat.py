@@ -151,3 +151,16 @@ def test_lightning_loaders_are_wrapped_once() -> None:
     _compat.wrap_lightning_loader(lambda f: f)
     for name, fn in before.items():
         assert sys.modules[name].__dict__["pl_load"] is fn
+
+
+def test_the_trainer_check_passes_and_names_a_missing_field() -> None:
+    """``check_trainer`` (run when a ckptfmt ``Trainer`` is made) passes on the installed
+    transformers; a ``TrainerState`` field the mixin relies on, were it gone, is named."""
+    _compat.check_trainer()
+    import transformers
+
+    assert set(_compat.TRAINER_STATE_FIELDS) <= set(transformers.TrainerState.__dataclass_fields__)
+    entry = _compat.Private("transformers", "transformers:TrainerState", "no_such_field_x")
+    wanted = rf"transformers {re.escape(transformers.__version__)} is not supported"
+    with pytest.raises(FrameworkCompatError, match=wanted):
+        _compat.resolve(entry)
