@@ -157,7 +157,7 @@ def torch_numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 @functools.cache
-def _dtensor_types() -> tuple[type, type, type] | None:
+def _dtensor_types() -> tuple[Any, Any, Any] | None:
     """``(DTensor, Shard, Replicate)``, public since torch 2.4 (imported on first use, not with
     the adapter); ``None`` in a build without ``torch.distributed``, where no DTensor exists."""
     if not torch.distributed.is_available():
