@@ -335,12 +335,14 @@ def check_trainer() -> None:
 
 def trainer_output_dir(trainer: Any, trial: Any) -> str:
     """HF's run directory for ``trial`` (``output_dir``, or a trial's own under a search)."""
-    return str(private("transformers.Trainer._get_output_dir")(trainer, trial=trial))
+    private("transformers.Trainer._get_output_dir")  # checked; called bound: a subclass's own
+    return str(trainer._get_output_dir(trial=trial))
 
 
 def trainer_push(trainer: Any, checkpoint: str) -> None:
     """HF's ``push_to_hub`` of the checkpoint directory just saved."""
-    private("transformers.Trainer._push_from_checkpoint")(trainer, checkpoint)
+    private("transformers.Trainer._push_from_checkpoint")
+    trainer._push_from_checkpoint(checkpoint)
 
 
 def exportable_state() -> Any:
