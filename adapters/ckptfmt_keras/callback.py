@@ -65,7 +65,7 @@ from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
 from ckptfmt.plan import ReadOptions
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
-from ckptfmt_keras import backend
+from ckptfmt_keras import _compat, backend
 from ckptfmt_keras.checkpoint import from_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
 from ckptfmt_keras.parallel import (
@@ -208,7 +208,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._epoch, self._step = counters["epoch"], counters["step"]
         self._global = counters["global_step"]
         if self._epoch:
-            model._initial_epoch = self._epoch
+            _compat.set_initial_epoch(model, self._epoch)
             self._set_initial_epoch = True
         if self._step:
             self._resume = (self._epoch, self._step)
@@ -260,7 +260,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     def on_train_end(self, logs: Any = None) -> None:
         self._restore_train_function()
         if self._set_initial_epoch:
-            self.model._initial_epoch = None
+            _compat.set_initial_epoch(self.model, None)
             self._set_initial_epoch = False
         if self.manager is None:
             return
@@ -340,11 +340,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         (TensorFlow), this waits for the first batch passed over (``batch``) and builds them
         from its shapes, as ``fit`` itself does (nothing runs)."""
         model = self.model
-        compiled = getattr(model, "_compile_metrics", None)
-        if compiled is not None and not compiled.built:
+        if _compat.metrics_unbuilt(model):
             if batch is None:
                 return
-            model._symbolic_build(data_batch=batch)
+            _compat.build_metrics_from(model, batch)
         saved, self._pending_metrics = self._pending_metrics or {}, None
         assign(model.metrics_variables, flat_names(saved), strict=False)
         self._resume_logs = dict(model.get_metrics_result())

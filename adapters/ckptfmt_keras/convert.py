@@ -47,7 +47,7 @@ import numpy as np
 from ckptfmt.container import Checkpoint
 from ckptfmt.errors import StateMismatchError, UsageError
 from ckptfmt.tree import Cast, Conversion, allowed, check_policy, convert, report_casts
-from ckptfmt_keras import backend
+from ckptfmt_keras import _compat, backend
 from ckptfmt_keras.backend import numpy_dtype
 
 NameMap = Mapping[str, str] | Callable[[str], str | None]
@@ -76,11 +76,11 @@ def _seed_state_names(layer: Any) -> dict[int, str]:
     names: dict[int, str] = {}
 
     def walk(owner: Any, prefix: str) -> None:
-        generators = list(getattr(owner, "_seed_generators", []))
+        generators = _compat.seed_generators(owner)
         for i, gen in enumerate(generators):
             leaf = "seed_generator_state" if len(generators) == 1 else f"seed_generator_{i}_state"
             names.setdefault(id(gen.state), f"{prefix}/{leaf}")
-        for child in owner._flatten_layers(include_self=False, recursive=False):
+        for child in _compat.sublayers(owner):
             walk(child, f"{prefix}/{child.name}")
 
     walk(layer, layer.name)
@@ -115,10 +115,7 @@ def named_variables(obj: Any) -> dict[str, Any]:
     elif isinstance(obj, keras.optimizers.Optimizer):
         pairs = _optimizer_variables(obj)
     elif backend.is_tf_module(obj):
-        pairs = [
-            ("/".join(str(p) for p in path), v)
-            for path, v in obj._flatten(predicate=_is_variable, with_path=True)
-        ]
+        pairs = _compat.module_variables(obj, _is_variable)
     elif isinstance(obj, Mapping):
         pairs = [(str(k), v) for k, v in obj.items()]
     elif _is_variable(obj):

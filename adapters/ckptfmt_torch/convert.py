@@ -16,6 +16,7 @@ anything is written, unless ``objects="pickle"`` lets it through to be stored as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,14 +27,7 @@ import torch
 from ckptfmt.errors import UnsupportedDtypeError, UnsupportedValueError, UsageError
 from ckptfmt.manifest import encode_value
 from ckptfmt.tree import Cast, Conversion, Objects, PerRank, Shard, plan_casts, report_casts
-
-try:  # torch.distributed is optional in some PyTorch builds
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import Replicate
-    from torch.distributed.tensor.placement_types import Shard as ShardPlacement
-except ImportError:  # pragma: no cover - every build on these machines has it
-    DTensor = None  # type: ignore[assignment,misc]
+from ckptfmt_torch import _compat
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -162,8 +156,23 @@ def torch_numpy_dtype(dtype: torch.dtype) -> np.dtype:
 # --- DTensor: the local shard and where it lies -------------------------------------------------
 
 
+@functools.cache
+def _dtensor_types() -> tuple[Any, Any, Any] | None:
+    """``(DTensor, Shard, Replicate)``, public since torch 2.4 (imported on first use, not with
+    the adapter); ``None`` in a build without ``torch.distributed``, where no DTensor exists."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as ShardPlacement
+
+    return DTensor, ShardPlacement, Replicate
+
+
 def is_dtensor(obj: Any) -> bool:
-    return DTensor is not None and isinstance(obj, DTensor)
+    if not isinstance(obj, torch.Tensor):
+        return False
+    types = _dtensor_types()
+    return types is not None and isinstance(obj, types[0])
 
 
 def dtensor_box(t: Any, name: str = "") -> tuple[Box, tuple[int, ...]]:
@@ -172,14 +181,15 @@ def dtensor_box(t: Any, name: str = "") -> tuple[Box, tuple[int, ...]]:
     Only even/uneven contiguous ``Shard`` and ``Replicate`` placements give a box; ``Partial``
     (not yet reduced) and strided shards (FSDP on top of tensor parallelism) are refused.
     """
+    types = _dtensor_types()
+    if types is None or not isinstance(t, types[0]):
+        raise UnsupportedValueError(name, f"a {type(t).__name__}, not a DTensor")
+    _, shard_placement, replicate = types
     for p in t.placements:
-        if type(p) not in (ShardPlacement, Replicate):  # exact: _StridedShard subclasses Shard
+        if type(p) not in (shard_placement, replicate):  # exact: _StridedShard subclasses Shard
             raise UnsupportedValueError(name, f"DTensor placement {p!r} is not supported")
     global_shape = tuple(int(x) for x in t.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(
-        t.shape, t.device_mesh, t.placements
-    )
-    local_shape = tuple(int(x) for x in local_shape)
+    local_shape, offset = _compat.local_shape_and_offset(t.shape, t.device_mesh, t.placements)
     if tuple(t.to_local().shape) != local_shape:
         raise UnsupportedValueError(
             name,

@@ -53,6 +53,7 @@ from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, load_collective
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import step_dir_name
+from ckptfmt_torch import _compat
 from ckptfmt_torch.checkpoint import default_comm, save
 from ckptfmt_torch.convert import from_state, to_state
 from ckptfmt_torch.training import rng_state, set_rng_state
@@ -173,6 +174,7 @@ class CheckpointMixin(_Base):
     Takes the trainer's arguments plus ``ckptfmt=CheckpointOptions(...)`` (keyword)."""
 
     def __init__(self, *args: Any, ckptfmt: CheckpointOptions | None = None, **kwargs: Any):
+        _compat.check_trainer()  # the private hooks below are HF's still, or a loud error
         super().__init__(*args, **kwargs)
         if ckptfmt is not None and not isinstance(ckptfmt, CheckpointOptions):
             raise UsageError(f"ckptfmt= takes a CheckpointOptions, got {type(ckptfmt).__name__}")
@@ -222,7 +224,7 @@ class CheckpointMixin(_Base):
         step = self.state.global_step
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
+        run_dir = _compat.trainer_output_dir(self, trial)
         out = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         sd = self._ckptfmt_state_dict()
         state = to_state(sd)  # an unsupported object is refused here, before anything is written
@@ -249,7 +251,7 @@ class CheckpointMixin(_Base):
             if not self.ckptfmt.async_save:
                 mgr.wait()
         if self.args.push_to_hub:
-            self._push_from_checkpoint(str(out))
+            _compat.trainer_push(self, str(out))
 
     def _ckptfmt_state_dict(self) -> dict[str, Any]:
         """What the checkpoint holds, as a PyTorch state dict (views, nothing copied)."""
@@ -267,7 +269,7 @@ class CheckpointMixin(_Base):
 
     def _trainer_state_json(self) -> str:
         """``trainer_state.json`` as HF writes it, with the stateful callbacks' state now."""
-        exportable = transformers.trainer_callback.ExportableState
+        exportable = _compat.exportable_state()
         states: Any = self.state.stateful_callbacks  # a dict by name (typed as a list in HF)
         for cb in [*self.callback_handler.callbacks, self.control]:
             if isinstance(cb, exportable):
@@ -368,6 +370,8 @@ class CheckpointMixin(_Base):
         return self._ckptfmt_manager
 
     # --- resuming ----------------------------------------------------------------------------
+    # _save_checkpoint above and the _load_* below override private Trainer methods by name:
+    # each is an entry of _compat.TRAINER_OVERRIDES, checked when the trainer is made.
 
     def _ckptfmt_read(self, checkpoint: str) -> dict[str, Any] | None:
         """Collective (every rank): the ckptfmt state of ``checkpoint`` (read once per resume,

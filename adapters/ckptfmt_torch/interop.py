@@ -34,6 +34,7 @@ from ckptfmt.format import WriteOptions
 from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
 from ckptfmt.manifest import display
 from ckptfmt.storage import ProgressCallback, fsync_dir, metering
+from ckptfmt_torch import _compat
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
 
@@ -233,18 +234,10 @@ def import_dcp(
             "DCP's .metadata is a pickle; importing it runs whatever it holds. Pass "
             "trust_pickle=True (ckptfmt import --trust-pickle) only for a checkpoint you trust",
         )
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    sd: dict[str, Any] = {}
+    _compat.private("dcp.load_state_dict")  # a framework too new: its own error, not DCP's
+    _compat.private("dcp.empty_state_dict_planner")
     try:
-        _load_state_dict(
-            sd,
-            storage_reader=FileSystemReader(path),
-            planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
-            no_dist=True,
-        )
+        sd = _compat.dcp_read_whole(path)
     except Exception as exc:  # DCP raises CheckpointException, RuntimeError, pickle errors...
         raise ForeignFormatError(
             str(path), f"DCP's reader cannot read it: {_first_line(exc)}"

@@ -55,7 +55,6 @@ import contextvars
 import dataclasses
 import json
 import os
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -79,6 +78,7 @@ from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import is_committed, remove_committed
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import Objects
+from ckptfmt_torch import _compat
 from ckptfmt_torch.checkpoint import load, save
 from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import materialize, to_state
@@ -601,18 +601,10 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _install_load_hook() -> None:
     """Wrap ``pl_load`` where Lightning's ``load_from_checkpoint`` and ``TorchCheckpointIO``
-    call it (once; the modules of the ``lightning`` package as well, when imported)."""
-    for name in _LOADER_MODULES:
-        module = sys.modules.get(name)
-        current = getattr(module, "pl_load", None)
-        if callable(current) and not hasattr(current, "ckptfmt_wraps"):
-            module.pl_load = _hooked(current)  # type: ignore[union-attr]
+    call it (once; the modules of the ``lightning`` package as well, when imported). A
+    Lightning whose loader moved raises ``FrameworkCompatError`` here, at the import of this
+    module, rather than leaving its loaders silently blind to ckptfmt directories."""
+    _compat.wrap_lightning_loader(_hooked)
 
 
-_LOADER_MODULES = (
-    "pytorch_lightning.core.saving",
-    "lightning_fabric.plugins.io.torch_io",
-    "lightning.pytorch.core.saving",
-    "lightning.fabric.plugins.io.torch_io",
-)
 _install_load_hook()

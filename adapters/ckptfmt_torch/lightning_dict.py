@@ -20,6 +20,7 @@ import torch
 
 from ckptfmt.errors import InvalidNameError, UnsupportedValueError
 from ckptfmt.manifest import check_component
+from ckptfmt_torch import _compat
 
 __all__ = [
     "CONTAINERS",
@@ -114,7 +115,7 @@ def containers_json(checkpoint: Mapping[str, Any]) -> str | None:
         if not isinstance(mapping, OrderedDict):
             continue
         entry: dict[str, Any] = {"path": list(where)}
-        meta = getattr(mapping, "_metadata", None)
+        meta = _compat.state_dict_metadata(mapping)
         if meta is not None:
             name = "/".join(map(str, (*where, "_metadata")))
             if not isinstance(meta, Mapping):
@@ -146,7 +147,9 @@ def _replaced(obj: Any, where: list[Any], entry: dict[str, Any]) -> Any:
         out: Any = OrderedDict(obj)
         if "metadata" in entry:
             pairs = [(k, v) for k, v in entry["metadata"]]
-            out._metadata = OrderedDict(pairs) if entry.get("ordered", True) else dict(pairs)
+            _compat.set_state_dict_metadata(
+                out, OrderedDict(pairs) if entry.get("ordered", True) else dict(pairs)
+            )
         return out
     head, rest = where[0], where[1:]
     if isinstance(obj, dict) and head in obj:

@@ -89,6 +89,33 @@ class CloudNotInstalledError(UsageError):
         )
 
 
+class FrameworkCompatError(UsageError):
+    """A private API of a deep-learning framework that an adapter relies on is missing or has
+    changed in the installed version: the framework is outside the range the adapter supports
+    (its extra's bounds in ``pyproject.toml``). Nothing was done with it.
+
+    It is a usage error (the environment is wrong, the call never ran, and installing a
+    supported version fixes it), deliberately not an ``ImportError``: a caller's
+    ``except ImportError`` that treats a feature as optional must not swallow it.
+    ``framework``: its name (``"torch"``, ``"keras"``); ``version``: the installed one;
+    ``name``: the private name, as the framework spells it; ``supported``: the supported range
+    (``">=2.4,<2.14"``); ``reason``: what is wrong with it (missing, a parameter gone)."""
+
+    def __init__(
+        self, framework: str, version: str, name: str, supported: str, reason: str
+    ) -> None:
+        self.framework = framework
+        self.version = version
+        self.name = name
+        self.supported = supported
+        self.reason = reason
+        super().__init__(
+            f"{framework} {version} is not supported by ckptfmt: {name} {reason}. ckptfmt "
+            f"supports {framework}{supported}: install a version in that range (pip install "
+            f"'{framework}{supported}'), or see docs/torch.md, \"Private framework APIs\""
+        )
+
+
 class PickleRefusedError(UsageError):
     """Reading ``path`` needs unpickling (DCP's ``.metadata`` is a pickle), which ckptfmt does
     only when asked explicitly (``trust_pickle=True``, ``--trust-pickle``); nothing was read."""
