@@ -76,6 +76,7 @@ from ckptfmt.errors.storage import (
 )
 from ckptfmt.errors.usage import (
     CloudNotInstalledError,
+    DataPositionError,
     DestinationExistsError,
     DtypeMismatchError,
     ImplicitSingleProcessError,
@@ -123,6 +124,7 @@ __all__ = [
     "CredentialsError",
     "CorruptShardError",
     "DamagedCheckpointError",
+    "DataPositionError",
     "DamagedError",
     "DestinationExistsError",
     "DestinationUnwritableError",
