@@ -30,11 +30,12 @@ class ResumableSampler(Sampler[int]):
 
     Order: the epoch's permutation (``torch.randperm`` seeded with ``seed + epoch``, or
     ``0..n-1`` without ``shuffle``) is the job's global order. From the position the job
-    started this epoch at (``start``, 0 unless restored mid-epoch), the rest of the order is
-    split as ``DistributedSampler`` splits a list: padded with its own first indices to a
-    multiple of ``num_replicas`` (cut to one with ``drop_last``), every ``num_replicas``-th from
-    ``rank``. From the start of an epoch this is exactly ``DistributedSampler``'s order, so
-    swapping it in changes no batch.
+    started this epoch at (``start``, 0 unless restored mid-epoch), rank ``r`` takes the
+    positions ``start + r``, ``start + r + num_replicas``, ...: as many as every rank can take
+    with ``drop_last`` (the tail is dropped), else until the order is used up, the last ranks
+    padded with positions past its end, which wrap to the epoch's first indices. That is
+    ``DistributedSampler``'s order and padding, so swapping it in changes no batch, and a job
+    restored at the same world size takes exactly the indices it would have taken.
 
     ``state_dict()`` is global: ``{"kind": "global", "epoch": e, "consumed": c, "length": n,
     "seed": s, "shuffle": b, "world_size": w}``; ``c`` positions of epoch ``e``'s order have
@@ -97,8 +98,9 @@ class ResumableSampler(Sampler[int]):
 
     @property
     def consumed(self) -> int:
-        """Positions of the current epoch's global order the job has taken."""
-        return self.start + self.index * self.num_replicas
+        """Positions of the current epoch's global order the job has taken (at most its
+        length: positions past the end are padding, and taking them ends the epoch)."""
+        return min(self.start + self.index * self.num_replicas, max(self.length, self.start))
 
     def global_order(self, epoch: int | None = None) -> list[int]:
         """The job's order of ``epoch`` (the current one by default), the same at every world
@@ -113,14 +115,14 @@ class ResumableSampler(Sampler[int]):
         """This rank's indices of ``epoch`` (the current one by default) from ``start`` on
         (from the beginning for another epoch), in order."""
         start = self.start if epoch is None or epoch == self.epoch else 0
-        rest = self.global_order(epoch)[start:]
-        n = len(rest)
+        order = self.global_order(epoch)
+        n = max(len(order) - start, 0)
         per_rank = n // self.num_replicas if self.drop_last else -(-n // self.num_replicas)
-        total = per_rank * self.num_replicas
-        if total > n and rest:
-            pad = total - n
-            rest += (rest * (pad // n + 1))[:pad]
-        return rest[:total][self.rank : total : self.num_replicas]
+        # positions past the end wrap to the epoch's first indices: DistributedSampler's padding
+        return [
+            order[(start + self.rank + k * self.num_replicas) % len(order)]
+            for k in range(per_rank)
+        ]
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
@@ -144,7 +146,7 @@ class ResumableSampler(Sampler[int]):
     def seek(self, epoch: int, consumed: int) -> None:
         """Continue at global position ``consumed`` of ``epoch`` (checked as a restored
         position is)."""
-        self._check_consumed(consumed, saved_world_size=None)
+        self._check_consumed(consumed)
         self.epoch, self.start, self.index = epoch, consumed, 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -186,7 +188,7 @@ class ResumableSampler(Sampler[int]):
         epoch, consumed = state_dict["epoch"], state_dict["consumed"]
         if epoch < 0:
             raise UsageError(f"not a position of ResumableSampler: {dict(state_dict)!r}")
-        self._check_consumed(consumed, saved_world_size=state_dict["world_size"])
+        self._check_consumed(consumed)
         self.epoch, self.start, self.index = epoch, consumed, 0
 
     def _load_per_rank(self, state_dict: Mapping[str, Any]) -> None:
@@ -202,11 +204,8 @@ class ResumableSampler(Sampler[int]):
         # rank's indices taken, i * num_replicas of the global order by the whole job
         self.epoch, self.start, self.index = epoch, 0, index
 
-    def _check_consumed(self, consumed: int, saved_world_size: int | None) -> None:
-        # DistributedSampler's padding lets a job take up to world_size - 1 positions past the
-        # end; such a position means the epoch is done
-        slack = (saved_world_size or self.num_replicas) - 1
-        if not 0 <= consumed <= self.length + slack:
+    def _check_consumed(self, consumed: int) -> None:
+        if not 0 <= consumed <= self.length:
             raise DataPositionError(
                 f"position {consumed} is outside an epoch of {self.length} samples",
                 expected=self.length,

@@ -109,7 +109,7 @@ def test_global_order_continues(n: int, m: int) -> None:
     rest = [s.order() for s in second]
     glob = [rest[r][k] for k in range(len(rest[0])) for r in range(m)]
     assert glob[: 37 - 6 * n] == order[6 * n :]
-    assert glob[37 - 6 * n :] == order[6 * n :][: len(glob) - (37 - 6 * n)]
+    assert glob[37 - 6 * n :] == order[: len(glob) - (37 - 6 * n)]  # the padding
 
 
 def test_positions_that_cannot_be_continued_are_refused() -> None:
@@ -154,3 +154,17 @@ def test_per_rank_positions_of_earlier_versions_load_at_their_world_size() -> No
     assert len(head) == 12
     with pytest.raises(UsageError, match="not a position"):
         again[0].load_state_dict({"epoch": 0, "index": 99})
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_same_world_size_resumes_exactly(world: int) -> None:
+    """At the world size that saved, the restored job takes exactly the indices of the
+    uninterrupted one, the end-of-epoch padding included (37 is no multiple of 2, 3 or 4)."""
+    full = take(job(37, world, seed=1), 2, None)
+    for cut in range(1 + -(-37 // world) // 2):
+        first = job(37, world, seed=1)
+        head = take(first, 2, cut)
+        again = job(37, world, seed=1)
+        for s in again:
+            s.load_state_dict(json.loads(json.dumps(first[0].state_dict())))
+        assert head + take(again, 2, None) == full, cut
