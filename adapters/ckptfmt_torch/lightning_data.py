@@ -140,10 +140,15 @@ def _set_batches_done(trainer: Trainer, saved: int, left: int) -> None:
     total = trainer.num_training_batches
     if not isinstance(total, int):  # an iterable without a length: it ends when exhausted
         return
-    done = max(total - left, 0)
     current = trainer.fit_loop.epoch_loop.batch_progress.current
-    current.ready = current.started = current.processed = current.completed = done
-    log.debug("DataPosition: Lightning's batch count of the epoch %d -> %d", saved, done)
+    # shift every counter alike: saved in on_train_batch_end, ``completed`` is one behind
+    # ``ready`` and Lightning's restart adds the one
+    delta = max(total - left, 0) - current.ready
+    current.ready += delta
+    current.started += delta
+    current.processed += delta
+    current.completed += delta
+    log.debug("DataPosition: Lightning's batch count of the epoch %d -> %d", saved, current.ready)
 
 
 def _samplers(loaders: Any) -> list[tuple[ResumableSampler, int]]:
