@@ -140,7 +140,7 @@ def _set_batches_done(trainer: Trainer, saved: int, left: int) -> None:
     total = trainer.num_training_batches
     if not isinstance(total, int):  # an iterable without a length: it ends when exhausted
         return
-    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker
     # shift every counter alike: saved in on_train_batch_end, ``completed`` is one behind
     # ``ready`` and Lightning's restart adds the one
     delta = max(total - left, 0) - current.ready

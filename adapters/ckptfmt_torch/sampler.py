@@ -120,8 +120,7 @@ class ResumableSampler(Sampler[int]):
         per_rank = n // self.num_replicas if self.drop_last else -(-n // self.num_replicas)
         # positions past the end wrap to the epoch's first indices: DistributedSampler's padding
         return [
-            order[(start + self.rank + k * self.num_replicas) % len(order)]
-            for k in range(per_rank)
+            order[(start + self.rank + k * self.num_replicas) % len(order)] for k in range(per_rank)
         ]
 
     def __iter__(self) -> Iterator[int]:
@@ -192,7 +191,8 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.start, self.index = epoch, consumed, 0
 
     def _load_per_rank(self, state_dict: Mapping[str, Any]) -> None:
-        epoch, index = state_dict.get("epoch"), state_dict.get("index")
+        epoch: Any = state_dict.get("epoch")
+        index: Any = state_dict.get("index")
         if not (
             _is_int(epoch)
             and _is_int(index)

@@ -634,7 +634,12 @@ def test_data_position_resumes_mid_epoch(tmp_path: Path) -> None:
     whole = fit_shuffled(tmp_path / "whole", 16, position=True)
     fit_shuffled(tmp_path / "kept", 8, position=True)
     got = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(tmp_path / "kept" / "last.ckpt")
-    assert got["callbacks"]["DataPosition"] == {"epoch": 0, "batches": 8}
+    assert got["callbacks"]["DataPosition"] == {
+        "epoch": 0,
+        "batches": 8,
+        "samples": [64],
+        "world_size": 1,
+    }
     assert_same(fit_shuffled(tmp_path / "kept", 16, position=True), whole)
     fit_shuffled(tmp_path / "lost", 8, position=False)
     lost = fit_shuffled(tmp_path / "lost", 16, position=False)
@@ -680,16 +685,13 @@ def test_ddp_killed_mid_epoch_resumes_bitwise(tmp_path: Path) -> None:
 def _seen(root: Path, name: str, world: int) -> list[list[list[int]]]:
     """Each rank's batches (dataset indices) of the fit ``name`` at ``world`` devices."""
     return [
-        json.loads((root / f"{name}.seen.w{world}.rank{r}.json").read_text())
-        for r in range(world)
+        json.loads((root / f"{name}.seen.w{world}.rank{r}.json").read_text()) for r in range(world)
     ]
 
 
 def _global(ranks: list[list[list[int]]]) -> list[int]:
     """The indices in the job's global order: step by step, position in batch, rank."""
-    return [
-        r[s][j] for s in range(len(ranks[0])) for j in range(len(ranks[0][s])) for r in ranks
-    ]
+    return [r[s][j] for s in range(len(ranks[0])) for j in range(len(ranks[0][s])) for r in ranks]
 
 
 @pytest.mark.slow

@@ -23,9 +23,7 @@ from ckptfmt.errors import CkptError, DataPositionError, UsageError  # noqa: E40
 pytestmark = pytest.mark.torch
 
 
-def job(
-    length: int, world: int, **kw: object
-) -> list[ResumableSampler]:
+def job(length: int, world: int, **kw: object) -> list[ResumableSampler]:
     return [ResumableSampler(length, num_replicas=world, rank=r, **kw) for r in range(world)]
 
 
@@ -100,7 +98,7 @@ def test_global_order_continues(n: int, m: int) -> None:
     order = first[0].global_order()
     got = take(first, 2, 3)
     per_step = [got[i : i + 2 * n] for i in range(0, len(got), 2 * n)]
-    flat = [x for s in per_step for j in range(2) for x in s[j :: 2]]  # rank-major -> global
+    flat = [x for s in per_step for j in range(2) for x in s[j::2]]  # rank-major -> global
     assert flat == order[: 6 * n]
     second = job(37, m, seed=9)
     for s in second:

@@ -103,4 +103,4 @@ def test_one_epoch_over_changing_world_sizes(tmp_path: Path) -> None:
     repeated = {x: c for x, c in counts.items() if c > 1}
     assert repeated == {order[0]: 2}, repeated  # DistributedSampler's padding: the first index
     assert len(seen) == N_SAMPLES + 1
-    assert glob == order + [order[0]]
+    assert glob == [*order, order[0]]
