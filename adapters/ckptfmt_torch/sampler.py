@@ -58,9 +58,10 @@ class ResumableSampler(Sampler[int]):
 
     The position counts what the ``DataLoader`` took from the sampler. With ``num_workers=0`` that
     is exactly what the training loop has consumed. Worker processes fetch ahead
-    (``prefetch_factor * num_workers`` batches); then set the position the loop has reached
-    before saving: ``sampler.seek(epoch, consumed)`` with ``consumed = steps_done_this_epoch *
-    num_replicas * batch_size`` (plus the epoch's ``start``).
+    (``prefetch_factor * num_workers`` batches); then save the position the loop has reached,
+    not the sampler's: ``{**sampler.state_dict(), "consumed": c}`` with ``c = start +
+    steps_done_since * num_replicas * batch_size`` (Lightning's ``DataPosition`` does this).
+    ``seek`` moves the sampler before its epoch's iteration starts (not while a loader iterates).
     """
 
     def __init__(
@@ -144,7 +145,7 @@ class ResumableSampler(Sampler[int]):
 
     def seek(self, epoch: int, consumed: int) -> None:
         """Continue at global position ``consumed`` of ``epoch`` (checked as a restored
-        position is)."""
+        position is); before a loader starts iterating this sampler, not during."""
         self._check_consumed(consumed)
         self.epoch, self.start, self.index = epoch, consumed, 0
 
