@@ -278,6 +278,13 @@ TRAINER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_load_scaler": ("checkpoint",),
     "_load_rng_state": ("checkpoint",),
     "_load_best_model": (),
+    "_init_training_state": (
+        "max_steps",
+        "num_update_steps_per_epoch",
+        "num_train_epochs",
+        "resume_from_checkpoint",
+        "trial",
+    ),
 }
 """The private ``transformers.Trainer`` methods ``ckptfmt_torch.hf.CheckpointMixin`` overrides
 (by name, as a subclass does), with the parameters HF passes them. Should HF rename one, the

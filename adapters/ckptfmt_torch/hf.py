@@ -46,6 +46,7 @@ from ckptfmt.errors import (
     DamagedCheckpointError,
     DamagedError,
     LoadFailedError,
+    PerRankError,
     UnreadableError,
     UsageError,
 )
@@ -53,7 +54,7 @@ from ckptfmt.format import WriteOptions
 from ckptfmt.parallel import CheckpointManager, load_collective
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import step_dir_name
-from ckptfmt_torch import _compat
+from ckptfmt_torch import _compat, hf_data
 from ckptfmt_torch.checkpoint import default_comm, save
 from ckptfmt_torch.convert import from_state, to_state
 from ckptfmt_torch.training import rng_state, set_rng_state
@@ -173,6 +174,9 @@ class CheckpointMixin(_Base):
     """Put before a ``transformers.Trainer`` subclass: ``class T(CheckpointMixin, SFTTrainer)``.
     Takes the trainer's arguments plus ``ckptfmt=CheckpointOptions(...)`` (keyword)."""
 
+    # the epochs' data positions, set when training starts (``_init_training_state``)
+    _ckptfmt_epochs: hf_data.Epochs | None = None
+
     def __init__(self, *args: Any, ckptfmt: CheckpointOptions | None = None, **kwargs: Any):
         _compat.check_trainer()  # the private hooks below are HF's still, or a loud error
         super().__init__(*args, **kwargs)
@@ -265,7 +269,21 @@ class CheckpointMixin(_Base):
                 sd["scaler"] = scaler
             sd["rng"] = rng_state()
         sd["trainer"] = {"global_step": self.state.global_step}
+        epochs = self._ckptfmt_epochs
+        length = hf_data.length(self.train_dataset)
+        if epochs is not None and length is not None:
+            sd["trainer"]["data"] = epochs.position(
+                self.state.global_step,
+                length,
+                self._ckptfmt_per_step(),
+                self.args.world_size,
+            )
         return sd
+
+    def _ckptfmt_per_step(self) -> int:
+        """Samples of the epoch's order one optimizer step takes, over all ranks."""
+        args = self.args
+        return int(args.train_batch_size * args.gradient_accumulation_steps * args.world_size)
 
     def _trainer_state_json(self) -> str:
         """``trainer_state.json`` as HF writes it, with the stateful callbacks' state now."""
@@ -373,6 +391,55 @@ class CheckpointMixin(_Base):
     # _save_checkpoint above and the _load_* below override private Trainer methods by name:
     # each is an entry of _compat.TRAINER_OVERRIDES, checked when the trainer is made.
 
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """HF's (epochs trained, batches of the epoch to skip), from the checkpoint's global
+        data position when it has one (``hf_data``): the same numbers as HF's at the world
+        size that saved; at another, the skip in this size's batches, or a
+        ``DataPositionError``."""
+        epochs, skip = super()._init_training_state(  # type: ignore[misc]
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        self._ckptfmt_epochs = hf_data.Epochs(num_update_steps_per_epoch)
+        tree = (
+            None if resume_from_checkpoint is None else self._ckptfmt_read(resume_from_checkpoint)
+        )
+        saved = None if tree is None else dict(tree.get("trainer", {})).get("data")
+        length = hf_data.length(self.train_dataset)
+        if saved is None or length is None:
+            return epochs, skip  # HF's own files, or saved before positions were global
+        ga, per_step = self.args.gradient_accumulation_steps, self._ckptfmt_per_step()
+        epoch, done, self._ckptfmt_epochs = hf_data.resume(
+            saved,
+            self.state.global_step,
+            num_update_steps_per_epoch,
+            length,
+            per_step,
+        )
+        if self.args.ignore_data_skip:
+            return epoch, 0
+        if saved.get("world_size") != self.args.world_size and self.args.process_index == 0:
+            log.warning(
+                "ckptfmt: resumed at sample %d of epoch %d (the epoch's global order), saved by "
+                "%s rank(s), continued by %d: %s -> %d samples per optimizer step; skipping %d "
+                "step(s) of this run's loader, the step counter goes on from %d",
+                int(saved["samples"]),
+                epoch,
+                saved.get("world_size"),
+                self.args.world_size,
+                saved.get("per_step"),
+                per_step,
+                done,
+                self.state.global_step,
+            )
+        return epoch, done * ga
+
     def _ckptfmt_read(self, checkpoint: str) -> dict[str, Any] | None:
         """Collective (every rank): the ckptfmt state of ``checkpoint`` (read once per resume,
         verified), or None for a checkpoint without ckptfmt data (HF's own files)."""
@@ -395,7 +462,15 @@ class CheckpointMixin(_Base):
                     "levels given (ckptfmt=CheckpointOptions(local_dir=...)) do not restore it"
                 )
             try:
-                tree, manifest = load_collective(default_comm(), data, {}, read=ReadOptions())
+                try:
+                    tree, manifest = load_collective(default_comm(), data, {}, read=ReadOptions())
+                except PerRankError as exc:  # another number of ranks: RNG streams are per rank
+                    log.warning(
+                        "ckptfmt: %s; resuming without them (each rank keeps its own seeding)",
+                        exc,
+                    )
+                    read = ReadOptions(per_rank="drop")
+                    tree, manifest = load_collective(default_comm(), data, {}, read=read)
             except LoadFailedError as exc:  # every rank: the rank that met the damage names it
                 if not any(f.kind == "damage" for f in exc.rank_failures.values()):
                     raise

@@ -17,12 +17,13 @@ Every rank does the same with its own sampler (each takes the same number of bat
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import DataPositionError, UsageError
 from ckptfmt_torch.sampler import ResumableSampler
 
 try:
@@ -32,15 +33,22 @@ except ImportError:  # pragma: no cover - only ``lightning`` installed
 
 __all__ = ["DataPosition"]
 
+log = logging.getLogger(__name__)
+
 
 class DataPosition(Callback):
     """Saves the training loop's position in the data with each checkpoint and moves the
-    training loaders' :class:`~ckptfmt_torch.ResumableSampler` there on resume (see the
-    module). Its state is ``{"epoch": e, "batches": n}``: ``n`` batches of epoch ``e`` done."""
+    training loaders' :class:`~ckptfmt_torch.ResumableSampler` there on resume, at the same
+    number of devices or another (see the module). Its state is ``{"epoch": e, "batches": n,
+    "samples": [c, ...], "world_size": w}``: ``n`` batches of epoch ``e`` done, ``c`` samples
+    of the epoch's global order consumed through each training loader, by ``w`` ranks."""
 
     def __init__(self) -> None:
-        self._done: dict[str, int] | None = None
-        self._resume: dict[str, int] | None = None
+        self._done: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None
+        self._loaders: list[tuple[ResumableSampler, int]] = []
+        self._base: tuple[int, list[int]] = (0, [])  # (epoch, samples) the counting starts at
+        self._taken = 0  # batches since then
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # before Lightning restores the callbacks' states: nothing left from an earlier run
@@ -49,20 +57,64 @@ class DataPosition(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The loaders are set up (their length taken, their iterator not yet drawn from):
         check that they can be moved, and move them to the restored position."""
-        samplers = _samplers(trainer.train_dataloader)
+        self._loaders = _samplers(trainer.train_dataloader)
+        self._base, self._taken = (trainer.current_epoch, [0] * len(self._loaders)), 0
         if self._resume is None:
             return
-        epoch, batches = self._resume["epoch"], self._resume["batches"]
-        for sampler, batch_size in samplers:
-            index = min(batches * batch_size, sampler.num_samples)
-            sampler.load_state_dict({"epoch": epoch, "index": index})
-        self._resume = None
+        state, self._resume = self._resume, None
+        epoch, batches = state["epoch"], state["batches"]
+        if "samples" not in state:  # saved by an earlier version: batches per rank
+            for sampler, batch_size in self._loaders:
+                index = min(batches * batch_size, sampler.num_samples)
+                sampler.load_state_dict({"epoch": epoch, "index": index})
+            log.info("DataPosition: resumed after batch %d of epoch %d (per rank)", batches, epoch)
+            return
+        samples, saved_world = list(state["samples"]), state["world_size"]
+        if len(samples) != len(self._loaders):
+            raise DataPositionError(
+                f"the checkpoint holds the position of {len(samples)} training loader(s) and "
+                f"the Trainer has {len(self._loaders)}",
+                expected=len(self._loaders),
+                actual=len(samples),
+            )
+        for (sampler, _), consumed in zip(self._loaders, samples, strict=True):
+            sampler.seek(epoch, consumed)
+        self._base = (epoch, samples)
+        sampler, batch_size = self._loaders[0]
+        left = len(sampler) // batch_size + (len(sampler) % batch_size > 0)
+        world = sampler.num_replicas
+        if world != saved_world:
+            # Lightning counts the epoch's batches in this run's units: its epoch ends after
+            # ``num_training_batches``; set the count done to what is left at this world size
+            _set_batches_done(trainer, batches, left)
+        what = (
+            f"DataPosition: resumed at sample {samples[0]} of {sampler.length} of epoch {epoch} "
+            f"(global order), saved by {saved_world} rank(s), continued by {world}: global "
+            f"batch {saved_world * batch_size} -> {world * batch_size} samples, {left} batch(es) "
+            f"per rank left in the epoch; the step counter goes on counting optimizer steps"
+        )
+        if trainer.is_global_zero:
+            (log.warning if world != saved_world else log.info)(what)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # before ModelCheckpoint's save in this hook: Lightning runs checkpoint callbacks last
-        self._done = {"epoch": trainer.current_epoch, "batches": batch_idx + 1}
+        epoch = trainer.current_epoch
+        if epoch != self._base[0]:
+            self._base, self._taken = (epoch, [0] * len(self._loaders)), 0
+        self._taken += 1
+        samples = [
+            min(base + self._taken * sampler.num_replicas * batch_size, sampler.length)
+            for base, (sampler, batch_size) in zip(self._base[1], self._loaders, strict=True)
+        ]
+        world = self._loaders[0][0].num_replicas if self._loaders else 1
+        self._done = {
+            "epoch": epoch,
+            "batches": batch_idx + 1,
+            "samples": samples,
+            "world_size": world,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._done) if self._done is not None else {}
@@ -71,11 +123,32 @@ class DataPosition(Callback):
         if not state_dict:
             return
         epoch, batches = state_dict.get("epoch"), state_dict.get("batches")
-        if not (
-            isinstance(epoch, int) and isinstance(batches, int) and epoch >= 0 and batches >= 0
-        ):
+        ok = isinstance(epoch, int) and isinstance(batches, int) and epoch >= 0 and batches >= 0
+        if "samples" in state_dict:
+            samples, world = state_dict["samples"], state_dict.get("world_size")
+            ok = ok and isinstance(world, int) and world >= 1 and isinstance(samples, list)
+            ok = ok and all(isinstance(c, int) and c >= 0 for c in samples)
+        if not ok:
             raise UsageError(f"not a DataPosition state: {state_dict!r}")
-        self._done = self._resume = {"epoch": epoch, "batches": batches}
+        self._done = self._resume = dict(state_dict)
+
+
+def _set_batches_done(trainer: Trainer, saved: int, left: int) -> None:
+    """Make Lightning's count of the epoch's batches done agree with the batches left at this
+    world size: it ends the epoch when the count reaches ``num_training_batches`` (this run's
+    batches per epoch), and its ``batch_idx`` goes on from the count."""
+    total = trainer.num_training_batches
+    if not isinstance(total, int):  # an iterable without a length: it ends when exhausted
+        return
+    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker
+    # shift every counter alike: saved in on_train_batch_end, ``completed`` is one behind
+    # ``ready`` and Lightning's restart adds the one
+    delta = max(total - left, 0) - current.ready
+    current.ready += delta
+    current.started += delta
+    current.processed += delta
+    current.completed += delta
+    log.debug("DataPosition: Lightning's batch count of the epoch %d -> %d", saved, current.ready)
 
 
 def _samplers(loaders: Any) -> list[tuple[ResumableSampler, int]]:

@@ -96,7 +96,8 @@ class TrainingState:
     - ``scheduler`` and ``scaler`` (an LR scheduler, a ``GradScaler``), when given;
     - ``counters``: a dict of JSON values the loop keeps (``ts.counters["step"] = step``);
     - ``rng``: this rank's generators (:func:`rng_state`), when ``rng`` is true;
-    - ``data``: the sampler's position (``ResumableSampler``), this rank's own;
+    - ``data``: the sampler's position: ``ResumableSampler``'s is global (the same on every
+      rank, loadable at another world size); another sampler's state is saved per rank;
     - ``extra``: further statefuls or values, by name.
 
     A checkpoint without ``rng`` or ``data`` (per-rank state left out by ``ckptfmt reshard
@@ -151,7 +152,10 @@ class TrainingState:
         if self.rng:
             sd["rng"] = rng_state()
         if self.sampler is not None:
-            sd["data"] = PerRank(self.sampler.state_dict())
+            data = self.sampler.state_dict()
+            # a global position (ResumableSampler's) is the same on every rank: saved once, it
+            # loads at any world size; another sampler's state is this rank's own
+            sd["data"] = data if data.get("kind") == "global" else PerRank(data)
         if self.extra:
             sd["extra"] = dict(self.extra)
         return sd

@@ -76,6 +76,7 @@ from ckptfmt.errors.storage import (
 )
 from ckptfmt.errors.usage import (
     CloudNotInstalledError,
+    DataPositionError,
     DestinationExistsError,
     DtypeMismatchError,
     FrameworkCompatError,
@@ -124,6 +125,7 @@ __all__ = [
     "CredentialsError",
     "CorruptShardError",
     "DamagedCheckpointError",
+    "DataPositionError",
     "DamagedError",
     "DestinationExistsError",
     "DestinationUnwritableError",

@@ -247,6 +247,19 @@ class PerRankError(UsageError):
         )
 
 
+class DataPositionError(UsageError):
+    """A saved data-loader position that this job cannot continue exactly: another dataset
+    length, seed or order, a position past the epoch, or one that falls inside a global batch of
+    this job when aligned batches were asked for. Never rounded: the job would repeat or skip
+    samples. ``reason``: what differs; ``expected``/``actual``: this job's value and the
+    saved one, where a single value differs."""
+
+    def __init__(self, reason: str, *, expected: object = None, actual: object = None) -> None:
+        self.reason = reason
+        self.expected, self.actual = expected, actual
+        super().__init__(f"cannot continue the saved data position: {reason}")
+
+
 def describe_per_rank(
     entries: Sequence[str], saved: int, current: int, dropped: Sequence[int], missing: Sequence[int]
 ) -> str:

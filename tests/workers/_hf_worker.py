@@ -10,10 +10,12 @@ data position all come back.
 
 ``PLAN.json``: ``{"out": DIR, "mode": "ckptfmt" | "async" | "hf", "max_steps": 24,
 "save_steps": 4, "stop_at": N or null, "kill_at": N or null, "resume": null | true | PATH,
-"limit": K or null, "result": PREFIX}``. ``stop_at``: training stops after step N (an
-interrupted run, its checkpoints as they are); ``kill_at``: the process SIGKILLs itself right
-after the save of step N was handed over (an async save may still be in flight). Each rank
-writes ``PREFIX.rank<r>.npz`` (:func:`final_state`) at the end.
+"limit": K or null, "result": PREFIX, "record": false}``. ``stop_at``: training stops after
+step N (an interrupted run, its checkpoints as they are); ``kill_at``: the process SIGKILLs
+itself right after the save of step N was handed over (an async save may still be in flight).
+Each rank
+writes ``PREFIX.rank<r>.npz`` (:func:`final_state`) at the end, and with ``record`` the
+dataset indices of its batches to ``PREFIX.seen.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -151,10 +153,33 @@ def final_state(trainer: transformers.Trainer) -> dict[str, np.ndarray]:
     return out
 
 
-def run(out: str | os.PathLike[str], resume: str | bool | None = None, **kw: Any) -> Any:
-    """Train as :func:`build` says; return the trainer."""
+def record(trainer: transformers.Trainer) -> list[list[int]]:
+    """The dataset indices of every training batch the model is given on this rank, in order
+    (a forward pre-hook: what the model saw, whatever the loader skipped)."""
+    rows = {tuple(r.tolist()): i for i, r in enumerate(Tokens().x)}
+    seen: list[list[int]] = []
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if module.training:
+            seen.append([rows[tuple(r.tolist())] for r in kwargs["input_ids"]])
+
+    trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def run(
+    out: str | os.PathLike[str],
+    resume: str | bool | None = None,
+    seen: list[list[int]] | None = None,
+    **kw: Any,
+) -> Any:
+    """Train as :func:`build` says; return the trainer. ``seen``: a list to fill with the
+    dataset indices of every batch (:func:`record`)."""
     trainer = build(out, **kw)
+    hooked = record(trainer) if seen is not None else []
     trainer.train(resume_from_checkpoint=resume)
+    if seen is not None:
+        seen.extend(hooked)
     return trainer
 
 
@@ -163,9 +188,12 @@ def main() -> None:
     kw = {
         k: plan.get(k) for k in ("mode", "max_steps", "save_steps", "limit", "stop_at", "kill_at")
     }
-    trainer = run(plan["out"], plan.get("resume"), **{k: v for k, v in kw.items() if v})
+    seen: list[list[int]] | None = [] if plan.get("record") else None
+    trainer = run(plan["out"], plan.get("resume"), seen, **{k: v for k, v in kw.items() if v})
     rank = int(os.environ.get("RANK", "0"))
     np.savez(f"{plan['result']}.rank{rank}.npz", **final_state(trainer))
+    if seen is not None:
+        Path(f"{plan['result']}.seen.rank{rank}.json").write_text(json.dumps(seen))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

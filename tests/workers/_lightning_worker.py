@@ -16,6 +16,7 @@ state to ``ROOT/<name>.end.pt`` (``torch.save``, read by the test only).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -77,6 +78,24 @@ class ShuffledData(L.LightningDataModule):
         return DataLoader(self.ds, batch_size=8, sampler=sampler)
 
 
+class Record(L.Callback):
+    """Notes the dataset index of every sample of every training batch this rank sees and
+    writes them to ``ROOT/<name>.seen.w<world size>.rank<r>.json`` when the fit ends
+    (ShuffledData's rows are distinct, so a row tells its index)."""
+
+    def __init__(self, root: Path, name: str, ds: TensorDataset) -> None:
+        self.root, self.name = root, name
+        self.rows = {tuple(r.tolist()): i for i, r in enumerate(ds.tensors[0])}
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl: Any, out: Any, batch: Any, i: int) -> None:
+        self.seen.append([self.rows[tuple(r.tolist())] for r in batch[0]])
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        w, r = trainer.world_size, trainer.global_rank
+        (self.root / f"{self.name}.seen.w{w}.rank{r}.json").write_text(json.dumps(self.seen))
+
+
 class KillAt(L.Callback):
     """SIGKILL this process when step ``at`` is done (and checkpointed): a real crash."""
 
@@ -124,6 +143,8 @@ def fit(args: argparse.Namespace, name: str, max_steps: int) -> None:
     callbacks: list[L.Callback] = [checkpoint]
     if args.data == "shuffled":
         callbacks.append(ckptfmt_torch.lightning.DataPosition())
+        assert isinstance(dm, ShuffledData)
+        callbacks.append(Record(root, name, dm.ds))
     if args.kill_at is not None:
         callbacks.append(KillAt(args.kill_at))
     strategy: Any = "auto"

@@ -404,3 +404,49 @@ def test_cli_export_of_a_trainer_checkpoint_loads_with_from_pretrained(tmp_path:
     result = run_cli("export", bare, tmp_path / "hf3", "--config", bad)
     assert result.exit_code == 2 and "not a JSON object" in result.output
     assert not (tmp_path / "hf3").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_resume_on_fewer_ranks_continues_the_data(tmp_path: Path) -> None:
+    """Stopped at step 4 under ``torchrun`` with 2 ranks (32 of the epoch's 64 samples: 2 x 4
+    batches of 4), resumed with 1 rank to step 12: the resumed run skips exactly the 32 samples
+    consumed (8 of its own batches, not HF's ``global_step`` 4), says so, and trains on the 32
+    left, so that every sample of the epoch is seen once; the per-rank RNG streams of 2 ranks
+    are left out with a warning. Then the same from 1 rank to 2 refuses a position that is no
+    whole number of the new steps (12 samples, 8 a step) with ``DataPositionError``."""
+
+    def plan(name: str, **kw: Any) -> Path:
+        spec = {"max_steps": 12, "save_steps": 4, "result": str(tmp_path / name), "record": True}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**spec, **kw}))
+        return path
+
+    out = str(tmp_path / "run")
+    assert_ok(run_torchrun(2, WORKER, str(plan("two", out=out, stop_at=4)), timeout=300))
+    resumed = run_torchrun(1, WORKER, str(plan("one", out=out, resume=True)), timeout=300)
+    assert_ok(resumed)
+    said = resumed.stdout + resumed.stderr
+    assert (
+        "ckptfmt: resumed at sample 32 of epoch 0 (the epoch's global order), saved by 2 rank(s),"
+        " continued by 1: 8 -> 4 samples per optimizer step; skipping 8 step(s)" in said
+    ), said[-4000:]
+    assert "per-rank entries saved by 2 ranks, loaded by 1" in said
+    two = [json.loads((tmp_path / f"two.seen.rank{r}.json").read_text()) for r in range(2)]
+    one = json.loads((tmp_path / "one.seen.rank0.json").read_text())
+    assert [len(r) for r in two] == [4, 4] and len(one) == 8
+    seen = [i for r in two for b in r for i in b] + [i for b in one for i in b]
+    assert sorted(seen) == list(range(64))  # every sample of the epoch once
+    state = json.loads((tmp_path / "run" / "checkpoint-12" / "trainer_state.json").read_text())
+    assert state["global_step"] == 12  # optimizer steps, whatever their size
+
+    # 1 rank -> 2: stopped after 3 steps of 4 samples, 12 is no multiple of 2 x 4
+    out2 = str(tmp_path / "run2")
+    assert_ok(
+        run_torchrun(1, WORKER, str(plan("a", out=out2, stop_at=3, save_steps=3)), timeout=300)
+    )
+    refused = run_torchrun(
+        2, WORKER, str(plan("b", out=out2, resume=True, save_steps=3)), timeout=300
+    )
+    assert refused.returncode != 0
+    said = refused.stdout + refused.stderr
+    assert "DataPositionError" in said and "12 samples of epoch 0 consumed" in said, said[-4000:]

@@ -16,6 +16,7 @@ instead) and nothing is half-written or half-loaded.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -633,7 +634,12 @@ def test_data_position_resumes_mid_epoch(tmp_path: Path) -> None:
     whole = fit_shuffled(tmp_path / "whole", 16, position=True)
     fit_shuffled(tmp_path / "kept", 8, position=True)
     got = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(tmp_path / "kept" / "last.ckpt")
-    assert got["callbacks"]["DataPosition"] == {"epoch": 0, "batches": 8}
+    assert got["callbacks"]["DataPosition"] == {
+        "epoch": 0,
+        "batches": 8,
+        "samples": [64],
+        "world_size": 1,
+    }
     assert_same(fit_shuffled(tmp_path / "kept", 16, position=True), whole)
     fit_shuffled(tmp_path / "lost", 8, position=False)
     lost = fit_shuffled(tmp_path / "lost", 16, position=False)
@@ -668,4 +674,86 @@ def test_ddp_killed_mid_epoch_resumes_bitwise(tmp_path: Path) -> None:
     got = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(
         tmp_path / "k" / "epoch=1-step=8.ckpt"
     )
-    assert got["callbacks"]["DataPosition"] == {"epoch": 1, "batches": 2}
+    assert got["callbacks"]["DataPosition"] == {
+        "epoch": 1,
+        "batches": 2,
+        "samples": [32],  # 2 batches x 8 x 2 ranks of epoch 1's global order
+        "world_size": 2,
+    }
+
+
+def _seen(root: Path, name: str, world: int) -> list[list[list[int]]]:
+    """Each rank's batches (dataset indices) of the fit ``name`` at ``world`` devices."""
+    return [
+        json.loads((root / f"{name}.seen.w{world}.rank{r}.json").read_text()) for r in range(world)
+    ]
+
+
+def _global(ranks: list[list[list[int]]]) -> list[int]:
+    """The indices in the job's global order: step by step, position in batch, rank."""
+    return [r[s][j] for s in range(len(ranks[0])) for j in range(len(ranks[0][s])) for r in ranks]
+
+
+@pytest.mark.slow
+def test_resume_on_fewer_devices_continues_the_data(tmp_path: Path) -> None:
+    """4 steps at 2 devices (64 of the epoch's 96 samples: 2 x 4 batches of 8), resumed at 1
+    device to step 8: the resumed run takes the 32 samples left, in the epoch's global order,
+    says so on stderr, and ends bit for bit where a plain loop at 1 device ends that starts from
+    the checkpoint's model, Adam and schedule and walks the rest of the epoch's permutation
+    (computed here, not by the sampler)."""
+
+    args = ["--data", "shuffled", "--root", str(tmp_path)]
+    ok(run_worker(*args, "--devices", "2", "--runs", "e:4"))
+    resumed = run_worker(*args, "--devices", "1", "--runs", "e:8")
+    ok(resumed)
+    assert (
+        "DataPosition: resumed at sample 64 of 96 of epoch 0 (global order), saved by 2 rank(s),"
+        " continued by 1: global batch 16 -> 8 samples, 4 batch(es) per rank left" in resumed.stderr
+    ), resumed.stderr[-3000:]
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(3 + 0)).tolist()
+    before, after = _seen(tmp_path, "e", 2), _seen(tmp_path, "e", 1)
+    assert [len(r) for r in before] == [4, 4] and [len(r) for r in after] == [4]
+    assert _global(before) + _global(after) == perm  # every sample once, in order
+
+    saved = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(
+        tmp_path / "e" / "epoch=0-step=4.ckpt"
+    )
+    assert saved["callbacks"]["DataPosition"] == {
+        "epoch": 0,
+        "batches": 4,
+        "samples": [64],
+        "world_size": 2,
+    }
+    model = Net()
+    model.load_state_dict(saved["state_dict"])
+    conf = model.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]
+    opt.load_state_dict(saved["optimizer_states"][0])
+    sched.load_state_dict(saved["lr_schedulers"][0])
+    ds = ShuffledData().ds
+    for k in range(4):
+        x, y = ds[perm[64 + 8 * k : 64 + 8 * (k + 1)]]
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model.net(x), y).backward()
+        opt.step()
+    got = end(tmp_path, "e")
+    assert got["global_step"] == 8
+    assert_same(got["params"], dict(model.state_dict()))
+    assert_same(got["optim"]["state"], opt.state_dict()["state"])
+
+
+@pytest.mark.slow
+def test_resume_on_more_devices_continues_the_data(tmp_path: Path) -> None:
+    """4 steps at 1 device (32 of 96 samples), resumed at 2 devices to step 8: the 64 samples
+    left in 4 steps of 2 x 8, the epoch ending there (Lightning's batch count of the epoch set
+    to this size's units), every sample once in the global order."""
+    args = ["--data", "shuffled", "--root", str(tmp_path)]
+    ok(run_worker(*args, "--devices", "1", "--runs", "f:4"))
+    resumed = run_worker(*args, "--devices", "2", "--runs", "f:8")
+    ok(resumed)
+    assert "saved by 1 rank(s), continued by 2: global batch 8 -> 16" in resumed.stderr
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(3 + 0)).tolist()
+    before, after = _seen(tmp_path, "f", 1), _seen(tmp_path, "f", 2)
+    assert [len(r) for r in before] == [4] and [len(r) for r in after] == [4, 4]
+    assert _global(before) + _global(after) == perm
+    assert end(tmp_path, "f")["global_step"] == 8

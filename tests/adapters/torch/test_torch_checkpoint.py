@@ -252,7 +252,15 @@ def test_training_state_resumes_bitwise(tmp_path: Path) -> None:
     ts2, loader2 = make(1)
     ckptfmt_torch.load({"train": ts2}, tmp_path / "c")
     assert ts2.counters == {"step": 4, "tokens": 16}
-    assert ts2.sampler.state_dict() == {"epoch": 0, "index": 16}
+    assert ts2.sampler.state_dict() == {
+        "kind": "global",
+        "epoch": 0,
+        "consumed": 16,
+        "length": 40,
+        "seed": 3,
+        "shuffle": True,
+        "world_size": 1,
+    }
     assert ts2.scaler.get_scale() == 4.0 * 2 * 2  # grew twice: 4 good steps, interval 2
     assert train(ts2, loader2, 4) == after
 
