@@ -258,6 +258,12 @@ def _summary(times: dict[str, list[float]], ours: str) -> dict[str, Any]:
         "min_s": {m: min(v) for m, v in times.items() if v},
         "max_s": {m: max(v) for m, v in times.items() if v},
         "speedup": {m: med[m] / med[ours] for m in med if m != ours},
+        # the same ratio round by round (both timed within seconds of each other), median
+        "paired": {
+            m: statistics.median(a / b for a, b in zip(v, times[ours]))
+            for m, v in times.items()
+            if v and m != ours
+        },
     }
 
 
@@ -567,12 +573,13 @@ def markdown(res: dict[str, Any]) -> str:
         b = res["state_bytes"]
         lines += [
             "",
-            "| restore, node intact (warm tmpfs) | median s (min-max) | GB/s | ckptfmt faster by |",
+            "| restore, node intact (warm tmpfs) | median s (min-max) | GB/s "
+            "| ckptfmt faster by (paired) |",
             "|---|---|---|---|",
         ]
         for m in LOAD_METHODS:
             speed = b / ld["median_s"][m] / 1e9
-            x = "" if m == "ckptfmt" else f"{ld['speedup'][m]:.2f}x"
+            x = "" if m == "ckptfmt" else f"{ld['speedup'][m]:.2f}x ({ld['paired'][m]:.2f}x)"
             lines.append(f"| {m} | {_spread(ld, m)} | {speed:.2f} | {x} |")
         for m in ("ckptfmt", "ckptfmt_into"):
             ratio = ld["median_s"]["raw"] / ld["median_s"][m]
@@ -581,11 +588,11 @@ def markdown(res: dict[str, Any]) -> str:
         rs = res["restart"]
         lines += [
             "",
-            "| whole restart (fresh python) | median s (min-max) | ckptfmt / it |",
+            "| whole restart (fresh python) | median s (min-max) | ckptfmt / it (paired) |",
             "|---|---|---|",
         ]
         for m in RESTART_METHODS:
-            x = "" if m == "ckptfmt" else f"{1 / rs['speedup'][m]:.2f}"
+            x = "" if m == "ckptfmt" else f"{1 / rs['speedup'][m]:.2f} ({1 / rs['paired'][m]:.2f})"
             lines.append(f"| {m} | {_spread(rs, m)} | {x} |")
         lines.append(
             f"\nimport torch {rs['import_s']['torch']:.2f} s; import ckptfmt_torch after it "
@@ -600,18 +607,23 @@ def markdown(res: dict[str, Any]) -> str:
         for n, lo in res["lost"].items():
             lines.append(
                 f"| {lo['ranks']} ranks on {n} nodes, {lo['bytes_per_rank'] / 2**20:.0f} MiB/rank "
-                f"| {_spread(lo, 'intact')} | {_spread(lo, 'lost')} | {lo['slowdown']:.2f}x |"
+                f"| {_spread(lo, 'intact')} | {_spread(lo, 'lost')} "
+                f"| {lo['slowdown']:.2f}x ({lo['paired']['lost']:.2f}x) |"
             )
     for part, base in (("lightning", "torch"), ("hf", "hf")):
         if part in res:
             pr = res[part]
             lines += [
                 "",
-                f"| {part}: resume to first step | median s (min-max) | ckptfmt / it |",
+                f"| {part}: resume to first step | median s (min-max) | ckptfmt / it (paired) |",
                 "|---|---|---|",
             ]
             for m in ("ckptfmt", base):
-                x = "" if m == "ckptfmt" else f"{1 / pr['speedup'][m]:.2f}"
+                x = (
+                    ""
+                    if m == "ckptfmt"
+                    else f"{1 / pr['speedup'][m]:.2f} ({1 / pr['paired'][m]:.2f})"
+                )
                 lines.append(f"| {m} | {_spread(pr, m)} | {x} |")
     return "\n".join(lines) + "\n"
 
