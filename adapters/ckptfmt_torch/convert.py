@@ -16,11 +16,11 @@ anything is written, unless ``objects="pickle"`` lets it through to be stored as
 
 from __future__ import annotations
 
-import functools
+import sys
 from collections.abc import Mapping, MutableMapping
+from functools import cache
 from typing import Any, Protocol, runtime_checkable
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -49,13 +49,29 @@ _DIRECT = {
     torch.complex128: np.dtype(np.complex128),
 }
 # dtypes numpy lacks: reinterpreted as an integer of the same width, re-labelled by ml_dtypes
-_VIA_BITS = {
-    torch.bfloat16: (torch.int16, np.dtype(ml_dtypes.bfloat16)),
-    torch.float8_e4m3fn: (torch.uint8, np.dtype(ml_dtypes.float8_e4m3fn)),
-    torch.float8_e5m2: (torch.uint8, np.dtype(ml_dtypes.float8_e5m2)),
+# (whose types are made on first use: importing ml_dtypes costs about half a second)
+_BITS = {
+    torch.bfloat16: (torch.int16, "bfloat16"),
+    torch.float8_e4m3fn: (torch.uint8, "float8_e4m3fn"),
+    torch.float8_e5m2: (torch.uint8, "float8_e5m2"),
 }
 _TORCH_OF_NUMPY = {np_dt: t for t, np_dt in _DIRECT.items()}
-_BITS_OF_NUMPY = {np_dt: (bits, t) for t, (bits, np_dt) in _VIA_BITS.items()}
+_TORCH_OF_ML_NAME = {name: (bits, t) for t, (bits, name) in _BITS.items()}
+
+
+@cache
+def _ml_numpy(name: str) -> np.dtype:
+    """The numpy dtype ``ml_dtypes`` gives the type ``name`` (imported here, when first met)."""
+    import ml_dtypes
+
+    dtype: np.dtype = np.dtype(getattr(ml_dtypes, name))
+    return dtype
+
+
+def _via_bits(dtype: torch.dtype) -> tuple[torch.dtype, np.dtype] | None:
+    """``(integer dtype of the same width, numpy dtype)`` of a torch dtype numpy lacks."""
+    found = _BITS.get(dtype)
+    return None if found is None else (found[0], _ml_numpy(found[1]))
 
 
 @runtime_checkable
@@ -90,9 +106,9 @@ def tensor_to_numpy(t: torch.Tensor, name: str = "") -> np.ndarray:
         t = t.resolve_conj().resolve_neg()
     if t.dtype in _DIRECT:
         return t.numpy()
-    if t.dtype in _VIA_BITS:
-        bits, np_dtype = _VIA_BITS[t.dtype]
-        return t.view(bits).numpy().view(np_dtype)
+    via = _via_bits(t.dtype)
+    if via is not None:
+        return t.view(via[0]).numpy().view(via[1])
     raise UnsupportedDtypeError(t.dtype, name or None)
 
 
@@ -103,8 +119,8 @@ def numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
         a = a.astype(a.dtype.newbyteorder("="), copy=True)
     if a.dtype in _TORCH_OF_NUMPY:
         return torch.from_numpy(a)
-    if a.dtype in _BITS_OF_NUMPY:
-        bits, target = _BITS_OF_NUMPY[a.dtype]
+    if a.dtype.name in _TORCH_OF_ML_NAME and a.dtype == _ml_numpy(a.dtype.name):
+        bits, target = _TORCH_OF_ML_NAME[a.dtype.name]
         np_bits = np.int16 if bits == torch.int16 else np.uint8
         return torch.from_numpy(a.view(np_bits)).view(target)
     raise UnsupportedDtypeError(a.dtype)
@@ -124,7 +140,7 @@ def copy_into(dst: torch.Tensor, src: np.ndarray, name: str = "", cast: Cast = "
     with torch.no_grad():
         if dst.device.type == "cpu" and (
             _DIRECT.get(dst.dtype) == src.dtype
-            or (dst.dtype in _VIA_BITS and _VIA_BITS[dst.dtype][1] == src.dtype)
+            or (dst.dtype in _BITS and src.dtype.name == _BITS[dst.dtype][1])
         ):
             view = tensor_to_numpy(dst, name)
             if not _same_memory(view, src):  # a restore that read straight into the tensor
@@ -147,16 +163,16 @@ def torch_numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy (``ml_dtypes``) dtype of a torch dtype; :class:`UnsupportedDtypeError` if none."""
     if dtype in _DIRECT:
         return np.dtype(_DIRECT[dtype])
-    if dtype in _VIA_BITS:
-        out: np.dtype = _VIA_BITS[dtype][1]
-        return out
+    via = _via_bits(dtype)
+    if via is not None:
+        return via[1]
     raise UnsupportedDtypeError(dtype)
 
 
 # --- DTensor: the local shard and where it lies -------------------------------------------------
 
 
-@functools.cache
+@cache
 def _dtensor_types() -> tuple[Any, Any, Any] | None:
     """``(DTensor, Shard, Replicate)``, public since torch 2.4 (imported on first use, not with
     the adapter); ``None`` in a build without ``torch.distributed``, where no DTensor exists."""
@@ -169,10 +185,12 @@ def _dtensor_types() -> tuple[Any, Any, Any] | None:
 
 
 def is_dtensor(obj: Any) -> bool:
-    if not isinstance(obj, torch.Tensor):
-        return False
-    types = _dtensor_types()
-    return types is not None and isinstance(obj, types[0])
+    """Whether ``obj`` is a DTensor. A DTensor exists only once ``torch.distributed.tensor`` is
+    imported, so a process that never imported it (a plain restart: about a second of imports
+    saved) is answered without importing it."""
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(dtensor_module, "DTensor", None)
+    return dtensor is not None and isinstance(obj, dtensor)
 
 
 def dtensor_box(t: Any, name: str = "") -> tuple[Box, tuple[int, ...]]:
@@ -469,7 +487,7 @@ def _check_optimizer(
             continue
         for slot, arr in entry.items():
             floating = isinstance(arr, np.ndarray) and (
-                arr.dtype.kind == "f" or arr.dtype in _BITS_OF_NUMPY
+                arr.dtype.kind == "f" or arr.dtype.name in _TORCH_OF_ML_NAME
             )
             if slot != "step" and floating:
                 pairs.append((f"{name}/state/{key}/{slot}", arr.dtype, torch_numpy_dtype(p.dtype)))

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptfmt.errors import UsageError
 from ckptfmt.tree import PerRank
@@ -138,6 +137,10 @@ class TrainingState:
         sd: dict[str, Any] = {}
         if self.model is not None:
             fresh = [o for o in self.optimizers if not o.state]
+            # imported here, not with ckptfmt_torch: it loads torch.distributed.tensor (a
+            # second or more), which only a TrainingState's state needs
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
             model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
             for o in fresh:  # get_state_dict initialised it with a zero step: undo, so that a
                 o.state.clear()  # fresh run trains exactly as it would without a checkpoint
@@ -162,6 +165,8 @@ class TrainingState:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if self.model is not None:
+            from torch.distributed.checkpoint.state_dict import set_state_dict  # see state_dict
+
             set_state_dict(
                 self.model,
                 self.optimizers,

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from ckptfmt.checksum import crc32c
-from ckptfmt.dtypes import DTYPES
+from ckptfmt.dtypes import DTYPES, itemsize_of
 from ckptfmt.errors import CkptError, FormatVersionError, ManifestChecksumError, ManifestError
 from ckptfmt.manifest.grid import cells, grid_shape, shard_key
 from ckptfmt.manifest.limits import (
@@ -399,9 +399,9 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
         raise ManifestError("shard_shape must be a multiple of chunk_shape", r.at("shard_shape"))
     if math.prod(h // c for h, c in zip(shard, chunk)) > MAX_CHUNKS_PER_SHARD:
         raise ManifestError(f"more than {MAX_CHUNKS_PER_SHARD} chunks per shard", r.pointer)
-    if math.prod(chunk) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
+    if math.prod(chunk) * itemsize_of(dtype) > MAX_CHUNK_BYTES:
         raise ManifestError(f"inner chunks larger than {MAX_CHUNK_BYTES} bytes", r.pointer)
-    if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
+    if math.prod(shape) * itemsize_of(dtype) > MAX_TENSOR_BYTES:
         raise ManifestError(f"tensor larger than {MAX_TENSOR_BYTES} bytes", r.at("shape"))
     per_rank = r.get("per_rank", bool, optional=True) or False
     if per_rank and (ndim == 0 or shape[0] != world_size):
@@ -442,7 +442,7 @@ def _parse_tensor(r: _Reader, name: tuple[str, ...], world_size: int) -> TensorE
                 raise ManifestError("regions overlap", rp)
             claimed.add(cell)
             size = fr.integer("size", 0, MAX_TENSOR_BYTES)
-            if size < _min_file_size(shape, shard, chunk, DTYPES[dtype].itemsize, cell):
+            if size < _min_file_size(shape, shard, chunk, itemsize_of(dtype), cell):
                 raise ManifestError("file too small for its chunks and index", fr.at("size"))
             files.append(FileRef(fpath, size, int(crc, 16)))
         regions.append(Region(offset, rshape, rank, tuple(files)))

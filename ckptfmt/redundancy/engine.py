@@ -89,12 +89,31 @@ def run_ops(
     ranks when some members are not local."""
     n = len(members)
     received = 0
+    _take_tmp_chunks(ops, chunk, local)
     sending: list[Sending] = []  # sends go on while this rank moves on to its next ops
     for op in ops:
         received += _run_op(op, n, members, sizes, chunk, local, transport, sending)
     for s in sending:
         s.wait()
     return received
+
+
+def _take_tmp_chunks(ops: Sequence[Op], chunk: int, local: Mapping[int, MemberBuffers]) -> None:
+    """Give every ``"tmp"`` chunk the ops decode into on this rank a zeroed slice of one region
+    of this thread's reused scratch. A fresh ``np.zeros`` chunk per key faulted its pages in
+    again at every rebuild (with 4 ranks on 2 simulated nodes, XOR: 0.36 s of a 0.65 s restore
+    of 60 MiB per rank). Safe to reuse at the next call: every send of a chunk is waited for
+    before ``run_ops`` returns."""
+    keys = sorted(
+        {(op.dst, op.dst_index) for op in ops if op.dst_kind == "tmp" and op.dst in local}
+    )
+    keys = [(member, index) for member, index in keys if index not in local[member].tmp]
+    if not keys:
+        return
+    region = scratch(len(keys) * chunk, "tmp")
+    region[:] = 0
+    for k, (member, index) in enumerate(keys):
+        local[member].tmp[index] = region[k * chunk : (k + 1) * chunk]
 
 
 def _run_op(

@@ -15,7 +15,8 @@ Every conversion made is reported (:class:`CastWarning`, carrying the list of
 (``ckptfmt_torch``, ``ckptfmt_keras``) and the core call :func:`plan_casts` first, write only
 when it returns, then :func:`report_casts`.
 
-Framework-free: dtypes are numpy dtypes (``ml_dtypes`` for ``bfloat16`` and ``float8_*``).
+Framework-free: dtypes are numpy dtypes (``ml_dtypes`` for ``bfloat16`` and ``float8_*``, which
+are recognised by name so that ``ml_dtypes`` is imported only when one of them is met).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-import ml_dtypes
 import numpy as np
 
+from ckptfmt.dtypes import ML_NAMES
 from ckptfmt.errors import CastWarning, DtypeMismatchError, UsageError
 
 Cast = Literal["no", "safe", "any"]
@@ -36,11 +37,10 @@ Cast = Literal["no", "safe", "any"]
 POLICIES: tuple[Cast, ...] = get_args(Cast)
 """The values ``cast=`` takes."""
 
-_ML_FLOATS = {
-    np.dtype(ml_dtypes.bfloat16),
-    np.dtype(ml_dtypes.float8_e4m3fn),
-    np.dtype(ml_dtypes.float8_e5m2),
-}
+
+def _is_ml(dt: np.dtype) -> bool:
+    """Whether ``dt`` is one of the ``ml_dtypes`` floats (all real)."""
+    return dt.name in ML_NAMES
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,11 @@ def check_policy(cast: object) -> Cast:
 
 
 def _float_info(dt: np.dtype) -> Any:
-    return ml_dtypes.finfo(dt) if dt in _ML_FLOATS else np.finfo(dt)  # type: ignore[no-untyped-call]
+    if not _is_ml(dt):
+        return np.finfo(dt)
+    import ml_dtypes  # loaded already: ``dt`` is one of its types
+
+    return ml_dtypes.finfo(dt)  # type: ignore[no-untyped-call]
 
 
 def is_safe(saved: np.dtype, target: np.dtype) -> bool:
@@ -75,10 +79,10 @@ def is_safe(saved: np.dtype, target: np.dtype) -> bool:
     if saved == target:
         return True
     if saved.kind == "b":
-        return target.kind in "biufc" or target in _ML_FLOATS
-    if saved not in _ML_FLOATS and target not in _ML_FLOATS:
+        return target.kind in "biufc" or _is_ml(target)
+    if not _is_ml(saved) and not _is_ml(target):
         return bool(np.can_cast(saved, target, casting="safe"))
-    t_float = target in _ML_FLOATS or target.kind in "fc"
+    t_float = _is_ml(target) or target.kind in "fc"
     if not t_float:
         return False  # a float into an integer or bool is never exact
     t_info = _float_info(target if target.kind != "c" else np.dtype(f"f{target.itemsize // 2}"))

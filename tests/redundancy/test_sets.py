@@ -34,7 +34,7 @@ from ckptfmt import WriteOptions
 from ckptfmt.errors import CkptError, UnrecoverableDamageError
 from ckptfmt.maintenance.repair import rebuild
 from ckptfmt.manifest.codec import parse_manifest
-from ckptfmt.redundancy.engine import MemberBuffers, run_ops
+from ckptfmt.redundancy.engine import MemberBuffers, run_ops, scratch
 from ckptfmt.redundancy.record import member_files, record_of
 from ckptfmt.redundancy.schemes import UnrecoverableError, scheme_of
 
@@ -410,3 +410,37 @@ def test_repair_reads_one_directory_holding_every_node(tmp_path: Path) -> None:
     assert report.lost_data == [5] and report.lost_parity == []
     assert _files(one) == healthy
     assert ckptfmt.verify(one).healthy
+
+
+@pytest.mark.parametrize(("scheme", "m", "n"), [("xor", 1, 2), ("xor", 1, 4), ("rs", 2, 5)])
+def test_decoding_scratch_is_reused_and_starts_zeroed(scheme: str, m: int, n: int) -> None:
+    """The ``"tmp"`` chunks the ops decode into are cut from this thread's reused scratch (no
+    fresh pages faulted in at every rebuild); left dirty by anything before, they are zeroed
+    before the ops XOR into them, so every rebuild is still bit-exact."""
+    sizes = member_sizes(n, seed=7 * n + m)
+    good = encode(scheme, m, sizes, seed=7 * n + m)
+    chunk, _ = geometry(scheme, m, sizes)
+    lost = {("data", 1, 0)} | {("parity", 1, p) for p in range(m)}
+    for _ in range(2):
+        scratch(n * n * chunk, "tmp")[:] = 0xFF  # garbage where the chunks will be cut
+        attempt(scheme, m, sizes, good, lost)
+    ops = scheme_of(scheme, m).rebuild_plan(n, [1], [(1, p) for p in range(m)])
+    bufs = {j: MemberBuffers(b.data.copy(), b.parity.copy()) for j, b in good.items()}
+    taken: list[np.ndarray] = []
+    for b in bufs.values():  # note each chunk as the ops consume it
+        b.tmp = _Noting(taken)
+    run_ops(ops, [100 + j for j in range(n)], sizes, chunk, bufs)
+    region = scratch(1, "tmp")
+    assert taken and all(np.shares_memory(t, region.base) for t in taken)
+
+
+class _Noting(dict):  # type: ignore[type-arg]
+    """A ``MemberBuffers.tmp`` that records every chunk put into it."""
+
+    def __init__(self, taken: list[np.ndarray]) -> None:
+        super().__init__()
+        self.taken = taken
+
+    def __setitem__(self, key: object, value: np.ndarray) -> None:
+        self.taken.append(value)
+        super().__setitem__(key, value)
