@@ -9,7 +9,7 @@ that lost a parameter the adapter passes, raises :class:`ckptfmt.errors.Framewor
 naming the framework, its installed version, the name and the supported range, instead of a
 feature silently switched off. Attributes Keras sets on each object (``_initial_epoch``,
 ``_compile_metrics``, ``_seed_generators``) are checked on the object at each use as well.
-``tests/adapters/keras/test_compat.py`` resolves every entry against the installed frameworks.
+``tests/adapters/keras/test_keras_compat.py`` resolves every entry against the installed frameworks.
 
 The supported ranges (:data:`SUPPORTED`) are the extras' bounds in ``pyproject.toml`` (a test
 keeps them equal): up to the newest version checked, exclusive of the next minor release.
@@ -17,155 +17,96 @@ keeps them equal): up to the newest version checked, exclusive of the next minor
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ckptfmt.errors import FrameworkCompatError
+from ckptfmt.frameworks import Private, PrivateNames
 
 SUPPORTED: dict[str, str] = {"keras": ">=3,<3.16", "tensorflow-cpu": ">=2.16,<2.22"}
 """framework (its distribution's name) -> the range this adapter supports (the extras' bounds)."""
 
-_MODULE_OF = {"tensorflow-cpu": "tensorflow"}  # else the distribution's own name
-
-
-@dataclasses.dataclass(frozen=True)
-class Private:
-    """One private name of a framework: ``where`` is ``"module"`` or ``"module:Class"``,
-    ``name`` the attribute there; ``params``: the parameters the adapter passes it by name
-    (checked present in its signature); ``uses``: what the adapter does with it;
-    ``on_objects``: an attribute each object gets in ``__init__`` (the class has none), checked
-    on the object at each use."""
-
-    framework: str
-    where: str
-    name: str
-    params: tuple[str, ...] = ()
-    uses: str = ""
-    on_objects: bool = False
-
-    @property
-    def qualname(self) -> str:
-        """The name as the framework spells it: ``keras.Model._symbolic_build``."""
-        return f"{self.where.replace(':', '.')}.{self.name}"
+PRIVATE = PrivateNames(SUPPORTED, {"tensorflow-cpu": "tensorflow"})
+"""Every private name this adapter uses, by key (``ckptfmt.frameworks``)."""
 
 
 def installed_version(framework: str) -> str:
     """The installed version of ``framework`` (its ``__version__``), or ``"(not installed)"``."""
-    try:
-        module = importlib.import_module(_MODULE_OF.get(framework, framework))
-    except ImportError:
-        return "(not installed)"
-    return str(getattr(module, "__version__", "(unknown version)"))
+    return PRIVATE.installed_version(framework)
 
 
 def resolve(entry: Private) -> Any:
-    """The object ``entry`` names, imported and checked now (not cached: :func:`private` caches).
-    Raises :class:`FrameworkCompatError` when it is missing or its signature lacks a parameter
-    the adapter passes."""
-    module_name, _, owner = entry.where.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in owner.split(".") if owner else []:
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise _error(entry, f"cannot be imported ({type(exc).__name__}: {exc})") from None
-    if entry.on_objects:
-        return obj  # the class: its objects are checked as they come (see _attribute)
-    if not hasattr(obj, entry.name):
-        raise _error(entry, "is missing")
-    found = getattr(obj, entry.name)
-    if entry.params:
-        try:
-            sig = inspect.signature(found)
-        except (TypeError, ValueError):
-            raise _error(entry, "is no longer a callable with a signature") from None
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        lost = [p for p in entry.params if p not in sig.parameters and not takes_any]
-        if lost:
-            raise _error(entry, f"has no parameter {', '.join(lost)} any more (it is {sig})")
-    return found
+    """The object ``entry`` names, imported and checked now (not cached: :func:`private` caches)."""
+    return PRIVATE.resolve(entry)
 
 
-@functools.cache
 def private(key: str) -> Any:
     """The object of :data:`PRIVATE`'s entry ``key``, resolved and checked on first use."""
-    return resolve(PRIVATE[key])
+    return PRIVATE.checked(key)
 
 
 def _error(entry: Private, reason: str) -> FrameworkCompatError:
-    return FrameworkCompatError(
-        entry.framework,
-        installed_version(entry.framework),
-        entry.qualname,
-        SUPPORTED[entry.framework],
-        reason,
-    )
+    return PRIVATE.error(entry, reason)
 
 
 def _attribute(key: str, obj: Any) -> Any:
     """The attribute of entry ``key`` on ``obj`` (per-object ones: Keras sets them in
     ``__init__``): :class:`FrameworkCompatError` when ``obj`` has none."""
-    private(key)
-    entry = PRIVATE[key]
-    if not hasattr(obj, entry.name):
-        raise _error(entry, f"is missing on a {type(obj).__name__}")
-    return getattr(obj, entry.name)
+    return PRIVATE.attribute(key, obj)
 
 
-PRIVATE: dict[str, Private] = {
-    # --- the callback's resume (keras.Model, every backend's trainer) ---
-    "Model._symbolic_build": Private(
-        "keras",
-        "keras:Model",
-        "_symbolic_build",
-        ("data_batch",),
-        "builds the compiled metrics from a batch's shapes before fit has (TensorFlow), so "
-        "that the saved accumulators can be assigned at a resume mid-epoch",
-    ),
-    "Model._compile_metrics": Private(
-        "keras",
-        "keras:Model",
-        "_compile_metrics",
-        (),
-        "None, or the compiled metrics (its `built` says whether their variables exist)",
-        on_objects=True,
-    ),
-    "Model._initial_epoch": Private(
-        "keras",
-        "keras:Model",
-        "_initial_epoch",
-        (),
-        "the epoch fit starts from when set (what keras.callbacks.BackupAndRestore sets)",
-        on_objects=True,
-    ),
-    # --- variable names (convert.py) ---
-    "Layer._flatten_layers": Private(
-        "keras",
-        "keras.layers:Layer",
-        "_flatten_layers",
-        ("include_self", "recursive"),
-        "a layer's direct sub-layers, to name their seed generators' states after them",
-    ),
-    "Layer._seed_generators": Private(
-        "keras",
-        "keras.layers:Layer",
-        "_seed_generators",
-        (),
-        "a layer's seed generators (dropout, noise), whose states are variables",
-        on_objects=True,
-    ),
-    "tf.Module._flatten": Private(
-        "tensorflow-cpu",
-        "tensorflow:Module",
-        "_flatten",
-        ("predicate", "with_path"),
-        "a tf.Module's variables with their attribute paths (the names they are saved under)",
-    ),
-}
+PRIVATE.update(
+    {
+        # --- the callback's resume (keras.Model, every backend's trainer) ---
+        "Model._symbolic_build": Private(
+            "keras",
+            "keras:Model",
+            "_symbolic_build",
+            ("data_batch",),
+            "builds the compiled metrics from a batch's shapes before fit has (TensorFlow), so "
+            "that the saved accumulators can be assigned at a resume mid-epoch",
+        ),
+        "Model._compile_metrics": Private(
+            "keras",
+            "keras:Model",
+            "_compile_metrics",
+            (),
+            "None, or the compiled metrics (its `built` says whether their variables exist)",
+            on_objects=True,
+        ),
+        "Model._initial_epoch": Private(
+            "keras",
+            "keras:Model",
+            "_initial_epoch",
+            (),
+            "the epoch fit starts from when set (what keras.callbacks.BackupAndRestore sets)",
+            on_objects=True,
+        ),
+        # --- variable names (convert.py) ---
+        "Layer._flatten_layers": Private(
+            "keras",
+            "keras.layers:Layer",
+            "_flatten_layers",
+            ("include_self", "recursive"),
+            "a layer's direct sub-layers, to name their seed generators' states after them",
+        ),
+        "Layer._seed_generators": Private(
+            "keras",
+            "keras.layers:Layer",
+            "_seed_generators",
+            (),
+            "a layer's seed generators (dropout, noise), whose states are variables",
+            on_objects=True,
+        ),
+        "tf.Module._flatten": Private(
+            "tensorflow-cpu",
+            "tensorflow:Module",
+            "_flatten",
+            ("predicate", "with_path"),
+            "a tf.Module's variables with their attribute paths (the names they are saved under)",
+        ),
+    }
+)
 """Every private name this adapter uses, by key."""
 
 

@@ -8,7 +8,7 @@ is used, never when the adapter is imported (importing ``ckptfmt_torch`` stays c
 cached: a name that is missing, or a callable that lost a parameter the adapter passes, raises
 :class:`ckptfmt.errors.FrameworkCompatError` naming the framework, its installed version, the
 name and the supported range, instead of a feature silently switched off.
-``tests/adapters/torch/test_compat.py`` resolves every entry against the installed frameworks.
+``tests/adapters/torch/test_torch_compat.py`` resolves every entry against the installed frameworks.
 
 The supported ranges (:data:`SUPPORTED`) are the upper bounds of the extras in
 ``pyproject.toml`` (a test keeps the two equal): each excludes the minor release after the
@@ -21,16 +21,14 @@ module (``torch.distributed.tensor.DTensor`` and its placements, public since to
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import importlib
-import inspect
 import sys
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 from ckptfmt.errors import FrameworkCompatError
+from ckptfmt.frameworks import Private, PrivateNames
 
 SUPPORTED: dict[str, str] = {
     "torch": ">=2.4,<2.14",
@@ -40,93 +38,34 @@ SUPPORTED: dict[str, str] = {
 }
 """framework (its distribution's name) -> the range this adapter supports (the extras' bounds)."""
 
-_MODULE_OF = {"pytorch-lightning": "pytorch_lightning"}  # else the distribution's own name
-
-
-@dataclasses.dataclass(frozen=True)
-class Private:
-    """One private name of a framework: ``where`` is ``"module"`` or ``"module:Class"``,
-    ``name`` the attribute there; ``params``: the parameters the adapter passes it by name
-    (checked present in its signature); ``uses``: what the adapter does with it; ``check``:
-    a probe of the behaviour the adapter relies on, given the object, that returns what is
-    wrong (``None``: nothing)."""
-
-    framework: str
-    where: str
-    name: str
-    params: tuple[str, ...] = ()
-    uses: str = ""
-    check: Callable[[Any], str | None] | None = None
-
-    @property
-    def qualname(self) -> str:
-        """The name as the framework spells it: ``torch.distributed...._load_state_dict``."""
-        return f"{self.where.replace(':', '.')}.{self.name}"
+PRIVATE = PrivateNames(SUPPORTED, {"pytorch-lightning": "pytorch_lightning"})
+"""Every private name this adapter uses, by key (``ckptfmt.frameworks``)."""
 
 
 def installed_version(framework: str) -> str:
     """The installed version of ``framework`` (its ``__version__``), or ``"(not installed)"``."""
-    try:
-        module = importlib.import_module(_MODULE_OF.get(framework, framework))
-    except ImportError:
-        return "(not installed)"
-    return str(getattr(module, "__version__", "(unknown version)"))
+    return PRIVATE.installed_version(framework)
 
 
 def resolve(entry: Private) -> Any:
-    """The object ``entry`` names, imported and checked now (not cached: :func:`private` caches).
-    Raises :class:`FrameworkCompatError` when it is missing or its signature lacks a parameter
-    the adapter passes."""
-    module_name, _, owner = entry.where.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in owner.split(".") if owner else []:
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise _error(entry, f"cannot be imported ({type(exc).__name__}: {exc})") from None
-    if not hasattr(obj, entry.name):
-        raise _error(entry, "is missing")
-    found = getattr(obj, entry.name)
-    found = getattr(found, "ckptfmt_wraps", found)  # wrapped by us already: check the original
-    if entry.params:
-        try:
-            sig = inspect.signature(found)
-        except (TypeError, ValueError):
-            raise _error(entry, "is no longer a callable with a signature") from None
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        lost = [p for p in entry.params if p not in sig.parameters and not takes_any]
-        if lost:
-            raise _error(entry, f"has no parameter {', '.join(lost)} any more (it is {sig})")
-    problem = entry.check(found) if entry.check is not None else None
-    if problem is not None:
-        raise _error(entry, problem)
-    return found
+    """The object ``entry`` names, imported and checked now (not cached: :func:`private` caches)."""
+    return PRIVATE.resolve(entry)
 
 
-@functools.cache
 def private(key: str) -> Any:
     """The object of :data:`PRIVATE`'s entry ``key``, resolved and checked on first use."""
-    return resolve(PRIVATE[key])
+    return PRIVATE.checked(key)
 
 
 def _error(entry: Private, reason: str) -> FrameworkCompatError:
-    return FrameworkCompatError(
-        entry.framework,
-        installed_version(entry.framework),
-        entry.qualname,
-        SUPPORTED[entry.framework],
-        reason,
-    )
-
-
-# --- torch / DTensor ------------------------------------------------------------------------------
-
-PRIVATE: dict[str, Private] = {}
+    return PRIVATE.error(entry, reason)
 
 
 def _add(key: str, entry: Private) -> None:
     PRIVATE[key] = entry
 
+
+# --- torch / DTensor ------------------------------------------------------------------------------
 
 _add(
     "dtensor.local_shape_and_offset",
