@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ckptfmt.errors import FrameworkCompatError
 from ckptfmt.frameworks import Private, PrivateNames
 
 SUPPORTED: dict[str, str] = {"keras": ">=3,<3.16", "tensorflow-cpu": ">=2.16,<2.22"}
@@ -30,29 +29,13 @@ PRIVATE = PrivateNames(SUPPORTED, {"tensorflow-cpu": "tensorflow"})
 """Every private name this adapter uses, by key (``ckptfmt.frameworks``)."""
 
 
-def installed_version(framework: str) -> str:
-    """The installed version of ``framework`` (its ``__version__``), or ``"(not installed)"``."""
-    return PRIVATE.installed_version(framework)
-
-
-def resolve(entry: Private) -> Any:
-    """The object ``entry`` names, imported and checked now (not cached: :func:`private` caches)."""
-    return PRIVATE.resolve(entry)
-
-
-def private(key: str) -> Any:
-    """The object of :data:`PRIVATE`'s entry ``key``, resolved and checked on first use."""
-    return PRIVATE.checked(key)
-
-
-def _error(entry: Private, reason: str) -> FrameworkCompatError:
-    return PRIVATE.error(entry, reason)
-
-
-def _attribute(key: str, obj: Any) -> Any:
-    """The attribute of entry ``key`` on ``obj`` (per-object ones: Keras sets them in
-    ``__init__``): :class:`FrameworkCompatError` when ``obj`` has none."""
-    return PRIVATE.attribute(key, obj)
+# what the rest of the adapter calls: the object of an entry, checked on first use (``private``),
+# the check itself (``resolve``), and the error that names a framework's version and range
+private = PRIVATE.checked
+resolve = PRIVATE.resolve
+installed_version = PRIVATE.installed_version
+_error = PRIVATE.error
+_attribute = PRIVATE.attribute
 
 
 PRIVATE.update(

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from ckptfmt.errors import FrameworkCompatError
 from ckptfmt.frameworks import Private, PrivateNames
 
 SUPPORTED: dict[str, str] = {
@@ -42,23 +41,12 @@ PRIVATE = PrivateNames(SUPPORTED, {"pytorch-lightning": "pytorch_lightning"})
 """Every private name this adapter uses, by key (``ckptfmt.frameworks``)."""
 
 
-def installed_version(framework: str) -> str:
-    """The installed version of ``framework`` (its ``__version__``), or ``"(not installed)"``."""
-    return PRIVATE.installed_version(framework)
-
-
-def resolve(entry: Private) -> Any:
-    """The object ``entry`` names, imported and checked now (not cached: :func:`private` caches)."""
-    return PRIVATE.resolve(entry)
-
-
-def private(key: str) -> Any:
-    """The object of :data:`PRIVATE`'s entry ``key``, resolved and checked on first use."""
-    return PRIVATE.checked(key)
-
-
-def _error(entry: Private, reason: str) -> FrameworkCompatError:
-    return PRIVATE.error(entry, reason)
+# what the rest of the adapter calls: the object of an entry, checked on first use (``private``),
+# the check itself (``resolve``), and the error that names a framework's version and range
+private = PRIVATE.checked
+resolve = PRIVATE.resolve
+installed_version = PRIVATE.installed_version
+_error = PRIVATE.error
 
 
 def _add(key: str, entry: Private) -> None:
