@@ -312,12 +312,11 @@ class Saver:
         level = 1 if s.local_root is not None else 3
         root = s.local_root or s.shared_dir
         assert root is not None
-        need = _bytes_to_write(staged, red)
         try:
             try:
                 return level, self._write(staged, root, step, level, number, red, seq, failure)
             except CkptError as exc:
-                if not (room.is_full(exc) and self._make_room(level, need, step)):
+                if not (room.is_full(exc) and self._make_room(level, staged, red, step)):
                     raise
                 log.warning(
                     "level %s was full: removed older steps to make room for step %s", level, step
@@ -338,7 +337,7 @@ class Saver:
                 try:
                     manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
                 except CkptError as exc3:
-                    if not (room.is_full(exc3) and self._make_room(3, need, step)):
+                    if not (room.is_full(exc3) and self._make_room(3, staged, None, step)):
                         raise
                     manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
             except CkptError as exc2:
@@ -351,11 +350,14 @@ class Saver:
             )
             return 3, manifest
 
-    def _make_room(self, level: int, need: int, step: int) -> bool:
+    def _make_room(
+        self, level: int, staged: Mapping[str, Any], red: Redundancy | None, step: int
+    ) -> bool:
         """Collective (one allgather on the saver threads' communicator, every rank, after a
         write to ``level`` failed full on some rank: the vote gave every rank the same error):
         remove the oldest steps of ``level`` so that the write of ``step`` fits
         (``parallel.levels.room``); whether any was removed (then the write is tried once more)."""
+        need = _bytes_to_write(staged, red)  # only here: a full level is rare
         s = self.settings
         if level == 1:
             assert s.local_root is not None
