@@ -72,7 +72,9 @@ def main() -> None:
         and np.array_equal(target["w"].data, want["w"][comm.rank * rows : (comm.rank + 1) * rows])
     )
     m.close(flush=False)
-    print(
+    # one file per rank: two ranks printing to one pipe can interleave their lines
+    out = Path(root) / f"report-{comm.rank}.json"
+    out.write_text(
         json.dumps(
             {
                 "rank": comm.rank,
@@ -81,8 +83,7 @@ def main() -> None:
                 "level": got.level,
                 "exact": exact,
             }
-        ),
-        flush=True,
+        )
     )
 
 
