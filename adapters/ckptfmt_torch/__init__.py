@@ -29,10 +29,12 @@ from ckptfmt_torch.convert import (
     tensor_to_numpy,
     to_state,
 )
+from ckptfmt_torch.fence import FencedSaver
 from ckptfmt_torch.sampler import ResumableSampler
 from ckptfmt_torch.training import TrainingState, rng_state, set_rng_state
 
 __all__ = [
+    "FencedSaver",
     "PerRank",
     "ResumableSampler",
     "Shard",

@@ -34,7 +34,7 @@ the tensors only the checkpoint has on the device its ``map_location`` names.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -138,7 +138,11 @@ class TorchStager:
     # --- staging ---------------------------------------------------------------------------------
 
     def stage(
-        self, state_dict: Mapping[str, Any], *, background_copy: bool = False
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        background_copy: bool = False,
+        copy_now: Callable[[torch.Tensor, str], bool] | None = None,
     ) -> tuple[dict[str, Any], StageEvent, list[torch.Tensor]]:
         """Copy every tensor of ``state_dict`` (statefuls by their ``state_dict()``, DTensors
         by their local shard) into host buffers. Returns the host state (numpy views of the
@@ -148,10 +152,14 @@ class TorchStager:
 
         CUDA copies are queued on a side stream after an event recorded on each device's
         current stream; ``background_copy`` leaves CPU tensors' copies to ``StageEvent.wait``
-        (run by the saver thread in ``save_async``)."""
+        (run by the saver thread in ``save_async``). ``copy_now(tensor, name)`` is asked of
+        every tensor: those it picks are tensors the loop changes before it reaches the fence
+        (module buffers in the forward pass): a CPU one is copied before this returns, a CUDA
+        one on the device's current stream (ahead of the kernels queued after this call)."""
         event = StageEvent()
         taken: list[torch.Tensor] = []
         waits: dict[int, Any] = {}  # device -> event recorded on its current stream
+        current: dict[int, torch.device] = {}  # devices with copies on their current stream
 
         def copy(t: torch.Tensor, name: str) -> torch.Tensor:
             if t.layout != torch.strided or t.is_quantized or t.is_meta:
@@ -160,9 +168,13 @@ class TorchStager:
             if t.is_conj() or t.is_neg():
                 t = t.resolve_conj().resolve_neg()
             on_device = t.device.type == "cuda"
+            now = copy_now is not None and copy_now(t, name)
             buf = self.take(tuple(t.shape), t.dtype, self.pin_memory and on_device)
             taken.append(buf)
-            if on_device:
+            if on_device and now:  # on the current stream: before the kernels queued after
+                buf.copy_(t, non_blocking=self.pin_memory)
+                current[t.device.index if t.device.index is not None else 0] = t.device
+            elif on_device:
                 index = t.device.index if t.device.index is not None else 0
                 side = self._stream(t.device)
                 if index not in waits:
@@ -174,7 +186,7 @@ class TorchStager:
                     buf.copy_(t, non_blocking=self.pin_memory)
                 t.record_stream(side)  # the allocator keeps t's memory until the copy ran
             elif t.device.type == "cpu":
-                if background_copy:
+                if background_copy and not now:
                     event.deferred.append((buf, t))
                 else:
                     buf.copy_(t)
@@ -206,6 +218,10 @@ class TorchStager:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
             event.events.append(done)
+        for device in current.values():
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(torch.cuda.current_stream(device))
+            event.events.append(done)
         if not isinstance(host, dict):
             raise UsageError("a state dict is a mapping of names to tensors, values or statefuls")
         return host, event, taken
@@ -218,6 +234,9 @@ def save_async(
     stager: TorchStager | None = None,
     *,
     background_copy: bool = False,
+    copy_now: Callable[[torch.Tensor, str], bool] | None = None,
+    copied: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> SaveHandle:
     """Collective, as ``manager.save``: stage ``state_dict`` (device tensors copied into the
     stager's pinned buffers without blocking the host) and save it. Returns a handle:
@@ -225,21 +244,35 @@ def save_async(
     with ``background_copy`` the CPU copies too, which the saver thread makes), ``committed``
     once the checkpoint is committed (the step) or failed (the save's error).
 
+    ``copy_now`` (see :meth:`TorchStager.stage`) picks CPU tensors copied before this returns
+    even with ``background_copy``; ``copied`` runs on the saver thread once every copy is done
+    and ``before_commit`` before the commit vote (``CheckpointManager.save``): an exception in
+    either fails the save, nothing committed (:class:`ckptfmt_torch.fence.FencedSaver` checks
+    there that no tensor changed while it was copied).
+
     Waits for the previous save of ``manager`` first (as ``save`` does), so that the stager's
     buffers are free again and reused."""
     stager = stager if stager is not None else TorchStager()
     manager.wait()
-    host, event, taken = stager.stage(state_dict, background_copy=background_copy)
+    host, event, taken = stager.stage(
+        state_dict, background_copy=background_copy, copy_now=copy_now
+    )
     handle = SaveHandle(step)
     if event.done():
         handle.set_staged()
 
     def ready() -> None:  # on the saver thread, before the writer reads the buffers
         event.wait()
-        handle.set_staged()
+        try:
+            if copied is not None:  # before staged: the loop may change the state after that
+                copied()
+        finally:
+            handle.set_staged()
 
     try:
-        inner = manager.save(step, to_state(host), donate=True, ready=ready)
+        inner = manager.save(
+            step, to_state(host), donate=True, ready=ready, before_commit=before_commit
+        )
     except BaseException:
         event.wait()  # the copies may still be running into the buffers
         stager.release(taken)

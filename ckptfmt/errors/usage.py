@@ -260,6 +260,32 @@ class DataPositionError(UsageError):
         super().__init__(f"cannot continue the saved data position: {reason}")
 
 
+class StateChangedError(UsageError):
+    """A tensor of a state being saved with its copy overlapping the training step changed in
+    place before the copy was whole (a change the fence before the optimizer's update does not
+    cover): the checkpoint of ``step`` could mix two states, so it is not committed; where the
+    change is seen only after the commit, ``committed`` is True and the message says to delete
+    it. ``names``: the tensors that changed."""
+
+    def __init__(self, step: int, names: Sequence[str], *, committed: bool = False) -> None:
+        self.step, self.names, self.committed = step, tuple(names), committed
+        shown = ", ".join(self.names[:10]) + (
+            f" (+{len(self.names) - 10} more)" if len(self.names) > 10 else ""
+        )
+        fate = (
+            f"the checkpoint of step {step} was committed before this was seen and may mix two "
+            f"states: delete it (CheckpointManager.delete({step}))"
+            if committed
+            else "it was not committed"
+        )
+        super().__init__(
+            f"the state of step {step} changed in place before the optimizer step, while its "
+            f"copy was being taken: {shown}; {fate}. Change saved tensors only in or after the "
+            f"optimizer step (which waits for the copy), or save with the copy made before "
+            f"save() returns"
+        )
+
+
 def describe_per_rank(
     entries: Sequence[str], saved: int, current: int, dropped: Sequence[int], missing: Sequence[int]
 ) -> str:

@@ -299,6 +299,7 @@ class CheckpointManager:
         donate: bool = False,
         background_copy: bool = False,
         ready: Callable[[], None] | None = None,
+        before_commit: Callable[[], None] | None = None,
         objects: Objects = "refuse",
     ) -> SaveHandle:
         """Collective: checkpoint ``state`` as ``step``. Returns once the state is copied into
@@ -312,7 +313,10 @@ class CheckpointManager:
         that failed, on any rank, is told at the next call); ``donate=True`` makes none (the
         writer reads ``state`` itself: ``staged`` is done when the save is). ``ready``, when
         given, is called on the saver thread before anything of ``state`` is read (e.g. to wait
-        for device-to-host copies). See ``ckptfmt.parallel.collective.staging``. ``objects``: an
+        for device-to-host copies); ``before_commit``, on the saver thread once every file is
+        written and before the ranks' vote on the manifest: an exception there fails the save on
+        every rank, nothing committed (e.g. a check that ``state`` did not change while it was
+        copied). See ``ckptfmt.parallel.collective.staging``. ``objects``: an
         object that is neither an array, bytes, a list, tuple or mapping nor JSON-able is refused
         (``"refuse"``: :class:`UnsupportedValueError` naming it) or pickled at the call
         (``"pickle"``; ``restore`` unpickles it only with ``trust_pickle=True``).
@@ -332,7 +336,7 @@ class CheckpointManager:
         if waited > 0.01:
             log.info("save of step %s waited %.2f s for the previous save", step, waited)
         try:
-            handle = self._take(step, state, mode, entered, waited, ready, objects)
+            handle = self._take(step, state, mode, entered, waited, (ready, before_commit), objects)
         except BaseException:
             self._outcomes.pending[:0] = earlier  # told at the next call
             raise
@@ -346,7 +350,7 @@ class CheckpointManager:
         mode: str,
         entered: float,
         waited: float,
-        ready: Callable[[], None] | None,
+        hooks: tuple[Callable[[], None] | None, Callable[[], None] | None],
         objects: Objects,
     ) -> SaveHandle:
         """:meth:`save` once the previous save is over: stage ``state`` and hand the job to
@@ -360,7 +364,8 @@ class CheckpointManager:
             mode=mode,
             staged={},
             taken=[],  # pool buffers this save holds until its job ends
-            ready=ready,
+            ready=hooks[0],
+            before_commit=hooks[1],
         )
         usage: UsageError | None = None
         leaves: list[tuple[Name, Any]] | None = None

@@ -92,6 +92,7 @@ class SaveJob:
     taken: list[np.ndarray]  # pool buffers to give back when the job ends
     failure: BaseException | None = None  # this rank's failure before the job (voted on)
     ready: Callable[[], None] | None = None  # called before anything of the state is read
+    before_commit: Callable[[], None] | None = None  # called before the manifest vote
     boxes: share.Boxes | None = None  # what this rank writes of the replicated tensors
     leaves: list[tuple[Name, Any]] | None = None  # background copy: staged by the job itself
 
@@ -133,6 +134,7 @@ class Saver:
         self.stager, self.pool = stager, pool
         self.saves = 0
         self._linked: dict[str, Any] | None = None  # the last incremental write's tallies
+        self._before_commit: Callable[[], None] | None = None  # the running job's check
         self.idle = threading.Event()
         self.idle.set()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -205,11 +207,13 @@ class Saver:
             # a background copy's agreement was this save's roll call on the saver threads'
             # communicator: the ranks are known to be in it
             rolled = job.mode == "background"
+            self._before_commit = job.before_commit
             self._save(job.step, staged, job.seq, failure, report, rolled)
         except BaseException as exc:  # the communicator broke (see _work)
             error = ManagerBrokenError(f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            self._before_commit = None
             report.background_s = time.perf_counter() - started
             self.outcomes.record_save(report)
             self.pool.give(job.taken)
@@ -402,7 +406,7 @@ class Saver:
                 group=group_key(s.node, level == 1),
                 write=s.write,
                 meta=ManifestMeta(levels={str(level): {"save_number": number}}),
-                fault=s.fault,
+                fault=_with_check(s.fault, self._before_commit),
                 redundancy=red,
                 seq=seq,
                 failure=failure,
@@ -411,6 +415,24 @@ class Saver:
             )
             meter.finish()
         return manifest
+
+
+def _with_check(
+    fault: FaultHook | None, check: Callable[[], None] | None
+) -> FaultHook | None:
+    """The save's phase hook with ``check`` run where every file is written and the manifest
+    is about to be voted on (the ``"manifest"`` point): its exception fails the save on every
+    rank, nothing committed."""
+    if check is None:
+        return fault
+
+    def hook(point: str) -> None:
+        if fault is not None:
+            fault(point)
+        if point == "manifest":
+            check()
+
+    return hook
 
 
 def _bytes_to_write(staged: Mapping[str, Any], red: Redundancy | None) -> int:

@@ -1,0 +1,144 @@
+"""``ckptfmt_torch.FencedSaver``: the copy of parameters and optimizer state overlaps the next
+forward and backward pass, ``optimizer.step()`` waits for it, and a state changed in place
+before that step is refused, never committed as a mix of two states."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ckptfmt_torch
+import pytest
+import torch
+from kit.managers import node_manager
+
+from ckptfmt import CheckpointWarning
+from ckptfmt.errors import StateChangedError, UsageError
+from ckptfmt.storage.steps import step_dir_name
+
+pytestmark = pytest.mark.torch
+
+
+def model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)  # BatchNorm updates its buffers here
+    loss.backward()
+    opt.step()  # the fence
+    opt.zero_grad()
+
+
+def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, (p, st) in enumerate(opt.state.items()):
+        del p
+        out.update({f"optim/{i}/{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def restored(path: Path) -> dict[str, torch.Tensor]:
+    model, opt = model_and_optimizer(seed=99)  # other values everywhere
+    train_step(model, opt, 12345)  # the optimizer's state exists, as after any step
+    ckptfmt_torch.load({"model": model, "optim": opt}, path)
+    return snapshot(model, opt)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_each_checkpoint_holds_the_state_of_its_save_call(tmp_path: Path) -> None:
+    model, opt = model_and_optimizer()
+    mgr = node_manager(tmp_path, shared=None, keep_local=10)
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(6):
+        train_step(model, opt, step)  # waits for the previous save's copy at opt.step()
+        expected[step] = snapshot(model, opt)
+        saver.save(step, {"model": model, "optim": opt})
+    train_step(model, opt, 6)  # the last copy overlaps a step too
+    saver.close()
+    mgr.close()
+    assert len(saver.blocked_s) == 6
+    for step, want in expected.items():
+        # BatchNorm's running statistics changed in every forward pass after a save: they
+        # were copied before save() returned (a background copy would have been refused)
+        assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), want)
+
+
+def slow_commit(point: str) -> None:
+    if point == "written":
+        time.sleep(0.5)  # the fence is reached long before the commit vote
+
+
+def test_an_in_place_change_before_the_step_is_refused_and_never_committed(
+    tmp_path: Path,
+) -> None:
+    model, opt = model_and_optimizer()
+    train_step(model, opt, 0)
+    mgr = node_manager(tmp_path, shared=None, keep_local=10, fault=slow_commit, on_error="warn")
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    saver.save(1, {"model": model, "optim": opt})
+    saver.wait()
+    before = snapshot(model, opt)
+    handle = saver.save(2, {"model": model, "optim": opt})
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # not the optimizer: the fence does not cover this
+    with pytest.raises(StateChangedError, match=r"step 2 .*0\.weight") as caught:
+        train_step(model, opt, 1)
+    assert caught.value.step == 2 and "model/0.weight" in caught.value.names
+    assert not caught.value.committed and "was not committed" in str(caught.value)
+    assert isinstance(handle.committed.exception(30), Exception)
+    with pytest.warns(CheckpointWarning):
+        saver.close()
+    mgr.close()
+    assert sorted(p.name for p in (tmp_path / "l1" / "n0").glob("step-*")) == [step_dir_name(1)]
+    assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(1)), before)
+
+
+def test_a_closed_saver_removes_its_fence_and_refuses_saves(tmp_path: Path) -> None:
+    model, opt = model_and_optimizer()
+    mgr = node_manager(tmp_path, shared=None)
+    with ckptfmt_torch.FencedSaver(mgr, opt) as saver:
+        saver.save(0, {"model": model, "optim": opt})
+    assert not opt._optimizer_step_pre_hooks
+    with pytest.raises(UsageError, match="closed"):
+        saver.save(1, {"model": model, "optim": opt})
+    mgr.close()
+
+
+def test_a_fence_needs_an_optimizer(tmp_path: Path) -> None:
+    mgr = node_manager(tmp_path, shared=None)
+    bad: Any = torch.nn.Linear(2, 2)
+    with pytest.raises(UsageError, match="optimizer"):
+        ckptfmt_torch.FencedSaver(mgr, bad)
+    mgr.close()
+
+
+def test_a_change_seen_only_after_the_commit_says_to_delete_that_checkpoint(
+    tmp_path: Path,
+) -> None:
+    model, opt = model_and_optimizer()
+    train_step(model, opt, 0)
+    mgr = node_manager(tmp_path, shared=None, keep_local=10)
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    handle = saver.save(1, {"model": model, "optim": opt})
+    assert handle.result(30) == 1  # committed before the loop reaches the fence
+    with torch.no_grad():
+        model[3].bias.zero_()
+    with pytest.raises(StateChangedError, match=r"CheckpointManager.delete\(1\)") as e:
+        train_step(model, opt, 1)
+    assert e.value.committed and e.value.names == ("model/3.bias",)
+    saver.close()
+    mgr.close()
