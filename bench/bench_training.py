@@ -23,6 +23,9 @@ A checkpoint every ``--every`` steps after the optimizer step (``--ckpts`` of th
   optimizer step (the copy overlaps the forward/backward);
 * ``ckptfmt_bg_xor``: the same with ``redundancy="xor"`` over 2 simulated nodes (rank r on node
   ``n{r}``, ``local_dir=.../{node}``);
+* ``ckptfmt_fenced``: ``ckptfmt_torch.FencedSaver``: the wait is the step pre-hook it places on
+  the optimizer (the loop's update runs as a ``torch.optim.Optimizer`` whose parameters are the
+  state's tensors), with the version-counter check of what it copies behind the loop;
 * ``dcp``/``dcp_proc``: ``torch.distributed.checkpoint.async_save``, thread / process checkpointer;
 * ``tc``: torch-checkpointing 0.1.1's async ``CheckpointManager`` (pinned memory off without
   CUDA, ``use_direct_io=False``), the optimizer step inside ``manager.lock()``;
@@ -68,6 +71,7 @@ VARIANTS = {
     "ckptfmt": "ckptfmt CheckpointManager (level 1)",
     "ckptfmt_bg": "ckptfmt, background_copy",
     "ckptfmt_bg_xor": "ckptfmt, background_copy, level 1 + xor (2 nodes)",
+    "ckptfmt_fenced": "ckptfmt_torch.FencedSaver (optimizer-step fence)",
     "dcp": "dcp.async_save (thread)",
     "dcp_proc": "dcp.async_save (process)",
     "tc": "torch-checkpointing 0.1.1 (async)",
@@ -162,6 +166,21 @@ class Job:
             self._floor_bufs[k].copy_(t)
 
 
+def loop_update_optimizer(torch: Any, params: list[Any]) -> Any:
+    """A ``torch.optim.Optimizer`` over the state's tensors whose step runs the loop's own
+    update (``body``): where ``FencedSaver`` places its fence."""
+
+    class LoopUpdate(torch.optim.Optimizer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(params, {})
+            self.body: Callable[[], None] = lambda: None
+
+        def step(self, closure: Any = None) -> None:
+            self.body()
+
+    return LoopUpdate()
+
+
 class Checkpointer:
     """One variant: ``save`` (returns the blocked seconds), ``before_update`` (the seconds spent
     waiting before the optimizer step may write the state), ``drain`` (wait for everything)."""
@@ -197,6 +216,9 @@ class Checkpointer:
             from ckptfmt_torch.staging import TorchStager
 
             self.stager = TorchStager() if v == "ckptfmt_pinned" else None
+            if v == "ckptfmt_fenced":
+                self.opt = loop_update_optimizer(job.torch, list(job.flat.values()))
+                self.fenced = ckptfmt_torch.FencedSaver(self.mgr, self.opt)
         elif v == "tc":
             from torch_checkpointing import (
                 AsyncCheckpointSaverConfig,
@@ -244,6 +266,8 @@ class Checkpointer:
 
             if v == "ckptfmt_pinned":
                 h = save_async(self.mgr, step, job.flat, self.stager)
+            elif v == "ckptfmt_fenced":
+                h = self.fenced.save(step, job.flat)
             else:
                 state = ckptfmt_torch.to_state(job.flat)
                 h = self.mgr.save(step, state, background_copy=v.startswith("ckptfmt_bg"))
@@ -286,7 +310,12 @@ class Checkpointer:
         waited for that."""
         t0 = time.perf_counter()
         waited = 0.0
-        if self.variant.startswith("ckptfmt") and self._pending is not None:
+        if self.variant == "ckptfmt_fenced":
+            before = sum(self.fenced.blocked_s)
+            self.opt.body = body
+            self.opt.step()  # the pre-hook waits for the copy
+            waited = sum(self.fenced.blocked_s) - before
+        elif self.variant.startswith("ckptfmt") and self._pending is not None:
             self._pending.wait_staged()
             waited = time.perf_counter() - t0
             body()
@@ -299,7 +328,9 @@ class Checkpointer:
         return waited
 
     def drain(self) -> None:
-        if self.variant.startswith("ckptfmt"):
+        if self.variant == "ckptfmt_fenced":
+            self.fenced.wait()
+        elif self.variant.startswith("ckptfmt"):
             self.mgr.wait()
         elif self._pending is not None:
             self._pending.result()
@@ -313,6 +344,8 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
 
     def close(self) -> None:
+        if self.variant == "ckptfmt_fenced":
+            self.fenced.close()
         if self.variant.startswith("ckptfmt"):
             self.mgr.close()
         elif self.variant == "tc":
