@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from ckptfmt_cli.exits import ExitStatus
 from kit.arrays import assert_state_equal
+from kit.cli import run_cli
 from kit.managers import node_manager
 from kit.s3 import S3
 from kit.s3_proxy import S3Proxy
@@ -26,8 +28,10 @@ from kit.s3_proxy import S3Proxy
 import ckptfmt
 from ckptfmt import WriteOptions
 from ckptfmt.errors import NotACheckpointError, UsageError
+from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.commit import read_commit
+from ckptfmt.storage.objects.copies import Tally, base_for
 from ckptfmt.storage.steps import step_dir_name
 
 W = WriteOptions(
@@ -83,7 +87,7 @@ def test_a_save_to_a_url_copies_its_unchanged_objects_from_the_base(
     assert copied == unchanged  # every unchanged file copied, nothing else
     # what went up: the two changed shard files and the metadata (no data file copied went up)
     meta = full_put - sum(_data_bytes(base).values())
-    assert incr_put <= sum(sizes[p] for p in changed) + meta
+    assert incr_put <= sum(sizes[p] for p in changed) + meta + 256  # a manifest of its own
     assert full_put >= 8 * incr_put
 
     # the base deleted: the new checkpoint holds objects of its own
@@ -188,8 +192,31 @@ def test_a_process_killed_in_an_incremental_save_to_a_bucket_leaves_the_base_who
         ckptfmt.load(url)
     assert ckptfmt.verify(base).healthy
     assert_state_equal(ckptfmt.load(base), _state(0))
+    # `ckptfmt gc` removes what the killed save left, and nothing of the base
+    kept = s3.keys("run/a/")
+    assert run_cli("gc", url).exit_code == ExitStatus.OK
+    assert s3.keys("run/b/") == [] and s3.keys("run/a/") == kept
     # the next incremental save goes through, against the same base
     ckptfmt.save(_state(1), url, write=W, base=base)
+    assert_state_equal(ckptfmt.load(url), _state(1))
+
+
+def test_a_base_object_gone_before_its_copy_is_uploaded_instead(s3: S3, tmp_path: Path) -> None:
+    """Retention or ``ckptfmt gc`` may remove the base between the plan and the copies: an
+    object whose copy finds nothing is uploaded, and the checkpoint commits whole."""
+    base, url = f"{s3.url}/run/a", f"{s3.url}/run/b"
+    ckptfmt.save(_state(0), base, write=W)
+    staged = tmp_path / "staged"
+    manifest = ckptfmt.save(_state(1), staged, write=W)
+    plan = in_bucket.copy_plan(manifest, base_for(Bucket.at(url), base))
+    assert plan is not None and len(plan.refs) == 19  # 16 frozen + 3 of the table's 4
+    _delete_prefix(s3, "run/a/")
+    tally = Tally()
+    in_bucket.publish(Bucket.at(url), staged, manifest, copies=plan, tally=tally)
+    assert tally.copied_files == 0 and tally.uploaded_bytes >= sum(
+        _data_bytes(str(staged)).values()
+    )
+    assert ckptfmt.verify(url).healthy
     assert_state_equal(ckptfmt.load(url), _state(1))
 
 
@@ -287,6 +314,12 @@ def test_a_process_killed_in_an_incremental_flush_leaves_the_previous_step_whole
     assert read_commit(Bucket.at(f"{s3.url}/run/{step_dir_name(2)}")) is None
     one = f"{s3.url}/run/{step_dir_name(1)}"
     assert ckptfmt.verify(one).healthy
+    assert_state_equal(ckptfmt.load(one), _state(1))
+    # `ckptfmt gc` of the root removes step 2's objects, and nothing of step 1
+    kept = s3.keys(f"run/{step_dir_name(1)}/")
+    assert run_cli("gc", f"{s3.url}/run").exit_code == ExitStatus.OK
+    assert s3.keys(f"run/{step_dir_name(2)}/") == []
+    assert s3.keys(f"run/{step_dir_name(1)}/") == kept
     assert_state_equal(ckptfmt.load(one), _state(1))
     # a restarted job, level 1 gone, restores step 1 from the bucket and flushes again
     fresh = node_manager(
