@@ -20,8 +20,11 @@ since this VM hands idle memory back to the host and a save would otherwise time
   with the default fsync: what a node-local level 1 is).
 - restore: ``ckptfmt.load`` of the tenth step of a chain of incremental saves (each 5% changed
   from the one before) against a load of a full save of the same state.
+- ``bucket``: a flush of a level-1 checkpoint to a bucket level 3 (moto's S3 server in its own
+  process), full and incremental (5% / 25% changed since the step on the bucket): unchanged
+  objects are copied inside the store; the time and the bytes uploaded.
 
-    python bench/bench_incremental.py             # 400 MiB state, /dev/shm and /tmp, 7 rounds
+    python bench/bench_incremental.py             # 400 MiB state, /dev/shm, /tmp, bucket, 7 rounds
     python bench/bench_incremental.py --quick     # 40 MiB, 3 rounds
 """
 
@@ -216,6 +219,132 @@ def run_target(root: Path, fsync: bool, n: int, tensor_mib: int, reps: int) -> d
     }
 
 
+_MOTO = """
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def run_bucket(n: int, tensor_mib: int, reps: int) -> dict[str, Any]:
+    """A flush of a committed level-1 checkpoint to a bucket level 3 (``flush_to_bucket``, one
+    rank), full and incremental against the step before (5% / 25% changed): the time, the data
+    bytes uploaded and copied inside the store, and the bytes uploaded in all (data, zarr
+    documents, manifest; the commit object and the pointer aside). The store is moto's S3
+    server in a process of its own on 127.0.0.1 (a local server: its copies are memory copies,
+    its uploads a loopback HTTP transfer, so the time ratio is a floor of what a remote store
+    gives, where an upload costs the link's bandwidth and a copy does not)."""
+    import subprocess
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        endpoint = server.stdout.readline().strip()
+        os.environ.update(
+            {
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ALLOW_HTTP": "true",
+            }
+        )
+        return _flushes(n, tensor_mib, reps)
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(timeout=30)
+
+
+def _flushes(n: int, tensor_mib: int, reps: int) -> dict[str, Any]:
+    import boto3
+
+    from ckptfmt.parallel.levels.bucket import flush_to_bucket
+    from ckptfmt.storage.objects import Bucket
+    from ckptfmt.storage.objects.commit import delete_checkpoint, read_commit
+    from ckptfmt.storage.steps import step_dir_name
+    from ckptfmt.transport.comm import SingleComm
+
+    boto3.client("s3").create_bucket(Bucket="bench")
+    local = Path("/dev/shm/ckptfmt-bench-incr-bucket")
+    shutil.rmtree(local, ignore_errors=True)
+    hashed = WriteOptions(fsync=False, content_hash=True)
+    state = make_state(n, tensor_mib)
+    nbytes = sum(a.nbytes for a in state.values())
+    variants = {"full": (0.05, False), "incr5": (0.05, True), "incr25": (0.25, True)}
+    made = {}
+    base = ckptfmt.save(state, local / "step-1", step=1, write=hashed)
+    for name, (frac, _) in variants.items():  # level 1: step 2 of each variant, saved once
+        made[name] = ckptfmt.save(
+            changed(state, frac, 3), local / name / "step-2", step=2, write=hashed
+        )
+    del state
+    comm = SingleComm()
+    roots = {name: Bucket.at(f"s3://bench/{name}") for name in variants}
+    for root in roots.values():  # every root starts with the base flushed (untimed)
+        flush_to_bucket(comm, base, local / "step-1", root)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    uploaded: dict[str, list[int]] = {k: [] for k in variants}
+    copied: dict[str, list[int]] = {k: [] for k in variants}
+    order = list(variants)
+    for rep in range(reps):
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
+            report: dict[str, Any] = {}
+            t0 = time.perf_counter()
+            flush_to_bucket(
+                comm,
+                made[name],
+                local / name / "step-2",
+                roots[name],
+                incremental=variants[name][1],
+                report=report,
+            )
+            times[name].append(time.perf_counter() - t0)
+            where = roots[name].child(step_dir_name(2))
+            commit = read_commit(where)
+            assert commit is not None
+            total = sum(o.size for o in commit.objects)
+            copied[name].append(int(report.get("linked_bytes", 0)))
+            uploaded[name].append(total - copied[name][-1])
+            delete_checkpoint(where, everything=True)  # the next round flushes step 2 again
+    shutil.rmtree(local, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    umed = {k: statistics.median(v) for k, v in uploaded.items()}
+    return {
+        "target": "s3 (moto, 127.0.0.1, own process)",
+        "state_bytes": nbytes,
+        "flush_s": times,
+        "flush_median_s": med,
+        "uploaded_median_bytes": umed,
+        "copied_median_bytes": {k: statistics.median(v) for k, v in copied.items()},
+        "incr5_time_ratio": med["incr5"] / med["full"],
+        "incr25_time_ratio": med["incr25"] / med["full"],
+        "incr5_fewer_bytes": umed["full"] / umed["incr5"],
+        "incr25_fewer_bytes": umed["full"] / umed["incr25"],
+    }
+
+
+def show_bucket(r: dict[str, Any]) -> None:
+    med, umed = r["flush_median_s"], r["uploaded_median_bytes"]
+    cmed = r["copied_median_bytes"]
+    print(f"== bucket: {r['target']}, state {r['state_bytes'] / MIB:.0f} MiB")
+    print(f"{'flush':>10} {'median s':>9} {'uploaded MiB':>13} {'copied MiB':>11}")
+    for k in med:
+        print(f"{k:>10} {med[k]:9.3f} {umed[k] / MIB:13.2f} {cmed[k] / MIB:11.2f}")
+    print(
+        f"incr 5%: {r['incr5_fewer_bytes']:.1f}x fewer bytes uploaded, "
+        f"{r['incr5_time_ratio']:.3f}x the time; incr 25%: {r['incr25_fewer_bytes']:.1f}x, "
+        f"{r['incr25_time_ratio']:.3f}x"
+    )
+
+
 def show(name: str, r: dict[str, Any]) -> None:
     med, wmed, lmed = r["save_median_s"], r["written_median_bytes"], r["load_median_s"]
     sp = r["sparse"]
@@ -244,7 +373,11 @@ def show(name: str, r: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--targets", default="shm,disk", help="comma-separated: " + ",".join(TARGETS))
+    ap.add_argument(
+        "--targets",
+        default="shm,disk,bucket",
+        help="comma-separated: " + ",".join([*TARGETS, "bucket"]),
+    )
     ap.add_argument("--tensors", type=int, default=40)
     ap.add_argument("--tensor-mib", type=int, default=10)
     ap.add_argument("--reps", type=int, default=7)
@@ -262,6 +395,10 @@ def main() -> None:
         "targets": {},
     }
     for name in args.targets.split(","):
+        if name == "bucket":
+            result["targets"][name] = run_bucket(args.tensors, args.tensor_mib, args.reps)
+            show_bucket(result["targets"][name])
+            continue
         where, fsync = TARGETS[name]
         result["targets"][name] = run_target(
             Path(where), fsync, args.tensors, args.tensor_mib, args.reps
