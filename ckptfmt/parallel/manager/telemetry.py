@@ -29,7 +29,8 @@ class SaveReport:
     ``bytes_linked``: an incremental manager's data bytes by level that were hard-linked from
     the previous step instead of written, or on a bucket level 3 copied inside the store
     instead of uploaded (``bytes_written`` then counts only what was written or uploaded);
-    ``link_refused``: files written because the file system refused a link; ``error``: why it failed (or why it fell back)."""
+    ``link_refused``: files written because the file system refused a link; ``error``: why
+    it failed (or why it fell back)."""
 
     step: int
     blocked_s: float = 0.0
