@@ -8,7 +8,9 @@ since this VM hands idle memory back to the host and a save would otherwise time
 - ``full``: the default save (no content hash computed).
 - ``full+hash``: the same save recording content hashes (what the first save of a chain and
   every incremental save pay for change detection); the difference to ``full`` is the cost of
-  the hash. The hash alone (CRC-64 by ISA-L over the state, one thread, 1 MiB pieces) is timed too.
+  the hash, in wall time and in the process's CPU time (every thread; on a shared machine the
+  steadier of the two, since it leaves out the waits for other jobs). The hash alone (CRC-64
+  by ISA-L over the state, one thread, 1 MiB pieces) is timed too.
 - ``incr 5%`` / ``incr 25%``: a frozen base of equal tensors of which 5% / 25% of the bytes
   changed since the base (a committed full save with hashes): the incremental save.
 - bytes written: the bytes of the files a step's directory holds that are not links of the
@@ -88,11 +90,19 @@ def changed(state: dict[str, np.ndarray], fraction: float, salt: int) -> dict[st
     return out
 
 
-def timed(fn: Callable[[], Any], state: dict[str, np.ndarray]) -> float:
+CPU: dict[str, list[float]] = {}
+"""CPU seconds of this process (every thread) per timed run, by variant: on a shared machine
+the wall time of a save holds the waits for other jobs' CPU; its CPU time does not."""
+
+
+def timed(fn: Callable[[], Any], state: dict[str, np.ndarray], name: str = "") -> float:
     touch(state)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    if name:
+        CPU.setdefault(name, []).append(time.process_time() - c0)
+    return wall
 
 
 def hash_alone(state: dict[str, np.ndarray]) -> float:
@@ -144,7 +154,7 @@ def run_target(root: Path, fsync: bool, n: int, tensor_mib: int, reps: int) -> d
         for name in order[rep % len(order) :] + order[: rep % len(order)]:
             st, fn = runs[name]
             path = root / f"{name}-{rep}"
-            times[name].append(timed(lambda: fn(path), st))  # noqa: B023
+            times[name].append(timed(lambda: fn(path), st, f"{root}:{name}"))  # noqa: B023
             written[name].append(new_bytes(path))
             shutil.rmtree(path)
         hash_s.append(hash_alone(s5))
@@ -191,8 +201,13 @@ def run_target(root: Path, fsync: bool, n: int, tensor_mib: int, reps: int) -> d
     med = {k: statistics.median(v) for k, v in times.items()}
     wmed = {k: statistics.median(v) for k, v in written.items()}
     lmed = {k: statistics.median(v) for k, v in load_t.items()}
+    cpu = {k: CPU[f"{root}:{k}"] for k in times}
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
     gb = nbytes / 1e9
     return {
+        "save_cpu_s": cpu,
+        "save_cpu_median_s": cmed,
+        "hash_cost_cpu_s_per_gb": (cmed["full+hash"] - cmed["full"]) / gb,
         "target": str(root),
         "fsync": fsync,
         "state_bytes": nbytes,
@@ -353,7 +368,8 @@ def show(name: str, r: dict[str, Any]) -> None:
     for k in med:
         print(f"{k:>10} {med[k]:9.3f} {wmed[k] / MIB:12.2f}")
     print(
-        f"hash: {r['hash_cost_s_per_gb']:.4f} s/GB on top of a full save "
+        f"hash: {r['hash_cost_s_per_gb']:.4f} s/GB on top of a full save, "
+        f"{r['hash_cost_cpu_s_per_gb']:.4f} CPU s/GB "
         f"(alone, one thread: {r['hash_alone_s_per_gb']:.4f} s/GB)"
     )
     print(
