@@ -56,6 +56,7 @@ from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
 from ckptfmt.storage.files import Inside, storage_full
 from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.objects.copies import base_for
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.progress import ProgressCallback, metering
@@ -123,12 +124,13 @@ def save(
     system refuses a link: another file system). The result is a complete checkpoint that
     any reader opens on its own; deleting the base later breaks nothing. The manifest records
     the content hashes, so the next save can be incremental against this one. A base without
-    recorded hashes links nothing. Directories only (not with a URL ``path``).
+    recorded hashes links nothing. With a URL ``path``, ``base`` is the URL of a committed
+    checkpoint in the same bucket: an unchanged file is copied from it inside the store (a
+    server-side copy, no upload; ``storage.objects.copies``), and the checkpoint at ``path``
+    holds objects of its own: deleting the base breaks nothing there either.
     """
     if isinstance(path, str) and is_url(path):
-        if base is not None:
-            raise UsageError(f"base applies to a save into a directory, not to {path}")
-        return _save_url(state, path, step, write, progress, objects, storage_options)
+        return _save_url(state, path, step, write, progress, objects, storage_options, base)
     _no_options(storage_options, path)
     check_destination(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -168,17 +170,29 @@ def _save_url(
     progress: ProgressCallback | None,
     objects: Objects,
     storage_options: Mapping[str, Any] | None,
+    base: str | os.PathLike[str] | None = None,
 ) -> Manifest:
-    """:func:`save` to a bucket: stage locally, upload, commit (see there)."""
+    """:func:`save` to a bucket: stage locally, upload, commit (see there); with a ``base``
+    (a URL in the same bucket), unchanged files are copied from it inside the store."""
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
+    if base is not None and not (isinstance(base, str) and is_url(base)):
+        raise UsageError(
+            f"the base of an incremental save to {url} is a checkpoint in the same bucket "
+            f"(a URL), not the path {base!s}"
+        )
     bucket, there = in_bucket.check_target(url, storage_options, write.overwrite)
+    found = None if base is None else base_for(bucket, base, storage_options)
     with tempfile.TemporaryDirectory(prefix="ckptfmt-upload-") as scratch:
         staged = Path(scratch) / "checkpoint"
-        local = replace(write, overwrite=False, fsync=False)  # the bucket makes it durable
+        # the bucket makes it durable; the content hashes let the next save be incremental
+        local = replace(
+            write, overwrite=False, fsync=False, content_hash=write.content_hash or bool(base)
+        )
         manifest = save(state, staged, step=step, write=local, progress=progress, objects=objects)
-        in_bucket.publish(bucket, staged, manifest, replacing=there)
+        copies = in_bucket.copy_plan(manifest, found)
+        in_bucket.publish(bucket, staged, manifest, replacing=there, copies=copies)
     return manifest
 
 

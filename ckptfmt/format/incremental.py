@@ -45,6 +45,7 @@ __all__ = [
     "Incremental",
     "algorithm",
     "hashes_of",
+    "unchanged_files",
     "with_hashes",
 ]
 
@@ -121,6 +122,24 @@ def base_files(manifest: Manifest, name: str) -> dict[str, BaseFile]:
     for (t, f), digest in zip(manifest.files(), recorded[1]):
         geo = (t.dtype, tuple(t.shape), tuple(t.shard_shape), tuple(t.chunk_shape))
         out[f.path] = BaseFile(geo, f.size, f.crc32c, digest)
+    return out
+
+
+def unchanged_files(manifest: Manifest, base: Manifest) -> set[str]:
+    """The paths of ``manifest``'s data files that ``base`` holds with the same content: the
+    same path, tensor geometry, size, CRC32C and content hash (both manifests record hashes of
+    one algorithm; else none). What a flush or a save to a bucket copies from the base instead
+    of writing (``storage/objects/copies.py``), and a flush to a directory links."""
+    recorded = hashes_of(manifest)
+    if recorded is None:
+        return set()
+    known = base_files(base, recorded[0])
+    out = set()
+    for (t, f), digest in zip(manifest.files(), recorded[1]):
+        geo = (t.dtype, tuple(t.shape), tuple(t.shard_shape), tuple(t.chunk_shape))
+        b = known.get(f.path)
+        if b is not None and (b.geo, b.size, b.crc32c, b.digest) == (geo, f.size, f.crc32c, digest):
+            out.add(f.path)
     return out
 
 

@@ -25,6 +25,7 @@ from ckptfmt.errors import (
     DestinationExistsError,
     NotACheckpointError,
 )
+from ckptfmt.format.incremental import unchanged_files
 from ckptfmt.maintenance.checks import (
     Problem,
     VerifyReport,
@@ -50,6 +51,7 @@ from ckptfmt.storage.objects.commit import (
     upload_files,
     write_commit,
 )
+from ckptfmt.storage.objects.copies import CopyPlan, Tally, copy_files
 from ckptfmt.storage.objects.gc import GcResult
 from ckptfmt.storage.objects.gc import gc as bucket_gc
 from ckptfmt.storage.objects.source import ObjectInside, open_committed, steps_hint
@@ -165,8 +167,24 @@ def check_target(
     return bucket, there
 
 
+def copy_plan(manifest: Manifest, base: tuple[Bucket, Commit, Manifest] | None) -> CopyPlan | None:
+    """What an incremental save of ``manifest`` copies from ``base``
+    (``storage.objects.copies.base_for``):
+    its files with the same content there (``format.incremental.unchanged_files``)."""
+    if base is None:
+        return None
+    where, commit, base_manifest = base
+    return CopyPlan.of(where, commit, unchanged_files(manifest, base_manifest))
+
+
 def publish(
-    bucket: Bucket, staged: Path, manifest: Manifest, *, replacing: Committed | None = None
+    bucket: Bucket,
+    staged: Path,
+    manifest: Manifest,
+    *,
+    replacing: Committed | None = None,
+    copies: CopyPlan | None = None,
+    tally: Tally | None = None,
 ) -> Commit:
     """Upload the checkpoint directory ``staged`` (every file, by its path relative to it) under
     ``U/<save_id>/`` (``bucket`` is ``U``; the save id is the manifest's), then commit it:
@@ -174,14 +192,24 @@ def publish(
     that commit object on its etag; only then are the replaced save's objects deleted. Until
     the commit put the old checkpoint (if any) is whole and nothing new is visible; a failed
     upload deletes what it put (best effort: what a lost store keeps, no commit names, and
-    ``ckptfmt gc`` removes)."""
+    ``ckptfmt gc`` removes). ``copies``: an incremental save's unchanged files, copied inside
+    the store from its base instead of uploaded (``storage.objects.copies``); ``tally`` counts
+    the bytes copied and uploaded."""
     files = sorted((p.relative_to(staged).as_posix(), p) for p in staged.rglob("*") if p.is_file())
     try:
-        refs = upload_files(bucket, manifest.save_id, files)
+        target = bucket.child(manifest.save_id)
+        copied, left = copy_files(target, [rel for rel, _ in files], copies)
+        rest = set(left)
+        refs = upload_files(bucket, manifest.save_id, [f for f in files if f[0] in rest])
     except BaseException:
         _forget(bucket, manifest.save_id)
         raise
-    commit = Commit(manifest.save_id, manifest.step, refs)
+    if tally is not None:
+        for ref in copied:
+            tally.add(ref.size, True)
+        for ref in refs:
+            tally.add(ref.size, False)
+    commit = Commit(manifest.save_id, manifest.step, sorted(copied + refs))
     write_commit(bucket, commit, replacing)
     drop_replaced(bucket, replacing, commit)
     return commit

@@ -112,7 +112,7 @@ def _run(program: str, args: list[str], s3: S3, tmp_path: Path) -> dict[str, Any
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-@pytest.fixture(params=["saved", "flushed"])
+@pytest.fixture(params=["saved", "flushed", "incremental-saved", "incremental-flushed"])
 def in_bucket(
     s3: S3, tmp_path: Path, request: pytest.FixtureRequest
 ) -> tuple[str, dict[str, np.ndarray]]:
@@ -125,10 +125,12 @@ def in_bucket(
     }
     state = {"model": {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}}
     state["opt"] = {"step": tensors["opt/step"]}
-    write = WriteOptions(chunk_bytes=512, shard_bytes=4096, fsync=False)
+    write = WriteOptions(chunk_bytes=512, shard_bytes=4096, fsync=False, content_hash=True)
     if request.param == "saved":
         manifest = ckptfmt.save(state, f"{s3.url}/run/ckpt", write=write)
         return f"run/ckpt/{manifest.save_id}", tensors
+    if request.param.startswith("incremental"):
+        return _incremental(s3, tmp_path, request.param, state, tensors, write)
     mgr = node_manager(tmp_path, shared=None, shared_dir=f"{s3.url}/run", write=write)
     mgr.save(1, state)
     mgr.close()
@@ -163,3 +165,42 @@ def test_tensorstore_reads_a_checkpoint_in_a_bucket(
         assert got[name]["shape"] == list(arr.shape), name
         assert got[name]["dtype"] == str(arr.dtype), name
         assert got[name]["sha256"] == _sha(arr), name
+
+
+def _incremental(
+    s3: S3,
+    tmp_path: Path,
+    how: str,
+    state: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    write: WriteOptions,
+) -> tuple[str, dict[str, np.ndarray]]:
+    """A checkpoint saved or flushed incrementally (its unchanged objects copied inside the
+    store from the one before), the one before then deleted: its prefix and tensors."""
+    later = {**tensors, "model/i": tensors["model/i"] + 1}
+    state2 = {"model": {k[6:]: v for k, v in later.items() if k.startswith("model/")}}
+    state2["opt"] = state["opt"]
+    client = s3.server.client()
+    if how == "incremental-saved":
+        ckptfmt.save(state, f"{s3.url}/run/base", write=write)
+        manifest = ckptfmt.save(
+            state2, f"{s3.url}/run/ckpt", write=write, base=f"{s3.url}/run/base"
+        )
+        gone = "run/base/"
+        prefix = f"run/ckpt/{manifest.save_id}"
+    else:
+        mgr = node_manager(
+            tmp_path, shared=None, shared_dir=f"{s3.url}/run", write=write, incremental=True
+        )
+        mgr.save(1, state)
+        mgr.save(2, state2)
+        mgr.close()
+        assert mgr.last_save is not None and mgr.last_save.bytes_linked.get("3")
+        commit = read_commit(Bucket.at(f"{s3.url}/run/{step_dir_name(2)}"))
+        assert commit is not None
+        gone = f"run/{step_dir_name(1)}/"
+        prefix = f"run/{step_dir_name(2)}/{commit.save_id}"
+    for key in s3.keys(gone):
+        client.delete_object(Bucket=s3.bucket, Key=key)
+    assert s3.keys(gone) == []
+    return prefix, later

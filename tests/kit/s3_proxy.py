@@ -29,7 +29,9 @@ just the request line, the headers and the body's framing); a client points at i
   a local server answers in a millisecond, which hides what waiting for answers one at a time
   costs).
 
-:attr:`S3Proxy.requests` counts the requests relayed or answered, by method; :attr:`faults`
+:attr:`S3Proxy.requests` counts the requests relayed or answered, by method; :attr:`body_bytes`
+their body bytes (what a client uploaded), by method; :attr:`copies` the paths of server-side
+copies asked (``x-amz-copy-source``); :attr:`faults`
 the faults injected, by rule; :attr:`deleted` the keys asked to be deleted, in order;
 :meth:`peak_in_flight` tells how many matching requests were
 being relayed at once, at most (whether a client overlaps its requests). ``Expect:
@@ -182,6 +184,8 @@ class S3Proxy:
         self.seen: list[tuple[str, str]] = []
         self.spans: list[tuple[str, str, float, float]] = []  # method, path, relayed from, to
         self.deleted: list[str] = []  # keys asked to be deleted, in order (DELETE, batch POST)
+        self.body_bytes: Counter[str] = Counter()  # request body bytes relayed, by method
+        self.copies: list[str] = []  # paths of server-side copies asked (x-amz-copy-source)
         self._delay = 0.0
         self._rules: list[_Rule] = []
         self._down = False
@@ -399,6 +403,10 @@ class S3Proxy:
             _reset(c.sock)
             return False
         body = c.chunked() if chunked else c.exact(length)
+        with self._lock:
+            self.body_bytes[method] += len(body)
+            if "x-amz-copy-source" in fields:
+                self.copies.append(path)
         self._note_deletes(method, path, body)
         if self._take("stall", method, path, length) is not None:
             while not self._stopped and c.sock.recv(1 << 16):  # silent until the client hangs up

@@ -152,3 +152,35 @@ def test_one_rank_failing_its_uploads_fails_the_save_everywhere_and_the_old_one_
     assert read_commit(Bucket.at(url)).save_id == old  # type: ignore[union-attr]
     np.testing.assert_array_equal(ckptfmt.load(url)["w"], FULL)
     assert list(scratch.iterdir()) == []
+
+
+def test_an_incremental_save_copies_each_ranks_unchanged_files_from_the_base(
+    s3: S3, s3_proxy: S3Proxy, scratch: Path
+) -> None:
+    hashed = replace(SMALL, content_hash=True)
+    base, url = f"{s3.url}/run/a", f"{s3.url}/run/b"
+    _save(base, write=hashed)
+
+    def rank(comm: Any) -> Any:
+        state = _state(comm.rank, 1.0 if comm.rank == 0 else 3.0)  # rank 1's rows change
+        return save_to_bucket(comm, state, url, step=5, node="host", write=hashed, base=base)
+
+    s3_proxy.copies.clear()
+    manifest = run_threads(2, rank)[0]
+    copied = sorted(p.split("/", 5)[-1] for p in s3_proxy.copies)  # /bucket/run/b/<id>/<path>
+    files = {f.path: r.rank for t in manifest.tensors() for r in t.regions for f in r.files}
+    w_rank0 = sorted(p for p, r in files.items() if p.startswith("w/") and r == 0)
+    w_rank1 = [p for p, r in files.items() if p.startswith("w/") and r == 1]
+    assert w_rank0 and set(w_rank0) <= set(copied)  # rank 0's rows: copied, not uploaded
+    assert not set(w_rank1) & set(copied)  # rank 1's changed rows: uploaded
+    assert any(p.startswith("b/") for p in copied)
+    for key in s3.keys("run/a/"):  # the base gone: the new checkpoint stands alone
+        s3.server.client().delete_object(Bucket=s3.bucket, Key=key)
+    got = ckptfmt.load(url)
+    np.testing.assert_array_equal(got["w"][:48], FULL[:48])
+    np.testing.assert_array_equal(got["w"][48:], FULL[48:] * 3.0)
+    assert ckptfmt.verify(url).healthy
+    with pytest.raises(SaveFailedError, match="run/a"):  # no base any more: refused everywhere
+        _save(f"{s3.url}/run/c", write=hashed, base=base)
+    assert s3.keys("run/c/") == []
+    assert list(scratch.iterdir()) == []

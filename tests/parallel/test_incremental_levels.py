@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from ckptfmt_cli.exits import ExitStatus
 from kit.cli import run_cli as run
 from kit.faults import flip
@@ -22,16 +23,23 @@ from ckptfmt.container.metadata import ManifestMeta
 from ckptfmt.parallel.collective.save import save_collective
 from ckptfmt.parallel.manager.checkpoint_manager import CheckpointManager
 from ckptfmt.redundancy.config import Redundancy
+from ckptfmt.redundancy.record import record_of
 from ckptfmt.transport.threads import run_threads
 
 NODES = ["n0", "n1"]
 W = WriteOptions(fsync=False, chunk_bytes=40, shard_bytes=160, threads=1, content_hash=True)
 
 
-def _save(root: Path, base: Path | None, seed_w: int) -> None:
-    """Both nodes save :func:`rank_state` with xor redundancy into ``root/<node>``, rank 0's
-    rows of ``model/w`` changed by ``seed_w``; incremental against ``base/<node>``."""
-    red = Redundancy.of({"scheme": "xor", "set_size": 2})
+SCHEMES = {
+    "xor": {"scheme": "xor", "set_size": 2},
+    "rs": {"scheme": "rs", "set_size": 2, "m": 1},
+}
+
+
+def _save(root: Path, base: Path | None, seed_w: int, scheme: str = "xor") -> None:
+    """Both nodes save :func:`rank_state` with ``scheme``'s redundancy into ``root/<node>``,
+    rank 0's rows of ``model/w`` changed by ``seed_w``; incremental against ``base/<node>``."""
+    red = Redundancy.of(SCHEMES[scheme])
 
     def body(comm: Any) -> None:
         state = rank_state(comm.rank, comm.size)
@@ -64,8 +72,9 @@ def _shared_file(a: Path, b: Path) -> str:
     raise AssertionError("no file is shared")
 
 
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_a_flip_in_a_shared_file_is_seen_in_both_steps_and_rebuilt_from_each_parity(
-    tmp_path: Path,
+    tmp_path: Path, scheme: str
 ) -> None:
     """A bit flipped on disk in a file two steps share (one inode) damages both: each step's
     verify names it, each step loads from its own parity, and ``ckptfmt rebuild`` of one step
@@ -73,8 +82,11 @@ def test_a_flip_in_a_shared_file_is_seen_in_both_steps_and_rebuilt_from_each_par
     link: a rebuild never writes through a link into another checkpoint), so the other step is
     damaged until it is rebuilt in turn from its own parity."""
     a, b = tmp_path / "a", tmp_path / "b"
-    _save(a, None, 0)
-    _save(b, a, 3)
+    _save(a, None, 0, scheme)
+    _save(b, a, 3, scheme)
+    for root in (a, b):  # each step's parity covers every one of its files, linked or not
+        record = record_of(ckptfmt.open(f"{root}/{{node}}").manifest)
+        assert record is not None and record.scheme == scheme
     healthy_a, healthy_b = tree_snapshot(a), tree_snapshot(b)
     whole_a, whole_b = ckptfmt.load(f"{a}/{{node}}"), ckptfmt.load(f"{b}/{{node}}")
     rel = _shared_file(a, b)

@@ -29,6 +29,7 @@ from ckptfmt.storage.files import Inside, naming
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE
 from ckptfmt.storage.objects.commit import ObjectRef
+from ckptfmt.storage.objects.copies import CopyPlan, Tally, copy_unchanged
 from ckptfmt.transport.comm import Comm
 
 __all__ = ["SINGLE_PUT_MAX", "UPLOAD_THREADS", "upload_phase"]
@@ -54,17 +55,24 @@ def upload_phase(
     local_path: Path,
     threads: int = UPLOAD_THREADS,
     hook: FaultHook | None = None,
+    copies: CopyPlan | None = None,
+    tally: Tally | None = None,
 ) -> list[ObjectRef]:
     """Collective (one vote of ``b``, named ``phase``): every rank uploads its part of the
     checkpoint of ``manifest`` it holds at ``local_path`` to ``dest`` (``U``), as
-    :func:`_upload_files` says. Any rank's failure raises on every rank (``b``'s error).
+    :func:`_upload_files` says; a data file ``copies`` lists (an incremental write's unchanged
+    files, the same plan on every rank) is copied from the base inside the store instead, and
+    neither read nor verified here. ``tally``: this rank's data bytes copied and uploaded.
+    Any rank's failure raises on every rank (``b``'s error).
     Returns, on rank 0, every rank's object refs sorted by key (the commit object's list);
     on the other ranks, an empty list."""
     mine: list[ObjectRef] = []
     fault = hook or (lambda _point: None)
     with b.guard(phase):
         fault("flush-staged")
-        mine = _upload_files(dest, manifest, local_path, comm.rank, comm.size, threads)
+        mine = _upload_files(
+            dest, manifest, local_path, comm.rank, comm.size, threads, copies, tally or Tally()
+        )
         fault("flush-copied")
     gathered = b.vote(phase, [r.to_json() for r in mine])
     if comm.rank != 0:
@@ -73,7 +81,14 @@ def upload_phase(
 
 
 def _upload_files(
-    dest: Bucket, manifest: Manifest, local_path: Path, rank: int, ranks: int, threads: int
+    dest: Bucket,
+    manifest: Manifest,
+    local_path: Path,
+    rank: int,
+    ranks: int,
+    threads: int,
+    copies: CopyPlan | None,
+    tally: Tally,
 ) -> list[ObjectRef]:
     """This rank's part of the step's objects, put under ``<save_id>/``, ``threads`` at a
     time: its data files (each verified first), its share of the ``zarr.json`` documents
@@ -84,7 +99,9 @@ def _upload_files(
     save_id = manifest.save_id
     checker = DocChecker(manifest)
     jobs: list[Callable[[], ObjectRef]] = [
-        functools.partial(_upload_verified, dest, save_id, src, t, f, local_path / f.path)
+        functools.partial(
+            _copy_or_upload, dest, save_id, src, t, f, local_path / f.path, copies, tally
+        )
         for t in manifest.tensors()
         for r in t.regions
         if r.rank == rank
@@ -100,6 +117,27 @@ def _upload_files(
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs)))) as pool:
         return list(pool.map(lambda job: job(), jobs))
+
+
+def _copy_or_upload(
+    dest: Bucket,
+    save_id: str,
+    src: Inside,
+    t: TensorEntry,
+    ref: FileRef,
+    path: Path,
+    copies: CopyPlan | None,
+    tally: Tally,
+) -> ObjectRef:
+    """One shard file: copied inside the store from the base when the plan lists it and the
+    base's object is still there (its ref is the base's), else verified and uploaded."""
+    copied = copy_unchanged(dest.child(save_id), ref.path, copies)
+    if copied is not None:
+        tally.add(ref.size, True)
+        return copied
+    out = _upload_verified(dest, save_id, src, t, ref, path)
+    tally.add(ref.size, False)
+    return out
 
 
 def _upload_verified(

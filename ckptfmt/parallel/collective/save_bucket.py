@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.container.metadata import ManifestMeta
+from ckptfmt.format.incremental import unchanged_files
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.boundary import Boundary
@@ -36,6 +37,7 @@ from ckptfmt.storage.objects.commit import (
     refuse_existing,
     write_commit,
 )
+from ckptfmt.storage.objects.copies import CopyPlan, base_for
 from ckptfmt.transport.comm import Comm
 
 __all__ = ["save_to_bucket"]
@@ -52,6 +54,7 @@ def save_to_bucket(
     meta: ManifestMeta = ManifestMeta(),
     storage_options: Mapping[str, Any] | None = None,
     threads: int = UPLOAD_THREADS,
+    base: str | None = None,
 ) -> Manifest:
     """Collective: save ``state`` (each rank its own, as ``save_collective`` takes it) as one
     checkpoint at the URL ``url`` (``U``); return its manifest, the same on every rank.
@@ -66,14 +69,25 @@ def save_to_bucket(
     Any rank's failure raises :class:`~ckptfmt.errors.SaveFailedError` on every rank, and
     nothing new is visible without the commit object (what was put is left for ``ckptfmt
     gc``); a checkpoint that changed at ``U`` during the save is not replaced (that failure
-    names it). ``node``: this rank's node, recorded in the manifest."""
+    names it). ``node``: this rank's node, recorded in the manifest.
+
+    ``base``: the URL of a committed checkpoint in the same bucket to save incrementally
+    against: rank 0 reads its commit object and manifest in the first phase (one that is not
+    a committed checkpoint, or is elsewhere, fails the save there, before anything is
+    written); every rank's scratch save records content hashes; after it, rank 0 plans which
+    data files the base holds alike (``format.incremental.unchanged_files``) and broadcasts the
+    plan (one broadcast), and each rank copies those of its files inside the store instead of
+    uploading them (``storage.objects.copies``)."""
     b = Boundary(comm, "save", step)
     dest = Bucket.at(url, storage_options)
     there: Committed | None = None  # rank 0's: what an overwrite replaces
+    found: tuple[Bucket, Commit, Manifest] | None = None  # rank 0's: the base
     with b.guard("save-target"):
         if comm.rank == 0:
             there = find_commit(dest)
             refuse_existing(dest, there, write.overwrite, "pass write=WriteOptions(overwrite=True)")
+            if base is not None:
+                found = base_for(dest, base, storage_options)
     b.vote("save-target")
     scratch = Path(tempfile.mkdtemp(prefix="ckptfmt-upload-"))
     try:
@@ -85,10 +99,24 @@ def save_to_bucket(
             step=step,
             node=node,
             group=f"scratch:{comm.rank}",  # every rank its own copy: its files, the documents
-            write=replace(write, overwrite=False, fsync=False),
+            write=replace(
+                write,
+                overwrite=False,
+                fsync=False,
+                content_hash=write.content_hash or base is not None,
+            ),
             meta=meta,
         )
-        objects = upload_phase(comm, b, "save-upload", dest, manifest, local, threads)
+        copies = None
+        if base is not None:
+            plan = None
+            if found is not None:  # rank 0
+                where, commit, base_manifest = found
+                same = unchanged_files(manifest, base_manifest)
+                plan = CopyPlan.of(where, commit, same).to_json()
+            plan = comm.bcast_json(plan)
+            copies = None if plan is None else CopyPlan.from_json(plan, dest)
+        objects = upload_phase(comm, b, "save-upload", dest, manifest, local, threads, None, copies)
         with b.guard("save-commit"):
             if comm.rank == 0:
                 commit = Commit(manifest.save_id, manifest.step, objects)

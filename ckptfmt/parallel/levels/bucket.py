@@ -28,6 +28,7 @@ from ckptfmt.errors import (
     RankFailure,
     UsageError,
 )
+from ckptfmt.format.incremental import unchanged_files
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.boundary import Boundary
 from ckptfmt.parallel.collective.bucket_upload import UPLOAD_THREADS, upload_phase
@@ -46,11 +47,14 @@ from ckptfmt.storage.objects.commit import (
     list_steps,
     missing_objects,
     move_latest,
+    newest_committed,
     read_commit,
     read_latest,
+    step_bucket,
     step_names,
     write_commit,
 )
+from ckptfmt.storage.objects.copies import CopyPlan, Tally, read_base
 from ckptfmt.storage.objects.source import ObjectInside
 from ckptfmt.storage.steps import parse_step, step_dir_name
 from ckptfmt.transport.comm import Comm
@@ -153,8 +157,19 @@ class BucketLevel(SharedLevel):
         fsync: bool,
         fault: FaultHook | None,
         seq: int | None,
+        incremental: bool = False,
+        report: dict[str, Any] | None = None,
     ) -> None:
-        flush_to_bucket(comm, manifest, local_path, self.root, fault=fault, seq=seq)
+        flush_to_bucket(
+            comm,
+            manifest,
+            local_path,
+            self.root,
+            fault=fault,
+            seq=seq,
+            incremental=incremental,
+            report=report,
+        )
 
     def retain(self, keep: int, protect: set[int]) -> list[int]:
         if keep <= 0:
@@ -237,6 +252,8 @@ def flush_to_bucket(
     fault: FaultHook | None = None,
     seq: int | None = None,
     threads: int = UPLOAD_THREADS,
+    incremental: bool = False,
+    report: dict[str, Any] | None = None,
 ) -> Bucket:
     """Collective: upload a committed level-1 checkpoint to the bucket ``root`` as its step
     prefix, every rank the files it wrote (each verified, every CRC in it checked, before it
@@ -250,26 +267,45 @@ def flush_to_bucket(
     :class:`SaveFailedError` on every rank, and without a commit object nothing of this flush
     is visible (the objects already put are left for ``ckptfmt gc``). A step already committed
     with this save's id (a retried flush) is not uploaded again. Returns the step's bucket
-    prefix."""
+    prefix.
+
+    ``incremental``: rank 0 takes the newest committed step under ``root`` as the base (the
+    latest pointer, else a LIST) and reads its commit object and manifest; a data file whose
+    path, geometry, size, CRC32C and content hash the base records alike is copied from the
+    base's object inside the store (``storage.objects.copies``) instead of read, verified and
+    uploaded (the plan rides on the stage vote; each rank copies its own files). The step
+    holds objects of its own: retention may delete the base, or any step, afterwards. A base
+    that cannot be read makes a full flush (logged). ``report``: this rank's ``linked_bytes``
+    (copied in the store), ``written_bytes`` (uploaded) and ``linked_files``."""
     hook = fault or (lambda _point: None)
     b = Boundary(comm, "flush", manifest.step, seq=seq)
     step = manifest.step or 0
     dest = root.child(step_dir_name(step))
     already = False
     there: Committed | None = None  # rank 0's: the step's commit object that this one replaces
+    plan: dict[str, Any] | None = None  # rank 0's: what an incremental flush copies
     with b.guard("flush-stage"):
         if manifest.world_size != comm.size:  # every rank uploads what it wrote: the same ranks
             raise UsageError(f"cannot flush a save of {manifest.world_size} ranks with {comm.size}")
         if comm.rank == 0:
             already, there = _already_flushed(dest, manifest)
-    votes = b.vote("flush-stage", already)
-    if votes[0]:
+            if incremental and not already:
+                found = _copy_plan(root, manifest)
+                plan = None if found is None else found.to_json()
+    votes = b.vote("flush-stage", [already, plan])
+    if votes[0][0]:
         with b.guard("flush-commit"):
             if comm.rank == 0:  # a pointer left behind by the flush that committed it
                 move_latest(root, step, manifest.save_id)
         b.vote("flush-commit")
         return dest
-    objects = upload_phase(comm, b, "flush-upload", dest, manifest, local_path, threads, hook)
+    copies = None if votes[0][1] is None else CopyPlan.from_json(votes[0][1], root)
+    tally = Tally()
+    objects = upload_phase(
+        comm, b, "flush-upload", dest, manifest, local_path, threads, hook, copies, tally
+    )
+    if report is not None:
+        report.update(tally.report())
     with b.guard("flush-commit"):
         if comm.rank == 0:
             hook("flush-committing")
@@ -280,6 +316,21 @@ def flush_to_bucket(
     b.vote("flush-commit")
     hook("flushed")
     return dest
+
+
+def _copy_plan(root: Bucket, manifest: Manifest) -> CopyPlan | None:
+    """Rank 0, for an incremental flush: what to copy from the newest committed step under
+    ``root`` (None when there is none, or it cannot be read: the flush uploads everything)."""
+    try:
+        newest = newest_committed(root, check=False)
+        if newest is None:
+            return None
+        where = step_bucket(root, newest[0])
+        commit, base = read_base(where)
+    except CkptError as exc:
+        log.warning("incremental flush to %s: no base to copy from (%s)", root.url, exc)
+        return None
+    return CopyPlan.of(where, commit, unchanged_files(manifest, base))
 
 
 def _already_flushed(dest: Bucket, manifest: Manifest) -> tuple[bool, Committed | None]:

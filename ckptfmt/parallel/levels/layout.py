@@ -28,7 +28,7 @@ from ckptfmt.errors import (
     UsageError,
     level_name,
 )
-from ckptfmt.format.incremental import Incremental, base_files, hashes_of
+from ckptfmt.format.incremental import Incremental, hashes_of, unchanged_files
 from ckptfmt.format.shard_read import decode_shard, read_file
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.grid import shard_cell
@@ -168,20 +168,13 @@ def _link_plan(manifest: Manifest, base: Path | None) -> dict[str, Path]:
     """The files of ``manifest`` that the level-3 step at ``base`` holds with the same content
     (path, geometry, size, CRC32C and content hash, ``format/incremental.py``): path -> the
     base's file. Empty without a base or without hashes on either side."""
-    recorded = hashes_of(manifest)
-    if base is None or recorded is None:
+    if base is None or hashes_of(manifest) is None:
         return {}
     try:
-        known = base_files(read_manifest(base), recorded[0])
+        same = unchanged_files(manifest, read_manifest(base))
     except CkptError:
         return {}
-    out = {}
-    for (t, f), digest in zip(manifest.files(), recorded[1]):
-        geo = (t.dtype, tuple(t.shape), tuple(t.shard_shape), tuple(t.chunk_shape))
-        b = known.get(f.path)
-        if b is not None and (b.geo, b.size, b.crc32c, b.digest) == (geo, f.size, f.crc32c, digest):
-            out[f.path] = base / f.path
-    return out
+    return {path: base / path for path in sorted(same)}
 
 
 def _linkable(path: Path, size: int) -> bool:

@@ -99,9 +99,14 @@ class SharedLevel(ABC):
         fsync: bool,
         fault: FaultHook | None,
         seq: int | None,
+        incremental: bool = False,
+        report: dict[str, Any] | None = None,
     ) -> None:
         """Collective: copy the committed level-1 checkpoint of ``manifest`` at ``local_path``
-        here; raises :class:`SaveFailedError` on every rank if any rank failed."""
+        here; raises :class:`SaveFailedError` on every rank if any rank failed.
+        ``incremental``: against the newest committed step here, an unchanged data file is
+        not written again (a directory links it, a bucket copies it inside the store);
+        ``report`` then gets this rank's ``linked_bytes`` and ``written_bytes``."""
 
     @abstractmethod
     def retain(self, keep: int, protect: set[int]) -> list[int]:
@@ -154,8 +159,20 @@ class DirLevel(SharedLevel):
         fsync: bool,
         fault: FaultHook | None,
         seq: int | None,
+        incremental: bool = False,
+        report: dict[str, Any] | None = None,
     ) -> None:
-        flush_collective(comm, manifest, local_path, self.root, fsync=fsync, fault=fault, seq=seq)
+        flush_collective(
+            comm,
+            manifest,
+            local_path,
+            self.root,
+            fsync=fsync,
+            fault=fault,
+            seq=seq,
+            incremental=incremental,
+            report=report,
+        )
 
     def retain(self, keep: int, protect: set[int]) -> list[int]:
         return retain(self.root, keep, protect)

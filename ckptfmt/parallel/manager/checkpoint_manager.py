@@ -134,6 +134,13 @@ class CheckpointManager:
     and of each load a restore makes (``op="load"``: this rank's reads and what it receives;
     a restore that falls back to another step or level starts a new series). ``fault``: a
     test's hook, called at the named points of each save and flush (``FaultHook``).
+
+    ``incremental``: each save records content hashes and is made against the newest
+    committed step of its level (``spec/FORMAT.md`` §17), and each flush against the newest
+    step on level 3: a shard file whose content is unchanged is hard-linked on a file system,
+    or copied inside the store on a bucket, instead of written or uploaded again. Every step
+    stays a complete checkpoint of its own, which retention may delete in any order; a save's
+    :class:`SaveReport` counts those bytes as ``bytes_linked`` by level.
     """
 
     def __init__(

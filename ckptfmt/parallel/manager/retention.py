@@ -19,9 +19,8 @@ from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.parallel.levels import room
-from ckptfmt.parallel.levels.layout import Levels, flush_collective, newest_base, retain_steps
+from ckptfmt.parallel.levels.layout import Levels, newest_base, retain_steps
 from ckptfmt.parallel.levels.pick import level3_of
-from ckptfmt.parallel.levels.shared import DirLevel
 from ckptfmt.parallel.manager.outcomes import Calls, Outcomes
 from ckptfmt.storage import commit
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
@@ -126,23 +125,19 @@ class Retention:
     def _flush_once(self, comm: Comm, manifest: Manifest, seq: int | None) -> None:
         assert self.local_root is not None and self.shared is not None
         local = self.local_root / step_dir_name(manifest.step or 0)
-        self.flush_linked = None
-        if self.incremental and isinstance(self.shared, DirLevel):
-            # against the newest step on level 3: unchanged files are linked, not copied
-            self.flush_linked = {}
-            flush_collective(
-                comm,
-                manifest,
-                local,
-                self.shared.root,
-                fsync=self.fsync,
-                fault=self.fault,
-                seq=seq,
-                incremental=True,
-                report=self.flush_linked,
-            )
-            return
-        self.shared.flush(comm, manifest, local, fsync=self.fsync, fault=self.fault, seq=seq)
+        # incremental: against the newest step on level 3, unchanged files are linked (a
+        # directory) or copied inside the store (a bucket), not copied from level 1
+        self.flush_linked = {} if self.incremental else None
+        self.shared.flush(
+            comm,
+            manifest,
+            local,
+            fsync=self.fsync,
+            fault=self.fault,
+            seq=seq,
+            incremental=self.incremental,
+            report=self.flush_linked,
+        )
 
     def _make_room(self, comm: Comm, nbytes: int, step: int) -> bool:
         """Collective (a broadcast from rank 0; every rank, after a flush failed full: the vote

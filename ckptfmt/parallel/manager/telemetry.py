@@ -27,9 +27,10 @@ class SaveReport:
     ``bytes_written``: this rank's data bytes by level (``"1"``, ``"3"``); ``parity_bytes``:
     this rank's parity file; ``flushed``: the step reached level 3 in this save;
     ``bytes_linked``: an incremental manager's data bytes by level that were hard-linked from
-    the previous step instead of written (``bytes_written`` then counts only what was
-    written); ``link_refused``: files written because the file system refused a link;
-    ``error``: why it failed (or why it fell back)."""
+    the previous step instead of written, or on a bucket level 3 copied inside the store
+    instead of uploaded (``bytes_written`` then counts only what was written or uploaded);
+    ``link_refused``: files written because the file system refused a link; ``error``: why
+    it failed (or why it fell back)."""
 
     step: int
     blocked_s: float = 0.0

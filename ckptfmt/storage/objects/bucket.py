@@ -63,6 +63,8 @@ MAX_PARTS = 9000
 """Parts per object at most (S3 allows 10,000): the part size grows with the file to stay under."""
 UPLOAD_CONCURRENCY = 8
 """Parts of one object in flight at once; memory held is about this many parts."""
+COPY_MAX = 5 << 30
+"""The largest object S3 copies in one request (``CopyObject``); larger ones are uploaded."""
 DELETE_BATCH = 1000
 """Keys per bulk delete request (S3's DeleteObjects limit)."""
 
@@ -173,9 +175,9 @@ class Bucket:
     ``run/ckpt/a/b``. Every key argument is relative to the prefix.
 
     ``requests`` counts the requests made, by kind (``"PUT"``, ``"GET"``, ``"HEAD"``, ``"LIST"``,
-    ``"DELETE"``), shared with every :meth:`child`; a multipart upload counts its parts plus two
-    (start and completion, billed as PUTs by S3), a bulk delete one per 1000 keys; retries made
-    by the library are not seen here. Safe to use from several threads."""
+    ``"DELETE"``, ``"COPY"``), shared with every :meth:`child`; a multipart upload counts its
+    parts plus two (start and completion, billed as PUTs by S3), a bulk delete one per 1000
+    keys; retries made by the library are not seen here. Safe to use from several threads."""
 
     def __init__(self, store: Any, scheme: str, bucket: str, prefix: str, retries: Retries) -> None:
         self._store = store
@@ -286,6 +288,13 @@ class Bucket:
         sub._lock = self._lock
         sub.options = self.options
         sub.endpoint = self.endpoint
+        return sub
+
+    def relocated(self, prefix: str) -> Bucket:
+        """The prefix ``prefix`` (from the bucket's root) of the same bucket, on this client
+        and request counter: another checkpoint of the store, e.g. an incremental save's base."""
+        sub = self.child("")
+        sub.prefix = prefix.strip("/")
         return sub
 
     @property
@@ -455,6 +464,24 @@ class Bucket:
         finally:
             tmp.unlink(missing_ok=True)
         return crc
+
+    def copy_object(self, src_key: str, dst_key: str, *, source: Bucket | None = None) -> None:
+        """Copy the object ``src_key`` of ``source`` (default: this prefix) to ``dst_key`` here,
+        inside the store (S3 ``CopyObject``: no byte passes through this process; one request,
+        counted as ``"COPY"``). Both prefixes must be in the same bucket of the same store
+        (:class:`UsageError` otherwise: a copy between stores is a download and an upload).
+        Raises :class:`MissingFileError` when ``src_key`` is absent. S3 copies up to
+        :data:`COPY_MAX` bytes in one request; a caller with a bigger object uploads it."""
+        src = source if source is not None else self
+        if (src.scheme, src.bucket) != (self.scheme, self.bucket):
+            raise UsageError(
+                f"cannot copy {src.key_url(src_key)} to {self.key_url(dst_key)} inside the "
+                "store: they are in different buckets"
+            )
+        obstore = self._lib()
+        with src._failing("COPY", src_key):
+            self._count("COPY")
+            obstore.copy(self._store, src._full(src_key), self._full(dst_key), overwrite=True)
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` (bulk requests; an absent key is no error)."""
