@@ -15,7 +15,8 @@ step N (an interrupted run, its checkpoints as they are); ``kill_at``: the proce
 itself right after the save of step N was handed over (an async save may still be in flight).
 Each rank
 writes ``PREFIX.rank<r>.npz`` (:func:`final_state`) at the end, and with ``record`` the
-dataset indices of its batches to ``PREFIX.seen.rank<r>.json``. ``"options": {"local_dir": ...,
+dataset indices of its batches to ``PREFIX.seen.rank<r>.json``; after a restore through the
+manager, its step, level and refusals to ``PREFIX.restore.rank<r>.json``. ``"options": {"local_dir": ...,
 "shared_dir": ...}``: saves through the manager (``CheckpointOptions`` of those fields).
 Mode ``"reference"``: HF's own ``Trainer`` resuming from HF's own files with the data position
 handed to it by hand, ``"position": [epoch, steps_to_skip, epochs]`` (see
@@ -230,6 +231,11 @@ def main() -> None:
         np.savez(f"{plan['result']}.rank{rank}.npz", **final_state(trainer))
         if seen is not None:
             Path(f"{plan['result']}.seen.rank{rank}.json").write_text(json.dumps(seen))
+        mgr = getattr(trainer, "checkpoint_manager", None)
+        report = None if mgr is None else mgr.last_restore
+        if report is not None:  # what the manager's restore took
+            took = {"step": report.step, "level": report.level, "tried": report.tried}
+            Path(f"{plan['result']}.restore.rank{rank}.json").write_text(json.dumps(took))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
     if torch.distributed.is_initialized():

@@ -140,6 +140,12 @@ def test_resume_at_another_size_is_bitwise_the_reference(
     assert said.count(line) == 2, said[-6000:]
     assert f"per-rank entries saved by {n} ranks, loaded by {m}" in said
 
+    # the manager's route restored the step through the manager, not the plain directory
+    for r in range(m):
+        took = json.loads((tmp_path / f"mg2.restore.rank{r}.json").read_text())
+        assert took["step"] == stop and took["level"] in (1, 3), took
+    print(f"{n} -> {m}: the manager restored step {stop} from level {took['level']}: {took}")
+
     # the first stretch: ckptfmt's runs are HF's own run
     for name in ("ck1", "mg1"):
         assert _seen(tmp_path, name, n) == _seen(tmp_path, "hf1", n)
