@@ -398,7 +398,9 @@ class CheckpointMixin(_Base):
     # _save_checkpoint above and the _load_* below override private Trainer methods by name:
     # each is an entry of _compat.TRAINER_OVERRIDES, checked when the trainer is made.
 
-    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple[Any, ...]:
+    def set_initial_training_values(
+        self, args: Any, dataloader: Any
+    ) -> tuple[int, int, int, int, int, int | None, int]:
         """HF's (epochs, steps per epoch, examples, samples, total batch, batches per epoch,
         max steps). Resumed at another number of ranks, this run's epochs begin at other
         optimizer steps (``hf_data.Epochs.origin``): with ``max_steps`` the run gets the epochs
@@ -406,18 +408,18 @@ class CheckpointMixin(_Base):
         more samples a step); with ``num_train_epochs`` its last step is where its last epoch
         ends, so that the run, the LR schedule and ``max_steps`` end together. Collective
         (every rank): the checkpoint is read here, once (``_ckptfmt_read`` keeps it)."""
-        values = tuple(super().set_initial_training_values(args, dataloader))
+        epochs, per_epoch, examples, samples, total, batches, max_steps = (
+            super().set_initial_training_values(args, dataloader)
+        )
         path = self._ckptfmt_resuming
-        found = None if path is None else self._ckptfmt_resume(path, None, int(values[1]))
-        if found is None:
-            return values
-        origin, per_epoch = found[3].origin, int(values[1])
-        epochs, max_steps = int(values[0]), int(values[6])
-        if args.max_steps > 0:
-            epochs = max(epochs, -(-(max_steps - origin) // per_epoch))
-        else:
-            max_steps += origin
-        return (epochs, *values[1:6], max_steps)
+        found = None if path is None else self._ckptfmt_resume(path, None, per_epoch)
+        if found is not None:
+            origin = found[3].origin
+            if args.max_steps > 0:
+                epochs = max(epochs, -(-(max_steps - origin) // per_epoch))
+            else:
+                max_steps += origin
+        return epochs, per_epoch, examples, samples, total, batches, max_steps
 
     def _init_training_state(
         self,

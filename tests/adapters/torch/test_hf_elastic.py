@@ -49,12 +49,12 @@ BATCH = 4  # per_device_train_batch_size of the worker
 
 @pytest.fixture(scope="module")
 def global_batches(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    """The job's global order, batch by batch, over two epochs: what an uninterrupted
+    """The job's global order, batch by batch, over three epochs: what an uninterrupted
     1-process run (HF's own trainer) trains on."""
     seen: list[list[int]] = []
     out = tmp_path_factory.mktemp("order")
-    run(out, seen=seen, mode="hf", max_steps=2 * N_SAMPLES // BATCH, save_steps=1000)
-    assert len(seen) == 2 * N_SAMPLES // BATCH
+    run(out, seen=seen, mode="hf", max_steps=3 * N_SAMPLES // BATCH, save_steps=1000)
+    assert len(seen) == 3 * N_SAMPLES // BATCH
     return seen
 
 
@@ -102,7 +102,7 @@ def test_resume_at_another_size_is_bitwise_the_reference(
         _plan(tmp_path, "ck1", out=str(tmp_path / "ck"), stop_at=stop, **common),
         _plan(tmp_path, "mg1", out=str(tmp_path / "mg"), stop_at=stop, options=levels, **common),
     ]
-    assert_ok(run_torchrun(n, WORKER, *first, timeout=300))
+    assert_ok(run_torchrun(n, WORKER, *first, timeout=400))
 
     consumed = stop * n * BATCH  # samples of epoch 0's global order the first stretch took
     assert consumed % (m * BATCH) == 0
@@ -127,7 +127,7 @@ def test_resume_at_another_size_is_bitwise_the_reference(
         _plan(tmp_path, "ck2", out=str(tmp_path / "ck"), resume=True, **common),
         _plan(tmp_path, "mg2", out=str(tmp_path / "mg"), resume=True, options=levels, **common),
     ]
-    resumed = run_torchrun(m, WORKER, *second, timeout=300)
+    resumed = run_torchrun(m, WORKER, *second, timeout=400)
     assert_ok(resumed)
     said = resumed.stdout + resumed.stderr
 
@@ -179,3 +179,37 @@ def test_resume_at_another_size_is_bitwise_the_reference(
             data = ckptfmt.load(out / f"checkpoint-{step}" / "ckptfmt")["trainer"]["data"]
             want = {"epoch": epoch, "samples": samples, "world_size": m, "per_step": m * BATCH}
             assert {k: int(v) for k, v in data.items()} == want, (name, step)
+
+
+def test_a_run_given_in_epochs_ends_with_its_last_epoch(
+    tmp_path: Path, global_batches: list[list[int]]
+) -> None:
+    """``num_train_epochs=3`` (no ``max_steps``): 4 steps at 2 ranks (32 samples), resumed at 1
+    rank. HF would count ``max_steps`` as 3 epochs of 16 steps from step 0 (48) while the run's
+    epochs now end at step 4 + 8 + 16 + 16 = 44: the run ends with its third epoch at step 44,
+    which is ``max_steps`` in its trainer state, and the linear LR schedule reaches 0 there
+    (it is stretched to the 44 steps: a schedule counted in steps cannot keep both its step
+    count and its sample count when a step's size changes; give ``max_steps`` to keep it)."""
+    common = {"max_steps": -1, "save_steps": 4}
+    out = str(tmp_path / "ck")
+    assert_ok(
+        run_torchrun(2, WORKER, _plan(tmp_path, "e1", out=out, stop_at=4, **common), timeout=400)
+    )
+    resumed = run_torchrun(
+        1, WORKER, _plan(tmp_path, "e2", out=out, resume=True, **common), timeout=400
+    )
+    assert_ok(resumed)
+    before, after = _seen(tmp_path, "e1", 2), _seen(tmp_path, "e2", 1)
+    assert [len(r) for r in before] == [4, 4] and [len(r) for r in after] == [40]
+    assert _in_global_order(before) + _in_global_order(after) == global_batches  # 3 epochs
+    state = json.loads((tmp_path / "ck" / "checkpoint-44" / "trainer_state.json").read_text())
+    assert (state["global_step"], state["max_steps"], state["epoch"]) == (44, 44, 3.0)
+    assert not (tmp_path / "ck" / "checkpoint-48").exists()
+    end = ckptfmt.load(tmp_path / "ck" / "checkpoint-44" / "ckptfmt")
+    assert {float(x) for x in end["scheduler"]["_last_lr"]} == {0.0}  # both param groups
+    assert {k: int(v) for k, v in end["trainer"]["data"].items()} == {
+        "epoch": 3,
+        "samples": 0,
+        "world_size": 1,
+        "per_step": 4,
+    }
