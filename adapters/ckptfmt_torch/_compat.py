@@ -205,7 +205,6 @@ TRAINER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_load_scaler": ("checkpoint",),
     "_load_rng_state": ("checkpoint",),
     "_load_best_model": (),
-    "set_initial_training_values": ("args", "dataloader"),
     "_init_training_state": (
         "max_steps",
         "num_update_steps_per_epoch",

@@ -407,7 +407,9 @@ class CheckpointMixin(_Base):
         it needs to reach it (HF counts them from step 0, too few when the run that saved took
         more samples a step); with ``num_train_epochs`` its last step is where its last epoch
         ends, so that the run, the LR schedule and ``max_steps`` end together. Collective
-        (every rank): the checkpoint is read here, once (``_ckptfmt_read`` keeps it)."""
+        (every rank): the checkpoint is read here, once (``_ckptfmt_read`` keeps it). A public
+        method of ``Trainer`` (its documented hook for these numbers), so not one of the
+        private names ``_compat`` checks."""
         epochs, per_epoch, examples, samples, total, batches, max_steps = (
             super().set_initial_training_values(args, dataloader)
         )
