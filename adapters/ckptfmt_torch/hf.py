@@ -581,8 +581,8 @@ class CheckpointMixin(_Base):
 def _per_rank_dropped(load: Callable[[ReadOptions], _T]) -> _T:
     """Collective (every rank, through ``load``): ``load(ReadOptions())``; at another number of
     ranks than the save's, the per-rank entries (each rank's random generators) cannot be
-    carried over: every rank gets the same :class:`PerRankError` from the read plan, warns (rank
-    0 names the entries and both sizes) and loads again without them, each rank keeping the new
+    carried over: every rank gets the same :class:`PerRankError` from the read plan, warns
+    (naming the entries and both sizes) and loads again without them, each rank keeping the new
     run's seeding. Everything else (model, optimizer, schedule, data position) is replicated and
     loads at any size."""
     try:
