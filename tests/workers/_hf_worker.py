@@ -16,8 +16,9 @@ itself right after the save of step N was handed over (an async save may still b
 Each rank
 writes ``PREFIX.rank<r>.npz`` (:func:`final_state`) at the end, and with ``record`` the
 dataset indices of its batches to ``PREFIX.seen.rank<r>.json``; after a restore through the
-manager, its step, level and refusals to ``PREFIX.restore.rank<r>.json``. ``"options": {"local_dir": ...,
-"shared_dir": ...}``: saves through the manager (``CheckpointOptions`` of those fields).
+manager, its step, level and refusals to ``PREFIX.restore.rank<r>.json``. ``"options":
+{"local_dir": ..., "shared_dir": ...}``: saves through the manager (``CheckpointOptions`` of
+those fields).
 Mode ``"reference"``: HF's own ``Trainer`` resuming from HF's own files with the data position
 handed to it by hand, ``"position": [epoch, steps_to_skip, epochs]`` (see
 :class:`HandSetPosition`). Several plans (``_hf_worker.py A.json B.json``) run one after the
