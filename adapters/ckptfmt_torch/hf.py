@@ -34,9 +34,10 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import transformers
@@ -60,6 +61,7 @@ from ckptfmt_torch.convert import from_state, to_state
 from ckptfmt_torch.training import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DATA_DIR = "ckptfmt"
 """The ckptfmt checkpoint inside ``checkpoint-N/`` (a directory, or a link to a level-3 step)."""
@@ -176,6 +178,8 @@ class CheckpointMixin(_Base):
 
     # the epochs' data positions, set when training starts (``_init_training_state``)
     _ckptfmt_epochs: hf_data.Epochs | None = None
+    # the checkpoint ``train`` resumes from, while it runs
+    _ckptfmt_resuming: str | None = None
 
     def __init__(self, *args: Any, ckptfmt: CheckpointOptions | None = None, **kwargs: Any):
         _compat.check_trainer()  # the private hooks below are HF's still, or a loud error
@@ -203,10 +207,13 @@ class CheckpointMixin(_Base):
             if found is None:
                 raise UsageError(f"no complete checkpoint in output_dir {self.args.output_dir}")
             resume_from_checkpoint = found
+        resuming = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        self._ckptfmt_resuming = resuming
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         finally:
             self._ckptfmt_loaded = None
+            self._ckptfmt_resuming = None
             self.wait_for_checkpoint()
 
     @property
@@ -391,6 +398,31 @@ class CheckpointMixin(_Base):
     # _save_checkpoint above and the _load_* below override private Trainer methods by name:
     # each is an entry of _compat.TRAINER_OVERRIDES, checked when the trainer is made.
 
+    def set_initial_training_values(
+        self, args: Any, dataloader: Any
+    ) -> tuple[int, int, int, int, int, int | None, int]:
+        """HF's (epochs, steps per epoch, examples, samples, total batch, batches per epoch,
+        max steps). Resumed at another number of ranks, this run's epochs begin at other
+        optimizer steps (``hf_data.Epochs.origin``): with ``max_steps`` the run gets the epochs
+        it needs to reach it (HF counts them from step 0, too few when the run that saved took
+        more samples a step); with ``num_train_epochs`` its last step is where its last epoch
+        ends, so that the run, the LR schedule and ``max_steps`` end together. Collective
+        (every rank): the checkpoint is read here, once (``_ckptfmt_read`` keeps it). A public
+        method of ``Trainer`` (its documented hook for these numbers), so not one of the
+        private names ``_compat`` checks."""
+        epochs, per_epoch, examples, samples, total, batches, max_steps = (
+            super().set_initial_training_values(args, dataloader)
+        )
+        path = self._ckptfmt_resuming
+        found = None if path is None else self._ckptfmt_resume(path, None, per_epoch)
+        if found is not None:
+            origin = found[3].origin
+            if args.max_steps > 0:
+                epochs = max(epochs, -(-(max_steps - origin) // per_epoch))
+            else:
+                max_steps += origin
+        return epochs, per_epoch, examples, samples, total, batches, max_steps
+
     def _init_training_state(
         self,
         max_steps: int,
@@ -407,21 +439,17 @@ class CheckpointMixin(_Base):
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
         self._ckptfmt_epochs = hf_data.Epochs(num_update_steps_per_epoch)
-        tree = (
-            None if resume_from_checkpoint is None else self._ckptfmt_read(resume_from_checkpoint)
+        found = (
+            None
+            if resume_from_checkpoint is None
+            else self._ckptfmt_resume(
+                resume_from_checkpoint, self.state.global_step, num_update_steps_per_epoch
+            )
         )
-        saved = None if tree is None else dict(tree.get("trainer", {})).get("data")
-        length = hf_data.length(self.train_dataset)
-        if saved is None or length is None:
+        if found is None:
             return epochs, skip  # HF's own files, or saved before positions were global
+        saved, epoch, done, self._ckptfmt_epochs = found
         ga, per_step = self.args.gradient_accumulation_steps, self._ckptfmt_per_step()
-        epoch, done, self._ckptfmt_epochs = hf_data.resume(
-            saved,
-            self.state.global_step,
-            num_update_steps_per_epoch,
-            length,
-            per_step,
-        )
         if self.args.ignore_data_skip:
             return epoch, 0
         if saved.get("world_size") != self.args.world_size and self.args.process_index == 0:
@@ -440,6 +468,27 @@ class CheckpointMixin(_Base):
             )
         return epoch, done * ga
 
+    def _ckptfmt_resume(
+        self, checkpoint: str, global_step: int | None, steps_per_epoch: int
+    ) -> tuple[dict[str, Any], int, int, hf_data.Epochs] | None:
+        """Collective (every rank, through ``_ckptfmt_read``): the checkpoint's saved data
+        position and, in this run's units, the epoch to resume in, its optimizer steps done
+        and the run's :class:`hf_data.Epochs`; None for a checkpoint without a position (HF's
+        own files, earlier versions) or a training set without a length. ``global_step``:
+        the checkpoint's (read from its ``trainer_state.json`` when None). Raises
+        ``DataPositionError`` for a position this run cannot continue."""
+        tree = self._ckptfmt_read(checkpoint)
+        saved = None if tree is None else dict(tree.get("trainer", {})).get("data")
+        length = hf_data.length(self.train_dataset)
+        if saved is None or length is None:
+            return None
+        if global_step is None:
+            state = json.loads((Path(checkpoint) / STATE_NAME).read_text(encoding="utf-8"))
+            global_step = int(state["global_step"])
+        per_step = self._ckptfmt_per_step()
+        epoch, done, epochs = hf_data.resume(saved, global_step, steps_per_epoch, length, per_step)
+        return dict(saved), epoch, done, epochs
+
     def _ckptfmt_read(self, checkpoint: str) -> dict[str, Any] | None:
         """Collective (every rank): the ckptfmt state of ``checkpoint`` (read once per resume,
         verified), or None for a checkpoint without ckptfmt data (HF's own files)."""
@@ -452,9 +501,14 @@ class CheckpointMixin(_Base):
             return None
         tree: dict[str, Any] | None = None
         if managed and self.ckptfmt.managed:  # the manager's levels first: level 1, rebuilt
-            report = self._manager(str(self.args.output_dir)).restore()
+            mgr = self._manager(str(self.args.output_dir))
+            report = _per_rank_dropped(lambda read: mgr.restore(read=read))
             if report.step == step and report.state is not None:
                 tree = dict(report.state)
+                if self.args.process_index == 0:
+                    log.info(
+                        "ckptfmt: %s restored from level %s (%s)", ck, report.level, report.path
+                    )
         if tree is None:
             if not data.is_dir():
                 raise UsageError(
@@ -462,15 +516,9 @@ class CheckpointMixin(_Base):
                     "levels given (ckptfmt=CheckpointOptions(local_dir=...)) do not restore it"
                 )
             try:
-                try:
-                    tree, manifest = load_collective(default_comm(), data, {}, read=ReadOptions())
-                except PerRankError as exc:  # another number of ranks: RNG streams are per rank
-                    log.warning(
-                        "ckptfmt: %s; resuming without them (each rank keeps its own seeding)",
-                        exc,
-                    )
-                    read = ReadOptions(per_rank="drop")
-                    tree, manifest = load_collective(default_comm(), data, {}, read=read)
+                tree, manifest = _per_rank_dropped(
+                    lambda read: load_collective(default_comm(), data, {}, read=read)
+                )
             except LoadFailedError as exc:  # every rank: the rank that met the damage names it
                 if not any(f.kind == "damage" for f in exc.rank_failures.values()):
                     raise
@@ -528,6 +576,20 @@ class CheckpointMixin(_Base):
             return
         model = self.accelerator.unwrap_model(self.model)
         from_state({"model": weights(model)}, {"model": tree["model"]})
+
+
+def _per_rank_dropped(load: Callable[[ReadOptions], _T]) -> _T:
+    """Collective (every rank, through ``load``): ``load(ReadOptions())``; at another number of
+    ranks than the save's, the per-rank entries (each rank's random generators) cannot be
+    carried over: every rank gets the same :class:`PerRankError` from the read plan, warns
+    (naming the entries and both sizes) and loads again without them, each rank keeping the new
+    run's seeding. Everything else (model, optimizer, schedule, data position) is replicated and
+    loads at any size."""
+    try:
+        return load(ReadOptions())
+    except PerRankError as exc:
+        log.warning("ckptfmt: %s; resuming without them (each rank keeps its own seeding)", exc)
+        return load(ReadOptions(per_rank="drop"))
 
 
 class Trainer(CheckpointMixin, transformers.Trainer):

@@ -15,7 +15,14 @@ step N (an interrupted run, its checkpoints as they are); ``kill_at``: the proce
 itself right after the save of step N was handed over (an async save may still be in flight).
 Each rank
 writes ``PREFIX.rank<r>.npz`` (:func:`final_state`) at the end, and with ``record`` the
-dataset indices of its batches to ``PREFIX.seen.rank<r>.json``.
+dataset indices of its batches to ``PREFIX.seen.rank<r>.json``; after a restore through the
+manager, its step, level and refusals to ``PREFIX.restore.rank<r>.json``. ``"options":
+{"local_dir": ..., "shared_dir": ...}``: saves through the manager (``CheckpointOptions`` of
+those fields).
+Mode ``"reference"``: HF's own ``Trainer`` resuming from HF's own files with the data position
+handed to it by hand, ``"position": [epoch, steps_to_skip, epochs]`` (see
+:class:`HandSetPosition`). Several plans (``_hf_worker.py A.json B.json``) run one after the
+other in the same processes.
 """
 
 from __future__ import annotations
@@ -74,6 +81,29 @@ class PerRankSeed(transformers.TrainerCallback):
         torch.manual_seed(1000 + args.process_index)
 
 
+class HandSetPosition(transformers.Trainer):
+    """HF's own ``Trainer`` resumed from HF's own checkpoint files, with the data position given
+    by hand instead of HF's ``global_step % steps_per_epoch``: ``(epoch, steps, epochs)``: resume
+    in ``epoch`` skipping ``steps`` optimizer steps of this run's loader, and run up to
+    ``epochs`` epochs (HF counts them from ``max_steps`` at this size, too few when the epochs
+    of the run that saved were longer). The reference of a resume at another number of ranks:
+    nothing of ckptfmt takes part in it."""
+
+    def __init__(self, *args: Any, position: list[int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = position
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
+        values = list(super().set_initial_training_values(args, dataloader))
+        values[0] = self.position[2]
+        return tuple(values)
+
+    def _init_training_state(self, *args: Any) -> tuple[int, int]:
+        super()._init_training_state(*args)  # HF's trainer_state.json, callbacks, references
+        epoch, steps = self.position[0], self.position[1]
+        return epoch, steps * self.args.gradient_accumulation_steps
+
+
 def model_and_args(
     out: str | os.PathLike[str], max_steps: int = 24, save_steps: int = 4, limit: int | None = None
 ) -> tuple[GPT2LMHeadModel, TrainingArguments, Tokens]:
@@ -116,14 +146,20 @@ def build(
     stop_at: int | None = None,
     kill_at: int | None = None,
     options: CheckpointOptions | None = None,
+    position: list[int] | None = None,
 ) -> transformers.Trainer:
-    """A trainer of the tiny model: ``mode`` ``"hf"`` is HF's own ``Trainer``, ``"async"``
-    ours with background saves, ``"ckptfmt"`` ours as the README enables it."""
+    """A trainer of the tiny model: ``mode`` ``"hf"`` is HF's own ``Trainer``, ``"reference"``
+    HF's own with a ``position`` given by hand (:class:`HandSetPosition`), ``"async"`` ours
+    with background saves, ``"ckptfmt"`` ours as the README enables it."""
     model, args, data = model_and_args(out, max_steps, save_steps, limit)
-    if mode == "hf":
-        trainer: transformers.Trainer = transformers.Trainer(
-            model=model, args=args, train_dataset=data
+    if mode == "reference":
+        if position is None:
+            raise ValueError("mode 'reference' needs a position")
+        trainer: transformers.Trainer = HandSetPosition(
+            model=model, args=args, train_dataset=data, position=position
         )
+    elif mode == "hf":
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     elif options is not None:
         trainer = Trainer(model=model, args=args, train_dataset=data, ckptfmt=options)
     elif mode == "async":  # the README's lines
@@ -184,18 +220,26 @@ def run(
 
 
 def main() -> None:
-    plan = json.loads(Path(sys.argv[1]).read_text())
-    kw = {
-        k: plan.get(k) for k in ("mode", "max_steps", "save_steps", "limit", "stop_at", "kill_at")
-    }
-    seen: list[list[int]] | None = [] if plan.get("record") else None
-    trainer = run(plan["out"], plan.get("resume"), seen, **{k: v for k, v in kw.items() if v})
-    rank = int(os.environ.get("RANK", "0"))
-    np.savez(f"{plan['result']}.rank{rank}.npz", **final_state(trainer))
-    if seen is not None:
-        Path(f"{plan['result']}.seen.rank{rank}.json").write_text(json.dumps(seen))
+    for path in sys.argv[1:]:
+        plan = json.loads(Path(path).read_text())
+        keys = ("mode", "max_steps", "save_steps", "limit", "stop_at", "kill_at", "position")
+        kw: dict[str, Any] = {k: plan[k] for k in keys if plan.get(k)}
+        if plan.get("options"):
+            kw["options"] = CheckpointOptions(**plan["options"])
+        seen: list[list[int]] | None = [] if plan.get("record") else None
+        trainer = run(plan["out"], plan.get("resume"), seen, **kw)
+        rank = int(os.environ.get("RANK", "0"))
+        np.savez(f"{plan['result']}.rank{rank}.npz", **final_state(trainer))
+        if seen is not None:
+            Path(f"{plan['result']}.seen.rank{rank}.json").write_text(json.dumps(seen))
+        mgr = getattr(trainer, "checkpoint_manager", None)
+        report = None if mgr is None else mgr.last_restore
+        if report is not None:  # what the manager's restore took
+            took = {"step": report.step, "level": report.level, "tried": report.tried}
+            Path(f"{plan['result']}.restore.rank{rank}.json").write_text(json.dumps(took))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -746,14 +746,46 @@ def test_resume_on_fewer_devices_continues_the_data(tmp_path: Path) -> None:
 def test_resume_on_more_devices_continues_the_data(tmp_path: Path) -> None:
     """4 steps at 1 device (32 of 96 samples), resumed at 2 devices to step 8: the 64 samples
     left in 4 steps of 2 x 8, the epoch ending there (Lightning's batch count of the epoch set
-    to this size's units), every sample once in the global order."""
+    to this size's units), every sample once in the global order; and bit for bit where a plain
+    loop at 2 devices ends that starts from the checkpoint's model, Adam and schedule and does
+    what DDP does: rank r's batch of step s is the positions ``32 + 16 s + 2 j + r`` of the
+    permutation (computed here), its gradient halved, the two summed (gloo's all-reduce of
+    two; halving is exact, so the order of the sum does not matter)."""
     args = ["--data", "shuffled", "--root", str(tmp_path)]
     ok(run_worker(*args, "--devices", "1", "--runs", "f:4"))
     resumed = run_worker(*args, "--devices", "2", "--runs", "f:8")
     ok(resumed)
-    assert "saved by 1 rank(s), continued by 2: global batch 8 -> 16" in resumed.stderr
+    assert (
+        "DataPosition: resumed at sample 32 of 96 of epoch 0 (global order), saved by 1 rank(s),"
+        " continued by 2: global batch 8 -> 16 samples, 4 batch(es) per rank left" in resumed.stderr
+    ), resumed.stderr[-3000:]
     perm = torch.randperm(96, generator=torch.Generator().manual_seed(3 + 0)).tolist()
     before, after = _seen(tmp_path, "f", 1), _seen(tmp_path, "f", 2)
     assert [len(r) for r in before] == [4] and [len(r) for r in after] == [4, 4]
     assert _global(before) + _global(after) == perm
-    assert end(tmp_path, "f")["global_step"] == 8
+
+    saved = ckptfmt_torch.lightning.CheckpointIO().load_checkpoint(
+        tmp_path / "f" / "epoch=0-step=4.ckpt"
+    )
+    assert saved["callbacks"]["DataPosition"]["samples"] == [32]
+    model = Net()
+    model.load_state_dict(saved["state_dict"])
+    conf = model.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]
+    opt.load_state_dict(saved["optimizer_states"][0])
+    sched.load_state_dict(saved["lr_schedulers"][0])
+    ds = ShuffledData().ds
+    for s in range(4):
+        grads = []
+        for r in range(2):
+            x, y = ds[[perm[32 + 16 * s + 2 * j + r] for j in range(8)]]
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model.net(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+            p.grad = g0 / 2 + g1 / 2
+        opt.step()
+    got = end(tmp_path, "f")
+    assert got["global_step"] == 8
+    assert_same(got["params"], dict(model.state_dict()))
+    assert_same(got["optim"]["state"], opt.state_dict()["state"])
