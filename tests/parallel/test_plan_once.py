@@ -44,12 +44,6 @@ def state_of(step: int, rank: int, wide: int = 64) -> dict[str, Any]:
     }
 
 
-def collectives(comm: CountingComm, fn: Any) -> tuple[int, Any]:
-    before = comm.tally.collectives()
-    out = fn()
-    return comm.tally.collectives() - before, out
-
-
 def test_the_cache_keys_a_plan_by_everything_it_depends_on() -> None:
     a = [Holding(("w",), "float32", (96, 64)).to_json()]
     b = [Holding(("w",), "float32", (96, 64), ((0, 0), (48, 64))).to_json()]
@@ -78,15 +72,10 @@ def test_save_collective_makes_its_votes_and_plans_a_layout_once(tmp_path: Path)
         c, plans = CountingComm(comm), PlanCache()
         counts = []
         for step, wide in ((1, 64), (2, 64), (3, 48)):  # step 3: another layout
-            path = tmp_path / f"step-{step}"
-            n, _ = collectives(
-                c,
-                lambda: save_collective(
-                    c, state_of(step, c.rank, wide), path, step=step, node="n0", write=WRITE,
-                    plans=plans,
-                ),
-            )
-            counts.append(n)
+            state, path = state_of(step, c.rank, wide), tmp_path / f"step-{step}"
+            before = c.tally.collectives()
+            save_collective(c, state, path, step=step, node="n0", write=WRITE, plans=plans)
+            counts.append(c.tally.collectives() - before)
         assert (plans.made, plans.reused) == (2, 1)
         assert c.tally.calls["bcast_buffer"] == 0
         return counts
@@ -119,10 +108,10 @@ def test_a_manager_save_plans_once_and_makes_the_same_collectives_each_time(
         counts = []
         for step, wide in ((1, 64), (2, 64), (3, 64), (4, 48)):  # step 4: another layout
             state = state_of(step, c.rank, wide)
-            n, _ = collectives(
-                c, lambda: (mgr.save(step, state, background_copy=background_copy), mgr.wait())
-            )
-            counts.append(n)
+            before = c.tally.collectives()
+            mgr.save(step, state, background_copy=background_copy)
+            mgr.wait()
+            counts.append(c.tally.collectives() - before)
         assert mgr.failed_saves == []
         got = {"w": np.zeros((96, 48), np.float32), "b": np.zeros(3000, np.int64)}
         got["fsdp"] = Shard(np.zeros((4, 8), np.float32), (4 * c.rank, 0), (4 * WORLD, 8))

@@ -75,7 +75,7 @@ from ckptfmt.parallel.collective.save_manifest import (
     order_and_values,
     planned_member_bytes,
 )
-from ckptfmt.parallel.collective.save_state import LocalState, Name, check_state, region_data
+from ckptfmt.parallel.collective.save_state import LocalState, check_state, region_data
 from ckptfmt.plan.cache import PlanCache
 from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
