@@ -29,9 +29,17 @@ __all__ = ["PlanCache", "layout_key"]
 
 def layout_key(declarations: Sequence[Sequence[dict[str, Any]]], chunk: int, shard: int) -> str:
     """The digest of every rank's declarations (``Holding.to_json`` lists, by rank) and the grid
-    options: everything a plan depends on."""
-    doc = json.dumps([chunk, shard, declarations], separators=(",", ":"))
-    return hashlib.sha256(doc.encode("utf-8")).hexdigest()
+    options: everything a plan depends on. A list given for several ranks (the same object:
+    data parallelism, as the staging declares it) is serialised once."""
+    seen: dict[int, str] = {}
+    total = hashlib.sha256(f"{chunk},{shard},{len(declarations)}".encode())
+    for decl in declarations:
+        digest = seen.get(id(decl))
+        if digest is None:
+            doc = json.dumps(decl, separators=(",", ":")).encode("utf-8")
+            digest = seen[id(decl)] = hashlib.sha256(doc).hexdigest()
+        total.update(digest.encode("ascii"))
+    return total.hexdigest()
 
 
 class PlanCache:
