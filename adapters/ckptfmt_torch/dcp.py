@@ -8,7 +8,8 @@
 
 What :class:`Writer` writes is a normal ckptfmt checkpoint: every tensor one zarr array at its
 global shape (a DTensor's shards at their offsets), a CRC32C per chunk, the manifest; the core's
-collective save writes it, every rank its share, and commits it atomically. :class:`Reader`
+plan, files and manifest, in DCP's own planning and writing hooks (``ckptfmt_torch.dcp_save``),
+every rank its share, committed atomically, with no collective beyond DCP's. :class:`Reader`
 serves DCP's load-time resharding from any ckptfmt checkpoint (written by this writer,
 ``ckptfmt_torch.save`` or the manager): it describes the manifest to DCP as its ``Metadata``
 and reads each box DCP asks for through ckptfmt's verified reads (only the shard files the box
@@ -156,6 +157,8 @@ class Writer(StorageWriter):
         (DCP gathers it to the coordinator). Kept: everything this rank holds, before DCP's
         dedup (ckptfmt dedups replicated tensors itself, and its manifest is ordered by rank
         0, which must declare every entry)."""
+        if not getattr(plan, "usable", True):
+            raise UsageError(_NO_PLAN_CACHING)
         self._local = plan
         mappings = plan.planner_data if isinstance(plan.planner_data, Mapping) else {}
         holdings = []
@@ -175,6 +178,10 @@ class Writer(StorageWriter):
         """The coordinator: ckptfmt's plan of every rank's declarations, and the staging
         directory; each rank's regions into its plan's ``storage_data`` (DCP scatters them)."""
         local = [p.storage_data for p in plans]
+        if not all(getattr(p, "usable", True) for p in plans) or not all(
+            isinstance(d, dict) and dcp_save.KEY in d for d in local
+        ):
+            raise UsageError(_NO_PLAN_CACHING)
         out, self._job = dcp_save.plan_all(local, self.path, self._options(), self._saves)
         return [dataclasses.replace(p, storage_data=d) for p, d in zip(plans, out)]
 
@@ -231,6 +238,11 @@ class Writer(StorageWriter):
 
 
 _SKIPPED = object()  # an object another rank stores: not read here
+_NO_PLAN_CACHING = (
+    "ckptfmt's Writer needs DCP's plans of this save (its declarations travel in them): DCP's "
+    "plan caching (DefaultSavePlanner(enable_plan_caching=True)) is not supported; the Writer "
+    "keeps the plan of a layout saved again itself"
+)
 
 
 def _report_of(results: list[WriteResult]) -> dict[str, Any]:

@@ -181,7 +181,8 @@ def write_share(
         return _failed(
             UsageError(
                 "the DCP plan this rank got is not this save's (DCP's plan caching, "
-                "enable_plan_caching=True, is not supported by ckptfmt's Writer)"
+                "DefaultSavePlanner(enable_plan_caching=True), is not supported by ckptfmt's "
+                "Writer)"
             )
         )
     if failure is not None:
