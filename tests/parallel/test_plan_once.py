@@ -8,17 +8,22 @@ real ``ThreadComm`` underneath): a ``save_collective`` makes exactly its five vo
 save a fixed small number, the same for every save of a layout. Bytes and pickled objects,
 which the save declares whole among the replicated tensors, are in the stager's share too: a
 manager save of such a state on several ranks commits and restores bit for bit (it failed
-before, the staging and the save having planned two different partitions).
+before, the staging and the save having planned two different partitions). The counts hold
+under ``mpiexec -n 2`` with ``MpiComm`` too (``tests/workers/_count_worker.py``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from kit import REPO
 from kit.counting import CountingComm
+from kit.launch import assert_ok, run_mpi, with_kit_path
 
 import ckptfmt
 from ckptfmt import CheckpointManager, ExitPolicy, PerRank, Shard, WriteOptions
@@ -178,3 +183,25 @@ def test_bytes_and_objects_are_in_the_share_and_the_save_commits(tmp_path: Path)
     for staged, same, raw, obj in run_threads(4, body):
         assert same and raw == bytes(range(256)) * 160 and obj == {1, 2, 3}
         assert staged < 96 * 64 * 4  # each rank staged its share of the array
+
+
+@pytest.mark.mpi
+def test_counts_under_mpiexec(tmp_path: Path) -> None:
+    """The same counts with ``MpiComm`` under ``mpiexec -n 2`` (each rank its own node; its
+    roll calls keep their deadline): five votes per ``save_collective``, nine collectives per
+    manager save, each layout planned once, the restore bit-exact (bytes in the state too)."""
+    result = run_mpi(
+        2,
+        REPO / "tests" / "workers" / "_count_worker.py",
+        str(tmp_path),
+        timeout=240,
+        env=with_kit_path(os.environ),
+    )
+    assert_ok(result)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"count-{rank}.json").read_text())
+        assert report["save_collective"] == [VOTES] * 3, report
+        assert report["save_collective_plans"] == [2, 1], report
+        assert report["manager"] == [9] * 4 and report["failed"] == [], report
+        assert report["manager_plans"] == [4, 2], report
+        assert report["restored_step"] == 4 and report["bit_exact"], report
