@@ -8,7 +8,8 @@
 
 What :class:`Writer` writes is a normal ckptfmt checkpoint: every tensor one zarr array at its
 global shape (a DTensor's shards at their offsets), a CRC32C per chunk, the manifest; the core's
-collective save writes it, every rank its share, and commits it atomically. :class:`Reader`
+plan, files and manifest, in DCP's own planning and writing hooks (``ckptfmt_torch.dcp_save``),
+every rank its share, committed atomically, with no collective beyond DCP's. :class:`Reader`
 serves DCP's load-time resharding from any ckptfmt checkpoint (written by this writer,
 ``ckptfmt_torch.save`` or the manager): it describes the manifest to DCP as its ``Metadata``
 and reads each box DCP asks for through ckptfmt's verified reads (only the shard files the box
@@ -28,6 +29,7 @@ DCP only once ``torch.load(weights_only=True)`` accepts them, unless ``trust_pic
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -60,11 +63,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckptfmt.checkpoint import open_checkpoint, writer_threads
-from ckptfmt.container import Checkpoint, ManifestMeta
+from ckptfmt.container import Checkpoint
 from ckptfmt.dtypes import by_name
 from ckptfmt.errors import (
     PickleRefusedError,
-    SaveFailedError,
     UnsupportedDtypeError,
     UnsupportedValueError,
     UsageError,
@@ -79,11 +81,12 @@ from ckptfmt.manifest import (
     TensorEntry,
     ValueEntry,
 )
-from ckptfmt.parallel import resolve_node, save_collective
-from ckptfmt.storage import Inside, check_destination, is_spread
+from ckptfmt.parallel import resolve_node
+from ckptfmt.storage import Inside, is_spread
 from ckptfmt.transport import Comm
 from ckptfmt.tree import PerRank, Shard
-from ckptfmt_torch.checkpoint import default_comm, writer_info
+from ckptfmt_torch import dcp_save
+from ckptfmt_torch.checkpoint import writer_info
 from ckptfmt_torch.convert import numpy_to_tensor, tensor_to_numpy, torch_numpy_dtype
 
 BYTES_KEY = "dcp_bytes"
@@ -97,17 +100,18 @@ class Writer(StorageWriter):
     ``dcp.save(..., checkpoint_id=...)`` replaces it).
 
     ``write``: :class:`ckptfmt.WriteOptions` (chunk and shard sizes, threads, fsync,
-    ``overwrite``); ``step``: the step recorded in the manifest; ``comm``: the ckptfmt
-    communicator of the ranks that save (default: ``ckptfmt_torch.default_comm()``, over
-    torch.distributed's default group; give a ``TorchComm`` of the group passed to ``dcp.save``
-    as ``process_group`` when it is another); ``node``: this rank's node name.
+    ``overwrite``); ``step``: the step recorded in the manifest; ``node``: this rank's node
+    name. ``comm`` is accepted for compatibility and not used: the ranks exchange what they
+    must through DCP's own gather and scatter of the plans and the write results (the process
+    group given to ``dcp.save``), and the writer makes no collective of its own.
 
-    DCP calls ``write_data`` on every rank, which runs ckptfmt's collective save: each rank
-    declares what its local plan holds (replicated tensors whole, DTensor shards at their
-    offsets), ckptfmt gives every region one writer, spreads replicated tensors evenly over
-    their holders and commits the directory atomically once every rank has written. A failure
-    on any rank fails the save on every rank and leaves nothing at ``path``. ``finish`` (the
-    coordinator only) has nothing left to do: the manifest is ckptfmt's, not DCP's pickle.
+    The save runs in DCP's hooks (``ckptfmt_torch.dcp_save``): ``prepare_local_plan`` (every
+    rank) declares what this rank's local plan holds (replicated tensors whole, DTensor shards at
+    their offsets); ``prepare_global_plan`` (the coordinator) makes ckptfmt's plan, which gives
+    every region one writer and spreads replicated tensors evenly over their holders, and makes
+    the staging directory; ``write_data`` (every rank) writes this rank's regions; ``finish``
+    (the coordinator) writes the manifest and commits the directory atomically. A failure on
+    any rank fails the save on every rank and leaves nothing at ``path``.
     """
 
     def __init__(
@@ -129,7 +133,14 @@ class Writer(StorageWriter):
         self.step = step
         self.comm = comm
         self.node = node
+        self.is_coordinator = False
+        self._saves = 0  # this writer's saves: a plan from another save is refused
         self._local: SavePlan | None = None
+        self._job: dcp_save.Job | None = None  # the coordinator's, from plan to finish
+        self._error: BaseException | None = None  # this rank's failure in write_data
+
+    def _options(self) -> WriteOptions:
+        return self.write if self.write is not None else WriteOptions(threads=writer_threads())
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -138,57 +149,85 @@ class Writer(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self._saves += 1
+        self._job, self._error = None, None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Everything this rank holds, before DCP's dedup: ckptfmt dedups replicated tensors
-        # itself, and its manifest is ordered by rank 0, which must declare every entry.
+        """Every rank: what this rank holds of each tensor, into the plan's ``storage_data``
+        (DCP gathers it to the coordinator). Kept: everything this rank holds, before DCP's
+        dedup (ckptfmt dedups replicated tensors itself, and its manifest is ordered by rank
+        0, which must declare every entry)."""
+        if not getattr(plan, "usable", True):
+            raise UsageError(_NO_PLAN_CACHING)
         self._local = plan
-        return plan
+        mappings = plan.planner_data if isinstance(plan.planner_data, Mapping) else {}
+        holdings = []
+        for item in plan.items:
+            td = item.tensor_data
+            if item.type == WriteItemType.BYTE_IO or td is None:
+                continue
+            name = _name_of(item.index.fqn, mappings)
+            dtype = torch_numpy_dtype(td.properties.dtype)
+            holdings.append(
+                dcp_save.declaration(name, dtype, td.size, td.chunk.offsets, td.chunk.sizes)
+            )
+        data = dcp_save.declare(holdings, resolve_node(self.node))
+        return dataclasses.replace(plan, storage_data=data)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """The coordinator: ckptfmt's plan of every rank's declarations, and the staging
+        directory; each rank's regions into its plan's ``storage_data`` (DCP scatters them)."""
+        local = [p.storage_data for p in plans]
+        if not all(getattr(p, "usable", True) for p in plans) or not all(
+            isinstance(d, dict) and dcp_save.KEY in d for d in local
+        ):
+            raise UsageError(_NO_PLAN_CACHING)
+        out, self._job = dcp_save.plan_all(local, self.path, self._options(), self._saves)
+        return [dataclasses.replace(p, storage_data=d) for p, d in zip(plans, out)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Every rank: the collective save of what this rank's local plan holds."""
-        comm = self.comm or default_comm()
-        write = self.write if self.write is not None else WriteOptions(threads=writer_threads())
+        """Every rank, on its own: write this rank's regions into the staging directory; its
+        file lists (or its failure) go to the coordinator in the write results."""
+        data = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+        rank = int(data.get(dcp_save.KEY, {}).get("rank", 0))
         items = self._local.items if self._local is not None else plan.items
         state: dict[str, Any] = {}
+        objects: set[tuple[str, ...]] = set()
         byte_names: list[str] = []
         failure: BaseException | None = None
         try:
-            check_destination(self.path)
             mappings = getattr(planner, "mappings", None) or {}
             for item in items:
                 name = _name_of(item.index.fqn, mappings)
-                leaf, is_bytes = _leaf_of(item, planner, "/".join(name))
+                leaf, is_bytes = _leaf_of(item, planner, "/".join(name), rank)
+                if leaf is _SKIPPED:
+                    continue
                 _put(state, name, leaf)
                 if is_bytes:
+                    objects.add(name)
                     byte_names.append("/".join(name))
-        except Exception as exc:  # voted on: the other ranks must not wait in the save
-            failure, state, byte_names = exc, {}, []
-        names = sorted({n for got in comm.allgather_json(byte_names) for n in got})
-        try:
-            save_collective(
-                comm,
-                state,
-                self.path,
-                step=self.step,
-                node=resolve_node(self.node),
-                write=write,
-                meta=ManifestMeta(writer={**writer_info(), "dcp": True, BYTES_KEY: names}),
-                failure=failure,
-            )
-        except SaveFailedError as exc:
-            if comm.size == 1 and exc.cause is not None:  # one process: its own error
-                raise exc.cause from None
-            raise
+        except Exception as exc:  # told to the coordinator, which fails the save everywhere
+            failure, state, objects, byte_names = exc, {}, set(), []
+        report, self._error = dcp_save.write_share(
+            state, objects, data, self._options(), self._saves, failure
+        )
+        report["bytes"] = byte_names
+        results = [WriteResult(i.index, _item_bytes(i), None) for i in plan.items]
+        results.append(WriteResult(MetadataIndex(dcp_save.KEY), 0, {dcp_save.KEY: report}))
         out: Future[list[WriteResult]] = Future()
-        out.set_result([WriteResult(i.index, _item_bytes(i), None) for i in plan.items])
+        out.set_result(results)
         return out
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """The coordinator only: nothing to do, ``write_data`` committed the checkpoint."""
+        """The coordinator: the manifest from every rank's write results, then the commit;
+        a failure on any rank removes the staging directory and raises (DCP tells every rank)."""
+        if self._job is None:
+            raise UsageError("finish before prepare_global_plan: not a DCP save of this writer")
+        reports = [_report_of(rank_results) for rank_results in results]
+        names = sorted({n for x in reports for n in x.get("bytes", ())})
+        writer = {**writer_info(), "dcp": True, BYTES_KEY: names}
+        job, self._job = self._job, None
+        dcp_save.commit_all(job, reports, self._options(), self.step, writer, self._error)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)
@@ -196,6 +235,23 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+_SKIPPED = object()  # an object another rank stores: not read here
+_NO_PLAN_CACHING = (
+    "ckptfmt's Writer needs DCP's plans of this save (its declarations travel in them): DCP's "
+    "plan caching (DefaultSavePlanner(enable_plan_caching=True)) is not supported; the Writer "
+    "keeps the plan of a layout saved again itself"
+)
+
+
+def _report_of(results: list[WriteResult]) -> dict[str, Any]:
+    """A rank's report from its write results (the last carries it)."""
+    for r in reversed(results):
+        if isinstance(r.storage_data, dict) and dcp_save.KEY in r.storage_data:
+            report: dict[str, Any] = r.storage_data[dcp_save.KEY]
+            return report
+    raise UsageError("a rank's write results carry no ckptfmt report: not this writer's save")
 
 
 def _name_of(fqn: str, mappings: Mapping[str, Sequence[Any]]) -> tuple[str, ...]:
@@ -217,8 +273,10 @@ def _put(state: dict[str, Any], name: tuple[str, ...], leaf: Any) -> None:
     node[name[-1]] = leaf
 
 
-def _leaf_of(item: WriteItem, planner: SavePlanner, shown: str) -> tuple[Any, bool]:
-    """The ckptfmt leaf of one write item and whether it holds ``torch.save`` bytes."""
+def _leaf_of(item: WriteItem, planner: SavePlanner, shown: str, rank: int) -> tuple[Any, bool]:
+    """The ckptfmt leaf of one write item and whether it holds ``torch.save`` bytes. An
+    object other than a per-rank one is rank 0's to store (its value, or its bytes): on
+    another rank it is not read (``_SKIPPED``)."""
     if item.type == WriteItemType.BYTE_IO:
         lookup = getattr(planner, "lookup_object", None)
         own = lookup(item.index) if lookup is not None else None
@@ -227,6 +285,8 @@ def _leaf_of(item: WriteItem, planner: SavePlanner, shown: str) -> tuple[Any, bo
             if isinstance(value, torch.Tensor):
                 return PerRank(tensor_to_numpy(value, shown)), False
             return own, False
+        if rank != 0:
+            return _SKIPPED, False
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)

@@ -144,6 +144,22 @@ class CollectiveError(CkptError):
     def failed_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(self.rank_failures))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``torch.distributed.checkpoint`` sends a failed save's error from its
+        coordinator to every rank) with its fields, without ``cause``: this rank's own
+        exception, which need not pickle and is not the receiver's."""
+        fields = {k: v for k, v in self.__dict__.items() if k != "cause"}
+        return (_unpickle_collective, (type(self), str(self), fields))
+
+
+def _unpickle_collective(
+    cls: type[CollectiveError], message: str, fields: dict[str, Any]
+) -> CollectiveError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(fields, cause=None)
+    return exc
+
 
 class SaveFailedError(CollectiveError):
     """A collective save (or flush, or rebuild write) failed on some rank; nothing of it was

@@ -24,6 +24,7 @@ from ckptfmt.container.reader import read_manifest
 from ckptfmt.errors import UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.collective import share
+from ckptfmt.plan.cache import PlanCache
 from ckptfmt.plan.ownership import Holding
 from ckptfmt.transport.threads import run_threads
 
@@ -169,7 +170,8 @@ def test_a_state_refused_on_one_rank_fails_the_step_everywhere(tmp_path: Path) -
 def test_the_share_is_the_plan_of_the_save() -> None:
     holdings = [Holding(("w",), "float32", (96, 64)), Holding(("s",), "float32", ())]
     opts = WriteOptions(chunk_bytes=4 << 10, shard_bytes=16 << 10)
-    boxes = [share.own_boxes(holdings, opts, WORLD, r) for r in range(WORLD)]
+    plan = share.share_plan(PlanCache(), holdings, opts, WORLD)
+    boxes = [share.own_boxes(plan, r) for r in range(WORLD)]
     rows = sorted((o[0], s[0]) for b in boxes for o, s in b[("w",)])
     assert sum(n for _, n in rows) == 96 and rows[0][0] == 0  # the whole tensor, once
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(rows))  # no gaps, overlaps

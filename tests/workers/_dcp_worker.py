@@ -19,7 +19,9 @@ serialises as an object).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckptfmt_torch.dcp import Reader, Writer
+from kit.counting import counting_torch_collectives
 from kit.worker import end_torch_job
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -81,6 +86,8 @@ def main() -> None:
         pending.result()
         if rank == 0:
             torch.save(values, out / "expected.pt")
+    elif plan["task"] == "count":
+        count(state(expected(), mesh), out, rank, size)
     else:
         zeros = expected()
         for group in ("ddp", "tp"):
@@ -92,6 +99,39 @@ def main() -> None:
         if rank == 0:
             torch.save(loaded, out / f"loaded-{size}.pt")
     end_torch_job()
+
+
+def count(saved: dict[str, Any], out: Path, rank: int, size: int, repeats: int = 5) -> None:
+    """The torch.distributed collectives (and the seconds, median of ``repeats``) of one
+    ``dcp.save`` with ckptfmt's ``Writer`` and with DCP's ``FileSystemWriter``; then a save
+    whose object rank 0 cannot serialise (in ``write_data``, on rank 0 alone): it fails on every
+    rank and leaves nothing. Rank 0 writes ``<out>/count-<size>.json``."""
+    report: dict[str, Any] = {}
+    for kind in ("ckptfmt", "filesystem"):
+        counts, times = [], []
+        for i in range(repeats):
+            where = out / f"count-{kind}-{i}"
+            writer = Writer(where, step=i) if kind == "ckptfmt" else FileSystemWriter(where)
+            dist.barrier()
+            with counting_torch_collectives() as seen:
+                t0 = time.perf_counter()
+                dcp.save(saved, storage_writer=writer)
+                times.append(time.perf_counter() - t0)
+            counts.append(dict(seen))
+        report[kind] = {"counts": counts, "median_s": statistics.median(times)}
+    bad = dict(saved, hook={"fn": lambda: None})  # torch.save cannot pickle a lambda
+    failed = out / "count-failed"
+    outcome: Any = None
+    try:
+        dcp.save(bad, storage_writer=Writer(failed))
+    except CheckpointException as exc:
+        outcome = sorted(f"{type(e).__name__}: {e}" for e, _tb in exc.failures.values())
+    outcomes: list[Any] = [None] * size
+    dist.all_gather_object(outcomes, outcome)  # every rank's, for rank 0's report
+    report["failed"] = outcomes
+    report["failed_left"] = sorted(p.name for p in out.iterdir() if "count-failed" in p.name)
+    if rank == 0:
+        (out / f"count-{size}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 ``save_collective`` (every rank calls it, with its own state and its own destination path):
 
-1. each rank checks its state and declares what it holds; ``allgather`` of the declarations;
-2. every rank computes the same plan (``plan.make_plan``): who writes which regions;
+1. each rank checks its state and declares what it holds; ``allgather`` of the declarations
+   (with rank 0's entry order and values);
+2. every rank computes the same plan (``plan.make_plan``): who writes which regions; a caller
+   saving the same layout again passes a ``plan.cache.PlanCache``, which plans it once;
 3. ranks writing to the same directory form a group (one per node for node-local storage, one
    for shared storage); each group's leader (its lowest rank) creates the staging directory;
    barrier;
@@ -73,7 +75,8 @@ from ckptfmt.parallel.collective.save_manifest import (
     order_and_values,
     planned_member_bytes,
 )
-from ckptfmt.parallel.collective.save_state import LocalState, Name, check_state, region_data
+from ckptfmt.parallel.collective.save_state import LocalState, check_state, region_data
+from ckptfmt.plan.cache import PlanCache
 from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage import commit
@@ -98,6 +101,7 @@ def save_collective(
     failure: BaseException | None = None,
     base: str | os.PathLike[str] | None = None,
     report: dict[str, Any] | None = None,
+    plans: PlanCache | None = None,
 ) -> tuple[Manifest, SavePlan]:
     """Collective: every rank of ``comm`` calls it, once per checkpoint, with its own ``state``
     and the final directory it writes to (``path``: this rank's node-local copy, or the shared
@@ -129,8 +133,14 @@ def save_collective(
     save. ``report``: filled with this rank's tallies (``linked_bytes``, ``written_bytes``,
     ``linked_files``, ``unlinkable``: files written because the file system refused a link)
     and the job's (``job_linked_bytes``, ``job_written_bytes``).
+
+    ``plans``: where the plan of this layout may already be (made by an earlier save, or by the
+    manager's staging for the same declarations) and where it is kept for the next save; the
+    plan is the same either way (``plan/cache.py``: a plan is kept by everything it depends on),
+    so each rank may pass its own cache, or none.
     """
     run = _Save(comm, state, Path(path).absolute(), step, node, write, meta, fault, seq, failure)
+    run.plans = plans
     run.base = None if base is None else Path(base).absolute()
     run.hashing = run.base is not None or write.content_hash
     run.declare(group)
@@ -187,15 +197,18 @@ class _Save:
         self.hashing = False
         self.hash_name = inc.algorithm()
         self.tallies: list[dict[str, Any]] = []
+        self.plans: PlanCache | None = None
 
     def declare(self, group: str | None) -> None:
-        """Collective: check this rank's state and gather every rank's declarations (what it
-        holds, its per-rank values, its directory and group, its node); rank 0's save id and
-        time are everyone's. Ranks with the same ``group`` key share a directory and a leader
-        (its lowest rank), which makes the staging directory and commits it."""
+        """Collective (one vote): check this rank's state and gather every rank's declarations
+        (what it holds, its per-rank values, its directory and group, its node); rank 0's save
+        id and time are everyone's, and so are its entry order and values (the manifest's).
+        Ranks with the same ``group`` key share a directory and a leader (its lowest rank),
+        which makes the staging directory and commits it."""
         b, comm = self.b, self.comm
         decl: list[Any] = []
         per_rank: list[Any] = []
+        order_values: dict[str, Any] | None = None
         with b.guard("declare"):
             if not b.failed:
                 self.local = check_state(self.state, comm.rank, comm.size)
@@ -204,6 +217,8 @@ class _Save:
                     [list(n), *encode_value(v, display(n))]
                     for n, v in self.local.per_rank_values.items()
                 ]
+                if comm.rank == 0:
+                    order_values = order_and_values(self.local)
             self.hook("declared")
         self.info = b.vote(
             "declare",
@@ -216,6 +231,7 @@ class _Save:
                 "save_id": self.meta.save_id or os.urandom(16).hex(),
                 "created": self.meta.created or utc_now(),
                 "hash": inc.algorithm(),
+                "order_values": order_values,
             },
         )
         # one content hash for the whole job: ISA-L's CRC-64 only where every rank has it
@@ -229,28 +245,27 @@ class _Save:
         self.nodes = [i["node"] for i in self.info]
 
     def plan(self, redundancy: Redundancy | None) -> None:
-        """Collective (a broadcast of rank 0's entry order and values): every rank makes the
-        same plan from the declarations, so a usage error found here fails every rank alike
-        (voted on with the staging)."""
-        b, comm, write = self.b, self.comm, self.write_options
+        """Local: every rank makes the same plan from the gathered declarations (or finds it
+        in :attr:`plans`, made for the same layout), so a usage error found here fails every
+        rank alike (voted on with the staging)."""
+        b, write = self.b, self.write_options
         self.redundancy = redundancy
-        per_rank_values: dict[Name, list[Any]] = {}
         with b.guard("plan"):
             per_rank_values = gathered_per_rank(self.info)
-            self.plan_ = make_plan(
-                [[Holding.from_json(d) for d in i["decl"]] for i in self.info],
-                write.chunk_bytes,
-                write.shard_bytes,
-            )
+            decls = [i["decl"] for i in self.info]
+            if self.plans is not None:
+                self.plan_ = self.plans.plan(decls, write.chunk_bytes, write.shard_bytes)
+            else:
+                self.plan_ = make_plan(
+                    [[Holding.from_json(d) for d in decl] for decl in decls],
+                    write.chunk_bytes,
+                    write.shard_bytes,
+                )
             check_rank0_declares_all(self.plan_, self.info)
-        order_values = comm.bcast_json(
-            order_and_values(self.local) if comm.rank == 0 and not b.failed else None, root=0
-        )
-        if not b.failed:
             self.declared = Declared(
                 self.info,
                 self.plan_,
-                order_values,
+                self.info[0]["order_values"],
                 per_rank_values,
                 self.save_id,
                 self.info[0]["created"],

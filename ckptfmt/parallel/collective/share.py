@@ -32,19 +32,24 @@ from ckptfmt.dtypes import of_array
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.limits import display
 from ckptfmt.parallel.collective.staging import BufferPool
-from ckptfmt.plan.ownership import Box, Holding, make_plan
+from ckptfmt.plan.cache import PlanCache
+from ckptfmt.plan.ownership import Box, Holding, SavePlan
 from ckptfmt.transport.comm import Comm
-from ckptfmt.tree.state import Name, PerRank, Pieces, Shard, is_tensor, unflatten
+from ckptfmt.tree.state import Blob, Name, PerRank, Pieces, Shard, is_tensor, unflatten
 
 Boxes = dict[Name, list[Box]]  # replicated tensor -> the regions this rank writes
 
 
 def replicated(leaves: Sequence[tuple[Name, Any]]) -> list[Holding]:
     """The declarations of the whole (replicated) tensors among ``leaves`` (checked leaves of
-    a state, in order): what the plan's replicated part is made of."""
+    a state, in order), as the save declares them: what the plan's replicated part is made of.
+    Bytes and pickled objects (:class:`Blob`) are among them: the save stores each as a whole
+    ``uint8`` tensor, which takes its place in the partition like any other."""
     out = []
     for name, leaf in leaves:
-        if is_tensor(leaf) and not isinstance(leaf, (Shard, PerRank, Pieces)):
+        if isinstance(leaf, Blob):
+            out.append(Holding(name, "uint8", tuple(leaf.data.shape)))
+        elif is_tensor(leaf) and not isinstance(leaf, (Shard, PerRank, Pieces)):
             arr = np.asarray(leaf)
             out.append(Holding(name, of_array(arr.dtype, display(name)).name, arr.shape))
     return out
@@ -69,10 +74,18 @@ def agree(comm: Comm, deadline_s: float, step: int, seq: int, mine: str | None) 
     return mine is not None and all(d == mine for d in seen)
 
 
-def own_boxes(holdings: Sequence[Holding], write: WriteOptions, world: int, rank: int) -> Boxes:
-    """The regions of each replicated tensor that ``rank`` of ``world`` writes, when every
-    rank declares ``holdings`` whole (what :func:`agree` established): the save's own plan."""
-    plan = make_plan([list(holdings)] * world, write.chunk_bytes, write.shard_bytes)
+def share_plan(
+    plans: PlanCache, holdings: Sequence[Holding], write: WriteOptions, world: int
+) -> SavePlan:
+    """The plan of ``world`` ranks each declaring ``holdings`` whole (what :func:`agree`
+    established), from ``plans``: for data parallelism the very plan the save then finds there
+    for its gathered declarations (the same layout), so it is made once."""
+    decl = [h.to_json() for h in holdings]
+    return plans.plan([decl] * world, write.chunk_bytes, write.shard_bytes)
+
+
+def own_boxes(plan: SavePlan, rank: int) -> Boxes:
+    """The regions of each tensor of ``plan`` that ``rank`` writes."""
     return {
         t.name: [(r.offset, r.shape) for r in t.regions if r.writer == rank] for t in plan.tensors
     }
@@ -127,4 +140,4 @@ def stage(
     return unflatten(out, pickled="keep"), nbytes  # saved again: blobs stay blobs
 
 
-__all__ = ["Boxes", "agree", "digest", "own_boxes", "replicated", "stage"]
+__all__ = ["Boxes", "agree", "digest", "own_boxes", "replicated", "share_plan", "stage"]

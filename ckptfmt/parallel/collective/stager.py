@@ -4,7 +4,8 @@ Tensors that every rank holds whole (replicated: data parallelism) are written o
 writing its share; :meth:`Stager.agree` is the ranks' agreement on those shares (a digest of what
 each holds, compared), and :meth:`Stager.stage` the copy of this rank's part of the state into
 the pool's buffers (``ckptfmt.parallel.collective.share``). A training loop saves the same tensors
-each time, so the shares of the last agreed digest are kept.
+each time, so the shares of the last agreed digest are kept, and the plan they come from is kept
+in :attr:`Stager.plans`, where the manager's save finds it for the same layout (planned once).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.parallel.collective import share
 from ckptfmt.parallel.collective.staging import BufferPool
+from ckptfmt.plan.cache import PlanCache
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import Name
 
@@ -33,6 +35,7 @@ class Stager:
         self.deadline_s = deadline_s
         self.write = write
         self.pool = pool
+        self.plans = PlanCache()  # the share's plans and the saves' (one layout: one plan)
         self._own: tuple[str, share.Boxes] | None = None  # the last share: digest, boxes
 
     def agree(
@@ -55,8 +58,8 @@ class Stager:
             return None
         assert mine is not None  # agree is True only where this rank has a digest
         if self._own is None or self._own[0] != mine:
-            boxes = share.own_boxes(holdings, self.write, self.comm.size, self.comm.rank)
-            self._own = (mine, boxes)
+            plan = share.share_plan(self.plans, holdings, self.write, self.comm.size)
+            self._own = (mine, share.own_boxes(plan, self.comm.rank))
         return self._own[1]
 
     def stage(

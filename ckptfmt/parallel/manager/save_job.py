@@ -412,6 +412,7 @@ class Saver:
                 failure=failure,
                 base=base,
                 report=linked,
+                plans=self.stager.plans,  # the staging's plan: the same layout is planned once
             )
             meter.finish()
         return manifest

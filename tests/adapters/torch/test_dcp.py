@@ -197,3 +197,20 @@ def test_targets_read_into_or_copied(tmp_path: Path) -> None:
     b = torch.zeros(3, 5).t()  # not contiguous
     dcp.load({"a": a, "b": b}, storage_reader=Reader(tmp_path / "c"))
     assert torch.equal(a, saved["a"].double()) and torch.equal(b, saved["b"])
+
+
+def test_dcp_plan_caching_is_refused_saying_so(tmp_path: Path) -> None:
+    """The writer's declarations travel in DCP's plans: with DCP's plan caching a save that
+    would reuse a cached plan (the second of a layout) fails naming the option, and leaves
+    nothing; the first is a checkpoint like any other."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    dcp.save(state, storage_writer=Writer(tmp_path / "a"), planner=planner)
+    assert not ckptfmt.verify(tmp_path / "a").problems
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(state, storage_writer=Writer(tmp_path / "b"), planner=planner)
+    (err,) = (e for e, _stack in info.value.failures.values())
+    assert "enable_plan_caching" in str(err)
+    assert not (tmp_path / "b").exists() and leftover_dirs(tmp_path) == []

@@ -125,3 +125,28 @@ def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
     if isinstance(tree, dict):
         return [x for k, v in tree.items() for x in _leaves(v, f"{prefix}/{k}")]
     return [(prefix, tree)]
+
+
+def test_the_writer_makes_no_collective_of_its_own(tmp_path: Path) -> None:
+    """``dcp.save`` on two ranks with ckptfmt's ``Writer`` makes the torch.distributed
+    collectives that DCP's ``FileSystemWriter`` does, no more (DCP's gather and scatter of the
+    plans, its gather of the write results and the broadcast of the outcome), the same every
+    save; a save whose object rank 0 cannot serialise (in ``write_data``: rank 0 alone knows)
+    fails on both ranks and leaves nothing behind."""
+    job(tmp_path, "count", 2)
+    report = json.loads((tmp_path / "count-2.json").read_text())
+    ours, theirs = report["ckptfmt"]["counts"], report["filesystem"]["counts"]
+    assert all(c == theirs[0] for c in theirs), theirs
+    assert all(c == theirs[0] for c in ours), (ours, theirs[0])
+    assert sum(theirs[0].values()) > 0  # the counting sees DCP's own
+    for outcome in report["failed"]:  # every rank raised, naming rank 0's error
+        assert outcome and "lambda" in " ".join(outcome), report["failed"]
+    assert report["failed_left"] == []
+    assert not (tmp_path / "count-failed").exists()
+    print(  # the figures (run with -s to see them)
+        f"dcp.save on 2 ranks: collectives {ours[0]} (FileSystemWriter: {theirs[0]}); "
+        f"median s: ckptfmt {report['ckptfmt']['median_s']:.4f}, "
+        f"FileSystemWriter {report['filesystem']['median_s']:.4f}"
+    )
+    for i in range(len(ours)):
+        assert not ckptfmt.verify(tmp_path / f"count-ckptfmt-{i}").problems

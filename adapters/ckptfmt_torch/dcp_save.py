@@ -1,0 +1,310 @@
+"""The phases of a save through ``torch.distributed.checkpoint`` (``ckptfmt_torch.dcp.Writer``),
+run in DCP's own hooks, with DCP's own collectives carrying what the ranks exchange: the
+writer makes no collective of its own.
+
+DCP runs, in this order (``torch/distributed/checkpoint/state_dict_saver.py``):
+
+1. every rank: ``prepare_local_plan`` -> :func:`declare`: what this rank holds of each tensor
+   (a whole tensor or a DTensor shard at its offset), from its local plan alone, without its
+   data; its node. Carried in the plan's ``storage_data``; DCP gathers the plans to the
+   coordinator;
+2. the coordinator: ``prepare_global_plan`` -> :func:`plan_all`: the ownership plan of every
+   rank's declarations (``plan.cache``: a layout saved again is not planned again), the save
+   id, the staging directory made (every rank sees it: one directory); each rank's regions go
+   back in its plan's ``storage_data``, which DCP scatters;
+3. every rank: ``write_data`` -> :func:`write_share`: writes its regions' shard files into the
+   staging directory, and, from its objects (which only now can be read), its per-rank entries
+   and (rank 0) the values and the objects' bytes; it reports its file lists and these, or its
+   failure, in its write results, which DCP gathers to the coordinator;
+4. the coordinator: ``finish`` -> :func:`commit_all`: the manifest (the same
+   ``build_manifest`` as the collective save's), the zarr documents, the commit; any rank's
+   failure removes the staging directory and raises, which DCP gives every rank.
+
+Objects (DCP's ``BYTE_IO`` items) have no size before ``write_data``, so the ownership plan of
+step 2 holds the tensors: rank 0 writes each object's bytes (and takes the values from its own
+objects, as the collective save takes values from rank 0), each rank its row of a per-rank
+tensor, on a grid each computes alone from the shape (``make_plan`` of those declarations,
+which depends on nothing else); the coordinator plans them the same way from the reports.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.container.metadata import utc_now, write_metadata
+from ckptfmt.dtypes import of_array
+from ckptfmt.errors import CkptError, RankFailure, SaveFailedError, UsageError
+from ckptfmt.format import WriteOptions
+from ckptfmt.format.shard_io import plan_region, run_jobs
+from ckptfmt.manifest.codec import dump_manifest
+from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.model import Manifest
+from ckptfmt.manifest.values import encode_value
+from ckptfmt.parallel.collective.save_manifest import (
+    Declared,
+    build_manifest,
+    check_rank0_declares_all,
+    gathered_per_rank,
+    geometry_of,
+    order_and_values,
+)
+from ckptfmt.parallel.collective.save_state import LocalState, check_state, region_data
+from ckptfmt.plan.cache import PlanCache
+from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
+from ckptfmt.storage import check_destination, commit
+
+PLANS = PlanCache()
+"""The process's plans of DCP saves, by layout: a job saving the same state every few steps
+(a new ``Writer`` each time, as DCP's examples do) plans it once."""
+
+KEY = "ckptfmt"
+"""The ``storage_data`` key of what the writer carries in DCP's plans and write results."""
+
+
+def declaration(name: tuple[str, ...], dtype: Any, size: Any, offsets: Any, sizes: Any) -> Holding:
+    """What a rank holds of one tensor, from DCP's ``TensorWriteData`` (``dtype``: the numpy
+    dtype): the whole tensor, or the chunk at ``offsets``."""
+    shape = tuple(int(x) for x in size)
+    at, chunk = tuple(int(x) for x in offsets), tuple(int(x) for x in sizes)
+    region = None if chunk == shape else (at, chunk)
+    return Holding(name, of_array(np.dtype(dtype), display(name)).name, shape, region)
+
+
+def declare(holdings: list[Holding], node: str) -> dict[str, Any]:
+    """Step 1 (every rank, local): the ``storage_data`` of this rank's local plan."""
+    return {KEY: {"decl": [h.to_json() for h in holdings], "node": node}}
+
+
+def plan_all(
+    local: list[Any], path: Path, write: WriteOptions, number: int
+) -> tuple[list[dict[str, Any]], Job]:
+    """Step 2 (the coordinator, local): from every rank's ``storage_data`` (by rank), the plan,
+    the save id and the staging directory (made here, before any rank writes: DCP scatters the
+    plans after this returns). Returns each rank's ``storage_data`` and what the coordinator
+    keeps for :func:`commit_all`. Raises (DCP gives every rank the error) when the plan or the
+    destination cannot be made; nothing is left then."""
+    decls = [d[KEY]["decl"] for d in local]
+    nodes = [d[KEY]["node"] for d in local]
+    plan = PLANS.plan(decls, write.chunk_bytes, write.shard_bytes)
+    check_destination(path)
+    save_id = os.urandom(16).hex()
+    final = path.absolute()
+    staging = commit.prepare(final, save_id, write.overwrite)
+    job = Job(final, staging, save_id, utc_now(), plan, nodes)
+    out = []
+    for rank in range(len(local)):
+        mine = [_region_json(t, r.offset, r.shape) for t, r in plan.for_rank(rank)]
+        on_node = sum(1 for n in nodes if n == nodes[rank])
+        out.append(
+            {
+                KEY: {
+                    "rank": rank,
+                    "world": len(local),
+                    "number": number,
+                    "staging": str(staging),
+                    "regions": mine,
+                    "threads": max(1, write.threads // on_node),
+                }
+            }
+        )
+    return out, job
+
+
+@dataclass
+class Job:
+    """What the coordinator keeps from :func:`plan_all` to :func:`commit_all`."""
+
+    final: Path
+    staging: Path
+    save_id: str
+    created: str
+    plan: SavePlan
+    nodes: list[str]
+
+
+def _region_json(t: TensorPlan, offset: tuple[int, ...], shape: tuple[int, ...]) -> list[Any]:
+    geometry = [list(t.shape), list(t.shard_shape), list(t.chunk_shape)]
+    return [list(t.name), t.dtype, *geometry, list(offset), list(shape)]
+
+
+def _region_of(doc: list[Any]) -> tuple[TensorPlan, tuple[int, ...], tuple[int, ...]]:
+    name, dtype, shape, shard, chunk, offset, rshape = doc
+    t = TensorPlan(tuple(name), dtype, tuple(shape), tuple(shard), tuple(chunk), ())
+    return t, tuple(offset), tuple(rshape)
+
+
+def late_declarations(
+    local: LocalState, rank: int, world: int, objects: set[tuple[str, ...]]
+) -> tuple[list[list[Holding]], list[Holding]]:
+    """The declarations the plan of step 2 could not hold (known once the objects are read),
+    by rank, and this rank's own among them: ``objects`` (on rank 0: each object's bytes,
+    whole) and the per-rank tensors (every rank's row declared: every rank holds one, of the
+    same shape, which the coordinator checks)."""
+    per_rank = {n for n, kind in local.order if kind == "per_rank_tensor"}
+    decl: list[list[Holding]] = [[] for _ in range(world)]
+    mine: list[Holding] = []
+    for h in local.holdings():
+        if h.name in per_rank and h.region is not None:
+            rest, rows = h.region[0][1:], h.region[1]
+            for q in range(world):
+                decl[q].append(Holding(h.name, h.dtype, h.shape, ((q, *rest), rows)))
+            mine.append(h)
+        elif h.name in objects and rank == 0:
+            decl[0].append(h)
+            mine.append(h)
+    return decl, mine
+
+
+def write_share(
+    state: dict[str, Any],
+    objects: set[tuple[str, ...]],
+    data: dict[str, Any],
+    write: WriteOptions,
+    number: int,
+    failure: BaseException | None,
+) -> tuple[dict[str, Any], BaseException | None]:
+    """Step 3 (every rank, local): write this rank's regions (``data``: its ``storage_data``
+    from step 2) of ``state`` (this rank's tensors and objects, as ckptfmt leaves; ``objects``:
+    the names holding an object's bytes) into the staging directory. Returns the report for
+    its write results: the file lists, rank 0's order and values, this rank's per-rank values
+    and late declarations; or its failure (``failure``: one met before, reading the state),
+    with the error itself beside it. Never raises: the coordinator learns every rank's failure
+    and fails the save."""
+    job = data.get(KEY) if isinstance(data, dict) else None
+    if job is None or job["number"] != number:
+        return _failed(
+            UsageError(
+                "the DCP plan this rank got is not this save's (DCP's plan caching, "
+                "DefaultSavePlanner(enable_plan_caching=True), is not supported by ckptfmt's "
+                "Writer)"
+            )
+        )
+    if failure is not None:
+        return _failed(failure)
+    rank, world = job["rank"], job["world"]
+    try:
+        local = check_state(state, rank, world)
+        late, late_mine = late_declarations(local, rank, world, objects)
+        regions = [_region_of(doc) for doc in job["regions"]]
+        if any(late):
+            extra = make_plan(late, write.chunk_bytes, write.shard_bytes)
+            regions += [(t, r.offset, r.shape) for t, r in extra.for_rank(rank)]
+        staging = Path(job["staging"])
+        made: set[Path] = set()
+        jobs_by_region = []
+        for t, offset, shape in regions:
+            data_ = region_data(local, t, offset, shape)
+            files_of = plan_region(staging, geometry_of(t), data_, offset, made)
+            jobs_by_region.append((t, offset, files_of))
+        all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+        workers = job["threads"]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            files = iter(run_jobs(all_jobs, pool if workers > 1 else None, write.fsync))
+        refs: dict[str, list[Any]] = {}
+        for t, offset, jobs in jobs_by_region:
+            refs.setdefault("/".join(t.name), []).append(
+                [list(offset), [[f.path, f.size, f.crc32c] for f in (next(files) for _ in jobs)]]
+            )
+        per_rank = [
+            [list(n), *encode_value(v, display(n))] for n, v in local.per_rank_values.items()
+        ]
+        report = {
+            "refs": refs,
+            "per_rank": per_rank,
+            "late": [h.to_json() for h in late_mine],
+            "order_values": order_and_values(local) if rank == 0 else None,
+            "decl": [h.to_json() for h in local.holdings()],
+        }
+        return report, None
+    except Exception as exc:  # the coordinator fails the save on every rank
+        return _failed(exc)
+
+
+def _failed(exc: BaseException) -> tuple[dict[str, Any], BaseException]:
+    """A failed rank's report (JSON: DCP pickles the write results it gathers) and error."""
+    return {"failure": RankFailure.of(exc, "write").to_json()}, exc
+
+
+def commit_all(
+    job: Job,
+    reports: list[dict[str, Any]],
+    write: WriteOptions,
+    step: int | None,
+    writer: dict[str, Any],
+    own_error: BaseException | None,
+) -> Manifest:
+    """Step 4 (the coordinator, local): the manifest from every rank's report (by rank), then
+    the commit; on any rank's failure (or one here) the staging directory is removed and the
+    save's error raised: :class:`SaveFailedError` naming every failing rank's error, or, in a
+    job of one process, that process's own error (``own_error``)."""
+    failures = {
+        r: RankFailure.from_json(x["failure"]) for r, x in enumerate(reports) if "failure" in x
+    }
+    if failures:
+        commit.abort(job.staging)
+        if len(reports) == 1 and own_error is not None:
+            raise own_error
+        raise SaveFailedError(failures, own_error, operation="save", step=step)
+    try:
+        manifest = _manifest(job, reports, write, step, writer)
+        write_metadata(job.staging, manifest, write.fsync)
+        commit.stage_manifest(job.staging, dump_manifest(manifest), write.fsync)
+        commit.discard(commit.publish(job.staging, job.final, job.save_id, write.fsync))
+    except BaseException:
+        commit.abort(job.staging)
+        raise
+    return manifest
+
+
+def _manifest(
+    job: Job,
+    reports: list[dict[str, Any]],
+    write: WriteOptions,
+    step: int | None,
+    writer: dict[str, Any],
+) -> Manifest:
+    world = len(reports)
+    late: list[list[dict[str, Any]]] = [[] for _ in range(world)]
+    for rank, x in enumerate(reports):
+        late[rank] = x["late"]
+    tensors = list(job.plan.tensors)
+    if any(late):
+        tensors += make_plan(
+            [[Holding.from_json(d) for d in decl] for decl in late],
+            write.chunk_bytes,
+            write.shard_bytes,
+        ).tensors
+    plan = SavePlan(tuple(tensors), world)
+    info = [
+        {"decl": x["decl"], "per_rank": x["per_rank"], "node": job.nodes[r]}
+        for r, x in enumerate(reports)
+    ]
+    check_rank0_declares_all(plan, info)
+    written = {
+        (path, tuple(offset))
+        for x in reports
+        for path, regions in x["refs"].items()
+        for offset, _ in regions
+    }
+    planned = {("/".join(t.name), tuple(r.offset)) for t in plan.tensors for r in t.regions}
+    if written != planned:  # a rank wrote on another grid than the plan's: never committed
+        raise CkptError(
+            f"{job.final}: the regions written are not those planned "
+            f"({len(planned - written)} missing, {len(written - planned)} not planned)"
+        )
+    declared = Declared(
+        info,
+        plan,
+        reports[0]["order_values"],
+        gathered_per_rank(info),
+        job.save_id,
+        job.created,
+        step,
+    )
+    return build_manifest(declared, [x["refs"] for x in reports], writer, {})
