@@ -23,7 +23,7 @@ from types import MappingProxyType
 from typing import Any, Literal, cast, get_args
 
 from ckptfmt.errors import UsageError
-from ckptfmt.format.options import WriteOptions
+from ckptfmt.format.options import WriteOptions, checked_write
 from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.paths import refuse_url
@@ -142,8 +142,7 @@ class ManagerSettings:
         d = self.deadline_s
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
             raise UsageError(f"deadline_s must be a number of seconds > 0, got {d!r}")
-        if not isinstance(self.write, WriteOptions):
-            raise UsageError(f"write must be a ckptfmt.WriteOptions, got {self.write!r}")
+        checked_write(self.write)
         if not isinstance(self.at_exit, ExitPolicy):
             raise UsageError(f"at_exit must be a ckptfmt.ExitPolicy, got {self.at_exit!r}")
         for name in ("on_save", "progress"):
