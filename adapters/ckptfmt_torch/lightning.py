@@ -401,9 +401,9 @@ class CheckpointIO(_CheckpointIO):
         if self.settings is None:
             raise UsageError(
                 f"{target} names step {step} of a CheckpointManager: load it with the "
-                "CheckpointIO(local_dir=..., shared_dir=...) that saved it (outside a Trainer: "
+                "CheckpointIO(settings=...) that saved it (outside a Trainer: "
                 "ckptfmt_torch.lightning.load_from_checkpoint(MyModel, path, "
-                "checkpoint_io=CheckpointIO(local_dir=..., shared_dir=...)))"
+                "checkpoint_io=CheckpointIO(settings=...)))"
             )
         report = self._manager_now().restore(None, read=self.read, trust_pickle=self.trust_pickle)
         if report.step != step or report.state is None:
