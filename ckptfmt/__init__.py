@@ -24,7 +24,7 @@ from ckptfmt.parallel.manager.checkpoint_manager import (
     CheckpointWarning,
     RestoreReport,
 )
-from ckptfmt.parallel.manager.options import ExitPolicy
+from ckptfmt.parallel.manager.options import ExitPolicy, ManagerSettings
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.storage.progress import Progress, ProgressCallback
 from ckptfmt.storage.steps import StepRef, step_dir_name
@@ -53,6 +53,7 @@ __all__ = [
     "StepRef",
     "errors",
     "list_levels",
+    "ManagerSettings",
     "CkptError",
     "TensorView",
     "VerifyReport",

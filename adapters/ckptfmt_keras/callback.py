@@ -8,19 +8,18 @@ one process or every worker of a data-parallel job.
 It takes ``keras.callbacks.BackupAndRestore``'s arguments (``backup_dir``, ``save_freq``,
 ``double_checkpoint``, ``delete_checkpoint``) and these:
 
-- ``local_dir``: level 1, node-local (may contain ``{node}``), each checkpoint copied to
-  ``backup_dir`` (level 3) every ``flush_every``-th save in the background; without it every save
-  goes to ``backup_dir`` directly. ``keep_local`` / ``keep_shared`` checkpoints are kept on each
-  level (default 1, or 2 with ``double_checkpoint``). ``redundancy`` (``"partner"``, ``"xor"``,
-  ``"rs"``, or a policy) protects level 1 across nodes; it and ``flush_every`` mean what they
-  mean to ``ckptfmt.CheckpointManager``, which does all the saving.
+- ``settings``: the levels, redundancy, cadence and retention, a ``ckptfmt.ManagerSettings``
+  passed to ``ckptfmt.CheckpointManager``, which does all the saving, as it is; its fields may
+  be given as keywords instead (``local_dir="/local/ckpt/{node}", flush_every=10``). Its level 3
+  is ``backup_dir``; with ``local_dir`` (level 1, node-local, may contain ``{node}``) each
+  checkpoint is copied to ``backup_dir`` every ``flush_every``-th save in the background;
+  without it every save goes to ``backup_dir`` directly. Without ``settings``, ``keep_local`` /
+  ``keep_shared`` default to 1, or 2 with ``double_checkpoint``.
 - ``comm``: the ranks (``ckptfmt.transport.mpi.MpiComm()``; one process when omitted). Every
   worker holds the whole model and passes all of it; ckptfmt writes each tensor once, the
   writing spread over all workers. Every call is collective: all workers run ``fit`` alike.
 - ``dataset``: anything with ``set_epoch(epoch)`` (``ResumableDataset``), called at every epoch's
   start.
-- ``write``: how the checkpoints are written (``ckptfmt.WriteOptions``: fsync, chunk sizes),
-  passed to the manager.
 - ``read``: ``ckptfmt.ReadOptions``, passed to ``CheckpointManager.restore``; its ``rank_map``
   and ``per_rank`` serve a job of another number of workers than the one that saved
   (``spec/reshard.md`` §3). The model and optimizer are replicated and load at any size; each
@@ -60,8 +59,7 @@ import keras
 import numpy as np
 
 from ckptfmt.errors import ReplicaWarning, StateMismatchError, UsageError
-from ckptfmt.format import WriteOptions
-from ckptfmt.parallel import CheckpointManager, OnError, RestoreReport
+from ckptfmt.parallel import CheckpointManager, ManagerSettings, RestoreReport
 from ckptfmt.plan import ReadOptions
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
@@ -90,20 +88,13 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         double_checkpoint: bool = False,
         delete_checkpoint: bool = True,
         *,
-        local_dir: str | Path | None = None,
-        flush_every: int | None = None,
-        keep_local: int | None = None,
-        keep_shared: int | None = None,
-        redundancy: Any = None,
+        settings: ManagerSettings | None = None,
         comm: Comm | None = None,
-        node: str | None = None,
         dataset: Any = None,
         include_optimizer: bool = True,
         include_metrics: bool = True,
-        async_save: bool = True,
-        write: WriteOptions | None = None,
-        on_error: OnError = "warn",
         read: ReadOptions | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
         if not backup_dir:
@@ -128,19 +119,11 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.include_optimizer = include_optimizer
         self.include_metrics = include_metrics
         self.read = read if read is not None else ReadOptions()
-        self._manager_options: dict[str, Any] = {
-            "local_dir": None if local_dir is None else str(local_dir),
-            "shared_dir": self.backup_dir,
-            "comm": self.comm,
-            "node": node,
-            "flush_every": flush_every,
-            "keep_local": keep if keep_local is None else keep_local,
-            "keep_shared": keep if keep_shared is None else keep_shared,
-            "async_save": async_save,
-            "on_error": on_error,
-            "write": write if write is not None else WriteOptions(),
-            "redundancy": redundancy,
-        }
+        if settings is None:  # Keras's retention: the newest checkpoint, or two
+            settings = ManagerSettings(keep_local=keep, keep_shared=keep)
+        self.settings = ManagerSettings.of(settings, **options).decided_by(
+            "BackupAndRestore (its backup_dir is level 3)", shared_dir=self.backup_dir
+        )
         self.manager: CheckpointManager | None = None
         self.last_restore: RestoreReport | None = None
         self.restored_counters: dict[str, int] | None = None
@@ -181,7 +164,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         stale = _OPEN.pop(key, None)
         if stale is not None:  # a fit that ended by an exception left it open
             stale.close(flush=False)
-        self.manager = _OPEN[key] = CheckpointManager(**self._manager_options)
+        self.manager = _OPEN[key] = CheckpointManager(settings=self.settings, comm=self.comm)
         self._epoch = self._step = self._global = 0
         self._resume, self._pending_metrics, self._pending_rng = None, None, None
         self._resume_logs, self._save_at_epoch_end = {}, False

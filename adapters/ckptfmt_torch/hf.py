@@ -6,9 +6,9 @@
     trainer.train(resume_from_checkpoint=True)
 
 A trainer that is already a subclass takes the mixin: ``class MyTrainer(CheckpointMixin,
-SFTTrainer)``. Options (``ckptfmt=CheckpointOptions(...)``): background saves through
-``ckptfmt.CheckpointManager`` (``async_save``), its levels (``local_dir``, ``redundancy``,
-``shared_dir``) and HF-loadable weights beside the data (``hf_weights``).
+SFTTrainer)``. Options (``ckptfmt=CheckpointOptions(...)``): saves through
+``ckptfmt.CheckpointManager`` with its ``settings`` (``ckptfmt.ManagerSettings``: background
+saves, levels, redundancy) and HF-loadable weights beside the data (``hf_weights``).
 
 HF's own logic stays where it is right (when to save, ``trainer_state.json``, the data position:
 on resume HF skips the batches ``global_step`` says were trained; best-model bookkeeping);
@@ -51,8 +51,8 @@ from ckptfmt.errors import (
     UnreadableError,
     UsageError,
 )
-from ckptfmt.format import WriteOptions
-from ckptfmt.parallel import CheckpointManager, load_collective
+from ckptfmt.format import WriteOptions, checked_write
+from ckptfmt.parallel import CheckpointManager, ManagerSettings, load_collective
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import step_dir_name
 from ckptfmt_torch import _compat, hf_data
@@ -77,33 +77,56 @@ else:
     _Base = object
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class CheckpointOptions:
     """How the trainer writes its checkpoints.
 
-    ``async_save``: ``save`` returns once the state is copied into host buffers; the files are
-    written and committed behind the training (``CheckpointManager``'s async save), and
-    ``trainer_state.json`` follows the commit. ``local_dir`` (may hold ``{node}``),
-    ``redundancy``, ``flush_every``, ``keep_local`` and ``shared_dir``: the manager's levels
-    (level 1 on node-local disks protected across nodes, flushed to level 3); giving any of
-    them (or ``async_save``) saves through the manager, whose level 3 defaults to
-    ``<output_dir>/ckptfmt``. ``hf_weights``: also write ``model.safetensors`` (rank 0,
-    blocking) for ``from_pretrained``. ``write``: chunk and shard sizes, threads, fsync.
+    ``settings`` (:class:`ckptfmt.ManagerSettings`): save through a ``CheckpointManager`` with
+    these settings, passed to it as they are: its levels (level 1 on node-local disks,
+    ``local_dir``, protected across nodes by ``redundancy``, flushed to level 3 every
+    ``flush_every``-th save), and ``async_save`` (``save`` returns once the state is copied
+    into host buffers; the files are written and committed behind the training, and
+    ``trainer_state.json`` follows the commit). Level 3 defaults to ``<output_dir>/ckptfmt``;
+    the trainer sets ``keep_shared`` (from ``save_total_limit``) and ``on_error="raise"``
+    itself. The settings' fields may be given as keywords instead
+    (``CheckpointOptions(async_save=True)``, ``local_dir=...``); saves spelled so are
+    synchronous unless ``async_save=True``. Without either, every rank writes its share of each
+    checkpoint and the save returns once it is committed.
+
+    ``hf_weights``: also write ``model.safetensors`` (rank 0, blocking) for
+    ``from_pretrained``. ``write``: chunk and shard sizes, threads, fsync (of a save without a
+    manager; the keyword spelling passes it to the manager too).
     """
 
-    async_save: bool = False
-    local_dir: str | None = None
-    shared_dir: str | None = None
-    redundancy: Any = None
-    flush_every: int | None = None
-    keep_local: int = 2
+    settings: ManagerSettings | None = None
     hf_weights: bool = False
     write: WriteOptions | None = None
+
+    def __init__(
+        self,
+        *,
+        settings: ManagerSettings | None = None,
+        hf_weights: bool = False,
+        write: WriteOptions | None = None,
+        **options: Any,
+    ) -> None:
+        # async_save=False alone is the default spelled out: no manager
+        if options and options != {"async_save": False}:
+            if settings is None:  # the keyword spelling: synchronous, written as `write` says
+                options.setdefault("async_save", False)
+                if write is not None:
+                    options.setdefault("write", write)
+            settings = ManagerSettings.of(settings, **options)
+        elif settings is not None:
+            settings = ManagerSettings.of(settings)
+        object.__setattr__(self, "settings", settings)
+        object.__setattr__(self, "hf_weights", hf_weights)
+        object.__setattr__(self, "write", None if write is None else checked_write(write))
 
     @property
     def managed(self) -> bool:
         """Whether saves go through a ``CheckpointManager``."""
-        return self.async_save or self.local_dir is not None or self.shared_dir is not None
+        return self.settings is not None
 
 
 def checkpoint_step(path: str | os.PathLike[str]) -> int | None:
@@ -187,6 +210,8 @@ class CheckpointMixin(_Base):
         if ckptfmt is not None and not isinstance(ckptfmt, CheckpointOptions):
             raise UsageError(f"ckptfmt= takes a CheckpointOptions, got {type(ckptfmt).__name__}")
         self.ckptfmt = ckptfmt or CheckpointOptions()
+        if self.ckptfmt.managed:  # a setting the trainer decides itself is refused now
+            self._ckptfmt_settings(str(self.args.output_dir))
         self._ckptfmt_manager: CheckpointManager | None = None
         self._ckptfmt_loaded: tuple[str, dict[str, Any]] | None = None
         self._ckptfmt_pending: Future[int] | None = None
@@ -220,6 +245,23 @@ class CheckpointMixin(_Base):
     def checkpoint_manager(self) -> CheckpointManager | None:
         """The ``CheckpointManager`` of managed saves, once made (None before, and without)."""
         return self._ckptfmt_manager
+
+    def _ckptfmt_settings(self, run_dir: str | os.PathLike[str]) -> ManagerSettings:
+        """The manager's settings: the options' as they are, level 3 by default in
+        ``run_dir/ckptfmt``, and what the trainer decides itself: ``keep_shared`` from
+        ``save_total_limit`` (a step of every checkpoint-N kept stays on level 3) and
+        ``on_error="raise"`` (a save's failure is the training's)."""
+        settings = self.ckptfmt.settings
+        if settings is None:
+            raise UsageError("the trainer's CheckpointOptions name no manager settings")
+        if settings.shared_dir is None:
+            settings = dataclasses.replace(settings, shared_dir=Path(run_dir) / DATA_DIR)
+        limit = self.args.save_total_limit
+        return settings.decided_by(
+            "the Trainer (from its save_total_limit; its saves raise their failures)",
+            keep_shared=limit + 1 if limit else 0,  # the one in flight comes on top
+            on_error="raise",
+        )
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the save in flight (async saves) and finish its directory. ``train`` calls
@@ -259,7 +301,7 @@ class CheckpointMixin(_Base):
                 out.mkdir(parents=True, exist_ok=True)
                 self._write_hf_files(out)
             handle.committed.add_done_callback(lambda f: self._finish(out, trainer_state, f))
-            if not self.ckptfmt.async_save:
+            if not mgr.async_save:
                 mgr.wait()
         if self.args.push_to_hub:
             _compat.trainer_push(self, str(out))
@@ -346,7 +388,7 @@ class CheckpointMixin(_Base):
             return
         out.mkdir(parents=True, exist_ok=True)
         shared = mgr.levels.shared_dir
-        record = {"step": step, "local_dir": self.ckptfmt.local_dir, "shared_dir": str(shared)}
+        record = {"step": step, "local_dir": mgr.settings.local_dir, "shared_dir": str(shared)}
         (out / MANAGED_NAME).write_text(json.dumps(record) + "\n", encoding="utf-8")
         link = out / DATA_DIR
         if link.is_symlink() or link.exists():
@@ -378,19 +420,8 @@ class CheckpointMixin(_Base):
     def _manager(self, run_dir: str | os.PathLike[str]) -> CheckpointManager:
         """Collective the first time (every rank): the manager of the options' levels."""
         if self._ckptfmt_manager is None:
-            o = self.ckptfmt
-            limit = self.args.save_total_limit
             self._ckptfmt_manager = CheckpointManager(
-                local_dir=o.local_dir,
-                shared_dir=o.shared_dir or Path(run_dir) / DATA_DIR,
-                comm=default_comm(),
-                redundancy=o.redundancy,
-                flush_every=o.flush_every,
-                keep_local=o.keep_local,
-                keep_shared=limit + 1 if limit else 1 << 30,  # the one in flight comes on top
-                async_save=o.async_save,
-                on_error="raise",
-                write=o.write or WriteOptions(),
+                settings=self._ckptfmt_settings(run_dir), comm=default_comm()
             )
         return self._ckptfmt_manager
 

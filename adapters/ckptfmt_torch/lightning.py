@@ -72,8 +72,8 @@ from ckptfmt.errors import (
     UnreadableError,
     UsageError,
 )
-from ckptfmt.format import WriteOptions
-from ckptfmt.parallel import CheckpointManager
+from ckptfmt.format import WriteOptions, checked_write
+from ckptfmt.parallel import CheckpointManager, ManagerSettings
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import is_committed, remove_committed
 from ckptfmt.transport import Comm, SingleComm
@@ -131,9 +131,11 @@ class CheckpointIO(_CheckpointIO):
     storage_options=WriteOptions(...))`` overrides it for one save. ``read``: the loads'
     :class:`ckptfmt.ReadOptions`. ``objects``/``trust_pickle``: as for ``ckptfmt_torch.save``
     and ``load``. ``collective``: every rank writes its share (needs
-    ``ckptfmt_torch.lightning.DDPStrategy`` under DDP). ``local_dir``, ``shared_dir``,
-    ``redundancy``, ``flush_every``, ``keep_local``, ``keep_shared``: save through a
-    ``ckptfmt.CheckpointManager`` with these settings (collective too).
+    ``ckptfmt_torch.lightning.DDPStrategy`` under DDP). ``settings``
+    (:class:`ckptfmt.ManagerSettings`; or its fields as keywords: ``local_dir=...,
+    shared_dir=..., redundancy="xor"``): save through a ``ckptfmt.CheckpointManager`` with
+    these settings, passed to it as they are (collective too); its files are written as
+    ``settings.write`` says (the keyword spelling takes ``write`` for it).
     """
 
     def __init__(
@@ -144,36 +146,32 @@ class CheckpointIO(_CheckpointIO):
         objects: Objects = "refuse",
         trust_pickle: bool = False,
         collective: bool = False,
-        local_dir: str | os.PathLike[str] | None = None,
-        shared_dir: str | os.PathLike[str] | None = None,
-        redundancy: Any = None,
-        flush_every: int | None = None,
-        keep_local: int = 2,
-        keep_shared: int = 3,
+        settings: ManagerSettings | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
-        write = write if write is not None else WriteOptions(threads=writer_threads())
-        if not isinstance(write, WriteOptions):
-            raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
+        given_write = write is not None
+        write = (
+            checked_write(write) if write is not None else WriteOptions(threads=writer_threads())
+        )
         if objects not in ("refuse", "pickle"):
             raise UsageError(f"objects must be 'refuse' or 'pickle', got {objects!r}")
         self.write = dataclasses.replace(write, overwrite=True)
         self.read = read if read is not None else ReadOptions(threads=writer_threads())
         self.objects: Objects = objects
         self.trust_pickle = trust_pickle
-        self.levels: dict[str, Any] | None = None
-        if local_dir is not None or shared_dir is not None:
-            self.levels = {
-                "local_dir": local_dir,
-                "shared_dir": shared_dir,
-                "redundancy": redundancy,
-                "flush_every": flush_every,
-                "keep_local": keep_local,
-                "keep_shared": keep_shared,
-            }
-        elif redundancy is not None:
-            raise UsageError("redundancy protects node-local copies: give a local_dir")
-        self.collective = collective or self.levels is not None
+        self.settings: ManagerSettings | None = None  # the manager's, when saves go through one
+        if settings is not None or options:
+            if settings is None:  # the keyword spelling: files written as `write` says
+                options.setdefault("write", dataclasses.replace(self.write, overwrite=False))
+            elif given_write:
+                raise UsageError(
+                    "CheckpointIO(settings=...) writes through the manager: give its "
+                    "WriteOptions as settings.write, not as write="
+                )
+            self.settings = ManagerSettings.of(settings, **options)
+            self.settings.need_a_level()
+        self.collective = collective or self.settings is not None
         self._comm: Comm | None = None
         self._manager: CheckpointManager | None = None
         self._lock = threading.Lock()
@@ -194,7 +192,7 @@ class CheckpointIO(_CheckpointIO):
         here (collective)."""
         self.close()
         self._comm = comm
-        if self.levels is not None:
+        if self.settings is not None:
             self._manager = self._new_manager(comm)
 
     def close(self) -> None:
@@ -245,7 +243,7 @@ class CheckpointIO(_CheckpointIO):
                 return
             self._writing[key] = self._writing.get(key, 0) + 1
         try:
-            if self.levels is not None:
+            if self.settings is not None:
                 self._save_to_manager(tree, key, step, point=not removed)
             else:
                 comm = self._collective_comm() if self.collective else SingleComm()
@@ -258,7 +256,7 @@ class CheckpointIO(_CheckpointIO):
                 doomed = key not in self._writing and (key in self._doomed or removed)
                 if doomed:
                     self._doomed.discard(key)
-                    if self.levels is None:
+                    if self.settings is None:
                         self._remove_now(Path(key))
 
     def load_checkpoint(
@@ -349,10 +347,8 @@ class CheckpointIO(_CheckpointIO):
         return self._comm
 
     def _new_manager(self, comm: Comm) -> CheckpointManager:
-        assert self.levels is not None
-        return CheckpointManager(
-            **self.levels, comm=comm, write=dataclasses.replace(self.write, overwrite=False)
-        )
+        assert self.settings is not None
+        return CheckpointManager(settings=self.settings, comm=comm)
 
     def _manager_now(self) -> CheckpointManager:
         if self._manager is None:
@@ -402,12 +398,12 @@ class CheckpointIO(_CheckpointIO):
             raise NotACheckpointError(
                 str(target), "a file, not a ckptfmt checkpoint directory or a manager's pointer"
             )
-        if self.levels is None:
+        if self.settings is None:
             raise UsageError(
                 f"{target} names step {step} of a CheckpointManager: load it with the "
-                "CheckpointIO(local_dir=..., shared_dir=...) that saved it (outside a Trainer: "
+                "CheckpointIO(settings=...) that saved it (outside a Trainer: "
                 "ckptfmt_torch.lightning.load_from_checkpoint(MyModel, path, "
-                "checkpoint_io=CheckpointIO(local_dir=..., shared_dir=...)))"
+                "checkpoint_io=CheckpointIO(settings=...)))"
             )
         report = self._manager_now().restore(None, read=self.read, trust_pickle=self.trust_pickle)
         if report.step != step or report.state is None:

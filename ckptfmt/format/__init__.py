@@ -4,7 +4,7 @@ reader, ``chunk_reads`` the partial reads of inner chunks (``spec/FORMAT.md``)."
 
 from __future__ import annotations
 
-from ckptfmt.format.options import WriteOptions
+from ckptfmt.format.options import WriteOptions, checked_write
 from ckptfmt.format.shard_io import Geometry
 from ckptfmt.format.shard_read import read_region, verify_file
 from ckptfmt.format.zarr_meta import array_doc, group_doc
@@ -12,6 +12,7 @@ from ckptfmt.format.zarr_meta import array_doc, group_doc
 __all__ = [
     "WriteOptions",
     "array_doc",
+    "checked_write",
     "Geometry",
     "group_doc",
     "read_region",

@@ -10,7 +10,7 @@ from ckptfmt.errors import UsageError
 from ckptfmt.manifest.grid import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ckptfmt.manifest.limits import MAX_CHUNK_BYTES
 
-__all__ = ["WriteOptions"]
+__all__ = ["WriteOptions", "checked_write"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +49,12 @@ class WriteOptions:
         for name in ("fsync", "overwrite", "content_hash"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"WriteOptions: {name} must be True or False")
+
+
+def checked_write(value: object, name: str = "write") -> WriteOptions:
+    """``value``, a :class:`WriteOptions` (whose fields checked themselves when it was made),
+    or the :class:`UsageError` of an argument ``name`` of another type (a dict of its fields,
+    say), the same wherever one is handed in."""
+    if not isinstance(value, WriteOptions):
+        raise UsageError(f"{name} must be a ckptfmt.WriteOptions, got {type(value).__name__}")
+    return value

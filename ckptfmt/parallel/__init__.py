@@ -11,7 +11,7 @@ from ckptfmt.parallel.collective.staging import SaveHandle
 from ckptfmt.parallel.levels.layout import resolve_node
 from ckptfmt.parallel.levels.pick import list_levels
 from ckptfmt.parallel.manager.checkpoint_manager import CheckpointManager
-from ckptfmt.parallel.manager.options import ExitPolicy, OnError
+from ckptfmt.parallel.manager.options import ExitPolicy, ManagerSettings, OnError
 from ckptfmt.parallel.manager.outcomes import CheckpointWarning
 from ckptfmt.parallel.manager.restore import RestoreReport
 
@@ -21,6 +21,7 @@ __all__ = [
     "ExitPolicy",
     "OnError",
     "list_levels",
+    "ManagerSettings",
     "load_collective",
     "resolve_node",
     "RestoreReport",

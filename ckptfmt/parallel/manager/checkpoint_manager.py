@@ -1,7 +1,7 @@
 """``CheckpointManager``: multi-level, asynchronous checkpoints for a training loop.
 
-    mgr = CheckpointManager(local_dir="/local/ckpt", shared_dir="/shared/ckpt", comm=MpiComm(),
-                            flush_every=10)
+    settings = ManagerSettings(local_dir="/local/ckpt", shared_dir="/shared/ckpt", flush_every=10)
+    mgr = CheckpointManager(settings=settings, comm=MpiComm())  # or the same fields as keywords
     report = mgr.restore(state)          # collective: the newest usable step (report.step)
     for step in ...:
         mgr.save(step, state)            # returns once the state is copied into host buffers
@@ -32,12 +32,7 @@ from typing import Any
 
 from ckptfmt.engine.encode import member_sets
 from ckptfmt.errors import CkptError, FlushWarning, ManagerBrokenError, UsageError
-from ckptfmt.format.options import WriteOptions
-from ckptfmt.parallel.collective.launch import (
-    launcher_world_size,
-    refuse_implicit_single,
-    refuse_url,
-)
+from ckptfmt.parallel.collective.launch import launcher_world_size, refuse_implicit_single
 from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.parallel.collective.stager import Stager
 from ckptfmt.parallel.collective.staging import BufferPool, SaveHandle, copy_mode, default_pool
@@ -45,7 +40,7 @@ from ckptfmt.parallel.levels.layout import Levels, agree_nodes, resolve_node
 from ckptfmt.parallel.levels.pick import shared_level
 from ckptfmt.parallel.levels.shared import DirLevel
 from ckptfmt.parallel.manager.exit import ExitHooks
-from ckptfmt.parallel.manager.options import ExitPolicy, OnError, check_on_error
+from ckptfmt.parallel.manager.options import ManagerSettings, OnError
 from ckptfmt.parallel.manager.outcomes import Calls, CheckpointWarning, Outcomes
 from ckptfmt.parallel.manager.restore import (
     RestoreReport,
@@ -58,8 +53,6 @@ from ckptfmt.parallel.manager.retention import Retention, committed
 from ckptfmt.parallel.manager.save_job import SaveJob, Saver, SaveSettings, checked_leaves
 from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.plan.options import ReadOptions
-from ckptfmt.redundancy.config import Policy, Redundancy
-from ckptfmt.storage.progress import ProgressCallback
 from ckptfmt.storage.steps import StepRef, parse_step
 from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.tree.casting import Cast, check_policy
@@ -69,12 +62,12 @@ __all__ = ["CheckpointManager", "CheckpointWarning", "FlushWarning", "RestoreRep
 
 log = logging.getLogger("ckptfmt")
 
-RedundancySpec = None | str | Redundancy | Policy | Mapping[str, Any] | list[dict[str, Any]] | Path
-
 
 class CheckpointManager:
     """Multi-level checkpoints: level 1 on each node's ``local_dir``, flushed every
-    ``flush_every``-th save to ``shared_dir`` (level 3). Either level may be omitted.
+    ``flush_every``-th save to ``shared_dir`` (level 3). Either level may be omitted. The
+    settings below are the fields of one :class:`~ckptfmt.ManagerSettings` (``settings=``),
+    checked when it is made; keywords of the same names build one (:meth:`ManagerSettings.of`).
 
     ``redundancy`` protects level 1 across nodes: a scheme id (``"partner"``, ``"xor"``,
     ``"rs"``) or :class:`Redundancy` for every save, or a :class:`Policy` / list of descriptors
@@ -148,64 +141,50 @@ class CheckpointManager:
         local_dir: str | Path | None = None,
         shared_dir: str | Path | None = None,
         *,
-        storage_options: Mapping[str, Any] | None = None,
+        settings: ManagerSettings | None = None,
         comm: Comm | None = None,
-        node: str | None = None,
-        flush_every: int | None = None,
-        redundancy: RedundancySpec = None,
-        keep_local: int = 2,
-        keep_shared: int = 3,
-        async_save: bool = True,
-        on_error: OnError = "warn",
-        fallback_to_shared: bool = True,
-        deadline_s: float = 300.0,
-        write: WriteOptions = WriteOptions(),
-        at_exit: ExitPolicy = ExitPolicy(),
-        on_save: Callable[[SaveReport], None] | None = None,
-        progress: ProgressCallback | None = None,
         pool: BufferPool | None = None,
         fault: FaultHook | None = None,
-        incremental: bool = False,
+        **options: Any,
     ) -> None:
-        if local_dir is None and shared_dir is None:
-            raise UsageError("give a local_dir (level 1), a shared_dir (level 3), or both")
-        self.on_error = check_on_error(on_error)
-        if not isinstance(write, WriteOptions) or not isinstance(at_exit, ExitPolicy):
-            raise UsageError("write is a ckptfmt.WriteOptions and at_exit a ckptfmt.ExitPolicy")
-        self.policy = Policy.of(redundancy)
-        if flush_every is None:  # every save, unless the policy's descriptors say when
-            flush_every = 0 if any(d.flush for d in self.policy.descriptors) else 1
-        elif isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise UsageError("flush_every must be an int >= 1")
-        if not deadline_s > 0:
-            raise UsageError(f"deadline_s must be > 0, got {deadline_s!r}")
+        """``settings`` (:class:`~ckptfmt.ManagerSettings`) says everything above; ``local_dir``,
+        ``shared_dir`` and ``options`` (any of its fields by name: ``flush_every=10``) are the
+        keyword spelling of it, and replace the fields of ``settings`` they name
+        (:meth:`ManagerSettings.of`). ``comm``: the ranks (one process when omitted); ``pool``:
+        the host buffers to stage into (default: the process's pool)."""
+        if local_dir is not None:
+            options["local_dir"] = local_dir
+        if shared_dir is not None:
+            options["shared_dir"] = shared_dir
+        self.settings = s = ManagerSettings.of(settings, **options)
+        s.need_a_level()
         if comm is None:
             refuse_implicit_single(launcher_world_size())
-        if local_dir is not None:
-            refuse_url(str(local_dir))
-        shared = shared_level(shared_dir, storage_options, local_dir=local_dir)
+        shared = shared_level(s.shared_dir, s.storage_options, local_dir=s.local_dir)
         self.comm = comm or SingleComm()
-        self.node = resolve_node(node)
+        self.node = resolve_node(s.node)
         self.levels = Levels(
-            None if local_dir is None else str(local_dir),
+            None if s.local_dir is None else str(s.local_dir),
             shared.root if isinstance(shared, DirLevel) else None,
             bucket=None if isinstance(shared, DirLevel) else shared,
         )
         self.local_root = self.levels.local_root(self.node)
-        self.flush_every = flush_every
-        self.keep_local, self.keep_shared = keep_local, keep_shared
-        self.async_save = async_save
-        self.at_exit = at_exit
+        self.on_error: OnError = s.on_error
+        self.policy = s.policy
+        self.flush_every = s.flush_period
+        self.keep_local, self.keep_shared = s.keep_local, s.keep_shared
+        self.async_save = s.async_save
+        self.at_exit = s.at_exit
         # a step saved again (a job restarted from an older step) replaces the old directory
         self.write = dataclasses.replace(
-            write, overwrite=True, content_hash=write.content_hash or bool(incremental)
+            s.write, overwrite=True, content_hash=s.write.content_hash or s.incremental
         )
-        self.incremental = bool(incremental)
+        self.incremental = s.incremental
         self.fault = fault
-        self.deadline_s = float(deadline_s)
-        self.on_save = on_save
-        self.progress = progress
-        self.fallback_to_shared = fallback_to_shared
+        self.deadline_s = float(s.deadline_s)
+        self.on_save = s.on_save
+        self.progress = s.progress
+        self.fallback_to_shared = s.fallback_to_shared
         self._init_parts(pool if pool is not None else default_pool())
         self._start()
 
@@ -238,8 +217,6 @@ class CheckpointManager:
         if self.local_root is not None:
             for red in self.policy.all_redundancies():
                 member_sets(red, nodes)  # the same verdict on every rank: raises for all
-        elif self.policy.all_redundancies():
-            raise UsageError("redundancy protects level 1: give a local_dir")
         if self.comm.rank == 0:
             self.levels.record(nodes)
         settings = SaveSettings(
