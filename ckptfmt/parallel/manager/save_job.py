@@ -418,9 +418,7 @@ class Saver:
         return manifest
 
 
-def _with_check(
-    fault: FaultHook | None, check: Callable[[], None] | None
-) -> FaultHook | None:
+def _with_check(fault: FaultHook | None, check: Callable[[], None] | None) -> FaultHook | None:
     """The save's phase hook with ``check`` run where every file is written and the manifest
     is about to be voted on (the ``"manifest"`` point): its exception fails the save on every
     rank, nothing committed."""
