@@ -1,12 +1,16 @@
 """A collective save straight to a bucket (``s3://bucket/run/ckpt``): the ranks of a job write
 one checkpoint at a URL without a manager's levels.
 
-A bucket has no directory to stage in and no rename (FORMAT.md §16), so each rank writes its
-part into a scratch directory of its own (under ``TMPDIR``: node-local) with the ordinary
-collective save, then every rank uploads its files (``bucket_upload.upload_phase``) and rank 0
-writes the commit object, create-only or in place of the old one on its etag: the checkpoint
-appears whole or not at all, and one it replaces stays whole until then (PROTOCOL.md §7). The
-scratch directories are removed before the call returns, whatever happened.
+It is the collective save (``save.save_collective``) into a bucket store
+(``storage.store.bucket``): every rank puts its own shard files under ``U/<save_id>/`` straight
+from its arrays' memory (no scratch directory, nothing read back), rank 0 the ``zarr.json``
+documents and the manifest; then rank 0 writes the commit object, create-only or in place of the
+old one on its etag: the checkpoint appears whole or not at all, and one it replaces stays whole
+until then (PROTOCOL.md §7).
+
+Memory: each rank holds at most ``threads`` shard files at once beyond its state (a file up to
+32 MiB joined for its PUT; a bigger one as up to 8 parts of 8 MiB or more): with the default
+16 MiB shards and 8 in flight, about 8 x 16 MiB = 128 MiB per rank.
 
 Who calls what: :func:`save_to_bucket` is collective (every rank of the communicator, once per
 checkpoint).
@@ -14,31 +18,21 @@ checkpoint).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from ckptfmt.container.metadata import ManifestMeta
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.collective.boundary import Boundary
-from ckptfmt.parallel.collective.bucket_upload import UPLOAD_THREADS, upload_phase
 from ckptfmt.parallel.collective.save import save_collective
 from ckptfmt.storage.objects import Bucket
-from ckptfmt.storage.objects.commit import (
-    Commit,
-    Committed,
-    drop_replaced,
-    find_commit,
-    refuse_existing,
-    write_commit,
-)
+from ckptfmt.storage.store.bucket import WRITES_IN_FLIGHT, BucketStore
 from ckptfmt.transport.comm import Comm
 
 __all__ = ["save_to_bucket"]
+
+UPLOAD_THREADS = WRITES_IN_FLIGHT
 
 
 def save_to_bucket(
@@ -56,45 +50,25 @@ def save_to_bucket(
     """Collective: save ``state`` (each rank its own, as ``save_collective`` takes it) as one
     checkpoint at the URL ``url`` (``U``); return its manifest, the same on every rank.
 
-    In order, every rank: rank 0 reads ``U``'s commit object and its etag (a checkpoint there
-    is refused unless ``write.overwrite``; one vote); every rank writes its part into its own
-    scratch directory (``save_collective``, its votes; no fsync: the bucket makes it durable);
-    every rank puts its data files, each verified, and its share of the ``zarr.json``
-    documents, rank 0 the manifest (one vote); rank 0 writes the new commit object, create-only
-    or, when overwriting, in place of the one it read, conditional on its etag (the old
-    checkpoint is whole until this put), then deletes the replaced save's objects (one vote).
-    Any rank's failure raises :class:`~ckptfmt.errors.SaveFailedError` on every rank, and
-    nothing new is visible without the commit object (what was put is left for ``ckptfmt
-    gc``); a checkpoint that changed at ``U`` during the save is not replaced (that failure
-    names it). ``node``: this rank's node, recorded in the manifest."""
-    b = Boundary(comm, "save", step)
-    dest = Bucket.at(url, storage_options)
-    there: Committed | None = None  # rank 0's: what an overwrite replaces
-    with b.guard("save-target"):
-        if comm.rank == 0:
-            there = find_commit(dest)
-            refuse_existing(dest, there, write.overwrite, "pass write=WriteOptions(overwrite=True)")
-    b.vote("save-target")
-    scratch = Path(tempfile.mkdtemp(prefix="ckptfmt-upload-"))
-    try:
-        local = scratch / "checkpoint"
-        manifest, _ = save_collective(
-            comm,
-            state,
-            local,
-            step=step,
-            node=node,
-            group=f"scratch:{comm.rank}",  # every rank its own copy: its files, the documents
-            write=replace(write, overwrite=False, fsync=False),
-            meta=meta,
-        )
-        objects = upload_phase(comm, b, "save-upload", dest, manifest, local, threads)
-        with b.guard("save-commit"):
-            if comm.rank == 0:
-                commit = Commit(manifest.save_id, manifest.step, objects)
-                write_commit(dest, commit, there)
-                drop_replaced(dest, there, commit)
-        b.vote("save-commit")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    The phases of ``save_collective``, every rank in order: rank 0 reads ``U``'s commit object
+    and its etag (a checkpoint there is refused unless ``write.overwrite``; the stage vote) and
+    puts the ``zarr.json`` documents; every rank puts its shard files, ``threads`` at a time,
+    each with the CRC32C of its bytes for the commit object (the write vote gathers them);
+    rank 0 puts the manifest (a vote), writes the new commit object, create-only or, when
+    overwriting, in place of the one it read, conditional on its etag (the old checkpoint is
+    whole until this put), then deletes the replaced save's objects (the commit vote). Any
+    rank's failure raises :class:`~ckptfmt.errors.SaveFailedError` on every rank, and nothing
+    new is visible without the commit object (what was put is deleted, best effort, else left
+    for ``ckptfmt gc``); a checkpoint that changed at ``U`` during the save is not replaced
+    (that failure names it). ``node``: this rank's node, recorded in the manifest."""
+    store = BucketStore(Bucket.at(url, storage_options), writes_in_flight=threads)
+    manifest, _ = save_collective(
+        comm,
+        state,
+        store,
+        step=step,
+        node=node,
+        write=replace(write, fsync=False),  # a PUT that answered is durable
+        meta=meta,
+    )
     return manifest

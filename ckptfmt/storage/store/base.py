@@ -40,6 +40,11 @@ class Draft(Protocol):
 
     save_id: str
 
+    writes_in_flight: int
+    """Members one writer should keep going at once: 0 to leave it to the caller's thread
+    budget (a directory: the disk's queue is the node's, shared by its ranks), more for a bucket
+    (each put waits a round trip)."""
+
     @property
     def where(self) -> str:
         """Where the draft is being written (a staging directory, a URL): for messages."""

@@ -34,6 +34,11 @@ from ckptfmt.storage.objects.commit import (
 )
 from ckptfmt.storage.objects.source import ObjectInside, open_committed
 
+WRITES_IN_FLIGHT = 8
+"""Members each writer puts at once (a big one's parts are in flight within its own upload
+too): enough to fill a node's link to the store, few enough that what is held in memory stays
+small (see :meth:`BucketDraft.set`)."""
+
 SINGLE_PUT_MAX = 2 * MULTIPART_ABOVE
 """A member up to this size is joined into one buffer and put in one PUT (a default 16 MiB shard
 is a little over 16 MiB with its index: in parts it would take five requests); a bigger one is
@@ -41,10 +46,12 @@ streamed in parts of ``part_size`` (at most ``UPLOAD_CONCURRENCY`` of them in me
 
 
 class BucketStore:
-    """The checkpoint at the prefix of ``bucket`` (``U``)."""
+    """The checkpoint at the prefix of ``bucket`` (``U``). ``writes_in_flight``: the members
+    each writer puts at once."""
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: Bucket, writes_in_flight: int = WRITES_IN_FLIGHT) -> None:
         self.bucket = bucket
+        self.writes_in_flight = writes_in_flight
 
     def __repr__(self) -> str:
         return f"BucketStore({self.bucket.url!r})"
@@ -66,10 +73,10 @@ class BucketStore:
         needs no creating."""
         there = find_commit(self.bucket)
         refuse_existing(self.bucket, there, overwrite, "pass write=WriteOptions(overwrite=True)")
-        return BucketDraft(self.bucket, save_id, there)
+        return BucketDraft(self.bucket, save_id, there, self.writes_in_flight)
 
     def join(self, save_id: str) -> BucketDraft:
-        return BucketDraft(self.bucket, save_id, None)
+        return BucketDraft(self.bucket, save_id, None, self.writes_in_flight)
 
     def files(self) -> ObjectInside:
         return open_committed(self.bucket.url, bucket=self.bucket)
@@ -80,12 +87,24 @@ class BucketStore:
 
 class BucketDraft:
     """The objects of one save under ``U/<save_id>/``. ``there``: the commit object the
-    committer found at ``U`` (what its commit replaces); None for the other writers."""
+    committer found at ``U`` (what its commit replaces); None for the other writers.
+
+    Memory: a member up to :data:`SINGLE_PUT_MAX` is held joined while its PUT is in flight
+    (its size, once), a bigger one as at most ``UPLOAD_CONCURRENCY`` parts of ``part_size``
+    (8 x 8 MiB up to 72 GiB); with ``writes_in_flight`` members at once, a writer holds at most
+    ``writes_in_flight`` times that beyond the arrays it saves."""
 
     path = None
 
-    def __init__(self, bucket: Bucket, save_id: str, there: Committed | None) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        save_id: str,
+        there: Committed | None,
+        writes_in_flight: int = WRITES_IN_FLIGHT,
+    ) -> None:
         self.bucket, self.save_id, self.there = bucket, save_id, there
+        self.writes_in_flight = writes_in_flight
         self.target = bucket.child(save_id)
         self.commit: Commit | None = None
         self._refs: dict[str, ObjectRef] = {}

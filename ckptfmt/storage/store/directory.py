@@ -57,9 +57,14 @@ class DirectoryDraft:
     """The staging directory of one save into a :class:`DirectoryStore` (or any directory
     written directly: :func:`draft_at`)."""
 
-    def __init__(self, final: Path, save_id: str, staging: Path) -> None:
+    writes_in_flight = 0
+
+    def __init__(
+        self, final: Path, save_id: str, staging: Path, made: set[Path] | None = None
+    ) -> None:
         self.final, self.save_id, self.staging = final, save_id, staging
-        self._made: set[Path] = {staging}
+        self._made: set[Path] = made if made is not None else set()
+        self._made.add(staging)
         self._lock = threading.Lock()
 
     @property
@@ -69,6 +74,11 @@ class DirectoryDraft:
     @property
     def path(self) -> Path:
         return self.staging
+
+    def local(self, rel: str) -> Path:
+        """The path of member ``rel``, its directory made (for writers that need the file
+        itself: a hard link, a parity file)."""
+        return self._target(rel)
 
     def _target(self, rel: str) -> Path:
         target = self.staging / rel
@@ -124,7 +134,8 @@ class DirectoryDraft:
         commit.abort(self.staging)
 
 
-def draft_at(root: Path) -> DirectoryDraft:
+def draft_at(root: Path, made: set[Path] | None = None) -> DirectoryDraft:
     """A draft over a directory that already exists and is written directly (a rebuild's or a
-    reshard's staging directory, which its caller commits itself)."""
-    return DirectoryDraft(root, "", root)
+    reshard's staging directory, which its caller commits itself). ``made``: the directories
+    known to exist (shared by the caller's drafts, so each is made once)."""
+    return DirectoryDraft(root, "", root, made)

@@ -79,6 +79,7 @@ class MemoryDraft:
     """The members of one save, in a dict of the store's; invisible until :meth:`publish`."""
 
     path = None
+    writes_in_flight = 0
 
     def __init__(self, store: MemoryStore, save_id: str) -> None:
         self.store, self.save_id = store, save_id
