@@ -78,6 +78,12 @@ class BucketStore:
     def join(self, save_id: str) -> BucketDraft:
         return BucketDraft(self.bucket, save_id, None, self.writes_in_flight)
 
+    def replacing(self, save_id: str, there: Committed | None) -> BucketDraft:
+        """The committer's draft when it read what is committed at ``U`` itself (``there``,
+        from ``find_commit``; a flush, which replaces whatever it finds): its commit replaces
+        that one on its etag. Makes no request."""
+        return BucketDraft(self.bucket, save_id, there, self.writes_in_flight)
+
     def files(self) -> ObjectInside:
         return open_committed(self.bucket.url, bucket=self.bucket)
 
@@ -160,9 +166,12 @@ class BucketDraft:
             return [r.to_json() for r in self._refs.values()]
 
     def stage_manifest(self, data: bytes, written: Sequence[Any] = (), fsync: bool = True) -> None:
-        """Put the manifest, then hold the commit object that lists every writer's objects
-        (``written``: each writer's :meth:`written`, this one's among them)."""
-        self.set(MANIFEST_NAME, [data])
+        """Put the manifest (unless this writer put these very bytes already, with its files:
+        a flush), then hold the commit object that lists every writer's objects (``written``:
+        each writer's :meth:`written`, this one's among them)."""
+        put = self._refs.get(MANIFEST_NAME)
+        if put is None or (put.size, put.crc32c) != (len(data), crc32c(data)):
+            self.set(MANIFEST_NAME, [data])
         refs = dict(self._refs)
         for mine in written:
             for r in mine:
