@@ -75,7 +75,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 
 def save(
     state: Mapping[str, Any],
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Store,
     *,
     step: int | None = None,
     write: WriteOptions | None = None,
@@ -198,7 +198,7 @@ def writer_threads() -> int:
 
 
 def load(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     *,
     read: ReadOptions | None = None,
     max_bytes: int | None = None,
@@ -247,7 +247,7 @@ def load(
 
 
 def load_with_manifest(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     *,
     read: ReadOptions | None = None,
     max_bytes: int | None = None,
@@ -262,7 +262,7 @@ def load_with_manifest(
 
 
 def load_own(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     *,
     read: ReadOptions | None = None,
     progress: ProgressCallback | None = None,
@@ -302,7 +302,7 @@ def _read_options(read: ReadOptions | None) -> ReadOptions:
 
 
 def _load(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     read: ReadOptions,
     max_bytes: int | None,
     progress: ProgressCallback | None,
@@ -333,7 +333,7 @@ def _load(
         return _read_all(manifest, src, read.threads, progress), manifest
     if where.kind == "spread":
         with tempfile.TemporaryDirectory(prefix="ckptfmt-rebuild-") as scratch:
-            source = open_whole(path, Path(scratch))
+            source = open_whole(where.spec, Path(scratch))
             check_allocation(source.manifest.tensors(), max_bytes)
             try:
                 source.check_documents()
@@ -383,7 +383,7 @@ def _read_all(
 
 
 def open_checkpoint(
-    path: NodeDirs, *, storage_options: Mapping[str, Any] | None = None
+    path: NodeDirs | Store, *, storage_options: Mapping[str, Any] | None = None
 ) -> Checkpoint:
     """Open a committed checkpoint read-only (``ckptfmt.open``); see :class:`Checkpoint`.
 
@@ -407,7 +407,7 @@ def open_checkpoint(
     if where.kind == "directory":
         return Checkpoint(where.spec)
     scratch = tempfile.TemporaryDirectory(prefix="ckptfmt-rebuild-")
-    source = open_whole(path, Path(scratch.name))
+    source = open_whole(where.spec, Path(scratch.name))
     if not source.rebuilt_nodes:
         scratch.cleanup()
     return Checkpoint(_shown(source), manifest=source.manifest, src=source.inside, keep=scratch)
