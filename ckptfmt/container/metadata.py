@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,18 @@ def write_metadata(
     names = [e.name for e in manifest.entries]
     groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always
     groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
-    for g in sorted(groups, key=len):
-        _document(draft, "/".join(g), group_doc(), fsync, like)
-    for t in manifest.tensors():
-        doc = array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
-        _document(draft, t.path, doc, fsync, like)
+    docs = [("/".join(g), group_doc()) for g in sorted(groups, key=len)]
+    docs += [
+        (t.path, array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape))
+        for t in manifest.tensors()
+    ]
+    if draft.writes_in_flight <= 1 or len(docs) < 2:
+        for node, doc in docs:
+            _document(draft, node, doc, fsync, like)
+        return
+    # a bucket: each put waits a round trip, and a model has hundreds of documents
+    with ThreadPoolExecutor(min(draft.writes_in_flight, len(docs))) as pool:
+        list(pool.map(lambda nd: _document(draft, nd[0], nd[1], fsync, like), docs))
 
 
 def _document(draft: Draft, node: str, doc: Any, fsync: bool, like: Path | None) -> None:
