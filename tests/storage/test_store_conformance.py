@@ -299,3 +299,22 @@ def test_save_to_a_url_writes_nothing_local(
     ckptfmt.save(_state(), url)
     assert list(scratch.iterdir()) == []
     assert ckptfmt.load(url)["step"] == 12
+
+
+def test_copy_from_links_where_the_store_can(store: Store, tmp_path: Path) -> None:
+    """``Draft.copy_from`` (an incremental save's unchanged files) hard-links a committed file
+    into a directory's draft; a bucket or memory cannot (False: the caller writes the file), and
+    nothing is set then."""
+    source = tmp_path / "base-file"
+    source.write_bytes(b"unchanged")
+    draft = store.prepare(os.urandom(16).hex(), overwrite=False)
+    linked = draft.copy_from(source, "a/c/0")
+    assert linked == isinstance(store, DirectoryStore)
+    if not linked:
+        assert draft.list() == []
+        draft.set("a/c/0", [source.read_bytes()], fsync=False)
+    draft.stage_manifest(_manifest("copy"), [draft.written()], fsync=False)
+    draft.discard(draft.publish(fsync=False))
+    assert _read(store, "a/c/0", 9) == b"unchanged"
+    if linked:
+        assert (store.path / "a/c/0").stat().st_ino == source.stat().st_ino  # type: ignore[attr-defined]
