@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 from ckptfmt.errors import UsageError
 from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.store.base import Store
+from ckptfmt.storage.store.bucket import BucketStore
 from ckptfmt.storage.store.directory import DirectoryStore
 
 Kind = Literal["directory", "spread", "url", "store"]
@@ -45,9 +47,6 @@ class Location:
         if self.kind == "directory":
             return DirectoryStore(self.spec)
         if self.kind == "url":
-            from ckptfmt.storage.objects.bucket import Bucket
-            from ckptfmt.storage.store.bucket import BucketStore
-
             return BucketStore(Bucket.at(self.spec, self.storage_options))
         raise UsageError(
             f"{self.spec!r} names a checkpoint spread over node directories: one store per node"
