@@ -7,8 +7,11 @@ the bucket store, no scratch directory).
 2 ranks under ``mpiexec``, each holding ``--mib`` MiB of one float32 tensor split by rows,
 default 16 MiB shards, ``WriteOptions(fsync=False)``. Per round, the two trees run one after the
 other (the order alternating); each times ``--reps`` saves (overwrites) from a barrier to a
-barrier, after one untimed save, and reports the median, and each rank's peak extra memory: its
-peak RSS (``ru_maxrss``) minus its RSS once the state was built and the store set up.
+barrier, after one untimed save, and reports the median, each rank's CPU seconds per save
+(median over ranks and runs) and its peak extra memory: its peak RSS (``ru_maxrss``) minus its
+RSS once the state was built and the store set up. The local server (moto, one Python process)
+is the bottleneck here: the time says little beyond "not slower"; the CPU and memory per rank
+say what the route costs.
 
     python bench/bench_store_save.py --before /tmp/ckptfmt-before [--mib 256] [--reps 5]
 """
@@ -67,21 +70,30 @@ def ranks(args: argparse.Namespace) -> None:
     write = WriteOptions(fsync=False, overwrite=True)
     base = rss_now()
     times = []
+    cpu0 = 0.0
     for i in range(args.reps + 1):
         MPI.COMM_WORLD.Barrier()
+        if i == 1:
+            use = resource.getrusage(resource.RUSAGE_SELF)
+            cpu0 = use.ru_utime + use.ru_stime
         t0 = time.perf_counter()
         save_to_bucket(comm, state, url, step=i, node=f"n{rank}", write=write)
         MPI.COMM_WORLD.Barrier()
         if i:
             times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    peak = use.ru_maxrss * 1024
+    cpu = (use.ru_utime + use.ru_stime - cpu0) / args.reps  # this rank's CPU seconds a save
     extra = MPI.COMM_WORLD.gather(peak - base, root=0)
+    cpus = MPI.COMM_WORLD.gather(cpu, root=0)
     if rank == 0:
-        Path(args.part).write_text(json.dumps({"times": times, "extra": extra}))
+        Path(args.part).write_text(json.dumps({"times": times, "extra": extra, "cpu": cpus}))
 
 
 def run(args: argparse.Namespace) -> None:
-    server = subprocess.Popen([sys.executable, "-u", "-c", SERVER], stdout=subprocess.PIPE)
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-c", SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
     try:
         assert server.stdout is not None
         line = b""
@@ -129,8 +141,9 @@ def run(args: argparse.Namespace) -> None:
     for name, runs in got.items():
         med = statistics.median(t for r in runs for t in r["times"])
         extra = max(e for r in runs for e in r["extra"]) / (1 << 20)
+        cpu = statistics.median(c for r in runs for c in r["cpu"])
         print(
-            f"  {name:7s} {med:7.3f} s  {total / med:7.1f} MiB/s  "
+            f"  {name:7s} {med:7.3f} s  {total / med:7.1f} MiB/s  rank CPU {cpu:6.2f} s/save  "
             f"peak extra RSS per rank (max over ranks and runs) {extra:7.1f} MiB"
         )
     b = statistics.median(t for r in got["before"] for t in r["times"])
