@@ -32,6 +32,7 @@ from ckptfmt.container.reader import (
 from ckptfmt.errors import (
     DamagedError,
     MissingFileError,
+    NotACheckpointError,
     PerRankWarning,
     SizeMismatchError,
     StorageFullError,
@@ -42,8 +43,8 @@ from ckptfmt.format.zarr_meta import documents
 from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Source, open_whole
-from ckptfmt.manifest.codec import MANIFEST_NAME
-from ckptfmt.manifest.limits import display
+from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
+from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES, display
 from ckptfmt.manifest.model import (
     GroupEntry,
     Manifest,
@@ -54,12 +55,12 @@ from ckptfmt.manifest.model import (
 from ckptfmt.parallel.collective.save import SaveFailedError, save_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
-from ckptfmt.storage.files import Inside, storage_full
-from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.files import Files, Inside, storage_full
 from ckptfmt.storage.objects.copies import base_for
 from ckptfmt.storage.objects.url import is_url
-from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.storage.paths import check_destination
 from ckptfmt.storage.progress import ProgressCallback, metering
+from ckptfmt.storage.store import Store, parse_location
 from ckptfmt.transport.comm import SingleComm
 from ckptfmt.tree.state import Blob, Container, Objects, encode_objects, flatten, unflatten
 
@@ -77,7 +78,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 
 def save(
     state: Mapping[str, Any],
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Store,
     *,
     step: int | None = None,
     write: WriteOptions | None = None,
@@ -107,15 +108,16 @@ def save(
     :class:`~ckptfmt.Progress` events (the bytes of the data files written; the last once the
     checkpoint is committed), from this thread (``ckptfmt.storage.progress``).
 
-    ``path`` may be an object-store URL (``s3://bucket/run/ckpt``; ``gs://``, ``az://``): the
-    checkpoint is written into a temporary directory (``TMPDIR``), its files uploaded under
-    ``<url>/<save_id>/``, then the commit object ``<url>/ckptfmt-commit.json`` is written,
-    create-only: nothing is visible before it (``spec/FORMAT.md``, "Checkpoints in object
-    storage"). An overwrite writes it in place of the old one, conditional on its etag: the old
-    checkpoint stays whole until that put, and its objects are deleted after it.
+    ``path`` may be an object-store URL (``s3://bucket/run/ckpt``; ``gs://``, ``az://``): each
+    shard file is put under ``<url>/<save_id>/`` straight from the arrays' memory (no local
+    copy; a file above 32 MiB in parts), then the commit object ``<url>/ckptfmt-commit.json``
+    is written, create-only: nothing is visible before it (``spec/FORMAT.md``, "Checkpoints in
+    object storage"). An overwrite writes it in place of the old one, conditional on its etag:
+    the old checkpoint stays whole until that put, and its objects are deleted after it.
     ``storage_options``: settings of the store that override the ``AWS_*`` environment
     (``endpoint_url``, ``region``, ``aws_access_key_id``, ``allow_http``, ... as obstore and
-    fsspec name them); for URLs only. ``progress`` then covers the local write.
+    fsspec name them); for URLs only. ``path`` may also be a ``ckptfmt.storage.store.Store``
+    (a ``MemoryStore``, a store of one's own): the checkpoint is written through it.
 
     ``base``: the directory of a committed checkpoint to save incrementally against: a data
     file whose content is the same as the base's file at the same path (by a content hash the
@@ -129,10 +131,14 @@ def save(
     server-side copy, no upload; ``storage.objects.copies``), and the checkpoint at ``path``
     holds objects of its own: deleting the base breaks nothing there either.
     """
-    if isinstance(path, str) and is_url(path):
-        return _save_url(state, path, step, write, progress, objects, storage_options, base)
-    _no_options(storage_options, path)
-    check_destination(path)
+    where = parse_location(path, storage_options)
+    if where.kind == "url" and base is not None:  # copies inside the bucket: see _save_url
+        return _save_url(state, str(path), step, write, progress, objects, storage_options, base)
+    if where.kind not in ("directory", "url") and base is not None:
+        raise UsageError(f"base applies to a save into a directory or a bucket, not to {where}")
+    if where.kind == "directory":
+        check_destination(where.spec)
+    store = where.store()
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
     write = write if write is not None else WriteOptions(threads=writer_threads())
@@ -144,7 +150,7 @@ def save(
             manifest, _plan = save_collective(
                 SingleComm(),
                 state,
-                path,
+                store,
                 step=step,
                 node=socket.gethostname(),
                 write=write,
@@ -153,11 +159,11 @@ def save(
             meter.finish()
     except SaveFailedError as exc:  # one process: re-raise its own error, not the vote's
         if exc.cause is not None:
-            _raise_full(exc.cause, state, Path(path))
+            _raise_full(exc.cause, state, Path(store.where))
             raise exc.cause from None
         raise
     except OSError as exc:
-        _raise_full(exc, state, Path(path))
+        _raise_full(exc, state, Path(store.where))
         raise
     return manifest
 
@@ -172,8 +178,10 @@ def _save_url(
     storage_options: Mapping[str, Any] | None,
     base: str | os.PathLike[str] | None = None,
 ) -> Manifest:
-    """:func:`save` to a bucket: stage locally, upload, commit (see there); with a ``base``
-    (a URL in the same bucket), unchanged files are copied from it inside the store."""
+    """:func:`save` to a bucket incrementally against ``base`` (a URL in the same bucket): saved
+    into a scratch directory with content hashes, then the files the base holds alike copied
+    from it inside the store and the rest uploaded, and committed (see :func:`save`). This
+    route keeps the scratch directory: the copy plan needs every file's hash before a put."""
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
@@ -201,14 +209,9 @@ def _checked_base(base: str | os.PathLike[str] | None) -> Path | None:
     not a committed checkpoint fails it with NotACheckpointError naming it, nothing written)."""
     if base is None:
         return None
-    if isinstance(base, str) and is_url(base):
+    if parse_location(base).kind != "directory":
         raise UsageError(f"the base of an incremental save is a directory, not {base}")
     return Path(base)
-
-
-def _no_options(storage_options: Mapping[str, Any] | None, path: object) -> None:
-    if storage_options:
-        raise UsageError(f"storage_options apply to object-store URLs, not to the path {path!s}")
 
 
 def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> None:
@@ -239,7 +242,7 @@ def writer_threads() -> int:
 
 
 def load(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     *,
     read: ReadOptions | None = None,
     max_bytes: int | None = None,
@@ -288,7 +291,7 @@ def load(
 
 
 def load_with_manifest(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     *,
     read: ReadOptions | None = None,
     max_bytes: int | None = None,
@@ -303,7 +306,7 @@ def load_with_manifest(
 
 
 def load_own(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     *,
     read: ReadOptions | None = None,
     progress: ProgressCallback | None = None,
@@ -343,15 +346,16 @@ def _read_options(read: ReadOptions | None) -> ReadOptions:
 
 
 def _load(
-    path: NodeDirs,
+    path: NodeDirs | Store,
     read: ReadOptions,
     max_bytes: int | None,
     progress: ProgressCallback | None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[list[tuple[tuple[str, ...], Any]], Manifest]:
     """Every entry of the checkpoint at ``path`` (module docstring) and its manifest."""
-    if isinstance(path, str) and is_url(path):
-        manifest, objects = in_bucket.open_source(path, storage_options)
+    where = parse_location(path, storage_options)
+    if where.kind == "url":
+        manifest, objects = in_bucket.open_source(where.spec, storage_options)
         try:
             check_documents(objects, manifest)
             check_allocation(manifest.tensors(), max_bytes)
@@ -366,10 +370,14 @@ def _load(
             raise objects.not_whole(exc) from None
         except DamagedError as exc:
             raise in_bucket.at_key(exc, objects) from None
-    _no_options(storage_options, path)
-    if isinstance(path, Mapping) or is_spread(path):
+    if where.kind == "store":
+        src, manifest = _store_files(where.spec)
+        check_documents(src, manifest)
+        check_allocation(manifest.tensors(), max_bytes)
+        return _read_all(manifest, src, read.threads, progress), manifest
+    if where.kind == "spread":
         with tempfile.TemporaryDirectory(prefix="ckptfmt-rebuild-") as scratch:
-            source = open_whole(path, Path(scratch))
+            source = open_whole(where.spec, Path(scratch))
             check_allocation(source.manifest.tensors(), max_bytes)
             try:
                 source.check_documents()
@@ -382,8 +390,7 @@ def _load(
                     raise
                 leaves = _read_all(source.manifest, source.inside, read.threads, progress)
             return leaves, source.manifest
-    refuse_url(path)
-    root = Path(path)
+    root = Path(where.spec)
     manifest = read_manifest(root)
     src = Inside(root)
     check_documents(src, manifest)
@@ -420,7 +427,7 @@ def _read_all(
 
 
 def open_checkpoint(
-    path: NodeDirs, *, storage_options: Mapping[str, Any] | None = None
+    path: NodeDirs | Store, *, storage_options: Mapping[str, Any] | None = None
 ) -> Checkpoint:
     """Open a committed checkpoint read-only (``ckptfmt.open``); see :class:`Checkpoint`.
 
@@ -435,17 +442,29 @@ def open_checkpoint(
     read (and every listed object HEADed) now; indexing a tensor reads, with ranged GETs, the
     shard index and only the inner chunks the selection touches. ``storage_options`` as for
     :func:`save`."""
-    if isinstance(path, str) and is_url(path):
-        return in_bucket.open_url(path, storage_options)
-    _no_options(storage_options, path)
-    if not isinstance(path, Mapping) and not is_spread(path):
-        refuse_url(path)
-        return Checkpoint(path)
+    where = parse_location(path, storage_options)
+    if where.kind == "url":
+        return in_bucket.open_url(where.spec, storage_options)
+    if where.kind == "store":
+        src, manifest = _store_files(where.spec)
+        return Checkpoint(where.spec.where, manifest=manifest, src=src)
+    if where.kind == "directory":
+        return Checkpoint(where.spec)
     scratch = tempfile.TemporaryDirectory(prefix="ckptfmt-rebuild-")
-    source = open_whole(path, Path(scratch.name))
+    source = open_whole(where.spec, Path(scratch.name))
     if not source.rebuilt_nodes:
         scratch.cleanup()
     return Checkpoint(_shown(source), manifest=source.manifest, src=source.inside, keep=scratch)
+
+
+def _store_files(store: Store) -> tuple[Files, Manifest]:
+    """The read side of a store's committed checkpoint and its manifest, checked."""
+    src = store.files()
+    try:
+        data = src.read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise NotACheckpointError(store.where, f"no {MANIFEST_NAME}") from None
+    return src, parse_manifest(data, f"{store.where}/{MANIFEST_NAME}")
 
 
 def _shown(source: Source) -> str:

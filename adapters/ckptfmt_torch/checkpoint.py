@@ -34,17 +34,14 @@ from ckptfmt.parallel import (
     load_collective,
     resolve_node,
     save_collective,
-    save_to_bucket,
 )
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import (
     ProgressCallback,
     check_destination,
-    is_spread,
-    is_url,
     metering,
     open_committed,
-    refuse_url,
+    parse_location,
 )
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import Cast, Objects, PerRank, Shard, arrays_of, check_policy, encode_objects
@@ -95,9 +92,9 @@ def save(
 ) -> Manifest:
     """Collective (every rank of ``comm``, by default of torch.distributed's default group):
     save ``state_dict`` as one committed checkpoint directory at ``path``, or at an object-store
-    URL (``s3://bucket/run/ckpt``: each rank writes its part into a local scratch directory and
-    uploads its own files, rank 0 commits; ``ckptfmt.parallel.save_to_bucket``, credentials and
-    endpoint from the ``AWS_*`` environment); return its manifest.
+    URL (``s3://bucket/run/ckpt``: each rank puts its own shard files from memory, rank 0
+    commits, as ``ckptfmt.parallel.save_to_bucket``; credentials and endpoint from the
+    ``AWS_*`` environment), or into a ``ckptfmt.storage.store.Store``; return its manifest.
 
     ``state_dict`` maps names to tensors (DTensors: each rank its shard), objects with
     ``state_dict()`` (modules, optimizers, schedulers, ``TrainingState``), ``ckptfmt.PerRank``
@@ -115,11 +112,12 @@ def save(
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
-    url = path if isinstance(path, str) and is_url(path) else None
-    if url is None:
-        check_destination(path)
+    where = parse_location(path)
+    if where.kind == "directory":
+        check_destination(where.spec)
     elif base is not None:
-        raise UsageError(f"base applies to a save into a directory, not to {url}")
+        raise UsageError(f"base applies to a save into a directory, not to {where}")
+    store = where.store()
     write = write if write is not None else WriteOptions(threads=writer_threads())
     if not isinstance(write, WriteOptions):
         raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
@@ -128,21 +126,16 @@ def save(
     try:
         with metering("save", progress) as meter:
             meta = ManifestMeta(writer=writer_info())
-            if url is not None:
-                manifest = save_to_bucket(
-                    comm, state, url, step=step, node=resolve_node(node), write=write, meta=meta
-                )
-            else:
-                manifest, _ = save_collective(
-                    comm,
-                    state,
-                    path,
-                    step=step,
-                    node=resolve_node(node),
-                    write=write,
-                    meta=meta,
-                    base=base,
-                )
+            manifest, _ = save_collective(
+                comm,
+                state,
+                store,
+                step=step,
+                node=resolve_node(node),
+                write=write,
+                meta=meta,
+                base=base,
+            )
             meter.finish()
     except SaveFailedError as exc:
         if comm.size == 1 and exc.cause is not None:  # one process: its own error, not the vote's
@@ -205,7 +198,8 @@ def load(
     check_policy(cast)  # a usage error before anything is read
     comm = comm or default_comm()
     state = to_state(state_dict, objects="pickle")  # the objects it holds are replaced
-    if isinstance(path, Mapping) or is_spread(path):
+    where = parse_location(path)
+    if where.kind == "spread":
         if comm.size != 1:
             raise UsageError(
                 "a {node} template or a mapping node -> directory is loaded by one process; "
@@ -214,16 +208,14 @@ def load(
         loaded, manifest = load_own(path, read=read, progress=progress, trust_pickle=trust_pickle)
     else:
         source = None
-        if isinstance(path, str) and is_url(path):  # every rank reads the bucket itself
-            source = open_committed(path, check=False)  # one GET; a lost object fails the read
-        else:
-            refuse_url(path)
+        if where.kind == "url":  # every rank reads the bucket itself
+            source = open_committed(where.spec, check=False)  # one GET; a lost one fails the read
         wants = wants_of(state)
         targets = arrays_of(state) if into else None
         with metering("load", progress) as meter:
             loaded, manifest = load_collective(
                 comm,
-                path,
+                where.spec,
                 wants,
                 read=read,
                 into=targets,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 from ckptfmt.dtypes import by_name
 from ckptfmt.format.zarr_meta import array_doc, group_doc
 from ckptfmt.manifest.model import GroupEntry, Manifest
-from ckptfmt.storage.files import doc_bytes, write_json
+from ckptfmt.storage.files import doc_bytes
+from ckptfmt.storage.store.base import Draft
+from ckptfmt.storage.store.directory import draft_at
 from ckptfmt.version import __version__
 
 __all__ = ["ManifestMeta", "utc_now", "write_metadata", "writer_info"]
@@ -42,32 +45,42 @@ def writer_info() -> dict[str, Any]:
     return {"library": "ckptfmt", "version": __version__}
 
 
-def write_metadata(root: Path, manifest: Manifest, fsync: bool, like: Path | None = None) -> None:
-    """The zarr group and array documents of the whole hierarchy. ``like`` (an incremental
-    save's base): a document whose bytes the base holds at the same path already is hard-linked
-    from there instead of written (no fsync of it: the base's is durable)."""
+def write_metadata(
+    root: Path | Draft, manifest: Manifest, fsync: bool, like: Path | None = None
+) -> None:
+    """The zarr group and array documents of the whole hierarchy, into ``root`` (a draft of a
+    store, or a directory written directly). ``like`` (an incremental save's base): a document
+    whose bytes the base holds at the same path already is copied from there by the store
+    (``Draft.copy_from``: hard-linked in a directory) instead of written (no fsync of it: the
+    base's is durable)."""
+    draft = draft_at(root) if isinstance(root, Path) else root
     names = [e.name for e in manifest.entries]
     groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always
     groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
-    for g in sorted(groups, key=len):
-        (root / "/".join(g)).mkdir(parents=True, exist_ok=True)
-        _document(root, "/".join(g), group_doc(), fsync, like)
-    for t in manifest.tensors():
-        (root / t.path).mkdir(parents=True, exist_ok=True)
-        doc = array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape)
-        _document(root, t.path, doc, fsync, like)
+    docs = [("/".join(g), group_doc()) for g in sorted(groups, key=len)]
+    docs += [
+        (t.path, array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape))
+        for t in manifest.tensors()
+    ]
+    if draft.writes_in_flight <= 1 or len(docs) < 2:
+        for node, doc in docs:
+            _document(draft, node, doc, fsync, like)
+        return
+    # a bucket: each put waits a round trip, and a model has hundreds of documents
+    with ThreadPoolExecutor(min(draft.writes_in_flight, len(docs))) as pool:
+        list(pool.map(lambda nd: _document(draft, nd[0], nd[1], fsync, like), docs))
 
 
-def _document(root: Path, node: str, doc: Any, fsync: bool, like: Path | None) -> None:
-    """Write the ``zarr.json`` of ``node``, or link the base's when it holds the same bytes."""
-    target = root / node / "zarr.json"
+def _document(draft: Draft, node: str, doc: Any, fsync: bool, like: Path | None) -> None:
+    """Write the ``zarr.json`` of ``node``, or copy the base's when it holds the same bytes."""
+    rel = f"{node}/zarr.json" if node else "zarr.json"
+    data = doc_bytes(doc)
     if like is not None:
-        source = like / node / "zarr.json"
+        source = like / rel
         try:
-            same = stat.S_ISREG(os.lstat(source).st_mode) and source.read_bytes() == doc_bytes(doc)
-            if same:
-                os.link(source, target, follow_symlinks=False)
+            same = stat.S_ISREG(os.lstat(source).st_mode) and source.read_bytes() == data
+            if same and draft.copy_from(source, rel):
                 return
         except OSError:
-            pass  # no such document, or no link here: written
-    write_json(target, doc, fsync)
+            pass  # no such document: written
+    draft.set(rel, [data], fsync=fsync)

@@ -25,8 +25,9 @@ from ckptfmt.format.incremental import Incremental
 from ckptfmt.format.shard import CRC_BYTES, FileCrc, encode_index, index_nbytes
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
 from ckptfmt.manifest.model import FileRef
-from ckptfmt.storage.files import make_dirs, write_gather
 from ckptfmt.storage.progress import current_meter
+from ckptfmt.storage.store.base import Draft
+from ckptfmt.storage.store.directory import DirectoryDraft, draft_at
 
 CRC_FORMAT = struct.Struct("<I")  # a chunk's CRC32C as stored after it
 
@@ -90,9 +91,12 @@ def _chunk_buffer(
 
 @dataclass(frozen=True)
 class ShardJob:
-    """One shard file to write: where, and which part of which array goes into it."""
+    """One shard file to write: into which draft (``dest``), at which ``key``, and which part of
+    which array goes into it. ``target``: its path when the draft is a directory (an
+    incremental save hard-links the base's file there), else None."""
 
-    target: Path
+    dest: Draft
+    target: Path | None
     key: str
     geo: Geometry
     data: np.ndarray
@@ -110,6 +114,7 @@ class ShardJob:
         ``incremental``: also hash the content, and hard-link the base's file instead of writing
         when it holds the same bytes (``format/incremental.py``)."""
         return _write_shard(
+            self.dest,
             self.target,
             self.key,
             self.geo,
@@ -155,27 +160,26 @@ def region_file_nbytes(geo: Geometry, offset: Sequence[int], shape: Sequence[int
 
 
 def plan_region(
-    root: Path,
+    root: Path | Draft,
     geo: Geometry,
     data: np.ndarray,
     offset: Sequence[int],
     made_dirs: set[Path] | None = None,
 ) -> list[ShardJob]:
     """The shard files of the region of ``geo`` at ``offset`` holding ``data``, C order of their
-    shard indices; creates their directories.
+    shard indices, to be written into ``root`` (a draft of a store, or a directory written
+    directly); in a directory, creates their directories (``made_dirs``: those made already).
 
     ``data`` is C-contiguous, little-endian, of the tensor's dtype; ``offset`` and the region's end
     lie on the shard grid.
     """
-    made_dirs = set() if made_dirs is None else made_dirs
+    dest = draft_at(root, made_dirs) if isinstance(root, Path) else root
+    local = dest if isinstance(dest, DirectoryDraft) else None
     jobs: list[ShardJob] = []
     for cell in region_cells(geo, offset, data.shape):
         key = shard_key(geo.path, cell)
-        target = root / key
-        if target.parent not in made_dirs:
-            make_dirs(target.parent)
-            made_dirs.add(target.parent)
-        jobs.append(ShardJob(target, key, geo, data, tuple(offset), cell))
+        target = local.local(key) if local is not None else None
+        jobs.append(ShardJob(dest, target, key, geo, data, tuple(offset), cell))
     return jobs
 
 
@@ -209,7 +213,8 @@ def run_jobs(
 
 
 def _write_shard(
-    target: Path,
+    dest: Draft,
+    target: Path | None,
     key: str,
     geo: Geometry,
     data: np.ndarray,
@@ -220,7 +225,7 @@ def _write_shard(
     incremental: Incremental | None = None,
 ) -> FileRef:
     refused = False  # the fast path found the file unchanged but could not link it
-    if incremental is not None and into is None:
+    if incremental is not None and into is None and target is not None:
         fast, refused = _link_if_unchanged(target, key, geo, data, origin, cell, incremental)
         if fast is not None:
             return fast
@@ -260,15 +265,15 @@ def _write_shard(
         source = (
             None if refused else incremental.unchanged(key, geo_key, offset, data_crc.crc, digest)
         )
-        linked = source is not None and incremental.link(source, target)
+        linked = source is not None and target is not None and incremental.link(source, target)
         if linked:
             if into is not None:  # the parity covers this file too: its bytes, from memory
                 _gather(pieces, into)
         else:
-            write_gather(target, pieces, fsync, copy_to=into)
+            dest.set(key, pieces, fsync=fsync, copy_to=into)
         incremental.record(key, digest, offset, linked)
         return FileRef(key, offset, data_crc.crc)
-    write_gather(target, pieces, fsync, copy_to=into)
+    dest.set(key, pieces, fsync=fsync, copy_to=into)
     return FileRef(key, offset, data_crc.crc)
 
 

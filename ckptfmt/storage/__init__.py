@@ -1,7 +1,8 @@
 """Files on a POSIX file system: writing and reading inside a checkpoint directory, the atomic
 commit, step directory names, node directory templates, refused destinations, the progress of the
 operations that move bytes; a committed checkpoint in a bucket, read as a directory is
-(``objects``)."""
+(``objects``); the write side, a store per place a checkpoint lives with its commit, and the
+location a user's path or URL is parsed into (``store``)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,23 @@ from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import check_destination, refuse_url
 from ckptfmt.storage.progress import Progress, ProgressCallback, metering
 from ckptfmt.storage.steps import StepRef, parse_step, step_dir_name
+from ckptfmt.storage.store import (
+    DirectoryStore,
+    Draft,
+    Location,
+    MemoryStore,
+    Store,
+    parse_location,
+)
 
 __all__ = [
     "check_destination",
+    "DirectoryStore",
+    "Draft",
+    "Location",
+    "MemoryStore",
+    "parse_location",
+    "Store",
     "expand",
     "fsync_dir",
     "Inside",

@@ -644,14 +644,14 @@ def test_failure_while_writing_removes_staging(
     real = files.write_gather
     calls = {"n": 0}
 
-    def failing(path: Path, pieces: Any, fsync: bool = True) -> int:
+    def failing(path: Path, pieces: Any, fsync: bool = True, copy_to: Any = None) -> int:
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError(28, "No space left on device (injected)")
-        return real(path, pieces, fsync)
+        return real(path, pieces, fsync, copy_to)
 
     monkeypatch.setattr(files, "write_gather", failing)
-    for mod in ("ckptfmt.format.shard_io", "ckptfmt.storage.commit"):
+    for mod in ("ckptfmt.storage.store.directory", "ckptfmt.storage.commit"):
         monkeypatch.setattr(f"{mod}.write_gather", failing, raising=False)
     root = tmp_path / "c"
     with pytest.raises(CkptError):

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptfmt.errors import CkptError, StorageError, StorageFullError, level_name
 from ckptfmt.parallel.collective.boundary import Boundary
-from ckptfmt.storage import commit
+from ckptfmt.storage.store.base import Draft
 
 FaultHook = Callable[[str], None]
 
@@ -43,34 +43,30 @@ def level_directory(final: Path, levels: Mapping[str, Any] | int | None) -> Iter
 
 
 def publish_commit(
-    b: Boundary,
-    is_leader: bool,
-    staging: Path,
-    final: Path,
-    save_id: str,
-    fsync: bool,
-    hook: FaultHook,
+    b: Boundary, is_leader: bool, draft: Draft, fsync: bool, hook: FaultHook
 ) -> None:
     """Collective (every rank, after the vote that every node's manifest is staged): each
-    group's leader renames its staged step into place; a last vote; if any node failed to, the
-    nodes that did roll it back (their previous copy of the step, if any, comes back), so a step
-    is committed on every node or on none. (A rank that dies between its rename and this vote
-    leaves a step committed on some nodes: a torn commit of a save whose every data and parity
-    file was written, which the restore rebuilds.)"""
-    old: Path | None = None
+    group's leader publishes its draft with its store's commit (renames its staged step into
+    place; writes the commit object); a last vote; if any node failed to, the nodes that did
+    roll it back (their previous copy of the step, if any, comes back), so a step is committed
+    on every node or on none. (A rank that dies between its rename and this vote leaves a step
+    committed on some nodes: a torn commit of a save whose every data and parity file was
+    written, which the restore rebuilds.)"""
+    old: Any = None
     published = False
     with b.guard("commit"):
         if is_leader:
             hook("committing")
-            old = commit.publish(staging, final, save_id, fsync, hook)
+            old = draft.publish(hook, fsync)
             published = True
         hook("committed")
 
     def roll_back() -> None:
         if published:
-            commit.unpublish(staging, final, old, fsync)
+            draft.unpublish(old, fsync)
         elif is_leader:
-            commit.abort(staging)
+            draft.abort()
 
     b.vote("commit", cleanup=roll_back)
-    commit.discard(old)
+    if is_leader:
+        draft.discard(old)

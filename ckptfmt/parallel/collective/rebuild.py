@@ -51,6 +51,7 @@ from ckptfmt.redundancy.engine import run_ops
 from ckptfmt.redundancy.record import record_of
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside
+from ckptfmt.storage.store.directory import DirectoryDraft
 from ckptfmt.transport.comm import Comm
 
 
@@ -183,6 +184,7 @@ def rebuild_collective(
         if recreate and is_leader:
             commit.stage_manifest(staging, text.encode("utf-8"), fsync)
     b.vote("rebuild-write", cleanup=cleanup)
-    publish_commit(b, recreate and is_leader, staging, path, manifest.save_id, fsync, _no_hook)
+    draft = DirectoryDraft(path, manifest.save_id, staging)
+    publish_commit(b, recreate and is_leader, draft, fsync, _no_hook)
     report.seconds = time.perf_counter() - started
     return report, manifest

@@ -50,7 +50,7 @@ from ckptfmt.engine.encode import (
     reserve_buffers,
 )
 from ckptfmt.errors import SaveFailedError as SaveFailedError  # re-exported
-from ckptfmt.errors import StorageFullError, level_name
+from ckptfmt.errors import StorageFullError, UsageError, level_name
 from ckptfmt.format import incremental as inc
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import plan_region, run_jobs
@@ -79,7 +79,8 @@ from ckptfmt.parallel.collective.save_state import LocalState, check_state, regi
 from ckptfmt.plan.cache import PlanCache
 from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.storage import commit
+from ckptfmt.storage.store.base import Draft, Store
+from ckptfmt.storage.store.directory import DirectoryStore
 from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
@@ -88,7 +89,7 @@ log = logging.getLogger("ckptfmt")
 def save_collective(
     comm: Comm,
     state: Mapping[str, Any],
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Store,
     *,
     step: int | None,
     node: str,
@@ -104,12 +105,17 @@ def save_collective(
     plans: PlanCache | None = None,
 ) -> tuple[Manifest, SavePlan]:
     """Collective: every rank of ``comm`` calls it, once per checkpoint, with its own ``state``
-    and the final directory it writes to (``path``: this rank's node-local copy, or the shared
-    one). Returns the manifest (the same on every rank) and the plan.
+    and the store it writes to (``path``: a directory, this rank's node-local copy or the
+    shared one; or any ``storage.store.Store``: a bucket prefix, memory). Returns the manifest
+    (the same on every rank) and the plan. Every rank writes its files into its group's draft
+    of the store (``Draft.set``: a file in the staging directory, an object put straight from
+    the arrays' memory), and each group's leader commits it with the store's commit (a rename;
+    the commit object).
 
-    Ranks with the same ``group`` key see the same directory (default: the absolute path, right
-    on one machine; on a cluster, node-local paths are equal strings on different nodes, so the
-    caller passes the node for level 1 and one key for the shared level).
+    Ranks with the same ``group`` key see the same store (default: the store's ``group``: a
+    directory's absolute path, a bucket's URL; on a cluster, node-local paths are equal strings
+    on different nodes, so the caller passes the node for level 1 and one key for the shared
+    level).
 
     With ``redundancy`` (level-1 saves), once every rank's data files are written the ranks
     encode it across the nodes (``ckptfmt/engine/encode.py``), each writing its parity file into its
@@ -139,7 +145,8 @@ def save_collective(
     plan is the same either way (``plan/cache.py``: a plan is kept by everything it depends on),
     so each rank may pass its own cache, or none.
     """
-    run = _Save(comm, state, Path(path).absolute(), step, node, write, meta, fault, seq, failure)
+    store = path if isinstance(path, Store) else DirectoryStore(path)
+    run = _Save(comm, state, store, step, node, write, meta, fault, seq, failure)
     run.plans = plans
     run.base = None if base is None else Path(base).absolute()
     run.hashing = run.base is not None or write.content_hash
@@ -148,7 +155,7 @@ def save_collective(
     run.stage()
     refs, parity = run.write()
     manifest = run.manifest(refs, parity)
-    publish_commit(run.b, run.is_leader, run.staging, run.final, run.save_id, write.fsync, run.hook)
+    publish_commit(run.b, run.is_leader, run.draft, write.fsync, run.hook)
     mine = run.tallies[comm.rank] if len(run.tallies) == comm.size else None
     if mine is not None and mine["unlinkable"]:
         log.warning(
@@ -176,7 +183,7 @@ class _Save:
         self,
         comm: Comm,
         state: Mapping[str, Any],
-        final: Path,
+        store: Store,
         step: int | None,
         node: str,
         write: WriteOptions,
@@ -185,7 +192,8 @@ class _Save:
         seq: int | None,
         failure: BaseException | None,
     ) -> None:
-        self.comm, self.state, self.final, self.node = comm, state, final, node
+        self.comm, self.state, self.store, self.node = comm, state, store, node
+        self.final = Path(store.where)  # for messages (a URL's never name a full disk)
         self.step, self.write_options, self.meta = step, write, meta
         self.hook: FaultHook = fault or (lambda _point: None)
         self.b = Boundary(comm, "save", step, seq=seq, failure=failure)
@@ -198,6 +206,7 @@ class _Save:
         self.hash_name = inc.algorithm()
         self.tallies: list[dict[str, Any]] = []
         self.plans: PlanCache | None = None
+        self.written: list[Any] = []  # every writer's Draft.written(), for the committer
 
     def declare(self, group: str | None) -> None:
         """Collective (one vote): check this rank's state and gather every rank's declarations
@@ -225,8 +234,8 @@ class _Save:
             {
                 "decl": decl,
                 "per_rank": per_rank,
-                "path": str(self.final),
-                "group": group if group is not None else str(self.final),
+                "path": self.store.where,
+                "group": group if group is not None else self.store.group,
                 "node": self.node,
                 "save_id": self.meta.save_id or os.urandom(16).hex(),
                 "created": self.meta.created or utc_now(),
@@ -240,8 +249,8 @@ class _Save:
         leaders = groups_of([i["group"] for i in self.info])
         self.is_leader = leaders[comm.rank] == comm.rank
         self.save_id: str = self.info[0]["save_id"]  # rank 0's proposal, the same everywhere
-        self.staging = commit.staging_dir(self.final, self.save_id)
-        self.mine_staging = self.staging if self.is_leader else None
+        self.draft: Draft = self.store.join(self.save_id)  # the leader's is prepared in stage
+        self.mine_staging = self.draft.abort if self.is_leader else None
         self.nodes = [i["node"] for i in self.info]
 
     def plan(self, redundancy: Redundancy | None) -> None:
@@ -287,9 +296,10 @@ class _Save:
                     reserve_buffers(self.layout)
                     self.member = data_buffer(self.layout)
                 if self.is_leader:
-                    commit.prepare(self.final, self.save_id, self.write_options.overwrite)
+                    self.draft = self.store.prepare(self.save_id, self.write_options.overwrite)
+                    self.mine_staging = self.draft.abort
                     write_metadata(
-                        self.staging, self.skeleton, self.write_options.fsync, like=self.base
+                        self.draft, self.skeleton, self.write_options.fsync, like=self.base
                     )
         b.vote("stage", cleanup=self.mine_staging)
 
@@ -309,15 +319,14 @@ class _Save:
             self.hook("staged")
             incremental = self._incremental() if self.hashing else None
             jobs_by_region = []
-            made: set[Path] = set()
             for t, r in self.plan_.for_rank(comm.rank):
                 data = region_data(self.local, t, r.offset, r.shape)
-                jobs = plan_region(self.staging, geometry_of(t), data, r.offset, made)
+                jobs = plan_region(self.draft, geometry_of(t), data, r.offset)
                 jobs_by_region.append((t, r, jobs))
             all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
             into = member_slices(self.skeleton, comm.rank, jobs_by_region, self.member)
             on_node = sum(1 for i in self.info if i["node"] == self.node)
-            workers = max(1, write.threads // on_node)
+            workers = max(1, write.threads // on_node, self.draft.writes_in_flight)
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 files = iter(
                     run_jobs(
@@ -341,14 +350,25 @@ class _Save:
         if self.layout is not None and self.member is not None:  # the vote carries the parity
             with b.guard("encode"):
                 parity = encode_collective(
-                    comm, self.layout, self.member, self.staging, write.fsync, failed=b.failed
+                    comm, self.layout, self.member, self._local_dir(), write.fsync, failed=b.failed
                 )
                 self.hook("encoded")
-        gathered = b.vote(
-            "write", {"refs": refs, "parity": parity, "tally": tally}, cleanup=self.mine_staging
-        )
+        payload: dict[str, Any] = {"refs": refs, "parity": parity, "tally": tally}
+        written = self.draft.written() if not b.failed else []
+        if written:  # what the committer lists (a bucket's objects), from every writer
+            payload["objects"] = written
+        gathered = b.vote("write", payload, cleanup=self.mine_staging)
         self.tallies = [g["tally"] for g in gathered if g["tally"] is not None]
+        self.written = [g["objects"] for g in gathered if "objects" in g]
         return [g["refs"] for g in gathered], [g["parity"] for g in gathered]
+
+    def _local_dir(self) -> Path:
+        """The draft's directory, for the parity files of a level-1 save (node-local disks)."""
+        if self.draft.path is None:
+            raise UsageError(
+                f"redundancy applies to a save into node-local directories, not {self.store.where}"
+            )
+        return self.draft.path
 
     def _incremental(self) -> inc.Incremental:
         """This rank's hashing (and, with a base, linking) for the files it writes: the base's
@@ -383,7 +403,7 @@ class _Save:
             self.hook("manifest")
             data = dump_manifest(manifest)  # on every rank: a manifest too big fails them all
             if self.is_leader:
-                commit.stage_manifest(self.staging, data, self.write_options.fsync)
+                self.draft.stage_manifest(data, self.written, self.write_options.fsync)
         b.vote("manifest", cleanup=self.mine_staging)
         return manifest
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ckptfmt.container.reader import read_manifest_bytes
 from ckptfmt.errors import (
     CkptError,
     LoadFailedError,
@@ -42,7 +43,6 @@ from ckptfmt.storage.objects.commit import (
     Commit,
     Committed,
     delete_checkpoint,
-    drop_replaced,
     find_commit,
     list_steps,
     missing_objects,
@@ -52,11 +52,11 @@ from ckptfmt.storage.objects.commit import (
     read_latest,
     step_bucket,
     step_names,
-    write_commit,
 )
 from ckptfmt.storage.objects.copies import CopyPlan, Tally, read_base
 from ckptfmt.storage.objects.source import ObjectInside
 from ckptfmt.storage.steps import parse_step, step_dir_name
+from ckptfmt.storage.store.bucket import BucketStore
 from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
@@ -301,17 +301,20 @@ def flush_to_bucket(
         return dest
     copies = None if votes[0][1] is None else CopyPlan.from_json(votes[0][1], root)
     tally = Tally()
-    objects = upload_phase(
-        comm, b, "flush-upload", dest, manifest, local_path, threads, hook, copies, tally
+    store = BucketStore(dest, writes_in_flight=threads)
+    draft = (
+        store.replacing(manifest.save_id, there) if comm.rank == 0 else store.join(manifest.save_id)
+    )
+    written = upload_phase(
+        comm, b, "flush-upload", draft, manifest, local_path, threads, hook, copies, tally
     )
     if report is not None:
         report.update(tally.report())
     with b.guard("flush-commit"):
         if comm.rank == 0:
             hook("flush-committing")
-            commit = Commit(manifest.save_id, step, objects)
-            write_commit(dest, commit, there)
-            drop_replaced(dest, there, commit)
+            draft.stage_manifest(read_manifest_bytes(local_path), written, fsync=False)
+            draft.discard(draft.publish())
             move_latest(root, step, manifest.save_id)
     b.vote("flush-commit")
     hook("flushed")

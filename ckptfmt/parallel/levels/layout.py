@@ -41,6 +41,7 @@ from ckptfmt.storage.files import Inside, naming, write_gather
 from ckptfmt.storage.nodes import expand
 from ckptfmt.storage.paths import unwritable
 from ckptfmt.storage.steps import STEP_NAME, list_step_dirs, step_dir_name
+from ckptfmt.storage.store.directory import DirectoryDraft
 from ckptfmt.transport.comm import Comm
 
 LEVELS_FILE = "ckptfmt-levels.json"
@@ -283,7 +284,8 @@ def flush_collective(
             write_metadata(staging, manifest, fsync)
             commit.stage_manifest(staging, dump_manifest(manifest), fsync)
     b.vote("flush-manifest", cleanup=mine)
-    publish_commit(b, comm.rank == 0, staging, final, manifest.save_id, fsync, _flush_hook(hook))
+    draft = DirectoryDraft(final, manifest.save_id, staging)
+    publish_commit(b, comm.rank == 0, draft, fsync, _flush_hook(hook))
     hook("flushed")
     return final
 

@@ -14,8 +14,7 @@ from ckptfmt.errors import ObjectStoreSetupError, UsageError, level_name
 from ckptfmt.parallel.levels.bucket import BucketLevel, bucket_levels
 from ckptfmt.parallel.levels.layout import LEVELS_FILE, Levels, dir_level3, with_level1
 from ckptfmt.parallel.levels.shared import DirLevel, SharedLevel
-from ckptfmt.storage.objects.url import is_url
-from ckptfmt.storage.paths import refuse_url
+from ckptfmt.storage.store import parse_location
 
 __all__ = ["level3_of", "list_levels", "shared_level"]
 
@@ -34,19 +33,19 @@ def shared_level(
         if storage_options:
             raise UsageError("storage_options is for a shared_dir that is an object-store URL")
         return None
-    if isinstance(shared_dir, str) and is_url(shared_dir):
+    where = parse_location(shared_dir)  # an unsupported scheme (file://, http://) is named
+    if where.is_bucket:
         if local_dir is None:
             raise UsageError(
                 f"shared_dir={shared_dir!r} is a bucket: level 1 (local_dir) is needed, since "
                 "level 3 on object storage is written by flushing level-1 checkpoints"
             )
         try:
-            return BucketLevel.at(shared_dir, storage_options)
+            return BucketLevel.at(where.spec, storage_options)
         except ObjectStoreSetupError as exc:  # told by the settings alone, before a request
             raise exc.at_level(level_name(3) or "level 3") from None
     if storage_options:
         raise UsageError("storage_options is for a shared_dir that is an object-store URL")
-    refuse_url(os.fspath(shared_dir))  # an unsupported scheme (file://, http://) is named
     return DirLevel(Path(shared_dir).absolute())
 
 
@@ -67,9 +66,9 @@ def list_levels(
     ``ckptfmt[cloud]``): a bucket's steps are flushed (a commit object whose objects are all
     there), damaged (some missing or of another size), or not committed (objects without a
     commit object: a flush in progress or one that failed)."""
-    if isinstance(shared_root, str) and is_url(shared_root):
-        level3, cfg = bucket_levels(shared_root, storage_options)
-        return with_level1(shared_root, cfg, level3)
+    if parse_location(shared_root).is_bucket:
+        level3, cfg = bucket_levels(os.fspath(shared_root), storage_options)
+        return with_level1(os.fspath(shared_root), cfg, level3)
     root = Path(shared_root)
     cfg_file = root / LEVELS_FILE
     cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}

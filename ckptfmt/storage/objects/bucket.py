@@ -446,6 +446,23 @@ class Bucket:
             )
         return crc.value
 
+    def upload_parts(self, key: str, parts: Iterable[bytes], size: int) -> None:
+        """Upload ``size`` bytes handed out as ``parts`` (each :func:`part_size` long but the
+        last) to ``key`` in a multipart upload, :data:`UPLOAD_CONCURRENCY` parts in flight:
+        the bytes are never held whole (a writer streaming from memory, not from a file)."""
+        obstore = self._lib()
+        chunk = part_size(size)
+        with self._failing("PUT", key):
+            self._count("PUT", 2 + -(-size // chunk))
+            obstore.put(
+                self._store,
+                self._full(key),
+                iter(parts),
+                use_multipart=True,
+                chunk_size=chunk,
+                max_concurrency=UPLOAD_CONCURRENCY,
+            )
+
     def download(self, key: str, path: Path) -> int:
         """Write object ``key`` to the file ``path`` (through a temporary name beside it,
         renamed when whole), streaming; return the CRC32C of its bytes."""

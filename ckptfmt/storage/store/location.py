@@ -1,0 +1,84 @@
+"""Where a user says a checkpoint is, parsed once where it is handed in (``ckptfmt.save``,
+``load``, ``open``, the collective save, the CLI): a directory, a ``{node}`` template or a
+mapping node -> directory (a level-1 checkpoint spread over node-local directories), a URL of a
+bucket prefix, or a :class:`~ckptfmt.storage.store.Store` given as it is. The code past the
+boundary takes the :class:`Location` (or its store) and asks no more whether a string is a URL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ckptfmt.errors import UsageError
+from ckptfmt.storage.nodes import is_spread
+from ckptfmt.storage.objects.bucket import Bucket
+from ckptfmt.storage.objects.url import is_url
+from ckptfmt.storage.paths import refuse_url
+from ckptfmt.storage.store.base import Store
+from ckptfmt.storage.store.bucket import BucketStore
+from ckptfmt.storage.store.directory import DirectoryStore
+
+Kind = Literal["directory", "spread", "url", "store"]
+
+LocationSpec = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | Store
+
+
+@dataclass(frozen=True)
+class Location:
+    """A parsed checkpoint location: its ``kind``, what the user gave (``spec``) and the
+    store settings that came with it (``storage_options``, for a URL only)."""
+
+    kind: Kind
+    spec: Any
+    storage_options: Mapping[str, Any] | None = None
+
+    @property
+    def is_bucket(self) -> bool:
+        return self.kind == "url"
+
+    def store(self) -> Store:
+        """The store that writes (and reads) the checkpoint here. A spread level-1 checkpoint
+        has one per node: :class:`UsageError` (its writers each take their node's directory)."""
+        if self.kind == "store":
+            return self.spec  # type: ignore[no-any-return]
+        if self.kind == "directory":
+            return DirectoryStore(self.spec)
+        if self.kind == "url":
+            return BucketStore(Bucket.at(self.spec, self.storage_options))
+        raise UsageError(
+            f"{self.spec!r} names a checkpoint spread over node directories: one store per node"
+        )
+
+    def __str__(self) -> str:
+        if self.kind == "store":
+            return str(self.spec.where)
+        return os.fspath(self.spec) if not isinstance(self.spec, Mapping) else str(self.spec)
+
+
+def parse_location(
+    spec: LocationSpec, storage_options: Mapping[str, Any] | None = None
+) -> Location:
+    """``spec`` as a :class:`Location`. A URL of a supported scheme (``s3://``, ``gs://``,
+    ``az://``, ``memory://``) is a bucket prefix; another URL (``file://``, ``http://``)
+    raises :class:`UrlNotSupportedError`; ``storage_options`` with anything but a URL raise
+    :class:`UsageError` (they configure an object store)."""
+    if isinstance(spec, Store):
+        found = Location("store", spec)
+    elif isinstance(spec, str) and is_url(spec):
+        return Location("url", spec, storage_options)
+    elif is_spread(spec):
+        found = Location("spread", spec)
+    elif isinstance(spec, str | os.PathLike):
+        refuse_url(spec)
+        found = Location("directory", spec)
+    else:
+        raise UsageError(
+            f"a checkpoint location is a path, a {{node}} template, a mapping node -> "
+            f"directory, a URL or a Store, not {type(spec).__name__}"
+        )
+    if storage_options:
+        raise UsageError(f"storage_options apply to object-store URLs, not to the path {found}")
+    return found
