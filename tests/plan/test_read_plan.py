@@ -197,6 +197,8 @@ def check_geometry(layout: Layout, box: Any, reads: Any) -> None:
         assert fr.n_present == present
         slots = [p.slot for p in fr.pieces]
         assert slots == sorted(set(slots)), "slots not ascending or repeated"
+        assert fr.slots == tuple(slots), "slots (made without pieces) differ from the pieces'"
+        check_rows_into(fr, box, chunk)
         for p in fr.pieces:
             inner = tuple((a - o) // c for a, o, c in zip(p.chunk_lo, origin, chunk))
             assert all((a - o) % c == 0 for a, o, c in zip(p.chunk_lo, origin, chunk))
@@ -210,6 +212,42 @@ def check_geometry(layout: Layout, box: Any, reads: Any) -> None:
             assert all(
                 o <= a and a + n <= o + e for a, n, o, e in zip(p.lo, p.shape, box[0], box[1])
             ), "piece outside the wanted box"
+
+
+def check_rows_into(fr: Any, box: Any, chunk: tuple[int, ...]) -> None:
+    """Where ``rows_into`` says the chunks go back to back in the box's array, each piece is a
+    whole chunk and lies there (recomputed from the pieces); where it says no, some piece is
+    not a whole chunk or the chunks are not the box's full rows."""
+    first = fr.rows_into(box[0], box[1])
+    n = math.prod(chunk)
+    full_rows = box[1] and tuple(chunk[1:]) == tuple(box[1][1:])
+    fits = full_rows and all(
+        p.shape == tuple(chunk) and p.lo[1:] == tuple(box[0][1:]) for p in fr.pieces
+    )
+    assert (first is not None) == bool(fits and fr.pieces)
+    if first is None:
+        return
+    for k, p in enumerate(fr.pieces):
+        at = int(np.ravel_multi_index([a - o for a, o in zip(p.lo, box[0])], box[1]))
+        assert at == first + k * n, "a chunk not where rows_into puts it"
+
+
+def test_rows_into_row_blocks_of_another_split() -> None:
+    """A rank of 2 reading the 4-rank row blocks of a 976 x 8 tensor: each file's chunks are
+    whole rows of its box, back to back; a box narrower than the chunks or a cut chunk is not."""
+    layout = Layout(
+        (976, 8),
+        (244, 8),
+        (4, 8),
+        tuple(SavedRegion((244 * r, 0), (244, 8), r, 1) for r in range(4)),
+    )
+    a, b = plan_reads(layout, ((0, 0), (488, 8)))
+    assert a.rows_into((0, 0), (488, 8)) == 0 and b.rows_into((0, 0), (488, 8)) == 244 * 8
+    assert a.slots == tuple(range(61))
+    (c,) = plan_reads(layout, ((2, 0), (100, 8)))  # starts inside a chunk
+    assert c.rows_into((2, 0), (100, 8)) is None
+    (d,) = plan_reads(layout, ((0, 0), (4, 4)))  # half the width
+    assert d.rows_into((0, 0), (4, 4)) is None
 
 
 def fill(layout: Layout, box: Any, reads: Any, g: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.grid import flat_range, is_contiguous_box
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest, TensorEntry
-from ckptfmt.plan.reads import Box, FileRead, Layout, check_box
+from ckptfmt.plan.reads import Box, FileRead, Layout, Piece, check_box
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 from ckptfmt.storage.files import Files
 from ckptfmt.storage.progress import current_meter
@@ -254,56 +254,75 @@ def _read_task(
     lock: threading.Lock,
 ) -> None:
     """Read one file task's chunks (verified) and put each piece where it goes: this rank's
-    own into ``out``, the others' into their send buffers or the broadcast buffer."""
-    geo, nb = p.geo, p.geo.chunk_nbytes
-    origin = p.boxes[task.reader][0]
-    own = {pc.slot: pc for pc in (task.own.pieces if task.own else ())}
-    out_bytes = out.reshape(-1).view(np.uint8)
-    targets: list[memoryview] = []
-    direct: set[int] = set()
-    n_scratch = 0
+    own into ``out`` (whole chunks that are contiguous there are read straight into it), the
+    others' into their send buffers or the broadcast buffer."""
+    nb = p.geo.chunk_nbytes
     if bcast is None:
-        for s in task.slots:
-            pc = own.get(s)
-            if pc is not None and pc.shape == geo.chunk_shape:
-                lo = tuple(a - o for a, o in zip(pc.lo, origin))
-                hi = tuple(a + n for a, n in zip(lo, pc.shape))
-                if is_contiguous_box(out.shape, lo, hi):
-                    start, _ = flat_range(out.shape, lo, hi)
-                    start *= geo.dtype.itemsize
-                    targets.append(memoryview(out_bytes[start : start + nb]))  # type: ignore[arg-type]
-                    direct.add(s)
-                    continue
-            targets.append(memoryview(b""))  # filled below
-            n_scratch += 1
-        scratch = np.empty(n_scratch * nb, np.uint8)
-        k = 0
-        for i, s in enumerate(task.slots):
-            if s not in direct:
-                targets[i] = memoryview(scratch[k * nb : (k + 1) * nb])  # type: ignore[arg-type]
-                k += 1
+        targets, rest = _own_targets(p, task, out)
     else:
-        targets = [
-            memoryview(bcast[i * nb : (i + 1) * nb])  # type: ignore[arg-type]
-            for i in range(len(task.slots))
-        ]
-    t = p.t
-    ref = t.regions[task.file.region].files[task.file.file]
+        view = memoryview(bcast)  # type: ignore[arg-type]
+        targets = [view[i * nb : (i + 1) * nb] for i in range(len(task.slots))]
+        rest = list(task.own.pieces) if task.own else []  # the root's own, out of the broadcast
+    ref = p.t.regions[task.file.region].files[task.file.file]
     try:
-        read_chunks(src, geo, ref, task.file.cell, task.slots, targets, task.whole, (p.name,))
+        read_chunks(src, p.geo, ref, task.file.cell, task.slots, targets, task.whole, (p.name,))
     except Exception as exc:  # damage, or anything else: voted on by the caller
         with lock:
             errors.append(exc)
         return
-    chunks = {s: _chunk(geo, targets[i]) for i, s in enumerate(task.slots)}
-    for s, pc in own.items():
-        if s not in direct:
-            out[pc.dst(origin)] = chunks[s][pc.src()]
+    if not rest and not deliveries:
+        return
+    at = {s: i for i, s in enumerate(task.slots)}
+    origin = p.boxes[task.reader][0]
+    for pc in rest:
+        out[pc.dst(origin)] = _chunk(p.geo, targets[at[pc.slot]])[pc.src()]
     for dl, flat in deliveries:
         pos = 0
         for pc in dl.pieces:
-            flat[pos : pos + pc.nelems] = chunks[pc.slot][pc.src()].reshape(-1)
+            flat[pos : pos + pc.nelems] = _chunk(p.geo, targets[at[pc.slot]])[pc.src()].reshape(-1)
             pos += pc.nelems
+
+
+def _own_targets(
+    p: LoadPlan, task: FileTask, out: np.ndarray
+) -> tuple[list[memoryview], list[Piece]]:
+    """Where each chunk of ``task`` is read to (in ``task.slots`` order): a rank's own whole
+    chunks that are one contiguous run of ``out`` straight there, every other chunk into
+    scratch; and the own pieces then to be copied out of the scratch."""
+    geo, nb = p.geo, p.geo.chunk_nbytes
+    origin = p.boxes[task.reader][0]
+    out_bytes = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    direct: dict[int, memoryview] = {}
+    rest: list[Piece] = []
+    own = task.own
+    first = own.rows_into(origin, out.shape) if own is not None else None
+    if own is not None and first is not None:  # row blocks: back to back, no pieces made
+        at = first * geo.dtype.itemsize
+        for k, s in enumerate(own.slots):
+            direct[s] = out_bytes[at + k * nb : at + (k + 1) * nb]
+    elif own is not None:
+        for pc in own.pieces:
+            if pc.shape == geo.chunk_shape:
+                lo = tuple(a - o for a, o in zip(pc.lo, origin))
+                hi = tuple(a + n for a, n in zip(lo, pc.shape))
+                if is_contiguous_box(out.shape, lo, hi):
+                    start = flat_range(out.shape, lo, hi)[0] * geo.dtype.itemsize
+                    direct[pc.slot] = out_bytes[start : start + nb]
+                    continue
+            rest.append(pc)
+    if len(direct) == len(task.slots):
+        return [direct[s] for s in task.slots], rest
+    n_scratch = len(task.slots) - len(direct)
+    scratch = memoryview(np.empty(n_scratch * nb, np.uint8))  # type: ignore[arg-type]
+    targets = []
+    k = 0
+    for s in task.slots:
+        view = direct.get(s)
+        if view is None:
+            view = scratch[k * nb : (k + 1) * nb]
+            k += 1
+        targets.append(view)
+    return targets, rest
 
 
 def _place_broadcast(
