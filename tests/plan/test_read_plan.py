@@ -348,12 +348,13 @@ def simulate(
     g: np.ndarray,
     same_size: bool = False,
     broadcast: bool = False,
+    share: list[int] | None = None,
 ) -> Any:
     """Run a route in memory: reads from simulated chunks, broadcasts, sends."""
     itemsize = 8
     nb = math.prod(layout.chunk_shape) * itemsize
     load = [0] * len(wants)
-    r = route(layout, wants, sees, load, nb, same_size, broadcast)
+    r = route(layout, wants, sees, load, nb, same_size, broadcast, share)
     outs = [np.zeros(w[1], dtype=g.dtype) for w in wants]
     hits = [np.zeros(w[1], dtype=np.int64) for w in wants]
     reads_by_rank: Counter[tuple[int, Any, int]] = Counter()
@@ -370,7 +371,11 @@ def simulate(
         assert set(t.slots) <= set(chunks)
         needed: set[int] = set(t.own.slots if t.own else ())
         for dl in t.deliveries:
-            assert t.file.writer not in sees[dl.dest], "sent to a rank that can read it itself"
+            if t.file.writer in sees[dl.dest]:  # only a replica on the reader's node
+                assert share is not None and share[dl.dest] == share[t.reader], (
+                    "sent to a rank that can read it itself"
+                )
+                assert t.own is not None and (dl.read.lo, dl.read.hi) == (t.own.lo, t.own.hi)
             needed |= {p.slot for p in dl.pieces}
             for p in dl.pieces:
                 outs[dl.dest][p.dst(wants[dl.dest][0])] = chunks[p.slot][p.src()]
@@ -414,14 +419,32 @@ def test_route_delivers_each_rank_its_box_once(data: st.DataObject) -> None:
         sees = [set(writers) for _ in wants]
     g = source(layout.shape)
     broadcast = data.draw(st.booleans())
-    r, outs, hits = simulate(layout, wants, sees, g, data.draw(st.booleans()), broadcast)
-    if not broadcast:  # a rank that can open a file reads what it needs of it itself
+    nodes = data.draw(st.integers(1, 3))
+    share = [d % nodes for d in range(len(wants))] if data.draw(st.booleans()) else None
+    same_size = data.draw(st.booleans())
+    r, outs, hits = simulate(layout, wants, sees, g, same_size, broadcast, share)
+    if not broadcast:  # a rank that can open a file reads what it needs of it itself, or
+        # (share) one replica on its node reads it for all of them, once
         assert not any(t.bcast for t in r.tasks)
         readers = {(t.reader, t.file.key) for t in r.tasks if t.own is not None}
+        served = {(dl.dest, t.file.key): t.reader for t in r.tasks for dl in t.deliveries}
         for d, rs in enumerate(r.reads):
             for fr in rs:
-                if fr.writer in sees[d]:
+                if fr.writer not in sees[d]:
+                    continue
+                if share is None:
                     assert (d, fr.key) in readers, "a rank that can open a file did not read it"
+                else:
+                    assert ((d, fr.key) in readers) != ((d, fr.key) in served), (d, fr.key)
+                    twins = [
+                        e
+                        for e, es in enumerate(r.reads)
+                        if share[e] == share[d] and fr.writer in sees[e]
+                        for x in es
+                        if x.key == fr.key and (x.lo, x.hi) == (fr.lo, fr.hi)
+                    ]
+                    reading = [e for e in twins if (e, fr.key) in readers]
+                    assert len(reading) == 1, "replicas of one node: not read once there"
     needed = {fr.writer for rs in r.reads for fr in rs}
     visible = set().union(*sees)
     assert set(r.unseen) == needed - visible

@@ -5,6 +5,7 @@ reads (verified, on a few threads), then the broadcasts and messages in one glob
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,9 +45,11 @@ def plan_load(
     sources: Sequence[int | None],
     sees: list[set[int]],
     broadcast: bool,
+    share: Sequence[str] | None = None,
 ) -> list[LoadPlan]:
     """Every rank's boxes and the route of every tensor (the same on every rank); raises the
-    same error on every rank for a box outside its tensor or files no rank sees."""
+    same error on every rank for a box outside its tensor or files no rank sees. ``share``:
+    each rank's node, whose ranks share their reads of replicas (``route``)."""
     load = [0] * len(info)
     out = []
     unseen: set[int] = set()
@@ -70,7 +73,7 @@ def plan_load(
             boxes.append(box)
         geo = geometry(t)
         same_size = m.world_size == len(info)
-        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes, same_size, broadcast)
+        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes, same_size, broadcast, share)
         unseen.update(r.unseen)
         out.append(LoadPlan(t, boxes, r))
     if unseen:
@@ -86,15 +89,22 @@ class Buffers:
 
     outs: dict[str, np.ndarray] = field(default_factory=dict)
     bcast: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # (plan, peer) -> the packed pieces of a message, and what every message is made of
     send: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     recv: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    parts: dict[tuple[int, int, int], Parts] = field(default_factory=dict)
     jobs: list[Callable[[], None]] = field(default_factory=list)
     job_bytes: list[int] = field(default_factory=list)  # each job's chunk bytes (progress)
 
     def work(self, me: int, plans: list[LoadPlan]) -> int:
         """This rank's bytes of work, for a progress total: its reads and what it receives."""
         received = sum(b.nbytes for b in self.recv.values())
-        received += sum(b.nbytes for (_, root), b in self.bcast.items() if root != me)
+        received += sum(
+            n * parts.itemsize
+            for (_, _, d), parts in self.parts.items()
+            if d == me
+            for _, _, n in parts.runs
+        )
         return sum(self.job_bytes) + received
 
 
@@ -126,15 +136,17 @@ def allocate(
                     pos += n
         packs: dict[tuple[int, int], np.ndarray] = {}  # (id(task), dest) -> its part of a send
         for s, d, items in p.route.messages():
-            if s == me:
-                flat = np.empty(sum(dl.nelems for _, dl in items), dtype=p.geo.dtype)
+            parts = bufs.parts[(pi, s, d)] = _parts(p, s, d, items)
+            packed = parts.packed
+            if s == me and packed:
+                flat = np.empty(sum(dl.nelems for _, dl in packed), dtype=p.geo.dtype)
                 bufs.send[(pi, d)] = flat
                 pos = 0
-                for t, dl in items:
+                for t, dl in packed:
                     packs[(id(t), d)] = flat[pos : pos + dl.nelems]
                     pos += dl.nelems
-            elif d == me:
-                bufs.recv[(pi, s)] = np.empty(sum(dl.nelems for _, dl in items), p.geo.dtype)
+            elif d == me and packed:
+                bufs.recv[(pi, s)] = np.empty(sum(dl.nelems for _, dl in packed), p.geo.dtype)
         for t in p.route.tasks_of(me):
             bufs.jobs.append(
                 functools.partial(
@@ -144,7 +156,11 @@ def allocate(
                     t,
                     out,
                     slices.get(id(t)),
-                    [(dl, packs[(id(t), dl.dest)]) for dl in t.deliveries],
+                    [
+                        (dl, packs[(id(t), dl.dest)])
+                        for dl in t.deliveries
+                        if (id(t), dl.dest) in packs
+                    ],
                     errors,
                     lock,
                 )
@@ -228,15 +244,59 @@ def transfer(comm: Comm, plans: list[LoadPlan], bufs: Buffers) -> None:
             if root != me:
                 _place_broadcast(p, tasks, buf, out, origin, me)
                 meter.add(buf.nbytes, "receive")
-        for s, d, items in p.route.messages():
-            if me == s:
-                comm.send(bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag)
-            elif me == d:
-                flat = bufs.recv[(pi, s)]
-                comm.recv(flat.view(np.uint8), s, tag)
-                _unpack(flat, [dl for _, dl in items], out, origin)
-                meter.add(flat.nbytes, "receive")
-            tag = (tag + 1) % _TAGS
+        flat_out = out.reshape(-1)
+        for s, d, _ in p.route.messages():
+            parts = bufs.parts[(pi, s, d)]
+            if parts.packed:
+                if me == s:
+                    comm.send(bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag)
+                elif me == d:
+                    flat = bufs.recv[(pi, s)]
+                    comm.recv(flat.view(np.uint8), s, tag)
+                    _unpack(flat, [dl for _, dl in parts.packed], out, origin)
+                    meter.add(flat.nbytes, "receive")
+                tag = (tag + 1) % _TAGS
+            for at_s, at_d, n in parts.runs:  # straight from the reader's rows into the peer's
+                if me == s:
+                    comm.send(flat_out[at_s : at_s + n].view(np.uint8), d, tag)
+                elif me == d:
+                    comm.recv(flat_out[at_d : at_d + n].view(np.uint8), s, tag)
+                    meter.add(n * out.itemsize, "receive")
+                tag = (tag + 1) % _TAGS
+
+
+@dataclass
+class Parts:
+    """What one message (a reader to one peer, one tensor) is made of, the same on every rank:
+    the pieces packed into one buffer, and the runs sent straight from the reader's array into
+    the peer's ``(reader's element offset, peer's, elements)``: the chunks of a file that both
+    want alike (replicas of one node) and hold as whole rows (``FileRead.rows_into``), so no
+    copy is made on either side."""
+
+    itemsize: int
+    packed: list[tuple[FileTask, Delivery]]
+    runs: list[tuple[int, int, int]]
+
+
+def _parts(p: LoadPlan, s: int, d: int, items: list[tuple[FileTask, Delivery]]) -> Parts:
+    """The parts of the message from ``s`` to ``d`` (local, the same on every rank)."""
+    packed: list[tuple[FileTask, Delivery]] = []
+    runs: list[tuple[int, int, int]] = []
+    per_chunk = math.prod(p.geo.chunk_shape)
+    for t, dl in items:
+        own = t.own
+        if own is not None and (own.lo, own.hi) == (dl.read.lo, dl.read.hi):
+            at_s = own.rows_into(*p.boxes[s])
+            at_d = dl.read.rows_into(*p.boxes[d])
+            if at_s is not None and at_d is not None:
+                n = own.n_chunks * per_chunk
+                if runs and runs[-1][0] + runs[-1][2] == at_s and runs[-1][1] + runs[-1][2] == at_d:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)  # one run: one message
+                else:
+                    runs.append((at_s, at_d, n))
+                continue
+        packed.append((t, dl))
+    return Parts(p.geo.dtype.itemsize, packed, runs)
 
 
 def _chunk(geo: Geometry, raw: np.ndarray | memoryview) -> np.ndarray:
