@@ -14,7 +14,8 @@ without ``--worker``) does everything:
    M-rank one (``4->2`` vs ``2->2``, ``2->4`` vs ``4->4``), each rank wanting its own rows of the
    M-rank split (DP: everything, with the default ``replicas="node"``, and from level 3 also
    with ``"read"`` and ``"bcast"``), from level 3 and from level 1 (``host``: the simulated
-   node); rounds interleaved, the order rotating; a round's time is the slowest
+   node); rounds interleaved, the order rotating (the N-rank and the M-rank case of a
+   comparison back to back, each first in every other round); a round's time is the slowest
    rank's (barrier before, all-gather of the times after); the first round also checks every
    loaded byte;
 3. in this process: ``ckptfmt.maintenance.reshard.reshard`` (what ``ckptfmt reshard`` runs) of the
@@ -131,18 +132,28 @@ def worker(args: argparse.Namespace) -> int:
     # load: every (source, level) case, rounds interleaved with a rotating order
     # "d4b", "d4r": the checkpoint d4 loaded with replicas="bcast" / "read" (level 3 only);
     # without a suffix the default, replicas="node"
+    srcs = args.sources.split(",")  # in pairs: the N-rank checkpoint, then the M-rank one
     cases = [
         (src, level)
-        for src in args.sources.split(",")
+        for a, b in zip(srcs[::2], srcs[1::2])
         for level in (3, 1)
-        if not (src[-1] in "br" and level == 1)
+        if not (a[-1] in "br" and level == 1)
+        for src in (a, b)
     ]
     times: dict[str, list[float]] = {f"{s}-l{lv}": [] for s, lv in cases}
     read_bytes: dict[str, int] = {}
     read_ratio: dict[str, float] = {}  # the most any rank read / what it holds
+    # the N-rank and the M-rank case of a comparison run back to back, each first in every
+    # other round, the pairs in a rotating order: both follow the same case as often (a case
+    # run after a heavy one, a broadcast say, was measurably slower on the loaded machine)
+    pairs = [(cases[i], cases[i + 1]) for i in range(0, len(cases) - 1, 2)]
+    if len(cases) % 2:
+        pairs.append((cases[-1], cases[-1]))
     for rep in range(args.reps + 1):
-        order = cases[rep % len(cases) :] + cases[: rep % len(cases)]
-        for src, level in order:
+        order: list[tuple[str, int]] = []
+        for a, b in pairs[rep % len(pairs) :] + pairs[: rep % len(pairs)]:
+            order += [a, b] if rep % 2 else [b, a]
+        for src, level in dict.fromkeys(order):
             mode = {"b": "bcast", "r": "read"}.get(src[-1], "node")
             path = root / src.rstrip("br") / ("l3" if level == 3 else f"l1/{node}") / STEP
             comm.barrier()
