@@ -268,3 +268,26 @@ def test_read_options_are_checked_and_must_agree(tmp_path: Path) -> None:
     run_threads(2, body)
     assert len(raised) == 2  # every rank is told, none left waiting
     assert all("every rank must pass the same" in str(e) for e in raised)
+
+
+@pytest.mark.parametrize("replicas", ["node", "read", "bcast"])
+def test_each_rank_counts_on_its_meter_the_work_it_expected(tmp_path: Path, replicas: str) -> None:
+    """The progress a rank reports: the chunks it reads and the bytes it receives (packed,
+    straight into its rows, or broadcast) add up to the total it announced before starting."""
+    from ckptfmt.storage.progress import metering
+
+    path = save(tmp_path, 2, 3)
+
+    def body(comm: Any) -> tuple[int, int]:
+        with metering("load", lambda p: None) as meter:
+            load_collective(
+                comm,
+                path,
+                wants_of(comm.rank, comm.size),
+                read=ReadOptions(replicas=replicas, threads=1),  # type: ignore[arg-type]
+                host=node_of(comm.rank, comm.size),
+            )
+            return meter.done, meter.total
+
+    for done, total in run_threads(4, body):
+        assert done == total > 0

@@ -89,7 +89,7 @@ class Buffers:
 
     outs: dict[str, np.ndarray] = field(default_factory=dict)
     bcast: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-    # (plan, peer) -> the packed pieces of a message, and what every message is made of
+    # (plan, peer) -> the packed pieces of a message; (plan, source, dest) -> its parts
     send: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     recv: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     parts: dict[tuple[int, int, int], Parts] = field(default_factory=dict)
@@ -105,6 +105,7 @@ class Buffers:
             if d == me
             for _, _, n in parts.runs
         )
+        received += sum(b.nbytes for (_, root), b in self.bcast.items() if root != me)
         return sum(self.job_bytes) + received
 
 
