@@ -9,7 +9,10 @@ rank:
    nothing else of the file. With ``share`` (ckptfmt's default, ``replicas="node"``), ranks of
    one node (the same ``share`` key) that want the same part of the file (replicas) are served
    by one of them instead: it reads that part once and sends it to the others over the
-   communicator, so shared storage is read once per node, not once per rank.
+   communicator, so shared storage is read once per node, not once per rank. In a job of the
+   saved size that is the file's writer where it is one of them; otherwise one reader serves
+   the group for all files of the tensor (the least loaded when the tensor starts), so that a
+   tensor goes to each peer in one message, and the tensors spread over the node's ranks.
 2. The ranks that need part of it but cannot open it (another node's level-1 copy) are served by
    one rank that can: it reads the union of their chunks (and its own) once and sends each its
    pieces (and serves the replicas of its own node of case 1 too).
@@ -136,6 +139,7 @@ def route(
             by_key.setdefault(fr.key, {})[d] = fr
     tasks: list[FileTask] = []
     unseen: set[int] = set()
+    readers: dict[tuple[int, ...], int] = {}  # a group of replicas -> its reader
     for key in sorted(by_key):
         needing = by_key[key]
         any_read = next(iter(needing.values()))
@@ -161,7 +165,10 @@ def route(
             if helper in group:
                 mates = [d for d in group if d != helper]
                 continue
-            reader = _pick(group, writer if same_size else -1, load)
+            if same_size and writer in group:
+                reader = writer  # a job of the saved size reads as it wrote
+            else:  # one reader for all the tensor's files: one message per peer, not one each
+                reader = readers.setdefault(tuple(group), _least_loaded(group, load))
             fr = needing[reader]
             load[reader] += fr.n_chunks * chunk_nbytes
             served = tuple(Delivery(d, needing[d]) for d in group if d != reader)
@@ -191,11 +198,8 @@ def _replicas(
     return list(groups.values())
 
 
-def _pick(group: list[int], writer: int, load: list[int]) -> int:
-    """The reader of a group of replicas: the writer if it is one of them (a job of the saved
-    size reads as it wrote), else the least loaded (ties: the lowest rank)."""
-    if writer in group:
-        return writer
+def _least_loaded(group: list[int], load: list[int]) -> int:
+    """The rank of ``group`` with the fewest bytes assigned so far (ties: the lowest)."""
     return min(group, key=lambda k: (load[k], k))
 
 
