@@ -231,10 +231,18 @@ def read_local(bufs: Buffers, threads: int) -> None:
 def transfer(comm: Comm, plans: list[LoadPlan], bufs: Buffers) -> None:
     """Step 4 (every rank, in the same global order): the broadcasts and messages. Runs on
     every rank even when its reads failed (its peers wait for its messages; what it sends is
-    then discarded, since the vote after it fails)."""
+    then discarded, since the vote after it fails).
+
+    Tensor by tensor: the broadcasts, then the messages. Where the Comm starts a send without
+    waiting for it (``MpiComm``), a rank starts all its sends of the tensor, then receives in
+    order, then waits for its sends: the tensor's messages move at once, not one after the
+    other (each a rendezvous of two ranks: a chain of them costs a wake-up of a waiting rank
+    per message). Elsewhere one message at a time, in order. Either way no rank waits on a
+    message a peer has not reached: every rank reaches each tensor's sends."""
     me = comm.rank
     tag = 0
     meter = current_meter()
+    starts = type(comm).start_send is not Comm.start_send  # the default blocks
     for pi, p in enumerate(plans):
         out = bufs.outs[p.name]
         origin = p.boxes[me][0]
@@ -246,24 +254,34 @@ def transfer(comm: Comm, plans: list[LoadPlan], bufs: Buffers) -> None:
                 _place_broadcast(p, tasks, buf, out, origin, me)
                 meter.add(buf.nbytes, "receive")
         flat_out = out.reshape(-1)
+        ops: list[tuple[bool, np.ndarray, int, int, Parts | None]] = []  # in the global order:
+        # (a send?, its bytes, peer, tag, the parts to unpack after a receive of packed pieces)
         for s, d, _ in p.route.messages():
             parts = bufs.parts[(pi, s, d)]
             if parts.packed:
                 if me == s:
-                    comm.send(bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag)
+                    ops.append((True, bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag, None))
                 elif me == d:
-                    flat = bufs.recv[(pi, s)]
-                    comm.recv(flat.view(np.uint8), s, tag)
-                    _unpack(flat, [dl for _, dl in parts.packed], out, origin)
-                    meter.add(flat.nbytes, "receive")
+                    ops.append((False, bufs.recv[(pi, s)].view(np.uint8), s, tag, parts))
                 tag = (tag + 1) % _TAGS
             for at_s, at_d, n in parts.runs:  # straight from the reader's rows into the peer's
                 if me == s:
-                    comm.send(flat_out[at_s : at_s + n].view(np.uint8), d, tag)
+                    ops.append((True, flat_out[at_s : at_s + n].view(np.uint8), d, tag, None))
                 elif me == d:
-                    comm.recv(flat_out[at_d : at_d + n].view(np.uint8), s, tag)
-                    meter.add(n * out.itemsize, "receive")
+                    ops.append((False, flat_out[at_d : at_d + n].view(np.uint8), s, tag, None))
                 tag = (tag + 1) % _TAGS
+        pending = [comm.start_send(b, peer, t) for send, b, peer, t, _ in ops if send and starts]
+        for send, b, peer, t, packed in ops:
+            if send:
+                if not starts:
+                    comm.send(b, peer, t)
+                continue
+            comm.recv(b, peer, t)
+            if packed is not None:
+                _unpack(b.view(p.geo.dtype), [dl for _, dl in packed.packed], out, origin)
+            meter.add(b.nbytes, "receive")
+        for h in pending:
+            h.wait()
 
 
 @dataclass
