@@ -12,8 +12,10 @@ without ``--worker``) does everything:
    ``n{rank * 2 // size}``);
 2. under ``mpiexec -n M`` for M = 2 and 4: ``load_collective`` of the N-rank checkpoint and of the
    M-rank one (``4->2`` vs ``2->2``, ``2->4`` vs ``4->4``), each rank wanting its own rows of the
-   M-rank split (DP: everything, and DP with ``replicas="bcast"`` from level 3), from level 3
-   and from level 1; rounds interleaved, the order rotating; a round's time is the slowest
+   M-rank split (DP: everything, with the default ``replicas="node"``, and from level 3 also
+   with ``"read"`` and ``"bcast"``), from level 3 and from level 1 (``host``: the simulated
+   node); rounds interleaved, the order rotating (the N-rank and the M-rank case of a
+   comparison back to back, each first in every other round); a round's time is the slowest
    rank's (barrier before, all-gather of the times after); the first round also checks every
    loaded byte;
 3. in this process: ``ckptfmt.maintenance.reshard.reshard`` (what ``ckptfmt reshard`` runs) of the
@@ -128,20 +130,32 @@ def worker(args: argparse.Namespace) -> int:
                 )  # fmt: skip
         return 0
     # load: every (source, level) case, rounds interleaved with a rotating order
-    # "d4b": the checkpoint d4 loaded with replicas="bcast" (level 3 only)
+    # "d4b", "d4r": the checkpoint d4 loaded with replicas="bcast" / "read" (level 3 only);
+    # without a suffix the default, replicas="node"
+    srcs = args.sources.split(",")  # in pairs: the N-rank checkpoint, then the M-rank one
     cases = [
         (src, level)
-        for src in args.sources.split(",")
+        for a, b in zip(srcs[::2], srcs[1::2])
         for level in (3, 1)
-        if not (src.endswith("b") and level == 1)
+        if not (a[-1] in "br" and level == 1)
+        for src in (a, b)
     ]
     times: dict[str, list[float]] = {f"{s}-l{lv}": [] for s, lv in cases}
     read_bytes: dict[str, int] = {}
+    read_ratio: dict[str, float] = {}  # the most any rank read / what it holds
+    # the N-rank and the M-rank case of a comparison run back to back, each first in every
+    # other round, the pairs in a rotating order: both follow the same case as often (a case
+    # run after a heavy one, a broadcast say, was measurably slower on the loaded machine)
+    pairs = [(cases[i], cases[i + 1]) for i in range(0, len(cases) - 1, 2)]
+    if len(cases) % 2:
+        pairs.append((cases[-1], cases[-1]))
     for rep in range(args.reps + 1):
-        order = cases[rep % len(cases) :] + cases[: rep % len(cases)]
-        for src, level in order:
-            bcast = src.endswith("b")
-            path = root / src.rstrip("b") / ("l3" if level == 3 else f"l1/{node}") / STEP
+        order: list[tuple[str, int]] = []
+        for a, b in pairs[rep % len(pairs) :] + pairs[: rep % len(pairs)]:
+            order += [a, b] if rep % 2 else [b, a]
+        for src, level in dict.fromkeys(order):
+            mode = {"b": "bcast", "r": "read"}.get(src[-1], "node")
+            path = root / src.rstrip("br") / ("l3" if level == 3 else f"l1/{node}") / STEP
             comm.barrier()
             dp = src.startswith("d")
             my_wants = {} if dp else wants(rows, comm.rank, comm.size)
@@ -152,7 +166,8 @@ def worker(args: argparse.Namespace) -> int:
                     path,
                     my_wants,
                     node=node if level == 1 else None,
-                    read=ReadOptions(replicas="bcast" if bcast else "read"),
+                    host=node,  # the simulated node: its ranks share their reads of replicas
+                    read=ReadOptions(replicas=mode),  # type: ignore[arg-type]
                 )
                 dt = time.perf_counter() - t0
             slowest = max(comm.allgather_json(dt))
@@ -167,11 +182,14 @@ def worker(args: argparse.Namespace) -> int:
                 if not comm.all_true(ok):
                     raise SystemExit(f"{key}: loaded data differ")
                 read_bytes[key] = sum(comm.allgather_json(log.bytes))
+                held = sum(a.nbytes for a in out.values())
+                read_ratio[key] = max(comm.allgather_json(log.bytes / held))
             else:
                 times[key].append(slowest)
             del out
     if comm.rank == 0:
-        Path(args.part).write_text(json.dumps({"times": times, "read_bytes": read_bytes}))
+        part = {"times": times, "read_bytes": read_bytes, "read_ratio": read_ratio}
+        Path(args.part).write_text(json.dumps(part))
     return 0
 
 
@@ -255,6 +273,7 @@ def markdown(res: dict[str, Any]) -> str:
     if res["dp_rows"]:
         dp_mb = res["dp_bytes"] / 1e6
         kinds.append(("DP whole", "d", "", dp_mb, (3, 1)))
+        kinds.append(("DP whole, read", "d", "r", dp_mb, (3,)))
         kinds.append(("DP whole, bcast", "d", "b", dp_mb, (3,)))
     for label, k, suffix, size, levels in kinds:
         for m, n in ((2, 4), (4, 2)):
@@ -265,6 +284,28 @@ def markdown(res: dict[str, Any]) -> str:
                 lines.append(
                     f"| {label} ({size:.0f} MB) | {n}->{m} vs {m}->{m} | {level} | {cell(a)} "
                     f"| {cell(b)} | {med(a) / med(b):.2f}x, {min(a) / min(b):.2f}x |"
+                )
+    lines += [
+        "",
+        "Bytes read (first round; chunks with their CRCs and the indexes): by all ranks together,"
+        " and the most one rank read against what it holds.",
+        "",
+        "| state | load at M ranks | level | N-rank: MB read, most per rank / held "
+        "| M-rank: MB read, most per rank / held |",
+        "|---|---|---|---|---|",
+    ]
+    for label, k, suffix, _, levels in kinds:
+        for m, n in ((2, 4), (4, 2)):
+            part = res["load"][str(m)]
+            for level in levels:
+                cells = []
+                for src in (n, m):
+                    key = f"{k}{src}{suffix}-l{level}"
+                    ratio = part.get("read_ratio", {}).get(key)
+                    tail = f", {ratio:.3f}x" if ratio is not None else ""
+                    cells.append(f"{part['read_bytes'][key] / 1e6:.1f}{tail}")
+                lines.append(
+                    f"| {label} | {n}->{m} vs {m}->{m} | {level} | {cells[0]} | {cells[1]} |"
                 )
     lines += [
         "",
@@ -312,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         load: dict[str, Any] = {}
         for m, n in ((2, 4), (4, 2)):
             part = root / f"part{m}.json"
-            sources = f"c{n},c{m}" + (f",d{n},d{m},d{n}b,d{m}b" if dp_rows else "")
+            sources = f"c{n},c{m}" + (f",d{n},d{m},d{n}r,d{m}r,d{n}b,d{m}b" if dp_rows else "")
             mpi(m, "--worker", "load", *common, "--sources", sources,
                 "--reps", str(args.reps), "--part", str(part))  # fmt: skip
             load[str(m)] = json.loads(part.read_text())

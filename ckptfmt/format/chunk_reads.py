@@ -26,7 +26,6 @@ from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.model import FileRef
 from ckptfmt.storage.files import Files, naming_checkpoint
 
-_CRC = struct.Struct("<I")
 _BATCH = 2 << 20  # bytes per coalesced read
 
 
@@ -119,7 +118,10 @@ def read_chunks(
                         ref.path, f"chunk at {off} has {n} bytes, expected {nb}", tensors
                     )
                 spans.append((off, n))
-        crcs = [bytearray(CRC_BYTES) for _ in slots]
+        stored = bytearray(CRC_BYTES * len(slots))  # each chunk's CRC, read beside it
+        crc_views = [
+            memoryview(stored)[k * CRC_BYTES : (k + 1) * CRC_BYTES] for k in range(len(slots))
+        ]
         data_crc = FileCrc()
         got: list[int] = []
         i = 0
@@ -131,18 +133,19 @@ def read_chunks(
                 j += 1
             bufs: list[memoryview] = []
             for k in range(i, j):
-                bufs += [targets[k], memoryview(crcs[k])]
+                bufs += (targets[k], crc_views[k])
             try:
                 handle.read_into(bufs, spans[i][0])
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
-            for k in range(i, j):
-                actual = crc32c(targets[k])
-                (want,) = _CRC.unpack_from(crcs[k], 0)
-                if actual != want:
-                    raise ChecksumError(ref.path, f"chunk {slots[k]}", want, actual, tensors)
-                data_crc.add(actual, len(targets[k]))
-                got.append(actual)
+            actual = [crc32c(targets[k]) for k in range(i, j)]
+            want = struct.unpack_from(f"<{j - i}I", stored, i * CRC_BYTES)
+            if actual != list(want):
+                k = next(k for k in range(j - i) if actual[k] != want[k])
+                raise ChecksumError(ref.path, f"chunk {slots[i + k]}", want[k], actual[k], tensors)
+            for k, c in enumerate(actual):
+                data_crc.add(c, len(targets[i + k]))
+            got += actual
             i = j
         if whole and data_crc.crc != ref.crc32c:
             raise ChecksumError(ref.path, "data (all chunks)", ref.crc32c, data_crc.crc, tensors)

@@ -24,9 +24,12 @@ When a read covers all of a file's in-bounds chunks the file's data CRC (§10) i
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ckptfmt.errors import UsageError
 from ckptfmt.manifest.model import TensorEntry
@@ -160,20 +163,54 @@ class FileRead:
     @functools.cached_property
     def pieces(self) -> tuple[Piece, ...]:
         origin, k_lo, k_hi = self._inner()
-        chunk = self.chunk_shape
-        per = tuple(h // c for h, c in zip(self.shard_shape, chunk))
+        if not origin:  # 0-d: the one element
+            return (Piece(0, (), (), ()),)
+        # each axis's chunks (index, chunk origin, overlap origin, overlap extent) once; the
+        # pieces are their products (a file of a row block has one chunk per row group)
+        axes = []
+        for o, a, b, lo, hi, c in zip(origin, k_lo, k_hi, self.lo, self.hi, self.chunk_shape):
+            axis = []
+            for i in range(a, b):
+                x = o + i * c
+                p_lo = lo if lo > x else x
+                p_hi = hi if hi < x + c else x + c
+                axis.append((i, x, p_lo, p_hi - p_lo))
+            axes.append(axis)
+        per = tuple(h // c for h, c in zip(self.shard_shape, self.chunk_shape))
         out = []
-        for inner in _cells(k_lo, k_hi):
-            c_lo = tuple(o + i * c for o, i, c in zip(origin, inner, chunk))
-            p_lo = tuple(max(a, x) for a, x in zip(self.lo, c_lo))
-            p_hi = tuple(min(b, x + c) for b, x, c in zip(self.hi, c_lo, chunk))
-            shape = tuple(b - a for a, b in zip(p_lo, p_hi))
+        for combo in itertools.product(*axes):
+            inner, c_lo, p_lo, shape = zip(*combo)
             out.append(Piece(ravel(inner, per), c_lo, p_lo, shape))
         return tuple(out)
 
     @functools.cached_property
     def slots(self) -> tuple[int, ...]:
-        return tuple(p.slot for p in self.pieces)
+        """The slots of the chunks read, ascending (C order of the inner grid), without making
+        the pieces (a rank reading for itself into its own rows needs only these)."""
+        _, k_lo, k_hi = self._inner()
+        per = (h // c for h, c in zip(self.shard_shape, self.chunk_shape))
+        idx = np.zeros(1, np.int64)
+        for a, b, n in zip(k_lo, k_hi, per):
+            idx = (idx[:, None] * n + np.arange(a, b)).reshape(-1)
+        return tuple(idx.tolist())
+
+    def rows_into(self, origin: Sequence[int], shape: Sequence[int]) -> int | None:
+        """Where this read's chunks go in a C-order array of ``shape`` at global ``origin``
+        (the reader's box), when each is a whole chunk that is a run of whole rows of it: the
+        element offset of the first chunk, the others following back to back in slot order;
+        else None (pieces are then placed one by one). The common case of FSDP-style row
+        blocks (chunks as wide as the tensor) read by another number of ranks."""
+        if not self.lo or tuple(self.chunk_shape[1:]) != tuple(shape[1:]):
+            return None
+        if any(
+            a != o or b - a != n
+            for a, b, o, n in zip(self.lo[1:], self.hi[1:], origin[1:], shape[1:])
+        ):
+            return None  # not the box's whole width
+        for a, b, i, h, c in zip(self.lo, self.hi, self.cell, self.shard_shape, self.chunk_shape):
+            if (a - i * h) % c or (b - i * h) % c:
+                return None  # a chunk cut at either end (or padded past the tensor's end)
+        return (self.lo[0] - origin[0]) * math.prod(shape[1:])
 
 
 def check_box(shape: Sequence[int], box: Box, what: str = "wanted box") -> None:

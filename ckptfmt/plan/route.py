@@ -6,11 +6,16 @@ every file, on level 1 the files of its node's writers), :func:`route` decides, 
 rank:
 
 1. Each rank that needs part of the file and can open it reads its own chunks itself, and
-   nothing else of the file (ranks of one node that want the same file read it from the same
-   page cache; no bytes go over the communicator).
+   nothing else of the file. With ``share`` (ckptfmt's default, ``replicas="node"``), ranks of
+   one node (the same ``share`` key) that want the same part of the file (replicas) are served
+   by one of them instead: it reads that part once and sends it to the others over the
+   communicator, so shared storage is read once per node, not once per rank. In a job of the
+   saved size that is the file's writer where it is one of them; otherwise one reader serves
+   the group for all files of the tensor (the least loaded when the tensor starts), so that a
+   tensor goes to each peer in one message, and the tensors spread over the node's ranks.
 2. The ranks that need part of it but cannot open it (another node's level-1 copy) are served by
    one rank that can: it reads the union of their chunks (and its own) once and sends each its
-   pieces, packed.
+   pieces (and serves the replicas of its own node of case 1 too).
 3. With ``broadcast`` (for replicated state on shared storage that many readers would overload,
    and a fast interconnect): a file whose every in-bounds chunk every rank needs is instead read
    whole by one rank that can open it and broadcast to all.
@@ -26,7 +31,7 @@ Files that no current rank can open are reported in ``unseen`` (by writer rank).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence, Set
+from collections.abc import Hashable, Sequence, Set
 from dataclasses import dataclass
 
 from ckptfmt.plan.reads import Box, FileRead, Layout, Piece, plan_reads
@@ -112,13 +117,15 @@ def route(
     chunk_nbytes: int,
     same_size: bool = False,
     broadcast: bool = False,
+    share: Sequence[Hashable] | None = None,
 ) -> TensorRoute:
     """Route the reads of one tensor for ``len(wants)`` current ranks.
 
     ``wants[d]`` is rank d's box; ``sees[d]`` the saved writer ranks whose files rank d can
     open; ``load[d]`` the bytes rank d reads so far (updated); ``same_size``: the job has the
     saved number of ranks (writer ranks read their own files); ``broadcast``: files every rank
-    needs whole are read once and broadcast (case 2 above). Deterministic.
+    needs whole are read once and broadcast (case 3 above); ``share[d]``: rank d's node, for
+    case 1 (None: every rank reads its own part itself). Deterministic.
     """
     size = len(wants)
     cache: dict[Box, tuple[FileRead, ...]] = {}
@@ -132,6 +139,7 @@ def route(
             by_key.setdefault(fr.key, {})[d] = fr
     tasks: list[FileTask] = []
     unseen: set[int] = set()
+    readers: dict[tuple[int, ...], int] = {}  # a group of replicas -> its reader
     for key in sorted(by_key):
         needing = by_key[key]
         any_read = next(iter(needing.values()))
@@ -152,20 +160,47 @@ def route(
             continue
         remote = [d for d in sorted(needing) if d not in seers]
         helper = _choose(seers, writer if same_size else -1, needing, load) if remote else None
-        for d in sorted(needing):
-            if d in seers and d != helper:
-                fr = needing[d]
-                load[d] += fr.n_chunks * chunk_nbytes
-                tasks.append(FileTask(d, fr, fr, (), False))
+        mates: list[int] = []  # the helper's replicas on its node, served with the remote ranks
+        for group in _replicas([d for d in sorted(needing) if d in seers], needing, share):
+            if helper in group:
+                mates = [d for d in group if d != helper]
+                continue
+            if same_size and writer in group:
+                reader = writer  # a job of the saved size reads as it wrote
+            else:  # one reader for all the tensor's files: one message per peer, not one each
+                reader = readers.setdefault(tuple(group), _least_loaded(group, load))
+            fr = needing[reader]
+            load[reader] += fr.n_chunks * chunk_nbytes
+            served = tuple(Delivery(d, needing[d]) for d in group if d != reader)
+            tasks.append(FileTask(reader, fr, fr, served, False))
         if helper is not None:
             own = needing.get(helper)
             # the chunks of the union, bounded without listing them (the same on every rank)
             n = sum(needing[d].n_chunks for d in ([helper] if own else []) + remote)
             load[helper] += min(n, any_read.n_present) * chunk_nbytes
-            deliveries = tuple(Delivery(d, needing[d]) for d in remote)
+            deliveries = tuple(Delivery(d, needing[d]) for d in sorted(mates + remote))
             tasks.append(FileTask(helper, any_read, own, deliveries, False))
     tasks.sort(key=lambda t: (t.file.key, t.reader))
     return TensorRoute(reads, tuple(tasks), tuple(sorted(unseen)))
+
+
+def _replicas(
+    ranks: list[int], needing: dict[int, FileRead], share: Sequence[Hashable] | None
+) -> list[list[int]]:
+    """``ranks`` (ascending) in groups that one of them reads for: the ranks of one node that
+    want the same part of the file (with ``share``), else each rank alone."""
+    if share is None:
+        return [[d] for d in ranks]
+    groups: dict[tuple[Hashable, Box], list[int]] = {}
+    for d in ranks:
+        fr = needing[d]
+        groups.setdefault((share[d], (fr.lo, fr.hi)), []).append(d)
+    return list(groups.values())
+
+
+def _least_loaded(group: list[int], load: list[int]) -> int:
+    """The rank of ``group`` with the fewest bytes assigned so far (ties: the lowest)."""
+    return min(group, key=lambda k: (load[k], k))
 
 
 def _choose(seers: list[int], writer: int, needing: dict[int, FileRead], load: list[int]) -> int:

@@ -54,6 +54,21 @@ def test_combine_long_second_part(a: bytes, n: int, fill: int) -> None:
     assert combine(crc32c(a), crc32c(b), n) == crc32c(a + b)
 
 
+@pytest.mark.parametrize("n", [1, 3, 4096, 131072, 1 << 20])
+def test_combine_of_a_length_used_often_equals_crc_of_concatenation(n: int) -> None:
+    """A length combined many times (a file's chunks) goes through its byte tables after the
+    first few uses: every use, before and after, gives the CRC of the concatenation."""
+    rng = np.random.default_rng(n)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for _ in range(3)]
+    f = FileCrc()
+    for i in range(40):
+        head = rng.integers(0, 256, 5, dtype=np.uint8).tobytes()
+        p = parts[i % 3]
+        assert combine(crc32c(head), crc32c(p), n) == crc32c(head + p)
+        f.add(crc32c(p), n)
+    assert f.crc == crc32c(b"".join(parts[i % 3] for i in range(40)))
+
+
 @settings(max_examples=100, deadline=None)
 @given(parts=st.lists(st.binary(max_size=100), max_size=8))
 def test_file_crc_over_pieces(parts: list[bytes]) -> None:

@@ -197,6 +197,8 @@ def check_geometry(layout: Layout, box: Any, reads: Any) -> None:
         assert fr.n_present == present
         slots = [p.slot for p in fr.pieces]
         assert slots == sorted(set(slots)), "slots not ascending or repeated"
+        assert fr.slots == tuple(slots), "slots (made without pieces) differ from the pieces'"
+        check_rows_into(fr, box, chunk)
         for p in fr.pieces:
             inner = tuple((a - o) // c for a, o, c in zip(p.chunk_lo, origin, chunk))
             assert all((a - o) % c == 0 for a, o, c in zip(p.chunk_lo, origin, chunk))
@@ -210,6 +212,42 @@ def check_geometry(layout: Layout, box: Any, reads: Any) -> None:
             assert all(
                 o <= a and a + n <= o + e for a, n, o, e in zip(p.lo, p.shape, box[0], box[1])
             ), "piece outside the wanted box"
+
+
+def check_rows_into(fr: Any, box: Any, chunk: tuple[int, ...]) -> None:
+    """Where ``rows_into`` says the chunks go back to back in the box's array, each piece is a
+    whole chunk and lies there (recomputed from the pieces); where it says no, some piece is
+    not a whole chunk or the chunks are not the box's full rows."""
+    first = fr.rows_into(box[0], box[1])
+    n = math.prod(chunk)
+    full_rows = box[1] and tuple(chunk[1:]) == tuple(box[1][1:])
+    fits = full_rows and all(
+        p.shape == tuple(chunk) and p.lo[1:] == tuple(box[0][1:]) for p in fr.pieces
+    )
+    assert (first is not None) == bool(fits and fr.pieces)
+    if first is None:
+        return
+    for k, p in enumerate(fr.pieces):
+        at = int(np.ravel_multi_index([a - o for a, o in zip(p.lo, box[0])], box[1]))
+        assert at == first + k * n, "a chunk not where rows_into puts it"
+
+
+def test_rows_into_row_blocks_of_another_split() -> None:
+    """A rank of 2 reading the 4-rank row blocks of a 976 x 8 tensor: each file's chunks are
+    whole rows of its box, back to back; a box narrower than the chunks or a cut chunk is not."""
+    layout = Layout(
+        (976, 8),
+        (244, 8),
+        (4, 8),
+        tuple(SavedRegion((244 * r, 0), (244, 8), r, 1) for r in range(4)),
+    )
+    a, b = plan_reads(layout, ((0, 0), (488, 8)))
+    assert a.rows_into((0, 0), (488, 8)) == 0 and b.rows_into((0, 0), (488, 8)) == 244 * 8
+    assert a.slots == tuple(range(61))
+    (c,) = plan_reads(layout, ((2, 0), (100, 8)))  # starts inside a chunk
+    assert c.rows_into((2, 0), (100, 8)) is None
+    (d,) = plan_reads(layout, ((0, 0), (4, 4)))  # half the width
+    assert d.rows_into((0, 0), (4, 4)) is None
 
 
 def fill(layout: Layout, box: Any, reads: Any, g: np.ndarray) -> np.ndarray:
@@ -310,12 +348,13 @@ def simulate(
     g: np.ndarray,
     same_size: bool = False,
     broadcast: bool = False,
+    share: list[int] | None = None,
 ) -> Any:
     """Run a route in memory: reads from simulated chunks, broadcasts, sends."""
     itemsize = 8
     nb = math.prod(layout.chunk_shape) * itemsize
     load = [0] * len(wants)
-    r = route(layout, wants, sees, load, nb, same_size, broadcast)
+    r = route(layout, wants, sees, load, nb, same_size, broadcast, share)
     outs = [np.zeros(w[1], dtype=g.dtype) for w in wants]
     hits = [np.zeros(w[1], dtype=np.int64) for w in wants]
     reads_by_rank: Counter[tuple[int, Any, int]] = Counter()
@@ -332,7 +371,11 @@ def simulate(
         assert set(t.slots) <= set(chunks)
         needed: set[int] = set(t.own.slots if t.own else ())
         for dl in t.deliveries:
-            assert t.file.writer not in sees[dl.dest], "sent to a rank that can read it itself"
+            if t.file.writer in sees[dl.dest]:  # only a replica on the reader's node
+                assert share is not None and share[dl.dest] == share[t.reader], (
+                    "sent to a rank that can read it itself"
+                )
+                assert t.own is not None and (dl.read.lo, dl.read.hi) == (t.own.lo, t.own.hi)
             needed |= {p.slot for p in dl.pieces}
             for p in dl.pieces:
                 outs[dl.dest][p.dst(wants[dl.dest][0])] = chunks[p.slot][p.src()]
@@ -376,14 +419,32 @@ def test_route_delivers_each_rank_its_box_once(data: st.DataObject) -> None:
         sees = [set(writers) for _ in wants]
     g = source(layout.shape)
     broadcast = data.draw(st.booleans())
-    r, outs, hits = simulate(layout, wants, sees, g, data.draw(st.booleans()), broadcast)
-    if not broadcast:  # a rank that can open a file reads what it needs of it itself
+    nodes = data.draw(st.integers(1, 3))
+    share = [d % nodes for d in range(len(wants))] if data.draw(st.booleans()) else None
+    same_size = data.draw(st.booleans())
+    r, outs, hits = simulate(layout, wants, sees, g, same_size, broadcast, share)
+    if not broadcast:  # a rank that can open a file reads what it needs of it itself, or
+        # (share) one replica on its node reads it for all of them, once
         assert not any(t.bcast for t in r.tasks)
         readers = {(t.reader, t.file.key) for t in r.tasks if t.own is not None}
+        served = {(dl.dest, t.file.key): t.reader for t in r.tasks for dl in t.deliveries}
         for d, rs in enumerate(r.reads):
             for fr in rs:
-                if fr.writer in sees[d]:
+                if fr.writer not in sees[d]:
+                    continue
+                if share is None:
                     assert (d, fr.key) in readers, "a rank that can open a file did not read it"
+                else:
+                    assert ((d, fr.key) in readers) != ((d, fr.key) in served), (d, fr.key)
+                    twins = [
+                        e
+                        for e, es in enumerate(r.reads)
+                        if share[e] == share[d] and fr.writer in sees[e]
+                        for x in es
+                        if x.key == fr.key and (x.lo, x.hi) == (fr.lo, fr.hi)
+                    ]
+                    reading = [e for e in twins if (e, fr.key) in readers]
+                    assert len(reading) == 1, "replicas of one node: not read once there"
     needed = {fr.writer for rs in r.reads for fr in rs}
     visible = set().union(*sees)
     assert set(r.unseen) == needed - visible

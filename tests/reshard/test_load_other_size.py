@@ -50,7 +50,9 @@ def load(path: Path, m: int, **kw: Any) -> tuple[list[Any], ReadLog]:
         node = node_of(comm.rank, comm.size)
         where = Path(str(path).replace("{node}", node))
         opts = dict(kw)
-        given = {"node": node} if opts.pop("pass_node", False) else {}
+        given: dict[str, Any] = {"node": node} if opts.pop("pass_node", False) else {}
+        if opts.pop("pass_host", False):
+            given["host"] = node
         read = ReadOptions(**opts, threads=1)
         return load_collective(comm, where, wants_of(comm.rank, comm.size), read=read, **given)
 
@@ -98,21 +100,23 @@ def replicated_chunks(manifest: Manifest) -> set[tuple[str, int]]:
     return whole
 
 
-@pytest.mark.parametrize("replicas", ["read", "bcast"])
+@pytest.mark.parametrize("replicas", ["node", "read", "bcast"])
 @pytest.mark.parametrize(("n", "m"), PAIRS)
 def test_level3_each_rank_reads_exactly_the_chunks_of_its_box(
     tmp_path: Path, n: int, m: int, replicas: str
 ) -> None:
-    """Each rank reads exactly the chunks its rows touch and, by default, every chunk of the
-    replicated tensors itself; with ``replicas="bcast"`` each replicated chunk is read once in
-    the whole job (and broadcast)."""
+    """Each rank reads exactly the chunks its rows touch; of the replicated tensors, by default
+    (``replicas="node"``) each chunk is read once on each node (two simulated ones), with
+    ``replicas="read"`` every rank reads every chunk itself, with ``replicas="bcast"`` each
+    chunk is read once in the whole job (and broadcast)."""
     path = save(tmp_path, n, 3)
-    results, log = load(path, m, replicas=replicas)
+    results, log = load(path, m, replicas=replicas, pass_host=True)
     check_loaded(results, m)
     manifest = read_manifest(path)
     got = reads_by_rank(log)
     whole = replicated_chunks(manifest)
     everyone: list[tuple[str, int]] = []
+    per_node: dict[str, list[tuple[str, int]]] = {}
     for rank in range(m):
         mine = [(f, s) for _, f, s in got.get(rank, [])]
         assert len(mine) == len(set(mine)), f"rank {rank} read a chunk twice"
@@ -127,8 +131,16 @@ def test_level3_each_rank_reads_exactly_the_chunks_of_its_box(
         if replicas == "read" or m == 1:
             assert sorted(rest) == sorted(whole), f"rank {rank} did not read its replicas itself"
         everyone += rest
+        per_node.setdefault(node_of(rank, m), []).extend(rest)
     if replicas == "bcast":
         assert sorted(everyone) == sorted(whole), "a replicated chunk read twice in the job"
+    if replicas == "node":
+        for node, reads in per_node.items():
+            assert sorted(reads) == sorted(whole), f"{node}: replicated chunks not read once"
+        for rank in range(m):  # each rank of a node of two reads a share of them
+            rest = [x for _, x, _ in got.get(rank, []) if not x.startswith("shards/")]
+            if sum(node_of(r, m) == node_of(rank, m) for r in range(m)) > 1:
+                assert rest, f"rank {rank} left every replicated file to its node's other rank"
 
 
 @pytest.mark.parametrize(("n", "m"), PAIRS)
@@ -239,7 +251,7 @@ def test_per_rank_entries_dropped_only_on_request_and_listed(tmp_path: Path) -> 
 def test_read_options_are_checked_and_must_agree(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="per_rank is 'error' or 'drop'"):
         ReadOptions(per_rank="keep")  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="replicas is 'read' or 'bcast'"):
+    with pytest.raises(UsageError, match="replicas is 'node', 'read' or 'bcast'"):
         ReadOptions(replicas="all")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="threads must be an int >= 1"):
         ReadOptions(threads=0)
@@ -256,3 +268,26 @@ def test_read_options_are_checked_and_must_agree(tmp_path: Path) -> None:
     run_threads(2, body)
     assert len(raised) == 2  # every rank is told, none left waiting
     assert all("every rank must pass the same" in str(e) for e in raised)
+
+
+@pytest.mark.parametrize("replicas", ["node", "read", "bcast"])
+def test_each_rank_counts_on_its_meter_the_work_it_expected(tmp_path: Path, replicas: str) -> None:
+    """The progress a rank reports: the chunks it reads and the bytes it receives (packed,
+    straight into its rows, or broadcast) add up to the total it announced before starting."""
+    from ckptfmt.storage.progress import metering
+
+    path = save(tmp_path, 2, 3)
+
+    def body(comm: Any) -> tuple[int, int]:
+        with metering("load", lambda p: None) as meter:
+            load_collective(
+                comm,
+                path,
+                wants_of(comm.rank, comm.size),
+                read=ReadOptions(replicas=replicas, threads=1),  # type: ignore[arg-type]
+                host=node_of(comm.rank, comm.size),
+            )
+            return meter.done, meter.total
+
+    for done, total in run_threads(4, body):
+        assert done == total > 0

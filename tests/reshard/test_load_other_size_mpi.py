@@ -161,6 +161,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             )
         if m == 4:
             tasks.append(load_task("cli4-load", load_path(r, "cli4", 1), pass_node=True))
+            for name, root in (("2to4-l3-read", "s2"), ("4to4-l3", "s4"), ("4to4-l3-read", "s4")):
+                replicas = "read" if name.endswith("read") else "node"
+                tasks.append(
+                    load_task(
+                        name,
+                        load_path(r, root, 3),
+                        rank_map="identity",
+                        per_rank="drop",
+                        replicas=replicas,
+                    )
+                )
         launch(r, m, f"load{m}", tasks)
     return r  # fmt: skip
 
@@ -220,18 +231,55 @@ def test_level3_each_rank_reads_exactly_its_chunks(
     runs: Runs, m: int, task: str, root: str, n: int, level: int
 ) -> None:
     """Sharded tensors: each rank reads exactly the inner chunks its rows touch; replicated
-    ones: each rank reads every chunk itself (``replicas="read"``, the default) or every chunk
-    is read once in the whole job and broadcast (``replicas="bcast"``, the ``-bcast`` task)."""
-    check_level3_reads(runs, m, task, root, n, level, bcast=False)
+    ones (``replicas="node"``, the default): every chunk is read once on each simulated node,
+    by one of its ranks (``-read`` and ``-bcast`` tasks below: the other modes)."""
+    check_level3_reads(runs, m, task, root, n, level, "node")
 
 
 def test_level3_replicas_broadcast_read_each_chunk_once(runs: Runs) -> None:
     check_digests(runs.results("4to2-bcast", 2), 2, [0, 1])
-    check_level3_reads(runs, 2, "4to2-bcast", "s4", 4, 3, bcast=True)
+    check_level3_reads(runs, 2, "4to2-bcast", "s4", 4, 3, "bcast")
+
+
+@pytest.mark.parametrize(
+    ("task", "root", "n"), [("2to4-l3-read", "s2", 2), ("4to4-l3-read", "s4", 4)]
+)
+def test_level3_replicas_read_by_every_rank(runs: Runs, task: str, root: str, n: int) -> None:
+    """``replicas="read"``: every rank reads every replicated chunk itself (two per node)."""
+    check_digests(runs.results(task, 4), 4, [r if r < n else None for r in range(4)])
+    check_level3_reads(runs, 4, task, root, n, 3, "read")
+
+
+def test_level3_same_size_replicas_read_once_per_node(runs: Runs) -> None:
+    """The 4-rank checkpoint at its own size on two nodes: the same sharing as N -> M."""
+    check_digests(runs.results("4to4-l3", 4), 4, [0, 1, 2, 3])
+    check_level3_reads(runs, 4, "4to4-l3", "s4", 4, 3, "node")
+
+
+HELD = [t for t in ALL if t[4] == 3] + [
+    (4, "4to4-l3", "s4", 4, 3),
+    *[t for t in ALL if t[4] == 1 and t[3] > 1],  # every node holds a copy
+]
+
+
+@pytest.mark.parametrize(("m", "task", "root", "n", "level"), HELD, ids=[t[1] for t in HELD])
+def test_each_rank_reads_at_most_1_1x_what_it_holds(
+    runs: Runs, m: int, task: str, root: str, n: int, level: int
+) -> None:
+    """Issue 38's bound: a rank of an N -> M load reads (chunks with their CRCs, and the
+    indexes, as ``record_reads`` counts) at most 1.1x the bytes it ends up holding; the
+    replicated tensors, which every rank holds whole, are read once per node."""
+    full = full_tensors()
+    for rank, res in enumerate(runs.results(task, m)):
+        held = sum(a.nbytes for k, a in full.items() if not k.startswith("shards/"))
+        for name, (off, shape) in wants_of(rank, m).items():
+            held += full[name][off[0] : off[0] + shape[0]].nbytes
+        held += rng_of(0).nbytes if rank < n else 0  # its per-rank row (identity map)
+        assert 0 < res["bytes_read"] <= 1.1 * held, (rank, res["bytes_read"], held)
 
 
 def check_level3_reads(
-    runs: Runs, m: int, task: str, root: str, n: int, level: int, bcast: bool
+    runs: Runs, m: int, task: str, root: str, n: int, level: int, mode: str
 ) -> None:
     manifest = manifest_of(runs, root, level)
     whole: set[tuple[str, int]] = set()
@@ -239,6 +287,7 @@ def check_level3_reads(
         if not t.path.startswith("shards/") and t.size and not t.per_rank:
             whole |= needed(manifest, t.path, ((0,) * len(t.shape), t.shape))
     everyone: list[tuple[str, int]] = []
+    per_node: dict[str, list[tuple[str, int]]] = {}
     for rank, res in enumerate(runs.results(task, m)):
         mine = [(p, s) for _, p, slots in res["reads"] for s in slots]
         assert len(mine) == len(set(mine)), f"rank {rank} read a chunk twice"
@@ -250,11 +299,15 @@ def check_level3_reads(
             want |= needed(manifest, "rng", ((rank, 0), (1, 6)))
         assert own == want, (rank, sorted(own ^ want)[:4])
         rest = [x for x in mine if x not in own]
-        if not bcast:
+        if mode == "read":
             assert sorted(rest) == sorted(whole), f"rank {rank} did not read its replicas itself"
         everyone += rest
-    if bcast:
+        per_node.setdefault(node_of(rank, m), []).extend(rest)
+    if mode == "bcast":
         assert sorted(everyone) == sorted(whole), "replicated chunks: each read once in the job"
+    if mode == "node":
+        for node, reads in per_node.items():
+            assert sorted(reads) == sorted(whole), f"{node}: replicated chunks not read once"
 
 
 @pytest.mark.parametrize(

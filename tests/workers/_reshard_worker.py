@@ -7,9 +7,10 @@ mpi4py`` (``MpiComm``), run by ``tests/reshard/test_load_other_size_mpi.py``. ``
   of this job's size, replicated tensors, values, per-rank RNG and loader state unless
   ``per_rank`` is false) to ``<root>/l1/{node}`` and flushes it to ``<root>/l3``.
 * ``load``: ``load_collective`` of ``path`` (``{node}`` replaced by this rank's node; ``node``
-  passed when ``pass_node``) with this job's row blocks as wants and the task's ``rank_map`` and
-  ``per_rank``; reads are recorded (``storage.chunk_reads.record_reads``) and every ``open`` of
-  this process is watched by an audit hook.
+  passed when ``pass_node``; ``host`` always, the simulated node) with this job's row blocks as
+  wants and the task's ``rank_map``, ``per_rank`` and ``replicas``; reads are recorded
+  (``storage.chunk_reads.record_reads``) and every ``open`` of this process is watched by an
+  audit hook.
 * ``restore``: ``CheckpointManager.restore`` at this job's size, into a template of this job's
   layout (the manager chooses the level).
 
@@ -175,8 +176,9 @@ def do_load(comm: Any, task: dict[str, Any], node: str, opens: Opens) -> dict[st
                 wants_of(comm.rank, comm.size),
                 node=node if task.get("pass_node") else None,
                 read=ReadOptions(
-                    rank_map, task.get("per_rank", "error"), task.get("replicas", "read")
+                    rank_map, task.get("per_rank", "error"), task.get("replicas", "node")
                 ),
+                host=node,  # the simulated node: its ranks share their reads of replicas
             )
             res["digest"] = digest(state)
         except Exception as exc:

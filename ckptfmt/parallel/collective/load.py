@@ -13,11 +13,13 @@ job may have another size than the one that saved (``spec/reshard.md``):
 2. Every rank computes the same plan (``ckptfmt.plan``): for each tensor the inner chunks each
    rank needs, and who reads them (``reshard.route``): a rank reads its own chunks where its
    directory holds the file, and one rank that holds it reads and sends them where it does not
-   (with ``replicas="bcast"``, a file every rank needs whole is read by one rank and
-   broadcast). If some needed file is held by no current rank, every rank raises
+   (with ``replicas="node"``, the default, ranks of one node that want the same part of a
+   file are served by one of them, which reads it once and sends it to the others; with
+   ``replicas="bcast"``, a file every rank needs whole is read by one rank and broadcast).
+   If some needed file is held by no current rank, every rank raises
    :class:`UnreachableNodesError` naming the saved nodes (the caller then tries the level-3
-   copy). Per-rank entries follow the rules of
-   ``reshard.per_rank`` (an explicit error, or a warning when dropping was asked for).
+   copy). Per-rank entries follow the rules of ``reshard.per_rank`` (an explicit error, or a
+   warning when dropping was asked for).
 3. Each rank reads its chunks (verified; concurrently, a few threads per host).
 4. Broadcasts and sends in one global order, the same on every rank (so no rank waits for a
    transfer that another rank has not reached).
@@ -77,6 +79,7 @@ def load_collective(
     into: Mapping[str, np.ndarray] | None = None,
     trust_pickle: bool = False,
     source: Files | None = None,
+    host: str | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -101,10 +104,13 @@ def load_collective(
     checkpoint in a bucket, ``storage.objects.source.ObjectInside``, which every rank sees
     whole; ``path`` is then its URL, for messages). Each rank then has at least the source's
     ``reads_in_flight`` reads going, whatever ``read.threads`` says for a local disk.
+    ``host``: the node this rank runs on (by default ``node``, else the host name): with
+    ``read.replicas="node"`` (the default), what several ranks of one node want alike is read
+    by one of them and sent to the others, so each node reads replicated state once.
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
-    manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq)
+    manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq, host)
     loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
     return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
 
@@ -136,7 +142,8 @@ def _read_everything(
     sees = [
         {w for w, ri in enumerate(manifest.ranks) if ri.node in set(i["visible"])} for i in info
     ]
-    plans = plan_load(manifest, info, resolution.sources, sees, read.replicas == "bcast")
+    share = [i["node"] for i in info] if read.replicas == "node" else None
+    plans = plan_load(manifest, info, resolution.sources, sees, read.replicas == "bcast", share)
     same_host = sum(1 for i in info if i["host"] == info[comm.rank]["host"])
     b = Boundary(comm, "load", manifest.step, error=LoadFailedError, seq=seq)
     errors: list[BaseException] = []

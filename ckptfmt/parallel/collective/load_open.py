@@ -76,6 +76,7 @@ def open_copies(
     node: str | None,
     read: ReadOptions,
     seq: int | None,
+    host: str | None = None,
 ) -> tuple[Manifest, list[dict[str, Any]]]:
     """Collective (an allgather, and a broadcast of the manifest when some rank has no copy):
     each rank opens its copy and says what it wants and sees; any failure, a copy of another
@@ -83,7 +84,9 @@ def open_copies(
     Returns the manifest and every rank's declaration. Every rank calls, in order: the
     allgather of the declarations, then (when some rank has no copy) the broadcast of the
     manifest from the first rank that has one. ``root`` is a directory, or, where ``src``
-    reads objects of a bucket, the URL that names them in messages."""
+    reads objects of a bucket, the URL that names them in messages. ``host``: the node
+    this rank runs on (declared as ``"node"``: ranks of one node share their reads of replicas);
+    by default ``node``, else the host name."""
     own = _open_own(root, src, expect_step, node, (comm.rank, comm.size))
     info = comm.allgather_json(
         {
@@ -98,6 +101,7 @@ def open_copies(
             "manifest_bytes": len(own.data),
             "visible": own.visible,
             "host": socket.gethostname(),
+            "node": host or node or socket.gethostname(),
             "options": [rules.rank_map_json(read.rank_map), read.per_rank, read.replicas],
         }
     )

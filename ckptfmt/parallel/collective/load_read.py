@@ -5,6 +5,7 @@ reads (verified, on a few threads), then the broadcasts and messages in one glob
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.grid import flat_range, is_contiguous_box
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest, TensorEntry
-from ckptfmt.plan.reads import Box, FileRead, Layout, check_box
+from ckptfmt.plan.reads import Box, FileRead, Layout, Piece, check_box
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 from ckptfmt.storage.files import Files
 from ckptfmt.storage.progress import current_meter
@@ -44,9 +45,11 @@ def plan_load(
     sources: Sequence[int | None],
     sees: list[set[int]],
     broadcast: bool,
+    share: Sequence[str] | None = None,
 ) -> list[LoadPlan]:
     """Every rank's boxes and the route of every tensor (the same on every rank); raises the
-    same error on every rank for a box outside its tensor or files no rank sees."""
+    same error on every rank for a box outside its tensor or files no rank sees. ``share``:
+    each rank's node, whose ranks share their reads of replicas (``route``)."""
     load = [0] * len(info)
     out = []
     unseen: set[int] = set()
@@ -70,7 +73,7 @@ def plan_load(
             boxes.append(box)
         geo = geometry(t)
         same_size = m.world_size == len(info)
-        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes, same_size, broadcast)
+        r = route(Layout.of(t), boxes, sees, load, geo.chunk_nbytes, same_size, broadcast, share)
         unseen.update(r.unseen)
         out.append(LoadPlan(t, boxes, r))
     if unseen:
@@ -86,14 +89,22 @@ class Buffers:
 
     outs: dict[str, np.ndarray] = field(default_factory=dict)
     bcast: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    # (plan, peer) -> the packed pieces of a message; (plan, source, dest) -> its parts
     send: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     recv: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    parts: dict[tuple[int, int, int], Parts] = field(default_factory=dict)
     jobs: list[Callable[[], None]] = field(default_factory=list)
     job_bytes: list[int] = field(default_factory=list)  # each job's chunk bytes (progress)
 
     def work(self, me: int, plans: list[LoadPlan]) -> int:
         """This rank's bytes of work, for a progress total: its reads and what it receives."""
         received = sum(b.nbytes for b in self.recv.values())
+        received += sum(
+            n * parts.itemsize
+            for (_, _, d), parts in self.parts.items()
+            if d == me
+            for _, _, n in parts.runs
+        )
         received += sum(b.nbytes for (_, root), b in self.bcast.items() if root != me)
         return sum(self.job_bytes) + received
 
@@ -126,15 +137,17 @@ def allocate(
                     pos += n
         packs: dict[tuple[int, int], np.ndarray] = {}  # (id(task), dest) -> its part of a send
         for s, d, items in p.route.messages():
-            if s == me:
-                flat = np.empty(sum(dl.nelems for _, dl in items), dtype=p.geo.dtype)
+            parts = bufs.parts[(pi, s, d)] = _parts(p, s, d, items)
+            packed = parts.packed
+            if s == me and packed:
+                flat = np.empty(sum(dl.nelems for _, dl in packed), dtype=p.geo.dtype)
                 bufs.send[(pi, d)] = flat
                 pos = 0
-                for t, dl in items:
+                for t, dl in packed:
                     packs[(id(t), d)] = flat[pos : pos + dl.nelems]
                     pos += dl.nelems
-            elif d == me:
-                bufs.recv[(pi, s)] = np.empty(sum(dl.nelems for _, dl in items), p.geo.dtype)
+            elif d == me and packed:
+                bufs.recv[(pi, s)] = np.empty(sum(dl.nelems for _, dl in packed), p.geo.dtype)
         for t in p.route.tasks_of(me):
             bufs.jobs.append(
                 functools.partial(
@@ -144,7 +157,11 @@ def allocate(
                     t,
                     out,
                     slices.get(id(t)),
-                    [(dl, packs[(id(t), dl.dest)]) for dl in t.deliveries],
+                    [
+                        (dl, packs[(id(t), dl.dest)])
+                        for dl in t.deliveries
+                        if (id(t), dl.dest) in packs
+                    ],
                     errors,
                     lock,
                 )
@@ -214,10 +231,18 @@ def read_local(bufs: Buffers, threads: int) -> None:
 def transfer(comm: Comm, plans: list[LoadPlan], bufs: Buffers) -> None:
     """Step 4 (every rank, in the same global order): the broadcasts and messages. Runs on
     every rank even when its reads failed (its peers wait for its messages; what it sends is
-    then discarded, since the vote after it fails)."""
+    then discarded, since the vote after it fails).
+
+    Tensor by tensor: the broadcasts, then the messages. Where the Comm starts a send without
+    waiting for it (``MpiComm``), a rank starts all its sends of the tensor, then receives in
+    order, then waits for its sends: the tensor's messages move at once, not one after the
+    other (each a rendezvous of two ranks: a chain of them costs a wake-up of a waiting rank
+    per message). Elsewhere one message at a time, in order. Either way no rank waits on a
+    message a peer has not reached: every rank reaches each tensor's sends."""
     me = comm.rank
     tag = 0
     meter = current_meter()
+    starts = type(comm).start_send is not Comm.start_send  # the default blocks
     for pi, p in enumerate(plans):
         out = bufs.outs[p.name]
         origin = p.boxes[me][0]
@@ -228,15 +253,69 @@ def transfer(comm: Comm, plans: list[LoadPlan], bufs: Buffers) -> None:
             if root != me:
                 _place_broadcast(p, tasks, buf, out, origin, me)
                 meter.add(buf.nbytes, "receive")
-        for s, d, items in p.route.messages():
-            if me == s:
-                comm.send(bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag)
-            elif me == d:
-                flat = bufs.recv[(pi, s)]
-                comm.recv(flat.view(np.uint8), s, tag)
-                _unpack(flat, [dl for _, dl in items], out, origin)
-                meter.add(flat.nbytes, "receive")
-            tag = (tag + 1) % _TAGS
+        flat_out = out.reshape(-1)
+        ops: list[tuple[bool, np.ndarray, int, int, Parts | None]] = []  # in the global order:
+        # (a send?, its bytes, peer, tag, the parts to unpack after a receive of packed pieces)
+        for s, d, _ in p.route.messages():
+            parts = bufs.parts[(pi, s, d)]
+            if parts.packed:
+                if me == s:
+                    ops.append((True, bufs.send[(pi, d)].reshape(-1).view(np.uint8), d, tag, None))
+                elif me == d:
+                    ops.append((False, bufs.recv[(pi, s)].view(np.uint8), s, tag, parts))
+                tag = (tag + 1) % _TAGS
+            for at_s, at_d, n in parts.runs:  # straight from the reader's rows into the peer's
+                if me == s:
+                    ops.append((True, flat_out[at_s : at_s + n].view(np.uint8), d, tag, None))
+                elif me == d:
+                    ops.append((False, flat_out[at_d : at_d + n].view(np.uint8), s, tag, None))
+                tag = (tag + 1) % _TAGS
+        pending = [comm.start_send(b, peer, t) for send, b, peer, t, _ in ops if send and starts]
+        for send, b, peer, t, packed in ops:
+            if send:
+                if not starts:
+                    comm.send(b, peer, t)
+                continue
+            comm.recv(b, peer, t)
+            if packed is not None:
+                _unpack(b.view(p.geo.dtype), [dl for _, dl in packed.packed], out, origin)
+            meter.add(b.nbytes, "receive")
+        for h in pending:
+            h.wait()
+
+
+@dataclass
+class Parts:
+    """What one message (a reader to one peer, one tensor) is made of, the same on every rank:
+    the pieces packed into one buffer, and the runs sent straight from the reader's array into
+    the peer's ``(reader's element offset, peer's, elements)``: the chunks of a file that both
+    want alike (replicas of one node) and hold as whole rows (``FileRead.rows_into``), so no
+    copy is made on either side."""
+
+    itemsize: int
+    packed: list[tuple[FileTask, Delivery]]
+    runs: list[tuple[int, int, int]]
+
+
+def _parts(p: LoadPlan, s: int, d: int, items: list[tuple[FileTask, Delivery]]) -> Parts:
+    """The parts of the message from ``s`` to ``d`` (local, the same on every rank)."""
+    packed: list[tuple[FileTask, Delivery]] = []
+    runs: list[tuple[int, int, int]] = []
+    per_chunk = math.prod(p.geo.chunk_shape)
+    for t, dl in items:
+        own = t.own
+        if own is not None and (own.lo, own.hi) == (dl.read.lo, dl.read.hi):
+            at_s = own.rows_into(*p.boxes[s])
+            at_d = dl.read.rows_into(*p.boxes[d])
+            if at_s is not None and at_d is not None:
+                n = own.n_chunks * per_chunk
+                if runs and runs[-1][0] + runs[-1][2] == at_s and runs[-1][1] + runs[-1][2] == at_d:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)  # one run: one message
+                else:
+                    runs.append((at_s, at_d, n))
+                continue
+        packed.append((t, dl))
+    return Parts(p.geo.dtype.itemsize, packed, runs)
 
 
 def _chunk(geo: Geometry, raw: np.ndarray | memoryview) -> np.ndarray:
@@ -254,56 +333,75 @@ def _read_task(
     lock: threading.Lock,
 ) -> None:
     """Read one file task's chunks (verified) and put each piece where it goes: this rank's
-    own into ``out``, the others' into their send buffers or the broadcast buffer."""
-    geo, nb = p.geo, p.geo.chunk_nbytes
-    origin = p.boxes[task.reader][0]
-    own = {pc.slot: pc for pc in (task.own.pieces if task.own else ())}
-    out_bytes = out.reshape(-1).view(np.uint8)
-    targets: list[memoryview] = []
-    direct: set[int] = set()
-    n_scratch = 0
+    own into ``out`` (whole chunks that are contiguous there are read straight into it), the
+    others' into their send buffers or the broadcast buffer."""
+    nb = p.geo.chunk_nbytes
     if bcast is None:
-        for s in task.slots:
-            pc = own.get(s)
-            if pc is not None and pc.shape == geo.chunk_shape:
-                lo = tuple(a - o for a, o in zip(pc.lo, origin))
-                hi = tuple(a + n for a, n in zip(lo, pc.shape))
-                if is_contiguous_box(out.shape, lo, hi):
-                    start, _ = flat_range(out.shape, lo, hi)
-                    start *= geo.dtype.itemsize
-                    targets.append(memoryview(out_bytes[start : start + nb]))  # type: ignore[arg-type]
-                    direct.add(s)
-                    continue
-            targets.append(memoryview(b""))  # filled below
-            n_scratch += 1
-        scratch = np.empty(n_scratch * nb, np.uint8)
-        k = 0
-        for i, s in enumerate(task.slots):
-            if s not in direct:
-                targets[i] = memoryview(scratch[k * nb : (k + 1) * nb])  # type: ignore[arg-type]
-                k += 1
+        targets, rest = _own_targets(p, task, out)
     else:
-        targets = [
-            memoryview(bcast[i * nb : (i + 1) * nb])  # type: ignore[arg-type]
-            for i in range(len(task.slots))
-        ]
-    t = p.t
-    ref = t.regions[task.file.region].files[task.file.file]
+        view = memoryview(bcast)  # type: ignore[arg-type]
+        targets = [view[i * nb : (i + 1) * nb] for i in range(len(task.slots))]
+        rest = list(task.own.pieces) if task.own else []  # the root's own, out of the broadcast
+    ref = p.t.regions[task.file.region].files[task.file.file]
     try:
-        read_chunks(src, geo, ref, task.file.cell, task.slots, targets, task.whole, (p.name,))
+        read_chunks(src, p.geo, ref, task.file.cell, task.slots, targets, task.whole, (p.name,))
     except Exception as exc:  # damage, or anything else: voted on by the caller
         with lock:
             errors.append(exc)
         return
-    chunks = {s: _chunk(geo, targets[i]) for i, s in enumerate(task.slots)}
-    for s, pc in own.items():
-        if s not in direct:
-            out[pc.dst(origin)] = chunks[s][pc.src()]
+    if not rest and not deliveries:
+        return
+    at = {s: i for i, s in enumerate(task.slots)}
+    origin = p.boxes[task.reader][0]
+    for pc in rest:
+        out[pc.dst(origin)] = _chunk(p.geo, targets[at[pc.slot]])[pc.src()]
     for dl, flat in deliveries:
         pos = 0
         for pc in dl.pieces:
-            flat[pos : pos + pc.nelems] = chunks[pc.slot][pc.src()].reshape(-1)
+            flat[pos : pos + pc.nelems] = _chunk(p.geo, targets[at[pc.slot]])[pc.src()].reshape(-1)
             pos += pc.nelems
+
+
+def _own_targets(
+    p: LoadPlan, task: FileTask, out: np.ndarray
+) -> tuple[list[memoryview], list[Piece]]:
+    """Where each chunk of ``task`` is read to (in ``task.slots`` order): a rank's own whole
+    chunks that are one contiguous run of ``out`` straight there, every other chunk into
+    scratch; and the own pieces then to be copied out of the scratch."""
+    geo, nb = p.geo, p.geo.chunk_nbytes
+    origin = p.boxes[task.reader][0]
+    out_bytes = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    direct: dict[int, memoryview] = {}
+    rest: list[Piece] = []
+    own = task.own
+    first = own.rows_into(origin, out.shape) if own is not None else None
+    if own is not None and first is not None:  # row blocks: back to back, no pieces made
+        at = first * geo.dtype.itemsize
+        for k, s in enumerate(own.slots):
+            direct[s] = out_bytes[at + k * nb : at + (k + 1) * nb]
+    elif own is not None:
+        for pc in own.pieces:
+            if pc.shape == geo.chunk_shape:
+                lo = tuple(a - o for a, o in zip(pc.lo, origin))
+                hi = tuple(a + n for a, n in zip(lo, pc.shape))
+                if is_contiguous_box(out.shape, lo, hi):
+                    start = flat_range(out.shape, lo, hi)[0] * geo.dtype.itemsize
+                    direct[pc.slot] = out_bytes[start : start + nb]
+                    continue
+            rest.append(pc)
+    if len(direct) == len(task.slots):
+        return [direct[s] for s in task.slots], rest
+    n_scratch = len(task.slots) - len(direct)
+    scratch = memoryview(np.empty(n_scratch * nb, np.uint8))  # type: ignore[arg-type]
+    targets = []
+    k = 0
+    for s in task.slots:
+        view = direct.get(s)
+        if view is None:
+            view = scratch[k * nb : (k + 1) * nb]
+            k += 1
+        targets.append(view)
+    return targets, rest
 
 
 def _place_broadcast(

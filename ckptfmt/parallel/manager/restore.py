@@ -278,6 +278,7 @@ def _load(
             seq=site.seq,
             expect_step=c.step,
             node=site.node if c.level == 1 else None,
+            host=site.node,  # its ranks share their reads of replicated state on either level
             read=read,
             into=into,
             trust_pickle=trust_pickle,
