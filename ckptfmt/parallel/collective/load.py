@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,7 @@ def load_collective(
     into: Mapping[str, np.ndarray] | None = None,
     trust_pickle: bool = False,
     source: Files | None = None,
+    own_only: Collection[int] = (),
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -101,11 +102,14 @@ def load_collective(
     checkpoint in a bucket, ``storage.objects.source.ObjectInside``, which every rank sees
     whole; ``path`` is then its URL, for messages). Each rank then has at least the source's
     ``reads_in_flight`` reads going, whatever ``read.threads`` says for a local disk.
+    ``own_only`` (the same on every rank): saved ranks whose files only the rank of the same
+    number reads, whatever node it shares with others (a restore's rebuild holds them in that
+    rank's memory: ``engine.member_files``).
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq)
-    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
+    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into, own_only)
     return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
 
 
@@ -117,6 +121,7 @@ def _read_everything(
     read: ReadOptions,
     seq: int | None,
     into: Mapping[str, np.ndarray] | None,
+    own_only: Collection[int] = (),
 ) -> tuple[dict[str, np.ndarray], int | None]:
     """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
     who reads what, allocate (voted on before any exchange), read this rank's chunks and move
@@ -134,7 +139,12 @@ def _read_everything(
     if resolution.warning:
         warnings.warn(resolution.warning, PerRankWarning, stacklevel=3)
     sees = [
-        {w for w, ri in enumerate(manifest.ranks) if ri.node in set(i["visible"])} for i in info
+        {
+            w
+            for w, ri in enumerate(manifest.ranks)
+            if (ri.node in set(i["visible"]) and w not in own_only) or (w == r and w in own_only)
+        }
+        for r, i in enumerate(info)
     ]
     plans = plan_load(manifest, info, resolution.sources, sees, read.replicas == "bcast")
     same_host = sum(1 for i in info if i["host"] == info[comm.rank]["host"])

@@ -562,6 +562,8 @@ class CheckpointManager:
             seq=seq,
             fsync=self.write.fsync,
             progress=self.progress,
+            defer=self._defer,
+            fault=self.fault,
         )
         report, manifest = restore_newest(site, request)
         if manifest is not None:
@@ -575,6 +577,12 @@ class CheckpointManager:
                 self._retention.flushed.add(manifest.save_id)
         self.last_restore = report
         return report
+
+    def _defer(self, job: Callable[[Comm], None]) -> None:
+        """Run ``job`` on the saver thread, on its communicator, after what is queued there (a
+        restore's write of the files it rebuilt: every rank queues it, in the same order as its
+        saves; the next save, restore or ``close`` waits for it)."""
+        self._saver.put(lambda: job(self._saver.bg))
 
     def close(self, flush: bool | None = None) -> None:
         """Wait for the save in flight and, unless told not to, flush the newest level-1
