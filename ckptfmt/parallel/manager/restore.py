@@ -73,6 +73,7 @@ class RestoreReport:
     # the rebuilt files, written after the restore returned: "" (none), "pending", "written",
     # or "failed: <why>" (the step then stays rebuildable; the next restore rebuilds it again)
     rewrite: str = ""
+    rewrite_error: CkptError | None = None  # why the rebuilt files were not written
     applied: ApplyReport | None = None  # what was written into the caller's state
     state: dict[str, Any] | None = None  # the loaded tree
 
@@ -360,7 +361,7 @@ def _write_later(site: RestoreSite, rebuilt: Rebuilt, report: RestoreReport) -> 
         try:
             write_rebuilt_collective(comm, rebuilt, site.fsync, site.seq, site.fault or _no_hook)
         except CkptError as exc:
-            report.rewrite = f"failed: {exc}"
+            report.rewrite, report.rewrite_error = f"failed: {exc}", exc
             if comm.rank == 0:
                 log.warning(
                     "restore: the rebuilt files of step %s were not written (%s); the step "
