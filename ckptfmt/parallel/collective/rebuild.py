@@ -268,7 +268,9 @@ def write_rebuilt_collective(
         write_rebuilt(target, manifest, rebuilt.record, comm.rank, bufs, data_only, recreate, fsync)
         hook("rebuild-writing")
         parity_only = MemberStatus(True, mine.parity_ok, [])
-        write_rebuilt(target, manifest, rebuilt.record, comm.rank, bufs, parity_only, recreate, fsync)
+        write_rebuilt(
+            target, manifest, rebuilt.record, comm.rank, bufs, parity_only, recreate, fsync
+        )
         if recreate and is_leader:
             commit.stage_manifest(staging, rebuilt.text, fsync)
     b.vote("rebuild-write", cleanup=cleanup)

@@ -489,7 +489,11 @@ class CheckpointManager:
         says whether there was), the level and path, what was refused and rebuilt, and
         ``report.state``, the loaded tree. Level 1 is tried first (every rank's data present or
         rebuildable from the save's redundancy, every checksum good), then level 3, then older
-        steps (``ckptfmt.parallel.manager.restore_order``). ``state``, when given, is updated in
+        steps (``ckptfmt.parallel.manager.restore_order``). Level-1 data rebuilt from redundancy
+        is loaded from the rebuild's memory; its files are written back on the saver thread
+        after ``restore`` returned (the next ``save``, ``restore``, ``wait`` or ``close`` waits
+        for that; ``report.rewrite`` says how it went, and a failed write leaves the step
+        rebuildable, for the next restore). ``state``, when given, is updated in
         place (arrays copied into, other values replaced; ``Shard`` leaves say which region this
         rank wants). Leftovers of crashed saves are removed first. In order, every rank: the
         wait for the save in flight, a roll call, the leftovers' barrier, then

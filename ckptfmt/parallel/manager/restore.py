@@ -4,10 +4,15 @@ Every rank of the communicator calls :func:`restore_newest` with the same reques
 manager's roll call and the removal of leftovers. In order: an allgather of what each rank sees
 (:class:`~ckptfmt.parallel.manager.restore_order.View`); then, for each candidate of the restore
 order (:func:`~ckptfmt.parallel.manager.restore_order.candidates`) not refused outright,
-``load_collective``; where a level-1 load fails for damage, ``rebuild_collective`` and
-``load_collective`` again. The first candidate that loads is the result; the loads' and rebuilds'
-votes make every rank take the same branch. A failure that is not damage (an allocation failure, a
-bug, a transport error on some rank) is raised on every rank alike instead of trying older steps.
+``load_collective``; where a level-1 load fails for damage, or where the views already show a node
+without the step (no load is tried to find that out), ``rebuild_in_memory`` and
+``load_collective`` from the members' buffers it holds (``Rebuilt.files``: the survivors' data
+read and checked once, the lost ranks' rebuilt). The rebuilt files are written afterwards by
+``write_rebuilt_collective``, which the caller's ``RestoreSite.defer`` runs (the manager's saver
+thread); until that commits, the step stays rebuildable from the same redundancy. The first
+candidate that loads is the result; the loads' and rebuilds' votes make every rank take the same
+branch. A failure that is not damage (an allocation failure, a bug, a transport error on some
+rank) is raised on every rank alike instead of trying older steps.
 """
 
 from __future__ import annotations
@@ -291,7 +296,7 @@ def _rebuild_and_load(
     report: RestoreReport,
     why: str | None,
     lacking: Sequence[str] = (),
-) -> tuple[dict[str, Any], Manifest] | None | Literal[False]:
+) -> tuple[dict[str, Any], Manifest] | Literal[False] | None:
     """Collective: rebuild the level-1 step of ``c`` in memory and load it from there (every
     rank's member data: its own read, or what the rebuild made of the others'); the rebuilt
     files are written afterwards (:func:`_write_later`). None (the reason in ``report``): the
