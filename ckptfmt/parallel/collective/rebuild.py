@@ -16,10 +16,10 @@ manager's saver thread call the second after it returned:
 3. every rank plans the same rebuild (``redundancy/stripes.plan_rebuild``); if a set lost more
    than its scheme tolerates, every rank raises :class:`UnrecoverableDamageError` naming the
    ranks, nodes and tensors lost;
-4. the ops run (messages between the members of each set, in one global order): every rank's
-   member buffers hold its data and parity whole;
-5. a node whose step directory is gone gets a fresh staging directory (its lowest rank), with
-   the zarr metadata; vote;
+4. the ops that rebuild lost data run (messages between the members of each set, in one global
+   order): every rank's member buffer holds its data whole;
+5. the ops that recompute lost parity from the whole data run; a node whose step directory is
+   gone gets a fresh staging directory (its lowest rank), with the zarr metadata; vote;
 6. each rank writes what it rebuilt (its data files, its parity), each file checked against the
    manifest's CRCs; vote;
 7. recreated directories are committed with the same manifest; vote.
@@ -46,6 +46,7 @@ from ckptfmt.engine.rebuild import (
     plan_all,
     prepare_recreated,
     read_status,
+    split_parity,
     write_rebuilt,
 )
 from ckptfmt.errors import CkptError, UnrecoverableDamageError
@@ -55,6 +56,7 @@ from ckptfmt.parallel.collective.boundary import Boundary
 from ckptfmt.parallel.collective.publish import FaultHook, groups_of, publish_commit
 from ckptfmt.redundancy.engine import MemberBuffers, run_ops
 from ckptfmt.redundancy.record import RedundancyRecord, record_of
+from ckptfmt.redundancy.stripes import Op
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Inside
 from ckptfmt.transport.comm import Comm
@@ -139,6 +141,8 @@ class Rebuilt:
     intact_dirs: list[bool]  # by rank: whether its node's directory holds this save
     groups: list[str]  # by rank: the group key (ranks with equal keys share a directory)
     report: RebuildReport
+    # by set: the ops that recompute lost parity from the whole data, left to the write
+    parity_ops: list[tuple[int, list[Op]]] = field(default_factory=list)
 
     @property
     def written(self) -> bool:
@@ -225,15 +229,26 @@ def rebuild_in_memory(
         report.recreated_nodes = []
         report.seconds = time.perf_counter() - started
         return rebuilt
-    plans = plan_all(record, status, str(path), manifest)
+    data_ops, rebuilt.parity_ops = split_parity(
+        record, plan_all(record, status, str(path), manifest), status
+    )
     clear_lost(bufs, mine.data_ok, mine.parity_ok)
-    rset, j = record.set_of(comm.rank)
-    for i, ops in plans:
-        s = record.sets[i]
-        local = {j: bufs} if i == record.sets.index(rset) else {}
-        report.received_bytes += run_ops(ops, s.members, s.sizes, s.chunk, local, comm)
+    report.received_bytes += _run(comm, rebuilt, data_ops)
     report.seconds = time.perf_counter() - started
     return rebuilt
+
+
+def _run(comm: Comm, rebuilt: Rebuilt, plans: list[tuple[int, list[Op]]]) -> int:
+    """Collective (every rank, the same ``plans`` in the same order): run the ops of every
+    set on this rank's member buffers; the bytes received."""
+    record = rebuilt.record
+    rset, j = record.set_of(comm.rank)
+    received = 0
+    for i, ops in plans:
+        s = record.sets[i]
+        local = {j: rebuilt.bufs} if i == record.sets.index(rset) else {}
+        received += run_ops(ops, s.members, s.sizes, s.chunk, local, comm)
+    return received
 
 
 def write_rebuilt_collective(
@@ -241,7 +256,9 @@ def write_rebuilt_collective(
 ) -> None:
     """Collective (steps 4 to 6 in the module's docstring, every rank after the same
     :func:`rebuild_in_memory`, on any communicator of the same ranks: the manager's saver
-    thread writes them after the restore returned): a node whose step directory is gone gets a
+    thread writes them after the restore returned): the ops that recompute lost parity from the
+    whole data (``Rebuilt.parity_ops``: the restore needed the data only); a node whose step
+    directory is gone gets a
     staging directory with the zarr metadata (its lowest rank); vote; each rank writes what was
     rebuilt of its member (data files, each checked against the manifest's CRCs, and parity);
     vote; the recreated directories are committed; vote. A failure anywhere raises
@@ -251,6 +268,8 @@ def write_rebuilt_collective(
     redundancy. ``hook`` (a test's fault hook) is called at ``"rebuild-writing"`` between the
     data files and the rest, and at the commit's points (prefixed ``"rebuild-"``)."""
     manifest, path = rebuilt.manifest, rebuilt.path
+    rebuilt.report.received_bytes += _run(comm, rebuilt, rebuilt.parity_ops)
+    rebuilt.parity_ops = []  # run once: the parity is whole now
     leaders = groups_of(rebuilt.groups)
     recreate = not rebuilt.intact_dirs[comm.rank]
     is_leader = leaders[comm.rank] == comm.rank
