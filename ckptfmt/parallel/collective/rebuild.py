@@ -130,7 +130,11 @@ def _agree_manifest(
 class Rebuilt:
     """A level-1 step made whole in memory by :func:`rebuild_in_memory` (one rank's part): what
     :func:`files` lets a load read and :func:`write_rebuilt_collective` writes. The same on every
-    rank but the buffers, ``mine`` and ``path`` (each rank's own node's copy)."""
+    rank but the buffers, ``mine`` and ``path`` (each rank's own node's copy). The buffers are
+    the calling thread's reused scratch (``redundancy.engine.scratch``): they hold the step until
+    that thread rebuilds or encodes again (the manager's next restore waits for the write
+    first; every file written is checked against the manifest's CRCs, so a buffer reused too
+    early fails the write, never stores other bytes)."""
 
     path: Path
     manifest: Manifest
