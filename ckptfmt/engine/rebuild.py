@@ -34,6 +34,7 @@ __all__ = [
     "plan_all",
     "prepare_recreated",
     "read_status",
+    "split_parity",
     "write_rebuilt",
 ]
 
@@ -167,3 +168,32 @@ def plan_all(
             lost_tensors(manifest, lost_ranks),
         )
     return plans
+
+
+def split_parity(
+    record: RedundancyRecord, plans: list[tuple[int, list[Op]]], status: Sequence[MemberStatus]
+) -> tuple[list[tuple[int, list[Op]]], list[tuple[int, list[Op]]]]:
+    """``plans`` (:func:`plan_all`'s) in two parts: the ops that rebuild lost data, and the ops
+    that then recompute lost parity from the whole data (every scheme's plan ends with those,
+    the same as a plan of the parity alone). A restore runs the first part, loads the data, and
+    leaves the second to the write of the rebuilt files. A plan that does not end so is kept
+    whole in the first part."""
+    data: list[tuple[int, list[Op]]] = []
+    parity: list[tuple[int, list[Op]]] = []
+    for i, ops in plans:
+        s = record.sets[i]
+        lost = [
+            (j, p)
+            for j, r in enumerate(s.members)
+            for p, ok in enumerate(status[r].parity_ok)
+            if not ok
+        ]
+        tail = record.code.rebuild_plan(s.n, (), lost) if lost else []
+        head = ops[: len(ops) - len(tail)]
+        if not tail or ops[len(head) :] != tail:
+            head, tail = ops, []
+        if head:
+            data.append((i, head))
+        if tail:
+            parity.append((i, tail))
+    return data, parity

@@ -227,20 +227,24 @@ def test_sigterm_is_acted_on_while_the_main_thread_sleeps(tmp_path: Path) -> Non
 
 @pytest.mark.mpi
 def test_one_rank_failing_while_the_restore_rebuilds(tmp_path: Path) -> None:
-    """4 ranks on 4 nodes, xor: a lost node's files are being rebuilt when rank 3 fails with a
-    ValueError while writing them. Every rank raises the same error naming rank 3 and the
-    phase (the restore does not fall back to nothing), nothing is left half-written, and the
-    next restore rebuilds and loads the step bit for bit."""
+    """4 ranks on 4 nodes, xor: a lost node is rebuilt in memory and the restore returns the
+    step bit for bit; then rank 3 fails with a ValueError while the saver thread writes the
+    rebuilt files. Every rank records the same error naming rank 3 and the phase, nothing is
+    left half-written, and the next restore rebuilds the step again (bit for bit) and writes
+    it."""
     out = tmp_path / "out"
     out.mkdir()
     assert_ok(run_mpi(4, WORKER, "mpi", str(out), str(tmp_path / "ck"), "rebuild-value"))
     results = _results(out, "rebuild-value", 4)
     for res in results:
         where = f"rank {res['rank']}: {res}"
+        assert res["restored_step"] == 7 and res["first_bitwise"], where
+        assert res["rewrite"] == "failed", where
         assert res.get("error") == "SaveFailedError", where
         assert res["ranks"] == {"3": ["ValueError", "rebuild-write"]}, where
         assert res["seconds"] < DEADLINE_S, where
-        assert res["again"] == 7 and res["bitwise"], where
+        assert res["again"] == 7 and res["again_rebuilt"] and res["bitwise"], where
+        assert res["again_rewrite"] == "written", where
     assert results[0]["leftovers"] == [], results[0]
 
 

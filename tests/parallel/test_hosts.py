@@ -296,6 +296,7 @@ def _restore_on(
         assert r["mismatches"] == [], r
         assert r["unrecoverable"] == [], r
         assert r["rebuilt"], f"nothing was rebuilt: {r}"
+        assert r["rewrite"] == "written", r  # after mgr.wait(): the rebuilt files are on disk
         assert r["local"] == ["step-0000000002"] or "step-0000000002" in r["local"], r
     assert codes == [0] * len(codes), _all_logs(c, phase)
     # the rebuilt level 1 verifies, node by node with its parity, from outside the hosts

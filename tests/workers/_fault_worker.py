@@ -272,9 +272,10 @@ def run_replace_scenario(comm: Any, root: Path, scheme: str) -> dict[str, Any]:
 
 def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
     """One rank per node, level 1 only, xor. Save step 7; node h3 is lost (its directory
-    wiped); the restore's rebuild fails on rank 3 with a ValueError while it writes what it
-    rebuilt. Every rank must raise the same SaveFailedError naming rank 3 (not fall back to
-    nothing), no staging directory may be left; a second restore rebuilds step 7 bit-exact."""
+    wiped); the restore rebuilds it in memory and returns step 7, then the write of the rebuilt
+    files (on the saver thread) fails on rank 3 with a ValueError. Every rank must record the
+    same SaveFailedError naming rank 3 in ``last_restore.rewrite_error``, no staging directory
+    may be left, and a second restore must rebuild step 7 again, bit-exact, and write it."""
     import shutil
 
     from ckptfmt.engine import rebuild as rebuild_module  # where the rebuilt files are written
@@ -309,21 +310,29 @@ def run_rebuild_scenario(comm: Any, root: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     m = mgr_on()
     started = time.perf_counter()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result["restored_step"] = m.restore(state_of(0, rank, size, big=True)).step
-    except CollectiveError as exc:
+    first = state_of(0, rank, size, big=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = m.restore(first)
+    result["seconds"] = time.perf_counter() - started
+    result["restored_step"] = rep.step
+    result["first_bitwise"] = digest(first) == digest(state_of(7, rank, size, big=True))
+    m.wait()  # the rebuilt files' write, on the saver thread
+    exc = rep.rewrite_error
+    result["rewrite"] = rep.rewrite.split(":")[0]
+    if isinstance(exc, CollectiveError):
         result["error"] = type(exc).__name__
         result["ranks"] = {str(r): [f.type, f.phase] for r, f in exc.rank_failures.items()}
-    result["seconds"] = time.perf_counter() - started
     rebuild_module.write_member = real  # type: ignore[assignment]
     comm.barrier()
     result["leftovers"] = leftover_dirs(root) if rank == 0 else []
     restored = state_of(0, rank, size, big=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result["again"] = m.restore(restored).step
+        again = m.restore(restored)
+    m.wait()
+    result["again"], result["again_rebuilt"] = again.step, bool(again.rebuilt)
+    result["again_rewrite"] = again.rewrite
     result["bitwise"] = digest(restored) == digest(state_of(7, rank, size, big=True))
     m.close(flush=False)
     return result

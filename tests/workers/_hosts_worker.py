@@ -164,6 +164,7 @@ def main() -> None:
     mark("restoring")
     step = mgr.restore(got).step
     mark(f"restored step {step}")
+    mgr.wait()  # the rebuilt files are written on the saver thread after restore returned
     lr = mgr.last_restore
     report.update(
         step=step,
@@ -171,6 +172,7 @@ def main() -> None:
         rebuilt=lr.rebuilt if lr else [],
         tried=lr.tried if lr else [],
         unrecoverable=lr.unrecoverable if lr else [],
+        rewrite=lr.rewrite if lr else "",
         mismatches=mismatches(got, want) if step == 2 else ["(no step 2)"],
         local=sorted(os.listdir(LOCAL)),
         tcp_peers=tcp_peers(),

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ def load_collective(
     trust_pickle: bool = False,
     source: Files | None = None,
     host: str | None = None,
+    own_only: Collection[int] = (),
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -107,11 +108,14 @@ def load_collective(
     ``host``: the node this rank runs on (by default ``node``, else the host name): with
     ``read.replicas="node"`` (the default), what several ranks of one node want alike is read
     by one of them and sent to the others, so each node reads replicated state once.
+    ``own_only`` (the same on every rank): saved ranks whose files only the rank of the same
+    number reads, whatever node it shares with others (a restore's rebuild holds them in that
+    rank's memory: ``engine.member_files``).
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq, host)
-    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into)
+    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into, own_only)
     return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
 
 
@@ -123,6 +127,7 @@ def _read_everything(
     read: ReadOptions,
     seq: int | None,
     into: Mapping[str, np.ndarray] | None,
+    own_only: Collection[int] = (),
 ) -> tuple[dict[str, np.ndarray], int | None]:
     """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
     who reads what, allocate (voted on before any exchange), read this rank's chunks and move
@@ -140,7 +145,12 @@ def _read_everything(
     if resolution.warning:
         warnings.warn(resolution.warning, PerRankWarning, stacklevel=3)
     sees = [
-        {w for w, ri in enumerate(manifest.ranks) if ri.node in set(i["visible"])} for i in info
+        {
+            w
+            for w, ri in enumerate(manifest.ranks)
+            if (ri.node in set(i["visible"]) and w not in own_only) or (w == r and w in own_only)
+        }
+        for r, i in enumerate(info)
     ]
     share = [i["node"] for i in info] if read.replicas == "node" else None
     plans = plan_load(manifest, info, resolution.sources, sees, read.replicas == "bcast", share)

@@ -478,7 +478,11 @@ class CheckpointManager:
         says whether there was), the level and path, what was refused and rebuilt, and
         ``report.state``, the loaded tree. Level 1 is tried first (every rank's data present or
         rebuildable from the save's redundancy, every checksum good), then level 3, then older
-        steps (``ckptfmt.parallel.manager.restore_order``). ``state``, when given, is updated in
+        steps (``ckptfmt.parallel.manager.restore_order``). Level-1 data rebuilt from redundancy
+        is loaded from the rebuild's memory; its files are written back on the saver thread
+        after ``restore`` returned (the next ``save``, ``restore``, ``wait`` or ``close`` waits
+        for that; ``report.rewrite`` says how it went, and a failed write leaves the step
+        rebuildable, for the next restore). ``state``, when given, is updated in
         place (arrays copied into, other values replaced; ``Shard`` leaves say which region this
         rank wants). Leftovers of crashed saves are removed first. In order, every rank: the
         wait for the save in flight, a roll call, the leftovers' barrier, then
@@ -551,6 +555,8 @@ class CheckpointManager:
             seq=seq,
             fsync=self.write.fsync,
             progress=self.progress,
+            defer=self._defer,
+            fault=self.fault,
         )
         report, manifest = restore_newest(site, request)
         if manifest is not None:
@@ -564,6 +570,12 @@ class CheckpointManager:
                 self._retention.flushed.add(manifest.save_id)
         self.last_restore = report
         return report
+
+    def _defer(self, job: Callable[[Comm], None]) -> None:
+        """Run ``job`` on the saver thread, on its communicator, after what is queued there (a
+        restore's write of the files it rebuilt: every rank queues it, in the same order as its
+        saves; the next save, restore or ``close`` waits for it)."""
+        self._saver.put(lambda: job(self._saver.bg))
 
     def close(self, flush: bool | None = None) -> None:
         """Wait for the save in flight and, unless told not to, flush the newest level-1

@@ -4,20 +4,25 @@ Every rank of the communicator calls :func:`restore_newest` with the same reques
 manager's roll call and the removal of leftovers. In order: an allgather of what each rank sees
 (:class:`~ckptfmt.parallel.manager.restore_order.View`); then, for each candidate of the restore
 order (:func:`~ckptfmt.parallel.manager.restore_order.candidates`) not refused outright,
-``load_collective``; where a level-1 load fails for damage, ``rebuild_collective`` and
-``load_collective`` again. The first candidate that loads is the result; the loads' and rebuilds'
-votes make every rank take the same branch. A failure that is not damage (an allocation failure, a
-bug, a transport error on some rank) is raised on every rank alike instead of trying older steps.
+``load_collective``; where a level-1 load fails for damage, or where the views already show a node
+without the step (no load is tried to find that out), ``rebuild_in_memory`` and
+``load_collective`` from the members' buffers it holds (``Rebuilt.files``: the survivors' data
+read and checked once, the lost ranks' rebuilt). The rebuilt files are written afterwards by
+``write_rebuilt_collective``, which the caller's ``RestoreSite.defer`` runs (the manager's saver
+thread); until that commits, the step stays rebuildable from the same redundancy. The first
+candidate that loads is the result; the loads' and rebuilds' votes make every rank take the same
+branch. A failure that is not damage (an allocation failure, a bug, a transport error on some
+rank) is raised on every rank alike instead of trying older steps.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -34,13 +39,19 @@ from ckptfmt.errors import (
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.load import load_collective
-from ckptfmt.parallel.collective.rebuild import rebuild_collective
+from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.collective.rebuild import (
+    Rebuilt,
+    rebuild_in_memory,
+    write_rebuilt_collective,
+)
 from ckptfmt.parallel.levels.layout import group_key
 from ckptfmt.parallel.levels.shared import SharedLevel
 from ckptfmt.parallel.manager.outcomes import CheckpointWarning
 from ckptfmt.parallel.manager.restore_order import Candidate, StepRoot, View, candidates
 from ckptfmt.parallel.manager.retention import committed
 from ckptfmt.plan.options import ReadOptions
+from ckptfmt.storage.files import Files
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.apply import ApplyReport, apply_loaded
@@ -64,6 +75,10 @@ class RestoreReport:
     rebuilt: list[str] = field(default_factory=list)  # what was rebuilt from redundancy
     unrecoverable: list[dict[str, Any]] = field(default_factory=list)  # ranks/tensors lost
     rebuild_seconds: float = 0.0
+    # the rebuilt files, written after the restore returned: "" (none), "pending", "written",
+    # or "failed: <why>" (the step then stays rebuildable; the next restore rebuilds it again)
+    rewrite: str = ""
+    rewrite_error: CkptError | None = None  # why the rebuilt files were not written
     applied: ApplyReport | None = None  # what was written into the caller's state
     state: dict[str, Any] | None = None  # the loaded tree
 
@@ -100,6 +115,10 @@ class RestoreSite:
     fsync: bool
     progress: ProgressCallback | None
     shared: SharedLevel | None = None  # level 3: a shared directory or a bucket
+    # runs a job, collective on a communicator of the same ranks, after the restore returned
+    # (the manager's saver thread); None: the job runs at once, on ``comm``
+    defer: Callable[[Callable[[Comm], None]], None] | None = None
+    fault: FaultHook | None = None  # a test's fault hook, for the rebuilt files' write
 
 
 def save_number(manifest: Manifest) -> int:
@@ -142,7 +161,8 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
         if c.refused:
             report.tried.append(f"step {c.step} level {c.level}: {c.refused}")
             continue
-        got = _load_or_rebuild(site, c, wants, req, targets, report)
+        lacking = sorted({v["node"] for v in views if c.step not in v["l1"]})
+        got = _load_or_rebuild(site, c, wants, req, targets, report, lacking)
         if got is None:
             if c.level == 3 and not listed:  # the pointer's step failed: older ones are listed
                 for v, l3 in zip(views, _list_shared(site), strict=True):
@@ -236,9 +256,26 @@ def _load_or_rebuild(
     req: RestoreRequest,
     targets: dict[str, np.ndarray] | None,
     report: RestoreReport,
+    lacking: list[str],
 ) -> tuple[dict[str, Any], Manifest] | None:
     """Collective: load candidate ``c``; on level 1, lost or damaged on some node, rebuild
-    what parity covers and load again. None (the reason in ``report``) when it cannot be."""
+    what parity covers and load from the rebuild. None (the reason in ``report``) when it
+    cannot be. ``lacking``: the nodes whose level-1 directory lacks the step (the same on every
+    rank, from the views): a load would only find out that they lost it, so the rebuild comes
+    first (a load then follows when the rebuild cannot be made: the ranks without the step may
+    be new to a job of another size)."""
+    if c.level == 1 and lacking:
+        mark = (len(report.tried), len(report.unrecoverable))
+        got = _rebuild_and_load(site, c, wants, req, targets, report, None, lacking)
+        if got is not False:
+            return got
+        try:  # e.g. ranks new to a job of another size, which the load serves over the Comm
+            loaded = _load(site, c, wants, req.read, targets, req.trust_pickle)
+        except LoadFailedError as exc:
+            raise_unless_damage(exc)
+            return None  # why the rebuild could not be made is in the report
+        del report.tried[mark[0] :], report.unrecoverable[mark[1] :]
+        return loaded
     try:
         return _load(site, c, wants, req.read, targets, req.trust_pickle)
     except LoadFailedError as exc:
@@ -246,14 +283,108 @@ def _load_or_rebuild(
         if c.level == 3:
             report.tried.append(f"step {c.step} level {c.level}: {exc}")
             return None
-        if not _rebuild(site, c, str(exc), report):
-            return None
+        got = _rebuild_and_load(site, c, wants, req, targets, report, str(exc))
+        return None if got is False else got
+
+
+def _rebuild_and_load(
+    site: RestoreSite,
+    c: Candidate,
+    wants: dict[str, Any],
+    req: RestoreRequest,
+    targets: dict[str, np.ndarray] | None,
+    report: RestoreReport,
+    why: str | None,
+    lacking: Sequence[str] = (),
+) -> tuple[dict[str, Any], Manifest] | Literal[False] | None:
+    """Collective: rebuild the level-1 step of ``c`` in memory and load it from there (every
+    rank's member data: its own read, or what the rebuild made of the others'); the rebuilt
+    files are written afterwards (:func:`_write_later`). None (the reason in ``report``): the
+    step cannot be restored; False: it cannot be rebuilt (the reason in ``report``). ``why``:
+    the load's failure; None when no load was tried because the nodes ``lacking`` have no copy
+    (the reason then says, as the load would have, whose files no rank sees)."""
     try:
-        return _load(site, c, wants, req.read, targets, req.trust_pickle)
+        rebuilt = rebuild_in_memory(
+            site.comm, c.path, group_key(site.node, True), site.fsync, site.seq
+        )
+    except (UnrecoverableDamageError, SaveFailedError) as exc:
+        if isinstance(exc, SaveFailedError):
+            raise_unless_damage(exc, storage=True)
+        if why is None:
+            why = f"no committed copy on node(s) {', '.join(lacking)}"
+        report.tried.append(f"step {c.step} level 1: {why}; cannot rebuild: {exc}")
+        if isinstance(exc, UnrecoverableDamageError):
+            report.unrecoverable.append(
+                {
+                    "step": c.step,
+                    "ranks": list(exc.lost_ranks),
+                    "nodes": list(exc.nodes),
+                    "tensors": list(exc.tensors),
+                }
+            )
+        return False
+    result = rebuilt.report
+    if why is None:
+        gone = [r for r, ok in enumerate(rebuilt.intact_dirs) if not ok]
+        why = str(UnreachableNodesError(result.recreated_nodes, gone))
+    if result.repaired:
+        report.rebuilt.append(f"step {c.step} level 1: {why}; {result.describe()}")
+        report.rebuild_seconds += result.seconds
+    try:
+        if not rebuilt.written:  # nothing of the data lost (metadata at most): from the files
+            got = _load(site, c, wants, req.read, targets, req.trust_pickle)
+        else:
+            got = _load(
+                site,
+                c,
+                wants,
+                req.read,
+                targets,
+                req.trust_pickle,
+                rebuilt.files(site.comm.rank),
+                result.lost_data,
+            )
     except LoadFailedError as exc2:
         raise_unless_damage(exc2)
         report.tried.append(f"step {c.step} level {c.level}: {exc2}")
         return None
+    if rebuilt.written:
+        _write_later(site, rebuilt, report)
+    return got
+
+
+def _write_later(site: RestoreSite, rebuilt: Rebuilt, report: RestoreReport) -> None:
+    """Have the rebuilt files written (``write_rebuilt_collective``) on the manager's saver
+    thread, after the restore returned (every rank queues it, in the same order as its other
+    background jobs); without one (``site.defer`` None), now. A write that fails leaves the
+    step as rebuildable as it was (a later restore rebuilds it again): it is logged and kept in
+    ``report.rewrite``, never raised."""
+    step = rebuilt.manifest.step
+    report.rewrite = "pending"
+
+    def write(comm: Comm) -> None:
+        try:
+            write_rebuilt_collective(comm, rebuilt, site.fsync, site.seq, site.fault or _no_hook)
+        except CkptError as exc:
+            report.rewrite, report.rewrite_error = f"failed: {exc}", exc
+            if comm.rank == 0:
+                log.warning(
+                    "restore: the rebuilt files of step %s were not written (%s); the step "
+                    "stays rebuildable from its redundancy",
+                    step,
+                    exc,
+                )
+            return
+        report.rewrite = "written"
+
+    if site.defer is None:
+        write(site.comm)
+    else:
+        site.defer(write)
+
+
+def _no_hook(_point: str) -> None:
+    pass
 
 
 def _load(
@@ -263,10 +394,15 @@ def _load(
     read: ReadOptions,
     into: dict[str, np.ndarray] | None,
     trust_pickle: bool,
+    memory: Files | None = None,
+    own_only: Sequence[int] = (),
 ) -> tuple[dict[str, Any], Manifest]:
+    """Collective: ``load_collective`` of ``c``; ``memory``: a level-1 step rebuilt in memory
+    (``Rebuilt.files``), read instead of the directory, ``own_only`` the ranks whose data only
+    they hold."""
     # some ranks without a copy may be new to the job (another size, another node): the load
     # finds out whether every saved node's files are visible to some rank
-    source = None
+    source = memory
     path = c.path
     if c.level == 3 and site.shared is not None:
         path, source = site.shared.open_step(site.comm, c.path, c.step)
@@ -283,36 +419,10 @@ def _load(
             into=into,
             trust_pickle=trust_pickle,
             source=source,
+            own_only=own_only,
         )
         meter.finish()
     return loaded
-
-
-def _rebuild(site: RestoreSite, c: Candidate, why: str, report: RestoreReport) -> bool:
-    """Collective: rebuild this level-1 step from its redundancy; False (with the reasons in
-    ``report``) when it cannot be."""
-    try:
-        result, _ = rebuild_collective(
-            site.comm, c.path, group_key(site.node, True), site.fsync, site.seq
-        )
-    except (UnrecoverableDamageError, SaveFailedError) as exc:
-        if isinstance(exc, SaveFailedError):
-            raise_unless_damage(exc, storage=True)
-        report.tried.append(f"step {c.step} level 1: {why}; cannot rebuild: {exc}")
-        if isinstance(exc, UnrecoverableDamageError):
-            report.unrecoverable.append(
-                {
-                    "step": c.step,
-                    "ranks": list(exc.lost_ranks),
-                    "nodes": list(exc.nodes),
-                    "tensors": list(exc.tensors),
-                }
-            )
-        return False
-    if result.repaired:
-        report.rebuilt.append(f"step {c.step} level 1: {why}; {result.describe()}")
-        report.rebuild_seconds += result.seconds
-    return True
 
 
 def _wants(
