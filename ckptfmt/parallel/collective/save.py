@@ -27,6 +27,7 @@ directories and the commit vote (``publish``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -418,7 +419,10 @@ class _Save:
             current_meter().add(int(linked["size"]), "parity")
             return linked
         if linked is not None and staging is not None:
-            (staging / linked["path"]).unlink()  # never written through: encode writes anew
+            # the encode writes a new file (O_EXCL: never through this link); should the link
+            # outlive this, that write fails after the exchange and the save's vote with it
+            with contextlib.suppress(OSError):
+                (staging / linked["path"]).unlink()
         return None
 
     def _member_unchanged(self, refs: dict[str, list[list[Any]]]) -> bool:
