@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.container.members import read_member
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import CkptError, UsageError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.redundancy.engine import MemberBuffers, mul_xor_into, run_ops, scratch
@@ -39,6 +40,7 @@ from ckptfmt.redundancy.record import (
     RedundancySet,
     member_size,
     parity_path,
+    record_of,
 )
 from ckptfmt.redundancy.sets import make_sets
 from ckptfmt.storage.files import Inside, write_gather
@@ -206,6 +208,55 @@ def encode_collective(
     written = write_parity(staging, comm.rank, layout, parity, fsync)
     current_meter().add(int(parity.size), "parity")
     return written
+
+
+def base_parity(layout: SetLayout, base: Manifest, rank: int) -> ParityFile | None:
+    """The base checkpoint's parity file of ``rank``, when the base's redundancy record gives
+    this rank's set exactly this save's layout: the same scheme, ``m`` and ``set_size``, the same
+    members in the same positions, the same member sizes and chunk, a parity file of the size
+    the layout gives. Else None (a base without a record, or one it fails the checks of, too).
+    Such a file holds this save's parity when every member's data is also the base's byte for
+    byte (the code is a fixed function of the set's member data and its geometry): what the
+    caller establishes, for every member, before it links the file (:func:`link_parity`)."""
+    red = layout.red
+    try:
+        record = record_of(base)
+        if record is None or (record.scheme, record.m, record.set_size) != (
+            red.scheme,
+            red.m,
+            red.set_size,
+        ):
+            return None
+        found, position = record.set_of(rank)
+    except CkptError:
+        return None
+    same = (found.members, found.sizes, found.chunk, position) == (
+        layout.members,
+        layout.sizes,
+        layout.chunk,
+        layout.position,
+    )
+    mine = found.parity[position]
+    if not same or mine.path != parity_path(rank) or mine.size != layout.parity_bytes:
+        return None
+    return mine
+
+
+def link_parity(staging: Path, base_root: Path, parity: ParityFile) -> dict[str, Any] | None:
+    """Hard-link the base's parity file ``parity`` (in ``base_root``, the base's directory on
+    this rank's node) into ``staging`` at the same path; its JSON for the record (the base's
+    size and CRCs: the same bytes), or None when the base's file is not a regular file of the
+    recorded size or the file system refuses the link (the caller then encodes)."""
+    source = base_root / parity.path
+    try:
+        st = os.stat(source, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != parity.size:
+            return None
+        (staging / parity.path).parent.mkdir(parents=True, exist_ok=True)
+        os.link(source, staging / parity.path, follow_symlinks=False)
+    except OSError:
+        return None
+    return {"path": parity.path, "size": parity.size, "crc32c": list(parity.crc32c)}
 
 
 def encode_offline(

@@ -6,6 +6,7 @@ thread (``ThreadComm``) on a simulated node."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +232,133 @@ def test_retention_of_an_incremental_chain_on_one_level_keeps_every_kept_step_wh
             assert m.last_save is not None and (k == 0 or m.last_save.bytes_linked["3"] > 0)
     finally:
         m.close(flush=False)
+
+
+def _save_on(
+    root: Path, base: Path | None, nodes: list[str], scheme: str, seed_w: int
+) -> list[dict[str, Any]]:
+    """Every rank ``r`` saves :func:`rank_state` into ``root/<nodes[r]>`` with ``scheme``'s
+    redundancy in sets of two (``nodes`` of four: sets {0, 1} and {2, 3}), rank 0's rows of
+    ``model/w`` changed by ``seed_w``, incremental against ``base``; each rank's report."""
+    red = Redundancy.of(SCHEMES[scheme])
+
+    def body(comm: Any) -> dict[str, Any]:
+        state = rank_state(comm.rank, comm.size)
+        if comm.rank == 0 and seed_w:
+            state["model"]["w"].data[:] += seed_w
+        report: dict[str, Any] = {}
+        save_collective(
+            comm,
+            state,
+            root / nodes[comm.rank],
+            step=5,
+            node=nodes[comm.rank],
+            redundancy=red,
+            write=W,
+            meta=ManifestMeta(levels={"1": {}}),
+            base=None if base is None else base / nodes[comm.rank],
+            report=report,
+        )
+        return report
+
+    return run_threads(len(nodes), body)
+
+
+def _parity_inodes(root: Path, nodes: list[str]) -> list[int]:
+    return [(root / n / "ckptfmt-redundancy" / str(r)).stat().st_ino for r, n in enumerate(nodes)]
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_a_set_whose_members_are_all_unchanged_links_its_parity_and_a_changed_set_encodes(
+    tmp_path: Path, scheme: str
+) -> None:
+    """Four nodes, sets {0, 1} and {2, 3}; the incremental step changes rank 0's rows only.
+    Set {2, 3} (nothing changed) takes the base's parity files as hard links (the same inodes,
+    counted as linked, not written); set {0, 1} encodes anew (new files, other bytes). With the
+    base deleted, the step verifies, and losing a node of either set rebuilds it bit for bit
+    from the step's own parity (the linked parity files included)."""
+    nodes = ["n0", "n1", "n2", "n3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    _save_on(a, None, nodes, scheme, 0)
+    parity_a = {
+        r: (a / n / "ckptfmt-redundancy" / str(r)).read_bytes() for r, n in enumerate(nodes)
+    }
+    reports = _save_on(b, a, nodes, scheme, 3)
+    ino_a, ino_b = _parity_inodes(a, nodes), _parity_inodes(b, nodes)
+    assert [x == y for x, y in zip(ino_a, ino_b)] == [False, False, True, True]
+    # in a set of two, member 0's parity is member 1's data (one data chunk per stripe), so only
+    # member 1's parity (member 0's data) changes; member 0's is encoded anew all the same
+    # (reuse is per set)
+    now = {r: (b / n / "ckptfmt-redundancy" / str(r)).read_bytes() for r, n in enumerate(nodes)}
+    assert [now[r] == parity_a[r] for r in range(4)] == [True, False, True, True]
+    size = [len(parity_a[r]) for r in range(4)]
+    assert [rep.get("parity_linked_bytes", 0) for rep in reports] == [0, 0, size[2], size[3]]
+    assert [rep.get("parity_written_bytes", 0) for rep in reports] == [size[0], size[1], 0, 0]
+    assert reports[0]["job_parity_linked_bytes"] == size[2] + size[3]
+    record_a = record_of(ckptfmt.open(f"{a}/{{node}}").manifest)
+    record_b = record_of(ckptfmt.open(f"{b}/{{node}}").manifest)
+    assert record_a is not None and record_b is not None
+    assert record_b.sets[1] == record_a.sets[1]  # the linked set: the base's parity record
+    healthy = tree_snapshot(b)
+    whole = ckptfmt.load(f"{b}/{{node}}")
+    for n in nodes:
+        shutil.rmtree(a / n)  # the base is gone: the links keep the files
+    assert run("verify", f"{b}/{{node}}").exit_code == ExitStatus.OK
+    for lost in ("n0", "n3"):  # a node of the changed set, then of the linked one
+        shutil.rmtree(b / lost)
+        assert run("verify", f"{b}/{{node}}").exit_code == ExitStatus.DAMAGED
+        assert run("rebuild", "--no-fsync", f"{b}/{{node}}").exit_code == ExitStatus.OK
+        assert tree_snapshot(b) == healthy
+        assert run("verify", f"{b}/{{node}}").exit_code == ExitStatus.OK
+        got = ckptfmt.load(f"{b}/{{node}}")
+        assert all(np.array_equal(got["model"][k], whole["model"][k]) for k in whole["model"])
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_an_unchanged_step_links_every_parity_file_and_rebuilds_without_its_base(
+    tmp_path: Path, scheme: str
+) -> None:
+    """Nothing changed: every data and parity file of the step is a link of the base's; with
+    the base deleted, a lost node's step directory is rebuilt bit for bit from the linked
+    parity."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _save_on(a, None, NODES, scheme, 0)
+    reports = _save_on(b, a, NODES, scheme, 0)
+    assert _parity_inodes(a, NODES) == _parity_inodes(b, NODES)
+    assert all(rep["written_bytes"] == 0 and rep["parity_linked_bytes"] > 0 for rep in reports)
+    healthy = tree_snapshot(b)
+    whole = ckptfmt.load(f"{b}/{{node}}")
+    for n in NODES:
+        shutil.rmtree(a / n)
+    shutil.rmtree(b / "n1")
+    assert run("rebuild", "--no-fsync", f"{b}/{{node}}").exit_code == ExitStatus.OK
+    assert tree_snapshot(b) == healthy
+    assert run("verify", f"{b}/{{node}}").exit_code == ExitStatus.OK
+    got = ckptfmt.load(f"{b}/{{node}}")
+    assert all(np.array_equal(got["model"][k], whole["model"][k]) for k in whole["model"])
+
+
+def test_any_doubt_about_a_sets_base_parity_makes_the_whole_set_encode(tmp_path: Path) -> None:
+    """Nothing changed, but one member of set {2, 3} finds no base parity file (deleted): that
+    set encodes on both its members (the other member's file, present, is not linked alone),
+    set {0, 1} links. A base saved under another scheme lends no parity at all. Each step
+    verifies and its parity is that of a full save."""
+    nodes = ["n0", "n1", "n2", "n3"]
+    a, b, c, full = (tmp_path / x for x in ("a", "b", "c", "full"))
+    _save_on(a, None, nodes, "xor", 0)
+    _save_on(full, None, nodes, "xor", 0)
+    (a / "n2" / "ckptfmt-redundancy" / "2").unlink()
+    reports = _save_on(b, a, nodes, "xor", 0)
+    same = [x == y for x, y in zip(_parity_inodes(a, ["n0", "n1"]), _parity_inodes(b, nodes))]
+    assert same == [True, True]
+    assert (b / "n3" / "ckptfmt-redundancy" / "3").stat().st_ino != (
+        a / "n3" / "ckptfmt-redundancy" / "3"
+    ).stat().st_ino
+    assert [rep.get("parity_linked_bytes", 0) > 0 for rep in reports] == [True, True, False, False]
+    assert run("verify", f"{b}/{{node}}").exit_code == ExitStatus.OK
+    _save_on(c, full, nodes, "rs", 0)
+    assert not set(_parity_inodes(c, nodes)) & set(_parity_inodes(full, nodes))
+    assert run("verify", f"{c}/{{node}}").exit_code == ExitStatus.OK
+    for r, n in enumerate(nodes):
+        parity = f"{n}/ckptfmt-redundancy/{r}"
+        assert (b / parity).read_bytes() == (full / parity).read_bytes()

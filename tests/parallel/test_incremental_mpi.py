@@ -1,7 +1,8 @@
 """An incremental manager under ``mpiexec -n 2``: after the first save each rank writes only
 the shards whose rows changed and links the rest on level 1 and on level 3, the level-1 steps
 kept by retention verify with their parity and load bit for bit with their bases removed, and
-a fresh job restores the newest step bit for bit (``tests/workers/_incremental_worker.py``)."""
+a fresh job restores the newest step bit for bit (``tests/workers/_incremental_worker.py``).
+The last save changes no data: its parity files are hard links of the previous step's."""
 
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ def test_an_incremental_manager_on_two_nodes(tmp_path: Path) -> None:
     lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("report-*.json"))]
     assert sorted(x["rank"] for x in lines) == [0, 1]
     for x in lines:
-        assert x["step"] == 4 and x["level"] == 1 and x["exact"], x
+        assert x["step"] == 5 and x["level"] == 1 and x["exact"], x
+        assert [r["parity_linked"] > 0 for r in x["reports"]] == [False] * 5 + [True]
+        assert x["reports"][-1]["parity_linked"] == x["reports"][-1]["parity_bytes"]
+        assert x["reports"][-1]["bytes_written"]["1"] == 0
         first = x["reports"][0]
         assert first["error"] is None and not first["bytes_linked"].get("1")
-    for both in zip(*(x["reports"][1:] for x in lines)):  # a rank may have written nothing
+    for both in zip(*(x["reports"][1:5] for x in lines)):  # a rank may have written nothing
         for r in both:
             assert r["error"] is None and r["flushed"] and r["link_refused"] == 0, r
             assert r["parity_bytes"] > 0  # the redundancy covers every step whole
@@ -37,19 +41,25 @@ def test_an_incremental_manager_on_two_nodes(tmp_path: Path) -> None:
             written = sum(r["bytes_written"][level] for r in both)
             assert linked > 2 * written > 0, both
     # retention kept two steps per level; each one whole on its own
-    for k in (3, 4):
+    for k in (4, 5):
         step = f"step-{k:010d}"
         template = f"{tmp_path}/l1/{{node}}/{step}"
         assert ckptfmt.verify(template).healthy
         assert ckptfmt.verify(tmp_path / "l3" / step).healthy
     assert sorted(p.name for p in (tmp_path / "l1" / "n0").glob("step-*")) == [
-        "step-0000000003",
         "step-0000000004",
+        "step-0000000005",
     ]
+    for rank in (0, 1):  # step 5's parity: the same inode as step 4's (whose base 3 is gone)
+        parity = [
+            tmp_path / "l1" / f"n{rank}" / f"step-{k:010d}" / "ckptfmt-redundancy" / str(rank)
+            for k in (4, 5)
+        ]
+        assert parity[0].stat().st_ino == parity[1].stat().st_ino
     sys.path.insert(0, str(REPO / "tests" / "workers"))
     from _incremental_worker import whole
 
-    got = ckptfmt.load(tmp_path / "l3" / "step-0000000004")
+    got = ckptfmt.load(tmp_path / "l3" / "step-0000000005")
     assert np.array_equal(got["w"], whole(4)["w"]) and np.array_equal(
         got["frozen"], whole(4)["frozen"]
     )

@@ -1,6 +1,7 @@
 """An incremental manager under ``mpiexec -n 2`` (every rank its own simulated node): level 1
 with xor redundancy across the two nodes, level 3 a shared directory, saves in the background.
-Each save changes a few rows of a sharded weight; a large replicated table stays frozen.
+Each save changes a few rows of a sharded weight; a large replicated table stays frozen. The
+last save (step 5) changes no data at all: its set's parity files are the previous step's.
 
 Run with ``ROOT``. Prints one JSON line per rank: every save's report (bytes written and
 linked per level), then, after a fresh manager restored, the step and whether it is bit-exact.
@@ -57,8 +58,8 @@ def main() -> None:
     comm = MpiComm()
     reports: list[Any] = []
     m = manager(comm, root)
-    for k in range(5):
-        m.save(k, state(comm.rank, comm.size, k)).result()
+    for k in range(6):
+        m.save(k, {**state(comm.rank, comm.size, min(k, 4)), "k": k}).result()
         assert m.last_save is not None
         reports.append(m.last_save.to_json())
     m.close(flush=False)

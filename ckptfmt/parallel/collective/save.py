@@ -27,6 +27,7 @@ directories and the commit vote (``publish``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -42,8 +43,10 @@ from ckptfmt.container.metadata import ManifestMeta, utc_now, write_metadata, wr
 from ckptfmt.container.reader import read_manifest
 from ckptfmt.engine.encode import (
     SetLayout,
+    base_parity,
     data_buffer,
     encode_collective,
+    link_parity,
     make_record,
     member_sets,
     plan_set,
@@ -79,6 +82,8 @@ from ckptfmt.parallel.collective.save_state import LocalState, check_state, regi
 from ckptfmt.plan.cache import PlanCache
 from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
+from ckptfmt.redundancy.record import member_files
+from ckptfmt.storage.progress import current_meter
 from ckptfmt.storage.store.base import Draft, Store
 from ckptfmt.storage.store.directory import DirectoryStore
 from ckptfmt.transport.comm import Comm
@@ -137,8 +142,13 @@ def save_collective(
     checkpoint like any other. Hashes are recorded in the manifest's ``writer`` (also with
     ``write.content_hash`` and no base). A base that is not a committed checkpoint fails the
     save. ``report``: filled with this rank's tallies (``linked_bytes``, ``written_bytes``,
-    ``linked_files``, ``unlinkable``: files written because the file system refused a link)
-    and the job's (``job_linked_bytes``, ``job_written_bytes``).
+    ``linked_files``, ``unlinkable``: files written because the file system refused a link;
+    with redundancy ``parity_linked_bytes``, ``parity_written_bytes``) and the job's
+    (``job_linked_bytes``, ``job_written_bytes``, ``job_parity_linked_bytes``).
+
+    With ``base`` and ``redundancy`` a set whose every member's data is the base's byte for
+    byte, under the base's redundancy layout, takes the base's parity files (hard links) and
+    skips its encode (``_Save.reuse_parity``); any other set encodes as a full save does.
 
     ``plans``: where the plan of this layout may already be (made by an earlier save, or by the
     manager's staging for the same declarations) and where it is kept for the next save; the
@@ -170,6 +180,9 @@ def save_collective(
         report.update(run.tallies[comm.rank])
         report["job_linked_bytes"] = sum(t["linked_bytes"] for t in run.tallies)
         report["job_written_bytes"] = sum(t["written_bytes"] for t in run.tallies)
+        report["job_parity_linked_bytes"] = sum(
+            t.get("parity_linked_bytes", 0) for t in run.tallies
+        )
     return manifest, run.plan_
 
 
@@ -202,6 +215,8 @@ class _Save:
         self.member: np.ndarray | None = None
         self.redundancy: Redundancy | None = None
         self.base: Path | None = None
+        self.base_manifest: Manifest | None = None
+        self.any_base = False  # some rank saves against a base: the parity reuse round runs
         self.hashing = False
         self.hash_name = inc.algorithm()
         self.tallies: list[dict[str, Any]] = []
@@ -240,6 +255,7 @@ class _Save:
                 "save_id": self.meta.save_id or os.urandom(16).hex(),
                 "created": self.meta.created or utc_now(),
                 "hash": inc.algorithm(),
+                "base": self.base is not None,
                 "order_values": order_values,
             },
         )
@@ -252,6 +268,7 @@ class _Save:
         self.draft: Draft = self.store.join(self.save_id)  # the leader's is prepared in stage
         self.mine_staging = self.draft.abort if self.is_leader else None
         self.nodes = [i["node"] for i in self.info]
+        self.any_base = any(i["base"] for i in self.info)
 
     def plan(self, redundancy: Redundancy | None) -> None:
         """Local: every rank makes the same plan from the gathered declarations (or finds it
@@ -349,9 +366,20 @@ class _Save:
         parity: dict[str, Any] | None = None
         if self.layout is not None and self.member is not None:  # the vote carries the parity
             with b.guard("encode"):
-                parity = encode_collective(
-                    comm, self.layout, self.member, self._local_dir(), write.fsync, failed=b.failed
-                )
+                parity = self.reuse_parity(refs) if self.any_base else None
+                if parity is None:
+                    parity = encode_collective(
+                        comm,
+                        self.layout,
+                        self.member,
+                        self._local_dir(),
+                        write.fsync,
+                        failed=b.failed,
+                    )
+                    if tally is not None and parity is not None:
+                        tally["parity_written_bytes"] = parity["size"]
+                elif tally is not None:
+                    tally["parity_linked_bytes"] = parity["size"]
                 self.hook("encoded")
         payload: dict[str, Any] = {"refs": refs, "parity": parity, "tally": tally}
         written = self.draft.written() if not b.failed else []
@@ -361,6 +389,68 @@ class _Save:
         self.tallies = [g["tally"] for g in gathered if g["tally"] is not None]
         self.written = [g["objects"] for g in gathered if "objects" in g]
         return [g["refs"] for g in gathered], [g["parity"] for g in gathered]
+
+    def reuse_parity(self, refs: dict[str, list[list[Any]]]) -> dict[str, Any] | None:
+        """Collective (one ``allgather``, every rank, when some rank saves against a base): the
+        base's parity file of this rank, hard-linked into the staging directory, when every
+        member of this rank's set could link its own, else None (the caller encodes; a link
+        made here is then removed). A rank links its base parity file when its own member
+        data is the base's byte for byte (:meth:`_member_unchanged`) and the base's record
+        gives its set this save's layout (``engine.encode.base_parity``); the gathered answers
+        make every member of a set decide the same, so a set either skips its exchange on every
+        member or runs it on every member. Reuse is per set: each parity file is a function of
+        (nearly) every member's data, so one changed member changes them all. Never raises
+        before the ``allgather`` (a rank missing from it would hang the job): any doubt is a
+        no, and the set encodes."""
+        assert self.layout is not None
+        linked: dict[str, Any] | None = None
+        staging: Path | None = None
+        try:
+            if not self.b.failed and self.base is not None and self.base_manifest is not None:
+                staging = self._local_dir()
+                found = base_parity(self.layout, self.base_manifest, self.comm.rank)
+                if found is not None and self._member_unchanged(refs):
+                    linked = link_parity(staging, self.base, found)
+        except Exception as exc:  # any doubt: encode as a full save does
+            log.debug("parity of rank %d not reused: %s", self.comm.rank, exc)
+            linked = None
+        answers = self.comm.allgather_json(linked is not None)
+        if linked is not None and all(answers[r] for r in self.layout.members):
+            current_meter().add(int(linked["size"]), "parity")
+            return linked
+        if linked is not None and staging is not None:
+            # the encode writes a new file (O_EXCL: never through this link); should the link
+            # outlive this, that write fails after the exchange and the save's vote with it
+            with contextlib.suppress(OSError):
+                (staging / linked["path"]).unlink()
+        return None
+
+    def _member_unchanged(self, refs: dict[str, list[list[Any]]]) -> bool:
+        """Whether this rank's member data (its files whole, in manifest order) is the base's:
+        the same files in the same order, each with the same tensor geometry, size, CRC32C and
+        content hash (both of this save's algorithm)."""
+        base = self.base_manifest
+        recorded = inc.hashes_of(base) if base is not None else None
+        if base is None or recorded is None or recorded[0] != self.hash_name:
+            return False
+        digest = {f.path: h for (_, f), h in zip(base.files(), recorded[1])}
+        before = [
+            (f.path, _geo(t), f.size, f.crc32c, digest[f.path])
+            for t, f in member_files(base, self.comm.rank)
+        ]
+        written = {
+            (name, tuple(offset)): files
+            for name, regions in refs.items()
+            for offset, files in regions
+        }
+        now = [
+            (f[0], _geo(t), f[1], f[2], f[3] if len(f) > 3 else None)
+            for t in self.skeleton.tensors()
+            for r in t.regions
+            if r.rank == self.comm.rank
+            for f in written[(t.path, tuple(r.offset))]
+        ]
+        return now == before
 
     def _local_dir(self) -> Path:
         """The draft's directory, for the parity files of a level-1 save (node-local disks)."""
@@ -376,7 +466,8 @@ class _Save:
         if self.base is None:
             return inc.Incremental(name=self.hash_name)
         found = inc.Incremental(name=self.hash_name, base_root=self.base)
-        found.base = inc.base_files(read_manifest(self.base), self.hash_name)
+        self.base_manifest = read_manifest(self.base)
+        found.base = inc.base_files(self.base_manifest, self.hash_name)
         return found
 
     def manifest(self, refs: list[Any], parity: list[Any]) -> Manifest:
@@ -406,6 +497,11 @@ class _Save:
                 self.draft.stage_manifest(data, self.written, self.write_options.fsync)
         b.vote("manifest", cleanup=self.mine_staging)
         return manifest
+
+
+def _geo(t: Any) -> tuple[Any, ...]:
+    """A tensor entry's geometry: what fixes its files' layout besides their content."""
+    return (t.dtype, tuple(t.shape), tuple(t.shard_shape), tuple(t.chunk_shape))
 
 
 def _digests(refs: list[Any]) -> dict[str, str]:

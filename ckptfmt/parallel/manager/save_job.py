@@ -275,6 +275,7 @@ class Saver:
             report.bytes_written[str(level)] = int(self._linked.get("written_bytes", 0))
             report.bytes_linked[str(level)] = int(self._linked.get("linked_bytes", 0))
             report.link_refused += int(self._linked.get("unlinkable", 0))
+            report.parity_linked = int(self._linked.get("parity_linked_bytes", 0))
         report.parity_bytes = parity_bytes_of(manifest, self.bg.rank) if level == 1 else 0
         if level == 3:
             self.retention.flushed.add(manifest.save_id)

@@ -25,7 +25,9 @@ class SaveReport:
     was committed on (1, or 3 when there is no level 1 or the save fell back to it; None when
     it failed); ``fell_back``: level 1 failed and the step was written to level 3 instead;
     ``bytes_written``: this rank's data bytes by level (``"1"``, ``"3"``); ``parity_bytes``:
-    this rank's parity file; ``flushed``: the step reached level 3 in this save;
+    this rank's parity file (``parity_linked``: of them, the bytes hard-linked from the previous
+    step's parity file instead of encoded, when nothing of the rank's redundancy set changed);
+    ``flushed``: the step reached level 3 in this save;
     ``bytes_linked``: an incremental manager's data bytes by level that were hard-linked from
     the previous step instead of written, or on a bucket level 3 copied inside the store
     instead of uploaded (``bytes_written`` then counts only what was written or uploaded);
@@ -43,6 +45,7 @@ class SaveReport:
     redundancy: str | None = None
     bytes_written: dict[str, int] = field(default_factory=dict)
     parity_bytes: int = 0
+    parity_linked: int = 0
     bytes_linked: dict[str, int] = field(default_factory=dict)
     link_refused: int = 0
     error: str | None = None
