@@ -27,6 +27,7 @@ of the job (``parallel.manager.exit``), and what it reports (``parallel.manager.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -420,7 +421,7 @@ class CheckpointManager:
             if why is not None:
                 job.handle.set_staged()  # nothing of the state will be read
             elif skipping:
-                job.handle.can_abandon(job.gate.abandon)
+                job.handle.can_abandon(functools.partial(job.gate.abandon, slot))
             return self._hand_over(job, usage, entered)
         vote = StartVote(lambda: why)
         try:  # every rank takes part, a rank whose state was refused too
@@ -444,7 +445,7 @@ class CheckpointManager:
             return job.handle
         if mode == "none" and skipping:  # the loop may give it up until its job starts
             job.voted = True
-            job.handle.can_abandon(job.gate.abandon)
+            job.handle.can_abandon(functools.partial(job.gate.abandon, slot))
         if leaves is not None:
             try:
                 job.staged, job.report.staged_bytes = self._stager.stage(

@@ -105,9 +105,11 @@ class Slot:
 
     def __init__(self, flights: InFlight) -> None:
         self._flights: InFlight | None = flights
+        self._lock = threading.Lock()
 
     def give(self) -> None:
-        flights, self._flights = self._flights, None
+        with self._lock:
+            flights, self._flights = self._flights, None
         if flights is not None:
             flights.give()
 
@@ -177,14 +179,18 @@ class Gate:
         self._started = False
         self._lock = threading.Lock()
 
-    def abandon(self) -> bool:
-        """The training thread: give the save up unless its job has started; whether it is."""
+    def abandon(self, slot: Slot | None = None) -> bool:
+        """The training thread: give the save up unless its job has started; whether it is.
+        ``slot``, the save's, is given back at once: a save given up holds no staging copy,
+        and the next save may take its place in flight."""
         with self._lock:
             if self._started:
                 return False
             if self.why is None:
                 self.why = self.ABANDONED
-            return True
+        if slot is not None:
+            slot.give()
+        return True
 
     def start(self) -> str | None:
         """The saver thread, once every rank's saver is in the save: start it; this rank's
