@@ -5,7 +5,8 @@ or are given up before their copy began (``SaveHandle.abandon``, what ``FencedSa
 its fence) and are skipped, on every rank alike.
 
 Run with ``ROOT MODE`` (``MODE``: ``now``, copied at the call, or ``background``, copied by the
-saver thread). Prints one JSON line per rank: each save's outcome by step (``"committed"``,
+saver thread). Writes ``ROOT/result-RANK.json`` (files: two ranks' printed lines may
+interleave): each save's outcome by step (``"committed"``,
 ``"skipped"`` or the error), how long the loop was kept at each save (the call, plus the wait
 for its copy before the state changes), ``saves_skipped``, the skipped reports' reasons, and
 after a fresh manager restored the newest step: that step and whether it is bit-exact.
@@ -115,7 +116,7 @@ def main() -> None:
         and target["step"] == want["step"]
     )
     fresh.close(flush=False)
-    print(json.dumps(result), flush=True)
+    (root / f"result-{comm.rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
