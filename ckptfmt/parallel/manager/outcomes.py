@@ -36,7 +36,9 @@ __all__ = ["Calls", "CheckpointWarning", "FlushWarning", "Outcomes"]
 
 class Outcomes:
     """The saves' reports and the failures and notices to tell at the next call. Written by
-    the saver thread, told by the training thread (:meth:`tell`) once the saver is idle.
+    the saver thread, told by the training thread (:meth:`tell`), also while saves are in
+    flight (``saves_in_flight``): the pending failures are taken under a lock, and each
+    save's handle finds its own failure by :meth:`mark`, whatever was told meanwhile.
 
     A failed save and a failed flush are told differently: a save that failed left no new
     checkpoint (``failed_saves``, a :class:`CheckpointWarning` or raised, ``on_error``); a flush
