@@ -32,6 +32,13 @@ A checkpoint every ``--every`` steps after the optimizer step (``--ckpts`` of th
 * ``torch_save``: ``torch.save`` of the whole state on rank 0 (root checkpointing), the others at
   a barrier: synchronous.
 
+``--in-flight N`` and ``--when-busy wait|skip`` set the ckptfmt variants'
+``ManagerSettings.saves_in_flight`` and ``when_busy`` (default 1 and ``wait``: the manager's
+defaults). With ``skip``, a save that finds no slot free is skipped on every rank, and the loop
+gives up a background save whose copy has not begun (``SaveHandle.abandon``) instead of waiting
+for it; the skipped saves are counted per run (``skipped``) and in the table. ``--every 1``
+checkpoints at every step.
+
 Per variant: blocked time per checkpoint (in ``save`` plus waiting before the optimizer step for
 the state to be free), slowdown of the steps that overlap the background save (their median
 against the baseline's median step of the same round), total overhead (loop time against the
@@ -212,6 +219,8 @@ class Checkpointer:
                 keep_local=2,
                 on_error="raise",
                 at_exit=ExitPolicy(flush=False, sigterm=False),
+                saves_in_flight=job.args.in_flight,
+                when_busy=job.args.when_busy,
             )
             from ckptfmt_torch.staging import TorchStager
 
@@ -246,10 +255,16 @@ class Checkpointer:
             }
 
     def _committed(self, called: float) -> Callable[[Any], None]:
-        def done(_f: Any) -> None:
-            self.commits.append((called, time.perf_counter()))
+        def done(f: Any) -> None:
+            if f.exception() is None:  # a skipped save (when_busy="skip") is counted apart
+                self.commits.append((called, time.perf_counter()))
 
         return done
+
+    @property
+    def skipped(self) -> int:
+        """Saves skipped so far (ckptfmt with ``--when-busy skip``)."""
+        return self.mgr.saves_skipped if self.variant.startswith("ckptfmt") else 0
 
     def save(self, step: int) -> float:
         job, v = self.job, self.variant
@@ -316,7 +331,9 @@ class Checkpointer:
             self.opt.step()  # the pre-hook waits for the copy
             waited = sum(self.fenced.blocked_s) - before
         elif self.variant.startswith("ckptfmt") and self._pending is not None:
-            self._pending.wait_staged()
+            if not (self.job.args.when_busy == "skip" and self._pending.abandon()):
+                self._pending.wait_staged()  # its copy must be done before the update
+            self._pending = None
             waited = time.perf_counter() - t0
             body()
         elif self.variant == "tc":
@@ -361,7 +378,9 @@ def run_loop(job: Job, ck: Checkpointer, loop: str) -> dict[str, Any]:
     starts: list[float] = []
     blocked: list[float] = []
     saves_at: list[float] = []  # when each save returned
+    saves_called: list[float] = []  # when each save was called
     waited_total = 0.0
+    skipped_before = ck.skipped
     job.dist.barrier()
     t_loop = time.perf_counter()
     for step in range(1, steps + 1):
@@ -376,6 +395,7 @@ def run_loop(job: Job, ck: Checkpointer, loop: str) -> dict[str, Any]:
         if blocked and waited:
             blocked[-1] += waited  # the save's share: the state was not free yet
         if ck.variant != "none" and step % args.every == 0 and step < steps:
+            saves_called.append(time.perf_counter())
             blocked.append(ck.save(step))
             saves_at.append(time.perf_counter())
         step_s.append(time.perf_counter() - t0)
@@ -383,11 +403,14 @@ def run_loop(job: Job, ck: Checkpointer, loop: str) -> dict[str, Any]:
     ck.drain()
     job.dist.barrier()
     ck.clean()
+    skipped = ck.skipped - skipped_before
     commits = sorted(ck.commits)
     # steps overlapping a background save: those that start after it returned and before it
     # committed, without the save call itself
     overlap: list[float] = []
-    for (_called, committed), returned in zip(commits, saves_at):
+    returned_at = dict(zip(saves_called, saves_at))
+    for called, committed in commits:  # the committed saves (skipped ones: none)
+        returned = returned_at.get(called, called)
         for t, s in zip(starts, step_s):
             if returned <= t < committed:
                 overlap.append(s)
@@ -398,6 +421,8 @@ def run_loop(job: Job, ck: Checkpointer, loop: str) -> dict[str, Any]:
         "commit_s": [c - a for a, c in commits],
         "overlap_step_s": overlap,
         "waited_s": waited_total,
+        "saves": len(blocked),
+        "skipped": skipped,
     }
 
 
@@ -438,7 +463,8 @@ def rank_main(args: argparse.Namespace) -> int:
                     print(
                         f"# round {rnd - args.warmup} {loop} {v}: loop {r['loop_s']:.2f} s, "
                         f"blocked {[round(b * 1e3) for b in r['blocked_s']]} ms, "
-                        f"commit {[round(c, 2) for c in r['commit_s']]} s",
+                        f"commit {[round(c, 2) for c in r['commit_s']]} s, "
+                        f"skipped {r['skipped']} of {r['saves']}, load {r['loadavg']:.1f}",
                         flush=True,
                     )
     for ck in cks.values():
@@ -465,7 +491,7 @@ def summarize(part: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         base = {r["round"]: r for r in by_variant["none"]}
         rows: dict[str, Any] = {}
         for v, runs in by_variant.items():
-            overhead, slow, blocked, commit = [], [], [], []
+            overhead, slow, blocked, commit, skipped, saves = [], [], [], [], 0, 0
             for r in runs:
                 b = base[r["round"]]
                 overhead.append((r["loop_s"] - b["loop_s"]) / b["loop_s"])
@@ -474,6 +500,8 @@ def summarize(part: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                     slow.append(med(r["overlap_step_s"]) / base_step - 1)
                 blocked += r["blocked_s"]
                 commit += r["commit_s"]
+                skipped += r.get("skipped", 0)
+                saves += r.get("saves", len(r["blocked_s"]))
             rows[v] = {
                 "label": VARIANTS[v],
                 "overhead_pct": 100 * med(overhead),
@@ -481,6 +509,8 @@ def summarize(part: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                 "overlap_slowdown_pct": 100 * med(slow) if slow else None,
                 "blocked_ms": 1e3 * med(blocked) if blocked else None,
                 "commit_s": med(commit) if commit else None,
+                "skipped": skipped,
+                "saves": saves,
                 "base_step_ms": 1e3 * med([s for r in runs for s in base[r["round"]]["step_s"]]),
             }
         out[loop] = rows
@@ -491,7 +521,8 @@ def table(summary: dict[str, Any], part: dict[str, Any], args: argparse.Namespac
     lines = [
         f"ranks {part['ranks']} (torchrun, DDP, {args.device}), state "
         f"{part['nbytes'] / 1e6:.0f} MB per rank ({part['tensors']} tensors), a checkpoint every "
-        f"{args.every} steps, {args.ckpts} per run, {args.rounds} rounds (medians), dir {args.dir}",
+        f"{args.every} steps, {args.ckpts} per run, {args.rounds} rounds (medians), "
+        f"dir {args.dir}; ckptfmt: {args.in_flight} save(s) in flight, when busy: {args.when_busy}",
         "",
     ]
     for loop, rows in summary.items():
@@ -503,8 +534,8 @@ def table(summary: dict[str, Any], part: dict[str, Any], args: argparse.Namespac
             + ")",
             "",
             "| variant | blocked / ckpt (ms) | x memcpy floor | overlapped steps slower | "
-            "total overhead | committed after (s) |",
-            "|---|---:|---:|---:|---:|---:|",
+            "total overhead | committed after (s) | skipped |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for v, row in rows.items():
             if v == "none":
@@ -516,7 +547,7 @@ def table(summary: dict[str, Any], part: dict[str, Any], args: argparse.Namespac
             lines.append(
                 f"| {row['label']} | {b:.1f} | {ratio} | "
                 f"{'—' if sl is None else f'{sl:+.1f}%'} | {row['overhead_pct']:+.1f}% | "
-                f"{'—' if c is None else f'{c:.2f}'} |"
+                f"{'—' if c is None else f'{c:.2f}'} | {row['skipped']} of {row['saves']} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -530,7 +561,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--every", type=int, default=4, help="steps between checkpoints")
+    ap.add_argument("--every", type=int, default=4, help="steps between checkpoints (1: every)")
+    ap.add_argument("--in-flight", type=int, default=1, help="ckptfmt: saves_in_flight")
+    ap.add_argument(
+        "--when-busy", default="wait", choices=["wait", "skip"], help="ckptfmt: when_busy"
+    )
     ap.add_argument("--ckpts", type=int, default=2, help="checkpoints per run")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     ap.add_argument("--warmup", type=int, default=1)

@@ -34,6 +34,12 @@ What is guaranteed, and what is detected:
 
 Host memory: one staging copy per save in flight, reused from save to save (the stager's
 buffers). Several optimizers: pass them all; the first step of any of them is the fence.
+
+A manager with ``when_busy="skip"`` (``ckptfmt.ManagerSettings``): the fence never waits for a
+copy that has not begun (its save is queued behind one still writing); it gives that save up
+(``SaveHandle.abandon``), and the save is skipped on every rank, counted in the manager's
+``saves_skipped`` and logged. It still waits for a copy that has begun: every rank's saver had
+reached the save, and the copy is as long as the state's bytes.
 """
 
 from __future__ import annotations
@@ -145,7 +151,7 @@ class FencedSaver:
     def wait(self) -> None:
         """Wait for the save in flight to be committed (the fence first); report a failure as
         the manager does (``on_error``)."""
-        self._pass_fence()
+        self._pass_fence(give_up=False)
         self.manager.wait()
 
     def close(self) -> None:
@@ -176,13 +182,16 @@ class FencedSaver:
             if pending and self.blocked_s:
                 self.blocked_s[-1] += time.perf_counter() - entered
 
-    def _pass_fence(self) -> None:
-        """Wait for the copy of the save in flight, then check that nothing it copied in the
+    def _pass_fence(self, give_up: bool = True) -> None:
+        """Wait for the copy of the save in flight (or, ``give_up`` under ``when_busy="skip"``,
+        give the save up when its copy has not begun), then check that nothing it copied in the
         background changed before now; the state is the loop's again."""
         handle, watch = self._handle, self._watch
         if handle is None or watch is None:
             return
         self._handle = self._watch = None
+        if give_up and self.manager.settings.when_busy == "skip" and handle.abandon():
+            return  # nothing of the state was read, nor will be: the save is skipped
         handle.wait_staged()
         changed = watch.changed()
         if not changed:

@@ -103,6 +103,7 @@ class TorchStager:
         self._free: dict[_Key, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._streams: dict[int, Any] = {}  # device index -> side stream
+        self._holding: list[tuple[SaveHandle, SaveHandle]] = []  # (manager's, ours) not over
         self.made = 0
         self.reused = 0
 
@@ -128,6 +129,21 @@ class TorchStager:
                 pinned = bool(buf.is_pinned()) if self.pin_memory else False
                 key = (tuple(int(n) for n in buf.shape), buf.dtype, pinned)
                 self._free.setdefault(key, []).append(buf)
+
+    def hold(self, inner: SaveHandle, outer: SaveHandle) -> None:
+        """``save_async``: the save of ``outer`` (the manager's ``inner``) holds buffers."""
+        with self._lock:
+            self._holding = [(i, o) for i, o in self._holding if not o.done()]
+            self._holding.append((inner, outer))
+
+    def settle(self) -> None:
+        """Wait for the saves whose manager save is over to give their buffers back (they do
+        from the saver thread, a moment after the manager's slot is free again)."""
+        with self._lock:
+            holding = list(self._holding)
+        for inner, outer in holding:
+            if inner.done():
+                outer.wait()
 
     def _stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -250,10 +266,16 @@ def save_async(
     either fails the save, nothing committed (:class:`ckptfmt_torch.fence.FencedSaver` checks
     there that no tensor changed while it was copied).
 
-    Waits for the previous save of ``manager`` first (as ``save`` does), so that the stager's
-    buffers are free again and reused."""
+    Waits first, as ``save`` does, while the manager has ``saves_in_flight`` saves queued or
+    running (``when_busy="wait"``), so that the stager's buffers of a save that is over are
+    free again and reused: host memory stays within one staging copy per save in flight. With
+    ``when_busy="skip"`` and no room, nothing is staged and the save is taken as skipped on
+    every rank (``manager.save(..., skip=True)``). The handle's ``abandon`` gives up a save
+    whose background copy has not begun (``SaveHandle.abandon``)."""
     stager = stager if stager is not None else TorchStager()
-    manager.wait()
+    if not manager.wait_for_room():
+        return manager.save(step, {}, donate=True, skip=True)
+    stager.settle()
     host, event, taken = stager.stage(
         state_dict, background_copy=background_copy, copy_now=copy_now
     )
@@ -279,8 +301,13 @@ def save_async(
         raise
 
     def finished(f: Any) -> None:
+        if inner.skipped():  # never waited for: device copies may still be running into them
+            for e in event.events:
+                e.synchronize()
         stager.release(taken)
         handle.set_committed(f.exception())
 
+    stager.hold(inner, handle)
+    handle.can_abandon(inner.abandon)
     inner.committed.add_done_callback(finished)
     return handle

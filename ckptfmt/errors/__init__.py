@@ -41,6 +41,7 @@ from ckptfmt.errors.collective import (
     OutOfStepError,
     RankFailure,
     SaveFailedError,
+    SaveSkippedError,
     UnreachableNodesError,
     failure_kind,
 )
@@ -156,6 +157,7 @@ __all__ = [
     "RankFailure",
     "ReplicaWarning",
     "SaveFailedError",
+    "SaveSkippedError",
     "SizeMismatchError",
     "StateChangedError",
     "StateMismatchError",

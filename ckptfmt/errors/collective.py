@@ -168,6 +168,30 @@ class SaveFailedError(CollectiveError):
     verb = "save"
 
 
+class SaveSkippedError(CollectiveError):
+    """A ``CheckpointManager`` save that was taken but not made, on every rank: some rank could
+    not start it (``ManagerSettings.when_busy="skip"``: every slot for a save in flight was
+    taken, or the loop gave the save up with ``SaveHandle.abandon`` before its copy began).
+    Nothing of it was written; earlier checkpoints are untouched and the next save goes on as
+    usual. Not a failure: counted in the manager's ``saves_skipped``, never in
+    ``failed_saves``. ``step``: the save's step; ``ranks``: the ranks that could not start it;
+    ``reason``: why, as the first of them said."""
+
+    verb = "save"
+
+    def __init__(self, step: int, ranks: Sequence[int], reason: str) -> None:
+        self.ranks = tuple(ranks)
+        self.reason = reason
+        super().__init__(
+            {},
+            operation="save",
+            step=step,
+            message=f"save of step {step} skipped on every rank: {ranks_text(self.ranks)} "
+            f"could not start it ({reason}); nothing was written, earlier checkpoints stand "
+            "(raise ManagerSettings.saves_in_flight, or save less often, to skip fewer)",
+        )
+
+
 class LoadFailedError(CollectiveError):
     """A collective load failed on some rank (``failures``: rank -> message)."""
 

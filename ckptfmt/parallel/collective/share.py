@@ -23,7 +23,7 @@ import copy
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,16 +61,47 @@ def digest(holdings: Sequence[Holding], write: WriteOptions, world: int) -> str:
     return hashlib.sha256(json.dumps(doc).encode("utf-8")).hexdigest()
 
 
-def agree(comm: Comm, deadline_s: float, step: int, seq: int, mine: str | None) -> bool:
+class StartVote:
+    """Whether each rank can start a save, voted in the save's first collective step (its
+    staging agreement, :func:`agree`), so that every rank makes the same choice: a save some
+    rank could not start (no slot free, or given up by the loop) is skipped on every rank.
+    ``mine`` is asked once, after the roll call (the moment this rank's answer is final:
+    ``mine`` may settle a race with the loop giving the save up); it returns why this rank
+    cannot start the save, or None. ``skipping``: every rank that cannot, with its reason."""
+
+    def __init__(self, mine: Callable[[], str | None]) -> None:
+        self.mine = mine
+        self.skipping: dict[int, str] = {}
+
+    def alone(self) -> None:
+        """One process: the vote is this rank's answer."""
+        why = self.mine()
+        self.skipping = {} if why is None else {0: why}
+
+
+def agree(
+    comm: Comm,
+    deadline_s: float,
+    step: int,
+    seq: int,
+    mine: str | None,
+    vote: StartVote | None = None,
+) -> bool:
     """Collective (every rank of ``comm``, from the thread that calls ``save``, before its
     staging copy): a roll call within ``deadline_s`` (raises
     :class:`~ckptfmt.errors.CollectiveTimeoutError` naming the ranks that did not come, or
     :class:`~ckptfmt.errors.OutOfStepError` when some are in another call: ``seq`` is the
     caller's call number), then
-    every rank's digest (None: this rank stages whole, e.g. its state was refused). True on
-    every rank when every digest is the same one."""
+    every rank's digest (None: this rank stages whole, e.g. its state was refused) and its
+    answer to ``vote`` (every rank passes one, or none does). True on every rank when every
+    digest is the same one."""
     comm.roll_call(deadline_s, "save", step, seq)
-    seen = comm.allgather_json(mine)
+    if vote is None:
+        seen = comm.allgather_json(mine)
+    else:
+        answers = comm.allgather_json([mine, vote.mine()])
+        seen = [d for d, _ in answers]
+        vote.skipping = {r: str(w) for r, (_, w) in enumerate(answers) if w is not None}
     return mine is not None and all(d == mine for d in seen)
 
 

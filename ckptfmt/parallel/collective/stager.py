@@ -44,23 +44,31 @@ class Stager:
         seq: int,
         leaves: list[tuple[Name, Any]] | None,
         comm: Comm | None = None,
+        vote: share.StartVote | None = None,
     ) -> share.Boxes | None:
         """Collective (every rank, before its staging copy: from ``save`` on ``comm`` None, the
         manager's communicator, or from the saver thread on its own for a background copy;
         ``leaves`` None where the state was refused): the regions of the replicated tensors
         this rank writes, when every rank holds the same ones, else None (stage everything).
-        One process: None. Raises what the roll call raises."""
+        ``vote`` (every rank gives one, or none does) is voted on in the same exchange
+        (:class:`~ckptfmt.parallel.collective.share.StartVote`). One process: None, and the
+        vote is this rank's. Raises what the roll call raises."""
         if self.comm.size == 1:
+            if vote is not None:
+                vote.alone()
             return None
         holdings = share.replicated(leaves) if leaves is not None else []
         mine = share.digest(holdings, self.write, self.comm.size) if leaves is not None else None
-        if not share.agree(comm or self.comm, self.deadline_s, step, seq, mine):
+        if not share.agree(comm or self.comm, self.deadline_s, step, seq, mine, vote):
             return None
         assert mine is not None  # agree is True only where this rank has a digest
-        if self._own is None or self._own[0] != mine:
+        # the training thread and the saver thread may both agree (saves in flight): the kept
+        # share is read and replaced whole, never half of one and half of another
+        own = self._own
+        if own is None or own[0] != mine:
             plan = share.share_plan(self.plans, holdings, self.write, self.comm.size)
-            self._own = (mine, share.own_boxes(plan, self.comm.rank))
-        return self._own[1]
+            own = self._own = (mine, share.own_boxes(plan, self.comm.rank))
+        return own[1]
 
     def stage(
         self,

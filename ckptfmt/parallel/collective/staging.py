@@ -31,13 +31,13 @@ How the staging copy is made (``CheckpointManager.save``):
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import SaveSkippedError, UsageError
 
 _Key = tuple[tuple[int, ...], str]
 
@@ -144,6 +144,10 @@ class SaveHandle:
     always done when ``committed`` is. The failure is also reported by the manager's next call,
     as without a handle (``on_error``).
 
+    A save taken but not made (``ManagerSettings.when_busy="skip"``) ends with
+    :class:`~ckptfmt.errors.SaveSkippedError` in ``committed`` (:meth:`skipped` says so); it is
+    no failure and is not reported again at the next call.
+
     ``staged, committed = handle`` unpacks it into the two futures.
     """
 
@@ -153,6 +157,7 @@ class SaveHandle:
         self.committed: Future[int] = Future()
         self.staged.set_running_or_notify_cancel()
         self.committed.set_running_or_notify_cancel()
+        self._give_up: Callable[[], bool] | None = None  # set where the save can be abandoned
 
     def __iter__(self) -> Iterator[Future[Any]]:
         return iter((self.staged, self.committed))
@@ -185,6 +190,31 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> int:
         """The committed step; raises the save's error, or ``TimeoutError`` after ``timeout``."""
         return self.committed.result(timeout)
+
+    def skipped(self) -> bool:
+        """Whether the save is over and was skipped (taken but not made, on every rank)."""
+        return self.committed.done() and isinstance(self.committed.exception(), SaveSkippedError)
+
+    def abandon(self) -> bool:
+        """Local: give the save up on this rank if nothing of the state has been read for it
+        yet (its copy has not begun: it waits behind a save in flight), so that the loop may
+        change the state at once instead of waiting for the copy. True: the state is the
+        caller's again (``staged`` is done) and the save is skipped on every rank
+        (``committed`` ends with :class:`~ckptfmt.errors.SaveSkippedError`; the ranks decide
+        it together in the save's first collective step). False: the copy has begun, is done,
+        or this save cannot be given up (a manager with ``when_busy="wait"``, or a copy made at
+        the call): wait on ``staged`` as usual. The training loop's thread only."""
+        give_up = self._give_up
+        if give_up is None or self.staged.done() or not give_up():
+            return False
+        self.set_staged()
+        return True
+
+    def can_abandon(self, give_up: Callable[[], bool]) -> None:
+        """Let :meth:`abandon` give this save up by ``give_up()`` (True when it did: nothing of
+        the state will be read; False when the copy has begun). Set by the manager, or by an
+        adapter whose handle stands for the manager's (``give_up`` then abandons that one)."""
+        self._give_up = give_up
 
     # --- set by the manager ----------------------------------------------------------------------
 

@@ -9,10 +9,13 @@
 
 Every rank of ``comm`` makes the same calls in the same order (they are collective). Saving goes
 on in one background thread per rank that talks to the other ranks on a duplicated communicator;
-the next ``save`` waits for the previous one. A failed save (a full disk, a dead directory) is
-voted on by all ranks, leaves earlier checkpoints untouched, and is reported at the next call: as
-a :class:`CheckpointWarning` by default (training goes on), or raised with ``on_error="raise"``.
-Anything else escaping the background thread aborts the whole job (``comm.start_background``).
+up to ``saves_in_flight`` saves are queued or running at once, and a ``save`` made while all of
+them are waits for one to be over (``when_busy="wait"``) or is skipped on every rank
+(``"skip"``: counted in ``saves_skipped`` and logged, never silently). A failed save (a full
+disk, a dead directory) is voted on by all ranks, leaves earlier checkpoints untouched, and is
+reported at the next call: as a :class:`CheckpointWarning` by default (training goes on), or
+raised with ``on_error="raise"``. Anything else escaping the background thread aborts the whole
+job (``comm.start_background``).
 
 The manager is a facade over one module per job: the staging agreement and copy
 (``parallel.collective.stager``), the save job and its saver thread (``parallel.manager.save_job``),
@@ -24,6 +27,7 @@ of the job (``parallel.manager.exit``), and what it reports (``parallel.manager.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,9 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.engine.encode import member_sets
-from ckptfmt.errors import CkptError, FlushWarning, ManagerBrokenError, UsageError
+from ckptfmt.errors import (
+    CkptError,
+    FlushWarning,
+    ManagerBrokenError,
+    SaveSkippedError,
+    UsageError,
+)
 from ckptfmt.parallel.collective.launch import launcher_world_size, refuse_implicit_single
 from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.collective.share import StartVote
 from ckptfmt.parallel.collective.stager import Stager
 from ckptfmt.parallel.collective.staging import BufferPool, SaveHandle, copy_mode, default_pool
 from ckptfmt.parallel.levels.layout import Levels, agree_nodes, resolve_node
@@ -50,7 +61,14 @@ from ckptfmt.parallel.manager.restore import (
     save_number,
 )
 from ckptfmt.parallel.manager.retention import Retention, committed
-from ckptfmt.parallel.manager.save_job import SaveJob, Saver, SaveSettings, checked_leaves
+from ckptfmt.parallel.manager.save_job import (
+    Gate,
+    SaveJob,
+    Saver,
+    SaveSettings,
+    Slot,
+    checked_leaves,
+)
 from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.storage.steps import StepRef, parse_step
@@ -230,6 +248,7 @@ class CheckpointManager:
             progress=self.progress,
             fallback_to_shared=self.fallback_to_shared,
             incremental=self.incremental,
+            saves_in_flight=self.settings.saves_in_flight,
         )
         self._saver = Saver(
             self.comm.dup(),
@@ -273,6 +292,17 @@ class CheckpointManager:
         them, or a newer step, on level 3 since (``steps()`` says where each step is)."""
         return self._outcomes.failed_flushes
 
+    @property
+    def saves_skipped(self) -> int:
+        """How many saves were skipped so far (``when_busy="skip"``: taken but not made, on
+        every rank; each also logged, and its handle and report say so)."""
+        return self._saver.skips.count
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The steps of the newest 100 skipped saves, oldest first."""
+        return list(self._saver.skips.steps)
+
     # --- the training-loop API -------------------------------------------------------------------
 
     def save(
@@ -285,6 +315,7 @@ class CheckpointManager:
         ready: Callable[[], None] | None = None,
         before_commit: Callable[[], None] | None = None,
         objects: Objects = "refuse",
+        skip: bool = False,
     ) -> SaveHandle:
         """Collective: checkpoint ``state`` as ``step``. Returns once the state is copied into
         host buffers (asynchronous mode); writing, committing and flushing go on behind.
@@ -305,6 +336,16 @@ class CheckpointManager:
         (``"refuse"``: :class:`UnsupportedValueError` naming it) or pickled at the call
         (``"pickle"``; ``restore`` unpickles it only with ``trust_pickle=True``).
 
+        Saves in flight: the call waits while ``saves_in_flight`` saves are queued or running
+        (``when_busy="wait"``), or with ``"skip"`` takes the save without making it when none
+        of them is over: the save is skipped on every rank, decided in its first collective
+        step (the staging agreement; for a background copy on the saver thread, where a save
+        given up with ``SaveHandle.abandon`` before its copy began is skipped too). A skipped
+        save's handle ends with :class:`~ckptfmt.errors.SaveSkippedError`; it is counted in
+        :attr:`saves_skipped` and logged, not reported as a failure. ``skip=True``: this rank
+        cannot make this save (an adapter with no room for its own staging): it is skipped,
+        on every rank (``state`` is not read).
+
         On this thread, every rank but with ``background_copy``: the staging agreement
         (``Stager.agree``); the rest is the saver thread's
         (``ckptfmt.parallel.manager.save_job``)."""
@@ -313,16 +354,28 @@ class CheckpointManager:
         self._calls.check_open()
         mode = copy_mode(donate, background_copy)
         entered = time.perf_counter()
-        self._saver.idle.wait()
+        flights = self._saver.idle
+        slot = None if skip else flights.take(block=self.settings.when_busy == "wait")
+        why = (
+            "the caller could not stage it"
+            if skip
+            else None
+            if slot is not None
+            else f"{flights.slots} save(s) in flight, none over (saves_in_flight={flights.slots})"
+        )
         # an earlier save's failure is told after this save is taken, never instead of it
         earlier = self._outcomes.take()
         waited = time.perf_counter() - entered
         if waited > 0.01:
-            log.info("save of step %s waited %.2f s for the previous save", step, waited)
+            log.info("save of step %s waited %.2f s for a save in flight", step, waited)
         try:
-            handle = self._take(step, state, mode, entered, waited, (ready, before_commit), objects)
+            handle = self._take(
+                step, state, mode, entered, waited, (ready, before_commit), objects, (slot, why)
+            )
         except BaseException:
-            self._outcomes.pending[:0] = earlier  # told at the next call
+            if slot is not None:
+                slot.give()  # a no-op once its job has given it back
+            self._outcomes.give_back(earlier)  # told at the next call
             raise
         self._outcomes.tell(earlier, then=_what_became_of(handle))
         return handle
@@ -336,9 +389,12 @@ class CheckpointManager:
         waited: float,
         hooks: tuple[Callable[[], None] | None, Callable[[], None] | None],
         objects: Objects,
+        start: tuple[Slot | None, str | None],
     ) -> SaveHandle:
-        """:meth:`save` once the previous save is over: stage ``state`` and hand the job to
-        the saver thread; its failures are kept, not told (the caller tells them)."""
+        """:meth:`save` once it holds a slot, or knows that it cannot (``start``: the slot, or
+        why this rank cannot start the save): stage ``state`` and hand the job to the saver
+        thread; its failures are kept, not told (the caller tells them)."""
+        slot, why = start
         seq = self._calls.next()
         job = SaveJob(
             step=step,
@@ -350,7 +406,9 @@ class CheckpointManager:
             taken=[],  # pool buffers this save holds until its job ends
             ready=hooks[0],
             before_commit=hooks[1],
+            slot=slot,
         )
+        skipping = self.settings.when_busy == "skip"
         usage: UsageError | None = None
         leaves: list[tuple[Name, Any]] | None = None
         try:
@@ -359,14 +417,35 @@ class CheckpointManager:
             job.failure = usage = exc
         if mode == "background":  # the agreement and the copy are the saver thread's
             job.leaves = leaves
+            job.gate = Gate(why)  # voted on in the agreement
+            if why is not None:
+                job.handle.set_staged()  # nothing of the state will be read
+            elif skipping:
+                job.handle.can_abandon(functools.partial(job.gate.abandon, slot))
             return self._hand_over(job, usage, entered)
+        vote = StartVote(lambda: why)
         try:  # every rank takes part, a rank whose state was refused too
-            job.boxes = self._stager.agree(step, seq, leaves)
+            job.boxes = self._stager.agree(step, seq, leaves, None, vote)
         except Exception as exc:  # the roll call's deadline passed, or the transport failed
             # no collective of this manager can be trusted any more: the save fails here at
             # once (no background job), told as a background save's failure would be
+            if slot is not None:
+                slot.give()
             self._saver.break_on(job.step, exc, job.report, job.handle)
             return job.handle
+        if vote.skipping:  # some rank cannot start it: no rank copies, no job
+            skipped = self._saver.skip(job, vote.skipping)
+            job.report.blocked_s = time.perf_counter() - entered
+            self._outcomes.record_save(job.report)
+            if slot is not None:
+                slot.give()
+            job.handle.set_committed(skipped)
+            if usage is not None:
+                raise usage
+            return job.handle
+        if mode == "none" and skipping:  # the loop may give it up until its job starts
+            job.voted = True
+            job.handle.can_abandon(functools.partial(job.gate.abandon, slot))
         if leaves is not None:
             try:
                 job.staged, job.report.staged_bytes = self._stager.stage(
@@ -395,9 +474,17 @@ class CheckpointManager:
         return job.handle
 
     def wait(self) -> None:
-        """Wait for the save in flight; report a failed one (see ``on_error``)."""
+        """Wait for every save in flight; report a failed one (see ``on_error``)."""
         self._saver.idle.wait()
         self._outcomes.tell()
+
+    def wait_for_room(self) -> bool:
+        """Local: whether a save made now would start (fewer than ``saves_in_flight`` saves
+        queued or running): with ``when_busy="wait"`` after waiting until it would (True), with
+        ``"skip"`` at once (False: it would be skipped). For an adapter that stages into
+        buffers of its own before :meth:`save` (``ckptfmt_torch.save_async``): it stages only
+        for a save that starts, and passes ``skip=True`` otherwise."""
+        return self._saver.idle.room(block=self.settings.when_busy == "wait")
 
     def latest(self) -> StepRef | None:
         """The newest step committed on this rank's level-1 directory or on level 3, with its
@@ -578,7 +665,7 @@ class CheckpointManager:
         self._saver.put(lambda: job(self._saver.bg))
 
     def close(self, flush: bool | None = None) -> None:
-        """Wait for the save in flight and, unless told not to, flush the newest level-1
+        """Wait for every save in flight and, unless told not to, flush the newest level-1
         checkpoint to level 3 if it is not there yet (collective: ``Retention.flush_newest``
         on the manager's communicator). The manager is closed whatever happens; a failed
         save not told yet is told after (warned, or raised with ``on_error="raise"``), and a
@@ -616,4 +703,6 @@ def _what_became_of(handle: SaveHandle) -> str:
         return f"the save of step {handle.step} was taken and goes on in the background"
     if handle.committed.exception() is None:
         return f"the save of step {handle.step} was committed"
+    if isinstance(handle.committed.exception(), SaveSkippedError):
+        return f"the save of step {handle.step} was skipped (saves_skipped)"
     return f"the save of step {handle.step} failed as well"

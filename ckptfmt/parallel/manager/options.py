@@ -29,9 +29,10 @@ from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.progress import ProgressCallback
 
-__all__ = ["ExitPolicy", "ManagerSettings", "OnError", "RedundancySpec"]
+__all__ = ["ExitPolicy", "ManagerSettings", "OnError", "RedundancySpec", "WhenBusy"]
 
 OnError = Literal["warn", "raise"]
+WhenBusy = Literal["wait", "skip"]
 RedundancySpec = None | str | Redundancy | Policy | Mapping[str, Any] | list[dict[str, Any]] | Path
 
 
@@ -88,6 +89,12 @@ class ManagerSettings:
     Reports: ``on_save`` (each save's :class:`SaveReport`, from the saver thread) and
     ``progress`` (:class:`~ckptfmt.Progress` events of saves and restores).
 
+    Saves in flight: ``saves_in_flight`` saves (each with its staging copy in host memory) may
+    be queued or running behind the loop at once; ``when_busy`` says what a ``save`` made while
+    all of them are does: ``"wait"`` until one is over, or ``"skip"``: the save is taken on every
+    rank but not made (its handle raises :class:`~ckptfmt.errors.SaveSkippedError`, the manager
+    counts it in ``saves_skipped`` and logs it), so that the loop never waits for a slow level.
+
     ``CheckpointManager``'s docstring says what each does in full."""
 
     local_dir: str | os.PathLike[str] | None = None
@@ -102,6 +109,8 @@ class ManagerSettings:
     incremental: bool = False
     fallback_to_shared: bool = True
     on_error: OnError = "warn"
+    saves_in_flight: int = 1
+    when_busy: WhenBusy = "wait"
     deadline_s: float = 300.0
     write: WriteOptions = WriteOptions()
     at_exit: ExitPolicy = ExitPolicy()
@@ -139,6 +148,11 @@ class ManagerSettings:
                 raise UsageError(f"{name} must be True or False")
         if self.on_error not in get_args(OnError):
             raise UsageError(f"on_error is 'warn' or 'raise', got {self.on_error!r}")
+        n = self.saves_in_flight
+        if not (_is_int(n) and n >= 1):
+            raise UsageError(f"saves_in_flight must be an int >= 1, got {n!r}")
+        if self.when_busy not in get_args(WhenBusy):
+            raise UsageError(f"when_busy is 'wait' or 'skip', got {self.when_busy!r}")
         d = self.deadline_s
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
             raise UsageError(f"deadline_s must be a number of seconds > 0, got {d!r}")

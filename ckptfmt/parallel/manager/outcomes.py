@@ -12,6 +12,7 @@ talks to another rank except :meth:`Calls.roll_call`.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -35,7 +36,9 @@ __all__ = ["Calls", "CheckpointWarning", "FlushWarning", "Outcomes"]
 
 class Outcomes:
     """The saves' reports and the failures and notices to tell at the next call. Written by
-    the saver thread, told by the training thread (:meth:`tell`) once the saver is idle.
+    the saver thread, told by the training thread (:meth:`tell`), also while saves are in
+    flight (``saves_in_flight``): the pending failures are taken under a lock, and each
+    save's handle finds its own failure by :meth:`mark`, whatever was told meanwhile.
 
     A failed save and a failed flush are told differently: a save that failed left no new
     checkpoint (``failed_saves``, a :class:`CheckpointWarning` or raised, ``on_error``); a flush
@@ -52,10 +55,21 @@ class Outcomes:
         self.pending: list[tuple[int, CkptError]] = []  # failures not told yet (step -1: none)
         self.failed_flushes: list[tuple[int, CkptError]] = []  # each step once, oldest first
         self._flush_notices: list[tuple[int, CkptError]] = []  # failed flushes not told yet
+        # with several saves in flight the loop takes pending failures while a save runs:
+        # each failure is also kept here, in order, for the handle of the save it belongs to
+        self._lock = threading.Lock()
+        self._kept: list[tuple[int, CkptError]] = []
 
     def fail(self, step: int, exc: CkptError) -> None:
         """Keep the failure of ``step`` for the next call."""
-        self.pending.append((step, exc))
+        with self._lock:
+            self.pending.append((step, exc))
+            self._kept.append((step, exc))
+
+    def mark(self) -> int:
+        """Where the failures kept from now on begin (a save's start, for
+        :meth:`failure_since`)."""
+        return len(self._kept)
 
     def flush_failed(self, step: int, exc: CkptError) -> None:
         """The flush of ``step`` (committed on level 1) to level 3 failed: keep it for the next
@@ -67,13 +81,14 @@ class Outcomes:
 
     def failure_since(self, mark: int, step: int) -> CkptError | None:
         """The first failure of ``step`` (or of no step in particular) kept after ``mark``
-        (``len(pending)`` when the save began): what its handle reports."""
-        mine = [e for s, e in self.pending[mark:] if s in (step, -1)]
+        (:meth:`mark` when the save began): what its handle reports."""
+        mine = [e for s, e in self._kept[mark:] if s in (step, -1)]
         return mine[0] if mine else None
 
     def forget(self, step: int) -> None:
         """Drop the failures kept for ``step`` (they were raised at the call instead)."""
-        self.pending = [(s, e) for s, e in self.pending if s != step]
+        with self._lock:
+            self.pending = [(s, e) for s, e in self.pending if s != step]
 
     def record_save(self, report: SaveReport) -> None:
         """Keep ``report`` and hand it to ``on_save`` (from the saver thread; a failing
@@ -88,8 +103,14 @@ class Outcomes:
 
     def take(self) -> list[tuple[int, CkptError]]:
         """The failures kept so far, no longer pending (told later by :meth:`tell`)."""
-        pending, self.pending = self.pending, []
+        with self._lock:
+            pending, self.pending = self.pending, []
         return pending
+
+    def give_back(self, taken: list[tuple[int, CkptError]]) -> None:
+        """Make ``taken`` (from :meth:`take`) pending again, before any kept since."""
+        with self._lock:
+            self.pending[:0] = taken
 
     def tell(self, taken: list[tuple[int, CkptError]] | None = None, then: str = "") -> None:
         """Warn of the notices and the failed flushes; then record every failed save kept

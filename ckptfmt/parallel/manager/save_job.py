@@ -4,10 +4,19 @@
 :class:`SaveJob` to this rank's :class:`Saver`. The saver thread runs one job at a time, on a
 duplicate of the manager's communicator, so its collective calls never pair with the training
 thread's. For one job, every rank calls, in this order: the staging agreement (a background copy
-only; it is the save's roll call) or the save's roll call; ``save_collective`` on level 1 (level
-3 when there is no level 1), and again on level 3 when level 1 failed for a storage reason on
-some rank; the flush when due; the retention's allgather. Every failure is voted on inside those
-calls, so the ranks take the same branch.
+only; it is the save's roll call) or the save's roll call (with ``when_busy="skip"`` and a
+donated state, followed by the start vote); ``save_collective`` on level 1 (level 3 when there
+is no level 1), and again on level 3 when level 1 failed for a storage reason on some rank; the
+flush when due; the retention's allgather. Every failure is voted on inside those calls, so the
+ranks take the same branch.
+
+Saves in flight (``ManagerSettings.saves_in_flight``): each save holds one of that many slots
+(:class:`InFlight`) from its call until its job is over; with ``when_busy="skip"`` a save made
+while none is free is still taken on every rank (the same calls, the same sequence numbers) but
+marked skipped on this rank (:class:`Gate`), and so is a queued save the loop gives up
+(``SaveHandle.abandon``) before its copy began. The save's first collective step carries each
+rank's answer (``share.StartVote``): a save some rank could not start is skipped on every rank,
+nothing written, its handle finished with :class:`SaveSkippedError` (:meth:`Saver.skip`).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +39,10 @@ from ckptfmt.errors import (
     ManagerBrokenError,
     OutOfStepError,
     SaveFailedError,
+    SaveSkippedError,
     UsageError,
 )
+from ckptfmt.errors.base import ranks_text
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
@@ -45,7 +56,7 @@ from ckptfmt.parallel.levels import room
 from ckptfmt.parallel.levels.layout import group_key
 from ckptfmt.parallel.manager.outcomes import Calls, Outcomes
 from ckptfmt.parallel.manager.retention import Retention, newest_base
-from ckptfmt.parallel.manager.telemetry import SaveReport, data_bytes_of, parity_bytes_of
+from ckptfmt.parallel.manager.telemetry import SaveReport, Skips, data_bytes_of, parity_bytes_of
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.storage.steps import step_dir_name
@@ -54,7 +65,16 @@ from ckptfmt.tree.state import Name, Objects, flatten
 
 log = logging.getLogger("ckptfmt")
 
-__all__ = ["SaveJob", "SaveSettings", "Saver", "checked_leaves", "may_fall_back"]
+__all__ = [
+    "Gate",
+    "InFlight",
+    "SaveJob",
+    "SaveSettings",
+    "Saver",
+    "Slot",
+    "checked_leaves",
+    "may_fall_back",
+]
 
 
 def checked_leaves(state: Mapping[str, Any], objects: Objects = "refuse") -> list[tuple[Name, Any]]:
@@ -79,6 +99,107 @@ def may_fall_back(exc: CkptError) -> bool:
     )
 
 
+class Slot:
+    """One of the slots for saves in flight, held by one save until its job is over (given
+    back once, whoever gives it first: the job, or the call that failed before handing it)."""
+
+    def __init__(self, flights: InFlight) -> None:
+        self._flights: InFlight | None = flights
+        self._lock = threading.Lock()
+
+    def give(self) -> None:
+        with self._lock:
+            flights, self._flights = self._flights, None
+        if flights is not None:
+            flights.give()
+
+
+class InFlight:
+    """One rank's saves in flight: the slots the saves hold (``slots`` at most) and the jobs
+    queued or running on the saver thread. The training thread takes slots; the saver thread
+    (or a failed call) gives them back. :meth:`wait` waits for every job (``idle``)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.held = 0
+        self.queued = 0
+        self._cond = threading.Condition()
+
+    def take(self, block: bool) -> Slot | None:
+        """A slot for a save: wait for one (``block``), or None at once when none is free."""
+        with self._cond:
+            if block:
+                self._cond.wait_for(lambda: self.held < self.slots)
+            elif self.held >= self.slots:
+                return None
+            self.held += 1
+        return Slot(self)
+
+    def room(self, block: bool) -> bool:
+        """Whether a slot is free (waiting for one when ``block``), without taking it."""
+        with self._cond:
+            if block:
+                self._cond.wait_for(lambda: self.held < self.slots)
+            return self.held < self.slots
+
+    def give(self) -> None:
+        with self._cond:
+            self.held -= 1
+            self._cond.notify_all()
+
+    def queue(self) -> None:
+        with self._cond:
+            self.queued += 1
+
+    def done(self) -> None:
+        with self._cond:
+            self.queued -= 1
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no job is queued or running; whether none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.queued == 0, timeout)
+
+    def is_set(self) -> bool:
+        """Whether no job is queued or running (the saver is idle)."""
+        return self.queued == 0
+
+
+class Gate:
+    """Whether a save's job may start on this rank, settled once under a lock between the
+    training thread giving the save up (:meth:`abandon`) and the saver thread starting it
+    (:meth:`start`): whichever comes first wins. ``why``: why this rank cannot start it (no
+    slot was free at the call, or it was given up), None when it can."""
+
+    ABANDONED = "given up by the loop before its copy began (SaveHandle.abandon)"
+
+    def __init__(self, why: str | None = None) -> None:
+        self.why = why
+        self._started = False
+        self._lock = threading.Lock()
+
+    def abandon(self, slot: Slot | None = None) -> bool:
+        """The training thread: give the save up unless its job has started; whether it is.
+        ``slot``, the save's, is given back at once: a save given up holds no staging copy,
+        and the next save may take its place in flight."""
+        with self._lock:
+            if self._started:
+                return False
+            if self.why is None:
+                self.why = self.ABANDONED
+        if slot is not None:
+            slot.give()
+        return True
+
+    def start(self) -> str | None:
+        """The saver thread, once every rank's saver is in the save: start it; this rank's
+        answer to the start vote (``why``, None when it starts)."""
+        with self._lock:
+            self._started = True
+            return self.why
+
+
 @dataclass(kw_only=True)
 class SaveJob:
     """What one save hands its saver thread."""
@@ -95,6 +216,9 @@ class SaveJob:
     before_commit: Callable[[], None] | None = None  # called before the manifest vote
     boxes: share.Boxes | None = None  # what this rank writes of the replicated tensors
     leaves: list[tuple[Name, Any]] | None = None  # background copy: staged by the job itself
+    slot: Slot | None = None  # the slot this save holds (None: it was skipped at its call)
+    gate: Gate = field(default_factory=Gate)  # this rank's start, or why not
+    voted: bool = False  # a donated state's job votes on its start after the roll call
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +235,7 @@ class SaveSettings:
     progress: ProgressCallback | None
     fallback_to_shared: bool
     incremental: bool = False  # each save against the newest committed step of its level
+    saves_in_flight: int = 1  # the saves queued or running at once
 
 
 class Saver:
@@ -135,14 +260,14 @@ class Saver:
         self.saves = 0
         self._linked: dict[str, Any] | None = None  # the last incremental write's tallies
         self._before_commit: Callable[[], None] | None = None  # the running job's check
-        self.idle = threading.Event()
-        self.idle.set()
+        self.idle = InFlight(settings.saves_in_flight)  # idle.wait(): every job is over
+        self.skips = Skips()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._worker = start_background(bg, self._work, f"ckptfmt-saver-{bg.rank}")
 
     def put(self, job: Callable[[], None]) -> None:
         """Queue ``job`` for the saver thread (the manager waits on :attr:`idle`)."""
-        self.idle.clear()
+        self.idle.queue()
         self._jobs.put(job)
 
     def stop(self) -> None:
@@ -164,7 +289,7 @@ class Saver:
                 self.outcomes.fail(-1, broken)
                 log.error("rank %s: background save failed: %s", self.bg.rank, broken)
             finally:
-                self.idle.set()
+                self.idle.done()
 
     def break_on(
         self, step: int, exc: Exception, report: SaveReport, handle: SaveHandle | None = None
@@ -186,15 +311,26 @@ class Saver:
     def run(self, job: SaveJob) -> None:
         """Background, collective on the saver threads' communicator: write level 1 (or level
         3 when there is no level 1), flush when due, apply retention. Every failure of the
-        save or the flush (on any rank: any exception) is voted on and kept for the next call.
-        The staging buffers go back to the pool and the save's handle is finished at the end."""
+        save or the flush (on any rank: any exception) is voted on and kept for the next call;
+        a save some rank could not start is skipped on every rank (:meth:`skip`). The staging
+        buffers and the save's slot go back and the save's handle is finished at the end."""
         report = job.report
         started = time.perf_counter()
-        mark = len(self.outcomes.pending)
+        mark = self.outcomes.mark()
         error: BaseException | None = None
+        skipped: SaveSkippedError | None = None
         staged, failure = job.staged, job.failure
         try:
-            if failure is None and job.ready is not None:
+            rolled = False
+            if job.voted:  # a donated state that the loop may give up: vote after the roll call
+                vote = self._vote(job)
+                if vote is None:
+                    return
+                if vote.skipping:
+                    skipped = self.skip(job, vote.skipping)
+                    return
+                rolled = True
+            if failure is None and job.ready is not None and job.gate.why is None:
                 try:
                     job.ready()
                 except Exception as exc:  # voted on like a failed copy
@@ -203,10 +339,13 @@ class Saver:
                 copied = self._copy(job, failure)
                 if copied is None:
                     return
+                if isinstance(copied, SaveSkippedError):
+                    skipped = copied
+                    return
                 staged, failure = copied
-            # a background copy's agreement was this save's roll call on the saver threads'
-            # communicator: the ranks are known to be in it
-            rolled = job.mode == "background"
+                # a background copy's agreement was this save's roll call on the saver
+                # threads' communicator: the ranks are known to be in it
+                rolled = True
             self._before_commit = job.before_commit
             self._save(job.step, staged, job.seq, failure, report, rolled)
         except BaseException as exc:  # the communicator broke (see _work)
@@ -217,20 +356,56 @@ class Saver:
             report.background_s = time.perf_counter() - started
             self.outcomes.record_save(report)
             self.pool.give(job.taken)
-            job.handle.set_committed(error or self.outcomes.failure_since(mark, job.step))
+            if job.slot is not None:
+                job.slot.give()
+            job.handle.set_committed(
+                error or skipped or self.outcomes.failure_since(mark, job.step)
+            )
+
+    def skip(self, job: SaveJob, skipping: Mapping[int, str]) -> SaveSkippedError:
+        """The save of ``job`` is skipped on every rank (``skipping``: the ranks that could not
+        start it, with why; the same on every rank, from the start vote): recorded in its
+        report, counted and logged; the error its handle ends with."""
+        ranks = sorted(skipping)
+        exc = SaveSkippedError(job.step, ranks, skipping[ranks[0]])
+        job.report.skipped = True
+        job.report.error = str(exc)
+        self.skips.note(job.step, f"{ranks_text(ranks)}: {skipping[ranks[0]]}")
+        return exc
+
+    def _vote(self, job: SaveJob) -> share.StartVote | None:
+        """Collective on the saver threads' communicator (every rank, first in a donated
+        state's job under ``when_busy="skip"``): the save's roll call, then every rank's answer
+        to the start vote, asked only once every rank's saver is in the save (so the loop may
+        give the save up until then). None when the ranks could not agree (the manager is
+        broken; the failure is kept)."""
+        vote = share.StartVote(job.gate.start)
+        if self.bg.size == 1:
+            vote.alone()
+            return vote
+        try:
+            share.agree(self.bg, self.calls.deadline_s, job.step, job.seq, None, vote)
+        except Exception as exc:  # the roll call's deadline passed, or the transport
+            self.break_on(job.step, exc, job.report)
+            return None
+        return vote
 
     def _copy(
         self, job: SaveJob, failure: BaseException | None
-    ) -> tuple[dict[str, Any], BaseException | None] | None:
+    ) -> tuple[dict[str, Any], BaseException | None] | SaveSkippedError | None:
         """A background copy (collective: the staging agreement on the saver threads'
-        communicator, then the local copy): the staged state and this rank's failure, or None
-        when the ranks could not agree (the manager is broken; the state is free again)."""
+        communicator, with the start vote, then the local copy): the staged state and this
+        rank's failure; the skip when some rank could not start the save; None when the ranks
+        could not agree (the manager is broken; the state is free again)."""
+        vote = share.StartVote(job.gate.start)
         try:  # every rank takes part
-            boxes = self.stager.agree(job.step, job.seq, job.leaves, self.bg)
+            boxes = self.stager.agree(job.step, job.seq, job.leaves, self.bg, vote)
         except Exception as exc:  # the roll call's deadline passed, or the transport
             self.break_on(job.step, exc, job.report)
             job.handle.set_staged()
             return None
+        if vote.skipping:
+            return self.skip(job, vote.skipping)
         staged = job.staged
         if job.leaves is not None and failure is None:
             try:

@@ -8,11 +8,16 @@ out from step times that a save waited for the previous one.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.record import record_of
+
+log = logging.getLogger("ckptfmt")
 
 
 @dataclass
@@ -32,7 +37,8 @@ class SaveReport:
     the previous step instead of written, or on a bucket level 3 copied inside the store
     instead of uploaded (``bytes_written`` then counts only what was written or uploaded);
     ``link_refused``: files written because the file system refused a link; ``error``: why
-    it failed (or why it fell back)."""
+    it failed (or why it fell back); ``skipped``: the save was taken but not made, on every
+    rank (``ManagerSettings.when_busy="skip"``: ``error`` says why), nothing written."""
 
     step: int
     blocked_s: float = 0.0
@@ -50,9 +56,45 @@ class SaveReport:
     link_refused: int = 0
     error: str | None = None
     flush_error: str | None = None
+    skipped: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class Skips:
+    """The saves a manager skipped (``when_busy="skip"``): counted, their newest steps kept,
+    and each logged as a warning, at most one line per ``every_s`` seconds (a loop that saves
+    every step and skips every other save would otherwise log every step); the line says how
+    many were skipped since the last one. Written by the saver thread (and the training thread
+    for a save skipped at its call), read by anyone."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self.count = 0
+        self.steps: list[int] = []  # the newest 100 skipped steps, oldest first
+        self._lock = threading.Lock()
+        self._logged_at = float("-inf")
+        self._unlogged = 0
+
+    def note(self, step: int, why: str) -> None:
+        """Count the skipped save of ``step`` and log it (rate-limited)."""
+        with self._lock:
+            self.count += 1
+            self.steps = [*self.steps[-99:], step]
+            self._unlogged += 1
+            now = time.monotonic()
+            if now - self._logged_at < self.every_s:
+                return
+            since, self._unlogged, self._logged_at = self._unlogged, 0, now
+        log.warning(
+            "save of step %s skipped (%s); %d save(s) skipped since the last such line, "
+            "%d in all (ManagerSettings.when_busy='skip')",
+            step,
+            why,
+            since,
+            self.count,
+        )
 
 
 def data_bytes_of(manifest: Manifest, rank: int) -> int:

@@ -142,3 +142,44 @@ def test_a_change_seen_only_after_the_commit_says_to_delete_that_checkpoint(
     assert e.value.committed and e.value.names == ("model/3.bias",)
     saver.close()
     mgr.close()
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_with_skip_the_fence_never_waits_for_a_copy_not_begun(
+    tmp_path: Path, in_flight: int
+) -> None:
+    """A save at every step while each write lasts 0.5 s, ``when_busy="skip"``: a save that
+    finds no slot is skipped at its call, and with two in flight one queued behind a write is
+    given up at the fence (its copy has not begun) instead of waited for; the loop is never
+    kept long. Every save is committed or skipped (counted, on its handle), and every
+    committed step kept restores to the state of its ``save`` call, bit for bit."""
+    model, opt = model_and_optimizer()
+    mgr = node_manager(
+        tmp_path,
+        shared=None,
+        keep_local=20,
+        fault=slow_commit,
+        saves_in_flight=in_flight,
+        when_busy="skip",
+    )
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    handles = []
+    for step in range(10):
+        train_step(model, opt, step)  # the fence: gives up a save whose copy has not begun
+        expected[step] = snapshot(model, opt)
+        handles.append(saver.save(step, {"model": model, "optim": opt}))
+        time.sleep(0.05)
+    train_step(model, opt, 10)
+    saver.close()
+    mgr.close()
+    skipped = [h.step for h in handles if h.skipped()]
+    committed = [h.step for h in handles if h.committed.exception() is None]
+    assert len(skipped) + len(committed) == 10 and skipped and committed[0] == 0
+    assert mgr.saves_skipped == len(skipped) and mgr.failed_saves == []
+    reasons = " ".join(r.error or "" for r in mgr.save_reports if r.skipped)
+    if in_flight == 2:
+        assert "SaveHandle.abandon" in reasons, reasons  # given up at the fence
+    assert max(saver.blocked_s) < 0.25, saver.blocked_s
+    for step in committed:
+        assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), expected[step])
