@@ -37,27 +37,24 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.container.metadata import utc_now, write_metadata
+from ckptfmt.container import utc_now, write_metadata
 from ckptfmt.dtypes import of_array
 from ckptfmt.errors import CkptError, RankFailure, SaveFailedError, UsageError
-from ckptfmt.format import WriteOptions
-from ckptfmt.format.shard_io import plan_region, run_jobs
-from ckptfmt.manifest.codec import dump_manifest
-from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import Manifest
-from ckptfmt.manifest.values import encode_value
-from ckptfmt.parallel.collective.save_manifest import (
+from ckptfmt.format import WriteOptions, plan_region, run_jobs
+from ckptfmt.manifest import Manifest, display, dump_manifest, encode_value
+from ckptfmt.parallel import (
     Declared,
+    LocalState,
     build_manifest,
     check_rank0_declares_all,
+    check_state,
     gathered_per_rank,
     geometry_of,
     order_and_values,
+    region_data,
 )
-from ckptfmt.parallel.collective.save_state import LocalState, check_state, region_data
-from ckptfmt.plan.cache import PlanCache
-from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
-from ckptfmt.storage import check_destination, commit
+from ckptfmt.plan import Holding, PlanCache, SavePlan, TensorPlan, make_plan
+from ckptfmt.storage import DirectoryStore, Draft, check_destination
 
 PLANS = PlanCache()
 """The process's plans of DCP saves, by layout: a job saving the same state every few steps
@@ -95,8 +92,9 @@ def plan_all(
     check_destination(path)
     save_id = os.urandom(16).hex()
     final = path.absolute()
-    staging = commit.prepare(final, save_id, write.overwrite)
-    job = Job(final, staging, save_id, utc_now(), plan, nodes)
+    draft = DirectoryStore(final).prepare(save_id, write.overwrite)
+    staging = Path(draft.where)
+    job = Job(final, draft, save_id, utc_now(), plan, nodes)
     out = []
     for rank in range(len(local)):
         mine = [_region_json(t, r.offset, r.shape) for t, r in plan.for_rank(rank)]
@@ -121,7 +119,7 @@ class Job:
     """What the coordinator keeps from :func:`plan_all` to :func:`commit_all`."""
 
     final: Path
-    staging: Path
+    draft: Draft  # the directory store's draft: its staging directory, its commit
     save_id: str
     created: str
     plan: SavePlan
@@ -247,17 +245,17 @@ def commit_all(
         r: RankFailure.from_json(x["failure"]) for r, x in enumerate(reports) if "failure" in x
     }
     if failures:
-        commit.abort(job.staging)
+        job.draft.abort()
         if len(reports) == 1 and own_error is not None:
             raise own_error
         raise SaveFailedError(failures, own_error, operation="save", step=step)
     try:
         manifest = _manifest(job, reports, write, step, writer)
-        write_metadata(job.staging, manifest, write.fsync)
-        commit.stage_manifest(job.staging, dump_manifest(manifest), write.fsync)
-        commit.discard(commit.publish(job.staging, job.final, job.save_id, write.fsync))
+        write_metadata(Path(job.draft.where), manifest, write.fsync)
+        job.draft.stage_manifest(dump_manifest(manifest), fsync=write.fsync)
+        job.draft.discard(job.draft.publish(fsync=write.fsync))
     except BaseException:
-        commit.abort(job.staging)
+        job.draft.abort()
         raise
     return manifest
 

@@ -7,6 +7,15 @@ from __future__ import annotations
 from ckptfmt.parallel.collective.load import load_collective
 from ckptfmt.parallel.collective.save import SaveFailedError, save_collective
 from ckptfmt.parallel.collective.save_bucket import save_to_bucket
+from ckptfmt.parallel.collective.save_manifest import (
+    Declared,
+    build_manifest,
+    check_rank0_declares_all,
+    gathered_per_rank,
+    geometry_of,
+    order_and_values,
+)
+from ckptfmt.parallel.collective.save_state import LocalState, check_state, region_data
 from ckptfmt.parallel.collective.staging import SaveHandle
 from ckptfmt.parallel.levels.layout import resolve_node
 from ckptfmt.parallel.levels.pick import list_levels
@@ -29,4 +38,15 @@ __all__ = [
     "save_to_bucket",
     "SaveFailedError",
     "SaveHandle",
+    # the pieces of a collective save, for a framework whose own protocol runs the exchanges
+    # (the DCP writer, ckptfmt_torch/dcp_save.py): declare, plan, write regions, manifest
+    "Declared",
+    "LocalState",
+    "build_manifest",
+    "check_rank0_declares_all",
+    "check_state",
+    "gathered_per_rank",
+    "geometry_of",
+    "order_and_values",
+    "region_data",
 ]

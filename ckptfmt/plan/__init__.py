@@ -10,13 +10,17 @@ reads). ``ckptfmt.parallel.collective.load`` executes them;
 
 from __future__ import annotations
 
+from ckptfmt.plan.cache import PlanCache
 from ckptfmt.plan.options import PerRankMode, ReadOptions, ReplicaMode
-from ckptfmt.plan.ownership import SavePlan, make_plan
+from ckptfmt.plan.ownership import Holding, SavePlan, TensorPlan, make_plan
 from ckptfmt.plan.per_rank import RankMap
 from ckptfmt.plan.reads import Box, FileRead, Layout, Piece, plan_reads
 from ckptfmt.plan.route import Delivery, FileTask, TensorRoute, route
 
 __all__ = [
+    "PlanCache",
+    "Holding",
+    "TensorPlan",
     "SavePlan",
     "make_plan",
     "Box",
