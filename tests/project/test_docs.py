@@ -45,6 +45,7 @@ SKIP = re.compile(r"<!--\s*skip:[^>]*-->\s*$")
 TORCHRUN = re.compile(r"<!--\s*run:\s*torchrun\s+(\d+)\s*-->\s*$")
 BUCKET = re.compile(r"<!--\s*bucket\s*-->\s*$")
 BUCKET_NAME = "my-bucket"
+TORCH_EXIT_ABORT = "terminate called without an active exception"
 EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 
 
@@ -144,9 +145,15 @@ def run_block(block: Block, cwd: Path, env: dict[str, str] | None = None) -> Non
                 *("--nproc-per-node", str(block.ranks), "--monitor-interval", "0.2"),
                 str(script),
             ]
-        r = subprocess.run(
-            argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
+        for _ in range(3 if block.ranks else 1):
+            r = subprocess.run(
+                argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+            )
+            # torch 2.13 on CPU aborts about one run in three at interpreter exit, after
+            # destroy_process_group, once DTensors went through gloo (reproduced with DCP's own
+            # FileSystemWriter, no ckptfmt): that abort, and only it, runs the block again
+            if r.returncode == 0 or TORCH_EXIT_ABORT not in r.stderr:
+                break
         assert r.returncode == 0, _failed(block, "the example", r)
         return
     for cmd, expected in commands(block.code):

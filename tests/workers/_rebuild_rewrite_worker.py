@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,11 @@ def crash(comm: Any, out: Path, root: Path) -> None:
     def fault(point: str) -> None:
         if armed.is_set() and point == "rebuild-writing" and rank == CRASH_RANK:
             reported.wait(60)  # this rank's results first: the restore did return
+            deadline = time.monotonic() + 60  # and every rank's: ending the job kills them all
+            while time.monotonic() < deadline and not all(
+                (out / f"crash.rank{r}.json").exists() for r in range(size)
+            ):
+                time.sleep(0.05)
             (out / "crash.crashed").write_text(f"{rank} {point}")
             os._exit(CRASH_EXIT)
 
@@ -114,7 +120,9 @@ def crash(comm: Any, out: Path, root: Path) -> None:
     comm.barrier()
     armed.set()
     res = restore(mgr, rank, size)
-    (out / f"crash.rank{rank}.json").write_text(json.dumps(res))
+    tmp = out / f".crash.rank{rank}.json"
+    tmp.write_text(json.dumps(res))
+    tmp.rename(out / f"crash.rank{rank}.json")  # whole when it appears (rank 2 looks for it)
     reported.set()
     mgr.close(flush=False)  # waits for the write, which rank 2 never finishes
     (out / f"crash.rank{rank}.closed").write_text("")
