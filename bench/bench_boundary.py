@@ -12,7 +12,10 @@ rank):
 * ``rebuild``: ``rebuild_collective`` after node ``n1``'s step directory was deleted (untimed);
 * ``manager_save_blocked``: the time ``CheckpointManager.save`` (async, level 1) blocks; then
   ``wait()`` (untimed);
-* ``restore``: ``CheckpointManager.restore(state)`` of that step (level 1, nothing lost).
+* ``restore``: ``CheckpointManager.restore(state)`` of that step (level 1, nothing lost);
+* ``manager_save_flush``: a second, synchronous ``CheckpointManager`` with a level 3
+  (``ROOT/shared``) and ``flush_every=1``: its ``save`` (level 1, then the flush of every rank's
+  files to level 3).
 
 Only APIs present in both versions are called. The code is chosen by ``PYTHONPATH`` (a git
 worktree of each commit); ``run`` starts the launches, alternating before/after so that the
@@ -36,7 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-OPS = ["save", "load", "redundancy_save", "rebuild", "restore", "manager_save_blocked"]
+OPS = [
+    "save",
+    "load",
+    "redundancy_save",
+    "rebuild",
+    "restore",
+    "manager_save_blocked",
+    "manager_save_flush",
+]
 HERE = Path(__file__).resolve().parent
 
 
@@ -83,7 +94,10 @@ def time_repair() -> dict[str, float]:
     the error boundary: stays 0)."""
     spent = {"s": 0.0}
     # it imports the name: patch it where it is called
-    import ckptfmt.parallel.collective.rebuild as rebuild
+    try:
+        import ckptfmt.parallel.collective.rebuild as rebuild
+    except ImportError:
+        import ckptfmt.parallel.rebuild as rebuild  # type: ignore[no-redef]
 
     orig = getattr(rebuild, "repair_collective", None)
     if orig is None:
@@ -108,6 +122,21 @@ def import_mpi_comm() -> Any:
     except ImportError:
         from ckptfmt.parallel.mpi import MpiComm  # type: ignore[no-redef]
     return MpiComm
+
+
+def import_collectives() -> tuple[Any, Any, Any]:
+    """``load_collective``, ``rebuild_collective``, ``save_collective`` from either side of
+    ``parallel/`` by role (``ckptfmt.parallel.collective.*`` after, ``ckptfmt.parallel.*``
+    before)."""
+    try:
+        from ckptfmt.parallel.collective.load import load_collective
+        from ckptfmt.parallel.collective.rebuild import rebuild_collective
+        from ckptfmt.parallel.collective.save import save_collective
+    except ImportError:
+        from ckptfmt.parallel.load import load_collective  # type: ignore[no-redef]
+        from ckptfmt.parallel.protocol import save_collective  # type: ignore[no-redef]
+        from ckptfmt.parallel.rebuild import rebuild_collective  # type: ignore[no-redef]
+    return load_collective, rebuild_collective, save_collective
 
 
 def save_options() -> dict[str, Any]:
@@ -159,9 +188,8 @@ def launch(args: argparse.Namespace) -> None:
 
     import ckptfmt
     from ckptfmt import CheckpointManager
-    from ckptfmt.parallel.collective.load import load_collective
-    from ckptfmt.parallel.collective.rebuild import rebuild_collective
-    from ckptfmt.parallel.collective.save import save_collective
+
+    load_collective, rebuild_collective, save_collective = import_collectives()
     from ckptfmt.redundancy.config import Redundancy
     from ckptfmt.storage import commit
 
@@ -172,7 +200,7 @@ def launch(args: argparse.Namespace) -> None:
     root = Path(args.dir)
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
-        for n in ("n0", "n1"):
+        for n in ("n0", "n1", "shared"):
             (root / n).mkdir(parents=True)
     quiet_barrier(mpi)
     here = root / node
@@ -185,6 +213,16 @@ def launch(args: argparse.Namespace) -> None:
         node=node,
         flush_every=10**9,
         async_save=True,
+        on_error="raise",
+        **manager_options(),
+    )
+    flusher = CheckpointManager(
+        local_dir=str(root / "{node}" / "flush"),
+        shared_dir=str(root / "shared"),
+        comm=comm,
+        node=node,
+        flush_every=1,
+        async_save=False,
         on_error="raise",
         **manager_options(),
     )
@@ -279,6 +317,7 @@ def launch(args: argparse.Namespace) -> None:
         assert step == rnd, step
         if rnd == 0:
             assert all(np.array_equal(target[k]["w"], state[k]["w"]) for k in state)
+        got["manager_save_flush"], _ = timed(mpi, lambda: flusher.save(rnd, state))
         if rank % 2 == 0:  # node leaders clean up (untimed)
             for p in (plain, red):
                 shutil.rmtree(p, ignore_errors=True)
