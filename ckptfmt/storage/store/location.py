@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckptfmt.errors import UrlNotSupportedError, UsageError
-from ckptfmt.storage.files import Files, Inside
+from ckptfmt.storage.files import Files
 from ckptfmt.storage.nodes import is_spread
 from ckptfmt.storage.objects.bucket import Bucket
-from ckptfmt.storage.objects.source import open_committed
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.store.base import Store
@@ -79,15 +78,12 @@ class Location:
         return Path(self.spec)
 
     def files(self) -> Files:
-        """The read side of the committed checkpoint here (``storage.files.Files``): the
-        directory's files (:class:`Inside`), or the objects its commit lists in a bucket (the
-        commit object read, every object HEADed: ``NotACheckpointError`` naming what is
-        missing), or the store's own. A spread checkpoint has one per node: :class:`UsageError`."""
-        if self.kind == "url":
-            return open_committed(self.spec, self.storage_options)
-        if self.kind == "store":
-            return self.spec.files()  # type: ignore[no-any-return]
-        return Inside(self.directory())
+        """The read side of the committed checkpoint here (``storage.files.Files``), its
+        store's (:meth:`Store.files`): the directory's files (:class:`Inside`), or the objects
+        its commit lists in a bucket (the commit object read, every object HEADed). Nothing
+        committed there: :class:`NotACheckpointError`; a spread checkpoint has one per node:
+        :class:`UsageError`."""
+        return self.store().files()
 
     @property
     def shown(self) -> Path | str:
