@@ -56,9 +56,8 @@ from ckptfmt.storage.files import (
     physical_memory,
 )
 from ckptfmt.storage.objects.source import latest_url
-from ckptfmt.storage.objects.url import is_url
-from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.steps import StepRef, list_step_dirs
+from ckptfmt.storage.store.location import Location, parse_location
 
 
 def read_manifest_bytes(root: Path) -> bytes:
@@ -131,8 +130,8 @@ def _subdirs(root: Path) -> list[Path]:
 
 
 def read_manifest(root: Path) -> Manifest:
-    """Read and check the manifest of the committed checkpoint at ``root``."""
-    refuse_url(root)
+    """Read and check the manifest of the committed checkpoint at ``root`` (a directory: a
+    user's path is parsed where it is handed in, ``storage.store.location``)."""
     return parse_manifest(read_manifest_bytes(root), str(root / MANIFEST_NAME))
 
 
@@ -382,10 +381,10 @@ class TensorView:
             ref, rank = by_cell[cell]
             src = _inside(self.src, rank)
             with naming(src):
-                if isinstance(src, Inside):  # a local file: read whole, every CRC of it checked
-                    found = decode_shard(read_file(src, ref, tensors), geo, cell, ref, tensors)
-                else:  # an object: ranged GETs of its index and only the inner chunks needed
+                if src.reads_parts:  # an object: ranged GETs of its index and the chunks needed
                     found = _read_inner(src, geo, ref, cell, bounds, tensors)
+                else:  # a local file: read whole, every CRC of it checked
+                    found = decode_shard(read_file(src, ref, tensors), geo, cell, ref, tensors)
             for s, chunk in found:
                 a = [max(x, b0) for x, (b0, _) in zip(s.box_lo, bounds)]
                 b = [min(x, b1) for x, (_, b1) in zip(s.box_hi, bounds)]
@@ -403,23 +402,28 @@ class Checkpoint:
     """A committed checkpoint opened read-only (``ckptfmt.open``). Nothing but the manifest is
     read until a tensor is indexed.
 
-    ``path``: its directory (or the URL of ``U/<save_id>`` in a bucket). A checkpoint spread
-    over node directories is given as its ``manifest`` and ``src`` (rank -> the directory
-    holding that rank's files); ``keep``: what
-    must live as long as this object (a scratch directory its reads go to)."""
+    ``path``: its directory (or the URL of ``U/<save_id>`` in a bucket), a path or its parsed
+    :class:`~ckptfmt.storage.store.location.Location`. A checkpoint in a bucket, or spread
+    over node directories, is given with its ``manifest`` and ``src`` (its objects; rank ->
+    the directory holding that rank's files); ``keep``: what must live as long as this object
+    (a scratch directory its reads go to)."""
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Location,
         *,
         manifest: Manifest | None = None,
         src: Where | None = None,
         keep: object = None,
     ) -> None:
-        # a checkpoint in a bucket keeps its URL (a Path would fold its "//")
-        self.path: Path | str = path if isinstance(path, str) and is_url(path) else Path(path)
-        self.manifest = read_manifest(Path(path)) if manifest is None else manifest
-        self._src: Where = Inside(Path(path)) if src is None else src
+        where = parse_location(path)
+        self.path: Path | str = where.shown  # a bucket's URL stays one: a Path folds its "//"
+        if manifest is None or src is None:  # read here: a directory (a URL is refused)
+            root = where.directory()
+            manifest = read_manifest(root) if manifest is None else manifest
+            src = Inside(root) if src is None else src
+        self.manifest = manifest
+        self._src: Where = src
         self._keep = keep
         self._entries = {display(e.name): e for e in self.manifest.entries}
 
@@ -479,12 +483,10 @@ def latest(
     or a step that no longer commits) the newest whole step found by one LIST. The path of the
     :class:`StepRef` is then the step's URL. ``storage_options``: as for ``ckptfmt.save``.
     """
-    if isinstance(root, str) and is_url(root):
-        return latest_url(root, storage_options)
-    if storage_options:
-        raise UsageError(f"storage_options apply to object-store URLs, not to the path {root}")
-    refuse_url(root)
-    for step, path in reversed(list_step_dirs(Path(root), loose=True)):
+    where = parse_location(root, storage_options)
+    if where.is_bucket:
+        return latest_url(where.spec, where.storage_options)
+    for step, path in reversed(list_step_dirs(where.directory(), loose=True)):
         try:
             read_manifest(path)
         except CkptError:

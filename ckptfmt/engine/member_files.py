@@ -70,6 +70,7 @@ class MemberFiles:
     manifest order, back to back)."""
 
     reads_in_flight = 1
+    reads_parts = True
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ from ckptfmt.redundancy.record import record_of
 from ckptfmt.storage.files import Files, Inside
 from ckptfmt.storage.nodes import is_spread
 from ckptfmt.storage.objects.source import ObjectInside
-from ckptfmt.storage.objects.url import is_url
+from ckptfmt.storage.store.location import Location, parse_location
 
 Job = Callable[[], None]
 
@@ -144,18 +144,21 @@ class ObjectSource(Source):
         check_documents(self.objects, self.manifest)
 
 
-def open_source(spec: NodeDirs) -> Source:
+def open_source(spec: NodeDirs | Location) -> Source:
     """The committed checkpoint ``spec`` (one directory, a ``{node}`` template, a mapping
     node -> directory, or the URL of a checkpoint in a bucket, reached with the ``AWS_*``
-    environment); :class:`NotACheckpointError` when no directory holds its manifest."""
-    if isinstance(spec, str) and is_url(spec):
-        manifest, objects = in_bucket.open_source(spec)
-        return ObjectSource(spec, manifest, {}, objects=objects)
+    environment, or the storage options its :class:`Location` was parsed with);
+    :class:`NotACheckpointError` when no directory holds its manifest."""
+    where = parse_location(spec)
+    if where.is_bucket:
+        manifest, objects = in_bucket.open_source(where.spec, where.storage_options)
+        return ObjectSource(where.spec, manifest, {}, objects=objects)
+    spec = where.spec if where.kind == "spread" else where.directory()
     manifest, _, dirs = node_dirs(spec)
     return Source(spec, manifest, {n: Path(p) for n, p in dirs.items()})
 
 
-def open_whole(spec: NodeDirs, scratch: Path) -> Source:
+def open_whole(spec: NodeDirs | Location, scratch: Path) -> Source:
     """:func:`open_source`, with what a cheap look finds wrong on level-1 copies (a node's
     directory gone, a file missing or of the wrong size, a damaged ``zarr.json``) rebuilt
     under ``scratch`` (:meth:`Source.with_rebuild`); a CRC that fails later is the reader's

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.container.reader import read_manifest_bytes
-from ckptfmt.errors import UsageError
 from ckptfmt.maintenance.checks import (
     Problem,
     VerifyReport,
@@ -28,16 +27,14 @@ from ckptfmt.maintenance.objects import verify_url
 from ckptfmt.maintenance.verify_parity import check_single_dir, verify_nodes
 from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.storage.files import Inside
-from ckptfmt.storage.nodes import is_template
-from ckptfmt.storage.objects.url import is_url
-from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
+from ckptfmt.storage.store.location import Location, parse_location
 
 __all__ = ["Problem", "VerifyReport", "manifest_schema", "verify"]
 
 
 def verify(
-    path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+    path: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | Location,
     *,
     progress: ProgressCallback | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -62,18 +59,14 @@ def verify(
     Raises :class:`NotACheckpointError` or :class:`ManifestError` when there is no readable
     manifest (or, in a bucket, no commit object); every other finding goes into the report.
     """
-    url = isinstance(path, str) and is_url(path)
-    if not isinstance(path, Mapping) and not url:
-        refuse_url(path)  # http://... would read as the missing directory ./http:/...
-    if storage_options and not url:
-        raise UsageError(f"storage_options apply to object-store URLs, not to {path!s}")
+    where = parse_location(path, storage_options)  # http://... is refused, not ./http:/...
     with metering("verify", progress) as meter:
-        if url:
-            report = verify_url(str(path), storage_options)
-        elif isinstance(path, Mapping) or is_template(path):
-            report = verify_nodes(path)
+        if where.is_bucket:
+            report = verify_url(where.spec, where.storage_options)
+        elif where.kind == "spread":
+            report = verify_nodes(where.spec)
         else:
-            report = _verify_dir(Path(path))
+            report = _verify_dir(where.directory())
         meter.finish()
     return report
 

@@ -312,6 +312,11 @@ class Files(Protocol):
     more for a bucket (each read waits a round trip: one at a time, hundreds of ``zarr.json``
     documents take hundreds of round trips)."""
 
+    reads_parts: bool
+    """Whether a reader that wants part of a file (``ckptfmt.open``'s indexing) reads only that
+    part: True for an object in a bucket (a ranged GET of the shard index, then of the inner
+    chunks needed), False for a local file (read whole in one system call, every CRC checked)."""
+
     @property
     def root(self) -> os.PathLike[str] | str:
         """Where the checkpoint is (its directory, or its URL): for messages and logs."""
@@ -396,6 +401,7 @@ class Inside:
     """
 
     reads_in_flight = 1
+    reads_parts = False
 
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root))

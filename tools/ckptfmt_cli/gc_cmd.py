@@ -10,7 +10,7 @@ import click
 
 from ckptfmt.errors import UsageError
 from ckptfmt.maintenance import gc
-from ckptfmt.storage import is_url
+from ckptfmt.storage import parse_location
 from ckptfmt_cli.exits import help_epilog, one_line
 
 
@@ -39,7 +39,7 @@ def gc_command(url: str, min_age: float, no_multipart: bool, as_json: bool) -> N
 
     Run it while no save to URL is in flight, or give --min-age.
     """
-    if not is_url(url):
+    if not parse_location(url).is_bucket:
         raise UsageError(f"{url!r}: gc works on object-store URLs (s3://bucket/prefix)")
     result = gc(url, min_age=min_age, multipart=not no_multipart)
     if as_json:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
 import ckptfmt
 from ckptfmt import VerifyReport
-from ckptfmt.maintenance import NodeDirs
-from ckptfmt.storage import is_url, refuse_url
+from ckptfmt.storage import Location, parse_location
 from ckptfmt_cli import hints, render
 from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
 from ckptfmt_cli.export_cmd import export_command
@@ -100,19 +98,16 @@ def inspect_command(path: str, as_json: bool, regions: bool) -> None:
     may be the URL of a checkpoint in a bucket (s3://bucket/run/ckpt; the AWS_* environment
     says where and as whom).
     """
-    where: str | Path = path
-    if "{node}" in path:
-        where = hints.first_node_dir(path)
-    elif not is_url(path):
-        where = Path(path)
-    doc = describe(ckptfmt.open(where), regions=regions)
+    where = parse_location(path)
+    target = hints.first_node_dir(path) if where.kind == "spread" else where.shown
+    doc = describe(ckptfmt.open(target), regions=regions)
     if as_json:
         _json_out(doc)
     else:
         render.inspect_tables(render.stdout_console(), doc, regions=regions)
 
 
-def _verify(path: NodeDirs, show_progress: bool) -> VerifyReport:
+def _verify(path: Location, show_progress: bool) -> VerifyReport:
     console = render.stderr_terminal() if show_progress else None
     with render.progress_bar(console, "verifying") as show:
         return ckptfmt.verify(path, progress=show)
@@ -154,8 +149,7 @@ def verify_command(
     problems name the keys under s3://bucket/run/ckpt/<save_id>/.
     """
     spec = node_spec(path, nodes)
-    url = path is not None and is_url(path)
-    one = hints.one_node_of_level1(path) if path is not None and not url else None
+    one = hints.one_node_of_level1(path) if path is not None and not spec.is_bucket else None
     if one is not None:  # not damage: the other nodes' files are in their own directories
         fail(ctx, hints.one_node_message(path or "", *one), ExitStatus.USAGE)
     report = _verify(spec, show_progress=not quiet)
@@ -163,7 +157,7 @@ def verify_command(
         _json_out(report.to_json())
     elif not quiet:
         render.verify_summary(render.stdout_console(), report)
-        hint = None if url else hints.rebuild_hint(spec, report)
+        hint = None if spec.is_bucket else hints.rebuild_hint(spec.spec, report)
         if hint is not None:
             render.stdout_console().print(render.plain(hint))
     ctx.exit(ExitStatus.OK if report.healthy else ExitStatus.DAMAGED)
@@ -184,11 +178,11 @@ def list_command(path: str, as_json: bool) -> None:
     is flushed when its commit object is there with every object it lists, damaged when some
     are missing or of another size, not committed when it has objects but no commit object.
     """
-    if is_url(path):
+    where = parse_location(path)
+    if where.is_bucket:
         doc = ckptfmt.list_levels(path)
     else:
-        refuse_url(path)
-        root = Path(path)
+        root = where.directory()
         if not root.is_dir():
             raise ckptfmt.errors.NotACheckpointError(str(root), "no such directory")
         doc = hints.without_absent_level1(ckptfmt.list_levels(root), root)

@@ -16,9 +16,9 @@ import click
 
 from ckptfmt import WriteOptions
 from ckptfmt.errors import UnrecoverableDamageError
-from ckptfmt.maintenance import NodeDirs, RepairReport, rebuild
+from ckptfmt.maintenance import RepairReport, rebuild
 from ckptfmt.manifest import MANIFEST_NAME
-from ckptfmt.storage import is_url, refuse_url
+from ckptfmt.storage import Location, parse_location
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import ExitStatus, help_epilog, one_line
 from ckptfmt_cli.hints import lost_for_real
@@ -37,17 +37,17 @@ REBUILD_EXITS = (
 PHASES = {"check": "checking", "rebuild": "rebuilding"}  # the bar's label in each phase
 
 
-def node_spec(path: str | None, nodes: Sequence[str]) -> NodeDirs:
-    """PATH (a ``{node}`` template or one directory) or the ``--node NAME=DIR`` pairs, never
-    both; :class:`click.UsageError` (exit status 2) otherwise."""
+def node_spec(path: str | None, nodes: Sequence[str]) -> Location:
+    """PATH (a ``{node}`` template, one directory, or the URL of a checkpoint in a bucket, which
+    verify and inspect read there) or the ``--node NAME=DIR`` pairs, never both, parsed
+    (``ckptfmt.storage.parse_location``: a URL of another scheme is refused);
+    :class:`click.UsageError` (exit status 2) without one or with both."""
     if path is not None and nodes:
         raise click.UsageError("give PATH or --node NAME=DIR, not both")
     if path is None and not nodes:
         raise click.UsageError("give PATH (a {node} template or a directory) or --node NAME=DIR")
     if path is not None:
-        if not is_url(path):  # a checkpoint in a bucket: verify and inspect read it there
-            refuse_url(path)
-        return path
+        return parse_location(path)
     mapping: dict[str, str] = {}
     for item in nodes:
         name, sep, where = item.partition("=")
@@ -56,7 +56,7 @@ def node_spec(path: str | None, nodes: Sequence[str]) -> NodeDirs:
         if name in mapping:
             raise click.BadParameter(f"node {name!r} given twice", param_hint="--node")
         mapping[name] = where
-    return mapping
+    return parse_location(mapping)
 
 
 def report_json(report: RepairReport, dry_run: bool) -> dict[str, Any]:
@@ -183,9 +183,7 @@ def rebuild_command(
     written, and the output names the ranks, nodes and tensors lost. A progress bar is shown
     on stderr when it is a terminal (checking, then rebuilding).
     """
-    spec = node_spec(path, nodes)
-    if path is not None:
-        refuse_url(path)  # level-1 copies are node-local directories, never a bucket
+    spec = node_spec(path, nodes).on_disk().spec  # level-1 copies are never in a bucket
     console = None if quiet or as_json else render.stderr_terminal()
     try:
         with render.progress_bar(console, "rebuild", PHASES) as show:

@@ -12,7 +12,6 @@ import os
 from collections.abc import Mapping
 
 from ckptfmt.errors import ImplicitSingleProcessError
-from ckptfmt.storage.paths import refuse_url as refuse_url  # re-exported for the manager
 
 # (variable, launcher) in the order they are looked at; the first one set and > 1 wins
 _WORLD_SIZE_VARS = (

@@ -26,8 +26,8 @@ from ckptfmt.errors import UsageError
 from ckptfmt.format.options import WriteOptions, checked_write
 from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.redundancy.config import Policy, Redundancy
-from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.progress import ProgressCallback
+from ckptfmt.storage.store.location import parse_location
 
 __all__ = ["ExitPolicy", "ManagerSettings", "OnError", "RedundancySpec", "WhenBusy"]
 
@@ -125,7 +125,8 @@ class ManagerSettings:
                 if not isinstance(value, (str, os.PathLike)):
                     raise UsageError(f"{name} must be a path or None, got {value!r}")
                 object.__setattr__(self, name, os.fspath(value))
-        refuse_url(self.local_dir)  # level 1 is a node's own disk
+        if self.local_dir is not None:
+            parse_location(self.local_dir).on_disk()  # level 1 is a node's own disk
         given = self.storage_options
         if given is not None:
             if not isinstance(given, Mapping):

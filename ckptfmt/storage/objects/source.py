@@ -120,6 +120,7 @@ class ObjectInside:
     (:meth:`presence_checks`) and the ones it reads by reading them."""
 
     reads_in_flight = READS_IN_FLIGHT
+    reads_parts = True
 
     def __init__(self, bucket: Bucket, commit: Commit, *, checked: bool = False) -> None:
         self.bucket = bucket

@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import UrlNotSupportedError, UsageError
+from ckptfmt.storage.files import Files
 from ckptfmt.storage.nodes import is_spread
 from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.url import is_url
@@ -22,8 +24,6 @@ from ckptfmt.storage.store.bucket import BucketStore
 from ckptfmt.storage.store.directory import DirectoryStore
 
 Kind = Literal["directory", "spread", "url", "store"]
-
-LocationSpec = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | Store
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,57 @@ class Location:
             f"{self.spec!r} names a checkpoint spread over node directories: one store per node"
         )
 
+    def on_disk(self) -> Location:
+        """This location, where only a file system works (level 1, a rebuild of level-1
+        copies, ``ckptfmt list`` of a directory): a directory, node directories, or a
+        :class:`DirectoryStore`. A bucket's URL raises :class:`UrlNotSupportedError`, the error
+        an unsupported URL (``http://``) raises when it is parsed; another store,
+        :class:`UsageError`."""
+        if self.kind == "url":
+            scheme = str(self.spec).partition("://")[0].lower()
+            raise UrlNotSupportedError(str(self.spec), scheme)
+        if self.kind == "store" and not isinstance(self.spec, DirectoryStore):
+            raise UsageError(f"{self}: a directory on a file system is needed here, not a store")
+        return self
+
+    def directory(self) -> Path:
+        """The one directory of a checkpoint on a file system (:meth:`on_disk`); a checkpoint
+        spread over node directories raises :class:`UsageError` (each node's is one)."""
+        self.on_disk()
+        if self.kind == "store":
+            return Path(self.spec.path)
+        if self.kind == "spread":
+            raise UsageError(
+                f"{self} names a checkpoint spread over node directories: give one directory"
+            )
+        return Path(self.spec)
+
+    def files(self) -> Files:
+        """The read side of the committed checkpoint here (``storage.files.Files``), its
+        store's (:meth:`Store.files`): the directory's files (:class:`Inside`), or the objects
+        its commit lists in a bucket (the commit object read, every object HEADed). Nothing
+        committed there: :class:`NotACheckpointError`; a spread checkpoint has one per node:
+        :class:`UsageError`."""
+        return self.store().files()
+
+    @property
+    def shown(self) -> Path | str:
+        """Where the checkpoint is, for a reader's ``path`` and for messages: a bucket's URL as
+        given (a ``Path`` would fold its ``//``), a store's ``where``, else a ``Path`` (a
+        spread checkpoint's template; a mapping's text)."""
+        if self.kind == "url":
+            return str(self.spec)
+        if self.kind == "store":
+            return str(self.spec.where)
+        return Path(str(self))
+
     def __str__(self) -> str:
         if self.kind == "store":
             return str(self.spec.where)
         return os.fspath(self.spec) if not isinstance(self.spec, Mapping) else str(self.spec)
+
+
+LocationSpec = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | Store | Location
 
 
 def parse_location(
@@ -64,12 +111,21 @@ def parse_location(
     """``spec`` as a :class:`Location`. A URL of a supported scheme (``s3://``, ``gs://``,
     ``az://``, ``memory://``) is a bucket prefix; another URL (``file://``, ``http://``)
     raises :class:`UrlNotSupportedError`; ``storage_options`` with anything but a URL raise
-    :class:`UsageError` (they configure an object store)."""
+    :class:`UsageError` (they configure an object store). A :class:`Location` is returned as
+    it is (a boundary that parsed it passes it on)."""
+    if isinstance(spec, Location):
+        if storage_options and storage_options != spec.storage_options:
+            raise UsageError(f"{spec} was parsed with other storage_options")
+        return spec
     if isinstance(spec, Store):
         found = Location("store", spec)
     elif isinstance(spec, str) and is_url(spec):
         return Location("url", spec, storage_options)
     elif is_spread(spec):
+        # a template of another scheme (http://h/{node}) or a node directory that is a URL
+        # would name directories under ./http:/
+        for each in spec.values() if isinstance(spec, Mapping) else (spec,):
+            refuse_url(each)
         found = Location("spread", spec)
     elif isinstance(spec, str | os.PathLike):
         refuse_url(spec)

@@ -160,6 +160,7 @@ class MemoryFiles:
     of its members, unchanged by later commits."""
 
     reads_in_flight = 1
+    reads_parts = True  # as a bucket's objects are: the memory store stands in for one
 
     def __init__(self, root: str, members: _Members) -> None:
         self.root = root
