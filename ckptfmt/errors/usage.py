@@ -65,16 +65,26 @@ class DestinationExistsError(UsageError, FileExistsError):
 
 
 class UrlNotSupportedError(UsageError):
-    """A URL (``s3://bucket/x``) was given where a file-system path is needed: object storage is
-    not supported (yet). ``path``: what was given; ``scheme``: its scheme."""
+    """A URL ckptfmt cannot use where it was given: a scheme that is no object store
+    (``http://``, ``file://``), or a bucket's URL where only a directory on a file system works
+    (level 1, a rebuild of level-1 copies). ``path``: what was given; ``scheme``: its scheme;
+    ``needs``: what the place needs instead, when the scheme itself is supported elsewhere."""
 
-    def __init__(self, path: str, scheme: str) -> None:
+    def __init__(self, path: str, scheme: str, needs: str | None = None) -> None:
         self.path = path
         self.scheme = scheme
-        super().__init__(
-            f"{path!r}: {scheme}:// URLs are not supported; ckptfmt reads and writes file-system "
-            "paths only (mount the bucket, or save locally and copy)"
-        )
+        self.needs = needs
+        if needs is None:
+            text = (
+                f"{path!r}: {scheme}:// URLs are not supported; give a file-system path or an "
+                "object-store URL (s3://, gs://, az://)"
+            )
+        else:
+            text = (
+                f"{path!r}: {scheme}:// URLs are not supported here: {needs} (a bucket holds "
+                "what ckptfmt.save, the collective save and the manager's level 3 write)"
+            )
+        super().__init__(text)
 
 
 class CloudNotInstalledError(UsageError):

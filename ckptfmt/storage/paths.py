@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from ckptfmt.errors import DestinationUnwritableError, UrlNotSupportedError
+from ckptfmt.storage.objects.url import SUPPORTED
 
 # an RFC 3986 scheme, then "://" (or ":/": what ``pathlib.Path("s3://b/x")`` leaves of it); a
 # one-letter scheme would be a Windows drive, which this POSIX-only package never sees anyway
@@ -23,7 +24,7 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):/")
 
 def refuse_url(path: str | os.PathLike[str] | None) -> None:
     """Raise :class:`UrlNotSupportedError` when ``path`` is a URL (``s3://``, ``gs://``,
-    ``file://``, ...): object storage is not supported yet. Paths (and ``None``) pass."""
+    ``file://``, ...) where a directory on a file system is needed. Paths (and ``None``) pass."""
     if path is None:
         return
     text = os.fspath(path)
@@ -31,7 +32,9 @@ def refuse_url(path: str | os.PathLike[str] | None) -> None:
         text = text.decode(errors="replace")
     m = _URL.match(text)
     if m:
-        raise UrlNotSupportedError(text, m.group(1).lower())
+        scheme = m.group(1).lower()
+        needs = "a directory on a file system is needed" if scheme in SUPPORTED else None
+        raise UrlNotSupportedError(text, scheme, needs)
 
 
 def check_destination(path: str | os.PathLike[str]) -> None:

@@ -60,7 +60,9 @@ class Location:
         :class:`UsageError`."""
         if self.kind == "url":
             scheme = str(self.spec).partition("://")[0].lower()
-            raise UrlNotSupportedError(str(self.spec), scheme)
+            raise UrlNotSupportedError(
+                str(self.spec), scheme, "a directory on a file system is needed"
+            )
         if self.kind == "store" and not isinstance(self.spec, DirectoryStore):
             raise UsageError(f"{self}: a directory on a file system is needed here, not a store")
         return self
