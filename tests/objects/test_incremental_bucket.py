@@ -144,8 +144,8 @@ KILLED = textwrap.dedent(
     import os, signal, sys
     import ckptfmt
     from ckptfmt import WriteOptions
-    from ckptfmt.maintenance import objects as in_bucket
     from ckptfmt.storage.objects import Bucket
+    from ckptfmt.storage.store import bucket as store_bucket
     from test_incremental_bucket import W, _state
 
     where = sys.argv[3]
@@ -161,7 +161,7 @@ KILLED = textwrap.dedent(
                 die()
         Bucket.copy_object = copy_then_die
     else:  # every object up, the commit object not yet
-        in_bucket.write_commit = die
+        store_bucket.write_commit = die
     ckptfmt.save(_state(1), sys.argv[2], write=W, base=sys.argv[1])
     """
 )
