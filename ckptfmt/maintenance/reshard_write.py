@@ -169,7 +169,7 @@ def write_destination(
                 out = encode_offline(out, dir_of, redundancy, write.fsync)  # counts on the meter
             data = dump_manifest(out)
             for d in drafts.values():
-                d.stage_manifest(data, d.written(), write.fsync)
+                d.stage_manifest(data, [d.written()], write.fsync)
             replaced = []
             for store, d in drafts.items():
                 replaced.append((d, d.publish(fsync=write.fsync)))
