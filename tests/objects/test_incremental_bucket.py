@@ -37,6 +37,7 @@ from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.commit import read_commit
 from ckptfmt.storage.objects.copies import Tally, base_for
 from ckptfmt.storage.steps import step_dir_name
+from ckptfmt.storage.store import MemoryStore
 
 WORKER = "tests/workers/_incr_bucket_worker.py"
 W = WriteOptions(
@@ -142,6 +143,20 @@ def test_a_base_elsewhere_or_not_committed_is_refused_before_anything_is_written
         ckptfmt.save(_state(1), target, write=W, base=str(tmp_path / "dir"))
     assert s3.keys("run/b") == []
     assert_state_equal(ckptfmt.load(base), _state(0))
+
+
+def test_a_base_of_the_wrong_kind_is_refused_where_it_is_handed_in(s3: S3, tmp_path: Path) -> None:
+    """The base is parsed with the destination, once: a URL base for a directory, and any base
+    for a store that has no incremental saves (memory), are refused before anything is made."""
+    base = f"{s3.url}/run/a"
+    ckptfmt.save(_state(0), base, write=W)
+    with pytest.raises(UsageError, match="is a directory, not"):
+        ckptfmt.save(_state(1), tmp_path / "dir", write=W, base=base)
+    assert not (tmp_path / "dir").exists()
+    store = MemoryStore("m")
+    with pytest.raises(UsageError, match="base applies to a save into a directory or a bucket"):
+        ckptfmt.save(_state(1), store, write=W, base=tmp_path)
+    assert not store.is_committed()
 
 
 KILLED = textwrap.dedent(
