@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import DamagedError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import node_dirs
@@ -45,6 +45,7 @@ from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.ownership import make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage.nodes import expand
+from ckptfmt.storage.objects.source import ObjectInside
 from ckptfmt.storage.paths import check_destination
 from ckptfmt.storage.progress import ProgressCallback
 from ckptfmt.storage.store import DirectoryStore, Location, Store, parse_location
@@ -152,9 +153,15 @@ def reshard(
     for store in dict.fromkeys(stores.values()):
         if isinstance(store, DirectoryStore):  # a parent that is a file, a read-only file system
             check_destination(store.path)
-    out, bytes_read, written, committed = write_destination(
-        manifest, sel, plan, sources, dst, stores, node_list, redundancy, write, progress
-    )
+    try:
+        out, bytes_read, written, committed = write_destination(
+            manifest, sel, plan, sources, dst, stores, node_list, redundancy, write, progress
+        )
+    except DamagedError as exc:  # name the object's URL, not its path inside the checkpoint
+        objects = next(iter(sources.values()), None)
+        if src_at.kind == "url" and isinstance(objects, ObjectInside):
+            raise in_bucket.at_key(exc, objects) from None
+        raise
     return ReshardReport(
         source=os.fspath(src) if not isinstance(src, Mapping) else "node directories",
         destination=committed,

@@ -25,7 +25,7 @@ from kit.s3_proxy import S3Proxy
 
 import ckptfmt
 from ckptfmt import WriteOptions
-from ckptfmt.errors import CkptError, DestinationExistsError, UsageError
+from ckptfmt.errors import CkptError, DamagedError, DestinationExistsError, UsageError
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.redundancy import Redundancy
 from ckptfmt.storage.objects import Bucket
@@ -200,3 +200,19 @@ def test_a_reshard_killed_before_its_commit_leaves_the_old_checkpoint_whole(
     assert read_commit(Bucket.at(url)) == old
     assert ckptfmt.open(url).manifest.world_size == 2
     check_equal(url)
+
+
+def test_a_damaged_object_in_the_source_bucket_is_named_and_nothing_is_committed(
+    s3: S3, s3_proxy: S3Proxy, quiet_tmp: Path
+) -> None:
+    src = f"{s3.url}/run/saved"
+    reshard(save(quiet_tmp, 2, 3), src, 2, write=WRITE)
+    s3_proxy.flip_byte("shards/w3/c/")  # every GET of that tensor's objects: one byte flipped
+    dst = f"{s3.url}/run/out"
+    with pytest.raises(DamagedError, match=r"s3://.*run/saved/.*shards/w3/c/"):
+        reshard(src, dst, 3, write=WRITE)
+    assert s3.keys("run/out/") == []  # what was put is gone; no commit object
+    with pytest.raises(DamagedError):
+        reshard(src, quiet_tmp / "dst", 3, write=WRITE)
+    assert not (quiet_tmp / "dst").exists()
+    assert [p.name for p in quiet_tmp.iterdir() if p.name.startswith(".")] == []
