@@ -3,7 +3,8 @@ tree given with ``--before``, e.g. ``git worktree add /tmp/before <commit>``) an
 tree). The source, saved once by 4 thread-ranks with this tree (``--mb`` MB of float32 tensors
 held in row blocks), is rewritten for 2 ranks (rows split, fsync off) into ``--dir``; each tree
 runs in its own process per round (the order alternating), timing ``--reps`` reshards after one
-untimed one that is verified bit for bit.
+untimed one that is verified bit for bit: the wall time, and the process's CPU time (user +
+system, every thread; steadier than the wall time on a shared machine).
 
     python bench/bench_reshard_trees.py --before /tmp/before [--mb 128] [--rounds 4] [--reps 3]
 """
@@ -58,20 +59,22 @@ def one(args: argparse.Namespace) -> None:
     from ckptfmt.maintenance.reshard import reshard
 
     src, out = Path(args.src), Path(args.out)
-    times = []
+    times, cpus = [], []
     for i in range(args.reps + 1):
         shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         reshard(src, out, 2, rows=["*"], write=WriteOptions(fsync=False))
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         if i:
             times.append(dt)
+            cpus.append(cpu)
         else:
             got = ckptfmt.load(out)
             for k, v in full(args.rows).items():
                 assert got[k].tobytes() == v.tobytes(), k
     shutil.rmtree(out, ignore_errors=True)
-    Path(args.part).write_text(json.dumps({"times": times, "module": ckptfmt.__file__}))
+    doc = {"times": times, "cpu": cpus, "module": ckptfmt.__file__}
+    Path(args.part).write_text(json.dumps(doc))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> None:
     make_source(src, rows)
     trees = {"before": Path(args.before).resolve(), "after": REPO}
     got: dict[str, list[float]] = {k: [] for k in trees}
+    cpu: dict[str, list[float]] = {k: [] for k in trees}
     part = root / "part.json"
     for rnd in range(args.rounds):
         for name in list(trees) if rnd % 2 == 0 else list(reversed(trees)):
@@ -93,14 +97,19 @@ def run(args: argparse.Namespace) -> None:
             doc = json.loads(part.read_text())
             assert doc["module"].startswith(str(trees[name])), (name, doc["module"])
             got[name] += doc["times"]
+            cpu[name] += doc["cpu"]
     shutil.rmtree(root, ignore_errors=True)
     mb = rows * COLS * 4 * TENSORS / 1e6
     print(f"reshard 4 -> 2 ranks (rows split, fsync off), {mb:.0f} MB on {args.dir}, medians:")
     for name, times in got.items():
-        med = statistics.median(times)
-        print(f"  {name:7s} {med:7.3f} s  {mb / med:7.1f} MB/s  ({len(times)} samples)")
+        med, c = statistics.median(times), statistics.median(cpu[name])
+        print(
+            f"  {name:7s} {med:7.3f} s  {mb / med:7.1f} MB/s  CPU {c:6.3f} s  "
+            f"({len(times)} samples)"
+        )
     ratio = statistics.median(got["after"]) / statistics.median(got["before"])
-    print(f"  after/before time ratio {ratio:.3f}")
+    c_ratio = statistics.median(cpu["after"]) / statistics.median(cpu["before"])
+    print(f"  after/before ratio: time {ratio:.3f}, CPU {c_ratio:.3f}")
 
 
 def main() -> None:
