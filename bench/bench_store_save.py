@@ -14,6 +14,13 @@ is the bottleneck here: the time says little beyond "not slower"; the CPU and me
 say what the route costs.
 
     python bench/bench_store_save.py --before /tmp/ckptfmt-before [--mib 256] [--reps 5]
+
+``--incremental``: the same for an incremental save (``base=``): a base is saved once (this tree,
+content hashes recorded) at ``incr-base``; each rank also holds a tensor of ``--mib``/8 MiB
+that changes at every save while its ``--mib`` MiB do not; each timed save overwrites
+``<name>-<tree>`` against the base (before: every rank saves into a scratch directory, then
+copies its unchanged files from the base inside the store and uploads the rest; after: every
+rank puts its changed shards from memory and has the store copy the unchanged ones).
 """
 
 from __future__ import annotations
@@ -66,8 +73,17 @@ def ranks(args: argparse.Namespace) -> None:
     mine = np.random.default_rng(rank).standard_normal((rows, COLS), dtype=np.float32)
     state = {"w": Shard(mine, (rank * rows, 0), (size * rows, COLS))}
     url = f"s3://{args.bucket}/{args.name}"
+    against: str | None = None
+    moving = np.zeros((max(1, rows // 8), COLS), np.float32)
+    if args.incremental:  # the state of the base (saved by mode "base") and a changing tensor
+        m_rows = moving.shape[0]
+        state["m"] = Shard(moving, (rank * m_rows, 0), (size * m_rows, COLS))
+        against = f"s3://{args.bucket}/incr-base"
     Bucket.at(url)  # the client library loaded before the baseline
-    write = WriteOptions(fsync=False, overwrite=True)
+    write = WriteOptions(fsync=False, overwrite=True, content_hash=args.incremental)
+    if args.mode == "base":
+        save_to_bucket(comm, state, against or url, step=0, node=f"n{rank}", write=write)
+        return
     base = rss_now()
     times = []
     cpu0 = 0.0
@@ -76,8 +92,9 @@ def ranks(args: argparse.Namespace) -> None:
         if i == 1:
             use = resource.getrusage(resource.RUSAGE_SELF)
             cpu0 = use.ru_utime + use.ru_stime
+        moving[:] = i + 1  # the changing tensor's files differ from the base's at every save
         t0 = time.perf_counter()
-        save_to_bucket(comm, state, url, step=i, node=f"n{rank}", write=write)
+        save_to_bucket(comm, state, url, step=i, node=f"n{rank}", write=write, base=against)
         MPI.COMM_WORLD.Barrier()
         if i:
             times.append(time.perf_counter() - t0)
@@ -124,12 +141,18 @@ def run(args: argparse.Namespace) -> None:
         got: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
         mpiexec = Path(sys.executable).parent / "mpiexec"
         part = Path(tempfile.mkdtemp()) / "part.json"
+        flag = ["--incremental"] if args.incremental else []
+        if args.incremental:  # the base, once, by this tree
+            cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__, "base"]
+            cmd += ["--bucket", "bench", "--mib", str(args.mib), *flag]
+            run_env = {**env, "PYTHONPATH": str(REPO)}
+            subprocess.run(["timeout", "900", *cmd], env=run_env, check=True, cwd=REPO)
         for rnd in range(args.rounds):
             order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
             for name in order:
                 cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", __file__]
                 cmd += ["ranks", "--bucket", "bench", "--name", name, "--mib", str(args.mib)]
-                cmd += ["--reps", str(args.reps), "--part", str(part)]
+                cmd += ["--reps", str(args.reps), "--part", str(part), *flag]
                 run_env = {**env, "PYTHONPATH": str(trees[name])}
                 subprocess.run(["timeout", "900", *cmd], env=run_env, check=True, cwd=trees[name])
                 got[name].append(json.loads(part.read_text()))
@@ -137,7 +160,8 @@ def run(args: argparse.Namespace) -> None:
         server.terminate()
         server.wait(10)
     total = 2 * args.mib
-    print(f"collective save to a bucket (moto), 2 ranks x {args.mib} MiB, medians:")
+    what = "incremental collective save" if args.incremental else "collective save"
+    print(f"{what} to a bucket (moto), 2 ranks x {args.mib} MiB, medians:")
     for name, runs in got.items():
         med = statistics.median(t for r in runs for t in r["times"])
         extra = max(e for r in runs for e in r["extra"]) / (1 << 20)
@@ -153,7 +177,8 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "ranks"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "ranks", "base"])
+    p.add_argument("--incremental", action="store_true")
     p.add_argument("--before", default="")
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
@@ -162,7 +187,7 @@ def main() -> None:
     p.add_argument("--name", default="ckpt")
     p.add_argument("--part", default="")
     args = p.parse_args()
-    (ranks if args.mode == "ranks" else run)(args)
+    (run if args.mode == "run" else ranks)(args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +55,9 @@ from ckptfmt.parallel.collective.save import SaveFailedError, save_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
 from ckptfmt.storage.files import Files, Inside, storage_full
-from ckptfmt.storage.objects.copies import base_for
-from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import check_destination
 from ckptfmt.storage.progress import ProgressCallback, metering
-from ckptfmt.storage.store import Store, parse_location
+from ckptfmt.storage.store import Store, incremental_base, parse_location
 from ckptfmt.transport.comm import SingleComm
 from ckptfmt.tree.state import Blob, Container, Objects, encode_objects, flatten, unflatten
 
@@ -132,13 +129,10 @@ def save(
     holds objects of its own: deleting the base breaks nothing there either.
     """
     where = parse_location(path, storage_options)
-    if where.kind == "url" and base is not None:  # copies inside the bucket: see _save_url
-        return _save_url(state, str(path), step, write, progress, objects, storage_options, base)
-    if where.kind not in ("directory", "url") and base is not None:
-        raise UsageError(f"base applies to a save into a directory or a bucket, not to {where}")
     if where.kind == "directory":
         check_destination(where.spec)
     store = where.store()
+    against = None if base is None else incremental_base(store, base, storage_options)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be a non-negative int or None, got {step!r}")
     write = write if write is not None else WriteOptions(threads=writer_threads())
@@ -154,7 +148,7 @@ def save(
                 step=step,
                 node=socket.gethostname(),
                 write=write,
-                base=_checked_base(base),
+                base=against,
             )
             meter.finish()
     except SaveFailedError as exc:  # one process: re-raise its own error, not the vote's
@@ -166,52 +160,6 @@ def save(
         _raise_full(exc, state, Path(store.where))
         raise
     return manifest
-
-
-def _save_url(
-    state: Mapping[str, Any],
-    url: str,
-    step: int | None,
-    write: WriteOptions | None,
-    progress: ProgressCallback | None,
-    objects: Objects,
-    storage_options: Mapping[str, Any] | None,
-    base: str | os.PathLike[str] | None = None,
-) -> Manifest:
-    """:func:`save` to a bucket incrementally against ``base`` (a URL in the same bucket): saved
-    into a scratch directory with content hashes, then the files the base holds alike copied
-    from it inside the store and the rest uploaded, and committed (see :func:`save`). This
-    route keeps the scratch directory: the copy plan needs every file's hash before a put."""
-    write = write if write is not None else WriteOptions(threads=writer_threads())
-    if not isinstance(write, WriteOptions):
-        raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
-    if base is not None and not (isinstance(base, str) and is_url(base)):
-        raise UsageError(
-            f"the base of an incremental save to {url} is a checkpoint in the same bucket "
-            f"(a URL), not the path {base!s}"
-        )
-    bucket, there = in_bucket.check_target(url, storage_options, write.overwrite)
-    found = None if base is None else base_for(bucket, base, storage_options)
-    with tempfile.TemporaryDirectory(prefix="ckptfmt-upload-") as scratch:
-        staged = Path(scratch) / "checkpoint"
-        # the bucket makes it durable; the content hashes let the next save be incremental
-        local = replace(
-            write, overwrite=False, fsync=False, content_hash=write.content_hash or bool(base)
-        )
-        manifest = save(state, staged, step=step, write=local, progress=progress, objects=objects)
-        copies = in_bucket.copy_plan(manifest, found)
-        in_bucket.publish(bucket, staged, manifest, replacing=there, copies=copies)
-    return manifest
-
-
-def _checked_base(base: str | os.PathLike[str] | None) -> Path | None:
-    """The base of an incremental save: a directory (the save reads its manifest: one that is
-    not a committed checkpoint fails it with NotACheckpointError naming it, nothing written)."""
-    if base is None:
-        return None
-    if parse_location(base).kind != "directory":
-        raise UsageError(f"the base of an incremental save is a directory, not {base}")
-    return Path(base)
 
 
 def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> None:

@@ -31,7 +31,7 @@ import hashlib
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,10 +147,16 @@ def unchanged_files(manifest: Manifest, base: Manifest) -> set[str]:
 class Incremental:
     """One rank's incremental write: the hash algorithm, the base (its directory and files; no
     base: only hash, for the next save), and what was done, for the manifest and the report.
-    Writer threads call :meth:`place` and :meth:`record` at once (a lock guards the tallies)."""
+    Writer threads call :meth:`place` and :meth:`record` at once (a lock guards the tallies).
+
+    The base is a directory (``base_root``: an unchanged file is hard-linked from it) or a
+    checkpoint in the draft's own store (``copy_in_store``: a bucket, where an unchanged file is
+    copied by the store, ``storage.objects.copies``; called with the file's path, False when it
+    could not be copied, and the file is written then)."""
 
     name: str = field(default_factory=algorithm)
     base_root: Path | None = None
+    copy_in_store: Callable[[str], bool] | None = None
     base: dict[str, BaseFile] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # path -> hex digest
     linked_bytes: int = 0
@@ -162,13 +168,41 @@ class Incremental:
     def hasher(self) -> Hasher:
         return Hasher(self.name)
 
+    def can_place(self, target: Path | None) -> bool:
+        """Whether an unchanged file written at ``target`` (its path in a directory draft, else
+        None) can be taken from the base instead of written."""
+        return self.copy_in_store is not None or (self.base_root is not None and target is not None)
+
     def candidate(self, key: str, geo: GeoKey, size: int) -> BaseFile | None:
         """The base's record of the file at ``key`` if it has this geometry and size (then
         the content decides, :meth:`unchanged`)."""
         known = self.base.get(key)
-        if known is None or self.base_root is None or (known.geo, known.size) != (geo, size):
+        has_base = self.base_root is not None or self.copy_in_store is not None
+        if known is None or not has_base or (known.geo, known.size) != (geo, size):
             return None
         return known
+
+    def place(
+        self, key: str, geo: GeoKey, size: int, crc: int, digest: str, target: Path | None
+    ) -> bool | None:
+        """Take the file ``key`` holding exactly these bytes from the base: hard-linked as
+        ``target`` from a directory, copied inside the store from a bucket. None when the base
+        does not hold these bytes (or no such file); False when it does but the file system or
+        the store refused (the caller writes the file, and does not try again); True when done."""
+        if self.copy_in_store is not None:
+            known = self.base.get(key)
+            if known is None or (known.geo, known.size, known.crc32c, known.digest) != (
+                geo,
+                size,
+                crc,
+                digest,
+            ):
+                return None
+            return self.copy_in_store(key)
+        source = self.unchanged(key, geo, size, crc, digest)
+        if source is None or target is None:
+            return None
+        return self.link(source, target)
 
     def unchanged(self, key: str, geo: GeoKey, size: int, crc: int, digest: str) -> Path | None:
         """The base's file holding exactly these bytes, if there is one on disk (a regular file

@@ -225,7 +225,7 @@ def _write_shard(
     incremental: Incremental | None = None,
 ) -> FileRef:
     refused = False  # the fast path found the file unchanged but could not link it
-    if incremental is not None and into is None and target is not None:
+    if incremental is not None and into is None and incremental.can_place(target):
         fast, refused = _link_if_unchanged(target, key, geo, data, origin, cell, incremental)
         if fast is not None:
             return fast
@@ -262,10 +262,9 @@ def _write_shard(
     if incremental is not None and hasher is not None:
         digest = hasher.hexdigest()
         geo_key = (_dtype_name(geo), geo.shape, geo.shard_shape, geo.chunk_shape)
-        source = (
-            None if refused else incremental.unchanged(key, geo_key, offset, data_crc.crc, digest)
+        linked = not refused and bool(
+            incremental.place(key, geo_key, offset, data_crc.crc, digest, target)
         )
-        linked = source is not None and target is not None and incremental.link(source, target)
         if linked:
             if into is not None:  # the parity covers this file too: its bytes, from memory
                 _gather(pieces, into)
@@ -278,7 +277,7 @@ def _write_shard(
 
 
 def _link_if_unchanged(
-    target: Path,
+    target: Path | None,
     key: str,
     geo: Geometry,
     data: np.ndarray,
@@ -304,10 +303,10 @@ def _link_if_unchanged(
         for s in geo.slots(cell)[1]:
             hasher.add(_chunk_buffer(geo, data, origin, s))
     digest = hasher.hexdigest()
-    source = incremental.unchanged(key, geo_key, size, known.crc32c, digest)
-    if source is None:
+    placed = incremental.place(key, geo_key, size, known.crc32c, digest, target)
+    if placed is None:
         return None, False
-    if not incremental.link(source, target):
+    if not placed:
         return None, True
     incremental.record(key, digest, size, True)
     return FileRef(key, size, known.crc32c), False

@@ -11,11 +11,15 @@ job reads its own data back from its own files again, and on level 1 from its ow
 Each new shard file is made from the inner chunks of the source that its box needs
 (``reshard.plan_reads``), every chunk's CRC checked as it is read; every source file read in
 full, over one or several new files, has its data CRC checked once its last chunk is in. Files
-are written into staging directories and committed by rename, manifest last (``spec/PROTOCOL.md``
-§1). With ``redundancy`` the parity of the new sets is encoded before the commit
-(``ckptfmt.engine.encode.encode_offline``). The destination is one directory, or with
-``{node}`` one level-1
-directory per new node (each holding the metadata and its own ranks' files).
+are written into a draft of the destination's store (``storage.store``) and committed by the
+store's commit, manifest last: a directory's staging directory renamed into place
+(``spec/PROTOCOL.md`` §1), a bucket's objects put under ``U/<save_id>/`` then its commit object
+(§7). With ``redundancy`` the parity of the new sets is encoded before the commit
+(``ckptfmt.engine.encode.encode_offline``). The destination is one directory or the URL of a
+bucket prefix, or with ``{node}`` one level-1 directory per new node (each holding the metadata
+and its own ranks' files). The source is a checkpoint directory, level-1 copies, or the URL of a
+checkpoint in a bucket (read through its objects, ranged GETs of the chunks each new file
+needs).
 
 This module checks the arguments and runs the steps: what the destination keeps and how the new
 ranks hold it (``reshard_select``), then its write (``reshard_write``).
@@ -26,22 +30,25 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import DamagedError, UsageError
 from ckptfmt.format.options import WriteOptions
+from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import node_dirs
 from ckptfmt.maintenance.reshard_select import check_nodes, declarations, select
-from ckptfmt.maintenance.reshard_write import write_destination
+from ckptfmt.maintenance.reshard_write import Sources, write_destination
+from ckptfmt.manifest.model import Manifest
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.ownership import make_plan
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.storage.nodes import expand, is_template
-from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.storage.nodes import expand
+from ckptfmt.storage.objects.source import ObjectInside
+from ckptfmt.storage.paths import check_destination
 from ckptfmt.storage.progress import ProgressCallback
+from ckptfmt.storage.store import DirectoryStore, Location, Store, parse_location
 
 
 @dataclass
@@ -100,11 +107,17 @@ def reshard(
     redundancy: Redundancy | None = None,
     write: WriteOptions = WriteOptions(),
     progress: ProgressCallback | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ReshardReport:
     """Rewrite the checkpoint ``src`` for ``ranks`` ranks into ``dst`` (module docstring).
 
     ``src``: a complete checkpoint directory (a level-3 copy), or level-1 copies as a ``{node}``
-    template or a mapping node -> directory. ``nodes[k]``: rank k's node (default: all on
+    template or a mapping node -> directory, or the URL of a checkpoint in a bucket. ``dst``: a
+    directory, a ``{node}`` template (one level-1 directory per new node) or the URL of a bucket
+    prefix (``s3://bucket/run/ckpt``: the new checkpoint appears there by its commit object, and
+    one there already, replaced with ``write.overwrite``, stays whole until then).
+    ``storage_options``: the object store's settings for whichever of them is a URL (as for
+    ``ckptfmt.save``). ``nodes[k]``: rank k's node (default: all on
     ``"n0"``). ``rows``: glob patterns of '/'-joined tensor names held in row blocks.
     ``read``: its ``rank_map``/``per_rank`` say what becomes of per-rank entries
     (``reshard.per_rank``; the same options a load takes); an entry that some new rank would get
@@ -118,9 +131,11 @@ def reshard(
     directory is committed (``ckptfmt.storage.progress``).
     """
     started = time.perf_counter()
-    _check_arguments(src, dst, ranks, write)
+    src_at = _parsed(src, storage_options)
+    dst_at = _parsed(dst, storage_options)
+    _check_arguments(dst_at, ranks, write, redundancy)
     node_list = check_nodes(nodes if nodes is not None else ["n0"] * ranks, ranks)
-    manifest, _, src_dirs = node_dirs(src)
+    manifest, sources = _open_source(src_at)
     opts = read if read is not None else ReadOptions()
     sel = select(manifest, ranks, rows, opts.rank_map, opts.per_rank)
     plan = make_plan(
@@ -128,19 +143,28 @@ def reshard(
         chunk_bytes=write.chunk_bytes,
         shard_bytes=write.shard_bytes,
     )
-    if is_template(dst):
-        finals = {n: expand(dst, n).absolute() for n in node_list}
+    if dst_at.kind == "spread":  # a {node} template: one directory per new node
+        stores: dict[str, Store] = {
+            n: DirectoryStore(expand(dst_at.spec, n).absolute()) for n in node_list
+        }
     else:
-        one = Path(dst).absolute()
-        finals = {n: one for n in node_list}
-    for final in dict.fromkeys(finals.values()):
-        check_destination(final)  # a parent that is a file, a read-only file system: say so
-    out, bytes_read, written, staged = write_destination(
-        manifest, sel, plan, src_dirs, dst, finals, node_list, redundancy, write, progress
-    )
+        one = dst_at.store()
+        stores = {n: one for n in node_list}
+    for store in dict.fromkeys(stores.values()):
+        if isinstance(store, DirectoryStore):  # a parent that is a file, a read-only file system
+            check_destination(store.path)
+    try:
+        out, bytes_read, written, committed = write_destination(
+            manifest, sel, plan, sources, dst, stores, node_list, redundancy, write, progress
+        )
+    except DamagedError as exc:  # name the object's URL, not its path inside the checkpoint
+        objects = next(iter(sources.values()), None)
+        if src_at.kind == "url" and isinstance(objects, ObjectInside):
+            raise in_bucket.at_key(exc, objects) from None
+        raise
     return ReshardReport(
         source=os.fspath(src) if not isinstance(src, Mapping) else "node directories",
-        destination=[str(p) for p in staged],
+        destination=committed,
         step=manifest.step,
         saved_ranks=manifest.world_size,
         ranks=ranks,
@@ -157,16 +181,38 @@ def reshard(
     )
 
 
+def _parsed(
+    spec: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+    storage_options: Mapping[str, Any] | None,
+) -> Location:
+    """``spec`` parsed once, ``storage_options`` going with it where it is a URL."""
+    where = parse_location(spec)
+    return replace(where, storage_options=storage_options) if where.kind == "url" else where
+
+
+def _open_source(src: Location) -> tuple[Manifest, Sources]:
+    """The source's manifest and each saved node's files: a directory or level-1 copies
+    (``maintenance.nodes``), or a bucket's checkpoint, every node's files its objects."""
+    if src.kind == "url":
+        manifest, objects = in_bucket.open_source(src.spec, src.storage_options)
+        return manifest, {r.node: objects for r in manifest.ranks}
+    if src.kind == "store":
+        raise UsageError(f"reshard reads a directory or a URL, not the store {src}")
+    manifest, _, dirs = node_dirs(src.spec)
+    return manifest, dirs
+
+
 def _check_arguments(
-    src: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
-    dst: str | os.PathLike[str],
-    ranks: int,
-    write: WriteOptions,
+    dst: Location, ranks: int, write: WriteOptions, redundancy: Redundancy | None
 ) -> None:
     """Refuse what cannot be resharded before anything is read (``UsageError``)."""
-    refuse_url(dst)
-    if not isinstance(src, Mapping):
-        refuse_url(src)
+    if dst.kind == "spread" and not isinstance(dst.spec, str | os.PathLike):
+        raise UsageError("the reshard's destination is a directory, a {node} template or a URL")
+    if redundancy is not None and dst.kind not in ("directory", "spread"):
+        raise UsageError(
+            f"redundancy is encoded over node-local directories, not into {dst}: give a "
+            "directory (with {node}, one per new node)"
+        )
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1 << 20:
         raise UsageError(f"ranks must be an int from 1 to 2^20, got {ranks!r}")
     if not isinstance(write, WriteOptions):

@@ -1,7 +1,8 @@
 """The destination's write in an offline reshard: every new shard file made from the source
 chunks its box needs (each chunk's CRC checked as it is read, every source file read in full
 checked whole once its last chunk is in, a chunk several new files need read once), the new
-manifest, staging directories committed by rename, manifest last."""
+manifest, each destination store's draft committed by its store (a directory's rename, a
+bucket's commit object), manifest last."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ckptfmt.checksum import combine
 from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import by_name
 from ckptfmt.engine.encode import encode_offline, offline_work
-from ckptfmt.errors import ChecksumError, StorageFullError
+from ckptfmt.errors import ChecksumError, StorageFullError, UsageError
 from ckptfmt.format.chunk_reads import read_chunks
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, plan_region, region_cells, shard_file_nbytes
@@ -41,10 +42,10 @@ from ckptfmt.manifest.model import (
 from ckptfmt.plan.ownership import SavePlan, TensorPlan
 from ckptfmt.plan.reads import Box, Layout, plan_reads
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.storage import commit
-from ckptfmt.storage.files import Inside, storage_full
+from ckptfmt.storage.files import Files, Inside, storage_full
 from ckptfmt.storage.nodes import is_template
 from ckptfmt.storage.progress import Meter, ProgressCallback, metering
+from ckptfmt.storage.store import Draft, Store
 
 Name = tuple[str, ...]
 
@@ -118,54 +119,70 @@ class _ChunkCache:
                 self.size -= old.nbytes
 
 
+Sources = Mapping[str, Path | Files]
+"""Each saved node's files: its directory, or a bucket checkpoint's objects (every node's)."""
+
+
 def write_destination(
     manifest: Manifest,
     sel: Selection,
     plan: SavePlan,
-    src_dirs: Mapping[str, Path],
+    src_dirs: Sources,
     dst: str | os.PathLike[str],
-    finals: dict[str, Path],
+    stores: dict[str, Store],
     node_list: list[str],
     redundancy: Redundancy | None,
     write: WriteOptions,
     progress: ProgressCallback | None,
-) -> tuple[Manifest, int, int, list[Path]]:
-    """Write every destination directory into staging and commit them (manifest last); on
-    any failure remove every staging directory and raise (a full disk as
-    :class:`StorageFullError` saying where and how much). Returns the new manifest, the bytes
-    read and written, and the committed directories."""
+) -> tuple[Manifest, int, int, list[str]]:
+    """Write every destination store's draft (``stores``: each new node's) and commit them
+    (manifest last: every draft's manifest is staged before any is published); on any failure
+    abort every draft not published yet and raise (a full disk as :class:`StorageFullError`
+    saying where and how much). Returns the new manifest, the bytes read and written, and
+    where each store committed (its path or URL)."""
     per_node = is_template(dst)
-    sources = {n: Inside(p) for n, p in src_dirs.items()}
+    sources = {n: Inside(p) if isinstance(p, Path) else p for n, p in src_dirs.items()}
     save_id = os.urandom(16).hex()
-    staging: dict[Path, Path] = {}
+    drafts: dict[Store, Draft] = {}
+    published: set[Store] = set()
     try:
-        for final in dict.fromkeys(finals.values()):
-            staging[final] = commit.prepare(final, save_id, write.overwrite)
-        dir_of = {k: staging[finals[node_list[k]]] for k in range(len(node_list))}
+        for store in dict.fromkeys(stores.values()):
+            drafts[store] = store.prepare(save_id, write.overwrite)
+        draft_of = {k: drafts[stores[node_list[k]]] for k in range(len(node_list))}
         ranks = len(node_list)
         skeleton = _manifest(
             manifest, sel.kept, plan, {}, sel.sources, node_list, save_id, ranks
         )  # fmt: skip
-        for d in staging.values():
+        for d in drafts.values():
             write_metadata(d, skeleton, write.fsync)
+        threads = max(write.threads, *(d.writes_in_flight for d in drafts.values()))
         with metering("reshard", progress) as meter:
             meter.expect(_planned_work(plan, node_list, redundancy))
             refs, read, written = _write_files(
-                manifest, plan, sel.sources, sources, dir_of, write.threads, write.fsync, meter
+                manifest, plan, sel.sources, sources, draft_of, threads, write.fsync, meter
             )
             out = _manifest(manifest, sel.kept, plan, refs, sel.sources, node_list, save_id, ranks)
             if per_node:
                 out = replace(out, levels={"1": {}})
-            if redundancy is not None:
+            if redundancy is not None:  # directories only (reshard's arguments check)
+                dir_of = {k: _local(d) for k, d in draft_of.items()}
                 out = encode_offline(out, dir_of, redundancy, write.fsync)  # counts on the meter
             data = dump_manifest(out)
-            for final, d in staging.items():
-                commit.finalize(d, final, data, save_id, write.fsync)
+            for d in drafts.values():
+                d.stage_manifest(data, [d.written()], write.fsync)
+            replaced = []
+            for store, d in drafts.items():
+                replaced.append((d, d.publish(fsync=write.fsync)))
+                published.add(store)
+            for d, old in replaced:
+                d.discard(old)
             meter.finish()
     except BaseException as exc:
-        for d in staging.values():
-            commit.abort(d)
-        if isinstance(exc, OSError) and not isinstance(exc, StorageFullError):
+        for store, d in drafts.items():
+            if store not in published:
+                d.abort()
+        local = all(d.path is not None for d in drafts.values())
+        if isinstance(exc, OSError) and not isinstance(exc, StorageFullError) and local:
             exc = storage_full(exc, Path(os.fspath(dst))) or exc  # e.g. no inode for a mkdir
         if isinstance(exc, StorageFullError):  # say where, how much, and that it was a write
             level = "level 1, every node's directory" if per_node else None
@@ -176,7 +193,14 @@ def write_destination(
                 path=os.fspath(dst),
             ) from None
         raise
-    return out, read, written, list(staging)
+    return out, read, written, [s.where for s in drafts]
+
+
+def _local(draft: Draft) -> Path:
+    """A draft's staging directory (the parity files are written there)."""
+    if draft.path is None:
+        raise UsageError(f"redundancy is encoded over node-local directories, not {draft.where}")
+    return draft.path
 
 
 def _planned_work(plan: SavePlan, nodes: list[str], redundancy: Redundancy | None) -> int:
@@ -257,8 +281,8 @@ def _write_files(
     m: Manifest,
     plan: SavePlan,
     sources: Sequence[int | None],
-    src_of_node: Mapping[str, Inside],
-    dir_of: Mapping[int, Path],
+    src_of_node: Mapping[str, Files],
+    draft_of: Mapping[int, Draft],
     threads: int,
     fsync: bool,
     meter: Meter,
@@ -269,7 +293,6 @@ def _write_files(
     olds = {t.name: t for t in m.tensors()}
     crcs = _SourceCrcs()
     cache = _ChunkCache()
-    made: set[Path] = set()
     counters = [0, 0]
     lock = threading.Lock()
     jobs: list[tuple[Name, tuple[int, ...], Callable[[], FileRef]]] = []
@@ -291,7 +314,7 @@ def _write_files(
         else:
             nread += _read_box(old, (lo, data.shape), data, m, src_of_node, crcs, cache)
         meter.add(data.nbytes, "read")
-        (job,) = plan_region(dir_of[writer], geo, data, lo, made)
+        (job,) = plan_region(draft_of[writer], geo, data, lo)
         ref = job.run(fsync)
         with lock:
             counters[0] += nread
@@ -325,7 +348,7 @@ def _read_box(
     box: Box,
     out: np.ndarray,
     m: Manifest,
-    src_of_node: Mapping[str, Inside],
+    src_of_node: Mapping[str, Files],
     crcs: _SourceCrcs,
     cache: _ChunkCache,
 ) -> int:

@@ -211,15 +211,15 @@ def test_read_only_file_system_is_a_ckpt_error(tmp_path: Path) -> None:
 
 
 def test_urls_are_refused_where_a_path_is_needed(tmp_path: Path) -> None:
-    """Object-store URLs go to inspect, verify and list (tests/objects); a scheme that is no
-    object store, and a bucket where a directory is rewritten, are refused."""
+    """Object-store URLs go to inspect, verify, list and reshard (tests/objects); a scheme that
+    is no object store, and a bucket where a directory is rewritten, are refused."""
     for args in (
         ["inspect", "http://host/x"],
         ["verify", "file:///x"],
         ["rebuild", "s3://bucket/{node}/x"],
         ["list", "ftp://host/x"],
-        ["reshard", "s3://bucket/x", tmp_path / "d", "--ranks", "2"],
-        ["reshard", tmp_path, "gs://bucket/x", "--ranks", "2"],
+        ["reshard", "http://host/x", tmp_path / "d", "--ranks", "2"],
+        ["reshard", tmp_path, "file:///x", "--ranks", "2"],
     ):
         result = run(*args)
         assert result.exit_code == ExitStatus.USAGE, (args, result.output)

@@ -9,10 +9,13 @@ of an incremental save or flush leaves the previous step whole."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +24,22 @@ import pytest
 from ckptfmt_cli.exits import ExitStatus
 from kit.arrays import assert_state_equal
 from kit.cli import run_cli
+from kit.launch import assert_ok, run_mpi
 from kit.managers import node_manager
 from kit.s3 import S3
 from kit.s3_proxy import S3Proxy
 
 import ckptfmt
 from ckptfmt import WriteOptions
-from ckptfmt.errors import NotACheckpointError, UsageError
+from ckptfmt.errors import CkptError, NotACheckpointError, UsageError
 from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.commit import read_commit
 from ckptfmt.storage.objects.copies import Tally, base_for
 from ckptfmt.storage.steps import step_dir_name
+from ckptfmt.storage.store import MemoryStore
 
+WORKER = "tests/workers/_incr_bucket_worker.py"
 W = WriteOptions(
     fsync=False, chunk_bytes=8 << 10, shard_bytes=32 << 10, threads=1, content_hash=True
 )
@@ -139,13 +145,27 @@ def test_a_base_elsewhere_or_not_committed_is_refused_before_anything_is_written
     assert_state_equal(ckptfmt.load(base), _state(0))
 
 
+def test_a_base_of_the_wrong_kind_is_refused_where_it_is_handed_in(s3: S3, tmp_path: Path) -> None:
+    """The base is parsed with the destination, once: a URL base for a directory, and any base
+    for a store that has no incremental saves (memory), are refused before anything is made."""
+    base = f"{s3.url}/run/a"
+    ckptfmt.save(_state(0), base, write=W)
+    with pytest.raises(UsageError, match="is a directory, not"):
+        ckptfmt.save(_state(1), tmp_path / "dir", write=W, base=base)
+    assert not (tmp_path / "dir").exists()
+    store = MemoryStore("m")
+    with pytest.raises(UsageError, match="base applies to a save into a directory or a bucket"):
+        ckptfmt.save(_state(1), store, write=W, base=tmp_path)
+    assert not store.is_committed()
+
+
 KILLED = textwrap.dedent(
     """
     import os, signal, sys
     import ckptfmt
     from ckptfmt import WriteOptions
-    from ckptfmt.maintenance import objects as in_bucket
     from ckptfmt.storage.objects import Bucket
+    from ckptfmt.storage.store import bucket as store_bucket
     from test_incremental_bucket import W, _state
 
     where = sys.argv[3]
@@ -161,7 +181,7 @@ KILLED = textwrap.dedent(
                 die()
         Bucket.copy_object = copy_then_die
     else:  # every object up, the commit object not yet
-        in_bucket.write_commit = die
+        store_bucket.write_commit = die
     ckptfmt.save(_state(1), sys.argv[2], write=W, base=sys.argv[1])
     """
 )
@@ -218,6 +238,101 @@ def test_a_base_object_gone_before_its_copy_is_uploaded_instead(s3: S3, tmp_path
     )
     assert ckptfmt.verify(url).healthy
     assert_state_equal(ckptfmt.load(url), _state(1))
+
+
+@pytest.fixture
+def quiet_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty ``TMPDIR`` and an empty working directory, both to stay empty: the incremental
+    save to a bucket writes through the bucket's draft, no local copy of anything. Every
+    temporary directory or file made meanwhile is also noted (and made: a scratch directory
+    removed before the save returns would leave ``TMPDIR`` empty again), and none may be."""
+    import tempfile
+
+    for name in ("tmpdir", "cwd"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    monkeypatch.chdir(tmp_path / "cwd")
+    made: list[str] = []
+    for name in ("mkdtemp", "mkstemp"):
+        original = getattr(tempfile, name)
+
+        def noted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            out = _original(*args, **kwargs)
+            made.append(str(out))
+            return out
+
+        monkeypatch.setattr(tempfile, name, noted)
+    yield tmp_path
+    assert made == [], made
+    assert list((tmp_path / "tmpdir").iterdir()) == []
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
+def test_an_incremental_save_to_a_bucket_makes_no_local_directory(
+    s3: S3, s3_proxy: S3Proxy, quiet_tmp: Path
+) -> None:
+    base, url = f"{s3.url}/run/a", f"{s3.url}/run/b"
+    ckptfmt.save(_state(0), base, write=W)
+    s3_proxy.copies.clear()
+    ckptfmt.save(_state(1), url, write=W, base=base)
+    assert len(s3_proxy.copies) == 19  # 16 frozen + 3 of the table's 4 files
+    assert list((quiet_tmp / "tmpdir").iterdir()) == []
+    assert list((quiet_tmp / "cwd").iterdir()) == []
+    assert_state_equal(ckptfmt.load(url), _state(1))
+    # the next one, against this one: a chain through the store alone
+    ckptfmt.save(_state(2), f"{s3.url}/run/c", write=W, base=url)
+    assert_state_equal(ckptfmt.load(f"{s3.url}/run/c"), _state(2))
+    assert list((quiet_tmp / "tmpdir").iterdir()) == []
+
+
+def test_an_incremental_overwrite_whose_commit_put_is_refused_keeps_the_old_checkpoint(
+    s3: S3, s3_proxy: S3Proxy
+) -> None:
+    base, url = f"{s3.url}/run/a", f"{s3.url}/run/b"
+    ckptfmt.save(_state(0), base, write=W)
+    ckptfmt.save(_state(1), url, write=W, base=base)
+    old = read_commit(Bucket.at(url))
+    assert old is not None
+    s3_proxy.refuse(1, 403, "PUT", "ckptfmt-commit.json")
+    with pytest.raises(CkptError):
+        ckptfmt.save(_state(2), url, write=replace(W, overwrite=True), base=base)
+    assert s3_proxy.faults
+    assert read_commit(Bucket.at(url)) == old
+    assert_state_equal(ckptfmt.load(url), _state(1))
+    assert ckptfmt.verify(url).healthy
+    # what the refused save put is gone: only the old save's objects and its commit object
+    assert {k.split("/")[2] for k in s3.keys("run/b/")} == {old.save_id, "ckptfmt-commit.json"}
+    ckptfmt.save(_state(2), url, write=replace(W, overwrite=True), base=base)
+    assert_state_equal(ckptfmt.load(url), _state(2))
+
+
+@pytest.mark.mpi
+def test_mpi_ranks_save_incrementally_to_a_bucket_through_no_scratch_directory(
+    s3: S3, s3_proxy: S3Proxy, tmp_path: Path
+) -> None:
+    """``save_to_bucket(base=...)`` under ``mpiexec -n 2``: each rank's unchanged files copied
+    by the store, the changed ones put; ``TMPDIR`` stays empty; each rank loads it bit-exact."""
+    base, url = f"{s3.url}/mpi/a", f"{s3.url}/mpi/b"
+    tmp, out = tmp_path / "tmpdir", tmp_path / "out"
+    tmp.mkdir()
+    out.mkdir()
+    env = {**s3_proxy.env(s3.env), "TMPDIR": str(tmp)}
+    proc = run_mpi(2, WORKER, base, url, str(out), timeout=240, env=env)
+    assert_ok(proc)
+    docs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["same"] and d["tmp"] == [] for d in docs), docs
+    assert len({tuple(d["save_ids"]) for d in docs}) == 1
+    assert list(tmp.iterdir()) == []
+    manifest = ckptfmt.open(url).manifest
+    owner = {f.path: r.rank for t in manifest.tensors() for r in t.regions for f in r.files}
+    copied = {p.split("/", 5)[-1] for p in s3_proxy.copies if "/mpi/b/" in p}
+    w0 = {p for p, r in owner.items() if p.startswith("w/") and r == 0}
+    w1 = {p for p, r in owner.items() if p.startswith("w/") and r == 1}
+    assert w0 and w0 <= copied  # rank 0's rows unchanged: copied in the store
+    assert w1 and not w1 & copied  # rank 1's changed: put
+    assert any(p.startswith("table/") for p in copied)
+    assert ckptfmt.verify(url).healthy
 
 
 # --- the manager ---------------------------------------------------------------------------------

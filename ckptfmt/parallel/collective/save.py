@@ -84,7 +84,7 @@ from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.redundancy.record import member_files
 from ckptfmt.storage.progress import current_meter
-from ckptfmt.storage.store.base import Draft, Store
+from ckptfmt.storage.store.base import Draft, Store, StoreBase
 from ckptfmt.storage.store.directory import DirectoryStore
 from ckptfmt.transport.comm import Comm
 
@@ -105,7 +105,7 @@ def save_collective(
     redundancy: Redundancy | None = None,
     seq: int | None = None,
     failure: BaseException | None = None,
-    base: str | os.PathLike[str] | None = None,
+    base: str | os.PathLike[str] | StoreBase | None = None,
     report: dict[str, Any] | None = None,
     plans: PlanCache | None = None,
 ) -> tuple[Manifest, SavePlan]:
@@ -139,7 +139,11 @@ def save_collective(
     the shared one): an incremental save. Each rank hashes the content of every file it writes
     (``format/incremental.py``) and hard-links the base's file at the same path instead of
     writing it when the base's manifest records the same content; the result is a complete
-    checkpoint like any other. Hashes are recorded in the manifest's ``writer`` (also with
+    checkpoint like any other. Into a bucket, ``base`` is a ``StoreBase`` (the checkpoint at
+    another prefix of the same bucket, ``storage.store.incremental_base``): an unchanged file is
+    copied by the store from the base's object (a server-side copy) instead of put; every rank
+    reads the base's commit object and manifest in the stage phase, before anything is put.
+    Hashes are recorded in the manifest's ``writer`` (also with
     ``write.content_hash`` and no base). A base that is not a committed checkpoint fails the
     save. ``report``: filled with this rank's tallies (``linked_bytes``, ``written_bytes``,
     ``linked_files``, ``unlinkable``: files written because the file system refused a link;
@@ -158,8 +162,11 @@ def save_collective(
     store = path if isinstance(path, Store) else DirectoryStore(path)
     run = _Save(comm, state, store, step, node, write, meta, fault, seq, failure)
     run.plans = plans
-    run.base = None if base is None else Path(base).absolute()
-    run.hashing = run.base is not None or write.content_hash
+    if isinstance(base, StoreBase):
+        run.in_store = base
+    elif base is not None:
+        run.base = Path(base).absolute()
+    run.hashing = run.base is not None or run.in_store is not None or write.content_hash
     run.declare(group)
     run.plan(redundancy)
     run.stage()
@@ -214,7 +221,8 @@ class _Save:
         self.layout: SetLayout | None = None
         self.member: np.ndarray | None = None
         self.redundancy: Redundancy | None = None
-        self.base: Path | None = None
+        self.base: Path | None = None  # a directory's base: its files hard-linked
+        self.in_store: StoreBase | None = None  # a bucket's: its objects copied by the store
         self.base_manifest: Manifest | None = None
         self.any_base = False  # some rank saves against a base: the parity reuse round runs
         self.hashing = False
@@ -312,6 +320,8 @@ class _Save:
                     self.layout = plan_set(self.redundancy, self.nodes, sizes, self.comm.rank)
                     reserve_buffers(self.layout)
                     self.member = data_buffer(self.layout)
+                if self.in_store is not None:  # not a checkpoint: fail before anything is put
+                    self.in_store.manifest()
                 if self.is_leader:
                     self.draft = self.store.prepare(self.save_id, self.write_options.overwrite)
                     self.mine_staging = self.draft.abort
@@ -463,6 +473,14 @@ class _Save:
     def _incremental(self) -> inc.Incremental:
         """This rank's hashing (and, with a base, linking) for the files it writes: the base's
         manifest read from this rank's view of it (a node's copy holds the whole manifest)."""
+        if self.in_store is not None:
+            in_store = self.in_store
+            found = inc.Incremental(
+                name=self.hash_name, copy_in_store=lambda rel: in_store.copy(self.draft, rel)
+            )
+            self.base_manifest = in_store.manifest()
+            found.base = inc.base_files(self.base_manifest, self.hash_name)
+            return found
         if self.base is None:
             return inc.Incremental(name=self.hash_name)
         found = inc.Incremental(name=self.hash_name, base_root=self.base)

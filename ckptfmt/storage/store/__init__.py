@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from ckptfmt.storage.store.base import Draft, Store
 from ckptfmt.storage.store.directory import DirectoryDraft, DirectoryStore, draft_at
-from ckptfmt.storage.store.location import Location, LocationSpec, parse_location
+from ckptfmt.storage.store.location import (
+    Location,
+    LocationSpec,
+    incremental_base,
+    parse_location,
+)
 from ckptfmt.storage.store.memory import MemoryStore
 
 __all__ = [
@@ -23,5 +28,6 @@ __all__ = [
     "MemoryStore",
     "Store",
     "draft_at",
+    "incremental_base",
     "parse_location",
 ]

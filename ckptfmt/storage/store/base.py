@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage.files import Buffer, Files
 
 Hook = Callable[[str], None]
@@ -150,4 +151,27 @@ class Store(Protocol):
 
     def delete(self) -> None:
         """Remove the committed checkpoint as a whole (no reader sees half of it)."""
+        ...
+
+
+@runtime_checkable
+class StoreBase(Protocol):
+    """The base of an incremental save that lives in the save's own store, whose unchanged
+    files the store copies into the draft itself (a bucket's server-side copy:
+    ``bucket.BucketBase``; a directory's base is a plain path, its files hard-linked).
+    Thread-safe."""
+
+    @property
+    def where(self) -> str:
+        """The base's path or URL, for messages."""
+        ...
+
+    def manifest(self) -> Manifest:
+        """The base's manifest, read once (:class:`NotACheckpointError` naming the base when
+        it is not a committed checkpoint)."""
+        ...
+
+    def copy(self, draft: Draft, rel: str) -> bool:
+        """Make member ``rel`` of ``draft`` a copy of the base's file at ``rel`` inside the
+        store; False when it cannot (the caller writes the member)."""
         ...

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.checksum import crc32c
-from ckptfmt.errors import CkptError
+from ckptfmt.errors import CkptError, UsageError
 from ckptfmt.manifest.codec import MANIFEST_NAME
+from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage.files import Buffer
 from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket, part_size
 from ckptfmt.storage.objects.commit import (
@@ -32,8 +33,9 @@ from ckptfmt.storage.objects.commit import (
     refuse_existing,
     write_commit,
 )
-from ckptfmt.storage.objects.copies import CopyPlan, copy_unchanged
+from ckptfmt.storage.objects.copies import CopyPlan, copy_unchanged, read_base
 from ckptfmt.storage.objects.source import ObjectInside, open_committed
+from ckptfmt.storage.store.base import Draft
 
 WRITES_IN_FLIGHT = 8
 """Members each writer puts at once (a big one's parts are in flight within its own upload
@@ -88,8 +90,61 @@ class BucketStore:
     def files(self) -> ObjectInside:
         return open_committed(self.bucket.url, bucket=self.bucket)
 
+    def base(self, other: BucketStore) -> BucketBase:
+        """``other`` as the base of an incremental save into this store (nothing read yet):
+        another checkpoint in the same bucket, since a server-side copy does not cross buckets
+        and an overwrite of the base itself would delete the objects it copies once it
+        commits; else :class:`UsageError`."""
+        here, there = self.bucket, other.bucket
+        if (there.scheme, there.bucket) != (here.scheme, here.bucket) or (
+            there.prefix == here.prefix
+        ):
+            raise UsageError(
+                f"the base of an incremental save to {here.url} must be another checkpoint in "
+                f"the same bucket ({here.scheme}://{here.bucket}/...), not {there.url}: "
+                "unchanged objects are copied inside the store"
+            )
+        return BucketBase(there)
+
     def delete(self) -> None:
         delete_checkpoint(self.bucket)
+
+
+class BucketBase:
+    """The base of an incremental save into a :class:`BucketStore`: the committed checkpoint at
+    ``bucket`` (another prefix of the same bucket, :meth:`BucketStore.base`). Its commit object
+    and manifest are read once, by :meth:`manifest` (two GETs; each writer reads them itself);
+    an unchanged file is then copied from its object by the store (:meth:`copy`), nothing
+    through the writer. Thread-safe."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self._read: tuple[CopyPlan, Manifest] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def where(self) -> str:
+        return self.bucket.url
+
+    def manifest(self) -> Manifest:
+        """The base's manifest (read the first time: :class:`NotACheckpointError` naming the
+        base when it is not a committed checkpoint)."""
+        return self._base()[1]
+
+    def copy(self, draft: Draft, rel: str) -> bool:
+        """Make member ``rel`` of ``draft`` (a :class:`BucketDraft` of the same bucket) a copy
+        of the base's object at ``rel``, inside the store. False when it cannot (another kind
+        of draft, an object the commit does not list or above the copy limit, an object gone
+        since): the caller puts the member then."""
+        return isinstance(draft, BucketDraft) and draft.copy_in_store(rel, self._base()[0])
+
+    def _base(self) -> tuple[CopyPlan, Manifest]:
+        with self._lock:
+            if self._read is None:
+                commit, manifest = read_base(self.bucket)
+                every = {o.key for o in commit.objects}
+                self._read = CopyPlan.of(self.bucket, commit, every), manifest
+            return self._read
 
 
 class BucketDraft:

@@ -20,7 +20,7 @@ from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import refuse_url
 from ckptfmt.storage.store.base import Store
-from ckptfmt.storage.store.bucket import BucketStore
+from ckptfmt.storage.store.bucket import BucketBase, BucketStore
 from ckptfmt.storage.store.directory import DirectoryStore
 
 Kind = Literal["directory", "spread", "url", "store"]
@@ -140,3 +140,28 @@ def parse_location(
     if storage_options:
         raise UsageError(f"storage_options apply to object-store URLs, not to the path {found}")
     return found
+
+
+def incremental_base(
+    store: Store,
+    base: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | BucketBase:
+    """``base`` as the base of an incremental save into ``store``, parsed once where the user
+    hands it in; nothing is read yet. Into a directory: the base is a directory (its unchanged
+    files hard-linked). Into a bucket: a committed checkpoint at another prefix of the same
+    bucket, a URL (its unchanged objects copied by the store; ``storage_options`` as for the
+    save). Anything else: :class:`UsageError`."""
+    found = parse_location(base)
+    if isinstance(store, BucketStore):
+        if found.kind != "url":
+            raise UsageError(
+                f"the base of an incremental save to {store.where} is a checkpoint in the same "
+                f"bucket (a URL), not the path {base!s}"
+            )
+        return store.base(BucketStore(Bucket.at(found.spec, storage_options)))
+    if isinstance(store, DirectoryStore):
+        if found.kind != "directory":
+            raise UsageError(f"the base of an incremental save is a directory, not {base}")
+        return Path(found.spec)
+    raise UsageError(f"base applies to a save into a directory or a bucket, not to {store.where}")
