@@ -17,9 +17,7 @@ BANNED = frozenset({"is_url", "refuse_url"})
 # routed by the write-side change; the lead empties this when merging
 ALLOWED = frozenset(
     {
-        "ckptfmt/checkpoint.py",
         "ckptfmt/interop/export.py",
-        "ckptfmt/maintenance/reshard.py",
         "tools/ckptfmt_cli/export_cmd.py",
         "tools/ckptfmt_cli/import_cmd.py",
     }
