@@ -380,14 +380,39 @@ class FencedSaver:
 
     # --- the fence ----------------------------------------------------------------------------
 
-    def _fence_any(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _fence_any(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         """The global step pre-hook (``optimizers=None``): every optimizer's step."""
         if self._seen is not None:
             self._seen.add(optimizer)
-        self._fence(optimizer, args, kwargs)
+        return self._fence(optimizer, args, kwargs)
 
-    def _fence(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """The optimizers' step pre-hook."""
+    def _fence(self, _optimizer: Any, args: Any, kwargs: Any) -> Any:
+        """The optimizers' step pre-hook. A step given a closure (Lightning's: the forward
+        and backward run inside ``optimizer.step``) gets the closure back wrapped: the fence
+        is passed once it returns, before the update, so that the copy still overlaps the
+        forward and backward (every ``torch.optim`` optimizer calls its closure before it
+        updates anything)."""
+        if self._handle is None:
+            return None
+        closure = kwargs.get("closure")
+        # ``args`` holds the optimizer first (torch passes the step's own arguments)
+        positional = closure is None and len(args) > 1 and callable(args[1])
+        if positional:
+            closure = args[1]
+        if closure is None:
+            self._timed_fence()
+            return None
+
+        def fenced(*a: Any, **k: Any) -> Any:
+            out = closure(*a, **k)
+            self._timed_fence()
+            return out
+
+        if positional:
+            return (args[0], fenced, *args[2:]), kwargs
+        return args, {**kwargs, "closure": fenced}
+
+    def _timed_fence(self) -> None:
         entered = time.perf_counter()
         pending = self._handle is not None
         try:

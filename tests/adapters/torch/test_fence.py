@@ -239,3 +239,54 @@ def test_without_optimizers_every_optimizer_is_a_fence(tmp_path: Path) -> None:
     assert (tmp_path / "l1" / "n0" / step_dir_name(0)).is_dir()  # no optimizer state yet
     for step in range(1, 4):
         assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), expected[step])
+
+
+def test_a_step_with_a_closure_is_fenced_after_the_closure(tmp_path: Path) -> None:
+    """``optimizer.step(closure)`` (Lightning's way: forward and backward inside the step): the
+    fence is passed when the closure returns, before the update, so the copy overlaps the
+    forward and backward; the checkpoints hold their save call's state, and a change the
+    closure makes to a parameter outside the optimizer is still refused."""
+    model, opt = model_and_optimizer()
+    mgr = node_manager(tmp_path, shared=None, keep_local=10, fault=slow_commit, on_error="warn")
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    order: list[str] = []
+    original = saver._pass_fence
+
+    def noting(give_up: bool = True) -> None:
+        order.append("fence")
+        original(give_up)
+
+    saver._pass_fence = noting  # type: ignore[method-assign]  # notes when it runs, no more
+
+    def closure_of(seed: int, mutate: bool = False) -> Any:
+        def closure() -> torch.Tensor:
+            order.append("closure")
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if mutate:
+                with torch.no_grad():
+                    model[3].weight.mul_(2.0)
+            return loss
+
+        return closure
+
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(4):
+        opt.step(closure_of(step))
+        expected[step] = snapshot(model, opt)
+        order.clear()
+        saver.save(step, {"model": model, "optim": opt})
+    opt.step(closure=closure_of(4))
+    assert order == ["fence", "closure", "fence"]  # save's own check, then after the closure
+    saver.save(5, {"model": model, "optim": opt})
+    with pytest.raises(StateChangedError, match=r"3\.weight"):
+        opt.step(closure_of(6, mutate=True))
+    with pytest.warns(CheckpointWarning):
+        saver.close()
+    mgr.close()
+    for step in range(4):
+        assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), expected[step])
+    assert not (tmp_path / "l1" / "n0" / step_dir_name(5)).exists()
