@@ -71,6 +71,31 @@ def to_numpy(v: Any) -> np.ndarray:
     return np.asarray(v.numpy())
 
 
+def snapshot(v: Any) -> tuple[np.ndarray, Any] | None:
+    """The value of a variable as it is now, without a copy, where the backend keeps it so
+    whatever the variable becomes: ``(array, holder)``, the array valid while ``holder`` is
+    held; None where it cannot (JAX donates the variables' buffers to the train step, PyTorch
+    updates them in place: copy with :func:`to_numpy` instead).
+
+    TensorFlow's resource variables copy on write: a value read from a variable shares its
+    buffer, and an update of a variable whose buffer is still shared (its refcount above one)
+    writes a new buffer instead of changing the shared one. So the read value is the state of
+    now until it is let go; holding it makes the first update of each variable after this a
+    copy (inside the train step), which is why the holder is let go once the value is copied.
+    On a GPU the array is a copy to the host already."""
+    tf = loaded_tensorflow()
+    if tf is None:
+        return None
+    if isinstance(v, keras.Variable):
+        if name() != "tensorflow":
+            return None
+        v = v.value
+    if not isinstance(v, tf.Variable):
+        return None
+    held = v.read_value()
+    return np.asarray(held), held
+
+
 def _torch_to_numpy(t: Any, dtype: np.dtype[Any]) -> np.ndarray:
     t = t.detach().cpu()
     if dtype.kind == "V":  # ml_dtypes (bfloat16, float8): torch's numpy() has no such type

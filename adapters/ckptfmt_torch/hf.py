@@ -44,6 +44,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptfmt.errors import (
+    CkptError,
     DamagedCheckpointError,
     DamagedError,
     LoadFailedError,
@@ -58,6 +59,7 @@ from ckptfmt.storage import step_dir_name
 from ckptfmt_torch import _compat, hf_data
 from ckptfmt_torch.checkpoint import default_comm, save
 from ckptfmt_torch.convert import from_state, to_state
+from ckptfmt_torch.fence import FencedSaver
 from ckptfmt_torch.training import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -96,11 +98,20 @@ class CheckpointOptions:
     ``hf_weights``: also write ``model.safetensors`` (rank 0, blocking) for
     ``from_pretrained``. ``write``: chunk and shard sizes, threads, fsync (of a save without a
     manager; the keyword spelling passes it to the manager too).
+
+    ``fenced=True`` (with ``async_save``): the save returns once the small part of the state
+    (scheduler, RNG, counters) is copied; the parameters and the optimizer's state are copied
+    on the manager's thread while the next steps' forward and backward run, and the optimizer's
+    next ``step`` waits for what is not copied yet (:class:`ckptfmt_torch.FencedSaver` on the
+    trainer's optimizer). A parameter or optimizer tensor changed in place outside the
+    optimizer before that step fails the save, nothing committed, and raises
+    :class:`~ckptfmt.errors.StateChangedError` at the step.
     """
 
     settings: ManagerSettings | None = None
     hf_weights: bool = False
     write: WriteOptions | None = None
+    fenced: bool = False
 
     def __init__(
         self,
@@ -108,6 +119,7 @@ class CheckpointOptions:
         settings: ManagerSettings | None = None,
         hf_weights: bool = False,
         write: WriteOptions | None = None,
+        fenced: bool = False,
         **options: Any,
     ) -> None:
         # async_save=False alone is the default spelled out: no manager
@@ -122,6 +134,12 @@ class CheckpointOptions:
         object.__setattr__(self, "settings", settings)
         object.__setattr__(self, "hf_weights", hf_weights)
         object.__setattr__(self, "write", None if write is None else checked_write(write))
+        if fenced and (settings is None or not settings.async_save):
+            raise UsageError(
+                "CheckpointOptions(fenced=True) overlaps the copy of background saves: give "
+                "async_save=True (or settings with it)"
+            )
+        object.__setattr__(self, "fenced", fenced)
 
     @property
     def managed(self) -> bool:
@@ -215,6 +233,7 @@ class CheckpointMixin(_Base):
         self._ckptfmt_manager: CheckpointManager | None = None
         self._ckptfmt_loaded: tuple[str, dict[str, Any]] | None = None
         self._ckptfmt_pending: Future[int] | None = None
+        self._ckptfmt_saver: FencedSaver | None = None  # fenced: on the trainer's optimizer
 
     # --- training ----------------------------------------------------------------------------
 
@@ -235,11 +254,19 @@ class CheckpointMixin(_Base):
         resuming = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         self._ckptfmt_resuming = resuming
         try:
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
-        finally:
+            out = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        except BaseException:
             self._ckptfmt_loaded = None
             self._ckptfmt_resuming = None
-            self.wait_for_checkpoint()
+            try:
+                self.wait_for_checkpoint()
+            except CkptError as exc:  # the save in flight failed too: logged, the training's
+                log.warning("while training failed, %s", exc)  # own error is the one raised
+            raise
+        self._ckptfmt_loaded = None
+        self._ckptfmt_resuming = None
+        self.wait_for_checkpoint()
+        return out
 
     @property
     def checkpoint_manager(self) -> CheckpointManager | None:
@@ -266,6 +293,9 @@ class CheckpointMixin(_Base):
     def wait_for_checkpoint(self) -> None:
         """Wait for the save in flight (async saves) and finish its directory. ``train`` calls
         it before it returns."""
+        if self._ckptfmt_saver is not None:
+            saver, self._ckptfmt_saver = self._ckptfmt_saver, None
+            saver.close()  # the fence off the optimizer; the save in flight committed
         if self._ckptfmt_manager is not None:
             self._ckptfmt_manager.wait()
 
@@ -280,7 +310,10 @@ class CheckpointMixin(_Base):
         run_dir = _compat.trainer_output_dir(self, trial)
         out = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         sd = self._ckptfmt_state_dict()
-        state = to_state(sd)  # an unsupported object is refused here, before anything is written
+        fenced = self.ckptfmt.managed and self.ckptfmt.fenced
+        # an unsupported object is refused here (the fenced saver's walk: in its save), before
+        # anything is written
+        state = to_state(sd) if not fenced else sd
         if self.state.best_global_step:
             best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
             if best.exists():
@@ -296,7 +329,7 @@ class CheckpointMixin(_Base):
             self._finish(out, trainer_state, None)
         else:
             mgr = self._manager(run_dir)
-            handle = mgr.save(step, state)
+            handle = self._ckptfmt_fenced(mgr).save(step, sd) if fenced else mgr.save(step, state)
             if self.args.should_save:
                 out.mkdir(parents=True, exist_ok=True)
                 self._write_hf_files(out)
@@ -305,6 +338,17 @@ class CheckpointMixin(_Base):
                 mgr.wait()
         if self.args.push_to_hub:
             _compat.trainer_push(self, str(out))
+
+    def _ckptfmt_fenced(self, mgr: CheckpointManager) -> FencedSaver:
+        """The fenced saver on the trainer's optimizer (made again if the trainer made
+        another)."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        saver = self._ckptfmt_saver
+        if saver is None or saver.manager is not mgr or saver.optimizers != [optimizer]:
+            if saver is not None:
+                saver.close()
+            saver = self._ckptfmt_saver = FencedSaver(mgr, optimizer)
+        return saver
 
     def _ckptfmt_state_dict(self) -> dict[str, Any]:
         """What the checkpoint holds, as a PyTorch state dict (views, nothing copied)."""

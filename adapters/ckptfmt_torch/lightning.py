@@ -82,6 +82,7 @@ from ckptfmt_torch import _compat
 from ckptfmt_torch.checkpoint import load, save
 from ckptfmt_torch.comm import TorchComm
 from ckptfmt_torch.convert import materialize, to_state
+from ckptfmt_torch.fence import FencedSaver
 from ckptfmt_torch.lightning_data import DataPosition
 from ckptfmt_torch.lightning_dict import (
     CONTAINERS,
@@ -136,6 +137,15 @@ class CheckpointIO(_CheckpointIO):
     shared_dir=..., redundancy="xor"``): save through a ``ckptfmt.CheckpointManager`` with
     these settings, passed to it as they are (collective too); its files are written as
     ``settings.write`` says (the keyword spelling takes ``write`` for it).
+
+    ``fenced=True`` (with ``settings``): the save returns once the small part of the state is
+    copied; the parameters and the optimizers' state are copied on the manager's thread while
+    the next forward and backward run, and the next optimizer step (after its closure, where
+    Lightning runs the forward and backward) waits for what is not copied yet
+    (:class:`ckptfmt_torch.FencedSaver` over every optimizer that steps). A parameter or
+    optimizer tensor changed in place outside the optimizer before that step fails the save,
+    nothing committed, and raises :class:`~ckptfmt.errors.StateChangedError` at the step. Not
+    under ``AsyncCheckpointIO`` (the save already returns at once).
     """
 
     def __init__(
@@ -147,6 +157,7 @@ class CheckpointIO(_CheckpointIO):
         trust_pickle: bool = False,
         collective: bool = False,
         settings: ManagerSettings | None = None,
+        fenced: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -172,6 +183,13 @@ class CheckpointIO(_CheckpointIO):
             self.settings = ManagerSettings.of(settings, **options)
             self.settings.need_a_level()
         self.collective = collective or self.settings is not None
+        if fenced and self.settings is None:
+            raise UsageError(
+                "CheckpointIO(fenced=True) fences the saves of a CheckpointManager: give its "
+                "settings (settings=... or local_dir=..., shared_dir=...)"
+            )
+        self.fenced = fenced
+        self._saver: FencedSaver | None = None  # fenced: the manager's, made with it
         self._comm: Comm | None = None
         self._manager: CheckpointManager | None = None
         self._lock = threading.Lock()
@@ -197,6 +215,9 @@ class CheckpointIO(_CheckpointIO):
 
     def close(self) -> None:
         """Every rank: wait for the manager's save in flight, flush, and let it go."""
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            saver.close()  # the fence off the optimizers; a save in flight waited for
         if self._manager is not None:
             manager, self._manager = self._manager, None
             manager.close()
@@ -363,6 +384,11 @@ class CheckpointIO(_CheckpointIO):
         manager = self._manager_now()
         if self._last is not None and self._last[0] == step:
             handle = self._last[1]  # this step is saved already (top-k and last.ckpt at once)
+        elif self.fenced:
+            if self._saver is None or self._saver.manager is not manager:
+                self._saver = FencedSaver(manager, None)  # every optimizer that steps
+            handle = self._saver.save(step, checkpoint, objects=self.objects)
+            self._last = (step, handle)
         else:
             state = to_state(checkpoint, objects=self.objects)
             handle = manager.save(step, state, objects=self.objects)

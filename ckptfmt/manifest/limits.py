@@ -36,8 +36,16 @@ RESERVED_COMPONENTS = frozenset(
 )
 
 
+# components found valid, kept so that a training loop saving the same names at every step
+# checks each once (a few microseconds a name, on the training thread); bounded
+_VALID: set[str] = set()
+_VALID_MAX = 1 << 16
+
+
 def check_component(component: object, full: Sequence[object] = ()) -> str:
     """Check one name component; return it. Raises :class:`InvalidNameError`."""
+    if type(component) is str and component in _VALID:
+        return component
     shown = "/".join(str(c) for c in full) if full else component
     if not isinstance(component, str):
         raise InvalidNameError(shown, f"component {component!r} is not a string")
@@ -59,6 +67,8 @@ def check_component(component: object, full: Sequence[object] = ()) -> str:
         raise InvalidNameError(shown, "not valid UTF-8 (lone surrogate)") from None
     if len(encoded) > MAX_COMPONENT_BYTES:
         raise InvalidNameError(shown, f"component longer than {MAX_COMPONENT_BYTES} bytes")
+    if len(_VALID) < _VALID_MAX:
+        _VALID.add(component)
     return component
 
 

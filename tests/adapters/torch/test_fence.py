@@ -183,3 +183,110 @@ def test_with_skip_the_fence_never_waits_for_a_copy_not_begun(
     assert max(saver.blocked_s) < 0.25, saver.blocked_s
     for step in committed:
         assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), expected[step])
+
+
+def test_the_plan_follows_the_state_when_its_memory_moves(tmp_path: Path) -> None:
+    """The plan kept from save to save (which tensors the optimizer covers) is made again when
+    the state moves: a parameter given new memory (``p.data = ...``), the optimizer's state
+    replaced by ``load_state_dict``. Every checkpoint still holds its save call's state, and a
+    change outside the optimizer to the moved tensors is still refused."""
+    model, opt = model_and_optimizer()
+    mgr = node_manager(tmp_path, shared=None, keep_local=10, fault=slow_commit, on_error="warn")
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(6):
+        train_step(model, opt, step)
+        if step == 2:
+            with torch.no_grad():
+                model[0].weight.data = model[0].weight.data.clone() + 1  # new memory
+        if step == 4:
+            opt.load_state_dict(opt.state_dict() | {})  # new state tensors (copies)
+        expected[step] = snapshot(model, opt)
+        saver.save(step, {"model": model, "optim": opt})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the moved parameter, outside the optimizer
+    with pytest.raises(StateChangedError, match=r"0\.weight"):
+        train_step(model, opt, 6)
+    with pytest.warns(CheckpointWarning):
+        saver.close()
+    mgr.close()
+    for step in range(5):
+        assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), expected[step])
+    assert not (tmp_path / "l1" / "n0" / step_dir_name(5)).exists()
+
+
+def test_without_optimizers_every_optimizer_is_a_fence(tmp_path: Path) -> None:
+    """``optimizers=None``: the optimizers are learnt from their steps (a global step pre-hook);
+    a save before any step copies everything before it returns."""
+    model, opt = model_and_optimizer()
+    mgr = node_manager(tmp_path, shared=None, keep_local=10)
+    saver = ckptfmt_torch.FencedSaver(mgr, None)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    expected[0] = snapshot(model, opt)
+    saver.save(0, {"model": model, "optim": opt})  # no optimizer known: all copied now
+    for step in range(1, 5):
+        train_step(model, opt, step)
+        expected[step] = snapshot(model, opt)
+        saver.save(step, {"model": model, "optim": opt})
+    with torch.no_grad():
+        model[3].bias.zero_()
+    with pytest.raises(StateChangedError, match=r"3\.bias"):
+        train_step(model, opt, 5)
+    with pytest.warns(CheckpointWarning):
+        saver.close()
+    train_step(model, opt, 6)  # the global hook is gone
+    mgr.close()
+    assert (tmp_path / "l1" / "n0" / step_dir_name(0)).is_dir()  # no optimizer state yet
+    for step in range(1, 4):
+        assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), expected[step])
+
+
+def test_a_step_with_a_closure_is_fenced_after_the_closure(tmp_path: Path) -> None:
+    """``optimizer.step(closure)`` (Lightning's way: forward and backward inside the step): the
+    fence is passed when the closure returns, before the update, so the copy overlaps the
+    forward and backward; the checkpoints hold their save call's state, and a change the
+    closure makes to a parameter outside the optimizer is still refused."""
+    model, opt = model_and_optimizer()
+    mgr = node_manager(tmp_path, shared=None, keep_local=10, fault=slow_commit, on_error="warn")
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    order: list[str] = []
+    original = saver._pass_fence
+
+    def noting(give_up: bool = True) -> None:
+        order.append("fence")
+        original(give_up)
+
+    saver._pass_fence = noting  # type: ignore[method-assign]  # notes when it runs, no more
+
+    def closure_of(seed: int, mutate: bool = False) -> Any:
+        def closure() -> torch.Tensor:
+            order.append("closure")
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if mutate:
+                with torch.no_grad():
+                    model[3].weight.mul_(2.0)
+            return loss
+
+        return closure
+
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(4):
+        opt.step(closure_of(step))
+        expected[step] = snapshot(model, opt)
+        order.clear()
+        saver.save(step, {"model": model, "optim": opt})
+    opt.step(closure=closure_of(4))
+    assert order == ["fence", "closure", "fence"]  # save's own check, then after the closure
+    saver.save(5, {"model": model, "optim": opt})
+    with pytest.raises(StateChangedError, match=r"3\.weight"):
+        opt.step(closure_of(6, mutate=True))
+    with pytest.warns(CheckpointWarning):
+        saver.close()
+    mgr.close()
+    for step in range(4):
+        assert_same(restored(tmp_path / "l1" / "n0" / step_dir_name(step)), expected[step])
+    assert not (tmp_path / "l1" / "n0" / step_dir_name(5)).exists()
