@@ -318,3 +318,54 @@ def test_copy_from_links_where_the_store_can(store: Store, tmp_path: Path) -> No
     assert _read(store, "a/c/0", 9) == b"unchanged"
     if linked:
         assert (store.path / "a/c/0").stat().st_ino == source.stat().st_ino  # type: ignore[attr-defined]
+
+
+def test_sync_then_commit(store: Store) -> None:
+    """Members set without an fsync, then ``Draft.sync`` (twice: the second finds nothing to
+    do), then a durable commit: the checkpoint reads back bit for bit on every store."""
+    draft = store.prepare(os.urandom(16).hex(), overwrite=False)
+    for rel, data in MEMBERS.items():
+        draft.set(rel, [data], fsync=False)
+    draft.sync()
+    draft.sync()
+    draft.stage_manifest(_manifest("synced"), [draft.written()], fsync=True)
+    draft.discard(draft.publish(fsync=True))
+    for rel, data in MEMBERS.items():
+        assert _read(store, rel, len(data)) == data
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_directory_sync_fsyncs_what_was_set_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory's ``sync`` fsyncs exactly the members set with ``fsync=False`` since the last
+    one (the real fsyncs, recorded on their way), and ``stage_manifest`` the manifest and every
+    directory of the tree; a member gone behind the draft's back fails the sync."""
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    store = DirectoryStore(tmp_path / "ckpt")
+    draft = store.prepare(os.urandom(16).hex(), overwrite=False)
+    staging = draft.path
+    assert staging is not None
+    draft.set("a/b/x", [b"x"], fsync=False)
+    draft.set("y", [b"y"], fsync=False)
+    draft.set("a/z", [b"z"], fsync=True)  # fsynced by set itself
+    synced.clear()
+    draft.sync()
+    assert sorted(synced) == sorted([staging / "a/b/x", staging / "y"])
+    synced.clear()
+    draft.sync()
+    assert synced == []
+    draft.stage_manifest(_manifest("tree"), [], fsync=True)
+    tree = [staging, staging / "a", staging / "a/b"]
+    assert sorted(synced) == sorted([staging / MANIFEST_NAME, *tree])
+    draft.set("gone", [b"g"], fsync=False)
+    (staging / "gone").unlink()
+    with pytest.raises(FileNotFoundError):
+        draft.sync()

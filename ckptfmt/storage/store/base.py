@@ -13,9 +13,10 @@ through it). Each store brings its own commit strategy (``spec/PROTOCOL.md`` §1
 
 The verbs (``spec``'s house style): a store ``prepare``s a draft (the committer, once per
 checkpoint) or ``join``s one (every other writer of it); a draft ``set``s, ``get``s, ``list``s
-and ``delete``s members; the committer then ``stage_manifest``s, ``publish``es, and either
-``discard``s what the publish replaced or ``unpublish``es it (another group failed). ``abort``
-removes a draft that will never be committed.
+and ``delete``s members, and ``sync``s those it set without an fsync; the committer then
+``stage_manifest``s, ``publish``es, and either ``discard``s what the publish replaced or
+``unpublish``es it (another group failed). ``abort`` removes a draft that will never be
+committed.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ class Draft(Protocol):
         """Create the member ``rel`` (it must not exist) holding the concatenation of
         ``pieces``, streamed (no copy of the whole where the store can avoid one); return its
         size. ``copy_to`` (a uint8 array as long as the member): also leave its bytes there."""
+        ...
+
+    def sync(self) -> None:
+        """Make durable, many at once, the members this draft object wrote with ``set(...,
+        fsync=False)`` since its last ``sync`` (a file system commits concurrent fsyncs together:
+        one by one, each waits for its own). Their directories are made durable by
+        :meth:`stage_manifest`. A store whose writes are durable when ``set`` returns (a bucket,
+        memory) does nothing."""
         ...
 
     def get(self, rel: str) -> bytes:

@@ -7,12 +7,21 @@ import builtins
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ckptfmt.errors import NotACheckpointError
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import Buffer, Inside, make_dirs, write_gather
+from ckptfmt.storage.files import Buffer, Inside, make_dirs, storage_full, write_gather
+
+SYNCS_IN_FLIGHT = 16
+"""fsyncs a draft issues at once (:meth:`DirectoryDraft.sync`, the tree at
+:meth:`DirectoryDraft.stage_manifest`): a journaling file system commits concurrent fsyncs
+together, where each of a series waits for a commit of its own (the 107 directories of a
+staging tree on the development machine's ext4, under load: 0.42 s one by one, 0.06 s
+sixteen at a time)."""
 
 
 class DirectoryStore:
@@ -66,6 +75,7 @@ class DirectoryDraft:
         self._made: set[Path] = made if made is not None else set()
         self._made.add(staging)
         self._lock = threading.Lock()
+        self._unsynced: list[Path] = []  # set with fsync=False, for sync()
 
     @property
     def where(self) -> str:
@@ -92,7 +102,17 @@ class DirectoryDraft:
     def set(
         self, rel: str, pieces: Sequence[Buffer], *, fsync: bool = True, copy_to: Any = None
     ) -> int:
-        return write_gather(self._target(rel), pieces, fsync, copy_to=copy_to)
+        target = self._target(rel)
+        size = write_gather(target, pieces, fsync, copy_to=copy_to)
+        if not fsync:
+            with self._lock:
+                self._unsynced.append(target)
+        return size
+
+    def sync(self) -> None:
+        with self._lock:
+            files, self._unsynced = self._unsynced, []
+        fsync_all(files)
 
     def get(self, rel: str) -> bytes:
         return (self.staging / rel).read_bytes()
@@ -119,7 +139,12 @@ class DirectoryDraft:
         return []
 
     def stage_manifest(self, data: bytes, written: Sequence[Any] = (), fsync: bool = True) -> None:
-        commit.stage_manifest(self.staging, data, fsync)
+        """``storage.commit.stage_manifest``, with the manifest and every directory of the tree
+        fsynced at once (:data:`SYNCS_IN_FLIGHT`) rather than one by one."""
+        commit.stage_manifest(self.staging, data, fsync=False)
+        if fsync:
+            tree = [Path(d) for d, _, _ in os.walk(self.staging)]
+            fsync_all([self.staging / MANIFEST_NAME, *tree])
 
     def publish(self, hook: Any = None, fsync: bool = True) -> Path | None:
         return commit.publish(self.staging, self.final, self.save_id, fsync, hook)
@@ -132,6 +157,46 @@ class DirectoryDraft:
 
     def abort(self) -> None:
         commit.abort(self.staging)
+
+
+def fsync_all(paths: Sequence[Path]) -> None:
+    """fsync the files and directories ``paths``, :data:`SYNCS_IN_FLIGHT` at once; a full file
+    system (where fsync reports it) raised as :class:`StorageFullError`."""
+    if len(paths) < 2:
+        for p in paths:
+            _fsync(p)
+        return
+    list(_fsync_pool().map(_fsync, paths))
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The process's fsync threads, started once (starting them for every save cost more than
+    the fsyncs on tmpfs): remade in a child process after a fork, which has none of them. Its
+    tasks are single fsyncs, so callers on any thread share it without waiting on each other."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            pool = ThreadPoolExecutor(SYNCS_IN_FLIGHT, thread_name_prefix="ckptfmt-fsync")
+            _POOL = (os.getpid(), pool)
+        return _POOL[1]
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        full = storage_full(exc, path)
+        if full is None:
+            raise
+        raise full from None
 
 
 def draft_at(root: Path, made: set[Path] | None = None) -> DirectoryDraft:
