@@ -30,6 +30,7 @@ which depends on nothing else); the coordinator plans them the same way from the
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,10 @@ from ckptfmt.storage import DirectoryStore, Draft, check_destination
 PLANS = PlanCache()
 """The process's plans of DCP saves, by layout: a job saving the same state every few steps
 (a new ``Writer`` each time, as DCP's examples do) plans it once."""
+
+DIRS_IN_FLIGHT = 8
+"""Regions of a rank whose shard directories are made at once: a ``mkdir`` waits for the file
+system's journal, which other writers keep busy."""
 
 KEY = "ckptfmt"
 """The ``storage_data`` key of what the writer carries in DCP's plans and write results."""
@@ -93,7 +98,6 @@ def plan_all(
     save_id = os.urandom(16).hex()
     final = path.absolute()
     draft = DirectoryStore(final).prepare(save_id, write.overwrite)
-    staging = Path(draft.where)
     job = Job(final, draft, save_id, utc_now(), plan, nodes)
     out = []
     for rank in range(len(local)):
@@ -105,7 +109,8 @@ def plan_all(
                     "rank": rank,
                     "world": len(local),
                     "number": number,
-                    "staging": str(staging),
+                    "final": str(final),
+                    "save_id": save_id,
                     "regions": mine,
                     "threads": max(1, write.threads // on_node),
                 }
@@ -193,17 +198,17 @@ def write_share(
         if any(late):
             extra = make_plan(late, write.chunk_bytes, write.shard_bytes)
             regions += [(t, r.offset, r.shape) for t, r in extra.for_rank(rank)]
-        staging = Path(job["staging"])
-        made: set[Path] = set()
-        jobs_by_region = []
-        for t, offset, shape in regions:
-            data_ = region_data(local, t, offset, shape)
-            files_of = plan_region(staging, geometry_of(t), data_, offset, made)
-            jobs_by_region.append((t, offset, files_of))
-        all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+        draft = DirectoryStore(job["final"]).join(job["save_id"])
         workers = job["threads"]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            files = iter(run_jobs(all_jobs, pool if workers > 1 else None, write.fsync))
+        # the regions' shard files planned (their directories made) many at once
+        planned = _pool(DIRS_IN_FLIGHT).map(lambda r: _plan(draft, local, *r), regions)
+        jobs_by_region = [(t, offset, jobs) for (t, offset, _), jobs in zip(regions, planned)]
+        all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+        # written without an fsync each, then made durable all at once
+        pool = _pool(workers) if workers > 1 else None
+        files = iter(run_jobs(all_jobs, pool, fsync=False))
+        if write.fsync:
+            draft.sync()
         refs: dict[str, list[Any]] = {}
         for t, offset, jobs in jobs_by_region:
             refs.setdefault("/".join(t.name), []).append(
@@ -222,6 +227,29 @@ def write_share(
         return report, None
     except Exception as exc:  # the coordinator fails the save on every rank
         return _failed(exc)
+
+
+_POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` threads for the saves' writes, started once (starting
+    threads for each save cost a tiny state more than its writes): remade in a child process
+    after a fork. Its tasks (a region planned, a shard file written) never wait on the pool."""
+    with _POOLS_LOCK:
+        held = _POOLS.get(workers)
+        if held is None or held[0] != os.getpid():
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptfmt-dcp")
+            _POOLS[workers] = held = (os.getpid(), pool)
+        return held[1]
+
+
+def _plan(
+    draft: Draft, local: LocalState, t: TensorPlan, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> list[Any]:
+    """The shard jobs of one of this rank's regions, into ``draft`` (their directories made)."""
+    return plan_region(draft, geometry_of(t), region_data(local, t, offset, shape), offset)
 
 
 def _failed(exc: BaseException) -> tuple[dict[str, Any], BaseException]:
@@ -251,7 +279,9 @@ def commit_all(
         raise SaveFailedError(failures, own_error, operation="save", step=step)
     try:
         manifest = _manifest(job, reports, write, step, writer)
-        write_metadata(Path(job.draft.where), manifest, write.fsync)
+        write_metadata(job.draft, manifest, fsync=False)  # then made durable all at once
+        if write.fsync:
+            job.draft.sync()
         job.draft.stage_manifest(dump_manifest(manifest), fsync=write.fsync)
         job.draft.discard(job.draft.publish(fsync=write.fsync))
     except BaseException:
