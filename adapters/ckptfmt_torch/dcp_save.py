@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -62,8 +64,15 @@ PLANS = PlanCache()
 (a new ``Writer`` each time, as DCP's examples do) plans it once."""
 
 DIRS_IN_FLIGHT = 8
-"""Regions of a rank whose shard directories are made at once: a ``mkdir`` waits for the file
-system's journal, which other writers keep busy."""
+"""Regions of a rank whose shard directories are made at once when a ``mkdir`` waits (for a
+journaling file system's journal, which other writers keep busy)."""
+
+INLINE_S = 1e-3
+"""A region planned (its directories made) within this did not wait: the next is planned in
+the same thread (:func:`_each`)."""
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 KEY = "ckptfmt"
 """The ``storage_data`` key of what the writer carries in DCP's plans and write results."""
@@ -200,8 +209,7 @@ def write_share(
             regions += [(t, r.offset, r.shape) for t, r in extra.for_rank(rank)]
         draft = DirectoryStore(job["final"]).join(job["save_id"])
         workers = job["threads"]
-        # the regions' shard files planned (their directories made) many at once
-        planned = _pool(DIRS_IN_FLIGHT).map(lambda r: _plan(draft, local, *r), regions)
+        planned = _each(lambda r: _plan(draft, local, *r), regions, DIRS_IN_FLIGHT)
         jobs_by_region = [(t, offset, jobs) for (t, offset, _), jobs in zip(regions, planned)]
         all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
         # written without an fsync each, then made durable all at once
@@ -227,6 +235,21 @@ def write_share(
         return report, None
     except Exception as exc:  # the coordinator fails the save on every rank
         return _failed(exc)
+
+
+def _each(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
+    """``fn`` of each of ``items``, in order: in this thread while each returns within
+    :data:`INLINE_S` (on tmpfs, where making a region's directories never waits, a pool's
+    hand-offs would cost more), the rest on ``workers`` threads from the first that waits."""
+    out: list[R] = []
+    for i, item in enumerate(items):
+        start = time.perf_counter()
+        out.append(fn(item))
+        rest = items[i + 1 :]
+        if len(rest) > 1 and time.perf_counter() - start > INLINE_S:
+            out += _pool(workers).map(fn, rest)
+            break
+    return out
 
 
 _POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -159,14 +160,23 @@ class DirectoryDraft:
         commit.abort(self.staging)
 
 
+INLINE_FSYNC_S = 1e-4
+"""An fsync that returns within this found nothing to wait for (tmpfs, or the data written
+back already): :func:`fsync_all` goes on one by one in the caller's thread while they do."""
+
+
 def fsync_all(paths: Sequence[Path]) -> None:
-    """fsync the files and directories ``paths``, :data:`SYNCS_IN_FLIGHT` at once; a full file
-    system (where fsync reports it) raised as :class:`StorageFullError`."""
-    if len(paths) < 2:
-        for p in paths:
-            _fsync(p)
-        return
-    list(_fsync_pool().map(_fsync, paths))
+    """fsync the files and directories ``paths``: one by one in this thread while each returns at
+    once (on tmpfs the pool's hand-offs would cost more than the fsyncs), the rest
+    :data:`SYNCS_IN_FLIGHT` at once from the first that waits. A full file system (where fsync
+    reports it) raised as :class:`StorageFullError`."""
+    for i, path in enumerate(paths):
+        start = time.perf_counter()
+        _fsync(path)
+        rest = paths[i + 1 :]
+        if len(rest) > 1 and time.perf_counter() - start > INLINE_FSYNC_S:
+            list(_fsync_pool().map(_fsync, rest))
+            return
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
