@@ -11,6 +11,8 @@ never committed, aborted, a second writer's members) are never visible."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.store import DirectoryStore, MemoryStore, Store, parse_location
 from ckptfmt.storage.store.bucket import SINGLE_PUT_MAX, BucketStore
+from ckptfmt.storage.store.directory import in_memory
 
 MakeStore = Callable[[str], Store]
 
@@ -334,13 +337,8 @@ def test_sync_then_commit(store: Store) -> None:
         assert _read(store, rel, len(data)) == data
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
-def test_directory_sync_fsyncs_what_was_set_without_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A directory's ``sync`` fsyncs exactly the members set with ``fsync=False`` since the last
-    one (the real fsyncs, recorded on their way), and ``stage_manifest`` the manifest and every
-    directory of the tree; a member gone behind the draft's back fails the sync."""
+def _record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The paths of the real fsyncs made from now on (each recorded on its way)."""
     synced: list[Path] = []
     real_fsync = os.fsync
 
@@ -349,6 +347,19 @@ def test_directory_sync_fsyncs_what_was_set_without_one(
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", recorded)
+    return synced
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_directory_sync_fsyncs_what_was_set_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory's ``sync`` fsyncs exactly the members set with ``fsync=False`` since the last
+    one, and ``stage_manifest`` the manifest and every directory of the tree; a member gone
+    behind the draft's back fails the sync."""
+    if in_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is on a memory file system, where nothing is fsynced")
+    synced = _record_fsyncs(monkeypatch)
     store = DirectoryStore(tmp_path / "ckpt")
     draft = store.prepare(os.urandom(16).hex(), overwrite=False)
     staging = draft.path
@@ -369,3 +380,27 @@ def test_directory_sync_fsyncs_what_was_set_without_one(
     (staging / "gone").unlink()
     with pytest.raises(FileNotFoundError):
         draft.sync()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_directory_on_tmpfs_skips_the_fsyncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On tmpfs (``/dev/shm``) an fsync does nothing: a draft's ``sync`` and the tree's fsyncs
+    at ``stage_manifest`` are skipped, and the commit is whole all the same."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not in_memory(shm):
+        pytest.skip("no tmpfs at /dev/shm")
+    root = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        synced = _record_fsyncs(monkeypatch)
+        store = DirectoryStore(root / "ckpt")
+        draft = store.prepare(os.urandom(16).hex(), overwrite=False)
+        for rel, data in MEMBERS.items():
+            draft.set(rel, [data], fsync=False)
+        draft.sync()
+        draft.stage_manifest(_manifest("shm"), [], fsync=True)
+        assert synced == []
+        draft.discard(draft.publish(fsync=True))
+        for rel, data in MEMBERS.items():
+            assert _read(store, rel, len(data)) == data
+    finally:
+        shutil.rmtree(root)

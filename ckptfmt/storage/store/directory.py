@@ -113,7 +113,8 @@ class DirectoryDraft:
     def sync(self) -> None:
         with self._lock:
             files, self._unsynced = self._unsynced, []
-        fsync_all(files)
+        if not in_memory(self.staging):
+            fsync_all(files)
 
     def get(self, rel: str) -> bytes:
         return (self.staging / rel).read_bytes()
@@ -143,7 +144,7 @@ class DirectoryDraft:
         """``storage.commit.stage_manifest``, with the manifest and every directory of the tree
         fsynced at once (:data:`SYNCS_IN_FLIGHT`) rather than one by one."""
         commit.stage_manifest(self.staging, data, fsync=False)
-        if fsync:
+        if fsync and not in_memory(self.staging):
             tree = [Path(d) for d, _, _ in os.walk(self.staging)]
             fsync_all([self.staging / MANIFEST_NAME, *tree])
 
@@ -163,6 +164,46 @@ class DirectoryDraft:
 INLINE_FSYNC_S = 1e-4
 """An fsync that returns within this found nothing to wait for (tmpfs, or the data written
 back already): :func:`fsync_all` goes on one by one in the caller's thread while they do."""
+
+
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+"""File systems whose fsync does nothing (their files live in memory only)."""
+
+_IN_MEMORY: dict[int, bool] = {}  # by st_dev
+
+
+def in_memory(path: Path) -> bool:
+    """Whether the directory ``path`` is on a memory file system (tmpfs: ``/dev/shm``), where an
+    fsync has nothing to do, so :meth:`DirectoryDraft.sync` and the tree's fsyncs are skipped
+    (dispatching them costs a loaded machine more than the no-op itself). From
+    ``/proc/mounts`` (the longest mount point above ``path``), once per device; False where
+    that cannot be told (the fsyncs are done)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return False
+    known = _IN_MEMORY.get(dev)
+    if known is None:
+        known = _mount_type(os.path.realpath(path)) in MEMORY_FILE_SYSTEMS
+        _IN_MEMORY[dev] = known
+    return known
+
+
+def _mount_type(real: str) -> str:
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return ""
+    return kind
 
 
 def fsync_all(paths: Sequence[Path]) -> None:
