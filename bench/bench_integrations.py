@@ -4,18 +4,23 @@ ckptfmt's storage plugin (``ckptfmt_torch.dcp.Writer``/``Reader``) against DCP's
 ``FileSystemWriter``/``FileSystemReader``.
 
 The state is a data-parallel replica (``--size-mib`` of float32 in ``--tensors`` tensors, the
-same on every rank, as DDP holds it, plus an int step) on ``--ranks`` ranks over gloo. Each round
-runs both methods, the order alternating: ``dcp.save(state, storage_writer=...)`` into a fresh
-directory, then ``dcp.load(state, storage_reader=...)`` in place, each between barriers and timed
-on rank 0. The first ``--warmup`` rounds are not timed and check the load bit for bit (the state
-zeroed first). DCP deduplicates the replicated tensors (each written by one rank), ckptfmt
+same on every rank, as DDP holds it, plus an int step) on ``--ranks`` ranks over gloo. For each
+``--dir`` (by default tmpfs and the local disk), each round runs both methods, the order
+alternating: ``dcp.save(state, storage_writer=...)`` into a fresh directory, then
+``dcp.load(state, storage_reader=...)`` in place. Each call is timed whole on every rank, from a
+barrier to its return, with the buffers touched just before (the state's pages, and as many
+free pages as the state holds: this VM returns memory idle for about 2 s to its host, and
+touching it again costs up to 4x). The first ``--warmup`` rounds are not timed and check the
+load bit for bit (the state zeroed first). A round's time is its slowest rank's; the table
+gives the medians. DCP deduplicates the replicated tensors (each written by one rank), ckptfmt
 spreads them evenly over the ranks: both write the state once.
 
 Run it as ``.venv/bin/python bench/bench_integrations.py`` (it launches itself under
 ``torchrun``); ``--framework lightning`` and ``--framework hf`` run the Lightning and Hugging Face
 Trainer measurements instead (``integrations_lightning.py``, ``integrations_hf.py``). DCP's
-results go to ``bench/results/integrations.json`` and a Markdown table to stdout and
-``bench/results/integrations.md``. See bench/README.md (``bench_integrations.py``).
+results go to ``bench/results/integrations.json`` (every rank's every sample) and a Markdown
+table to stdout and ``bench/results/integrations.md``. See bench/README.md
+(``bench_integrations.py``).
 """
 
 from __future__ import annotations

@@ -12,12 +12,15 @@ DCP runs, in this order (``torch/distributed/checkpoint/state_dict_saver.py``):
    rank's declarations (``plan.cache``: a layout saved again is not planned again), the save
    id, the staging directory made (every rank sees it: one directory); each rank's regions go
    back in its plan's ``storage_data``, which DCP scatters;
-3. every rank: ``write_data`` -> :func:`write_share`: writes its regions' shard files into the
-   staging directory, and, from its objects (which only now can be read), its per-rank entries
-   and (rank 0) the values and the objects' bytes; it reports its file lists and these, or its
-   failure, in its write results, which DCP gathers to the coordinator;
+3. every rank: ``write_data`` -> :func:`write_share`: writes its regions' shard files through
+   the save's draft (``DirectoryStore(path).join(save_id)``: the staging directory), each
+   without an fsync, then makes them durable at once (``Draft.sync``: a journaling file system
+   commits concurrent fsyncs together); and, from its objects (which only now can be read),
+   its per-rank entries and (rank 0) the values and the objects' bytes; it reports its file
+   lists and these, or its failure, in its write results, which DCP gathers to the coordinator;
 4. the coordinator: ``finish`` -> :func:`commit_all`: the manifest (the same
-   ``build_manifest`` as the collective save's), the zarr documents, the commit; any rank's
+   ``build_manifest`` as the collective save's), the zarr documents, then the draft's commit
+   (the documents, the manifest and every directory fsynced together, the rename); any rank's
    failure removes the staging directory and raises, which DCP gives every rank.
 
 Objects (DCP's ``BYTE_IO`` items) have no size before ``write_data``, so the ownership plan of
@@ -302,9 +305,8 @@ def commit_all(
         raise SaveFailedError(failures, own_error, operation="save", step=step)
     try:
         manifest = _manifest(job, reports, write, step, writer)
-        write_metadata(job.draft, manifest, fsync=False)  # then made durable all at once
-        if write.fsync:
-            job.draft.sync()
+        # the documents unsynced: made durable with the manifest and the tree, all at once
+        write_metadata(job.draft, manifest, fsync=False)
         job.draft.stage_manifest(dump_manifest(manifest), fsync=write.fsync)
         job.draft.discard(job.draft.publish(fsync=write.fsync))
     except BaseException:

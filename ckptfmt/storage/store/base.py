@@ -100,7 +100,8 @@ class Draft(Protocol):
     # --- the committer's ----------------------------------------------------------------------
 
     def stage_manifest(self, data: bytes, written: Sequence[Any] = (), fsync: bool = True) -> None:
-        """Write the manifest last and make the draft durable; still invisible. ``written``:
+        """Write the manifest last and make the draft durable (with the members this draft
+        object set without an fsync and did not :meth:`sync`); still invisible. ``written``:
         every writer's :meth:`written`."""
         ...
 

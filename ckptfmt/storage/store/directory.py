@@ -141,12 +141,15 @@ class DirectoryDraft:
         return []
 
     def stage_manifest(self, data: bytes, written: Sequence[Any] = (), fsync: bool = True) -> None:
-        """``storage.commit.stage_manifest``, with the manifest and every directory of the tree
-        fsynced at once (:data:`SYNCS_IN_FLIGHT`) rather than one by one."""
+        """``storage.commit.stage_manifest``, with the manifest, the members this draft set
+        without an fsync and not synced yet, and every directory of the tree fsynced together,
+        :data:`SYNCS_IN_FLIGHT` at once, rather than one by one."""
         commit.stage_manifest(self.staging, data, fsync=False)
         if fsync and not in_memory(self.staging):
+            with self._lock:
+                files, self._unsynced = self._unsynced, []
             tree = [Path(d) for d, _, _ in os.walk(self.staging)]
-            fsync_all([self.staging / MANIFEST_NAME, *tree])
+            fsync_all([*files, self.staging / MANIFEST_NAME, *tree])
 
     def publish(self, hook: Any = None, fsync: bool = True) -> Path | None:
         return commit.publish(self.staging, self.final, self.save_id, fsync, hook)
