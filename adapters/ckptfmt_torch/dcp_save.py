@@ -72,7 +72,15 @@ journaling file system's journal, which other writers keep busy)."""
 
 INLINE_S = 1e-3
 """A region planned (its directories made) within this did not wait: the next is planned in
-the same thread (:func:`_each`)."""
+the same thread (:func:`_each`); a shard file written within this and its bytes at
+:data:`MEMORY_SPEED` the same."""
+
+MEMORY_SPEED = 1e9
+"""Bytes a second a write into the page cache goes at least (tmpfs, or a disk's cache): 2-3
+GB/s on the development machine."""
+
+WRITES_IN_FLIGHT = 4
+"""Shard files a rank writes at once once a creation waits (:func:`_each`)."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -212,12 +220,14 @@ def write_share(
             regions += [(t, r.offset, r.shape) for t, r in extra.for_rank(rank)]
         draft = DirectoryStore(job["final"]).join(job["save_id"])
         workers = job["threads"]
-        planned = _each(lambda r: _plan(draft, local, *r), regions, DIRS_IN_FLIGHT)
+        planned = _each(lambda r: _plan(draft, local, *r), regions, DIRS_IN_FLIGHT, _quick)
         jobs_by_region = [(t, offset, jobs) for (t, offset, _), jobs in zip(regions, planned)]
         all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
         # written without an fsync each, then made durable all at once
-        pool = _pool(workers) if workers > 1 else None
-        files = iter(run_jobs(all_jobs, pool, fsync=False))
+        if workers > 1:
+            files = iter(run_jobs(all_jobs, _pool(workers), fsync=False))
+        else:  # one writer, unless the files' creations wait: then several, to overlap them
+            files = iter(_each(lambda j: j.run(False), all_jobs, WRITES_IN_FLIGHT, _budget))
         if write.fsync:
             draft.sync()
         refs: dict[str, list[Any]] = {}
@@ -240,19 +250,33 @@ def write_share(
         return _failed(exc)
 
 
-def _each(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
-    """``fn`` of each of ``items``, in order: in this thread while each returns within
-    :data:`INLINE_S` (on tmpfs, where making a region's directories never waits, a pool's
-    hand-offs would cost more), the rest on ``workers`` threads from the first that waits."""
+def _each(
+    fn: Callable[[T], R], items: Sequence[T], workers: int, budget: Callable[[T], float]
+) -> list[R]:
+    """``fn`` of each of ``items``, in order: in this thread while each returns within its
+    ``budget`` (seconds: on tmpfs, where nothing waits, a pool's hand-offs would cost more than
+    they save), the rest on ``workers`` threads from the first that waits (a journaling file
+    system's ``mkdir`` and file creation wait for its journal, which other writers keep busy:
+    several at once overlap their waits)."""
     out: list[R] = []
     for i, item in enumerate(items):
         start = time.perf_counter()
         out.append(fn(item))
         rest = items[i + 1 :]
-        if len(rest) > 1 and time.perf_counter() - start > INLINE_S:
+        if len(rest) > 1 and time.perf_counter() - start > budget(item):
             out += _pool(workers).map(fn, rest)
             break
     return out
+
+
+def _quick(_: Any) -> float:
+    return INLINE_S
+
+
+def _budget(job: Any) -> float:
+    """The time a shard file's write takes when nothing waits: :data:`INLINE_S`, and its bytes
+    at :data:`MEMORY_SPEED`."""
+    return INLINE_S + int(job.nbytes()) / MEMORY_SPEED
 
 
 _POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
