@@ -4,18 +4,23 @@ ckptfmt's storage plugin (``ckptfmt_torch.dcp.Writer``/``Reader``) against DCP's
 ``FileSystemWriter``/``FileSystemReader``.
 
 The state is a data-parallel replica (``--size-mib`` of float32 in ``--tensors`` tensors, the
-same on every rank, as DDP holds it, plus an int step) on ``--ranks`` ranks over gloo. Each round
-runs both methods, the order alternating: ``dcp.save(state, storage_writer=...)`` into a fresh
-directory, then ``dcp.load(state, storage_reader=...)`` in place, each between barriers and timed
-on rank 0. The first ``--warmup`` rounds are not timed and check the load bit for bit (the state
-zeroed first). DCP deduplicates the replicated tensors (each written by one rank), ckptfmt
+same on every rank, as DDP holds it, plus an int step) on ``--ranks`` ranks over gloo. For each
+``--dir`` (by default tmpfs and the local disk), each round runs both methods, the order
+alternating: ``dcp.save(state, storage_writer=...)`` into a fresh directory, then
+``dcp.load(state, storage_reader=...)`` in place. Each call is timed whole on every rank, from a
+barrier to its return, with the buffers touched just before (the state's pages, and as many
+free pages as the state holds: this VM returns memory idle for about 2 s to its host, and
+touching it again costs up to 4x). The first ``--warmup`` rounds are not timed and check the
+load bit for bit (the state zeroed first). A round's time is its slowest rank's; the table
+gives the medians. DCP deduplicates the replicated tensors (each written by one rank), ckptfmt
 spreads them evenly over the ranks: both write the state once.
 
 Run it as ``.venv/bin/python bench/bench_integrations.py`` (it launches itself under
 ``torchrun``); ``--framework lightning`` and ``--framework hf`` run the Lightning and Hugging Face
 Trainer measurements instead (``integrations_lightning.py``, ``integrations_hf.py``). DCP's
-results go to ``bench/results/integrations.json`` and a Markdown table to stdout and
-``bench/results/integrations.md``. See bench/README.md (``bench_integrations.py``).
+results go to ``bench/results/integrations.json`` (every rank's every sample) and a Markdown
+table to stdout and ``bench/results/integrations.md``. See bench/README.md
+(``bench_integrations.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,8 @@ from torchrun_self import WARM_MALLOC, launch
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+DEFAULT_DIRS = ("/dev/shm/ckptfmt-bench-integrations", "/tmp/ckptfmt-bench-integrations")
+"""tmpfs, and the local disk (``/tmp`` is not tmpfs on the development machine: check ``df``)."""
 METHODS = {
     "dcp_fs": "DCP FileSystemWriter / FileSystemReader",
     "dcp_ckptfmt": "DCP with ckptfmt_torch.dcp.Writer / Reader",
@@ -58,7 +66,7 @@ def rank_main(args: argparse.Namespace) -> int:
         "step": 100,
     }
     digest = _digest(state)
-    root = Path(args.dir)
+    nbytes = sum(t.numel() * 4 for t in state["model"].values())
 
     def writer(key: str, path: Path) -> Any:
         return Writer(path) if key == "dcp_ckptfmt" else dcp.FileSystemWriter(path)
@@ -66,41 +74,66 @@ def rank_main(args: argparse.Namespace) -> int:
     def reader(key: str, path: Path) -> Any:
         return Reader(path) if key == "dcp_ckptfmt" else dcp.FileSystemReader(path)
 
-    samples: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in METHODS}
-    for rnd in range(args.warmup + args.reps):
-        timed = rnd >= args.warmup
-        order = list(METHODS) if rnd % 2 == 0 else list(reversed(METHODS))
-        for key in order:
-            path = root / f"{key}-{rnd}"
-            dist.barrier()
-            t0 = time.perf_counter()
-            dcp.save(state, storage_writer=writer(key, path))
-            dist.barrier()
-            t1 = time.perf_counter()
-            if not timed:
-                for t in state["model"].values():
-                    t.zero_()
-                state["step"] = 0
-            dist.barrier()
-            t2 = time.perf_counter()
-            dcp.load(state, storage_reader=reader(key, path))
-            dist.barrier()
-            t3 = time.perf_counter()
-            if not timed and _digest(state) != digest:
-                raise SystemExit(f"{key}: the load is not bit for bit the saved state")
-            if timed:
-                samples[key]["save"].append(t1 - t0)
-                samples[key]["load"].append(t3 - t2)
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(path)
+    def timed(call: Any) -> float:
+        """The call's wall time on this rank, the buffers touched first (the state, and as
+        many free pages as the state holds: the page cache and the reads' buffers are made
+        from them), then a barrier so every rank starts together."""
+        _touch(state, nbytes)
+        dist.barrier()
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+
+    # samples[dir][method][op]: per round, every rank's seconds
+    samples: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
+    for where in args.dir:
+        root = Path(where)
+        got = samples[where] = {k: {"save": [], "load": []} for k in METHODS}
+        for rnd in range(args.warmup + args.reps):
+            warm = rnd < args.warmup
+            order = list(METHODS) if rnd % 2 == 0 else list(reversed(METHODS))
+            for key in order:
+                path = root / f"{key}-{rnd}"
+                save_s = timed(partial(dcp.save, state, storage_writer=writer(key, path)))
+                dist.barrier()
+                if warm:
+                    for t in state["model"].values():
+                        t.zero_()
+                    state["step"] = 0
+                load_s = timed(partial(dcp.load, state, storage_reader=reader(key, path)))
+                dist.barrier()
+                if warm and _digest(state) != digest:
+                    raise SystemExit(f"{key}: the load is not bit for bit the saved state")
+                every: list[Any] = [None] * size
+                dist.all_gather_object(every, (save_s, load_s))
+                if not warm:
+                    got[key]["save"].append([s for s, _ in every])
+                    got[key]["load"].append([x for _, x in every])
+                if rank == 0:
+                    shutil.rmtree(path)
+                dist.barrier()
     if rank == 0:
-        nbytes = sum(t.numel() * 4 for t in state["model"].values())
         part = {"ranks": size, "nbytes": nbytes, "tensors": args.tensors, "samples": samples}
         Path(args.part).write_text(json.dumps(part))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _touch(state: dict[str, Any], nbytes: int) -> None:
+    """Touch what the timed call is about to use: the state's pages, and ``nbytes`` of fresh
+    anonymous memory, unmapped again at once, so the free pages the kernel hands the call
+    (its files' page cache, its buffers) are ones this VM has not returned to the host (it does
+    after about 2 s idle, and touching them again costs up to 4x: bench/README.md, "Memory")."""
+    import mmap
+
+    import numpy as np
+
+    for t in state["model"].values():
+        float(t.view(-1)[::1024].sum())
+    scratch = mmap.mmap(-1, nbytes)
+    np.frombuffer(scratch, np.uint8)[:: mmap.PAGESIZE] = 1
+    scratch.close()
 
 
 def _digest(state: dict[str, Any]) -> str:
@@ -111,34 +144,57 @@ def _digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def _is_tmpfs(path: str) -> bool:
+    """Whether ``path`` is on tmpfs (``/proc/mounts``: the longest mount point above it)."""
+    best, kind = "", ""
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fs = line.split()[:3]
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
+                best
+            ):
+                best, kind = mount, fs
+    return kind == "tmpfs"
+
+
 def report(part: dict[str, Any], args: argparse.Namespace, wall: float) -> dict[str, Any]:
     import torch
 
     import ckptfmt
 
     gb = part["nbytes"] / 1e9
-    rows = []
-    med: dict[str, dict[str, float]] = {}
-    for key, label in METHODS.items():
-        s = part["samples"][key]
-        med[key] = {op: statistics.median(s[op]) for op in ("save", "load")}
-        rows.append(
-            f"| {label} | {med[key]['save']:.3f} s ({gb / med[key]['save']:.2f} GB/s) | "
-            f"{med[key]['load']:.3f} s ({gb / med[key]['load']:.2f} GB/s) |"
+    lines = [
+        f"state {part['nbytes'] / 1e6:.0f} MB float32 ({part['tensors']} tensors, replicated) "
+        f"on {part['ranks']} ranks (torchrun, gloo); each call timed on every rank, buffers "
+        f"touched first; medians of {args.reps} rounds, the order alternating, of the slowest "
+        "rank's time (every rank's median in brackets)",
+        "",
+        "| storage | method | dcp.save | dcp.load |",
+        "|---|---|---|---|",
+    ]
+    med: dict[str, dict[str, dict[str, float]]] = {}
+    ratio: dict[str, dict[str, float]] = {}
+    for where, by_method in part["samples"].items():
+        kind = "tmpfs" if _is_tmpfs(where) else "disk"
+        med[where] = {}
+        for key, label in METHODS.items():
+            s = by_method[key]
+            med[where][key] = {op: statistics.median(max(r) for r in s[op]) for op in s}
+            cells = []
+            for op in ("save", "load"):
+                ranks = [statistics.median(r[q] for r in s[op]) for q in range(part["ranks"])]
+                m = med[where][key][op]
+                shown = " / ".join(f"{x:.3f}" for x in ranks)
+                cells.append(f"{m:.3f} s ({gb / m:.2f} GB/s) [{shown}]")
+            lines.append(f"| {kind} `{where}` | {label} | {cells[0]} | {cells[1]} |")
+        fs, ck = med[where]["dcp_fs"], med[where]["dcp_ckptfmt"]
+        ratio[where] = {op: fs[op] / ck[op] for op in ("save", "load")}
+        lines.append(
+            f"| {kind} | ckptfmt plugin speed-up | **{ratio[where]['save']:.2f}x** | "
+            f"**{ratio[where]['load']:.2f}x** |"
         )
-    ratio = {op: med["dcp_fs"][op] / med["dcp_ckptfmt"][op] for op in ("save", "load")}
-    md = "\n".join(
-        [
-            f"state {part['nbytes'] / 1e6:.0f} MB float32 ({part['tensors']} tensors, replicated) "
-            f"on {part['ranks']} ranks (torchrun, gloo), {args.dir}; medians of {args.reps} "
-            "interleaved rounds",
-            "",
-            "| method | dcp.save | dcp.load |",
-            "|---|---|---|",
-            *rows,
-            f"| ckptfmt plugin speed-up | {ratio['save']:.2f}x | {ratio['load']:.2f}x |",
-        ]
-    )
+    md = "\n".join(lines)
     print(md)
     (Path(args.out).with_suffix(".md")).write_text(md + "\n")
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
@@ -187,28 +243,36 @@ def main_dcp(argv: list[str]) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7, help="timed rounds (default 7)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--dir", default="/dev/shm/ckptfmt-bench-integrations")
+    ap.add_argument(
+        "--dir",
+        action="append",
+        help="where to save, repeatable (default: /dev/shm/ckptfmt-bench-integrations and, on "
+        "disk, /tmp/ckptfmt-bench-integrations)",
+    )
     ap.add_argument("--out", default=str(BENCH / "results" / "integrations.json"))
     ap.add_argument("--timeout", type=int, default=900, help="seconds for the whole launch")
     ap.add_argument("--part", help=argparse.SUPPRESS)  # set when running as a rank
     args = ap.parse_args(argv)
+    args.dir = args.dir or list(DEFAULT_DIRS)
     if "RANK" in os.environ:  # a rank under torchrun
         return rank_main(args)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    Path(args.dir).mkdir(parents=True)
+    for where in args.dir:
+        shutil.rmtree(where, ignore_errors=True)
+        Path(where).mkdir(parents=True)
     data, wall, load_start = launch(
         __file__,
         argv,
         args.ranks,
         args.timeout,
-        Path(args.dir + ".part.json"),
+        Path(args.dir[0] + ".part.json"),
         {**WARM_MALLOC, "OMP_NUM_THREADS": "1"},
     )
     if data is None:
         return 1
     result = report(data, args, wall)
     result["loadavg_start"] = load_start
-    shutil.rmtree(args.dir, ignore_errors=True)
+    for where in args.dir:
+        shutil.rmtree(where, ignore_errors=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"# written {args.out}")
     return 0

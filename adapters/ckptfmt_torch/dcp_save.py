@@ -12,12 +12,15 @@ DCP runs, in this order (``torch/distributed/checkpoint/state_dict_saver.py``):
    rank's declarations (``plan.cache``: a layout saved again is not planned again), the save
    id, the staging directory made (every rank sees it: one directory); each rank's regions go
    back in its plan's ``storage_data``, which DCP scatters;
-3. every rank: ``write_data`` -> :func:`write_share`: writes its regions' shard files into the
-   staging directory, and, from its objects (which only now can be read), its per-rank entries
-   and (rank 0) the values and the objects' bytes; it reports its file lists and these, or its
-   failure, in its write results, which DCP gathers to the coordinator;
+3. every rank: ``write_data`` -> :func:`write_share`: writes its regions' shard files through
+   the save's draft (``DirectoryStore(path).join(save_id)``: the staging directory), each
+   without an fsync, then makes them durable at once (``Draft.sync``: a journaling file system
+   commits concurrent fsyncs together); and, from its objects (which only now can be read),
+   its per-rank entries and (rank 0) the values and the objects' bytes; it reports its file
+   lists and these, or its failure, in its write results, which DCP gathers to the coordinator;
 4. the coordinator: ``finish`` -> :func:`commit_all`: the manifest (the same
-   ``build_manifest`` as the collective save's), the zarr documents, the commit; any rank's
+   ``build_manifest`` as the collective save's), the zarr documents, then the draft's commit
+   (the documents, the manifest and every directory fsynced together, the rename); any rank's
    failure removes the staging directory and raises, which DCP gives every rank.
 
 Objects (DCP's ``BYTE_IO`` items) have no size before ``write_data``, so the ownership plan of
@@ -30,10 +33,13 @@ which depends on nothing else); the coordinator plans them the same way from the
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -59,6 +65,25 @@ from ckptfmt.storage import DirectoryStore, Draft, check_destination
 PLANS = PlanCache()
 """The process's plans of DCP saves, by layout: a job saving the same state every few steps
 (a new ``Writer`` each time, as DCP's examples do) plans it once."""
+
+DIRS_IN_FLIGHT = 8
+"""Regions of a rank whose shard directories are made at once when a ``mkdir`` waits (for a
+journaling file system's journal, which other writers keep busy)."""
+
+INLINE_S = 1e-3
+"""A region planned (its directories made) within this did not wait: the next is planned in
+the same thread (:func:`_each`); a shard file written within this and its bytes at
+:data:`MEMORY_SPEED` the same."""
+
+MEMORY_SPEED = 1e9
+"""Bytes a second a write into the page cache goes at least (tmpfs, or a disk's cache): 2-3
+GB/s on the development machine."""
+
+WRITES_IN_FLIGHT = 4
+"""Shard files a rank writes at once once a creation waits (:func:`_each`)."""
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 KEY = "ckptfmt"
 """The ``storage_data`` key of what the writer carries in DCP's plans and write results."""
@@ -93,7 +118,6 @@ def plan_all(
     save_id = os.urandom(16).hex()
     final = path.absolute()
     draft = DirectoryStore(final).prepare(save_id, write.overwrite)
-    staging = Path(draft.where)
     job = Job(final, draft, save_id, utc_now(), plan, nodes)
     out = []
     for rank in range(len(local)):
@@ -105,7 +129,8 @@ def plan_all(
                     "rank": rank,
                     "world": len(local),
                     "number": number,
-                    "staging": str(staging),
+                    "final": str(final),
+                    "save_id": save_id,
                     "regions": mine,
                     "threads": max(1, write.threads // on_node),
                 }
@@ -193,17 +218,18 @@ def write_share(
         if any(late):
             extra = make_plan(late, write.chunk_bytes, write.shard_bytes)
             regions += [(t, r.offset, r.shape) for t, r in extra.for_rank(rank)]
-        staging = Path(job["staging"])
-        made: set[Path] = set()
-        jobs_by_region = []
-        for t, offset, shape in regions:
-            data_ = region_data(local, t, offset, shape)
-            files_of = plan_region(staging, geometry_of(t), data_, offset, made)
-            jobs_by_region.append((t, offset, files_of))
-        all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+        draft = DirectoryStore(job["final"]).join(job["save_id"])
         workers = job["threads"]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            files = iter(run_jobs(all_jobs, pool if workers > 1 else None, write.fsync))
+        planned = _each(lambda r: _plan(draft, local, *r), regions, DIRS_IN_FLIGHT, _quick)
+        jobs_by_region = [(t, offset, jobs) for (t, offset, _), jobs in zip(regions, planned)]
+        all_jobs = [j for _, _, jobs in jobs_by_region for j in jobs]
+        # written without an fsync each, then made durable all at once
+        if workers > 1:
+            files = iter(run_jobs(all_jobs, _pool(workers), fsync=False))
+        else:  # one writer, unless the files' creations wait: then several, to overlap them
+            files = iter(_each(lambda j: j.run(False), all_jobs, WRITES_IN_FLIGHT, _budget))
+        if write.fsync:
+            draft.sync()
         refs: dict[str, list[Any]] = {}
         for t, offset, jobs in jobs_by_region:
             refs.setdefault("/".join(t.name), []).append(
@@ -222,6 +248,58 @@ def write_share(
         return report, None
     except Exception as exc:  # the coordinator fails the save on every rank
         return _failed(exc)
+
+
+def _each(
+    fn: Callable[[T], R], items: Sequence[T], workers: int, budget: Callable[[T], float]
+) -> list[R]:
+    """``fn`` of each of ``items``, in order: in this thread while each returns within its
+    ``budget`` (seconds: on tmpfs, where nothing waits, a pool's hand-offs would cost more than
+    they save), the rest on ``workers`` threads from the first that waits (a journaling file
+    system's ``mkdir`` and file creation wait for its journal, which other writers keep busy:
+    several at once overlap their waits)."""
+    out: list[R] = []
+    for i, item in enumerate(items):
+        start = time.perf_counter()
+        out.append(fn(item))
+        rest = items[i + 1 :]
+        if len(rest) > 1 and time.perf_counter() - start > budget(item):
+            out += _pool(workers).map(fn, rest)
+            break
+    return out
+
+
+def _quick(_: Any) -> float:
+    return INLINE_S
+
+
+def _budget(job: Any) -> float:
+    """The time a shard file's write takes when nothing waits: :data:`INLINE_S`, and its bytes
+    at :data:`MEMORY_SPEED`."""
+    return INLINE_S + int(job.nbytes()) / MEMORY_SPEED
+
+
+_POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` threads for the saves' writes, started once (starting
+    threads for each save cost a tiny state more than its writes): remade in a child process
+    after a fork. Its tasks (a region planned, a shard file written) never wait on the pool."""
+    with _POOLS_LOCK:
+        held = _POOLS.get(workers)
+        if held is None or held[0] != os.getpid():
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptfmt-dcp")
+            _POOLS[workers] = held = (os.getpid(), pool)
+        return held[1]
+
+
+def _plan(
+    draft: Draft, local: LocalState, t: TensorPlan, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> list[Any]:
+    """The shard jobs of one of this rank's regions, into ``draft`` (their directories made)."""
+    return plan_region(draft, geometry_of(t), region_data(local, t, offset, shape), offset)
 
 
 def _failed(exc: BaseException) -> tuple[dict[str, Any], BaseException]:
@@ -251,7 +329,8 @@ def commit_all(
         raise SaveFailedError(failures, own_error, operation="save", step=step)
     try:
         manifest = _manifest(job, reports, write, step, writer)
-        write_metadata(Path(job.draft.where), manifest, write.fsync)
+        # the documents unsynced: made durable with the manifest and the tree, all at once
+        write_metadata(job.draft, manifest, fsync=False)
         job.draft.stage_manifest(dump_manifest(manifest), fsync=write.fsync)
         job.draft.discard(job.draft.publish(fsync=write.fsync))
     except BaseException:

@@ -11,6 +11,8 @@ never committed, aborted, a second writer's members) are never visible."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.store import DirectoryStore, MemoryStore, Store, parse_location
 from ckptfmt.storage.store.bucket import SINGLE_PUT_MAX, BucketStore
+from ckptfmt.storage.store.directory import in_memory
 
 MakeStore = Callable[[str], Store]
 
@@ -318,3 +321,87 @@ def test_copy_from_links_where_the_store_can(store: Store, tmp_path: Path) -> No
     assert _read(store, "a/c/0", 9) == b"unchanged"
     if linked:
         assert (store.path / "a/c/0").stat().st_ino == source.stat().st_ino  # type: ignore[attr-defined]
+
+
+def test_sync_then_commit(store: Store) -> None:
+    """Members set without an fsync, then ``Draft.sync`` (twice: the second finds nothing to
+    do), then a durable commit: the checkpoint reads back bit for bit on every store."""
+    draft = store.prepare(os.urandom(16).hex(), overwrite=False)
+    for rel, data in MEMBERS.items():
+        draft.set(rel, [data], fsync=False)
+    draft.sync()
+    draft.sync()
+    draft.stage_manifest(_manifest("synced"), [draft.written()], fsync=True)
+    draft.discard(draft.publish(fsync=True))
+    for rel, data in MEMBERS.items():
+        assert _read(store, rel, len(data)) == data
+
+
+def _record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The paths of the real fsyncs made from now on (each recorded on its way)."""
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    return synced
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_directory_sync_fsyncs_what_was_set_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory's ``sync`` fsyncs exactly the members set with ``fsync=False`` since the last
+    one, and ``stage_manifest`` the manifest, what is left unsynced and every directory of the
+    tree; a member gone behind the draft's back fails the sync."""
+    if in_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is on a memory file system, where nothing is fsynced")
+    synced = _record_fsyncs(monkeypatch)
+    store = DirectoryStore(tmp_path / "ckpt")
+    draft = store.prepare(os.urandom(16).hex(), overwrite=False)
+    staging = draft.path
+    assert staging is not None
+    draft.set("a/b/x", [b"x"], fsync=False)
+    draft.set("y", [b"y"], fsync=False)
+    draft.set("a/z", [b"z"], fsync=True)  # fsynced by set itself
+    synced.clear()
+    draft.sync()
+    assert sorted(synced) == sorted([staging / "a/b/x", staging / "y"])
+    synced.clear()
+    draft.sync()
+    assert synced == []
+    draft.set("a/w", [b"w"], fsync=False)  # not synced: stage_manifest makes it durable
+    draft.stage_manifest(_manifest("tree"), [], fsync=True)
+    tree = [staging, staging / "a", staging / "a/b"]
+    assert sorted(synced) == sorted([staging / "a/w", staging / MANIFEST_NAME, *tree])
+    draft.set("gone", [b"g"], fsync=False)
+    (staging / "gone").unlink()
+    with pytest.raises(FileNotFoundError):
+        draft.sync()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_directory_on_tmpfs_skips_the_fsyncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On tmpfs (``/dev/shm``) an fsync does nothing: a draft's ``sync`` and the tree's fsyncs
+    at ``stage_manifest`` are skipped, and the commit is whole all the same."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not in_memory(shm):
+        pytest.skip("no tmpfs at /dev/shm")
+    root = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        synced = _record_fsyncs(monkeypatch)
+        store = DirectoryStore(root / "ckpt")
+        draft = store.prepare(os.urandom(16).hex(), overwrite=False)
+        for rel, data in MEMBERS.items():
+            draft.set(rel, [data], fsync=False)
+        draft.sync()
+        draft.stage_manifest(_manifest("shm"), [], fsync=True)
+        assert synced == []
+        draft.discard(draft.publish(fsync=True))
+        for rel, data in MEMBERS.items():
+            assert _read(store, rel, len(data)) == data
+    finally:
+        shutil.rmtree(root)

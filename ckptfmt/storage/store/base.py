@@ -13,9 +13,10 @@ through it). Each store brings its own commit strategy (``spec/PROTOCOL.md`` §1
 
 The verbs (``spec``'s house style): a store ``prepare``s a draft (the committer, once per
 checkpoint) or ``join``s one (every other writer of it); a draft ``set``s, ``get``s, ``list``s
-and ``delete``s members; the committer then ``stage_manifest``s, ``publish``es, and either
-``discard``s what the publish replaced or ``unpublish``es it (another group failed). ``abort``
-removes a draft that will never be committed.
+and ``delete``s members, and ``sync``s those it set without an fsync; the committer then
+``stage_manifest``s, ``publish``es, and either ``discard``s what the publish replaced or
+``unpublish``es it (another group failed). ``abort`` removes a draft that will never be
+committed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ class Draft(Protocol):
         size. ``copy_to`` (a uint8 array as long as the member): also leave its bytes there."""
         ...
 
+    def sync(self) -> None:
+        """Make durable, many at once, the members this draft object wrote with ``set(...,
+        fsync=False)`` since its last ``sync`` (a file system commits concurrent fsyncs together:
+        one by one, each waits for its own). Their directories are made durable by
+        :meth:`stage_manifest`. A store whose writes are durable when ``set`` returns (a bucket,
+        memory) does nothing."""
+        ...
+
     def get(self, rel: str) -> bytes:
         """The bytes of member ``rel`` written to this draft (FileNotFoundError when absent)."""
         ...
@@ -92,7 +101,8 @@ class Draft(Protocol):
     # --- the committer's ----------------------------------------------------------------------
 
     def stage_manifest(self, data: bytes, written: Sequence[Any] = (), fsync: bool = True) -> None:
-        """Write the manifest last and make the draft durable; still invisible. ``written``:
+        """Write the manifest last and make the draft durable (with the members this draft
+        object set without an fsync and did not :meth:`sync`); still invisible. ``written``:
         every writer's :meth:`written`."""
         ...
 

@@ -6,13 +6,23 @@ from __future__ import annotations
 import builtins
 import os
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ckptfmt.errors import NotACheckpointError
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import Buffer, Inside, make_dirs, write_gather
+from ckptfmt.storage.files import Buffer, Inside, make_dirs, storage_full, write_gather
+
+SYNCS_IN_FLIGHT = 16
+"""fsyncs a draft issues at once (:meth:`DirectoryDraft.sync`, the tree at
+:meth:`DirectoryDraft.stage_manifest`): a journaling file system commits concurrent fsyncs
+together, where each of a series waits for a commit of its own (the 107 directories of a
+staging tree on the development machine's ext4, under load: 0.42 s one by one, 0.06 s
+sixteen at a time)."""
 
 
 class DirectoryStore:
@@ -66,6 +76,7 @@ class DirectoryDraft:
         self._made: set[Path] = made if made is not None else set()
         self._made.add(staging)
         self._lock = threading.Lock()
+        self._unsynced: list[Path] = []  # set with fsync=False, for sync()
 
     @property
     def where(self) -> str:
@@ -92,7 +103,18 @@ class DirectoryDraft:
     def set(
         self, rel: str, pieces: Sequence[Buffer], *, fsync: bool = True, copy_to: Any = None
     ) -> int:
-        return write_gather(self._target(rel), pieces, fsync, copy_to=copy_to)
+        target = self._target(rel)
+        size = write_gather(target, pieces, fsync, copy_to=copy_to)
+        if not fsync:
+            with self._lock:
+                self._unsynced.append(target)
+        return size
+
+    def sync(self) -> None:
+        with self._lock:
+            files, self._unsynced = self._unsynced, []
+        if not in_memory(self.staging):
+            fsync_all(files)
 
     def get(self, rel: str) -> bytes:
         return (self.staging / rel).read_bytes()
@@ -119,7 +141,15 @@ class DirectoryDraft:
         return []
 
     def stage_manifest(self, data: bytes, written: Sequence[Any] = (), fsync: bool = True) -> None:
-        commit.stage_manifest(self.staging, data, fsync)
+        """``storage.commit.stage_manifest``, with the manifest, the members this draft set
+        without an fsync and not synced yet, and every directory of the tree fsynced together,
+        :data:`SYNCS_IN_FLIGHT` at once, rather than one by one."""
+        commit.stage_manifest(self.staging, data, fsync=False)
+        if fsync and not in_memory(self.staging):
+            with self._lock:
+                files, self._unsynced = self._unsynced, []
+            tree = [Path(d) for d, _, _ in os.walk(self.staging)]
+            fsync_all([*files, self.staging / MANIFEST_NAME, *tree])
 
     def publish(self, hook: Any = None, fsync: bool = True) -> Path | None:
         return commit.publish(self.staging, self.final, self.save_id, fsync, hook)
@@ -132,6 +162,95 @@ class DirectoryDraft:
 
     def abort(self) -> None:
         commit.abort(self.staging)
+
+
+INLINE_FSYNC_S = 1e-4
+"""An fsync that returns within this found nothing to wait for (tmpfs, or the data written
+back already): :func:`fsync_all` goes on one by one in the caller's thread while they do."""
+
+
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+"""File systems whose fsync does nothing (their files live in memory only)."""
+
+_IN_MEMORY: dict[int, bool] = {}  # by st_dev
+
+
+def in_memory(path: Path) -> bool:
+    """Whether the directory ``path`` is on a memory file system (tmpfs: ``/dev/shm``), where an
+    fsync has nothing to do, so :meth:`DirectoryDraft.sync` and the tree's fsyncs are skipped
+    (dispatching them costs a loaded machine more than the no-op itself). From
+    ``/proc/mounts`` (the longest mount point above ``path``), once per device; False where
+    that cannot be told (the fsyncs are done)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return False
+    known = _IN_MEMORY.get(dev)
+    if known is None:
+        known = _mount_type(os.path.realpath(path)) in MEMORY_FILE_SYSTEMS
+        _IN_MEMORY[dev] = known
+    return known
+
+
+def _mount_type(real: str) -> str:
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def fsync_all(paths: Sequence[Path]) -> None:
+    """fsync the files and directories ``paths``: one by one in this thread while each returns at
+    once (on tmpfs the pool's hand-offs would cost more than the fsyncs), the rest
+    :data:`SYNCS_IN_FLIGHT` at once from the first that waits. A full file system (where fsync
+    reports it) raised as :class:`StorageFullError`."""
+    for i, path in enumerate(paths):
+        start = time.perf_counter()
+        _fsync(path)
+        rest = paths[i + 1 :]
+        if len(rest) > 1 and time.perf_counter() - start > INLINE_FSYNC_S:
+            list(_fsync_pool().map(_fsync, rest))
+            return
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The process's fsync threads, started once (starting them for every save cost more than
+    the fsyncs on tmpfs): remade in a child process after a fork, which has none of them. Its
+    tasks are single fsyncs, so callers on any thread share it without waiting on each other."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            pool = ThreadPoolExecutor(SYNCS_IN_FLIGHT, thread_name_prefix="ckptfmt-fsync")
+            _POOL = (os.getpid(), pool)
+        return _POOL[1]
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        full = storage_full(exc, path)
+        if full is None:
+            raise
+        raise full from None
 
 
 def draft_at(root: Path, made: set[Path] | None = None) -> DirectoryDraft:

@@ -107,6 +107,9 @@ class MemoryDraft:
             members[rel] = data
         return len(data)
 
+    def sync(self) -> None:
+        pass  # nothing outlives the process: nothing to make durable
+
     def get(self, rel: str) -> bytes:
         with self.store._lock:
             members = self._members()

@@ -8,6 +8,7 @@ behind."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.errors import ChecksumError, PickleRefusedError, UnsupportedDtypeError  # noqa: E402
+from ckptfmt.storage.store.directory import in_memory  # noqa: E402
 
 pytestmark = [
     pytest.mark.torch,
@@ -214,3 +216,37 @@ def test_dcp_plan_caching_is_refused_saying_so(tmp_path: Path) -> None:
     (err,) = (e for e, _stack in info.value.failures.values())
     assert "enable_plan_caching" in str(err)
     assert not (tmp_path / "b").exists() and leftover_dirs(tmp_path) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_every_file_and_directory_is_durable_before_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer fsyncs its files together rather than one by one, but still every file and
+    every directory of the checkpoint before the rename that commits it (the real fsyncs,
+    recorded on their way)."""
+    if in_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is on a memory file system, where nothing is fsynced")
+    synced: set[Path] = set()
+    at_commit: dict[str, Any] = {}
+    real_fsync, real_rename = os.fsync, os.rename
+    target = (tmp_path / "ckpt").resolve()
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.add(Path(os.readlink(f"/proc/self/fd/{fd}")))
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(dst).resolve() == target:
+            at_commit.update(staging=Path(src).resolve(), synced=set(synced))
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    model, opt = trained(1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.save(state, storage_writer=Writer(target))
+    staging = at_commit["staging"]
+    tree = {staging / p.relative_to(target) for p in target.rglob("*")} | {staging}
+    assert len(tree) > 20
+    assert sorted(tree - at_commit["synced"]) == []
