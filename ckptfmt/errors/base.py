@@ -3,6 +3,7 @@ warning, and the warnings themselves (they carry no family: a warning never ends
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,6 +21,52 @@ class CkptError(Exception):
         # and still reach the built-in mix-in that follows CkptError in a subclass's MRO (a
         # diamond such as ManifestChecksumError would otherwise run one root's constructor twice).
         super().__init__(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its message and its fields, not through its constructor: a subclass's
+        ``__init__`` takes its fields (``path``, ``reason``), not the message it made of them,
+        so the default (``cls(*args)``) cannot rebuild it. ``torch.distributed.checkpoint``
+        pickles a failed save's error on its coordinator and raises it on every rank; a
+        multiprocessing pool does the same. A field that does not pickle (a live file, an
+        exception of a foreign type) is left out: the message still names it."""
+        fields = _picklable(self.__dict__)
+        if isinstance(self, OSError):  # kept in the exception's slots, not its __dict__
+            slots = {"errno": self.errno, "strerror": self.strerror}
+            fields |= _picklable({k: v for k, v in slots.items() if v is not None})
+        return (_unpickle, (type(self), self.args, fields))
+
+
+def _picklable(fields: dict[str, Any]) -> dict[str, Any]:
+    kept = {}
+    for k, v in fields.items():
+        try:
+            pickle.dumps(v)
+        except Exception:  # any failure to pickle drops the field, never the error
+            continue
+        kept[k] = v
+    return kept
+
+
+def _unpickle(cls: type[CkptError], args: tuple[Any, ...], fields: dict[str, Any]) -> CkptError:
+    exc = _bare(cls)
+    Exception.__init__(exc, *args)
+    for k, v in fields.items():
+        setattr(exc, k, v)
+    return exc
+
+
+def _bare(cls: type[CkptError]) -> CkptError:
+    """An instance of ``cls`` with no constructor run. Python lets only the ``__new__`` of the
+    built-in base that fixes the instance's layout (``OSError`` for a ``FileExistsError``
+    mix-in, ``BaseException`` for ``MemoryError``) make it: each built-in base is tried in turn."""
+    for base in cls.__mro__:
+        if base.__module__ != "builtins" or base is object:
+            continue
+        try:
+            return base.__new__(cls)  # type: ignore[no-any-return, call-overload]
+        except TypeError:  # "X.__new__(cls) is not safe": another base owns the layout
+            continue
+    raise TypeError(f"{cls.__name__} cannot be unpickled")  # unreachable for an Exception
 
 
 class CkptWarning(UserWarning):

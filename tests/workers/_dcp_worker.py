@@ -105,7 +105,8 @@ def count(saved: dict[str, Any], out: Path, rank: int, size: int, repeats: int =
     """The torch.distributed collectives (and the seconds, median of ``repeats``) of one
     ``dcp.save`` with ckptfmt's ``Writer`` and with DCP's ``FileSystemWriter``; then a save
     whose object rank 0 cannot serialise (in ``write_data``, on rank 0 alone): it fails on every
-    rank and leaves nothing. Rank 0 writes ``<out>/count-<size>.json``."""
+    rank and leaves nothing; then a save onto the first checkpoint, refused on every rank with
+    the coordinator's error (pickled by DCP). Rank 0 writes ``<out>/count-<size>.json``."""
     report: dict[str, Any] = {}
     for kind in ("ckptfmt", "filesystem"):
         counts, times = [], []
@@ -129,6 +130,14 @@ def count(saved: dict[str, Any], out: Path, rank: int, size: int, repeats: int =
     outcomes: list[Any] = [None] * size
     dist.all_gather_object(outcomes, outcome)  # every rank's, for rank 0's report
     report["failed"] = outcomes
+    taken: Any = None  # a save onto a committed checkpoint: refused on every rank, clearly
+    try:
+        dcp.save(saved, storage_writer=Writer(out / "count-ckptfmt-0", step=99))
+    except CheckpointException as exc:
+        taken = sorted(f"{type(e).__name__}: {e}" for e, _tb in exc.failures.values())
+    outcomes = [None] * size
+    dist.all_gather_object(outcomes, taken)
+    report["onto_existing"] = outcomes
     report["failed_left"] = sorted(p.name for p in out.iterdir() if "count-failed" in p.name)
     if rank == 0:
         (out / f"count-{size}.json").write_text(json.dumps(report))

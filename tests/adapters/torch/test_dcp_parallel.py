@@ -132,7 +132,9 @@ def test_the_writer_makes_no_collective_of_its_own(tmp_path: Path) -> None:
     collectives that DCP's ``FileSystemWriter`` does, no more (DCP's gather and scatter of the
     plans, its gather of the write results and the broadcast of the outcome), the same every
     save; a save whose object rank 0 cannot serialise (in ``write_data``: rank 0 alone knows)
-    fails on both ranks and leaves nothing behind."""
+    fails on both ranks and leaves nothing behind; a save onto a committed checkpoint is refused
+    on both ranks with the coordinator's ``DestinationExistsError`` (DCP pickles it: a
+    ``CkptError`` whose constructor takes its fields must still unpickle)."""
     job(tmp_path, "count", 2)
     report = json.loads((tmp_path / "count-2.json").read_text())
     ours, theirs = report["ckptfmt"]["counts"], report["filesystem"]["counts"]
@@ -142,6 +144,8 @@ def test_the_writer_makes_no_collective_of_its_own(tmp_path: Path) -> None:
     for outcome in report["failed"]:  # every rank raised, naming rank 0's error
         assert outcome and "lambda" in " ".join(outcome), report["failed"]
     assert report["failed_left"] == []
+    for outcome in report["onto_existing"]:  # the coordinator's error, rebuilt on every rank
+        assert outcome and all("DestinationExistsError: refusing to save to" in o for o in outcome)
     assert not (tmp_path / "count-failed").exists()
     print(  # the figures (run with -s to see them)
         f"dcp.save on 2 ranks: collectives {ours[0]} (FileSystemWriter: {theirs[0]}); "
