@@ -226,6 +226,7 @@ def part_load(args: argparse.Namespace, root: Path, saved: dict[str, Any]) -> di
     ck_files = _files(p["ckptfmt"])
     buf = np.empty(saved["files_bytes"]["ckptfmt"], dtype=np.uint8)
     times: dict[str, list[float]] = {m: [] for m in LOAD_METHODS}
+    cpu: dict[str, list[float]] = {m: [] for m in LOAD_METHODS}  # this process, all threads
     for r in range(args.rounds + 1):
         k = r % len(LOAD_METHODS)
         order = LOAD_METHODS[k:] + LOAD_METHODS[:k]
@@ -236,6 +237,7 @@ def part_load(args: argparse.Namespace, root: Path, saved: dict[str, Any]) -> di
                     t.fill_(0.0)
             buf.fill(0)
             _warm(p["ckptfmt"] if m == "raw" else p[m.removesuffix("_into")])
+            c0 = time.process_time()
             t0 = time.perf_counter()
             if m == "raw":
                 got = raw_read(ck_files, buf)
@@ -244,11 +246,27 @@ def part_load(args: argparse.Namespace, root: Path, saved: dict[str, Any]) -> di
             else:
                 load_into(m, model, opt, p)
                 dt = time.perf_counter() - t0
-                if r == 0 and digest(model, opt) != saved["digest"]:
-                    raise SystemExit(f"{m}: the loaded state differs from the saved one")
+            dc = time.process_time() - c0
+            if m != "raw" and r == 0 and digest(model, opt) != saved["digest"]:
+                raise SystemExit(f"{m}: the loaded state differs from the saved one")
             if r > 0:
                 times[m].append(dt)
-    return {"times": times, **_summary(times, "ckptfmt")}
+                cpu[m].append(dc)
+    return {"times": times, **_summary(times, "ckptfmt"), "cpu": _cpu(cpu, "ckptfmt")}
+
+
+def _cpu(cpu: dict[str, list[float]], ours: str) -> dict[str, Any]:
+    """CPU seconds (every thread of the timed processes) per method: what the work costs
+    whatever else the shared machine runs, which stretches wall clocks far more."""
+    return {
+        "times": cpu,
+        "median_s": {m: statistics.median(v) for m, v in cpu.items() if v},
+        "paired": {
+            m: statistics.median(a / b for a, b in zip(v, cpu[ours]) if b > 0)
+            for m, v in cpu.items()
+            if v and m != ours
+        },
+    }
 
 
 def _summary(times: dict[str, list[float]], ours: str) -> dict[str, Any]:
@@ -367,6 +385,7 @@ def mpi_lost(args: argparse.Namespace) -> None:
     mgr.wait()
     lost_dir = root / f"n{args.lose}" / step_dir_name(1)
     times: dict[str, list[float]] = {"intact": [], "lost": []}
+    cpu: dict[str, list[float]] = {"intact": [], "lost": []}  # every rank's, summed
     rebuild: list[float] = []
     rewrite: list[float] = []  # the background write's time left once restore returned
     for r in range(args.rounds + 1):
@@ -382,10 +401,12 @@ def mpi_lost(args: argparse.Namespace) -> None:
                 prof = cProfile.Profile()
                 prof.enable()
             comm.barrier()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             rep = mgr.restore(state)
             comm.barrier()
             dt = time.perf_counter() - t0
+            dc = time.process_time() - c0
             if prof is not None:
                 prof.disable()
                 prof.dump_stats(f"{args.profile}-{nodes}n-r{rank}.prof")
@@ -399,10 +420,12 @@ def mpi_lost(args: argparse.Namespace) -> None:
             mgr.wait()
             comm.barrier()
             left = time.perf_counter() - t1
+            all_cpu = sum(float(x) for x in comm.allgather_json(dc))
             if kind == "lost" and rep.rewrite not in ("", "written"):
                 raise SystemExit(f"rank {rank}: the rebuilt files: {rep.rewrite}")
             if r > 0:
                 times[kind].append(dt)
+                cpu[kind].append(all_cpu)
                 if kind == "lost":
                     rebuild.append(rep.rebuild_seconds)
                     rewrite.append(left)
@@ -416,6 +439,7 @@ def mpi_lost(args: argparse.Namespace) -> None:
             "nodes": nodes,
             "bytes_per_rank": sum(state[n].data.nbytes for n in names),
             **_summary(times, "intact"),
+            "cpu": _cpu(cpu, "intact"),
         }
         print("RESULT " + json.dumps(out), flush=True)
 
@@ -595,6 +619,16 @@ def markdown(res: dict[str, Any]) -> str:
         for m in ("ckptfmt", "ckptfmt_into"):
             ratio = ld["median_s"]["raw"] / ld["median_s"][m]
             lines.append(f"\n{m}: {ratio:.2f} of the raw read speed (raw: the same files)")
+        if "cpu" in ld:
+            c = ld["cpu"]
+            lines.append(
+                "\nCPU s (median; paired ratio to ckptfmt): "
+                + ", ".join(
+                    f"{m} {c['median_s'][m]:.3f}"
+                    + ("" if m == "ckptfmt" else f" ({c['paired'][m]:.2f})")
+                    for m in LOAD_METHODS
+                )
+            )
     if "restart" in res:
         rs = res["restart"]
         lines += [
@@ -624,6 +658,14 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {lo['slowdown']:.2f}x ({lo['paired']['lost']:.2f}x) "
                 f"| {statistics.median(left):.3f} |"
             )
+        for n, lo in res["lost"].items():
+            if "cpu" in lo:
+                c = lo["cpu"]
+                lines.append(
+                    f"\n{n} nodes, CPU s of all ranks (median): intact "
+                    f"{c['median_s']['intact']:.3f}, lost {c['median_s']['lost']:.3f} "
+                    f"(paired lost / intact {c['paired']['lost']:.2f}x)"
+                )
     for part, base in (("lightning", "torch"), ("hf", "hf")):
         if part in res:
             pr = res[part]

@@ -176,8 +176,12 @@ def load(
     into a temporary directory, the source only read; every tensor read whole, ``into``
     unused). Several ranks read level-1 copies through ``CheckpointManager.restore``.
 
-    All or nothing: names, shapes, dtypes and boxes are checked before anything is written, so a
-    load that raises leaves every tensor and object of ``state_dict`` as it was. A dtype that
+    All or nothing: names, shapes, dtypes and boxes are checked before anything is written, and
+    the data is read into buffers of the load's own and every chunk's CRC32C checked before a
+    byte of it is copied into a tensor, so a load that raises (damage included) leaves every
+    tensor and object of ``state_dict`` as it was. That costs a second copy of the state in
+    memory and in time (``into=True`` saves both); landing in the tensors first would need a
+    copy of their old contents to put back, which costs as much. A dtype that
     differs from the saved one is refused unless ``cast`` allows it (``"safe"``: no value
     changes, ``"any"``; ``ckptfmt.tree.casting``); every conversion is reported as a
     ``ckptfmt.errors.CastWarning``.

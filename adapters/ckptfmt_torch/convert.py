@@ -84,8 +84,15 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+_PLAIN = (torch.Tensor, np.ndarray, dict, list, tuple, str, bytes, int, float, type(None))
+
+
 def is_stateful(obj: Any) -> bool:
-    return isinstance(obj, Stateful) and not isinstance(obj, torch.Tensor)
+    # the plain types first: a Protocol's isinstance looks its methods up, which a load's
+    # walk over hundreds of tensors paid for each of them
+    if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
+        return False
+    return isinstance(obj, Stateful)
 
 
 # --- tensors <-> numpy ----------------------------------------------------------------------------

@@ -17,31 +17,35 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import numpy as np
 
 from ckptfmt.errors import MissingFileError, SizeMismatchError
-from ckptfmt.format.zarr_meta import documents
+from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.redundancy.record import member_files
-from ckptfmt.storage.files import ClosedOnExit, Inside, ReadHandle, doc_bytes
+from ckptfmt.storage.files import ClosedOnExit, Inside, ReadHandle
 
 __all__ = ["MemberFiles", "MemoryHandle"]
 
 
 class MemoryHandle(ClosedOnExit):
     """A :class:`~ckptfmt.storage.files.ReadHandle` over bytes already in memory (one data
-    file's part of a member buffer); reads are copies, chunk by chunk like a local file's."""
+    file's part of a member buffer); reads are copies, chunk by chunk like a local file's.
+    ``checked``: the bytes were checked against every CRC of the file when they were read from
+    storage into that buffer (``format.chunk_reads.read_chunks`` does not compute their chunk
+    CRCs again); False for bytes a rebuild made, which the reader checks."""
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "checked")
     read_batch = 0
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(self, data: memoryview, checked: bool = False) -> None:
         self._data = data
+        self.checked = checked
 
     def pread(self, n: int, offset: int) -> bytes:
         return bytes(self._data[offset : offset + n])
@@ -67,7 +71,9 @@ class MemberFiles:
     node's step directory (named in messages); ``disk``: it, when it holds this save (a
     survivor's), else None (the directory is gone: only this rank's own files are here);
     ``text``: the agreed manifest; ``member``: this rank's member data (``rank``'s files in
-    manifest order, back to back)."""
+    manifest order, back to back); ``checked``: whether ``member`` is as read from disk with
+    every CRC of every file checked (a survivor's: ``engine.rebuild.read_status``), so that a
+    load does not compute its chunk CRCs a second time (a rebuilt member's are computed)."""
 
     reads_in_flight = 1
     reads_parts = True
@@ -80,12 +86,14 @@ class MemberFiles:
         text: bytes,
         rank: int,
         member: np.ndarray,
+        checked: bool = False,
     ) -> None:
         self._root = root
         self._disk = disk
         self._manifest = manifest
         self._text = text
-        self._docs: Mapping[str, bytes] | None = None
+        self._checked = checked
+        self._docs: DocChecker | None = None
         self._files: dict[str, memoryview] = {}
         off = 0
         for _, ref in member_files(manifest, rank):
@@ -97,9 +105,9 @@ class MemberFiles:
         return str(self._root)
 
     def _doc(self, rel: str) -> bytes | None:
-        if self._docs is None:
-            self._docs = {k: doc_bytes(v) for k, v in documents(self._manifest).items()}
-        return self._docs.get(rel)
+        if self._docs is None:  # each distinct document encoded once (DocChecker's cache)
+            self._docs = DocChecker(self._manifest)
+        return self._docs.expected_bytes(rel) if rel in self._docs.docs else None
 
     def read(self, rel: str, limit: int) -> bytes:
         if rel == MANIFEST_NAME:
@@ -121,7 +129,7 @@ class MemberFiles:
             raise MissingFileError(rel, tensors).in_checkpoint(self.root)
         if len(data) != size:
             raise SizeMismatchError(rel, size, len(data), tensors).in_checkpoint(self.root)
-        return MemoryHandle(data)
+        return MemoryHandle(data, self._checked)
 
     def check_size(self, rel: str, size: int, tensors: tuple[str, ...] = ()) -> None:
         data = self._files.get(rel)

@@ -86,11 +86,18 @@ def read_chunks(
     every chunk's CRC32C checked; with ``whole`` (``slots`` are all in-bounds chunks) the file's
     data CRC too. Returns the chunks' CRC32Cs (so that a caller reading a file in several parts
     can check its data CRC once it has every chunk). Raises a
-    :class:`~ckptfmt.errors.DamagedError` naming the checkpoint and the file."""
+    :class:`~ckptfmt.errors.DamagedError` naming the checkpoint and the file.
+
+    A handle whose ``checked`` attribute is True serves bytes this process has already checked
+    against every CRC of the file as it read them from storage (``engine.member_files``: a
+    restore's member data, read and checked once for the rebuild): their chunk CRCs are taken
+    as stored instead of being computed again; the index's CRC and the file's data CRC against
+    the manifest are still checked."""
     size = ref.size
     with src.open_exact(ref.path, ref.size, tensors) as handle:
         nb = geo.chunk_nbytes + CRC_BYTES
         batch = max(_BATCH, handle.read_batch)
+        checked = getattr(handle, "checked", False) is True
         if 0 < size <= handle.read_batch and 2 * len(slots) * nb >= size:
             # an object in a bucket read mostly: one GET of it whole, not the index's and then
             # the chunks' (each request a round trip); every check below runs as before, on
@@ -138,8 +145,11 @@ def read_chunks(
                 handle.read_into(bufs, spans[i][0])
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
-            actual = [crc32c(targets[k]) for k in range(i, j)]
             want = struct.unpack_from(f"<{j - i}I", stored, i * CRC_BYTES)
+            # bytes this process already checked against these CRCs as it read them from
+            # storage (a restore's member buffer) are not checked twice; the file's data CRC
+            # below still holds their stored CRCs to the manifest's
+            actual = list(want) if checked else [crc32c(targets[k]) for k in range(i, j)]
             if actual != list(want):
                 k = next(k for k in range(j - i) if actual[k] != want[k])
                 raise ChecksumError(ref.path, f"chunk {slots[i + k]}", want[k], actual[k], tensors)

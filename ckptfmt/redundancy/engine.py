@@ -91,8 +91,12 @@ def run_ops(
     received = 0
     _take_tmp_chunks(ops, chunk, local)
     sending: list[Sending] = []  # sends go on while this rank moves on to its next ops
+    written: set[tuple[int, str, int]] = set()
     for op in ops:
-        received += _run_op(op, n, members, sizes, chunk, local, transport, sending)
+        key = (op.dst, op.dst_kind, op.dst_index)
+        first = key not in written  # the destination still holds the zeros it starts with
+        written.add(key)
+        received += _run_op(op, n, members, sizes, chunk, local, transport, sending, first)
     for s in sending:
         s.wait()
     return received
@@ -125,8 +129,13 @@ def _run_op(
     local: Mapping[int, MemberBuffers],
     transport: Transport | None,
     sending: list[Sending],
+    first: bool = False,
 ) -> int:
-    """One op on this rank: compute it, start sending its source, or receive into it."""
+    """One op on this rank: compute it, start sending its source, or receive into it.
+    ``first``: no earlier op of the list wrote its destination, which still holds zeros (what
+    the ops write into is zeroed before they run: lost pieces by the caller, ``"tmp"`` chunks
+    here), so a received chunk taken whole (coefficient 1) lands there as it is: no scratch
+    and no XOR pass over it (a lost member's data, from its stripes' decoders)."""
     src_here, dst_here = op.src in local, op.dst in local
     if not (src_here or dst_here):
         return 0
@@ -149,6 +158,9 @@ def _run_op(
     else:
         if transport is None:
             raise UsageError("a rebuild op needs a remote member but there is no transport")
+        if first and op.coef == 1:
+            transport.recv(dst, members[op.src], TAG)
+            return int(dst.size)
         tmp = scratch(dst.size)
         transport.recv(tmp, members[op.src], TAG)
         mul_xor_into(dst, op.coef, tmp)

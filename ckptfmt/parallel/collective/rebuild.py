@@ -155,10 +155,14 @@ class Rebuilt:
         return bool(self.report.lost_data or self.report.lost_parity)
 
     def files(self, rank: int) -> MemberFiles:
-        """What a collective load reads on this rank: its member data from memory (see
-        ``engine.member_files``), the rest from its node's directory when intact."""
+        """What a collective load reads on this rank (``rank``: this rank's own, whose member
+        buffer this is): its member data from memory (see ``engine.member_files``), the rest
+        from its node's directory when intact."""
         disk = Inside(self.path) if self.intact_dirs[rank] else None
-        return MemberFiles(self.path, disk, self.manifest, self.text, rank, self.bufs.data)
+        # a survivor's member data was read with every CRC checked (``read_status``); a
+        # rebuilt one's is checked by the load
+        checked = self.mine.data_ok
+        return MemberFiles(self.path, disk, self.manifest, self.text, rank, self.bufs.data, checked)
 
 
 def rebuild_collective(

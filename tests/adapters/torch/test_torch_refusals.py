@@ -14,6 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from kit.faults import flip
 
 torch = pytest.importorskip("torch")
 
@@ -24,6 +25,7 @@ import ckptfmt  # noqa: E402
 from ckptfmt import WriteOptions  # noqa: E402
 from ckptfmt.errors import (  # noqa: E402
     CastWarning,
+    CkptError,
     DtypeMismatchError,
     UnsupportedValueError,
     UrlNotSupportedError,
@@ -386,3 +388,19 @@ def test_training_state_loads_a_reshard_that_dropped_per_rank_state(tmp_path: Pa
     assert (ts2.sampler.epoch, ts2.sampler.consumed) == (0, 4)
     assert ts2.counters == {"step": 7}
     assert raw(model2.weight) == raw(model.weight) and raw(model2.bias) == raw(model.bias)
+
+
+@pytest.mark.parametrize("damaged", ["a", "b"])
+def test_damage_found_by_a_load_leaves_every_destination_untouched(
+    tmp_path: Path, damaged: str
+) -> None:
+    """The default load checks every chunk's CRC before it writes a byte into a tensor: the
+    damage of either tensor, found after the other was read whole, leaves both as they were."""
+    ckptfmt_torch.save({"a": torch.arange(6.0), "b": torch.ones(3, 4)}, tmp_path / "c")
+    (shard,) = [f for f in (tmp_path / "c" / damaged / "c").rglob("*") if f.is_file()]
+    flip(shard)  # a byte of its first chunk's payload
+    a, b = torch.full((6,), -1.5), torch.full((3, 4), 7.0)
+    before = (raw(a), raw(b))
+    with pytest.raises(CkptError, match=r"checksum|CRC"):
+        ckptfmt_torch.load({"a": a, "b": b}, tmp_path / "c", read=ckptfmt.ReadOptions(threads=1))
+    assert (raw(a), raw(b)) == before
