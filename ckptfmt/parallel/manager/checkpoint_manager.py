@@ -71,6 +71,7 @@ from ckptfmt.parallel.manager.save_job import (
 )
 from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.plan.options import ReadOptions
+from ckptfmt.storage.slots import Slots
 from ckptfmt.storage.steps import StepRef, parse_step
 from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.tree.casting import Cast, check_policy
@@ -212,6 +213,12 @@ class CheckpointManager:
         self.last_restore: RestoreReport | None = None
         self._outcomes = Outcomes(self.on_error, self.on_save)
         self._calls = Calls(self.comm, self.deadline_s)
+        recycle = self.settings.recycle_level1 and not self.incremental
+        self._slots = (
+            Slots(self.local_root, fsync=self.write.fsync)
+            if recycle and self.local_root is not None
+            else None
+        )
         self._retention = Retention(
             self.levels,
             self.local_root,
@@ -221,6 +228,7 @@ class CheckpointManager:
             fault=self.fault,
             outcomes=self._outcomes,
             incremental=self.incremental,
+            slots=self._slots,
         )
         self._stager = Stager(self.comm, self.deadline_s, self.write, pool)
 
@@ -249,6 +257,7 @@ class CheckpointManager:
             fallback_to_shared=self.fallback_to_shared,
             incremental=self.incremental,
             saves_in_flight=self.settings.saves_in_flight,
+            slots=self._slots,
         )
         self._saver = Saver(
             self.comm.dup(),
