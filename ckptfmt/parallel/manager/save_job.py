@@ -575,9 +575,10 @@ class Saver:
         base = newest_base(root) if s.incremental else None
         linked: dict[str, Any] = {}
         self._linked = linked if s.incremental else None
-        where: Path | DirectoryStore = root / step_dir_name(step)
+        final = root / step_dir_name(step)
+        where: Path | DirectoryStore = final
         if level == 1 and s.slots is not None:  # a recycled step directory, if one is spare
-            where = DirectoryStore(where, slots=s.slots)
+            where = DirectoryStore(final, slots=s.slots)
         with metering("save", s.progress) as meter:
             manifest, _ = save_collective(
                 self.bg,
