@@ -63,7 +63,8 @@ def kill_mid_rewrite(root: Path, rank: int) -> None:
         seen.append(str(path))
         if len(seen) == 1:
             return real(path, pieces, fsync, copy_to, in_place)
-        data = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+        batches = pieces.batches() if isinstance(pieces, files.Stream) else [pieces]
+        data = b"".join(bytes(memoryview(p).cast("B")) for batch in batches for p in batch)
         staging = next(p for p in Path(path).parents if p.name.startswith(".step-"))
         record = {"staging": str(staging), "written": seen}
         (root / f"killed-{rank}.json").write_text(json.dumps(record))

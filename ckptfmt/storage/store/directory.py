@@ -17,7 +17,7 @@ from typing import Any
 from ckptfmt.errors import NotACheckpointError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import Buffer, Inside, make_dirs, write_gather
+from ckptfmt.storage.files import Buffer, Inside, Stream, make_dirs, write_gather
 from ckptfmt.storage.slots import Slots, sweep
 
 
@@ -126,8 +126,15 @@ class DirectoryDraft:
         return target
 
     def set(
-        self, rel: str, pieces: Sequence[Buffer], *, fsync: bool = True, copy_to: Any = None
+        self,
+        rel: str,
+        pieces: Sequence[Buffer] | Stream,
+        *,
+        fsync: bool = True,
+        copy_to: Any = None,
     ) -> int:
+        """As ``Draft.set``; ``pieces`` may also be a :class:`~ckptfmt.storage.files.Stream`
+        (a shard file whose chunk CRCs are computed as it is written)."""
         return write_gather(
             self._target(rel), pieces, fsync, copy_to=copy_to, in_place=self.in_place
         )
