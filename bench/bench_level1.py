@@ -114,6 +114,7 @@ class Rank:
         self.step = 0
         self.mgr: Any = None
         self.pending: list[Path] = []
+        self.inodes: dict[int, set[int]] = {}
 
     # --- collective helpers ----------------------------------------------------------------
 
@@ -199,7 +200,13 @@ class Rank:
         state = self.state()
         self.step += 1
         step = self.step
-        return self.timed(lambda: self.mgr.save(step, state, donate=True))
+        dt = self.timed(lambda: self.mgr.save(step, state, donate=True))
+        if self.rank == 0:  # the node's directory: which inodes the step's data files have
+            where = self.mgr.local_root / f"step-{step:010d}"
+            self.inodes[step] = {
+                p.stat().st_ino for p in where.rglob("*") if p.is_file() and "/c/" in str(p)
+            }
+        return dt
 
     def run_torch_save(self) -> float:
         import torch
@@ -315,14 +322,12 @@ def rank_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def reuse_seen(r: Rank) -> dict[str, int] | None:
-    """How many data files of the newest step share their inode with a file of the same path
-    two saves before (kept as a slot): evidence that the timed saves wrote in place. The newest
-    step's inodes are compared against the recorded ones of the previous steps."""
-    root = r.mgr.local_root
-    newest = root / f"step-{r.step:010d}"
-    files = [p for p in newest.rglob("*") if p.is_file() and "/c/" in str(p)]
-    return {"data_files": len(files), "recycled_slots": len(list((root / ".slots").glob("*")))}
+def reuse_seen(r: Rank) -> dict[str, int]:
+    """How many ckptfmt saves wrote every data file into a file of the step three saves before
+    (recycled with keep_local=2): the same inodes. Evidence that the saves wrote in place."""
+    steps = sorted(r.inodes)
+    reused = sum(1 for s in steps if s - 3 in r.inodes and r.inodes[s] == r.inodes[s - 3])
+    return {"saves": len(steps), "into_a_slot": reused}
 
 
 def git_head() -> str:
@@ -347,10 +352,18 @@ def summarize(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             "rounds": len(next(iter(part["times"].values()))),
             "slot_reuse": part.get("slot_reuse"),
         }
+        row["range_s"] = {m: [min(v), max(v)] for m, v in part["times"].items() if v}
         if "ckptfmt" in med:
+            ck = part["times"]["ckptfmt"]
             row["ckptfmt_speedup"] = {
                 m: med[m] / med["ckptfmt"] for m in med if m != "ckptfmt"
             }  # > 1: ckptfmt faster
+            # the median of the same round's ratios: two methods timed seconds apart
+            row["ckptfmt_speedup_paired"] = {
+                m: statistics.median(a / b for a, b in zip(part["times"][m], ck))
+                for m in med
+                if m != "ckptfmt"
+            }
         rows.append(row)
     return {
         "commit": git_head(),
@@ -367,15 +380,18 @@ def table(summary: dict[str, Any]) -> str:
         f"commit {summary['commit']}, {summary['when']}, {summary['machine']}, "
         f"load average at the end {summary['loadavg_end'][0]:.1f}",
         "",
-        "| ranks | method | median s | GiB/s (all ranks) | ckptfmt speed-up vs this |",
+        "| ranks | method | median s (min-max) | GiB/s (all ranks) | ckptfmt faster by (paired) |",
         "|---|---|---|---|---|",
     ]
     for row in summary["rows"]:
         for m, t in row["median_s"].items():
+            lo, hi = row["range_s"][m]
             speed = row.get("ckptfmt_speedup", {}).get(m)
+            paired = row.get("ckptfmt_speedup_paired", {}).get(m)
             out.append(
-                f"| {row['ranks']} | {LABELS[m]} | {t:.3f} | {row['gib_per_s'][m]:.2f} | "
-                + (f"{speed:.2f}x" if speed is not None else "-")
+                f"| {row['ranks']} | {LABELS[m]} | {t:.3f} ({lo:.3f}-{hi:.3f}) | "
+                f"{row['gib_per_s'][m]:.2f} | "
+                + (f"{speed:.2f}x ({paired:.2f}x)" if speed is not None else "")
                 + " |"
             )
     return "\n".join(out)

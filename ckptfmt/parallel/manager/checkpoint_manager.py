@@ -147,6 +147,14 @@ class CheckpointManager:
     a restore that falls back to another step or level starts a new series). ``fault``: a
     test's hook, called at the named points of each save and flush (``FaultHook``).
 
+    ``recycle_level1`` (default True): a level-1 step that retention drops is not deleted but
+    kept as a spare slot (``<local_dir>/.slots/``, out of the step names in one rename, its
+    manifest removed), and the next save overwrites its files in place, which skips the new
+    files' page allocation (``storage/slots.py``, ``spec/PROTOCOL.md`` §1). The slot is never
+    one of the ``keep_local`` newest steps, and is written only under the save's staging name,
+    so a save killed part-way leaves the kept steps whole and no torn step behind. It costs one
+    more step's room on level 1 at rest; False deletes instead. Never with ``incremental``.
+
     ``incremental``: each save records content hashes and is made against the newest
     committed step of its level (``spec/FORMAT.md`` §17), and each flush against the newest
     step on level 3: a shard file whose content is unchanged is hard-linked on a file system,
