@@ -191,7 +191,10 @@ def write_parity(
     crcs = [crc32c(parity[p * step : (p + 1) * step]) for p in range(k)]
     path = parity_path(rank)
     (staging / path).parent.mkdir(parents=True, exist_ok=True)
-    write_gather(staging / path, [parity.data], fsync, in_place=in_place)
+    if in_place:
+        write_gather(staging / path, [parity.data], fsync, in_place=True)
+    else:
+        write_gather(staging / path, [parity.data], fsync)
     return {"path": path, "size": int(parity.size), "crc32c": [int(x) for x in crcs]}
 
 

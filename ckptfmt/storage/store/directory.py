@@ -135,9 +135,9 @@ class DirectoryDraft:
     ) -> int:
         """As ``Draft.set``; ``pieces`` may also be a :class:`~ckptfmt.storage.files.Stream`
         (a shard file whose chunk CRCs are computed as it is written)."""
-        return write_gather(
-            self._target(rel), pieces, fsync, copy_to=copy_to, in_place=self.in_place
-        )
+        if self.in_place:
+            return write_gather(self._target(rel), pieces, fsync, copy_to=copy_to, in_place=True)
+        return write_gather(self._target(rel), pieces, fsync, copy_to=copy_to)
 
     def get(self, rel: str) -> bytes:
         return (self.staging / rel).read_bytes()
