@@ -176,16 +176,25 @@ def exchange(comm: Comm, layout: SetLayout, data: np.ndarray) -> np.ndarray:
 
 
 def write_parity(
-    staging: Path, rank: int, layout: SetLayout, parity: np.ndarray, fsync: bool
+    staging: Path,
+    rank: int,
+    layout: SetLayout,
+    parity: np.ndarray,
+    fsync: bool,
+    in_place: bool = False,
 ) -> dict[str, Any]:
     """Write this rank's parity file into its staging directory; its JSON for the record
-    (``path``, ``size``, ``crc32c``: one per parity chunk, partner: one for the copy)."""
+    (``path``, ``size``, ``crc32c``: one per parity chunk, partner: one for the copy).
+    ``in_place``: a recycled step's parity file there is overwritten (``storage/slots.py``)."""
     k = layout.red.code.parity_chunks()
     step = parity.size // k
     crcs = [crc32c(parity[p * step : (p + 1) * step]) for p in range(k)]
     path = parity_path(rank)
     (staging / path).parent.mkdir(parents=True, exist_ok=True)
-    write_gather(staging / path, [parity.data], fsync)
+    if in_place:
+        write_gather(staging / path, [parity.data], fsync, in_place=True)
+    else:
+        write_gather(staging / path, [parity.data], fsync)
     return {"path": path, "size": int(parity.size), "crc32c": [int(x) for x in crcs]}
 
 
@@ -196,16 +205,18 @@ def encode_collective(
     staging: Path,
     fsync: bool,
     failed: bool,
+    in_place: bool = False,
 ) -> dict[str, Any] | None:
     """Collective over the ranks of this rank's set, once its own files are written (or failed):
     exchange, then write the parity file. A rank whose data failed (``failed``) still takes part
     in the messages, since its set's members wait for them, but writes nothing; the save's data
     vote then fails everywhere. Returns the parity file's JSON (None when ``failed``); a failure
-    to write it raises (the caller's error boundary records it for the vote)."""
+    to write it raises (the caller's error boundary records it for the vote). ``in_place``:
+    the staging directory is a recycled step's, whose parity file is overwritten."""
     parity = exchange(comm, layout, data)
     if failed:
         return None
-    written = write_parity(staging, comm.rank, layout, parity, fsync)
+    written = write_parity(staging, comm.rank, layout, parity, fsync, in_place)
     current_meter().add(int(parity.size), "parity")
     return written
 

@@ -82,10 +82,13 @@ def staging_dir(final: Path, save_id: str) -> Path:
     return final.parent / f".{final.name}.tmp-{save_id}"
 
 
-def prepare(final: Path, save_id: str, overwrite: bool) -> Path:
+def prepare(
+    final: Path, save_id: str, overwrite: bool, take: Callable[[Path], bool] | None = None
+) -> Path:
     """Check the destination and create the staging directory; return it. An overwrite that a
     crash cut between its two renames is undone first (:func:`recover`): the checkpoint it was
-    replacing is the one there."""
+    replacing is the one there. ``take``: puts a recycled step directory at the staging path
+    (``storage.slots.Slots.take``) and says whether it did; else the directory is made empty."""
     recover(final)
     if final.exists() or final.is_symlink():
         if not final.is_dir() or final.is_symlink():
@@ -103,7 +106,8 @@ def prepare(final: Path, save_id: str, overwrite: bool) -> Path:
             )
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(final, save_id)
-    staging.mkdir()
+    if take is None or not take(staging):
+        staging.mkdir()
     return staging
 
 

@@ -75,6 +75,9 @@ SCENARIOS: dict[tuple[int, int], dict[str, Scenario]] = {
         "xor": Scenario("xor", lose=("n1",)),
         "partner": Scenario("partner", lose=("n0",)),  # n0 holds rank 0
         "corrupt-partner": Scenario("partner", flip=(("n1", "data"),)),
+        # steps 4 and 5 are written into recycled slots (keep_local=2): their data and parity
+        # files overwritten in place (storage/slots.py), then a node lost and rebuilt
+        "xor-recycled": Scenario("xor", lose=("n1",), steps=(1, 2, 3, 4, 5), restored=5),
     },
     (8, 4): {
         "xor": Scenario("xor", lose=("n2",)),
@@ -376,6 +379,22 @@ def test_restore_from_level1_never_reads_level3(run: Run) -> None:
             assert committed_steps(run.roots[name] / "l3") == [2, 4], name
         for res in results(run.out, f"{name}-restore", run.n, run.k):
             assert res["l3_events"] == [], (name, res["rank"], res["l3_events"][:5])
+
+
+@pytest.mark.mpi
+def test_recycled_slots_were_written_in_place(run: Run) -> None:
+    """``xor-recycled``: the surviving nodes hold the slot retention made of step 3 after step
+    5, so steps 4 and 5 were written into slots (data and parity in place); step 5 was rebuilt
+    and restored from them bit for bit (``test_lost_nodes_rebuilt_and_restored_from_level1``)."""
+    if "xor-recycled" not in SCENARIOS[(run.n, run.k)]:
+        pytest.skip("a scenario of the 4-rank job")
+    sc = SCENARIOS[(run.n, run.k)]["xor-recycled"]
+    for node in nodes(run.n, run.k):
+        if node in sc.lose:
+            continue
+        slots = l1(run.roots["xor-recycled"], node) / ".slots"
+        assert len(list(slots.iterdir())) == 1, node
+        assert committed_steps(l1(run.roots["xor-recycled"], node)) == [4, 5], node
 
 
 @pytest.mark.mpi

@@ -85,7 +85,7 @@ from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.redundancy.record import member_files
 from ckptfmt.storage.progress import current_meter
 from ckptfmt.storage.store.base import Draft, Store, StoreBase
-from ckptfmt.storage.store.directory import DirectoryStore
+from ckptfmt.storage.store.directory import DirectoryDraft, DirectoryStore
 from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
@@ -385,6 +385,7 @@ class _Save:
                         self._local_dir(),
                         write.fsync,
                         failed=b.failed,
+                        in_place=isinstance(self.draft, DirectoryDraft) and self.draft.in_place,
                     )
                     if tally is not None and parity is not None:
                         tally["parity_written_bytes"] = parity["size"]
@@ -512,6 +513,8 @@ class _Save:
             self.hook("manifest")
             data = dump_manifest(manifest)  # on every rank: a manifest too big fails them all
             if self.is_leader:
+                if isinstance(self.draft, DirectoryDraft):  # a recycled step's leftovers
+                    self.draft.sweep(manifest)
                 self.draft.stage_manifest(data, self.written, self.write_options.fsync)
         b.vote("manifest", cleanup=self.mine_staging)
         return manifest

@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -310,15 +310,20 @@ def retain(root: Path | None, keep: int, protect: set[int]) -> list[int]:
     return removed
 
 
-def retain_steps(root: Path | None, keep: set[int]) -> list[int]:
+def retain_steps(
+    root: Path | None, keep: set[int], retire: Callable[[Path], None] | None = None
+) -> list[int]:
     """Remove every committed step under ``root`` that is not in ``keep``; return those
-    removed. Called by one rank per directory, with the same ``keep`` on every node."""
+    removed. Called by one rank per directory, with the same ``keep`` on every node.
+    ``retire``: how a step goes (default ``commit.remove``; a manager's level 1 recycles it,
+    ``storage.slots.Slots.recycle``); either way it is out of sight in one rename first."""
     if root is None:
         return []
     removed = []
     for step, path in list_step_dirs(root):
         if step not in keep and commit.is_committed(path):
-            commit.remove(path)  # out of sight first: a reader never sees half a checkpoint
+            # out of sight first: a reader never sees half a checkpoint
+            (retire or commit.remove)(path)
             removed.append(step)
     return removed
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from ckptfmt.errors import CkptError, SaveFailedError
 from ckptfmt.storage import commit
+from ckptfmt.storage.slots import Slots
 from ckptfmt.storage.steps import list_step_dirs
 from ckptfmt.transport.comm import Comm
 
@@ -143,6 +144,7 @@ def make_room_on_nodes(
     mine: dict[str, Any] = {"node": node, "need": need, "leader": leader, "held": [], "free": 0}
     if leader:
         try:
+            Slots(root).clear()  # spare step directories (``storage/slots.py``) go first
             mine["held"] = directory_sizes(root)
             mine["free"] = free_bytes(root) if root.is_dir() else 0
         except OSError as exc:  # this node tells nothing: no step is removed for it

@@ -71,6 +71,7 @@ from ckptfmt.parallel.manager.save_job import (
 )
 from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.plan.options import ReadOptions
+from ckptfmt.storage.slots import Slots
 from ckptfmt.storage.steps import StepRef, parse_step
 from ckptfmt.transport.comm import Comm, SingleComm
 from ckptfmt.tree.casting import Cast, check_policy
@@ -146,6 +147,14 @@ class CheckpointManager:
     a restore that falls back to another step or level starts a new series). ``fault``: a
     test's hook, called at the named points of each save and flush (``FaultHook``).
 
+    ``recycle_level1`` (default True): a level-1 step that retention drops is not deleted but
+    kept as a spare slot (``<local_dir>/.slots/``, out of the step names in one rename, its
+    manifest removed), and the next save overwrites its files in place, which skips the new
+    files' page allocation (``storage/slots.py``, ``spec/PROTOCOL.md`` §1). The slot is never
+    one of the ``keep_local`` newest steps, and is written only under the save's staging name,
+    so a save killed part-way leaves the kept steps whole and no torn step behind. It costs one
+    more step's room on level 1 at rest; False deletes instead. Never with ``incremental``.
+
     ``incremental``: each save records content hashes and is made against the newest
     committed step of its level (``spec/FORMAT.md`` §17), and each flush against the newest
     step on level 3: a shard file whose content is unchanged is hard-linked on a file system,
@@ -212,6 +221,12 @@ class CheckpointManager:
         self.last_restore: RestoreReport | None = None
         self._outcomes = Outcomes(self.on_error, self.on_save)
         self._calls = Calls(self.comm, self.deadline_s)
+        recycle = self.settings.recycle_level1 and not self.incremental
+        self._slots = (
+            Slots(self.local_root, fsync=self.write.fsync)
+            if recycle and self.local_root is not None
+            else None
+        )
         self._retention = Retention(
             self.levels,
             self.local_root,
@@ -221,6 +236,7 @@ class CheckpointManager:
             fault=self.fault,
             outcomes=self._outcomes,
             incremental=self.incremental,
+            slots=self._slots,
         )
         self._stager = Stager(self.comm, self.deadline_s, self.write, pool)
 
@@ -249,6 +265,7 @@ class CheckpointManager:
             fallback_to_shared=self.fallback_to_shared,
             incremental=self.incremental,
             saves_in_flight=self.settings.saves_in_flight,
+            slots=self._slots,
         )
         self._saver = Saver(
             self.comm.dup(),

@@ -23,6 +23,7 @@ from ckptfmt.parallel.levels.layout import Levels, newest_base, retain_steps
 from ckptfmt.parallel.levels.pick import level3_of
 from ckptfmt.parallel.manager.outcomes import Calls, Outcomes
 from ckptfmt.storage import commit
+from ckptfmt.storage.slots import Slots
 from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm
 
@@ -53,8 +54,12 @@ class Retention:
         fault: FaultHook | None,
         outcomes: Outcomes,
         incremental: bool = False,
+        slots: Slots | None = None,
     ) -> None:
         self.levels = levels
+        # level 1's spare step directories: retention recycles a step there instead of
+        # deleting it, and the next save writes into it in place (``storage/slots.py``)
+        self.slots = slots
         self.incremental = incremental
         self.flush_linked: dict[str, Any] | None = None  # the last incremental flush's tallies
         self.local_root = local_root
@@ -75,13 +80,16 @@ class Retention:
         leader lists its committed level-1 steps; every node keeps the newest ``keep_local``
         steps of all nodes together (and ``protect``), so no node deletes a step another node
         still counts on; rank 0 keeps the newest ``keep_shared`` on level 3 (a failure there
-        that is ckptfmt's, a bucket out of reach, is logged: the save it follows is committed)."""
+        that is ckptfmt's, a bucket out of reach, is logged: the save it follows is committed).
+        With :attr:`slots`, a level-1 step dropped is recycled (``Slots.recycle``), not deleted:
+        the newest ``keep_local`` steps (and ``protect``) are never among them."""
         mine = [s for s, _ in committed(self.local_root)] if self.node_leader else []
         seen = comm.allgather_json(mine)
         if self.local_root is not None and self.node_leader:
             everywhere = sorted({s for x in seen for s in x})
             keep = set(everywhere[-self.keep_local :]) if self.keep_local > 0 else set(everywhere)
-            retain_steps(self.local_root, keep | protect)
+            retire = self.slots.recycle if self.slots is not None else None
+            retain_steps(self.local_root, keep | protect, retire)
         if comm.rank == 0:
             self._retain_shared(protect)
 

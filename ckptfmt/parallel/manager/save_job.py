@@ -59,7 +59,9 @@ from ckptfmt.parallel.manager.retention import Retention, newest_base
 from ckptfmt.parallel.manager.telemetry import SaveReport, Skips, data_bytes_of, parity_bytes_of
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.progress import ProgressCallback, metering
+from ckptfmt.storage.slots import Slots
 from ckptfmt.storage.steps import step_dir_name
+from ckptfmt.storage.store.directory import DirectoryStore
 from ckptfmt.transport.comm import Comm, start_background
 from ckptfmt.tree.state import Name, Objects, flatten
 
@@ -236,6 +238,7 @@ class SaveSettings:
     fallback_to_shared: bool
     incremental: bool = False  # each save against the newest committed step of its level
     saves_in_flight: int = 1  # the saves queued or running at once
+    slots: Slots | None = None  # level 1's spare step directories, written in place
 
 
 class Saver:
@@ -572,11 +575,15 @@ class Saver:
         base = newest_base(root) if s.incremental else None
         linked: dict[str, Any] = {}
         self._linked = linked if s.incremental else None
+        final = root / step_dir_name(step)
+        where: Path | DirectoryStore = final
+        if level == 1 and s.slots is not None:  # a recycled step directory, if one is spare
+            where = DirectoryStore(final, slots=s.slots)
         with metering("save", s.progress) as meter:
             manifest, _ = save_collective(
                 self.bg,
                 staged,
-                root / step_dir_name(step),
+                where,
                 step=step,
                 node=s.node,
                 group=group_key(s.node, level == 1),

@@ -1,5 +1,9 @@
 """A checkpoint in a directory of a POSIX file system: the draft is the staging directory
-``.<name>.tmp-<save_id>`` beside it, renamed into place by the commit (``storage.commit``)."""
+``.<name>.tmp-<save_id>`` beside it, renamed into place by the commit (``storage.commit``).
+
+With :class:`~ckptfmt.storage.slots.Slots` (a manager's level 1), the staging directory is a
+recycled step directory when one is spare, and every writer overwrites the files it finds there
+in place (``storage/slots.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ from typing import Any
 
 from ckptfmt.errors import NotACheckpointError
 from ckptfmt.manifest.codec import MANIFEST_NAME
+from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage import commit
-from ckptfmt.storage.files import Buffer, Inside, make_dirs, storage_full, write_gather
+from ckptfmt.storage.files import Buffer, Inside, Stream, make_dirs, storage_full, write_gather
+from ckptfmt.storage.slots import Slots, sweep
 
 SYNCS_IN_FLIGHT = 16
 """fsyncs a draft issues at once (:meth:`DirectoryDraft.sync`, the tree at
@@ -27,10 +33,13 @@ sixteen at a time)."""
 
 class DirectoryStore:
     """The checkpoint at the directory ``path`` (made absolute: ranks compare it as their
-    group key)."""
+    group key). ``slots``: the spare step directories of its root, of which the committer
+    takes one as its staging directory; every writer then writes in place (the same on every
+    writer of a checkpoint)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], slots: Slots | None = None) -> None:
         self.path = Path(path).absolute()
+        self.slots = slots
 
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.path)!r})"
@@ -49,10 +58,23 @@ class DirectoryStore:
     def prepare(self, save_id: str, overwrite: bool) -> DirectoryDraft:
         """Refuse a committed checkpoint (unless ``overwrite``) or a non-empty directory that is
         not one, undo an overwrite a crash cut, and make the staging directory."""
-        return DirectoryDraft(self.path, save_id, commit.prepare(self.path, save_id, overwrite))
+        taken: list[Path] = []
+        slots = self.slots
+
+        def take(staging: Path) -> bool:
+            if slots is not None and slots.take(staging):
+                taken.append(staging)
+                return True
+            return False
+
+        staging = commit.prepare(self.path, save_id, overwrite, take)
+        draft = DirectoryDraft(self.path, save_id, staging, in_place=slots is not None)
+        draft.recycled = bool(taken)
+        return draft
 
     def join(self, save_id: str) -> DirectoryDraft:
-        return DirectoryDraft(self.path, save_id, commit.staging_dir(self.path, save_id))
+        staging = commit.staging_dir(self.path, save_id)
+        return DirectoryDraft(self.path, save_id, staging, in_place=self.slots is not None)
 
     def files(self) -> Inside:
         if not self.is_committed():
@@ -70,13 +92,20 @@ class DirectoryDraft:
     writes_in_flight = 0
 
     def __init__(
-        self, final: Path, save_id: str, staging: Path, made: set[Path] | None = None
+        self,
+        final: Path,
+        save_id: str,
+        staging: Path,
+        made: set[Path] | None = None,
+        in_place: bool = False,
     ) -> None:
         self.final, self.save_id, self.staging = final, save_id, staging
         self._made: set[Path] = made if made is not None else set()
         self._made.add(staging)
         self._lock = threading.Lock()
         self._unsynced: list[Path] = []  # set with fsync=False, for sync()
+        self.in_place = in_place  # a file found in the staging directory is overwritten
+        self.recycled = False  # the committer's: the staging directory is a recycled step's
 
     @property
     def where(self) -> str:
@@ -95,16 +124,33 @@ class DirectoryDraft:
         target = self.staging / rel
         parent = target.parent
         if parent not in self._made:
-            make_dirs(parent)
+            try:
+                make_dirs(parent)
+            except (FileExistsError, NotADirectoryError):
+                if not self.in_place:
+                    raise
+                # a file of the recycled step where this step has a directory
+                _clear_files_above(self.staging, rel)
+                make_dirs(parent)
             with self._lock:
                 self._made.add(parent)
         return target
 
     def set(
-        self, rel: str, pieces: Sequence[Buffer], *, fsync: bool = True, copy_to: Any = None
+        self,
+        rel: str,
+        pieces: Sequence[Buffer] | Stream,
+        *,
+        fsync: bool = True,
+        copy_to: Any = None,
     ) -> int:
+        """As ``Draft.set``; ``pieces`` may also be a :class:`~ckptfmt.storage.files.Stream`
+        (a shard file whose chunk CRCs are computed as it is written)."""
         target = self._target(rel)
-        size = write_gather(target, pieces, fsync, copy_to=copy_to)
+        if self.in_place:
+            size = write_gather(target, pieces, fsync, copy_to=copy_to, in_place=True)
+        else:
+            size = write_gather(target, pieces, fsync, copy_to=copy_to)
         if not fsync:
             with self._lock:
                 self._unsynced.append(target)
@@ -132,7 +178,10 @@ class DirectoryDraft:
 
     def copy_from(self, source: Path, rel: str) -> bool:
         try:
-            os.link(source, self._target(rel), follow_symlinks=False)
+            target = self._target(rel)
+            if self.in_place:  # a recycled step's file is no copy of ``source``
+                target.unlink(missing_ok=True)
+            os.link(source, target, follow_symlinks=False)
         except OSError:
             return False
         return True
@@ -150,6 +199,12 @@ class DirectoryDraft:
                 files, self._unsynced = self._unsynced, []
             tree = [Path(d) for d, _, _ in os.walk(self.staging)]
             fsync_all([*files, self.staging / MANIFEST_NAME, *tree])
+
+    def sweep(self, manifest: Manifest) -> int:
+        """The committer of a draft made from a recycled step directory, once every writer is
+        done and before :meth:`stage_manifest`: remove what the step of ``manifest`` does not
+        hold (``slots.sweep``); how many files. Nothing for a fresh staging directory."""
+        return sweep(self.staging, manifest) if self.recycled else 0
 
     def publish(self, hook: Any = None, fsync: bool = True) -> Path | None:
         return commit.publish(self.staging, self.final, self.save_id, fsync, hook)
@@ -251,6 +306,15 @@ def _fsync(path: Path) -> None:
         if full is None:
             raise
         raise full from None
+
+
+def _clear_files_above(staging: Path, rel: str) -> None:
+    """Remove the files (of a recycled step) standing where the directories of ``rel`` go."""
+    at = staging
+    for part in rel.split("/")[:-1]:
+        at = at / part
+        if at.is_symlink() or (at.exists() and not at.is_dir()):
+            at.unlink(missing_ok=True)
 
 
 def draft_at(root: Path, made: set[Path] | None = None) -> DirectoryDraft:
