@@ -31,6 +31,7 @@ from ckptfmt.interop.export_plan import ExportFile, Planned
 from ckptfmt.interop.export_read import ReadAhead, cast_array
 from ckptfmt.maintenance.source import Source
 from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket, part_size
+from ckptfmt.storage.objects.commit import COMMIT_NAME
 from ckptfmt.storage.progress import current_meter
 
 
@@ -52,6 +53,12 @@ def check_bucket_out(bucket: Bucket, overwrite: bool, writes: Sequence[str] = ()
             bucket.url,
             f"{len(there)} object(s) are there already "
             "(--overwrite, overwrite=True, replaces a previous export)",
+        )
+    if COMMIT_NAME in there:
+        raise DestinationExistsError(
+            bucket.url,
+            f"a ckptfmt checkpoint is committed there ({COMMIT_NAME}): an export replaces only "
+            "an earlier export",
         )
     for key in there:
         if not export_key(key, writes):
