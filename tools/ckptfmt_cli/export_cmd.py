@@ -20,7 +20,7 @@ from ckptfmt import WriteOptions
 from ckptfmt.errors import UsageError
 from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors
 from ckptfmt.maintenance import upload_file
-from ckptfmt.storage.store import Location, parse_location
+from ckptfmt.storage import Location, parse_location
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.summary import human_bytes

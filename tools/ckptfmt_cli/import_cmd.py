@@ -20,7 +20,7 @@ from ckptfmt import WriteOptions
 from ckptfmt.errors import ForeignFormatError, UsageError
 from ckptfmt.interop import ImportReport, hf, import_safetensors
 from ckptfmt.maintenance import download_tree
-from ckptfmt.storage.store import Location, parse_location
+from ckptfmt.storage import Location, parse_location
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.reshard_cmd import node_names
 from ckptfmt_cli.summary import human_bytes
