@@ -32,7 +32,7 @@ from ckptfmt.interop.export_read import ReadAhead, cast_array
 from ckptfmt.maintenance.source import Source
 from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket, part_size
 from ckptfmt.storage.objects.commit import COMMIT_NAME
-from ckptfmt.storage.progress import current_meter
+from ckptfmt.storage.progress import Meter, current_meter
 
 
 def export_key(name: str, writes: Sequence[str] = ()) -> bool:
@@ -77,11 +77,11 @@ class _Failure:
 
 
 def _pieces(
-    reads: ReadAhead, tensors: Sequence[Planned], failure: _Failure
+    reads: ReadAhead, tensors: Sequence[Planned], failure: _Failure, meter: Meter
 ) -> Iterator[memoryview]:
     """The bytes of ``tensors`` in file order, each read (and cast) as it is reached; each
-    tensor's bytes counted on the progress meter once handed on."""
-    meter = current_meter()
+    tensor's bytes counted on ``meter`` (the caller's: the store's client may pull the parts
+    from a thread of its own) once handed on."""
     try:
         for p in tensors:
             arr = reads.take()
@@ -90,6 +90,8 @@ def _pieces(
             flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
             yield flat.data
             meter.add(p.nbytes, "write")
+    except GeneratorExit:  # closed before its end: the put failed, and says why itself
+        raise
     except BaseException as exc:
         failure.error = exc
         raise
@@ -115,7 +117,7 @@ def _put_file(bucket: Bucket, f: ExportFile, reads: ReadAhead) -> None:
     """Put the file ``f`` at ``U/<f.name>``: header, then its tensors as they are read."""
     size = len(f.header) + sum(p.nbytes for p in f.tensors)
     failure = _Failure()
-    pieces = _pieces(reads, f.tensors, failure)
+    pieces = _pieces(reads, f.tensors, failure, current_meter())
     try:
         if size <= MULTIPART_ABOVE:
             blob = bytearray(f.header)

@@ -257,3 +257,29 @@ def test_an_import_over_a_bucket_checkpoint_killed_before_its_commit_keeps_the_o
         s3_proxy.clear()
     assert held, f"the import never reached the stop (status {proc.returncode}):\n{out[-3000:]}"
     _loads_as(url, old)
+
+
+def test_the_api_takes_a_url_or_a_store_for_out(s3: S3, tmp_path: Path) -> None:
+    """``export_safetensors`` to a URL reports its progress as into a directory;
+    ``import_safetensors`` into a :class:`MemoryStore` writes through it (no directory)."""
+    from ckptfmt.interop import export_safetensors, import_safetensors
+    from ckptfmt.storage.store import MemoryStore
+
+    model = _model(8, big=300_000)
+    src = tmp_path / "ckpt"
+    ckptfmt.save({"model": model}, src, write=SMALL)
+    seen: list[ckptfmt.Progress] = []
+    report = export_safetensors(src, f"{s3.url}/hf", max_shard_size="1MB", progress=seen.append)
+    assert report.destination == f"{s3.url}/hf" and len(report.files) == 3  # and the index
+    assert seen[-1].final and seen[-1].done == seen[-1].total == report.total_size
+    assert {p.op for p in seen} == {"export"}
+
+    export_safetensors(src, tmp_path / "hf", max_shard_size="1MB")
+    store = MemoryStore()
+    done = import_safetensors(tmp_path / "hf", store, step=4)
+    assert done.destination == store.where
+    loaded = ckptfmt.load(store)
+    for name, arr in model.items():
+        assert raw_bytes(loaded["model"][name]) == raw_bytes(arr), name
+    with pytest.raises(ckptfmt.CkptError, match="overwrite"):
+        import_safetensors(tmp_path / "hf", store)
