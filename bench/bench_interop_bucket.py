@@ -9,8 +9,9 @@ local directory, and its safetensors export beside it. Each round, for each tree
 * ``export``: ``ckptfmt export -q CKPT s3://b/hf-N`` (one file, the 5 GB default shard size);
 * ``import``: ``ckptfmt import -q HF s3://b/ckpt-N``.
 
-Each command runs in a process of its own; its peak RSS is the ``ru_maxrss`` of ``wait4``. The
-objects are deleted after each command. Medians of ``--rounds``.
+Each command runs in a process of its own; its peak RSS is its ``VmHWM`` (``/proc/self/status``,
+read at exit: ``ru_maxrss`` would carry this process's own peak, copied by the fork, across the
+exec). The objects are deleted after each command. Medians of ``--rounds``.
 
     python bench/bench_interop_bucket.py [--mib 256] [--rounds 5] [--before /tmp/ei-before]
 """
@@ -34,22 +35,33 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def run(tree: Path | None, env: dict[str, str], args: list[str]) -> tuple[float, int]:
+PEAK = (
+    "import atexit, os, sys\n"
+    "def peak():\n"
+    "    hwm = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+    "    open(os.environ['BENCH_PEAK_FILE'], 'w').write(hwm)\n"
+    "atexit.register(peak)\n"
+    "from ckptfmt_cli.main import main\n"
+    "sys.argv[0] = 'ckptfmt'\n"
+    "main()\n"
+)
+
+
+def run(
+    tree: Path | None, env: dict[str, str], args: list[str], peak_file: Path
+) -> tuple[float, int]:
     """Seconds and peak RSS (bytes) of ``ckptfmt ARGS`` run from ``tree`` (None: this one)."""
-    env = dict(env)
+    env = {**env, "BENCH_PEAK_FILE": str(peak_file)}
     if tree is not None:
         paths = [str(tree), str(tree / "tools"), str(tree / "adapters")]
         env["PYTHONPATH"] = os.pathsep.join(paths)
-    cmd = [sys.executable, "-m", "ckptfmt_cli", *args]
+    cmd = [sys.executable, "-c", PEAK, *args]
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    _, status, usage = os.wait4(proc.pid, 0)
+    done = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed ({proc.returncode}):\n{out}")
-    return seconds, usage.ru_maxrss * 1024
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr}")
+    return seconds, int(peak_file.read_text()) * 1024
 
 
 def main() -> None:
@@ -61,11 +73,14 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
 
+    import logging
+
     from kit.s3 import start_server
 
     import ckptfmt
     from ckptfmt import WriteOptions
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     server_gen = start_server()
     server = next(server_gen)
     os.environ.update(server.env)
@@ -100,14 +115,15 @@ def main() -> None:
         t: {"export_s": [], "export_rss": [], "import_s": [], "import_rss": []} for t in trees
     }
     n = 0
+    peak = work / "peak"
     for _ in range(args.rounds):
         for tree, where in trees.items():
             n += 1
-            s, rss = run(where, env, ["export", "-q", str(ckpt), f"s3://{name}/hf-{n}"])
+            s, rss = run(where, env, ["export", "-q", str(ckpt), f"s3://{name}/hf-{n}"], peak)
             results[tree]["export_s"].append(s)
             results[tree]["export_rss"].append(rss)
             clear()
-            s, rss = run(where, env, ["import", "-q", str(hf), f"s3://{name}/ck-{n}"])
+            s, rss = run(where, env, ["import", "-q", str(hf), f"s3://{name}/ck-{n}"], peak)
             results[tree]["import_s"].append(s)
             results[tree]["import_rss"].append(rss)
             clear()

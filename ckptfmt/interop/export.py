@@ -43,7 +43,7 @@ from ckptfmt.dtypes import by_name
 from ckptfmt.errors import DamagedError, DestinationExistsError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
-from ckptfmt.interop.export_bucket import check_bucket_out, write_to_bucket
+from ckptfmt.interop.export_bucket import BUCKET_WINDOW, check_bucket_out, write_to_bucket
 from ckptfmt.interop.export_plan import FLOATS, ExportFile, Planned, layout, plan, select
 from ckptfmt.interop.export_read import ReadAhead, cast_array
 from ckptfmt.interop.names import Rename, renames_of
@@ -320,6 +320,7 @@ def export_safetensors(
         meter.expect(sum(p.nbytes for p in planned))
         window = max(1, min(window_bytes or DEFAULT_WINDOW, max_bytes))
         if bucket is not None:
+            window = max(1, min(window_bytes or BUCKET_WINDOW, max_bytes))
             source, read = write_to_bucket(
                 source, files, planned, bucket, there, threads, window, extra
             )

@@ -2,8 +2,8 @@
 
 The output is a Hugging Face directory, not a ckptfmt checkpoint: other tools read it as plain
 keys ``U/<file>``, so it has no ``U/<save_id>/`` draft and no commit object. Each file is put
-straight from the tensors as they are read (the window of :class:`ReadAhead` ahead of the
-writer), with no local copy: a file up to :data:`MULTIPART_ABOVE` is assembled in memory and put
+straight from the tensors as they are read (:data:`BUCKET_WINDOW` ahead of the writer), with
+no local copy: a file up to :data:`MULTIPART_ABOVE` is assembled in memory and put
 in one PUT, a bigger one streamed in parts of ``part_size`` (``Bucket.upload_parts``: at most
 ``UPLOAD_CONCURRENCY`` parts in flight). Memory therefore stays within the read window plus
 those parts, whatever the size of the export.
@@ -33,6 +33,11 @@ from ckptfmt.maintenance.source import Source
 from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket, part_size
 from ckptfmt.storage.objects.commit import COMMIT_NAME
 from ckptfmt.storage.progress import Meter, current_meter
+
+BUCKET_WINDOW = 64 << 20
+"""The bytes read ahead of the upload (unless ``window_bytes`` says otherwise): the parts in
+flight already overlap the reads with the puts, so a window of a few parts keeps both busy
+(measured: ``bench/bench_interop_bucket.py``); memory stays within it plus those parts."""
 
 
 def export_key(name: str, writes: Sequence[str] = ()) -> bool:
