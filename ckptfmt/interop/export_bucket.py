@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from ckptfmt.interop import hf
 from ckptfmt.interop.export_plan import ExportFile, Planned
 from ckptfmt.interop.export_read import ReadAhead, cast_array
 from ckptfmt.maintenance.source import Source
-from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket, part_size
+from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket
 from ckptfmt.storage.objects.commit import COMMIT_NAME
 from ckptfmt.storage.progress import Meter, current_meter
 
@@ -102,22 +103,6 @@ def _pieces(
         raise
 
 
-def _parts(pieces: Iterable[memoryview], size: int) -> Iterator[bytes]:
-    """``pieces`` regrouped into parts of ``size`` bytes (the last shorter)."""
-    part = bytearray()
-    for piece in pieces:
-        view = piece
-        while view:
-            take = min(size - len(part), len(view))
-            part += view[:take]
-            view = view[take:]
-            if len(part) == size:
-                yield bytes(part)
-                part = bytearray()
-    if part:
-        yield bytes(part)
-
-
 def _put_file(bucket: Bucket, f: ExportFile, reads: ReadAhead) -> None:
     """Put the file ``f`` at ``U/<f.name>``: header, then its tensors as they are read."""
     size = len(f.header) + sum(p.nbytes for p in f.tensors)
@@ -132,27 +117,28 @@ def _put_file(bucket: Bucket, f: ExportFile, reads: ReadAhead) -> None:
                 raise CkptError(f"internal: an export file of {size} bytes got {len(blob)}")
             bucket.put(f.name, blob)
         else:
-            bucket.upload_parts(f.name, _stream(f.header, pieces, size), size)
+            # any buffer will do: the client copies the bytes into parts of its own size
+            stream = cast(Iterator[bytes], _stream(f.header, pieces, size))
+            bucket.upload_parts(f.name, stream, size)
     except BaseException:
         if failure.error is not None:
             raise failure.error from None
         raise
 
 
-def _stream(header: bytes, pieces: Iterator[memoryview], size: int) -> Iterator[bytes]:
-    """The parts of a file of ``size`` bytes: ``header``, then ``pieces``; a short file (the
-    plan and the bytes disagree) is an internal error, never a truncated object."""
-    sent = 0
-
-    def whole() -> Iterator[memoryview]:
-        yield memoryview(header)
-        yield from pieces
-
-    for part in _parts(whole(), part_size(size)):
-        sent += len(part)
-        yield part
+def _stream(header: bytes, pieces: Iterator[memoryview], size: int) -> Iterator[memoryview]:
+    """The bytes of a file of ``size`` bytes, as they come: ``header``, then ``pieces`` (the
+    client cuts them into its parts, ``Bucket.upload_parts``, without a copy here); a file
+    whose bytes disagree with the plan is an internal error, never a truncated object."""
+    sent = len(header)
+    yield memoryview(header)
+    for piece in pieces:
+        sent += piece.nbytes
+        if sent > size:
+            break
+        yield piece
     if sent != size:
-        raise CkptError(f"internal: an export file of {size} bytes got {sent}")
+        raise CkptError(f"internal: an export file of {size} bytes got {sent} or more")
 
 
 def write_to_bucket(
