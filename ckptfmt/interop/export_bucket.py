@@ -31,7 +31,7 @@ from ckptfmt.interop import hf
 from ckptfmt.interop.export_plan import ExportFile, Planned
 from ckptfmt.interop.export_read import ReadAhead, cast_array
 from ckptfmt.maintenance.source import Source
-from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket
+from ckptfmt.storage.objects.bucket import MULTIPART_ABOVE, Bucket, part_size
 from ckptfmt.storage.objects.commit import COMMIT_NAME
 from ckptfmt.storage.progress import Meter, current_meter
 
@@ -131,12 +131,14 @@ def _stream(header: bytes, pieces: Iterator[memoryview], size: int) -> Iterator[
     client cuts them into its parts, ``Bucket.upload_parts``, without a copy here); a file
     whose bytes disagree with the plan is an internal error, never a truncated object."""
     sent = len(header)
+    step = part_size(size)
     yield memoryview(header)
     for piece in pieces:
         sent += piece.nbytes
         if sent > size:
             break
-        yield piece
+        for at in range(0, piece.nbytes, step):  # the client copies a part at a time, not all
+            yield piece[at : at + step]
     if sent != size:
         raise CkptError(f"internal: an export file of {size} bytes got {sent} or more")
 
