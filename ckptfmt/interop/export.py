@@ -10,7 +10,9 @@ up front from the manifest (shapes and dtypes are known), so every file is writt
 
 The output appears whole or not at all: everything is written into a staging directory
 ``.<name>.export-<random>`` beside ``out`` (fsynced), then renamed to ``out``; a failure removes
-the staging directory, and a torn export leaves only a dot-named directory behind.
+the staging directory, and a torn export leaves only a dot-named directory behind. A bucket
+prefix (``s3://bucket/hf``) has no rename: the files are put there as plain keys, streamed,
+the index last (``export_bucket``).
 
 What is exported, under which names and in which files, is decided first (``export_plan``).
 
@@ -29,9 +31,8 @@ import mmap
 import os
 import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,16 +43,17 @@ from ckptfmt.dtypes import by_name
 from ckptfmt.errors import DamagedError, DestinationExistsError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
+from ckptfmt.interop.export_bucket import BUCKET_WINDOW, check_bucket_out, write_to_bucket
 from ckptfmt.interop.export_plan import FLOATS, ExportFile, Planned, layout, plan, select
+from ckptfmt.interop.export_read import ReadAhead, cast_array
 from ckptfmt.interop.names import Rename, renames_of
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Job, Source, open_source
 from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import TensorEntry
 from ckptfmt.storage.files import fsync_dir, write_gather
-from ckptfmt.storage.nodes import is_spread
-from ckptfmt.storage.objects.url import is_url
+from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
+from ckptfmt.storage.store import Location, LocationSpec, parse_location
 from ckptfmt.version import __version__
 
 DEFAULT_WINDOW = 256 << 20
@@ -129,7 +131,7 @@ def config_beside(src: NodeDirs) -> Path | None:
     ``checkpoint-N/config.json`` when ``src`` is ``checkpoint-N/ckptfmt`` (as given, a link to
     the manager's step not followed) or its directory holds ``trainer_state.json``; None for
     any other source (a bucket, level-1 copies, a checkpoint of no HF model)."""
-    if not isinstance(src, str | os.PathLike) or is_spread(src) or is_url(os.fspath(src)):
+    if not isinstance(src, str | os.PathLike) or parse_location(src).kind != "directory":
         return None
     given = Path(os.path.abspath(src))
     if given.name != HF_DATA_DIR and not (given.parent / HF_STATE).is_file():
@@ -182,60 +184,6 @@ def publish(staging: Path, out: Path, fsync: bool) -> None:
         fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-class _ReadAhead:
-    """Tensors read in order on a thread pool, up to ``window`` bytes ahead of the consumer
-    (always at least the next tensor, however large). ``dest(k)`` gives tensor ``k``'s
-    destination (None: a new array) and ``done(k)`` releases it once consumed."""
-
-    def __init__(
-        self,
-        source: Source,
-        order: Sequence[TensorEntry],
-        pool: ThreadPoolExecutor,
-        window: int,
-        dest: Callable[[int], Callable[[], np.ndarray] | None] | None = None,
-    ) -> None:
-        self.source, self.order, self.pool, self.window = source, order, pool, window
-        self.dest = dest
-        self.next = 0
-        self.inflight = 0
-        self.queue: deque[tuple[int, np.ndarray, list[Future[None]]]] = deque()
-        self.bytes_read = 0
-
-    def _fill(self) -> None:
-        while self.next < len(self.order):
-            t = self.order[self.next]
-            nb = t.size * by_name(t.dtype).itemsize
-            if self.queue and self.inflight + nb > self.window:
-                return
-            into = self.dest(self.next) if self.dest is not None else None
-            out, jobs = self.source.tensor_reads(t, into)
-            self.queue.append((self.next, out, [self.pool.submit(j) for j in jobs]))
-            self.inflight += nb
-            self.bytes_read += sum(f.size for r in t.regions for f in r.files)
-            self.next += 1
-
-    def take(self) -> np.ndarray:
-        """The next tensor, read and checked."""
-        self._fill()
-        _, out, futures = self.queue.popleft()
-        for f in futures:
-            f.result()  # the first damage found is raised
-        self.inflight -= out.nbytes
-        self._fill()
-        return out
-
-    def cancel(self) -> None:
-        for _, _, futures in self.queue:
-            for f in futures:
-                f.cancel()
-        for _, _, futures in self.queue:
-            for f in futures:
-                if not f.cancelled():
-                    f.exception()  # wait: no reader may still be writing into a buffer
-        self.queue.clear()
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -295,19 +243,9 @@ class _OutFile:
             os.close(self.fd)
 
 
-def cast_array(a: np.ndarray, dtype: str) -> np.ndarray:
-    """``a`` as ``dtype``, rounded to nearest even and out-of-range values to infinity, as
-    ``torch.Tensor.to`` does (so no overflow warning: it is what a cast means)."""
-    target = by_name(dtype).numpy
-    if a.dtype == target:
-        return a
-    with np.errstate(over="ignore", invalid="ignore"):
-        return a.astype(target)
-
-
 def export_safetensors(
     src: NodeDirs,
-    out: str | os.PathLike[str],
+    out: LocationSpec | Location,
     *,
     max_shard_size: str | int = hf.DEFAULT_MAX_SHARD,
     rows: Sequence[str] = (),
@@ -319,9 +257,15 @@ def export_safetensors(
     window_bytes: int | None = None,
     progress: ProgressCallback | None = None,
     config: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ExportReport:
     """Write the checkpoint ``src`` as a Hugging Face safetensors directory ``out`` (module
     docstring); return what was written.
+
+    ``out`` may be the URL of a bucket prefix (``s3://bucket/hf``; ``storage_options``: its
+    store's settings, as for ``ckptfmt.save``): the files are put there as plain keys, each
+    streamed from the tensors as they are read, the index last (``export_bucket``); no local
+    copy is made.
 
     ``config``: the model's ``config.json``, copied into ``out`` so that ``from_pretrained``
     builds the model the weights are of; by default the one beside ``src`` when ``src`` is a
@@ -347,9 +291,17 @@ def export_safetensors(
     fsync = write.fsync
     max_bytes = hf.parse_size(max_shard_size)
     rules = renames_of(renames)
-    out_path = Path(out).absolute()
+    where = out if isinstance(out, Location) else parse_location(out, storage_options)
+    if where.kind not in ("directory", "url"):
+        raise UsageError(f"an export is written to a directory or a bucket prefix, not {where}")
     extra = _config_files(config, src)
-    _check_out(out_path, write.overwrite, [name for name, _ in extra])
+    writes = [name for name, _ in extra]
+    bucket = Bucket.at(where.spec, where.storage_options) if where.is_bucket else None
+    if bucket is not None:
+        there = check_bucket_out(bucket, write.overwrite, writes)
+    else:
+        out_path = Path(where.spec).absolute()
+        _check_out(out_path, write.overwrite, writes)
     source = open_source(src)
     planned = plan(select(source, rows, strip), strip, rules, dtype)
     meta = {
@@ -366,9 +318,15 @@ def export_safetensors(
     files = layout(planned, max_bytes, meta)
     with metering("export", progress) as meter:
         meter.expect(sum(p.nbytes for p in planned))
-        report = _export(
-            source, files, planned, out_path, threads, max_bytes, window_bytes, fsync, extra
-        )
+        window = max(1, min(window_bytes or DEFAULT_WINDOW, max_bytes))
+        if bucket is not None:
+            window = max(1, min(window_bytes or BUCKET_WINDOW, max_bytes))
+            source, read = write_to_bucket(
+                source, files, planned, bucket, there, threads, window, extra
+            )
+            report = _report(source, bucket.url, files, planned, read)
+        else:
+            report = _export(source, files, planned, out_path, threads, window, fsync, extra)
         meter.finish()
     if extra:
         report.config = str(config if config is not None else config_beside(src))
@@ -384,14 +342,12 @@ def _export(
     planned: list[Planned],
     out_path: Path,
     threads: int,
-    max_bytes: int,
-    window_bytes: int | None,
+    window: int,
     fsync: bool,
     extra: Sequence[tuple[str, bytes]] = (),
 ) -> ExportReport:
     """Write ``files`` (and ``extra``: name, bytes) into a staging directory beside
     ``out_path``, then rename it there."""
-    window = max(1, min(window_bytes or DEFAULT_WINDOW, max_bytes))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_of(out_path)
     staging.mkdir()
@@ -430,13 +386,23 @@ def _export(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return _report(source, str(out_path), files, planned, read)
+
+
+def _report(
+    source: Source,
+    destination: str,
+    files: Sequence[ExportFile],
+    planned: Sequence[Planned],
+    read: int,
+) -> ExportReport:
     return ExportReport(
         source=source.shown,
-        destination=str(out_path),
+        destination=destination,
         step=source.manifest.step,
         files=[f.name for f in files] + ([hf.INDEX] if len(files) > 1 else []),
         tensors=len(planned),
-        total_size=total,
+        total_size=sum(p.nbytes for p in planned),
         names={display(p.entry.name): p.name for p in planned},
         rebuilt_nodes=source.rebuilt_nodes,
         bytes_read=read,
@@ -472,7 +438,7 @@ def _write_files(
             return lambda: outs[k].window(i, at, p)
 
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            reads = _ReadAhead(source, [p.entry for _, _, p in places], pool, window, dest)
+            reads = ReadAhead(source, [p.entry for _, _, p in places], pool, window, dest)
             try:
                 for i, (k, at, p) in enumerate(places):
                     arr = reads.take()
@@ -511,7 +477,7 @@ def tensors_of(
     source = open_source(src)
     planned = plan(select(source, rows, strip), strip, renames_of(renames), dtype)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        reads = _ReadAhead(source, [p.entry for p in planned], pool, 1 << 62)
+        reads = ReadAhead(source, [p.entry for p in planned], pool, 1 << 62)
         got = [(p.name, cast_array(reads.take(), p.dtype)) for p in planned]
     return source, got
 

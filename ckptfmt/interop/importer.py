@@ -5,9 +5,10 @@ Hugging Face directories here (framework-free); ``torch.save`` files and DCP dir
 Everything about the source is checked before anything is written (every header, the index
 against the files, every name against ckptfmt's name rules), so bad input raises
 :class:`ForeignFormatError` with nothing written; the checkpoint itself is written by
-``ckptfmt.save`` (staging directory, manifest last, rename), so ``out`` appears whole or not at
-all. Safetensors data is mapped, not copied: the save writes (and checksums) straight from the
-page cache.
+``ckptfmt.save`` through the store of ``out`` (a directory: staging directory, manifest last,
+rename; a bucket: the files put straight from the arrays, the commit object last), so ``out``
+appears whole or not at all. Safetensors data is mapped, not copied: the save writes (and
+checksums) straight from the page cache.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import mmap
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,15 +28,22 @@ import numpy as np
 
 from ckptfmt.checkpoint import save
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import ForeignFormatError, InvalidNameError
+from ckptfmt.errors import (
+    DestinationExistsError,
+    ForeignFormatError,
+    InvalidNameError,
+    UsageError,
+)
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
 from ckptfmt.interop.names import Rename, import_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import Header, read_header
 from ckptfmt.maintenance.reshard import reshard
+from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.storage.nodes import parent_of
 from ckptfmt.storage.progress import Progress, ProgressCallback
+from ckptfmt.storage.store import Location, LocationSpec, Store, parse_location
 
 
 @dataclass
@@ -107,7 +116,7 @@ def ckpt_names(
 
 def import_named(
     items: Sequence[tuple[str, Any]],
-    out: str | os.PathLike[str],
+    out: LocationSpec | Location,
     *,
     source: str,
     fmt: str,
@@ -122,6 +131,7 @@ def import_named(
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
     progress: ProgressCallback | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ImportReport:
     """Save ``(source name, numpy array or JSON value)`` pairs as the checkpoint ``out``: each
     name renamed, put under ``prefix`` and split at ``/`` (``interop.names``).
@@ -132,7 +142,15 @@ def import_named(
     ``ckptfmt.maintenance.reshard.reshard`` from a one-process save in a staging directory
     beside ``out``. ``write``: how ``out`` is written, as for ``ckptfmt.save`` (``overwrite``
     replaces a committed checkpoint). ``progress``: :class:`~ckptfmt.Progress` events of
-    ``op="import"`` (:class:`_Relay`)."""
+    ``op="import"`` (:class:`_Relay`).
+
+    ``out`` may be the URL of a bucket prefix (``storage_options``: its store's settings) or a
+    :class:`~ckptfmt.storage.store.Store`: the checkpoint is written through its store, each
+    file straight from the arrays (``ckptfmt.save``), and committed the way the store commits
+    (a bucket: the commit object last; an overwrite replaces the old one on its etag, so the old
+    checkpoint stays whole until then). With ``ranks`` > 1 the one-process save and the reshard
+    are made in a scratch directory of ``TMPDIR`` first, then written through the store
+    (:func:`_into_store`)."""
     started = time.perf_counter() if started is None else started
     rules = renames_of(renames)
     where = where if where is not None else {n: source for n, _ in items}
@@ -142,17 +160,39 @@ def import_named(
     write = write if write is not None else WriteOptions()
     relay = _Relay(progress)
     on_stage, on_save = (relay.stage, relay.save) if progress is not None else (None, None)
+    dest = out if isinstance(out, Location) else parse_location(out, storage_options)
+    if dest.kind in ("url", "store") and "{node}" in str(dest):
+        raise UsageError(f"{dest}: a bucket holds one level-3 checkpoint, no {{node}} template")
+    if dest.kind in ("url", "store") and not write.overwrite and dest.store().is_committed():
+        raise DestinationExistsError(  # before the work, as a directory is refused
+            str(dest), "a checkpoint is committed there (overwrite=True, --overwrite, replaces it)"
+        )
     if ranks == 1 and nodes is None and not rows:
-        save(state, out, step=step, write=write, progress=on_save)
-        destination = str(Path(out).absolute())
+        if dest.kind in ("url", "store"):
+            store = dest.store()
+            save(state, store, step=step, write=write, progress=on_save)
+            destination = store.where
+        else:
+            save(state, dest.spec, step=step, write=write, progress=on_save)
+            destination = str(Path(dest.spec).absolute())
+    elif dest.kind in ("url", "store"):
+        store = dest.store()
+        with tempfile.TemporaryDirectory(prefix="ckptfmt-import-") as scratch:
+            tmp, local = Path(scratch) / "one", Path(scratch) / "ranks"
+            staged = replace(write, fsync=False, overwrite=False)
+            save(state, tmp, step=step, write=staged, progress=on_stage)
+            reshard(tmp, local, ranks, nodes=nodes, rows=rows, write=staged, progress=on_save)
+            _into_store(local, store, write)
+        destination = store.where
     else:
-        parent = parent_of(out).absolute()
+        spec = dest.spec
+        parent = parent_of(spec).absolute()
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".import-{os.urandom(8).hex()}"
         staged = replace(write, fsync=False, overwrite=False)  # removed below
         try:
             save(state, tmp, step=step, write=staged, progress=on_stage)
-            done = reshard(tmp, out, ranks, nodes=nodes, rows=rows, write=write, progress=on_save)
+            done = reshard(tmp, spec, ranks, nodes=nodes, rows=rows, write=write, progress=on_save)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         destination = ", ".join(done.destination)
@@ -167,6 +207,39 @@ def import_named(
         names={n: display(c) for (n, _), c in zip(items, names)},
         seconds=time.perf_counter() - started,
     )
+
+
+def _into_store(local: Path, store: Store, write: WriteOptions) -> None:
+    """Write the committed checkpoint directory ``local`` through ``store``: a draft of its
+    save id (``prepare``: a checkpoint there is refused unless ``write.overwrite``), every file
+    streamed from its mapping, the manifest staged last, then published; what the publish
+    replaced is discarded once it stands. Any failure before the publish aborts the draft and
+    leaves the store's checkpoint as it was."""
+    data = (local / MANIFEST_NAME).read_bytes()
+    manifest = parse_manifest(data, str(local / MANIFEST_NAME))
+    draft = store.prepare(manifest.save_id, write.overwrite)
+    try:
+        for path in sorted(local.rglob("*")):
+            rel = path.relative_to(local).as_posix()
+            if rel == MANIFEST_NAME or not path.is_file():
+                continue
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    draft.set(rel, [b""], fsync=write.fsync)
+                    continue
+                with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+                    view = memoryview(mm)
+                    try:
+                        draft.set(rel, [view], fsync=write.fsync)
+                    finally:
+                        view.release()
+        draft.stage_manifest(data, [draft.written()], fsync=write.fsync)
+        replaced = draft.publish(fsync=write.fsync)
+    except BaseException:
+        draft.abort()
+        raise
+    draft.discard(replaced)
 
 
 class _Relay:
@@ -216,7 +289,7 @@ def _map(fd: int, size: int) -> mmap.mmap | None:
 
 def import_safetensors(
     src: str | os.PathLike[str],
-    out: str | os.PathLike[str],
+    out: LocationSpec | Location,
     *,
     prefix: str | None = "model",
     renames: Iterable[str | Rename | tuple[str, str]] = (),
@@ -226,6 +299,7 @@ def import_safetensors(
     nodes: Sequence[str] | None = None,
     rows: Sequence[str] = (),
     progress: ProgressCallback | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ImportReport:
     """Import a safetensors file, or a Hugging Face directory (``model.safetensors``, or the
     shards its ``model.safetensors.index.json`` names), as the ckptfmt checkpoint ``out``.
@@ -233,7 +307,8 @@ def import_safetensors(
     Names go under ``prefix`` (default ``model``: ``ckptfmt_torch.load({"model": model}, out)``
     loads it in place) after the ``OLD=NEW`` ``renames``. Every header and the index are
     checked first (module docstring); :class:`ForeignFormatError` with nothing written.
-    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks, ``write`` and
+    ``ranks``/``nodes``/``rows``: the layout of a job of that many ranks, ``out`` (a path, a
+    ``{node}`` template, a bucket URL with its ``storage_options``, a store), ``write`` and
     ``progress`` (``op="import"``) as for :func:`import_named`."""
     started = time.perf_counter()
     src_path = Path(src)
@@ -259,6 +334,7 @@ def import_safetensors(
             rows=rows,
             where=where,
             progress=progress,
+            storage_options=storage_options,
         )
         del items
         return report

@@ -18,9 +18,9 @@ import click
 
 from ckptfmt import WriteOptions
 from ckptfmt.errors import UsageError
-from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors, hf
-from ckptfmt.maintenance import upload_file, upload_tree
-from ckptfmt.storage import is_url
+from ckptfmt.interop import CAST_TARGETS, ExportReport, export_safetensors
+from ckptfmt.maintenance import upload_file
+from ckptfmt.storage import Location, parse_location
 from ckptfmt_cli import render
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.summary import human_bytes
@@ -75,7 +75,7 @@ def _torch_export() -> Callable[..., ExportReport]:
 
 def _export(
     src: str,
-    out: str,
+    out: Location,
     to: str,
     max_shard_size: str,
     quiet: bool,
@@ -83,12 +83,24 @@ def _export(
     config: str | None = None,
 ) -> ExportReport:
     if to == "torch":
-        return _torch_export()(src, out, **opts)
+        return _torch_file(src, out, opts)
     console = None if quiet else render.stderr_terminal()
     with render.progress_bar(console, "exporting") as show:
         return export_safetensors(
             src, out, max_shard_size=max_shard_size, progress=show, config=config, **opts
         )
+
+
+def _torch_file(src: str, out: Location, opts: dict[str, Any]) -> ExportReport:
+    """``--to torch``: ``torch.save`` takes the whole state and writes one file, so to a
+    bucket the file is written locally (TMPDIR), then uploaded."""
+    if not out.is_bucket:
+        return _torch_export()(src, out.spec, **opts)
+    with tempfile.TemporaryDirectory(prefix="ckptfmt-export-") as scratch:
+        local = Path(scratch) / "out"
+        report = _torch_export()(src, local, **opts)
+        upload_file(local, str(out), overwrite=opts["write"].overwrite)
+    return dataclasses.replace(report, destination=str(out))
 
 
 @click.command("export", epilog=EXPORT_EXITS + help_epilog())
@@ -181,8 +193,10 @@ def export_command(
     `ckptfmt import`.
 
     SRC may be the URL of a checkpoint in a bucket (s3://bucket/run/ckpt), read with ranged
-    GETs; OUT may be a URL too: the files are written locally (TMPDIR), then uploaded under it,
-    the index last (refused when anything is under OUT already, unless --overwrite).
+    GETs; OUT may be a URL too: each file is streamed into the bucket as its tensors are read
+    (no local copy), the index last (refused when anything is under OUT already, unless
+    --overwrite, which replaces an earlier export). A --to torch file is written locally
+    (TMPDIR), then uploaded.
     """
     if config is not None and to == "torch":
         raise UsageError("--config is for a safetensors export (--to safetensors)")
@@ -193,17 +207,7 @@ def export_command(
         "dtype": dtype,
         "write": WriteOptions(overwrite=overwrite, fsync=not no_fsync),
     }
-    if is_url(out):  # written locally, then uploaded: a bucket has no directory to rename
-        with tempfile.TemporaryDirectory(prefix="ckptfmt-export-") as scratch:
-            local = Path(scratch) / "out"
-            report = _export(src, str(local), to, max_shard_size, quiet or as_json, opts, config)
-            if to == "torch":
-                upload_file(local, out, overwrite=overwrite)
-            else:
-                upload_tree(local, out, overwrite=overwrite, last=[hf.INDEX])
-        report = dataclasses.replace(report, destination=out)
-    else:
-        report = _export(src, out, to, max_shard_size, quiet or as_json, opts, config)
+    report = _export(src, parse_location(out), to, max_shard_size, quiet or as_json, opts, config)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif not quiet:

@@ -9,7 +9,6 @@ the DCP import only (DCP's ``.metadata`` is a pickle) and refused with every oth
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -20,8 +19,8 @@ import click
 from ckptfmt import WriteOptions
 from ckptfmt.errors import ForeignFormatError, UsageError
 from ckptfmt.interop import ImportReport, hf, import_safetensors
-from ckptfmt.maintenance import check_target, download_tree, publish_dir
-from ckptfmt.storage import is_url
+from ckptfmt.maintenance import download_tree
+from ckptfmt.storage import Location, parse_location
 from ckptfmt_cli.exits import help_epilog, one_line
 from ckptfmt_cli.reshard_cmd import node_names
 from ckptfmt_cli.summary import human_bytes
@@ -86,7 +85,7 @@ def report_text(r: ImportReport) -> list[str]:
 
 
 def _import(
-    src: Path, out: Path, fmt: str | None, trust_pickle: bool, opts: dict[str, Any]
+    src: Path, out: Location, fmt: str | None, trust_pickle: bool, opts: dict[str, Any]
 ) -> ImportReport:
     if not src.exists():
         raise ForeignFormatError(str(src), "no such file or directory")
@@ -195,30 +194,25 @@ def import_command(
     ckptfmt_keras.load_variables with a name map into Keras.
 
     SRC and OUT may be URLs (s3://bucket/prefix): SRC is downloaded first (a file, or every
-    object under a directory's prefix); OUT is written locally (TMPDIR), then uploaded and
-    committed as a checkpoint in the bucket (its commit object last).
+    object under a directory's prefix, into TMPDIR); OUT is written into the bucket straight
+    from the tensors (no local copy) and committed there, its commit object last: over an
+    existing checkpoint (--overwrite) the old one stays whole until that put. With --ranks
+    above 1 the checkpoint is laid out in TMPDIR first, then written into the bucket.
     """
     with contextlib.ExitStack() as stack:
         src_path = Path(src)
-        if is_url(src):  # fetched whole first: an import reads every byte anyway
+        if parse_location(src).is_bucket:  # fetched whole first: an import reads every byte
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptfmt-in-")))
             src_path = download_tree(src, scratch / "src")
-        out_path = Path(out)
-        if is_url(out):  # imported locally, then uploaded and committed
-            if "{node}" in out:
-                raise click.UsageError("a bucket holds one level-3 checkpoint: no {node} in OUT")
-            check_target(out, None, overwrite)  # refused before the work, as a path would be
-            staged = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptfmt-up-")))
-            out_path = staged / "checkpoint"
         report = _import(
             src_path,
-            out_path,
+            parse_location(out),
             fmt,
             trust_pickle,
             {
                 "prefix": prefix,
                 "renames": renames,
-                "write": WriteOptions(overwrite=overwrite and not is_url(out), fsync=not no_fsync),
+                "write": WriteOptions(overwrite=overwrite, fsync=not no_fsync),
                 "step": step,
                 "ranks": ranks,
                 "nodes": None
@@ -227,9 +221,6 @@ def import_command(
                 "rows": rows,
             },
         )
-        if is_url(out):
-            publish_dir(out_path, out, overwrite=overwrite)
-            report = dataclasses.replace(report, destination=out)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     elif not quiet:
