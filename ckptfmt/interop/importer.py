@@ -39,11 +39,10 @@ from ckptfmt.interop import hf
 from ckptfmt.interop.names import Rename, import_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import Header, read_header
 from ckptfmt.maintenance.reshard import reshard
-from ckptfmt.manifest.codec import MANIFEST_NAME, parse_manifest
 from ckptfmt.manifest.limits import display
 from ckptfmt.storage.nodes import parent_of
 from ckptfmt.storage.progress import Progress, ProgressCallback
-from ckptfmt.storage.store import Location, LocationSpec, Store, parse_location
+from ckptfmt.storage.store import Location, LocationSpec, parse_location
 
 
 @dataclass
@@ -148,9 +147,8 @@ def import_named(
     :class:`~ckptfmt.storage.store.Store`: the checkpoint is written through its store, each
     file straight from the arrays (``ckptfmt.save``), and committed the way the store commits
     (a bucket: the commit object last; an overwrite replaces the old one on its etag, so the old
-    checkpoint stays whole until then). With ``ranks`` > 1 the one-process save and the reshard
-    are made in a scratch directory of ``TMPDIR`` first, then written through the store
-    (:func:`_into_store`)."""
+    checkpoint stays whole until then). With ``ranks`` > 1 the one-process save is made in a
+    scratch directory of ``TMPDIR``, and the reshard writes from it through the store."""
     started = time.perf_counter() if started is None else started
     rules = renames_of(renames)
     where = where if where is not None else {n: source for n, _ in items}
@@ -176,14 +174,21 @@ def import_named(
             save(state, dest.spec, step=step, write=write, progress=on_save)
             destination = str(Path(dest.spec).absolute())
     elif dest.kind in ("url", "store"):
-        store = dest.store()
         with tempfile.TemporaryDirectory(prefix="ckptfmt-import-") as scratch:
-            tmp, local = Path(scratch) / "one", Path(scratch) / "ranks"
+            tmp = Path(scratch) / "one"
             staged = replace(write, fsync=False, overwrite=False)
             save(state, tmp, step=step, write=staged, progress=on_stage)
-            reshard(tmp, local, ranks, nodes=nodes, rows=rows, write=staged, progress=on_save)
-            _into_store(local, store, write)
-        destination = store.where
+            done = reshard(
+                tmp,
+                dest,
+                ranks,
+                nodes=nodes,
+                rows=rows,
+                write=write,
+                progress=on_save,
+                storage_options=dest.storage_options,
+            )
+        destination = ", ".join(done.destination)
     else:
         spec = dest.spec
         parent = parent_of(spec).absolute()
@@ -207,39 +212,6 @@ def import_named(
         names={n: display(c) for (n, _), c in zip(items, names)},
         seconds=time.perf_counter() - started,
     )
-
-
-def _into_store(local: Path, store: Store, write: WriteOptions) -> None:
-    """Write the committed checkpoint directory ``local`` through ``store``: a draft of its
-    save id (``prepare``: a checkpoint there is refused unless ``write.overwrite``), every file
-    streamed from its mapping, the manifest staged last, then published; what the publish
-    replaced is discarded once it stands. Any failure before the publish aborts the draft and
-    leaves the store's checkpoint as it was."""
-    data = (local / MANIFEST_NAME).read_bytes()
-    manifest = parse_manifest(data, str(local / MANIFEST_NAME))
-    draft = store.prepare(manifest.save_id, write.overwrite)
-    try:
-        for path in sorted(local.rglob("*")):
-            rel = path.relative_to(local).as_posix()
-            if rel == MANIFEST_NAME or not path.is_file():
-                continue
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    draft.set(rel, [b""], fsync=write.fsync)
-                    continue
-                with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-                    view = memoryview(mm)
-                    try:
-                        draft.set(rel, [view], fsync=write.fsync)
-                    finally:
-                        view.release()
-        draft.stage_manifest(data, [draft.written()], fsync=write.fsync)
-        replaced = draft.publish(fsync=write.fsync)
-    except BaseException:
-        draft.abort()
-        raise
-    draft.discard(replaced)
 
 
 class _Relay:

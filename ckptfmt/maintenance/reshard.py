@@ -98,7 +98,7 @@ class ReshardReport:
 
 def reshard(
     src: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
-    dst: str | os.PathLike[str],
+    dst: str | os.PathLike[str] | Location | Store,
     ranks: int,
     *,
     nodes: Sequence[str] | None = None,
@@ -115,7 +115,8 @@ def reshard(
     template or a mapping node -> directory, or the URL of a checkpoint in a bucket. ``dst``: a
     directory, a ``{node}`` template (one level-1 directory per new node) or the URL of a bucket
     prefix (``s3://bucket/run/ckpt``: the new checkpoint appears there by its commit object, and
-    one there already, replaced with ``write.overwrite``, stays whole until then).
+    one there already, replaced with ``write.overwrite``, stays whole until then), or a
+    :class:`Store` or a parsed :class:`Location` of one of these.
     ``storage_options``: the object store's settings for whichever of them is a URL (as for
     ``ckptfmt.save``). ``nodes[k]``: rank k's node (default: all on
     ``"n0"``). ``rows``: glob patterns of '/'-joined tensor names held in row blocks.
@@ -155,7 +156,7 @@ def reshard(
             check_destination(store.path)
     try:
         out, bytes_read, written, committed = write_destination(
-            manifest, sel, plan, sources, dst, stores, node_list, redundancy, write, progress
+            manifest, sel, plan, sources, dst_at, stores, node_list, redundancy, write, progress
         )
     except DamagedError as exc:  # name the object's URL, not its path inside the checkpoint
         objects = next(iter(sources.values()), None)
@@ -182,12 +183,14 @@ def reshard(
 
 
 def _parsed(
-    spec: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+    spec: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | Location | Store,
     storage_options: Mapping[str, Any] | None,
 ) -> Location:
     """``spec`` parsed once, ``storage_options`` going with it where it is a URL."""
     where = parse_location(spec)
-    return replace(where, storage_options=storage_options) if where.kind == "url" else where
+    if where.kind != "url" or storage_options is None:
+        return where
+    return replace(where, storage_options=storage_options)
 
 
 def _open_source(src: Location) -> tuple[Manifest, Sources]:

@@ -43,9 +43,8 @@ from ckptfmt.plan.ownership import SavePlan, TensorPlan
 from ckptfmt.plan.reads import Box, Layout, plan_reads
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage.files import Files, Inside, storage_full
-from ckptfmt.storage.nodes import is_template
 from ckptfmt.storage.progress import Meter, ProgressCallback, metering
-from ckptfmt.storage.store import Draft, Store
+from ckptfmt.storage.store import Draft, Location, Store
 
 Name = tuple[str, ...]
 
@@ -128,7 +127,7 @@ def write_destination(
     sel: Selection,
     plan: SavePlan,
     src_dirs: Sources,
-    dst: str | os.PathLike[str],
+    dst: Location,
     stores: dict[str, Store],
     node_list: list[str],
     redundancy: Redundancy | None,
@@ -140,7 +139,7 @@ def write_destination(
     abort every draft not published yet and raise (a full disk as :class:`StorageFullError`
     saying where and how much). Returns the new manifest, the bytes read and written, and
     where each store committed (its path or URL)."""
-    per_node = is_template(dst)
+    per_node = dst.kind == "spread"  # a {node} template (a node map is refused before)
     sources = {n: Inside(p) if isinstance(p, Path) else p for n, p in src_dirs.items()}
     save_id = os.urandom(16).hex()
     drafts: dict[Store, Draft] = {}
@@ -183,14 +182,14 @@ def write_destination(
                 d.abort()
         local = all(d.path is not None for d in drafts.values())
         if isinstance(exc, OSError) and not isinstance(exc, StorageFullError) and local:
-            exc = storage_full(exc, Path(os.fspath(dst))) or exc  # e.g. no inode for a mkdir
+            exc = storage_full(exc, Path(str(dst))) or exc  # e.g. no inode for a mkdir
         if isinstance(exc, StorageFullError):  # say where, how much, and that it was a write
             level = "level 1, every node's directory" if per_node else None
             needed = sum(t.size * by_name(t.dtype).itemsize for t in manifest.tensors())
             raise exc.with_context(
                 level=level or "the reshard's destination",
                 needed=max(needed, exc.needed or 0),
-                path=os.fspath(dst),
+                path=str(dst),
             ) from None
         raise
     return out, read, written, [s.where for s in drafts]
