@@ -80,7 +80,9 @@ def ranks(args: argparse.Namespace) -> None:
         state["m"] = Shard(moving, (rank * m_rows, 0), (size * m_rows, COLS))
         against = f"s3://{args.bucket}/incr-base"
     Bucket.at(url)  # the client library loaded before the baseline
-    write = WriteOptions(fsync=False, overwrite=True, content_hash=args.incremental)
+    # content_hash only when asked: a tree from before incremental saves has no such option
+    hashing = {"content_hash": True} if args.incremental else {}
+    write = WriteOptions(fsync=False, overwrite=True, **hashing)
     if args.mode == "base":
         save_to_bucket(comm, state, against or url, step=0, node=f"n{rank}", write=write)
         return
