@@ -96,7 +96,8 @@ def ranks(args: argparse.Namespace) -> None:
             cpu0 = use.ru_utime + use.ru_stime
         moving[:] = i + 1  # the changing tensor's files differ from the base's at every save
         t0 = time.perf_counter()
-        save_to_bucket(comm, state, url, step=i, node=f"n{rank}", write=write, base=against)
+        extra = {"base": against} if against else {}  # a tree from before has no base=
+        save_to_bucket(comm, state, url, step=i, node=f"n{rank}", write=write, **extra)
         MPI.COMM_WORLD.Barrier()
         if i:
             times.append(time.perf_counter() - t0)
