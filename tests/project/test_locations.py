@@ -14,15 +14,6 @@ SOURCES = [REPO / "ckptfmt", REPO / "adapters", REPO / "tools"]
 STORAGE = REPO / "ckptfmt" / "storage"
 BANNED = frozenset({"is_url", "refuse_url"})
 
-# routed by the write-side change; the lead empties this when merging
-ALLOWED = frozenset(
-    {
-        "ckptfmt/interop/export.py",
-        "tools/ckptfmt_cli/export_cmd.py",
-        "tools/ckptfmt_cli/import_cmd.py",
-    }
-)
-
 
 def string_branches(path: Path) -> list[str]:
     """``line: what`` for each import of ``is_url``/``refuse_url`` (under any name) and each
@@ -62,24 +53,15 @@ def _sources() -> list[Path]:
 
 
 def test_no_string_branch_on_urls_outside_the_storage_layer() -> None:
-    """Every ``is_url``/``refuse_url`` outside ``ckptfmt/storage/`` (and the files the write-side
-    change still routes, :data:`ALLOWED`) is reported with its line."""
+    """Every ``is_url``/``refuse_url`` outside ``ckptfmt/storage/`` is reported with its line."""
     bad = []
     for path in _sources():
         rel = path.relative_to(REPO).as_posix()
-        if rel not in ALLOWED:
-            bad += [f"{rel}:{hit}" for hit in string_branches(path)]
+        bad += [f"{rel}:{hit}" for hit in string_branches(path)]
     assert not bad, (
         "parse the location once where it is handed in (ckptfmt.storage.parse_location) and ask "
         "the Location:\n" + "\n".join(bad)
     )
-
-
-def test_the_allow_list_names_only_files_that_still_branch() -> None:
-    """An entry of :data:`ALLOWED` whose file no longer uses either is removed (the list only
-    shrinks)."""
-    stale = [rel for rel in sorted(ALLOWED) if not string_branches(REPO / rel)]
-    assert not stale, f"no longer branch on URL strings, remove from ALLOWED: {stale}"
 
 
 def test_the_scan_finds_each_form(tmp_path: Path) -> None:
