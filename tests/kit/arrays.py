@@ -173,3 +173,13 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def flat_tree(tree: Any, path: str = "") -> dict[str, Any]:
+    """A nest of dicts as ``{"a/b/c": leaf}``."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flat_tree(v, f"{path}/{k}" if path else str(k)))
+        return out
+    return {path: tree}

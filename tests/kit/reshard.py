@@ -16,6 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+import ckptfmt
 from ckptfmt import PerRank, Shard
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.manifest.model import Manifest
@@ -124,3 +125,19 @@ def needed(manifest: Manifest, name: str, box: Any) -> set[tuple[str, int]]:
                 ):
                     out.add((f.path, slot))
     return out
+
+
+def check_resharded(dst: str | Path) -> dict[str, Any]:
+    """The resharded checkpoint at ``dst`` (a directory or a bucket's URL) verifies clean and
+    holds :func:`full_state` bit for bit; the loaded state, for more checks."""
+    report = ckptfmt.verify(dst)
+    assert report.healthy, [p.to_json() for p in report.problems]
+    got = ckptfmt.load(dst)
+    full = full_state()
+    for name in ROWS:
+        assert got["shards"][name].tobytes() == full[name].tobytes(), name
+        assert got["shards"][name].dtype == full[name].dtype
+    for name in ("rep", "rep16", "scalar"):
+        assert got["model"][name].tobytes() == full[name].tobytes(), name
+    assert got["opt"] == {"step": 3, "lr": 0.5}
+    return got

@@ -15,11 +15,11 @@ import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kit.cli import run_cli
-from kit.reshard import ROWS, full_state, save
+from kit.reshard import check_resharded as check_equal
+from kit.reshard import save
 from kit.s3 import S3
 from kit.s3_proxy import S3Proxy
 
@@ -32,22 +32,6 @@ from ckptfmt.storage.objects import Bucket
 from ckptfmt.storage.objects.commit import read_commit
 
 WRITE = WriteOptions(chunk_bytes=1 << 10, shard_bytes=8 << 10, fsync=False)
-
-
-def check_equal(dst: str | Path) -> dict[str, Any]:
-    """The resharded checkpoint at ``dst`` verifies clean and holds the saved state bit for
-    bit."""
-    report = ckptfmt.verify(dst)
-    assert report.healthy, [p.to_json() for p in report.problems]
-    got = ckptfmt.load(dst)
-    full = full_state()
-    for name in ROWS:
-        assert got["shards"][name].tobytes() == full[name].tobytes(), name
-        assert got["shards"][name].dtype == full[name].dtype
-    for name in ("rep", "rep16", "scalar"):
-        assert got["model"][name].tobytes() == full[name].tobytes(), name
-    assert got["opt"] == {"step": 3, "lr": 0.5}
-    return got
 
 
 def _ids(s3: S3, prefix: str) -> set[str]:

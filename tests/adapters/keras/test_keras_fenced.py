@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kit.arrays import flat_tree as flat
 from kit.keras import xy
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -71,15 +72,6 @@ class Meddle(keras.callbacks.Callback):  # type: ignore[misc]
             kernel.assign(kernel * 2.0)
             mean = self.model.get_layer("bn").moving_mean
             mean.assign(mean + 1.0)
-
-
-def flat(tree: Any, path: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{path}/{k}" if path else str(k)))
-        return out
-    return {path: tree}
 
 
 def fit(root: Path, jit: bool, *extra: Any) -> tuple[Any, Snapshot, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kit.arrays import flat_tree as flat
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -77,15 +78,6 @@ def trainer(out: Path, *callbacks: Any) -> Trainer:
         cb.trainer = t
         t.add_callback(cb)
     return t
-
-
-def flat(tree: Any, path: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{path}/{k}" if path else str(k)))
-        return out
-    return {path: tree}
 
 
 def saved(out: Path, step: int) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kit.arrays import flat_tree as flat
 
 pytest.importorskip("pytorch_lightning")
 
@@ -54,17 +55,6 @@ class Meddle(L.Callback):
         if trainer.global_step == self.at:
             with torch.no_grad():
                 pl.net[2].weight.mul_(2.0)
-
-
-def flat(tree: Any, path: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{path}/{k}" if path else str(k)))
-        return out
-    if isinstance(tree, (list, tuple)):
-        return flat({str(i): v for i, v in enumerate(tree)}, path)
-    return {path: tree}
 
 
 def saved(root: Path, step: int) -> dict[str, np.ndarray]:
