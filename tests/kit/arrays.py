@@ -176,10 +176,12 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def flat_tree(tree: Any, path: str = "") -> dict[str, Any]:
-    """A nest of dicts as ``{"a/b/c": leaf}``."""
+    """A nest of dicts and lists as ``{"a/0/c": leaf}`` (a list's items named by index)."""
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
         for k, v in tree.items():
             out.update(flat_tree(v, f"{path}/{k}" if path else str(k)))
         return out
+    if isinstance(tree, list | tuple):
+        return flat_tree({str(i): v for i, v in enumerate(tree)}, path)
     return {path: tree}
