@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import gc
 import io
 import os
 import resource
@@ -71,6 +72,11 @@ class OpenTracker:
 
 @contextlib.contextmanager
 def track_opens(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenTracker]:
+    """Record the paths opened inside the block. The garbage of earlier tests is collected
+    first: a finalizer running inside the block (a ``TemporaryDirectory`` an earlier test's
+    ``ckptfmt.open`` kept, removed by ``rmtree``, which opens it) would be recorded as the
+    code under test's."""
+    gc.collect()
     tracker = OpenTracker()
     real_open, real_os_open = builtins.open, os.open
 
