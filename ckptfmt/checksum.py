@@ -1,31 +1,94 @@
 """CRC32C (Castagnoli): the checksum of every inner chunk and shard index, and of each data file's
 chunk payloads (the manifest's ``files[].crc32c``, ``spec/FORMAT.md``, "Checksums").
 
-The bytes are hashed by the ``crc32c`` package (hardware instructions, ~21 GB/s on one core here,
-and it releases the GIL for large buffers). What we add is :func:`combine`: the CRC of ``A + B``
-from ``crc(A)``, ``crc(B)`` and ``len(B)``, in O(log len) carry-less multiplications modulo the
-polynomial. The writer needs a CRC of each inner chunk (zarr's ``crc32c`` codec) *and*, for the
-manifest, the CRC of the concatenation of a file's chunk payloads in slot order (without the 4-byte
-chunk CRCs and the index); combining the chunk CRCs gives it without a second pass over the data,
-which measured 4-5% of a tmpfs save per extra pass (1 GiB: ~50 ms against ~470 ms). Readers check
-it the same way. It is not the CRC of the whole file on purpose: the CRC of bytes followed by their
-own CRC is a constant (the residue), so over a file of ``payload || crc32c(payload)`` blocks it
-would depend only on the block lengths and miss a swapped or stale shard file. The ``crc32c``
-package offers no combine, hence this small piece of arithmetic.
+The bytes are hashed by ISA-L's ``crc32_iscsi`` when the optional extra ``ckptfmt[fast]`` brings
+the library (``isal_library.py``), else by the ``crc32c`` package; both release the GIL. Both are
+hardware CRC, but ISA-L folds with carry-less multiplies and streams from memory at 28-31 GB/s on
+one core here where the package's ``crc32`` instruction loop gets 16-17 GB/s (a buffer of 512 KiB
+to 4 MiB not in the cache, what a save or a load hashes); at 256 KiB: 25 against 17. From the
+cache, and below 128 KiB, they are even and the ``ctypes`` call (~2 us) would cost more than it
+saves, so small buffers keep to the package (``bench/README.md``, "CRC32C").
+
+What we add is :func:`combine`: the CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``, in
+O(log len) carry-less multiplications modulo the polynomial. The writer needs a CRC of each inner
+chunk (zarr's ``crc32c`` codec) *and*, for the manifest, the CRC of the concatenation of a file's
+chunk payloads in slot order (without the 4-byte chunk CRCs and the index); combining the chunk CRCs
+gives it without a second pass over the data, which measured 4-5% of a tmpfs save per extra pass (1
+GiB: ~50 ms against ~470 ms). Readers check it the same way. It is not the CRC of the whole file on
+purpose: the CRC of bytes followed by their own CRC is a constant (the residue), so over a file of
+``payload || crc32c(payload)`` blocks it would depend only on the block lengths and miss a swapped
+or stale shard file. The ``crc32c`` package offers no combine, hence this small piece of arithmetic.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
+from collections.abc import Callable
 from functools import lru_cache
 
 import crc32c as _crc32c
+import numpy as np
+
+from ckptfmt import isal_library
 
 _POLY = 0x82F63B78  # CRC32C polynomial, bit-reflected
+FAST_FROM = 1 << 17  # bytes from which ISA-L's kernel is called, when it is there
+_CALL_MAX = 1 << 30  # bytes per ISA-L call: its length is a C int
+_CHECK = (b"123456789", 0xE3069283)  # the CRC-32C check value
 
 
 def crc32c(data: object, value: int = 0) -> int:
     """CRC32C of a bytes-like object, continuing from ``value`` (the CRC of what came before)."""
-    return int(_crc32c.crc32c(data, value))  # type: ignore[arg-type]
+    view = memoryview(data)  # type: ignore[arg-type]
+    if view.nbytes >= FAST_FROM:
+        fast = _fast_kernel()
+        if fast is not None:
+            return fast(view, value)
+    return int(_crc32c.crc32c(view, value))
+
+
+_kernel_lock = threading.Lock()
+_kernel: list[Callable[[memoryview, int], int] | None] = []  # [] until looked up, then [k]
+
+
+def _fast_kernel() -> Callable[[memoryview, int], int] | None:
+    """ISA-L's CRC32C as ``f(view, value)``, or None without the library (looked up on first
+    use, not at import: ``import ckptfmt`` stays quick for a restart)."""
+    if _kernel:
+        return _kernel[0]
+    with _kernel_lock:
+        if not _kernel:
+            _kernel.append(_bind_isal())
+    return _kernel[0]
+
+
+def _bind_isal() -> Callable[[memoryview, int], int] | None:
+    lib, _, _ = isal_library.load()
+    fn = getattr(lib, "crc32_iscsi", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    fn.restype = ctypes.c_uint32
+
+    def kernel(view: memoryview, value: int) -> int:
+        # ISA-L takes and returns the raw register: the standard CRC's pre- and post-inversion
+        # are applied here (so ``value`` continues a CRC as the package's does).
+        buf = np.frombuffer(
+            view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8
+        )
+        at, crc = buf.ctypes.data, (value & 0xFFFFFFFF) ^ 0xFFFFFFFF
+        for start in range(0, buf.size, _CALL_MAX):
+            crc = fn(at + start, min(_CALL_MAX, buf.size - start), crc)
+        return int(crc ^ 0xFFFFFFFF)
+
+    data, want = _CHECK
+    if (
+        kernel(memoryview(data), 0) != want
+        or kernel(memoryview(data[4:]), _crc32c.crc32c(data[:4])) != want
+    ):
+        return None  # not the Castagnoli polynomial's CRC: keep to the package
+    return kernel
 
 
 def _multmodp(a: int, b: int) -> int:

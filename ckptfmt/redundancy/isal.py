@@ -19,18 +19,16 @@ does the same work and falls back to scalar code for short blocks.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ckptfmt import isal_library
 from ckptfmt.errors import UsageError
+from ckptfmt.isal_library import LIBRARY_NAME, find_library
 
-LIBRARY_NAME = "libisal-pyeclib.so.2"
 TABLE_BYTES = 32  # ISA-L's expanded table per coefficient (both its GFNI and its shuffle kernels)
 MAX_CALL = 1 << 30  # bytes per C call: ISA-L's lengths are C ints
 
@@ -39,44 +37,11 @@ _int = ctypes.c_int
 _uchar = ctypes.c_ubyte
 
 
-def find_library() -> str | None:
-    """Path of the ISA-L library bundled with the installed ``pyeclib``, or None.
-
-    Looks at the installed distribution's file list first, then beside the package that
-    ``importlib.util.find_spec("pyeclib")`` locates (neither imports pyeclib).
-    """
-    try:
-        dist = importlib.metadata.distribution("pyeclib")
-    except importlib.metadata.PackageNotFoundError:
-        dist = None
-    if dist is not None:
-        for f in dist.files or ():
-            if f.name == LIBRARY_NAME:
-                p = Path(str(dist.locate_file(f)))
-                if p.is_file():
-                    return str(p)
-    try:
-        spec = importlib.util.find_spec("pyeclib")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for pkg in spec.submodule_search_locations:
-        libs = Path(pkg).parent / "pyeclib.libs"
-        if (libs / LIBRARY_NAME).is_file():
-            return str(libs / LIBRARY_NAME)
-        found = sorted(libs.glob("libisal*.so*")) if libs.is_dir() else []
-        if found:
-            return str(found[0])
-    return None
-
-
 def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
-    path = find_library()
-    if path is None:
-        return None, None, "pyeclib (which bundles ISA-L) is not installed"
+    lib, path, error = isal_library.load()
+    if lib is None:
+        return None, path, error
     try:
-        lib = ctypes.CDLL(path)
         lib.ec_init_tables.argtypes = [_int, _int, _vp, _vp]
         lib.ec_init_tables.restype = None
         lib.ec_encode_data.argtypes = [_int, _int, _int, _vp, _vp, _vp]
