@@ -9,6 +9,7 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,9 @@ def write_metadata(
     names = [e.name for e in manifest.entries]
     groups = {n[:k] for n in names for k in range(len(n))} | {()}  # the root group always
     groups |= {e.name for e in manifest.entries if isinstance(e, GroupEntry)}
-    docs = [("/".join(g), group_doc()) for g in sorted(groups, key=len)]
+    docs = [("/".join(g), _group_bytes()) for g in sorted(groups, key=len)]
     docs += [
-        (t.path, array_doc(by_name(t.dtype), t.shape, t.shard_shape, t.chunk_shape))
+        (t.path, _array_bytes(t.dtype, tuple(t.shape), tuple(t.shard_shape), tuple(t.chunk_shape)))
         for t in manifest.tensors()
     ]
     if draft.writes_in_flight <= 1 or len(docs) < 2:
@@ -71,10 +72,24 @@ def write_metadata(
         list(pool.map(lambda nd: _document(draft, nd[0], nd[1], fsync, like), docs))
 
 
-def _document(draft: Draft, node: str, doc: Any, fsync: bool, like: Path | None) -> None:
+@lru_cache(maxsize=1)
+def _group_bytes() -> bytes:
+    return doc_bytes(group_doc())
+
+
+@lru_cache(maxsize=2048)
+def _array_bytes(
+    dtype: str, shape: tuple[int, ...], shard: tuple[int, ...], chunk: tuple[int, ...]
+) -> bytes:
+    """An array's ``zarr.json`` bytes, kept from save to save: a model's documents are the same
+    at every step, and encoding them (``json`` with an indent runs in Python) took ~3 ms of a
+    30 ms level-1 save of 11 tensors."""
+    return doc_bytes(array_doc(by_name(dtype), shape, shard, chunk))
+
+
+def _document(draft: Draft, node: str, data: bytes, fsync: bool, like: Path | None) -> None:
     """Write the ``zarr.json`` of ``node``, or copy the base's when it holds the same bytes."""
     rel = f"{node}/zarr.json" if node else "zarr.json"
-    data = doc_bytes(doc)
     if like is not None:
         source = like / rel
         try:

@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumError, CorruptShardError, SizeMismatchError
-from ckptfmt.format.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
+from ckptfmt.format.shard import (
+    CHUNK_ALIGN,
+    CRC_BYTES,
+    EMPTY,
+    FileCrc,
+    check_zeros,
+    decode_index,
+    index_nbytes,
+)
 from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.model import FileRef
 from ckptfmt.storage.files import Files, naming_checkpoint
@@ -104,6 +112,7 @@ def read_chunks(
             # copies out of memory as small as a local file's reads (each CRC'd while cached)
             handle.prefetch()
             batch = _BATCH
+        data_end = 0  # where the data part ends (0: not read up to it)
         if not geo.shape:  # 0-d: the element and its CRC, no index
             spans = [(0, nb)]
             index_read = 0
@@ -125,6 +134,8 @@ def read_chunks(
                         ref.path, f"chunk at {off} has {n} bytes, expected {nb}", tensors
                     )
                 spans.append((off, n))
+            if whole:
+                data_end = size - n_idx
         stored = bytearray(CRC_BYTES * len(slots))  # each chunk's CRC, read beside it
         crc_views = [
             memoryview(stored)[k * CRC_BYTES : (k + 1) * CRC_BYTES] for k in range(len(slots))
@@ -133,18 +144,32 @@ def read_chunks(
         got: list[int] = []
         i = 0
         while i < len(spans):
-            # chunks stored back to back go in one read, up to a batch that stays in cache
-            # while its CRCs are computed (or, from a bucket, one request's worth)
+            # chunks stored back to back (or apart only by the zeros ckptfmt pads them with) go
+            # in one read, up to a batch that stays in cache while its CRCs are computed (or,
+            # from a bucket, one request's worth); the zeros are read beside them and checked
             j = i + 1
-            while j < len(spans) and spans[j][0] == spans[j - 1][0] + nb and (j - i) * nb < batch:
+            while (
+                j < len(spans)
+                and 0 <= spans[j][0] - spans[j - 1][0] - nb < CHUNK_ALIGN
+                and (j - i) * nb < batch
+            ):
                 j += 1
             bufs: list[memoryview] = []
+            pads: list[tuple[int, memoryview]] = []
             for k in range(i, j):
                 bufs += (targets[k], crc_views[k])
+                # the next chunk's start; after the last of a whole file, the index's
+                nxt = spans[k + 1][0] if k + 1 < j else (data_end if k + 1 == len(spans) else 0)
+                if 0 < nxt - spans[k][0] - nb < CHUNK_ALIGN:
+                    pad = memoryview(bytearray(nxt - spans[k][0] - nb))
+                    bufs.append(pad)
+                    pads.append((spans[k][0] + nb, pad))
             try:
                 handle.read_into(bufs, spans[i][0])
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
+            for at, pad in pads:
+                check_zeros(pad, ref.path, at, tensors)
             want = struct.unpack_from(f"<{j - i}I", stored, i * CRC_BYTES)
             # bytes this process already checked against these CRCs as it read them from
             # storage (a restore's member buffer) are not checked twice; the file's data CRC

@@ -5,8 +5,17 @@ codecs ``[bytes(little), crc32c]``, index codecs ``[bytes(little), crc32c]``, in
 
 The index holds, for every inner-chunk slot in C order, ``(offset, nbytes)`` as little-endian
 uint64, where ``nbytes`` counts the chunk's bytes *and* its 4-byte CRC; an absent chunk is
-``(2**64-1, 2**64-1)``. CRCs are little-endian uint32. ckptfmt writes the present chunks in slot
-order, back to back, from offset 0; readers accept any placement zarr allows.
+``(2**64-1, 2**64-1)``. CRCs are little-endian uint32. Readers accept any placement zarr allows;
+bytes of the data part that no entry covers (gaps) must be zero (``spec/FORMAT.md`` §8).
+
+ckptfmt writes the present chunks in slot order from offset 0, each ``chunk_stride`` bytes after
+the last: a chunk of 4 KiB or more is followed by its CRC and zeros up to the next multiple of 64
+bytes, so that every chunk starts where the array's memory it came from does relative to a cache
+line. The kernel copies a ``writev`` into the page cache about 14% faster that way than with each
+chunk 4 bytes further off its source's alignment than the last (256 MiB of 1 MiB chunks on tmpfs,
+2 threads, CRC32C included: 22.0 ms against 25.7; the same as a page-aligned placement), for 60
+bytes per MiB. Smaller chunks stay back to back, as every chunk did before (versions 1 to 3 of
+ckptfmt's writer until 2026-12): readers take both placements on their fast path.
 """
 
 from __future__ import annotations
@@ -23,6 +32,52 @@ from ckptfmt.errors import ChecksumError, CorruptShardError
 CRC_BYTES = 4
 EMPTY = 2**64 - 1
 INDEX_ENTRY_BYTES = 16
+CHUNK_ALIGN = 64  # a chunk of ALIGN_FROM bytes or more starts at a multiple of this
+ALIGN_FROM = 4096
+ZEROS = bytes(CHUNK_ALIGN)
+
+
+def chunk_stride(payload: int) -> int:
+    """Bytes from the start of one inner chunk to the next in a shard file ckptfmt writes: the
+    chunk's ``payload`` bytes, its CRC, and (from ``ALIGN_FROM`` bytes on) zeros up to a
+    multiple of ``CHUNK_ALIGN``."""
+    stored = payload + CRC_BYTES
+    if payload < ALIGN_FROM:
+        return stored
+    return -(-stored // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
+def packed_strides(payload: int) -> tuple[int, ...]:
+    """The uniform strides a reader's fast path takes (chunks in slot order from offset 0, each
+    this many bytes after the last): ckptfmt's (:func:`chunk_stride`) and back to back (what
+    ckptfmt wrote before, and what other writers write)."""
+    mine = chunk_stride(payload)
+    return (mine,) if mine == payload + CRC_BYTES else (mine, payload + CRC_BYTES)
+
+
+def check_zeros(
+    data: bytes | bytearray | memoryview | np.ndarray, file: str, at: int, tensors: Sequence[str]
+) -> None:
+    """Raise :class:`CorruptShardError` unless ``data`` (bytes of a shard file's data part that
+    no index entry covers, read from offset ``at``) is all zeros: a flipped bit there changes no
+    chunk, but it is damage to the file (and to the parity over it) all the same."""
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    if view.nbytes and bytes(view).count(0) != view.nbytes:
+        raise CorruptShardError(file, f"bytes between chunks at {at} are not zero", tensors)
+
+
+def gaps(table: np.ndarray, data_end: int) -> list[tuple[int, int]]:
+    """The ranges ``[a, b)`` of a shard file's data part (``[0, data_end)``) that no present
+    entry of the index ``table`` covers (a checked table: entries inside, none overlapping)."""
+    spans = sorted((int(off), int(off) + int(nb)) for off, nb in table.tolist() if off != EMPTY)
+    out, at = [], 0
+    for a, b in spans:
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if data_end > at:
+        out.append((at, data_end))
+    return out
 
 
 def index_nbytes(n_slots: int) -> int:

@@ -2,7 +2,8 @@
 shard codec works with (the reader is ``shard_read``).
 
 The writer turns a region's array into whole shard files: every in-bounds inner chunk present, in
-slot order, each followed by its CRC32C, then the index. Chunks that are contiguous runs of the
+slot order, each followed by its CRC32C (and, from 4 KiB on, zeros up to a multiple of 64 bytes:
+``shard.chunk_stride``), then the index. Chunks that are contiguous runs of the
 array (the default grid makes all but edge chunks so) go to ``writev`` as views of the array's
 own memory; the manifest's data CRC is combined from the chunk CRCs (``codecs/crc32c.py``).
 """
@@ -22,7 +23,14 @@ from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import by_name, of_array
 from ckptfmt.errors import CkptError
 from ckptfmt.format.incremental import Incremental
-from ckptfmt.format.shard import CRC_BYTES, FileCrc, encode_index, index_nbytes
+from ckptfmt.format.shard import (
+    CRC_BYTES,
+    ZEROS,
+    FileCrc,
+    chunk_stride,
+    encode_index,
+    index_nbytes,
+)
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box, shard_key, shard_slots
 from ckptfmt.manifest.model import FileRef
 from ckptfmt.storage.files import COPY_BATCH
@@ -138,7 +146,7 @@ def shard_file_nbytes(geo: Geometry, cell: Sequence[int]) -> int:
     if not geo.shape:
         return geo.dtype.itemsize + CRC_BYTES
     n_slots, slots = geo.slots(cell)
-    return len(slots) * (geo.chunk_nbytes + CRC_BYTES) + index_nbytes(n_slots)
+    return len(slots) * chunk_stride(geo.chunk_nbytes) + index_nbytes(n_slots)
 
 
 def region_cells(
@@ -252,6 +260,8 @@ def _write_shard(
         offset = len(buf) + CRC_BYTES
     else:
         n_slots, slots = geo.slots(cell)
+        stride = chunk_stride(geo.chunk_nbytes)
+        pad = ZEROS[: stride - geo.chunk_nbytes - CRC_BYTES]
         placed = []
         for s in slots:
             buf = _chunk_buffer(geo, data, origin, s)
@@ -259,9 +269,9 @@ def _write_shard(
             if hasher is not None:
                 hasher.add(buf)
             placed.append((s.slot, offset, len(buf) + CRC_BYTES))
-            pieces += [buf, CRC_FORMAT.pack(c)]
+            pieces += [buf, CRC_FORMAT.pack(c), pad] if pad else [buf, CRC_FORMAT.pack(c)]
             data_crc.add(c, len(buf))
-            offset += len(buf) + CRC_BYTES
+            offset += stride
         index = encode_index(n_slots, placed)
         pieces.append(index)
         offset += len(index)
@@ -296,18 +306,20 @@ class _ShardStream:
         self, geo: Geometry, data: np.ndarray, origin: Sequence[int], cell: tuple[int, ...]
     ) -> None:
         self.data_crc = FileCrc()
+        self.pad = b""
         if not geo.shape:  # 0-d: plain [bytes, crc32c] chunk, no shard index
             self.bufs = [byte_view(data)]
             self.index = b""
         else:
             n_slots, slots = geo.slots(cell)
+            stride = chunk_stride(geo.chunk_nbytes)
+            self.pad = ZEROS[: stride - geo.chunk_nbytes - CRC_BYTES]
             self.bufs = [_chunk_buffer(geo, data, origin, s) for s in slots]
-            placed, offset = [], 0
-            for s, buf in zip(slots, self.bufs):
-                placed.append((s.slot, offset, len(buf) + CRC_BYTES))
-                offset += len(buf) + CRC_BYTES
+            placed = [
+                (s.slot, k * stride, geo.chunk_nbytes + CRC_BYTES) for k, s in enumerate(slots)
+            ]
             self.index = encode_index(n_slots, placed)
-        self.size = sum(len(b) + CRC_BYTES for b in self.bufs) + len(self.index)
+        self.size = sum(len(b) + CRC_BYTES + len(self.pad) for b in self.bufs) + len(self.index)
 
     def batches(self) -> Iterator[list[memoryview | bytes]]:
         batch: list[memoryview | bytes] = []
@@ -315,8 +327,8 @@ class _ShardStream:
         for buf in self.bufs:
             c = crc32c(buf)
             self.data_crc.add(c, len(buf))
-            batch += [buf, CRC_FORMAT.pack(c)]
-            n += len(buf) + CRC_BYTES
+            batch += [buf, CRC_FORMAT.pack(c), self.pad] if self.pad else [buf, CRC_FORMAT.pack(c)]
+            n += len(buf) + CRC_BYTES + len(self.pad)
             if n >= COPY_BATCH:
                 yield batch
                 batch, n = [], 0

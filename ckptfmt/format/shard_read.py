@@ -23,7 +23,17 @@ from ckptfmt.errors import (
     NotRegularFileError,
     SizeMismatchError,
 )
-from ckptfmt.format.shard import CRC_BYTES, EMPTY, FileCrc, decode_index, index_nbytes
+from ckptfmt.format.shard import (
+    CHUNK_ALIGN,
+    CRC_BYTES,
+    EMPTY,
+    FileCrc,
+    check_zeros,
+    decode_index,
+    gaps,
+    index_nbytes,
+    packed_strides,
+)
 from ckptfmt.format.shard_io import CRC_FORMAT, Geometry, byte_view, local_box
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box
 from ckptfmt.manifest.model import FileRef
@@ -67,6 +77,8 @@ def decode_shard(
     table = decode_index(
         memoryview(blob)[-index_nbytes(n_slots) :], n_slots, len(blob), file, tensors
     )
+    for a, b in gaps(table, len(blob) - index_nbytes(n_slots)):
+        check_zeros(memoryview(blob)[a:b], file, a, tensors)
     out = []
     for s in slots:
         off, nb = int(table[s.slot, 0]), int(table[s.slot, 1])
@@ -179,6 +191,7 @@ def _read_shard_fast(
         if 0 < size <= handle.read_batch:  # an object in a bucket: one GET of it whole
             handle.prefetch()
         index_blob = b""
+        step = geo.chunk_nbytes + CRC_BYTES
         if not geo.shape:
             slots: list[ChunkSlot] = [ChunkSlot(0, (), (), False)]
         else:
@@ -188,14 +201,12 @@ def _read_shard_fast(
             n_slots, slots = geo.slots(cell)
             index_blob = handle.pread(n_idx, size - n_idx)
             table = decode_index(index_blob, n_slots, size, ref.path, tensors)
-            step = geo.chunk_nbytes + CRC_BYTES
-            for i, s in enumerate(slots):
-                if int(table[s.slot, 0]) != i * step or int(table[s.slot, 1]) != step:
-                    return False  # valid zarr perhaps, but not our packed layout
-            if size != len(slots) * step + n_idx:
-                return False
+            packed = _uniform_stride(table, slots, geo.chunk_nbytes, size - n_idx)
+            if packed is None:
+                return False  # valid zarr perhaps, but not a packed layout
+            step = packed
         data_crc = FileCrc()
-        step = geo.chunk_nbytes + CRC_BYTES
+        pad_nbytes = step - geo.chunk_nbytes - CRC_BYTES
         per_read = max(1, handle.read_batch // step)
         pos = 0
         for first in range(0, len(slots), per_read):
@@ -203,7 +214,8 @@ def _read_shard_fast(
             views: list[memoryview] = []
             crc_bufs: list[bytearray] = []
             tmps: list[np.ndarray | None] = []
-            for s in batch:
+            pads = bytearray(pad_nbytes * len(batch))  # the zeros after each chunk's CRC
+            for k, s in enumerate(batch):
                 lo, hi = local_box(s.box_lo, origin), local_box(s.box_hi, origin)
                 tmp: np.ndarray | None = None
                 if not s.padded and is_contiguous_box(out.shape, lo, hi):
@@ -214,14 +226,18 @@ def _read_shard_fast(
                     payload = byte_view(tmp)
                 crc_bufs.append(bytearray(CRC_BYTES))
                 views += [payload, memoryview(crc_bufs[-1])]
+                if pad_nbytes:
+                    views.append(memoryview(pads)[k * pad_nbytes : (k + 1) * pad_nbytes])
                 tmps.append(tmp)
             try:
                 handle.read_into(views, pos)
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
+            check_zeros(pads, ref.path, pos, tensors)
             pos += len(batch) * step
+            per = 3 if pad_nbytes else 2
             for k, s in enumerate(batch):
-                payload = views[2 * k]
+                payload = views[per * k]
                 actual = crc32c(payload)
                 (stored,) = CRC_FORMAT.unpack_from(crc_bufs[k], 0)
                 if actual != stored:
@@ -231,6 +247,22 @@ def _read_shard_fast(
                     _place(tmps[k], s, origin, out)  # type: ignore[arg-type]
         _check_data_crc(data_crc.crc, ref, tensors)
         return True
+
+
+def _uniform_stride(
+    table: np.ndarray, slots: Sequence[ChunkSlot], payload: int, data_end: int
+) -> int | None:
+    """The stride of a packed layout (the present chunks in slot order from offset 0, each the
+    same number of bytes after the last, one of ``shard.packed_strides``, the data part ending
+    with the last), or None for any other placement."""
+    nb = payload + CRC_BYTES
+    for step in packed_strides(payload):
+        if data_end == len(slots) * step and all(
+            int(table[s.slot, 0]) == i * step and int(table[s.slot, 1]) == nb
+            for i, s in enumerate(slots)
+        ):
+            return step
+    return None
 
 
 VERIFY_WINDOW = 4 << 20  # bytes read at once by verify_file, whatever a file claims
@@ -257,6 +289,7 @@ def verify_file(
         buf = np.empty(max(1, min(window, ref.size)), np.uint8)
         crc_buf = bytearray(CRC_BYTES)
         read = 0
+        holes: list[tuple[int, int]] = []  # bytes between entries: must be zero
         if not geo.shape:
             spans = [(0, ref.size)]
             if ref.size != geo.dtype.itemsize + CRC_BYTES:
@@ -271,6 +304,7 @@ def verify_file(
             if len(index_blob) != n_idx:
                 raise SizeMismatchError(ref.path, ref.size, ref.size - n_idx, tensors)
             table = decode_index(index_blob, n_slots, ref.size, ref.path, tensors)
+            holes = gaps(table, ref.size - n_idx)
             spans = []
             for s in slots:
                 off, nb = int(table[s.slot, 0]), int(table[s.slot, 1])
@@ -284,13 +318,18 @@ def verify_file(
                     )
                 spans.append((off, nb))
         data_crc = FileCrc()
+        seen: set[int] = set()  # holes checked inside a window of chunks
         i = 0
         while i < len(spans):
             off, nb = spans[i]
-            # chunks stored back to back that fit the window together: one read
+            # chunks stored back to back, or apart by the zeros ckptfmt pads them with, that fit
+            # the window together: one read (the zeros between them checked from it)
             j, total = i + 1, nb
-            while j < len(spans) and spans[j][0] == off + total and total + spans[j][1] <= buf.size:
-                total += spans[j][1]
+            while j < len(spans):
+                gap = spans[j][0] - (off + total)
+                if not 0 <= gap < CHUNK_ALIGN or total + gap + spans[j][1] > buf.size:
+                    break
+                total += gap + spans[j][1]
                 j += 1
             if j > i + 1 or nb <= buf.size:
                 window_view = buf[:total]
@@ -298,14 +337,18 @@ def verify_file(
                     handle.read_into([memoryview(window_view)], off)  # type: ignore[arg-type]
                 except EOFError:
                     raise SizeMismatchError(ref.path, ref.size, off, tensors) from None
-                at = 0
+                end = off
                 for k in range(i, j):
                     k_off, k_nb = spans[k]
+                    at = k_off - off
+                    if k_off > end:
+                        check_zeros(window_view[end - off : at], ref.path, end, tensors)
+                        seen.add(end)
                     c = crc32c(window_view[at : at + k_nb - CRC_BYTES])
                     (stored,) = CRC_FORMAT.unpack_from(window_view.data, at + k_nb - CRC_BYTES)
                     _check_chunk_crc(c, stored, k_off, ref, tensors)
                     data_crc.add(c, k_nb - CRC_BYTES)
-                    at += k_nb
+                    end = k_off + k_nb
                 read += total
                 i = j
                 continue
@@ -327,6 +370,17 @@ def verify_file(
             _check_chunk_crc(c, stored, off, ref, tensors)
             data_crc.add(c, payload)
             i += 1
+        for a, b in holes:  # the zeros not read with the chunks (after the last chunk)
+            if a in seen:
+                continue
+            for at in range(a, b, buf.size):
+                view = buf[: min(buf.size, b - at)]
+                try:
+                    handle.read_into([memoryview(view)], at)  # type: ignore[arg-type]
+                except EOFError:
+                    raise SizeMismatchError(ref.path, ref.size, at, tensors) from None
+                check_zeros(view, ref.path, at, tensors)
+                read += view.size
         _check_data_crc(data_crc.crc, ref, tensors)
         return read
 

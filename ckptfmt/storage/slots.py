@@ -117,15 +117,19 @@ def sweep(staging: Path, manifest: Manifest) -> int:
     writer is done and before the manifest is written."""
     files, nodes = kept_paths(manifest)
     removed = 0
-    for dirpath, _dirs, names in os.walk(staging, topdown=False):
-        rel_dir = os.path.relpath(dirpath, staging)
-        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
+    top = os.fspath(staging)
+    kept_below: dict[str, int] = {}  # directory -> entries left in it (bottom-up: children first)
+    for dirpath, dirs, names in os.walk(top, topdown=False):
+        rel_dir = dirpath[len(top) + 1 :].replace(os.sep, "/")
+        left = sum(1 for d in dirs if kept_below.get(os.path.join(dirpath, d), 1))
         for name in names:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             if rel in files or (name == "zarr.json" and rel_dir in nodes):
+                left += 1
                 continue
             os.unlink(os.path.join(dirpath, name))
             removed += 1
-        if rel_dir and not os.listdir(dirpath):
+        if rel_dir and not left:
             os.rmdir(dirpath)
+        kept_below[dirpath] = left
     return removed

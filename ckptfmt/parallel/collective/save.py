@@ -32,7 +32,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -83,6 +82,7 @@ from ckptfmt.plan.cache import PlanCache
 from ckptfmt.plan.ownership import Holding, SavePlan, make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.redundancy.record import member_files
+from ckptfmt.storage.pools import writer_pool
 from ckptfmt.storage.progress import current_meter
 from ckptfmt.storage.store.base import Draft, Store, StoreBase
 from ckptfmt.storage.store.directory import DirectoryDraft, DirectoryStore
@@ -354,12 +354,8 @@ class _Save:
             into = member_slices(self.skeleton, comm.rank, jobs_by_region, self.member)
             on_node = sum(1 for i in self.info if i["node"] == self.node)
             workers = max(1, write.threads // on_node, self.draft.writes_in_flight)
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                files = iter(
-                    run_jobs(
-                        all_jobs, pool if workers > 1 else None, write.fsync, into, incremental
-                    )
-                )
+            pool = writer_pool(workers) if workers > 1 else None
+            files = iter(run_jobs(all_jobs, pool, write.fsync, into, incremental))
             digests = incremental.digests if incremental is not None else {}
             for t, r, jobs in jobs_by_region:
                 refs.setdefault("/".join(t.name), []).append(
