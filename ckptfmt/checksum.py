@@ -7,7 +7,7 @@ hardware CRC, but ISA-L folds with carry-less multiplies and streams from memory
 one core here where the package's ``crc32`` instruction loop gets 16-17 GB/s (a buffer of 512 KiB
 to 4 MiB not in the cache, what a save or a load hashes); at 256 KiB: 25 against 17. From the
 cache, and below 128 KiB, they are even and the ``ctypes`` call (~2 us) would cost more than it
-saves, so small buffers keep to the package (``bench/README.md``, "CRC32C").
+saves, so small buffers keep to the package (``bench/bench_write_kernels.py``).
 
 What we add is :func:`combine`: the CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``, in
 O(log len) carry-less multiplications modulo the polynomial. The writer needs a CRC of each inner

@@ -8,14 +8,15 @@ uint64, where ``nbytes`` counts the chunk's bytes *and* its 4-byte CRC; an absen
 ``(2**64-1, 2**64-1)``. CRCs are little-endian uint32. Readers accept any placement zarr allows;
 bytes of the data part that no entry covers (gaps) must be zero (``spec/FORMAT.md`` §8).
 
-ckptfmt writes the present chunks in slot order from offset 0, each ``chunk_stride`` bytes after
-the last: a chunk of 4 KiB or more is followed by its CRC and zeros up to the next multiple of 64
-bytes, so that every chunk starts where the array's memory it came from does relative to a cache
-line. The kernel copies a ``writev`` into the page cache about 14% faster that way than with each
-chunk 4 bytes further off its source's alignment than the last (256 MiB of 1 MiB chunks on tmpfs,
-2 threads, CRC32C included: 22.0 ms against 25.7; the same as a page-aligned placement), for 60
-bytes per MiB. Smaller chunks stay back to back, as every chunk did before (versions 1 to 3 of
-ckptfmt's writer until 2026-12): readers take both placements on their fast path.
+ckptfmt writes the present chunks in slot order from offset 0, each ``chunk_stride`` bytes after the
+last: a chunk of 4 KiB or more is followed by its CRC and zeros up to the next multiple of 64 bytes,
+so that the kernel's copy of every chunk into the page cache starts on a cache line of the file.
+Back to back, each chunk starts 4 bytes further along than the last, most of them off any 16-byte
+boundary, and the copy is slower: the ``writev`` loop measured 12% faster aligned
+(``bench/bench_write_kernels.py``: 256 MiB of 1 MiB chunks on tmpfs, 2 threads, CRC32C included:
+21.6 ms against 24.3, the same as page-aligned; in a whole level-1 save about 3%), for 60 bytes per
+MiB. Smaller chunks stay back to back, as every chunk was before 2026-12: readers take both
+placements on their fast path.
 """
 
 from __future__ import annotations
