@@ -111,7 +111,10 @@ def test_slots_are_rewritten_in_place(tmp_path: Path) -> None:
     assert [s for s, _ in list_step_dirs(root, loose=True)] == [6, 7]
     report = mgr.restore()
     assert report.step == 7
+    assert (root / SLOTS_DIR).is_dir()
     mgr.close()
+    # the spare slot only served the next save: closing gives its room back, steps untouched
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000000006", "step-0000000007"]
     assert run_cli("verify", step_dir(root, 6)).exit_code == 0
     assert run_cli("verify", step_dir(root, 7)).exit_code == 0
 

@@ -321,8 +321,10 @@ def save_steps(mgr: Any, task: dict[str, Any], rank: int, size: int, steps: list
 def do_save(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:
     mgr = make_manager(comm, task, node)
     save_steps(mgr, task, comm.rank, comm.size, task["steps"])
+    slots = Path(mgr.local_root) / ".slots" if mgr.local_root is not None else None
+    held = len(list(slots.iterdir())) if slots is not None and slots.is_dir() else 0
     mgr.close(flush=task.get("close_flush", True))
-    return {"failed_saves": [f"{s}: {e}" for s, e in mgr.failed_saves]}
+    return {"failed_saves": [f"{s}: {e}" for s, e in mgr.failed_saves], "slots_held": held}
 
 
 def do_restore(comm: Any, task: dict[str, Any], node: str) -> dict[str, Any]:

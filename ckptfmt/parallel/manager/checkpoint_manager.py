@@ -686,7 +686,9 @@ class CheckpointManager:
         checkpoint to level 3 if it is not there yet (collective: ``Retention.flush_newest``
         on the manager's communicator). The manager is closed whatever happens; a failed
         save not told yet is told after (warned, or raised with ``on_error="raise"``), and a
-        failed flush is a :class:`FlushWarning`. Then the manager leaves the process's exit
+        failed flush is a :class:`FlushWarning`. The spare level-1 slot (``.slots/``, a dropped
+        step kept for the next save to overwrite) is removed by the node's first rank: no save
+        comes after, and it holds a whole step's room. Then the manager leaves the process's exit
         registry (``parallel.manager.exit``): SIGTERM and interpreter exit no longer touch it, and
         when it was the last open manager, SIGTERM is handled again as it was before the first
         one."""
@@ -704,6 +706,8 @@ class CheckpointManager:
             self._exit.uninstall()
             self._calls.closed = True
             self._saver.stop()
+            if self._slots is not None and self._retention.node_leader:
+                self._slots.clear()  # a spare slot serves the next save only: give its room back
             self._outcomes.tell(failed)
 
     def __enter__(self) -> CheckpointManager:
