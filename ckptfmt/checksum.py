@@ -40,7 +40,10 @@ _CHECK = (b"123456789", 0xE3069283)  # the CRC-32C check value
 
 def crc32c(data: object, value: int = 0) -> int:
     """CRC32C of a bytes-like object, continuing from ``value`` (the CRC of what came before)."""
-    view = memoryview(data)  # type: ignore[arg-type]
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # e.g. an array of a dtype without a buffer format
+        return int(_crc32c.crc32c(data, value))  # type: ignore[arg-type]
     if view.nbytes >= FAST_FROM:
         fast = _fast_kernel()
         if fast is not None:

@@ -28,6 +28,7 @@ from ckptfmt.format.shard import (
     FileCrc,
     check_zeros,
     decode_index,
+    gaps,
     index_nbytes,
 )
 from ckptfmt.format.shard_io import Geometry
@@ -64,6 +65,13 @@ def record_reads() -> Iterator[ReadLog]:
     finally:
         with _lock:
             _logs.remove(log)
+
+
+def _next_after(end: int, holes: dict[int, int]) -> int:
+    """Where the bytes after a chunk ending at ``end`` stop being zeros ckptfmt pads with: the
+    end of the gap starting there when it is shorter than ``CHUNK_ALIGN``, else ``end``."""
+    stop = holes.get(end, end)
+    return stop if stop - end < CHUNK_ALIGN else end
 
 
 def _note(root: os.PathLike[str] | str, path: str, slots: Sequence[int], nbytes: int) -> None:
@@ -112,7 +120,7 @@ def read_chunks(
             # copies out of memory as small as a local file's reads (each CRC'd while cached)
             handle.prefetch()
             batch = _BATCH
-        data_end = 0  # where the data part ends (0: not read up to it)
+        holes: dict[int, int] = {}  # start -> end of the bytes no entry covers (zeros)
         if not geo.shape:  # 0-d: the element and its CRC, no index
             spans = [(0, nb)]
             index_read = 0
@@ -134,8 +142,7 @@ def read_chunks(
                         ref.path, f"chunk at {off} has {n} bytes, expected {nb}", tensors
                     )
                 spans.append((off, n))
-            if whole:
-                data_end = size - n_idx
+            holes = dict(gaps(table, size - n_idx))
         stored = bytearray(CRC_BYTES * len(slots))  # each chunk's CRC, read beside it
         crc_views = [
             memoryview(stored)[k * CRC_BYTES : (k + 1) * CRC_BYTES] for k in range(len(slots))
@@ -146,11 +153,12 @@ def read_chunks(
         while i < len(spans):
             # chunks stored back to back (or apart only by the zeros ckptfmt pads them with) go
             # in one read, up to a batch that stays in cache while its CRCs are computed (or,
-            # from a bucket, one request's worth); the zeros are read beside them and checked
+            # from a bucket, one request's worth); the zeros after each chunk read are read
+            # beside it and checked (another chunk between two asked for is never merged)
             j = i + 1
             while (
                 j < len(spans)
-                and 0 <= spans[j][0] - spans[j - 1][0] - nb < CHUNK_ALIGN
+                and _next_after(spans[j - 1][0] + nb, holes) == spans[j][0]
                 and (j - i) * nb < batch
             ):
                 j += 1
@@ -158,12 +166,11 @@ def read_chunks(
             pads: list[tuple[int, memoryview]] = []
             for k in range(i, j):
                 bufs += (targets[k], crc_views[k])
-                # the next chunk's start; after the last of a whole file, the index's
-                nxt = spans[k + 1][0] if k + 1 < j else (data_end if k + 1 == len(spans) else 0)
-                if 0 < nxt - spans[k][0] - nb < CHUNK_ALIGN:
-                    pad = memoryview(bytearray(nxt - spans[k][0] - nb))
+                end = spans[k][0] + nb
+                if _next_after(end, holes) > end:
+                    pad = memoryview(bytearray(holes[end] - end))
                     bufs.append(pad)
-                    pads.append((spans[k][0] + nb, pad))
+                    pads.append((end, pad))
             try:
                 handle.read_into(bufs, spans[i][0])
             except EOFError:

@@ -14,9 +14,9 @@ so that the kernel's copy of every chunk into the page cache starts on a cache l
 Back to back, each chunk starts 4 bytes further along than the last, most of them off any 16-byte
 boundary, and the copy is slower: the ``writev`` loop measured 12% faster aligned
 (``bench/bench_write_kernels.py``: 256 MiB of 1 MiB chunks on tmpfs, 2 threads, CRC32C included:
-21.6 ms against 24.3, the same as page-aligned; in a whole level-1 save about 3%), for 60 bytes per
-MiB. Smaller chunks stay back to back, as every chunk was before 2026-12: readers take both
-placements on their fast path.
+21.6 ms against 24.3, the same as page-aligned; in a whole level-1 save about 3%), for at most 63
+bytes per chunk (60 per 1 MiB chunk). Smaller chunks stay back to back, as every chunk was before
+2026-12: readers take both placements on their fast path.
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ def check_zeros(
     """Raise :class:`CorruptShardError` unless ``data`` (bytes of a shard file's data part that
     no index entry covers, read from offset ``at``) is all zeros: a flipped bit there changes no
     chunk, but it is damage to the file (and to the parity over it) all the same."""
-    view = memoryview(data).cast("B")  # type: ignore[arg-type]
-    if view.nbytes and bytes(view).count(0) != view.nbytes:
-        raise CorruptShardError(file, f"bytes between chunks at {at} are not zero", tensors)
+    raw = bytes(memoryview(data).cast("B"))  # type: ignore[arg-type]
+    if raw.count(0) != len(raw):
+        first = at + next(i for i, b in enumerate(raw) if b)
+        raise CorruptShardError(file, f"bytes between chunks are not zero (at {first})", tensors)
 
 
 def gaps(table: np.ndarray, data_end: int) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,21 +203,34 @@ def run_jobs(
     than one; writev and CRC32C release the GIL). Results in the order of ``jobs``. ``into[i]``:
     where job ``i`` also leaves its file's bytes (:meth:`ShardJob.run`).
 
+    When a job fails, the jobs not started are cancelled and those running are waited for
+    before the error is raised (the pool is shared and outlives the save).
+
     Each file written is counted on the operation's progress meter (``storage.progress``), in
     this thread, as its result comes back: the meter is told every file's size first (a file
     hard-linked by an incremental save, ``incremental``, counts as written)."""
     dests = list(into) if into is not None else [None] * len(jobs)
     meter = current_meter()
     meter.expect(sum(j.nbytes() for j in jobs) if meter.active else 0)
-    results: Iterator[FileRef]
-    if pool is None or len(jobs) < 2:
-        results = (j.run(fsync, d, incremental) for j, d in zip(jobs, dests))
-    else:
-        results = pool.map(lambda jd: jd[0].run(fsync, jd[1], incremental), zip(jobs, dests))
     out = []
-    for ref in results:
-        meter.add(ref.size, "write")
-        out.append(ref)
+    if pool is None or len(jobs) < 2:
+        for j, d in zip(jobs, dests):
+            ref = j.run(fsync, d, incremental)
+            meter.add(ref.size, "write")
+            out.append(ref)
+        return out
+    futures = [pool.submit(j.run, fsync, d, incremental) for j, d in zip(jobs, dests)]
+    try:
+        for f in futures:
+            ref = f.result()
+            meter.add(ref.size, "write")
+            out.append(ref)
+    finally:
+        # on a failure, no job may still be writing once this returns: the caller removes the
+        # draft, and the buffers ``into`` are reused by the next save (the pool outlives it)
+        for f in futures:
+            f.cancel()
+        wait(futures)
     return out
 
 

@@ -233,7 +233,10 @@ def _read_shard_fast(
                 handle.read_into(views, pos)
             except EOFError:
                 raise SizeMismatchError(ref.path, ref.size, size, tensors) from None
-            check_zeros(pads, ref.path, pos, tensors)
+            if pads.count(0) != len(pads):  # say which chunk's zeros are not
+                for k in range(len(batch)):
+                    gap = pads[k * pad_nbytes : (k + 1) * pad_nbytes]
+                    check_zeros(gap, ref.path, pos + k * step + step - pad_nbytes, tensors)
             pos += len(batch) * step
             per = 3 if pad_nbytes else 2
             for k, s in enumerate(batch):
@@ -318,18 +321,23 @@ def verify_file(
                     )
                 spans.append((off, nb))
         data_crc = FileCrc()
-        seen: set[int] = set()  # holes checked inside a window of chunks
+        starts = dict(holes)  # start -> end of each gap
+        seen: set[int] = set()  # gaps checked inside a window of chunks
         i = 0
         while i < len(spans):
             off, nb = spans[i]
-            # chunks stored back to back, or apart by the zeros ckptfmt pads them with, that fit
-            # the window together: one read (the zeros between them checked from it)
+            # chunks stored back to back, or apart only by a gap of zeros shorter than
+            # CHUNK_ALIGN (ckptfmt's padding), that fit the window together: one read, the
+            # zeros between them checked from it
             j, total = i + 1, nb
             while j < len(spans):
-                gap = spans[j][0] - (off + total)
-                if not 0 <= gap < CHUNK_ALIGN or total + gap + spans[j][1] > buf.size:
+                end = off + total
+                stop = starts.get(end, end)
+                if stop - end >= CHUNK_ALIGN or spans[j][0] != stop:
                     break
-                total += gap + spans[j][1]
+                if total + (stop - end) + spans[j][1] > buf.size:
+                    break
+                total += (stop - end) + spans[j][1]
                 j += 1
             if j > i + 1 or nb <= buf.size:
                 window_view = buf[:total]

@@ -15,9 +15,10 @@ So the plan names inner chunks (index slots); the reader reads each whole, check
 copies out the overlap. The cost is over-reading: at most the part of each touched chunk that
 lies outside the wanted box (with the default 1 MiB C-contiguous chunks, less than one chunk at
 each end of each contiguous run of the box per file). The byte offset of a chunk comes from the
-shard's index (ckptfmt's writer packs chunks in slot order, so slot position ``i`` is at
-``i·(B+4)``, but readers must accept any valid placement, §8), so a reader reads the index
-(``16·n + 4`` bytes) once per file, then the chunks, coalescing neighbours into one read.
+shard's index (ckptfmt's writer places chunks in slot order, slot position ``i`` at
+``i·stride(B)``, ``format.shard.chunk_stride``, but readers must accept any valid placement,
+§8), so a reader reads the index (``16·n + 4`` bytes) once per file, then the chunks,
+coalescing neighbours into one read.
 When a read covers all of a file's in-bounds chunks the file's data CRC (§10) is checked too.
 """
 

@@ -221,3 +221,79 @@ def test_level1_rebuilds_a_flip_in_the_zeros_bit_exact(tmp_path: Path) -> None:
     rebuild(template, write=WriteOptions(fsync=False))
     assert {k: v[0] for k, v in tree(base).items()} == healthy
     assert ckptfmt.verify(template).healthy
+
+
+def _one_file(root: Path, name: str) -> tuple[Geometry, Any, tuple[int, ...]]:
+    return next(f for f in files_of(root) if f[0].path == name)
+
+
+def test_a_partial_read_skipping_small_chunks(tmp_path: Path) -> None:
+    """Chunks of under 64 bytes lie back to back: a read of slots 0 and 2 must not take the
+    chunk between them for padding."""
+    root = tmp_path / "c"
+    x = np.arange(64, dtype=np.float32)
+    ckptfmt.save({"x": x}, root, write=WriteOptions(fsync=False, chunk_bytes=16, shard_bytes=128))
+    geo, ref, cell = _one_file(root, "x")
+    targets = [memoryview(bytearray(geo.chunk_nbytes)) for _ in range(2)]
+    read_chunks(Inside(root), geo, ref, cell, [0, 2], targets, whole=False)
+    assert bytes(targets[0]) == x[0:4].tobytes() and bytes(targets[1]) == x[8:12].tobytes()
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_chunks_out_of_slot_order_are_valid(saved: Path, tmp_path: Path, small: bool) -> None:
+    """Any placement zarr allows reads, and verifies: two chunks' places swapped in the file
+    (small chunks lie back to back: the one moved before its slot is no gap)."""
+    if small:
+        saved = tmp_path / "small"
+        x = np.arange(64, dtype=np.float32)
+        ckptfmt.save({"w": x}, saved, write=WriteOptions(fsync=False, chunk_bytes=16))
+        want = x
+    geo, ref, cell = next(f for f in files_of(saved) if len(f[0].slots(f[2])[1]) >= 3)
+    if not small:
+        want = state()[geo.path]
+    path = saved / ref.path
+    blob = bytearray(path.read_bytes())
+    n_slots, slots = geo.slots(cell)
+    table = decode_index(bytes(blob[-index_nbytes(n_slots) :]), n_slots, len(blob), ref.path)
+    a, b = slots[1].slot, slots[2].slot
+    (oa, nb), (ob, _) = (int(x) for x in table[a]), (int(x) for x in table[b])
+    blob[oa : oa + nb], blob[ob : ob + nb] = blob[ob : ob + nb], blob[oa : oa + nb]
+    placed = [(s.slot, int(table[s.slot, 0]), nb) for s in slots]
+    placed = [(s, {oa: ob, ob: oa}.get(o, o), n) for s, o, n in placed]
+    path.write_bytes(bytes(blob[: -index_nbytes(n_slots)]) + encode_index(n_slots, placed))
+    assert ckptfmt.verify(saved).healthy
+    got = ckptfmt.load(saved)
+    assert raw_bytes(np.asarray(got[geo.path])) == raw_bytes(want)
+    targets = [memoryview(bytearray(geo.chunk_nbytes)) for _ in slots]
+    read_chunks(Inside(saved), geo, ref, cell, [s.slot for s in slots], targets, whole=True)
+
+
+def test_every_gap_of_a_large_file_is_checked_by_the_chunk_reader(tmp_path: Path) -> None:
+    """The zeros after every chunk, batch boundaries of the coalesced reads included."""
+    root = tmp_path / "c"
+    row = (1 << 20) + 2  # chunks of a row: two per coalesced read of the chunk reader (2 MiB)
+    w = np.random.default_rng(3).integers(0, 255, (5, row), dtype=np.uint8)
+    write = WriteOptions(fsync=False, chunk_bytes=row, shard_bytes=5 * row)
+    ckptfmt.save({"w": w}, root, write=write)
+    geo, ref, cell = _one_file(root, "w")
+    _, slots = geo.slots(cell)
+    stride = chunk_stride(geo.chunk_nbytes)
+    assert len(slots) >= 5 and stride - geo.chunk_nbytes - CRC_BYTES > 0
+    for k in range(len(slots)):
+        at = k * stride + geo.chunk_nbytes + CRC_BYTES  # the first zero after chunk k
+        flip_bit(root / ref.path, at, 2)
+        targets = [memoryview(bytearray(geo.chunk_nbytes)) for _ in slots]
+        with pytest.raises(CorruptShardError, match=f"at {at}"):
+            read_chunks(Inside(root), geo, ref, cell, [s.slot for s in slots], targets, True)
+        flip_bit(root / ref.path, at, 2)
+
+
+def test_padding_up_to_63_bytes(tmp_path: Path) -> None:
+    """A payload of 4157 bytes: its stride is 4224, 63 zeros after the CRC."""
+    assert chunk_stride(4157) == 4224 and chunk_stride(4096) == 4160 and chunk_stride(4095) == 4099
+    root = tmp_path / "c"
+    b = np.random.default_rng(5).integers(0, 255, 4157 * 3, dtype=np.uint8)
+    ckptfmt.save({"b": b}, root, write=WriteOptions(fsync=False, chunk_bytes=4157))
+    geo, ref, _ = _one_file(root, "b")
+    assert geo.chunk_nbytes == 4157 and ref.size == 3 * 4224 + index_nbytes(geo.n_slots)
+    assert raw_bytes(np.asarray(ckptfmt.load(root)["b"])) == raw_bytes(b)

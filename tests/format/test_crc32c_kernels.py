@@ -72,3 +72,12 @@ def test_without_isal_the_package_hashes(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_combine_agrees_with_either_kernel(fast: None) -> None:
     a, b = DATA[:5000], DATA[5000:]
     assert combine(crc32c(a), crc32c(b), b.nbytes) == reference.crc32c(DATA)
+
+
+def test_arrays_without_a_buffer_format() -> None:
+    """An ml_dtypes array has no buffer format for memoryview: it is hashed as the package
+    hashes it (its bytes)."""
+    import ml_dtypes
+
+    a = np.arange(FAST_FROM, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    assert crc32c(a) == reference.crc32c(a.view(np.uint8))
