@@ -23,9 +23,8 @@ or stale shard file. The ``crc32c`` package offers no combine, hence this small 
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import crc32c as _crc32c
 import numpy as np
@@ -51,19 +50,12 @@ def crc32c(data: object, value: int = 0) -> int:
     return int(_crc32c.crc32c(view, value))
 
 
-_kernel_lock = threading.Lock()
-_kernel: list[Callable[[memoryview, int], int] | None] = []  # [] until looked up, then [k]
-
-
+@cache
 def _fast_kernel() -> Callable[[memoryview, int], int] | None:
     """ISA-L's CRC32C as ``f(view, value)``, or None without the library (looked up on first
-    use, not at import: ``import ckptfmt`` stays quick for a restart)."""
-    if _kernel:
-        return _kernel[0]
-    with _kernel_lock:
-        if not _kernel:
-            _kernel.append(_bind_isal())
-    return _kernel[0]
+    use, not at import: ``import ckptfmt`` stays quick for a restart; two threads racing on the
+    first call bind the same function twice, harmlessly)."""
+    return _bind_isal()
 
 
 def _bind_isal() -> Callable[[memoryview, int], int] | None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumError, CorruptShardError, SizeMismatchError
 from ckptfmt.format.shard import (
-    CHUNK_ALIGN,
     CRC_BYTES,
     EMPTY,
     FileCrc,
@@ -30,6 +29,7 @@ from ckptfmt.format.shard import (
     decode_index,
     gaps,
     index_nbytes,
+    padding_end,
 )
 from ckptfmt.format.shard_io import Geometry
 from ckptfmt.manifest.model import FileRef
@@ -65,13 +65,6 @@ def record_reads() -> Iterator[ReadLog]:
     finally:
         with _lock:
             _logs.remove(log)
-
-
-def _next_after(end: int, holes: dict[int, int]) -> int:
-    """Where the bytes after a chunk ending at ``end`` stop being zeros ckptfmt pads with: the
-    end of the gap starting there when it is shorter than ``CHUNK_ALIGN``, else ``end``."""
-    stop = holes.get(end, end)
-    return stop if stop - end < CHUNK_ALIGN else end
 
 
 def _note(root: os.PathLike[str] | str, path: str, slots: Sequence[int], nbytes: int) -> None:
@@ -158,7 +151,7 @@ def read_chunks(
             j = i + 1
             while (
                 j < len(spans)
-                and _next_after(spans[j - 1][0] + nb, holes) == spans[j][0]
+                and padding_end(spans[j - 1][0] + nb, holes) == spans[j][0]
                 and (j - i) * nb < batch
             ):
                 j += 1
@@ -167,7 +160,7 @@ def read_chunks(
             for k in range(i, j):
                 bufs += (targets[k], crc_views[k])
                 end = spans[k][0] + nb
-                if _next_after(end, holes) > end:
+                if padding_end(end, holes) > end:
                     pad = memoryview(bytearray(holes[end] - end))
                     bufs.append(pad)
                     pads.append((end, pad))

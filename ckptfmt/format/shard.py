@@ -68,6 +68,15 @@ def check_zeros(
         raise CorruptShardError(file, f"bytes between chunks are not zero (at {first})", tensors)
 
 
+def padding_end(end: int, holes: dict[int, int]) -> int:
+    """Where the zeros after a chunk ending at ``end`` stop: the end of the gap of ``holes``
+    (start -> end, :func:`gaps`) that starts there when it is shorter than ``CHUNK_ALIGN`` (what
+    ckptfmt pads with), else ``end`` itself. Readers read such zeros with the chunk and merge
+    reads of chunks only across them."""
+    stop = holes.get(end, end)
+    return stop if stop - end < CHUNK_ALIGN else end
+
+
 def gaps(table: np.ndarray, data_end: int) -> list[tuple[int, int]]:
     """The ranges ``[a, b)`` of a shard file's data part (``[0, data_end)``) that no present
     entry of the index ``table`` covers (a checked table: entries inside, none overlapping)."""

@@ -24,7 +24,6 @@ from ckptfmt.errors import (
     SizeMismatchError,
 )
 from ckptfmt.format.shard import (
-    CHUNK_ALIGN,
     CRC_BYTES,
     EMPTY,
     FileCrc,
@@ -33,6 +32,7 @@ from ckptfmt.format.shard import (
     gaps,
     index_nbytes,
     packed_strides,
+    padding_end,
 )
 from ckptfmt.format.shard_io import CRC_FORMAT, Geometry, byte_view, local_box
 from ckptfmt.manifest.grid import ChunkSlot, flat_range, is_contiguous_box
@@ -332,10 +332,8 @@ def verify_file(
             j, total = i + 1, nb
             while j < len(spans):
                 end = off + total
-                stop = starts.get(end, end)
-                if stop - end >= CHUNK_ALIGN or spans[j][0] != stop:
-                    break
-                if total + (stop - end) + spans[j][1] > buf.size:
+                stop = padding_end(end, starts)
+                if spans[j][0] != stop or total + (stop - end) + spans[j][1] > buf.size:
                     break
                 total += (stop - end) + spans[j][1]
                 j += 1
