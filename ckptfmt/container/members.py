@@ -21,7 +21,7 @@ from ckptfmt.format.shard_io import Geometry
 from ckptfmt.format.shard_read import decode_shard
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
-from ckptfmt.manifest.model import Manifest
+from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.redundancy.record import ParityFile, RedundancyRecord, member_files
 from ckptfmt.storage.files import Inside, fsync_dir, naming_checkpoint, write_gather
 
@@ -49,8 +49,7 @@ def read_member(
         try:
             read_exact(src, ref.path, ref.size, view, shown)
             if verify:
-                geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
-                decode_shard(memoryview(view), geo, shard_cell(ref.path), ref, shown)  # type: ignore[arg-type]
+                _check_file(t, ref, view)
         except DamagedError as exc:
             damage.append(exc.in_checkpoint(src.root))
         except OSError as exc:
@@ -60,6 +59,26 @@ def read_member(
         off += ref.size
     out[off:] = 0
     return damage
+
+
+def check_member(manifest: Manifest, rank: int, data: np.ndarray) -> list[DamagedError]:
+    """Check ``rank``'s data files held in memory (``data``: its member data, the files back to
+    back, as :func:`read_member` reads them) against every CRC of each and the manifest's:
+    one error per damaged file; an empty list means every byte is vouched for."""
+    damage: list[DamagedError] = []
+    off = 0
+    for t, ref in member_files(manifest, rank):
+        try:
+            _check_file(t, ref, data[off : off + ref.size])
+        except DamagedError as exc:
+            damage.append(exc)
+        off += ref.size
+    return damage
+
+
+def _check_file(t: TensorEntry, ref: FileRef, view: np.ndarray) -> None:
+    geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
+    decode_shard(memoryview(view), geo, shard_cell(ref.path), ref, (display(t.name),))  # type: ignore[arg-type]
 
 
 def write_member(
@@ -81,9 +100,7 @@ def write_member(
         off += ref.size
         if wanted is not None and ref.path not in wanted:
             continue
-        shown = (display(t.name),)
-        geo = Geometry.of(t.path, t.dtype, t.shape, t.shard_shape, t.chunk_shape)
-        decode_shard(memoryview(blob), geo, shard_cell(ref.path), ref, shown)  # type: ignore[arg-type]
+        _check_file(t, ref, blob)
         replace_file(root / ref.path, blob, fsync)
         written.append(ref.path)
     return written

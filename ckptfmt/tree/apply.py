@@ -27,7 +27,7 @@ from ckptfmt.tree.casting import (
     plan_casts,
     report_casts,
 )
-from ckptfmt.tree.state import PerRank, Shard, flatten
+from ckptfmt.tree.state import Blob, PerRank, Shard, flatten
 
 
 @dataclass
@@ -64,7 +64,8 @@ def apply_loaded(
 ) -> ApplyReport:
     """Local: write ``loaded`` (the nested state a load returned) into ``state`` in place:
     arrays copied into the caller's arrays (``Shard`` leaves: into their data; ``PerRank``
-    arrays: into their value), other values replaced.
+    arrays: into their value), other values replaced. An array the load read straight into
+    (``landing_targets``) is the caller's already: nothing is copied.
 
     Raises before writing anything: :class:`StateMismatchError` when a selected array's shape
     differs from the saved one, or (``strict``, the default) when a selected name of the state
@@ -73,14 +74,64 @@ def apply_loaded(
     (``"no"``, ``"safe"``, ``"any"``: ``tree/casting.py``) does not allow converting (with other
     mismatches, they are listed in the :class:`StateMismatchError`). Conversions made are in
     the report's ``casts`` and warned of (:class:`~ckptfmt.errors.CastWarning`)."""
-    policy = check_policy(cast)
-    report = ApplyReport()
+    plan = _plan(state, loaded, strict, include, exclude, check_policy(cast))
+    for write in plan.writes:
+        write()
+    report_casts(plan.report.casts, stacklevel=5)  # the caller of restore
+    return plan.report
+
+
+def landing_targets(
+    state: Mapping[str, Any] | None,
+    skeleton: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+    cast: Cast = "no",
+) -> dict[str, np.ndarray]:
+    """Local: the caller's arrays that a load may read straight into, by '/'-joined name:
+    those :func:`apply_loaded` with the same arguments would copy a saved array of the same
+    dtype into. ``skeleton``: what the load will return, its arrays of the right shape and
+    dtype but without their data yet, its encoded entries as :class:`Blob` (the load's
+    ``into`` callback). Empty when :func:`apply_loaded` would refuse the state (it then raises
+    once the load is done, nothing of the caller's written), or when the checkpoint holds a
+    pickled object (what it unpickles to is not known before it is read). So an excluded
+    array, or a state that does not match, is never landed into."""
+    if any(
+        isinstance(v, Blob) and v.encoding == "pickle" for v in _leaves(skeleton, set()).values()
+    ):
+        return {}
+    try:
+        plan = _plan(state, skeleton, strict, include, exclude, check_policy(cast))
+    except (StateMismatchError, DtypeMismatchError):
+        return {}
+    return plan.holders
+
+
+@dataclass
+class _Plan:
+    report: ApplyReport
+    writes: list[Callable[[], None]]
+    holders: dict[str, np.ndarray]  # name -> the caller's array a saved one of its dtype fills
+
+
+def _plan(
+    state: Mapping[str, Any] | None,
+    loaded: Mapping[str, Any],
+    strict: bool,
+    include: Sequence[str] | None,
+    exclude: Sequence[str],
+    policy: Cast,
+) -> _Plan:
+    """Everything :func:`apply_loaded` checks, and the writes it then makes (none made here)."""
+    plan = _Plan(ApplyReport(), [], {})
+    report = plan.report
     if state is None:
-        return report
+        return plan
     # a list or tuple of the state is one leaf, replaced whole by the loaded one
     mine = {"/".join(n): leaf for n, leaf in flatten(state, sequences=False)}
     saved = _leaves(loaded, set(mine))
-    writes: list[Callable[[], None]] = []
     mismatched: dict[str, tuple[str, str]] = {}  # name -> (saved, the state's)
     dtypes: list[tuple[str, np.dtype[Any], np.dtype[Any]]] = []  # (name, saved, state's)
     for name, value in saved.items():
@@ -103,13 +154,15 @@ def apply_loaded(
                 continue
             if got[1] != want[1]:
                 dtypes.append((name, want[1], got[1]))
-            writes.append(_copy_into(holder, value))
+            else:
+                plan.holders[name] = holder
+            plan.writes.append(_copy_into(holder, value))
         elif got is not None or (want is not None and not isinstance(target, PerRank)):
             kinds = ("a value", "an array")
             mismatched[name] = kinds if got is not None else (kinds[1], kinds[0])
             continue
         else:
-            writes.append(_replace(state, name.split("/"), value, target))  # type: ignore[arg-type]
+            plan.writes.append(_replace(state, name.split("/"), value, target))  # type: ignore[arg-type]
         report.loaded.append(name)
     for name in mine:
         if name not in saved and _selected(name, include, exclude):
@@ -129,10 +182,7 @@ def apply_loaded(
             mismatched,
             hint="restore(..., strict=False) or include=/exclude= patterns restore part of a state",
         )
-    for write in writes:
-        write()
-    report_casts(report.casts, stacklevel=5)  # the caller of restore
-    return report
+    return plan
 
 
 def _leaves(loaded: Mapping[str, Any], stop: set[str]) -> dict[str, Any]:
@@ -154,7 +204,7 @@ def _leaves(loaded: Mapping[str, Any], stop: set[str]) -> dict[str, Any]:
 
 def _copy_into(target: np.ndarray, value: np.ndarray) -> Callable[[], None]:
     """Copy ``value`` into ``target``, converted to its dtype (once the cast policy allowed it)."""
-    if value is target:  # loaded straight into it (``restore(into=True)``)
+    if value is target:  # loaded straight into it (``landing_targets``)
         return lambda: None
     return lambda: np.copyto(
         target, convert(value, target.dtype).reshape(target.shape), casting="no"

@@ -14,7 +14,7 @@ import pytest
 from kit.managers import make_manager
 
 from ckptfmt import CheckpointManager, Shard, WriteOptions
-from ckptfmt.errors import DtypeMismatchError
+from ckptfmt.errors import DtypeMismatchError, StateMismatchError
 from ckptfmt.transport import ThreadComm, run_threads
 
 
@@ -125,3 +125,35 @@ def test_shard_boxes_of_another_job_size_are_read_into_place(tmp_path: Path) -> 
         assert same
         half = len(both) // 2
         assert both[:half] == both[half:]
+
+
+def test_into_leaves_excluded_arrays_alone(tmp_path: Path) -> None:
+    """A partial restore reads straight into the arrays it restores, never into one left out
+    (before, ``into=True`` landed every array whose shape and dtype fitted, excluded or not)."""
+    saved = _saved(8)
+    with _mgr(tmp_path) as mgr:
+        mgr.save(8, saved)
+    state = _blank()
+    with _mgr(tmp_path) as mgr:
+        report = mgr.restore(state, into=True, exclude=["model/h"])
+    assert report.applied is not None and report.applied.excluded == ["model/h"]
+    assert _bits(state["model"]["w"]) == _bits(saved["model"]["w"])
+    assert not state["model"]["h"].any()  # left as it was
+
+
+@pytest.mark.parametrize("extra", ["a name the checkpoint lacks", "another shape"])
+def test_into_writes_nothing_into_a_state_that_does_not_match(tmp_path: Path, extra: str) -> None:
+    """A state that ``restore`` refuses is refused before anything is read into it, with
+    ``into=True`` as without."""
+    saved = _saved(9)
+    with _mgr(tmp_path) as mgr:
+        mgr.save(9, saved)
+    state = _blank()
+    if extra == "another shape":
+        state["model"]["b"] = np.zeros(31)
+    else:
+        state["model"]["x"] = np.zeros(3, np.float32)
+    with _mgr(tmp_path) as mgr, pytest.raises(StateMismatchError):
+        mgr.restore(state, into=True)
+    assert not state["model"]["w"].any() and not state["model"]["h"].any()
+    assert state["step"] == 0

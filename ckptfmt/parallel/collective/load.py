@@ -35,9 +35,9 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -51,6 +51,7 @@ from ckptfmt.manifest.model import GroupEntry, Manifest, PerRankValueEntry, Tens
 from ckptfmt.parallel.collective.boundary import Boundary
 from ckptfmt.parallel.collective.load_open import open_copies
 from ckptfmt.parallel.collective.load_read import (
+    LoadPlan,
     add_presence_checks,
     allocate,
     files_read,
@@ -66,6 +67,10 @@ from ckptfmt.storage.progress import current_meter
 from ckptfmt.transport.comm import Comm
 from ckptfmt.tree.state import Blob, Container, unflatten
 
+Into = Mapping[str, np.ndarray] | Callable[[dict[str, Any]], Mapping[str, np.ndarray]]
+"""Where a load may read straight into (``load_collective``'s ``into``)."""
+Pickled = Literal["refuse", "load", "keep"]
+
 
 def load_collective(
     comm: Comm,
@@ -76,7 +81,7 @@ def load_collective(
     node: str | None = None,
     read: ReadOptions = ReadOptions(),
     seq: int | None = None,
-    into: Mapping[str, np.ndarray] | None = None,
+    into: Into | None = None,
     trust_pickle: bool = False,
     source: Files | None = None,
     host: str | None = None,
@@ -97,7 +102,12 @@ def load_collective(
     is C-contiguous, writeable and of exactly the box's shape and the saved dtype (else a fresh
     array is allocated, as without it): a tensor is then written once on the way in, and the
     returned state holds the caller's array. A load that fails part-way may have written into
-    them (what the caller accepts by passing them). ``trust_pickle``: unpickle the entries a save
+    them (what the caller accepts by passing them). ``into`` may instead be a callable, called
+    on this rank once the load is planned and before anything is read, with the skeleton of
+    what the load returns (the nested state, its arrays of the box's shape and dtype without
+    their data, its encoded entries as ``Blob``): it returns the destinations (a restore that
+    lands only where applying the state would write, ``tree.apply.landing_targets``); what it
+    raises fails the load on every rank. ``trust_pickle``: unpickle the entries a save
     stored pickled (else :class:`PickleRefusedError` naming the first, nothing unpickled).
     The chunks this rank reads and what it receives are counted on the caller's progress meter
     (``ckptfmt.storage.progress.metering``), if it opened one; the caller finishes it.
@@ -115,8 +125,9 @@ def load_collective(
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq, host)
-    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, into, own_only)
-    return _assemble(manifest, loaded, mine, wants, trust_pickle), manifest
+    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, wants, into, own_only)
+    pickled: Pickled = "load" if trust_pickle else "refuse"
+    return _assemble(manifest, loaded, mine, wants, pickled), manifest
 
 
 def _read_everything(
@@ -126,7 +137,8 @@ def _read_everything(
     info: list[dict[str, Any]],
     read: ReadOptions,
     seq: int | None,
-    into: Mapping[str, np.ndarray] | None,
+    wants: Mapping[str, Box | None] | None,
+    into: Into | None,
     own_only: Collection[int] = (),
 ) -> tuple[dict[str, np.ndarray], int | None]:
     """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
@@ -159,7 +171,11 @@ def _read_everything(
     errors: list[BaseException] = []
     lock = threading.Lock()
     with b.guard("load-allocate"):
-        bufs = allocate(comm.rank, src, plans, errors, lock, into or {})
+        mine = resolution.sources[comm.rank]
+        targets = (
+            into(_skeleton(manifest, plans, comm.rank, mine, wants)) if callable(into) else into
+        )
+        bufs = allocate(comm.rank, src, plans, errors, lock, targets or {})
         current_meter().expect(bufs.work(comm.rank, plans))
         # open_copies read the manifest and (each rank its share) every zarr.json
         covered = files_read(plans) | {MANIFEST_NAME} | set(documents(manifest))
@@ -177,15 +193,29 @@ def _read_everything(
     return bufs.outs, resolution.sources[comm.rank]
 
 
-def _assemble(
+def _skeleton(
     manifest: Manifest,
-    loaded: dict[str, np.ndarray],
+    plans: list[LoadPlan],
+    me: int,
     mine: int | None,
     wants: Mapping[str, Box | None] | None,
-    trust_pickle: bool = False,
+) -> dict[str, Any]:
+    """What the load will return on rank ``me``, its arrays of the right shape and dtype but
+    holding no memory (``into``'s callback), its encoded entries as ``Blob``."""
+    empty = {p.name: np.broadcast_to(np.empty((), p.geo.dtype), p.boxes[me][1]) for p in plans}
+    return _assemble(manifest, empty, mine, wants, "keep")
+
+
+def _assemble(
+    manifest: Manifest,
+    loaded: Mapping[str, np.ndarray],
+    mine: int | None,
+    wants: Mapping[str, Box | None] | None,
+    pickled: Pickled = "refuse",
 ) -> dict[str, Any]:
     """The nested state of this rank, in the manifest's order: boxes and whole tensors,
-    values, groups, and its own per-rank items (from saved rank ``mine``)."""
+    values, groups, and its own per-rank items (from saved rank ``mine``); pickled entries
+    as ``tree.state.unflatten`` is told."""
     leaves: list[tuple[tuple[str, ...], Any]] = []
     for e in manifest.entries:
         if isinstance(e, TensorEntry):
@@ -201,7 +231,7 @@ def _assemble(
             leaves.append((e.name, Container(e.container) if e.container else {}))  # type: ignore[arg-type]
         elif mine is not None:
             leaves.append((e.name, e.values[mine]))
-    return unflatten(leaves, pickled="load" if trust_pickle else "refuse")
+    return unflatten(leaves, pickled=pickled)
 
 
 def _is_per_rank(e: object, named: set[str]) -> bool:

@@ -38,10 +38,11 @@ from ckptfmt.errors import (
 )
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import Manifest
-from ckptfmt.parallel.collective.load import load_collective
+from ckptfmt.parallel.collective.load import Into, load_collective
 from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.parallel.collective.rebuild import (
     Rebuilt,
+    check_rebuilt,
     rebuild_in_memory,
     write_rebuilt_collective,
 )
@@ -54,9 +55,9 @@ from ckptfmt.plan.options import ReadOptions
 from ckptfmt.storage.files import Files
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.transport.comm import Comm
-from ckptfmt.tree.apply import ApplyReport, apply_loaded
+from ckptfmt.tree.apply import ApplyReport, apply_loaded, landing_targets
 from ckptfmt.tree.casting import Cast
-from ckptfmt.tree.state import Shard, arrays_of, flatten
+from ckptfmt.tree.state import Shard, flatten
 
 log = logging.getLogger("ckptfmt")
 
@@ -148,7 +149,7 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
     copy every rank can load into ``req.state``; the report and the manifest of what was
     restored (None: nothing usable)."""
     wants = _wants(req.state)
-    targets = arrays_of(req.state) if req.into and req.apply and req.state is not None else None
+    targets = _landing(req) if req.into else None
     views, listed = _views(site)
     roots: dict[int, StepRoot | None] = {1: site.roots.get(1), 3: site.shared}
     order = candidates(views, roots)
@@ -254,7 +255,7 @@ def _load_or_rebuild(
     c: Candidate,
     wants: dict[str, Any],
     req: RestoreRequest,
-    targets: dict[str, np.ndarray] | None,
+    targets: Into | None,
     report: RestoreReport,
     lacking: list[str],
 ) -> tuple[dict[str, Any], Manifest] | None:
@@ -292,7 +293,7 @@ def _rebuild_and_load(
     c: Candidate,
     wants: dict[str, Any],
     req: RestoreRequest,
-    targets: dict[str, np.ndarray] | None,
+    targets: Into | None,
     report: RestoreReport,
     why: str | None,
     lacking: Sequence[str] = (),
@@ -334,12 +335,15 @@ def _rebuild_and_load(
         if not rebuilt.written:  # nothing of the data lost (metadata at most): from the files
             got = _load(site, c, wants, req.read, targets, req.trust_pickle)
         else:
+            # every byte of the members checked first, the load lands them in the caller's
+            # arrays even without ``into``: nothing of theirs is written unless it all loads
+            check_rebuilt(site.comm, rebuilt, site.seq)
             got = _load(
                 site,
                 c,
                 wants,
                 req.read,
-                targets,
+                targets if targets is not None else _landing(req),
                 req.trust_pickle,
                 rebuilt.files(site.comm.rank),
                 result.lost_data,
@@ -383,6 +387,28 @@ def _write_later(site: RestoreSite, rebuilt: Rebuilt, report: RestoreReport) -> 
         site.defer(write)
 
 
+def _landing(req: RestoreRequest) -> Callable[[dict[str, Any]], dict[str, np.ndarray]] | None:
+    """What a load may read straight into (``load_collective``'s ``into``): the arrays of the
+    caller's state that applying it would copy a saved array of their dtype into, once the
+    load says what it returns; none when the state would be refused (``landing_targets``).
+    None: nothing is applied."""
+    state = req.state
+    if state is None or not req.apply:
+        return None
+
+    def targets(skeleton: dict[str, Any]) -> dict[str, np.ndarray]:
+        return landing_targets(
+            state,
+            skeleton,
+            strict=req.strict,
+            include=req.include,
+            exclude=req.exclude,
+            cast=req.cast,
+        )
+
+    return targets
+
+
 def _no_hook(_point: str) -> None:
     pass
 
@@ -392,7 +418,7 @@ def _load(
     c: Candidate,
     wants: dict[str, Any],
     read: ReadOptions,
-    into: dict[str, np.ndarray] | None,
+    into: Into | None,
     trust_pickle: bool,
     memory: Files | None = None,
     own_only: Sequence[int] = (),
