@@ -265,10 +265,11 @@ def restore(
     ``into=True`` reads straight into the CPU tensors whose dtype is the saved one (their
     memory, through numpy views), so each is written once on the way in instead of being read
     into a buffer and copied: less memory (no second copy of the state) and less time. The
-    price (``CheckpointManager.restore``'s ``into``): the checks run after the read, so a
-    restore that fails part-way or finds a name or shape that does not match may already have
-    written into some tensors (a restore that falls back to an older step writes all of them
-    again). Tensors on a device are loaded into host buffers and copied, as without it.
+    price (``CheckpointManager.restore``'s ``into``): the CRCs are checked as the data comes
+    in, so a restore whose read finds damage part-way may already have written into some
+    tensors (a restore that falls back to an older step writes all of them again); a shape
+    that does not match is refused before anything is read into them. Tensors on a device are
+    loaded into host buffers and copied, as without it.
 
     ``trust_pickle``: as for ``load`` (a state dict holding objects is saved with
     ``manager.save(step, to_state(state_dict, objects="pickle"), objects="pickle")``).

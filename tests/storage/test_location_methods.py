@@ -106,3 +106,21 @@ def test_the_callers_refuse_a_bucket_where_a_directory_is_needed(tmp_path: Path)
     result = run_cli("gc", tmp_path)
     assert result.exit_code == ExitStatus.USAGE
     assert "gc works on object-store URLs" in result.stderr
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_state_passed_as_the_location_is_a_usage_error(tmp_path: Path, call: str) -> None:
+    """``save(path, state)`` with its arguments swapped: the state (a mapping of arrays) looks
+    like a mapping node -> directory; it is refused naming what it holds, not with a
+    ``TypeError`` from deep in the path handling, and nothing is written."""
+    import numpy as np
+
+    import ckptfmt
+
+    state = {"w": np.zeros(3)}
+    with pytest.raises(UsageError, match="maps to ndarray"):
+        if call == "save":
+            ckptfmt.save(str(tmp_path / "c"), state)  # type: ignore[arg-type]
+        else:
+            ckptfmt.load(state)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []

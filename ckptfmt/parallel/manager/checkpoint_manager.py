@@ -615,8 +615,12 @@ class CheckpointManager:
 
         ``into=True``: read straight into the arrays of ``state`` that can take their tensor as
         it is (C-contiguous, writeable, the saved shape and dtype): each is written once instead
-        of loaded and copied. The price: a restore that fails part-way, or falls back to an
-        older step, may already have written into them (the checks run after the read).
+        of loaded and copied. Only arrays the restore would write anyway are read into (never
+        an excluded one, nothing of a state it refuses). The price: a restore whose read finds
+        damage part-way, or that falls back to an older step, may already have written into
+        them (the CRCs are checked as the data comes in, not before). Without it, a step
+        rebuilt from redundancy is read straight into the arrays too, all or nothing all the
+        same: every byte of it is checked in memory before any of it lands.
 
         ``trust_pickle=True`` unpickles the objects a save stored with ``objects="pickle"``
         (only for checkpoints from a source you trust); without it such a checkpoint raises

@@ -127,6 +127,12 @@ def parse_location(
         # a template of another scheme (http://h/{node}) or a node directory that is a URL
         # would name directories under ./http:/
         for each in spec.values() if isinstance(spec, Mapping) else (spec,):
+            if not isinstance(each, str | os.PathLike):  # the state passed as the path, say
+                raise UsageError(
+                    "a checkpoint location that is a mapping maps nodes to directories; "
+                    f"this one maps to {type(each).__name__} (a state passed where the location "
+                    "goes?)"
+                )
             refuse_url(each)
         found = Location("spread", spec)
     elif isinstance(spec, str | os.PathLike):
