@@ -38,7 +38,7 @@ from ckptfmt.errors import (
     UsageError,
 )
 from ckptfmt.format.options import WriteOptions
-from ckptfmt.format.zarr_meta import documents
+from ckptfmt.format.zarr_meta import document_paths
 from ckptfmt.maintenance import objects as in_bucket
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Source, open_whole
@@ -310,7 +310,8 @@ def _load(
             leaves = _read_all(
                 manifest, objects, max(read.threads, objects.reads_in_flight), progress
             )
-            covered = {MANIFEST_NAME, *documents(manifest), *(f.path for _, f in manifest.files())}
+            covered = {MANIFEST_NAME, *document_paths(manifest)}
+            covered.update(f.path for _, f in manifest.files())
             for check in objects.presence_checks(covered, 0, 1):  # what the commit lists besides
                 check()
             return leaves, manifest

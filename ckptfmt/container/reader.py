@@ -165,7 +165,7 @@ def check_documents(src: Files, manifest: Manifest, share: tuple[int, int] = (0,
     checker = DocChecker(manifest)
     i, n = share
     check = functools.partial(read_doc, src, manifest, checker=checker)
-    for _ in each_in_flight(src, check, sorted(checker.docs)[i::n]):
+    for _ in each_in_flight(src, check, sorted(checker.paths)[i::n]):
         pass  # the first problem in name order raises here
 
 

@@ -136,7 +136,7 @@ def damaged_docs(directory: Path, manifest: Manifest) -> list[str]:
     src = Inside(directory)
     checker = DocChecker(manifest)
     out = []
-    for rel in checker.docs:
+    for rel in checker.paths:
         try:
             data = src.read(rel, DOC_MAX_BYTES + 1)
             if checker.strict:

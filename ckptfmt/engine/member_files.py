@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ckptfmt.container.members import check_member
 from ckptfmt.errors import MissingFileError, SizeMismatchError
 from ckptfmt.format.zarr_meta import DocChecker
 from ckptfmt.manifest.codec import MANIFEST_NAME
@@ -92,6 +93,8 @@ class MemberFiles:
         self._disk = disk
         self._manifest = manifest
         self._text = text
+        self._rank = rank
+        self._member = member
         self._checked = checked
         self._docs: DocChecker | None = None
         self._files: dict[str, memoryview] = {}
@@ -104,10 +107,23 @@ class MemberFiles:
     def root(self) -> str:
         return str(self._root)
 
+    def verify(self) -> None:
+        """Check the member data against every CRC of its files and the manifest's (a rebuilt
+        member's; a survivor's was checked as it was read), raising the first file's damage;
+        the load's reads then take its CRCs as checked. A load runs it before anything is read
+        (``load_collective``'s ``check_first``), so that bytes a rebuild got wrong are found
+        before any of them lands in a caller's arrays."""
+        if self._checked:
+            return
+        damage = check_member(self._manifest, self._rank, self._member)
+        if damage:
+            raise damage[0].in_checkpoint(self.root)
+        self._checked = True
+
     def _doc(self, rel: str) -> bytes | None:
         if self._docs is None:  # each distinct document encoded once (DocChecker's cache)
             self._docs = DocChecker(self._manifest)
-        return self._docs.expected_bytes(rel) if rel in self._docs.docs else None
+        return self._docs.expected_bytes(rel) if rel in self._docs.paths else None
 
     def read(self, rel: str, limit: int) -> bytes:
         if rel == MANIFEST_NAME:

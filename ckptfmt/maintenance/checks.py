@@ -166,7 +166,7 @@ def check_metadata(
     problems: list[Problem] = []
     checker = DocChecker(manifest)
     names = {rel: (display(t.name),) for rel, t in checker.tensors.items()}
-    docs = list(checker.docs)
+    docs = list(checker.paths)
 
     def one(rel: str) -> Problem | None:
         return _check_doc(src, manifest, rel, names.get(rel, ()), checker)

@@ -1,8 +1,8 @@
 """A restore that rebuilt a lost node's level-1 data loads it from memory straight into the
 caller's arrays, with or without ``into``, and stays all or nothing: every rank's member data
-is checked against its CRCs before any of it lands (``check_rebuilt``), and a state the restore
-refuses is refused before anything is written into it. Four simulated nodes, one rank a
-thread each, XOR over all four."""
+is checked against its CRCs before any of it lands (``MemberFiles.verify``), and a state the
+restore refuses is refused before anything is written into it. Four simulated nodes, one rank
+a thread each, XOR over all four."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from kit.level1 import NODES4, save_level1
 
 from ckptfmt import CheckpointManager, ExitPolicy, Shard, WriteOptions
 from ckptfmt.errors import ChecksumError, LoadFailedError, StateMismatchError
-from ckptfmt.parallel.collective.rebuild import check_rebuilt, rebuild_in_memory
+from ckptfmt.parallel.collective.load import load_collective
+from ckptfmt.parallel.collective.rebuild import rebuild_in_memory
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.transport.threads import run_threads
 
@@ -97,28 +98,41 @@ def test_a_state_the_restore_refuses_is_not_written_after_a_rebuild(lost: Path) 
         assert untouched
 
 
-def test_rebuilt_bytes_that_fail_their_crcs_fail_the_check_on_every_rank(tmp_path: Path) -> None:
+def test_rebuilt_bytes_that_fail_their_crcs_are_never_landed(tmp_path: Path) -> None:
     """A rebuild that made wrong bytes (one flipped in the lost rank's member, as a wrong parity
-    would) is caught by ``check_rebuilt`` on every rank, before a load could land it."""
+    would) fails the load on every rank before anything is read: the member is checked first
+    (``MemberFiles.verify`` as ``check_first``), so the arrays offered to land in stay as they
+    were, on the rank that rebuilt and on the others."""
     root = tmp_path / "saved"
     save_level1(root, "xor", NODES4, set_size=4)
     shutil.rmtree(root / "n1")
 
-    def body(comm: Any) -> BaseException | None:
+    def body(comm: Any) -> tuple[BaseException | None, bool]:
         node = NODES4[comm.rank]
         rebuilt = rebuild_in_memory(comm, root / node, node, fsync=False)
         assert rebuilt.report.lost_data == [1]
         if comm.rank == 1:
             rebuilt.bufs.data[5] ^= 0x10  # inside the first chunk of its first data file
+        memory = rebuilt.files(comm.rank)
+        embed = np.zeros((30, 7), np.float32)
         try:
-            check_rebuilt(comm, rebuilt)
+            load_collective(
+                comm,
+                root / node,
+                {},
+                node=node,
+                into={"model/embed": embed},
+                source=memory,
+                own_only=[1],
+                check_first=memory.verify,
+            )
         except LoadFailedError as exc:
-            assert not rebuilt.verified
-            return exc
-        return None
+            return exc, not embed.any()
+        return None, not embed.any()
 
-    errors = run_threads(4, body)
-    assert all(isinstance(e, LoadFailedError) for e in errors), errors
-    assert all(e.failed_ranks == (1,) for e in errors if isinstance(e, LoadFailedError))
-    assert isinstance(errors[1], LoadFailedError)
-    assert isinstance(errors[1].cause, ChecksumError), repr(errors[1].cause)
+    results = run_threads(4, body)
+    for err, untouched in results:
+        assert isinstance(err, LoadFailedError), err
+        assert err.failed_ranks == (1,)
+        assert untouched
+    assert isinstance(results[1][0].cause, ChecksumError), repr(results[1][0].cause)  # type: ignore[union-attr]

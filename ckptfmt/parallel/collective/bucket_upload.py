@@ -98,7 +98,7 @@ def _upload_files(
     ]
     jobs += [
         functools.partial(_upload_doc, draft, src, manifest, checker, rel)
-        for rel in sorted(checker.docs)[rank::ranks]
+        for rel in sorted(checker.paths)[rank::ranks]
     ]
     if rank == 0:
         jobs.append(functools.partial(_upload_manifest, draft, local_path))

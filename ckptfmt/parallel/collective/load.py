@@ -44,7 +44,7 @@ import numpy as np
 from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
 from ckptfmt.errors import PerRankWarning
 from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
-from ckptfmt.format.zarr_meta import documents
+from ckptfmt.format.zarr_meta import document_paths
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import GroupEntry, Manifest, PerRankValueEntry, TensorEntry, ValueEntry
@@ -86,6 +86,7 @@ def load_collective(
     source: Files | None = None,
     host: str | None = None,
     own_only: Collection[int] = (),
+    check_first: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: load the checkpoint every rank sees at ``path`` (its own copy), with any
     number of ranks.
@@ -120,12 +121,16 @@ def load_collective(
     by one of them and sent to the others, so each node reads replicated state once.
     ``own_only`` (the same on every rank): saved ranks whose files only the rank of the same
     number reads, whatever node it shares with others (a restore's rebuild holds them in that
-    rank's memory: ``engine.member_files``).
+    rank's memory: ``engine.member_files``). ``check_first``: run on this rank once the load is
+    planned, before anything is read; what it raises (damage it found) fails the load on every
+    rank with nothing read (``MemberFiles.verify``: a rebuilt member checked before it lands).
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
     manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq, host)
-    loaded, mine = _read_everything(comm, src, manifest, info, read, seq, wants, into, own_only)
+    loaded, mine = _read_everything(
+        comm, src, manifest, info, read, seq, wants, into, own_only, check_first
+    )
     pickled: Pickled = "load" if trust_pickle else "refuse"
     return _assemble(manifest, loaded, mine, wants, pickled), manifest
 
@@ -140,6 +145,7 @@ def _read_everything(
     wants: Mapping[str, Box | None] | None,
     into: Into | None,
     own_only: Collection[int] = (),
+    check_first: Callable[[], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], int | None]:
     """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
     who reads what, allocate (voted on before any exchange), read this rank's chunks and move
@@ -171,6 +177,8 @@ def _read_everything(
     errors: list[BaseException] = []
     lock = threading.Lock()
     with b.guard("load-allocate"):
+        if check_first is not None:
+            check_first()
         mine = resolution.sources[comm.rank]
         targets = (
             into(_skeleton(manifest, plans, comm.rank, mine, wants)) if callable(into) else into
@@ -178,7 +186,7 @@ def _read_everything(
         bufs = allocate(comm.rank, src, plans, errors, lock, targets or {})
         current_meter().expect(bufs.work(comm.rank, plans))
         # open_copies read the manifest and (each rank its share) every zarr.json
-        covered = files_read(plans) | {MANIFEST_NAME} | set(documents(manifest))
+        covered = files_read(plans) | {MANIFEST_NAME} | set(document_paths(manifest))
         checks = src.presence_checks(covered, comm.rank, comm.size)
         add_presence_checks(bufs, checks, errors, lock)
     b.vote("load-allocate")

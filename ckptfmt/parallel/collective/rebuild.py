@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.container.members import check_member
 from ckptfmt.container.reader import read_manifest_bytes
 from ckptfmt.engine.copies import repair_collective
 from ckptfmt.engine.member_files import MemberFiles
@@ -50,7 +49,7 @@ from ckptfmt.engine.rebuild import (
     split_parity,
     write_rebuilt,
 )
-from ckptfmt.errors import CkptError, LoadFailedError, UnrecoverableDamageError
+from ckptfmt.errors import CkptError, UnrecoverableDamageError
 from ckptfmt.manifest.codec import parse_manifest
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.boundary import Boundary
@@ -149,7 +148,6 @@ class Rebuilt:
     report: RebuildReport
     # by set: the ops that recompute lost parity from the whole data, left to the write
     parity_ops: list[tuple[int, list[Op]]] = field(default_factory=list)
-    verified: bool = False  # every rank's member data checked against its CRCs (check_rebuilt)
 
     @property
     def written(self) -> bool:
@@ -162,25 +160,9 @@ class Rebuilt:
         from its node's directory when intact."""
         disk = Inside(self.path) if self.intact_dirs[rank] else None
         # a survivor's member data was read with every CRC checked (``read_status``); a
-        # rebuilt one's by ``check_rebuilt``, or else by the load
-        checked = self.mine.data_ok or self.verified
+        # rebuilt one's is checked by ``MemberFiles.verify``, or else by the load's reads
+        checked = self.mine.data_ok
         return MemberFiles(self.path, disk, self.manifest, self.text, rank, self.bufs.data, checked)
-
-
-def check_rebuilt(comm: Comm, rebuilt: Rebuilt, seq: int | None = None) -> None:
-    """Collective (every rank, after the same :func:`rebuild_in_memory`; one vote): check the
-    member data this rank's rebuild made against every CRC of its files (a survivor's was
-    checked as it was read), so that a load from the rebuild reads only bytes the manifest
-    vouches for and may land them straight in the caller's arrays. Raises
-    :class:`LoadFailedError` on every rank, naming the damage, when any rank's fails."""
-    b = Boundary(comm, "load", rebuilt.manifest.step, error=LoadFailedError, seq=seq)
-    with b.guard("load-check-rebuilt"):
-        if not rebuilt.mine.data_ok:
-            damage = check_member(rebuilt.manifest, comm.rank, rebuilt.bufs.data)
-            if damage:
-                raise damage[0].in_checkpoint(str(rebuilt.path))
-    b.vote("load-check-rebuilt")
-    rebuilt.verified = True
 
 
 def rebuild_collective(

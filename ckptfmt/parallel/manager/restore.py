@@ -42,7 +42,6 @@ from ckptfmt.parallel.collective.load import Into, load_collective
 from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.parallel.collective.rebuild import (
     Rebuilt,
-    check_rebuilt,
     rebuild_in_memory,
     write_rebuilt_collective,
 )
@@ -335,9 +334,10 @@ def _rebuild_and_load(
         if not rebuilt.written:  # nothing of the data lost (metadata at most): from the files
             got = _load(site, c, wants, req.read, targets, req.trust_pickle)
         else:
-            # every byte of the members checked first, the load lands them in the caller's
-            # arrays even without ``into``: nothing of theirs is written unless it all loads
-            check_rebuilt(site.comm, rebuilt, site.seq)
+            # every rank's member checked before anything is read (``MemberFiles.verify``),
+            # the load lands it in the caller's arrays even without ``into``: nothing of
+            # theirs is written unless it all loads
+            memory = rebuilt.files(site.comm.rank)
             got = _load(
                 site,
                 c,
@@ -345,8 +345,9 @@ def _rebuild_and_load(
                 req.read,
                 targets if targets is not None else _landing(req),
                 req.trust_pickle,
-                rebuilt.files(site.comm.rank),
+                memory,
                 result.lost_data,
+                memory.verify,
             )
     except LoadFailedError as exc2:
         raise_unless_damage(exc2)
@@ -422,6 +423,7 @@ def _load(
     trust_pickle: bool,
     memory: Files | None = None,
     own_only: Sequence[int] = (),
+    check_first: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: ``load_collective`` of ``c``; ``memory``: a level-1 step rebuilt in memory
     (``Rebuilt.files``), read instead of the directory, ``own_only`` the ranks whose data only
@@ -446,6 +448,7 @@ def _load(
             trust_pickle=trust_pickle,
             source=source,
             own_only=own_only,
+            check_first=check_first,
         )
         meter.finish()
     return loaded
