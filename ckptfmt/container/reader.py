@@ -169,6 +169,22 @@ def check_documents(src: Files, manifest: Manifest, share: tuple[int, int] = (0,
         pass  # the first problem in name order raises here
 
 
+def document_checks(
+    src: Files, manifest: Manifest, share: tuple[int, int] = (0, 1), batch: int = 32
+) -> list[Callable[[], None]]:
+    """:func:`check_documents` as jobs of up to ``batch`` documents each, for a load to run on
+    its read threads beside the data (what a job raises is damage, the load's to vote on)."""
+    checker = DocChecker(manifest)
+    i, n = share
+    docs = sorted(checker.paths)[i::n]
+
+    def check(rels: list[str]) -> None:
+        for rel in rels:
+            read_doc(src, manifest, rel, checker)
+
+    return [functools.partial(check, docs[k : k + batch]) for k in range(0, len(docs), batch)]
+
+
 def check_allocation(tensors: Sequence[TensorEntry], limit: int | None) -> int:
     """Raise :class:`AllocationLimitError` before anything is allocated when one of ``tensors``,
     or all of them together, would take more than ``limit`` bytes (None: :func:`physical_memory`;

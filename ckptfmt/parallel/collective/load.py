@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ckptfmt.container.reader import document_checks
 from ckptfmt.errors import LoadFailedError as LoadFailedError  # re-exported
 from ckptfmt.errors import PerRankWarning
 from ckptfmt.errors import UnreachableNodesError as UnreachableNodesError  # re-exported
@@ -49,7 +50,7 @@ from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import GroupEntry, Manifest, PerRankValueEntry, TensorEntry, ValueEntry
 from ckptfmt.parallel.collective.boundary import Boundary
-from ckptfmt.parallel.collective.load_open import open_copies
+from ckptfmt.parallel.collective.load_open import doc_share, open_copies
 from ckptfmt.parallel.collective.load_read import (
     LoadPlan,
     add_presence_checks,
@@ -127,9 +128,13 @@ def load_collective(
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
-    manifest, info = open_copies(comm, root, src, wants, expect_step, node, read, seq, host)
+    # without destinations of the caller's, nothing lands before the reads' vote: the
+    # documents are checked on the read threads, beside the data, instead of before it
+    docs = None if into is not None else doc_share(root, (comm.rank, comm.size))
+    opened = open_copies(comm, root, src, wants, expect_step, node, read, seq, host, docs is None)
+    manifest, info = opened
     loaded, mine = _read_everything(
-        comm, src, manifest, info, read, seq, wants, into, own_only, check_first
+        comm, src, manifest, info, read, seq, wants, into, own_only, check_first, docs
     )
     pickled: Pickled = "load" if trust_pickle else "refuse"
     return _assemble(manifest, loaded, mine, wants, pickled), manifest
@@ -146,6 +151,7 @@ def _read_everything(
     into: Into | None,
     own_only: Collection[int] = (),
     check_first: Callable[[], None] | None = None,
+    docs: tuple[int, int] | None = None,
 ) -> tuple[dict[str, np.ndarray], int | None]:
     """Collective (the boundary's votes and the transfers): resolve the per-rank entries, plan
     who reads what, allocate (voted on before any exchange), read this rank's chunks and move
@@ -188,6 +194,10 @@ def _read_everything(
         # open_copies read the manifest and (each rank its share) every zarr.json
         covered = files_read(plans) | {MANIFEST_NAME} | set(document_paths(manifest))
         checks = src.presence_checks(covered, comm.rank, comm.size)
+        if docs is not None and info[comm.rank]["absent"] is None:  # its share, checked here
+            # a local document is read in microseconds, a bucket's in a round trip each
+            batch = 32 if src.reads_in_flight <= 1 else 1
+            checks += document_checks(src, manifest, docs, batch)
         add_presence_checks(bufs, checks, errors, lock)
     b.vote("load-allocate")
     # a bucket's pace is set by the requests in flight, not by a disk's queue

@@ -77,6 +77,7 @@ def open_copies(
     read: ReadOptions,
     seq: int | None,
     host: str | None = None,
+    check_docs: bool = True,
 ) -> tuple[Manifest, list[dict[str, Any]]]:
     """Collective (an allgather, and a broadcast of the manifest when some rank has no copy):
     each rank opens its copy and says what it wants and sees; any failure, a copy of another
@@ -86,8 +87,9 @@ def open_copies(
     manifest from the first rank that has one. ``root`` is a directory, or, where ``src``
     reads objects of a bucket, the URL that names them in messages. ``host``: the node
     this rank runs on (declared as ``"node"``: ranks of one node share their reads of replicas);
-    by default ``node``, else the host name."""
-    own = _open_own(root, src, expect_step, node, (comm.rank, comm.size))
+    by default ``node``, else the host name. ``check_docs=False``: the ``zarr.json`` documents
+    are left to the caller (``doc_share``), which checks them beside its reads."""
+    own = _open_own(root, src, expect_step, node, (comm.rank, comm.size), check_docs)
     info = comm.allgather_json(
         {
             "key": ["load", expect_step, seq],
@@ -121,6 +123,7 @@ def _open_own(
     expect_step: int | None,
     node: str | None,
     share: tuple[int, int],
+    check_docs: bool = True,
 ) -> _Own:
     """Local: open this rank's copy; any failure is kept for the vote, never raised (a rank
     leaving would leave its peers waiting in the allgather). A node's directory is its own
@@ -133,8 +136,8 @@ def _open_own(
         else:  # committed objects: the commit object said the manifest is there
             own.data = src.read(MANIFEST_NAME, MANIFEST_MAX_BYTES + 1)
         own.manifest = parse_manifest(own.data, f"{root}/{MANIFEST_NAME}")
-        # this node's zarr.json copies too (FORMAT.md §10)
-        check_documents(src, own.manifest, (0, 1) if isinstance(root, Path) else share)
+        if check_docs:  # this node's zarr.json copies too (FORMAT.md §10)
+            check_documents(src, own.manifest, doc_share(root, share))
         if expect_step is not None and own.manifest.step != expect_step:
             own.error = RankFailure(
                 "",
@@ -149,6 +152,12 @@ def _open_own(
     except Exception as exc:  # any failure is voted on below, never a rank leaving
         own.error = RankFailure.of(exc, "load-open").to_json()
     return own
+
+
+def doc_share(root: Path | str, share: tuple[int, int]) -> tuple[int, int]:
+    """Which ``zarr.json`` documents this rank checks, ``(i, n)``: every one of its node's
+    directory, or its ``share`` (rank, ranks) of the one copy in a bucket."""
+    return (0, 1) if isinstance(root, Path) else share
 
 
 def _agreed(info: list[dict[str, Any]], expect_step: int | None) -> list[int]:
