@@ -98,15 +98,26 @@ def landing_targets(
     once the load is done, nothing of the caller's written), or when the checkpoint holds a
     pickled object (what it unpickles to is not known before it is read). So an excluded
     array, or a state that does not match, is never landed into."""
-    if any(
-        isinstance(v, Blob) and v.encoding == "pickle" for v in _leaves(skeleton, set()).values()
-    ):
+    if _holds_pickle(skeleton):
         return {}
     try:
         plan = _plan(state, skeleton, strict, include, exclude, check_policy(cast))
     except (StateMismatchError, DtypeMismatchError):
         return {}
     return plan.holders
+
+
+def _holds_pickle(node: Any) -> bool:
+    """Whether a pickled :class:`Blob` is anywhere in ``node``, inside lists and tuples too
+    (a state's list is one leaf of the plan, but what it holds is unpickled, or refused,
+    all the same)."""
+    if isinstance(node, Blob):
+        return node.encoding == "pickle"
+    if isinstance(node, Mapping):
+        return any(_holds_pickle(v) for v in node.values())
+    if isinstance(node, list | tuple):
+        return any(_holds_pickle(v) for v in node)
+    return False
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 from kit.managers import make_manager
 
 from ckptfmt import CheckpointManager, Shard, WriteOptions
-from ckptfmt.errors import DtypeMismatchError, StateMismatchError
+from ckptfmt.errors import DtypeMismatchError, PickleRefusedError, StateMismatchError
 from ckptfmt.transport import ThreadComm, run_threads
 
 
@@ -157,3 +157,36 @@ def test_into_writes_nothing_into_a_state_that_does_not_match(tmp_path: Path, ex
         mgr.restore(state, into=True)
     assert not state["model"]["w"].any() and not state["model"]["h"].any()
     assert state["step"] == 0
+
+
+class _Opaque:
+    """An object a save can only store pickled."""
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_into_writes_nothing_when_a_list_holds_a_pickled_object(
+    tmp_path: Path, trust: bool
+) -> None:
+    """A pickled object inside a list is found before anything is read into the state, as one
+    at the top of it: without ``trust_pickle`` the restore refuses it with every array as it
+    was (before, the arrays were read into first, then the refusal raised); with it, what the
+    object unpickles to is not known before it is read, so nothing is landed (loaded and
+    copied instead)."""
+    saved = _saved(10)
+    saved["objs"] = [_Opaque(), 3]
+    with _mgr(tmp_path) as mgr:
+        mgr.save(10, saved, objects="pickle")
+    state = _blank()
+    state["objs"] = [None, 0]
+    w = state["model"]["w"]
+    with _mgr(tmp_path) as mgr:
+        if not trust:
+            with pytest.raises(PickleRefusedError, match="objs/0"):
+                mgr.restore(state, into=True)
+            assert not w.any() and not state["model"]["h"].any() and not state["model"]["b"].any()
+            assert state["step"] == 0
+            return
+        report = mgr.restore(state, into=True, trust_pickle=True)
+    assert report.state is not None and report.state["model"]["w"] is not w  # read, then copied
+    assert _bits(w) == _bits(saved["model"]["w"])
+    assert isinstance(state["objs"][0], _Opaque) and state["objs"][1] == 3

@@ -15,7 +15,12 @@ import pytest
 from kit.level1 import NODES4, save_level1
 
 from ckptfmt import CheckpointManager, ExitPolicy, Shard, WriteOptions
-from ckptfmt.errors import ChecksumError, LoadFailedError, StateMismatchError
+from ckptfmt.errors import (
+    ChecksumError,
+    LoadFailedError,
+    PickleRefusedError,
+    StateMismatchError,
+)
 from ckptfmt.parallel.collective.load import load_collective
 from ckptfmt.parallel.collective.rebuild import rebuild_in_memory
 from ckptfmt.storage.steps import step_dir_name
@@ -136,3 +141,41 @@ def test_rebuilt_bytes_that_fail_their_crcs_are_never_landed(tmp_path: Path) -> 
         assert err.failed_ranks == (1,)
         assert untouched
     assert isinstance(results[1][0].cause, ChecksumError), repr(results[1][0].cause)  # type: ignore[union-attr]
+
+
+class _Opaque:
+    """An object a save can only store pickled."""
+
+
+def test_a_pickled_object_in_a_list_is_refused_before_a_rebuilt_step_lands(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint holding a pickled object inside a list, restored after a rebuild without
+    ``trust_pickle``: refused with the caller's arrays as they were (the pickled entry is found
+    in the skeleton before anything lands, wherever in the tree it is)."""
+    root = tmp_path / "l1"
+
+    def save(comm: Any) -> None:
+        with _manager(root, comm) as mgr:
+            state = _state(comm.rank, blank=False)
+            state["objs"] = [_Opaque(), 1]
+            mgr.save(3, state, objects="pickle")
+
+    run_threads(4, save)
+    shutil.rmtree(root / "n1" / step_dir_name(3))
+
+    def body(comm: Any) -> tuple[str, bool]:
+        state = _state(comm.rank, blank=True)
+        state["objs"] = [None, 0]
+        with _manager(root, comm) as mgr:
+            try:
+                mgr.restore(state)
+                raised = ""
+            except PickleRefusedError as exc:
+                raised = str(exc)
+        untouched = not state["model"]["w"].data.any() and not state["model"]["b"].any()
+        return raised, untouched and state["objs"] == [None, 0]
+
+    for raised, untouched in run_threads(4, body):
+        assert "objs/0" in raised
+        assert untouched
