@@ -7,12 +7,14 @@ a thread each, XOR over all four."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from kit.level1 import NODES4, save_level1
+from kit.faults import flip
+from kit.level1 import NODES4, rows_of, save_level1, whole
 
 from ckptfmt import CheckpointManager, ExitPolicy, Shard, WriteOptions
 from ckptfmt.errors import (
@@ -23,6 +25,7 @@ from ckptfmt.errors import (
 )
 from ckptfmt.parallel.collective.load import load_collective
 from ckptfmt.parallel.collective.rebuild import rebuild_in_memory
+from ckptfmt.redundancy.record import member_files
 from ckptfmt.storage.steps import step_dir_name
 from ckptfmt.transport.threads import run_threads
 
@@ -179,3 +182,44 @@ def test_a_pickled_object_in_a_list_is_refused_before_a_rebuilt_step_lands(
     for raised, untouched in run_threads(4, body):
         assert "objs/0" in raised
         assert untouched
+
+
+def test_each_rank_reads_its_own_member_only_never_a_neighbours_files(tmp_path: Path) -> None:
+    """4 ranks on 2 nodes (XOR sets {0, 2} and {1, 3}), node n1 lost; each rank wants the rows
+    its neighbour saved (0 and 1 swap, 2 and 3). Once the rebuild has read every member, rank
+    1's data files on the surviving node are damaged on disk: rank 0, which could read them
+    there itself, would fail the load after data had landed. Read as the restore reads (every
+    rank its own member, from memory: ``own_only`` all ranks; rank 1 sends rank 0 its rows),
+    every rank's rows land bit-exact and nobody reads those files."""
+    nodes = ["n0", "n0", "n1", "n1"]
+    root = tmp_path / "saved"
+    save_level1(root, "xor", nodes, set_size=2)
+    shutil.rmtree(root / "n1")
+    rebuilt_all = threading.Barrier(4)
+
+    def body(comm: Any) -> tuple[bool, bool]:
+        node = nodes[comm.rank]
+        rebuilt = rebuild_in_memory(comm, root / node, node, fsync=False)
+        rebuilt_all.wait()
+        if comm.rank == 0:  # rank 1's files, under rank 0's feet: damage after the rebuild
+            for _, ref in member_files(rebuilt.manifest, 1):
+                flip(root / "n0" / ref.path, 5)
+        rebuilt_all.wait()
+        memory = rebuilt.files(comm.rank)
+        start, count = rows_of(comm.rank ^ 1, 4)  # the neighbour's rows
+        w = np.zeros((count, 5), np.float32)
+        loaded, _ = load_collective(
+            comm,
+            root / node,
+            {"model/w": ((start, 0), (count, 5))},
+            node=node,
+            into={"model/w": w},
+            source=memory,
+            own_only=range(4),
+            check_first=memory.verify,
+        )
+        landed = loaded["model"]["w"] is w
+        return landed, np.array_equal(w, whole(4)["model/w"][start : start + count])
+
+    for landed, exact in run_threads(4, body):
+        assert landed and exact

@@ -335,8 +335,10 @@ def _rebuild_and_load(
             got = _load(site, c, wants, req.read, targets, req.trust_pickle)
         else:
             # every rank's member checked before anything is read (``MemberFiles.verify``),
-            # the load lands it in the caller's arrays even without ``into``: nothing of
-            # theirs is written unless it all loads
+            # and every rank reads its own member only (from memory, never a neighbour's
+            # files from disk, which could fail once data has landed): the load lands it in
+            # the caller's arrays even without ``into``, nothing of theirs written unless it
+            # all loads
             memory = rebuilt.files(site.comm.rank)
             got = _load(
                 site,
@@ -346,7 +348,7 @@ def _rebuild_and_load(
                 targets if targets is not None else _landing(req),
                 req.trust_pickle,
                 memory,
-                result.lost_data,
+                range(site.comm.size),
                 memory.verify,
             )
     except LoadFailedError as exc2:
