@@ -54,6 +54,16 @@ def _manager(root: Path, comm: Any) -> CheckpointManager:
     )
 
 
+def _refusal(root: Path, comm: Any, state: dict[str, Any], error: type[Exception]) -> str:
+    """The message of the ``error`` a restore of ``state`` raises ("" if it raised none)."""
+    with _manager(root, comm) as mgr:
+        try:
+            mgr.restore(state)
+        except error as exc:
+            return str(exc)
+    return ""
+
+
 @pytest.fixture
 def lost(tmp_path: Path) -> Path:
     """Step 3 saved by 4 ranks on 4 nodes, node n1's copy then deleted."""
@@ -92,12 +102,7 @@ def test_a_state_the_restore_refuses_is_not_written_after_a_rebuild(lost: Path) 
     def body(comm: Any) -> tuple[str, bool]:
         state = _state(comm.rank, blank=True)
         state["model"]["extra"] = np.zeros(4)  # not in the checkpoint: refused (strict)
-        with _manager(lost, comm) as mgr:
-            try:
-                mgr.restore(state)
-                raised = ""
-            except StateMismatchError as exc:
-                raised = str(exc)
+        raised = _refusal(lost, comm, state, StateMismatchError)
         untouched = not state["model"]["w"].data.any() and not state["model"]["b"].any()
         return raised, untouched and state["step"] == 0
 
@@ -170,12 +175,7 @@ def test_a_pickled_object_in_a_list_is_refused_before_a_rebuilt_step_lands(
     def body(comm: Any) -> tuple[str, bool]:
         state = _state(comm.rank, blank=True)
         state["objs"] = [None, 0]
-        with _manager(root, comm) as mgr:
-            try:
-                mgr.restore(state)
-                raised = ""
-            except PickleRefusedError as exc:
-                raised = str(exc)
+        raised = _refusal(root, comm, state, PickleRefusedError)
         untouched = not state["model"]["w"].data.any() and not state["model"]["b"].any()
         return raised, untouched and state["objs"] == [None, 0]
 
