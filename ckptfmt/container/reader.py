@@ -162,10 +162,9 @@ def check_documents(src: Files, manifest: Manifest, share: tuple[int, int] = (0,
     a :class:`DamagedError` naming the file. ``share`` ``(i, n)``: only every ``n``-th document
     from the ``i``-th, in name order (one copy read by ``n`` ranks, each its share). The
     documents are read ``src.reads_in_flight`` at a time."""
-    checker = DocChecker(manifest)
-    i, n = share
+    checker, docs = _share_of_documents(manifest, share)
     check = functools.partial(read_doc, src, manifest, checker=checker)
-    for _ in each_in_flight(src, check, sorted(checker.paths)[i::n]):
+    for _ in each_in_flight(src, check, docs):
         pass  # the first problem in name order raises here
 
 
@@ -174,15 +173,20 @@ def document_checks(
 ) -> list[Callable[[], None]]:
     """:func:`check_documents` as jobs of up to ``batch`` documents each, for a load to run on
     its read threads beside the data (what a job raises is damage, the load's to vote on)."""
-    checker = DocChecker(manifest)
-    i, n = share
-    docs = sorted(checker.paths)[i::n]
+    checker, docs = _share_of_documents(manifest, share)
 
     def check(rels: list[str]) -> None:
         for rel in rels:
             read_doc(src, manifest, rel, checker)
 
     return [functools.partial(check, docs[k : k + batch]) for k in range(0, len(docs), batch)]
+
+
+def _share_of_documents(manifest: Manifest, share: tuple[int, int]) -> tuple[DocChecker, list[str]]:
+    """The checker of ``manifest``'s documents and share ``(i, n)`` of them, in name order."""
+    checker = DocChecker(manifest)
+    i, n = share
+    return checker, sorted(checker.paths)[i::n]
 
 
 def check_allocation(tensors: Sequence[TensorEntry], limit: int | None) -> int:

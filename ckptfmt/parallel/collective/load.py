@@ -131,8 +131,9 @@ def load_collective(
     # without destinations of the caller's, nothing lands before the reads' vote: the
     # documents are checked on the read threads, beside the data, instead of before it
     docs = None if into is not None else doc_share(root, (comm.rank, comm.size))
-    opened = open_copies(comm, root, src, wants, expect_step, node, read, seq, host, docs is None)
-    manifest, info = opened
+    manifest, info = open_copies(
+        comm, root, src, wants, expect_step, node, read, seq, host, docs is None
+    )
     loaded, mine = _read_everything(
         comm, src, manifest, info, read, seq, wants, into, own_only, check_first, docs
     )
@@ -182,10 +183,10 @@ def _read_everything(
     b = Boundary(comm, "load", manifest.step, error=LoadFailedError, seq=seq)
     errors: list[BaseException] = []
     lock = threading.Lock()
+    mine = resolution.sources[comm.rank]
     with b.guard("load-allocate"):
         if check_first is not None:
             check_first()
-        mine = resolution.sources[comm.rank]
         targets = (
             into(_skeleton(manifest, plans, comm.rank, mine, wants)) if callable(into) else into
         )
@@ -208,7 +209,7 @@ def _read_everything(
     if errors:
         b.fail(errors[0], "load-read")
     b.vote("load-read")
-    return bufs.outs, resolution.sources[comm.rank]
+    return bufs.outs, mine
 
 
 def _skeleton(
