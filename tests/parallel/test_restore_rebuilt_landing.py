@@ -16,13 +16,14 @@ import pytest
 from kit.faults import flip
 from kit.level1 import NODES4, rows_of, save_level1, whole
 
-from ckptfmt import CheckpointManager, ExitPolicy, Shard, WriteOptions
+from ckptfmt import CheckpointManager, ExitPolicy, ReadOptions, Shard, WriteOptions
 from ckptfmt.errors import (
     ChecksumError,
     LoadFailedError,
     PickleRefusedError,
     StateMismatchError,
 )
+from ckptfmt.parallel.collective import load_read
 from ckptfmt.parallel.collective.load import load_collective
 from ckptfmt.parallel.collective.rebuild import rebuild_in_memory
 from ckptfmt.redundancy.record import member_files
@@ -223,3 +224,62 @@ def test_each_rank_reads_its_own_member_only_never_a_neighbours_files(tmp_path: 
 
     for landed, exact in run_threads(4, body):
         assert landed and exact
+
+
+def test_an_allocation_failure_for_scratch_fails_before_a_rebuilt_step_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor whose last inner chunk is partial is read through scratch (the chunk's bytes
+    are not one run of the destination). That scratch is allocated with every other buffer,
+    before the load's allocation vote: a ``MemoryError`` there (injected: every uint8 buffer the
+    load's reads ask for) fails the restore on every rank with the caller's arrays as they were.
+    Allocated as each read job starts, as it was, it failed after ``model/w`` had landed."""
+    root = tmp_path / "l1"
+    edge = (37, 96)  # 37 rows: no chunk height but 37 divides it, and 37 rows exceed a chunk
+
+    def save(comm: Any) -> None:
+        with _manager(root, comm) as mgr:
+            state = _state(comm.rank, blank=False)
+            state["model"]["z_edge"] = np.full(edge, comm.rank + 1.0, np.float32)
+            mgr.save(3, state)
+
+    run_threads(4, save)
+    shutil.rmtree(root / "n1" / step_dir_name(3))
+    asked: list[int] = []
+    real_empty = np.empty
+
+    def empty(shape: Any, dtype: Any = float, *args: Any, **kwargs: Any) -> np.ndarray:
+        if np.dtype(dtype) == np.uint8:
+            asked.append(int(np.prod(shape)))
+            raise MemoryError("injected: no memory for a read's scratch")
+        return real_empty(shape, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(load_read, "np", _NumpyWith(empty))
+
+    def body(comm: Any) -> tuple[BaseException | None, bool]:
+        state = _state(comm.rank, blank=True)
+        state["model"]["z_edge"] = np.zeros(edge, np.float32)
+        with _manager(root, comm) as mgr:
+            try:
+                mgr.restore(state, read=ReadOptions(threads=1))  # w read first, then z_edge
+            except (LoadFailedError, MemoryError) as exc:
+                err: BaseException | None = exc
+            else:
+                err = None
+        arrays = (state["model"]["w"].data, state["model"]["b"], state["model"]["z_edge"])
+        return err, not any(a.any() for a in arrays) and state["step"] == 0
+
+    for err, untouched in run_threads(4, body):
+        assert err is not None and "injected" in repr(err) + repr(err.__cause__)
+        assert untouched
+    assert asked  # the fault was met: each rank's edge chunk needed scratch
+
+
+class _NumpyWith:
+    """``numpy`` as a module sees it, but with ``empty`` replaced (a fault injected)."""
+
+    def __init__(self, empty: Any) -> None:
+        self.empty = empty
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)

@@ -184,13 +184,15 @@ def _read_everything(
     errors: list[BaseException] = []
     lock = threading.Lock()
     mine = resolution.sources[comm.rank]
+    # a bucket's pace is set by the requests in flight, not by a disk's queue
+    threads = max(1, read.threads // same_host, src.reads_in_flight)
     with b.guard("load-allocate"):
         if check_first is not None:
             check_first()
         targets = (
             into(_skeleton(manifest, plans, comm.rank, mine, wants)) if callable(into) else into
         )
-        bufs = allocate(comm.rank, src, plans, errors, lock, targets or {})
+        bufs = allocate(comm.rank, src, plans, errors, lock, targets or {}, threads)
         current_meter().expect(bufs.work(comm.rank, plans))
         # open_copies read the manifest and (each rank its share) every zarr.json
         covered = files_read(plans) | {MANIFEST_NAME} | set(document_paths(manifest))
@@ -201,8 +203,6 @@ def _read_everything(
             checks += document_checks(src, manifest, docs, batch)
         add_presence_checks(bufs, checks, errors, lock)
     b.vote("load-allocate")
-    # a bucket's pace is set by the requests in flight, not by a disk's queue
-    threads = max(1, read.threads // same_host, src.reads_in_flight)
     with b.guard("load-read"):
         read_local(bufs, threads)
     transfer(comm, plans, bufs)

@@ -4,10 +4,12 @@ reads (verified, on a few threads), then the broadcasts and messages in one glob
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,11 +118,17 @@ def allocate(
     errors: list[BaseException],
     lock: threading.Lock,
     into: Mapping[str, np.ndarray],
+    threads: int = 1,
 ) -> Buffers:
     """Step 3a (local): allocate this rank's destination arrays and every buffer of the
-    transfers, and prepare its read jobs. Done before anything moves, so that an allocation
-    failure is a failure voted on, not a rank missing from an exchange its peers wait in."""
+    transfers, and prepare its read jobs (``threads``: how many run at once). Done before
+    anything moves, so that an allocation failure is a failure voted on, not a rank missing
+    from an exchange its peers wait in, nor one met after some data has landed in the caller's
+    arrays: the scratch of the chunks that cannot be read straight into their destination is
+    allocated here too, one buffer per thread, reused from job to job."""
     bufs = Buffers()
+    pool = ScratchPool()
+    scratch: list[int] = []  # the scratch bytes of each job that needs some
     for pi, p in enumerate(plans):
         out = _destination(into.get(p.name), p.boxes[me][1], p.geo.dtype)
         bufs.outs[p.name] = out
@@ -149,6 +157,10 @@ def allocate(
             elif d == me and packed:
                 bufs.recv[(pi, s)] = np.empty(sum(dl.nelems for _, dl in packed), p.geo.dtype)
         for t in p.route.tasks_of(me):
+            bcast = slices.get(id(t))
+            own = _own_targets(p, t, out) if bcast is None else None
+            if own is not None and own.scratch:
+                scratch.append(own.scratch * p.geo.chunk_nbytes)
             bufs.jobs.append(
                 functools.partial(
                     _read_task,
@@ -156,7 +168,8 @@ def allocate(
                     p,
                     t,
                     out,
-                    slices.get(id(t)),
+                    bcast,
+                    own,
                     [
                         (dl, packs[(id(t), dl.dest)])
                         for dl in t.deliveries
@@ -164,10 +177,36 @@ def allocate(
                     ],
                     errors,
                     lock,
+                    pool,
                 )
             )
             bufs.job_bytes.append(len(t.slots) * p.geo.chunk_nbytes)
+    if scratch:
+        pool.allocate(min(threads, len(scratch)), max(scratch))
     return bufs
+
+
+class ScratchPool:
+    """Buffers for the chunks a read job cannot put straight into their destination,
+    allocated before the load's allocation vote (``allocate``): as many as jobs run at once,
+    each as large as the largest job's need, so a job always finds one free."""
+
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+
+    def allocate(self, count: int, nbytes: int) -> None:
+        """Allocate ``count`` buffers of ``nbytes`` (once every job is known)."""
+        for _ in range(count):
+            self._free.put(memoryview(np.empty(nbytes, np.uint8)))  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def buffer(self) -> Iterator[memoryview]:
+        """One buffer, the job's while in the block."""
+        view = self._free.get()
+        try:
+            yield view
+        finally:
+            self._free.put(view)
 
 
 def _destination(given: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
@@ -328,20 +367,44 @@ def _read_task(
     task: FileTask,
     out: np.ndarray,
     bcast: np.ndarray | None,
+    own: OwnTargets | None,
+    deliveries: list[tuple[Delivery, np.ndarray]],
+    errors: list[BaseException],
+    lock: threading.Lock,
+    pool: ScratchPool,
+) -> None:
+    """Read one file task's chunks (verified) and put each piece where it goes: this rank's
+    own into ``out`` (``own``: whole chunks that are contiguous there are read straight into
+    it, the others into a buffer of ``pool``), the others' into their send buffers or the
+    broadcast buffer."""
+    if own is not None and own.scratch:
+        with pool.buffer() as scratch:
+            _read_and_place(
+                src, p, task, out, own.targets(scratch), own.rest, deliveries, errors, lock
+            )
+        return
+    if own is not None:
+        targets, rest = own.targets(), own.rest
+    else:
+        nb = p.geo.chunk_nbytes
+        view = memoryview(bcast)  # type: ignore[arg-type]
+        targets = [view[i * nb : (i + 1) * nb] for i in range(len(task.slots))]
+        rest = list(task.own.pieces) if task.own else []  # the root's own, out of the broadcast
+    _read_and_place(src, p, task, out, targets, rest, deliveries, errors, lock)
+
+
+def _read_and_place(
+    src: Files,
+    p: LoadPlan,
+    task: FileTask,
+    out: np.ndarray,
+    targets: list[memoryview],
+    rest: list[Piece],
     deliveries: list[tuple[Delivery, np.ndarray]],
     errors: list[BaseException],
     lock: threading.Lock,
 ) -> None:
-    """Read one file task's chunks (verified) and put each piece where it goes: this rank's
-    own into ``out`` (whole chunks that are contiguous there are read straight into it), the
-    others' into their send buffers or the broadcast buffer."""
-    nb = p.geo.chunk_nbytes
-    if bcast is None:
-        targets, rest = _own_targets(p, task, out)
-    else:
-        view = memoryview(bcast)  # type: ignore[arg-type]
-        targets = [view[i * nb : (i + 1) * nb] for i in range(len(task.slots))]
-        rest = list(task.own.pieces) if task.own else []  # the root's own, out of the broadcast
+    """``_read_task`` once every chunk has a place to be read to (``targets``)."""
     ref = p.t.regions[task.file.region].files[task.file.file]
     try:
         read_chunks(src, p.geo, ref, task.file.cell, task.slots, targets, task.whole, (p.name,))
@@ -362,12 +425,41 @@ def _read_task(
             pos += pc.nelems
 
 
-def _own_targets(
-    p: LoadPlan, task: FileTask, out: np.ndarray
-) -> tuple[list[memoryview], list[Piece]]:
-    """Where each chunk of ``task`` is read to (in ``task.slots`` order): a rank's own whole
-    chunks that are one contiguous run of ``out`` straight there, every other chunk into
-    scratch; and the own pieces then to be copied out of the scratch."""
+_NO_SCRATCH = memoryview(b"")
+
+
+@dataclass
+class OwnTargets:
+    """Where a rank's own read task reads each chunk to: ``direct`` (slot -> the chunk's bytes
+    in the destination, for whole chunks that are one contiguous run of it), the rest into
+    ``scratch`` chunks of a pool's buffer; ``rest``: the own pieces then copied out of it."""
+
+    slots: Sequence[int]
+    nbytes: int
+    direct: dict[int, memoryview]
+    rest: list[Piece]
+
+    @property
+    def scratch(self) -> int:
+        """How many chunks go to scratch."""
+        return len(self.slots) - len(self.direct)
+
+    def targets(self, scratch: memoryview = _NO_SCRATCH) -> list[memoryview]:
+        """Each chunk's place, in ``slots`` order (``scratch``: at least ``self.scratch``
+        chunks' bytes; none needed when every chunk goes straight to its destination)."""
+        nb, k, out = self.nbytes, 0, []
+        for s in self.slots:
+            view = self.direct.get(s)
+            if view is None:
+                view = scratch[k * nb : (k + 1) * nb]
+                k += 1
+            out.append(view)
+        return out
+
+
+def _own_targets(p: LoadPlan, task: FileTask, out: np.ndarray) -> OwnTargets:
+    """Where each chunk of ``task`` is read to (``OwnTargets``): a rank's own whole chunks that
+    are one contiguous run of ``out`` straight there, every other chunk into scratch."""
     geo, nb = p.geo, p.geo.chunk_nbytes
     origin = p.boxes[task.reader][0]
     out_bytes = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
@@ -389,19 +481,7 @@ def _own_targets(
                     direct[pc.slot] = out_bytes[start : start + nb]
                     continue
             rest.append(pc)
-    if len(direct) == len(task.slots):
-        return [direct[s] for s in task.slots], rest
-    n_scratch = len(task.slots) - len(direct)
-    scratch = memoryview(np.empty(n_scratch * nb, np.uint8))  # type: ignore[arg-type]
-    targets = []
-    k = 0
-    for s in task.slots:
-        view = direct.get(s)
-        if view is None:
-            view = scratch[k * nb : (k + 1) * nb]
-            k += 1
-        targets.append(view)
-    return targets, rest
+    return OwnTargets(task.slots, nb, direct, rest)
 
 
 def _place_broadcast(
