@@ -104,7 +104,8 @@ def load_collective(
     is C-contiguous, writeable and of exactly the box's shape and the saved dtype (else a fresh
     array is allocated, as without it): a tensor is then written once on the way in, and the
     returned state holds the caller's array. A load that fails part-way may have written into
-    them (what the caller accepts by passing them). ``into`` may instead be a callable, called
+    them (what the caller accepts by passing them; the ``zarr.json`` documents are then checked
+    beside the reads, as without destinations). ``into`` may instead be a callable, called
     on this rank once the load is planned and before anything is read, with the skeleton of
     what the load returns (the nested state, its arrays of the box's shape and dtype without
     their data, its encoded entries as ``Blob``): it returns the destinations (a restore that
@@ -128,9 +129,11 @@ def load_collective(
     """
     root: Path | str = Path(path).absolute() if source is None else os.fspath(path)
     src: Files = Inside(Path(root)) if source is None else source
-    # without destinations of the caller's, nothing lands before the reads' vote: the
-    # documents are checked on the read threads, beside the data, instead of before it
-    docs = None if into is not None else doc_share(root, (comm.rank, comm.size))
+    # the documents are checked on the read threads, beside the data, unless the load lands in
+    # the caller's arrays all or nothing (a callable ``into``: a restore's landing, which must
+    # find every fault before anything is read); without destinations nothing lands before the
+    # reads' vote, and with a mapping the caller accepted that a failed load may have written
+    docs = None if callable(into) else doc_share(root, (comm.rank, comm.size))
     manifest, info = open_copies(
         comm, root, src, wants, expect_step, node, read, seq, host, docs is None
     )

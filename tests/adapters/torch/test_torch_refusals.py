@@ -27,6 +27,8 @@ from ckptfmt.errors import (  # noqa: E402
     CastWarning,
     CkptError,
     DtypeMismatchError,
+    LoadFailedError,
+    MetadataMismatchError,
     UnsupportedValueError,
     UrlNotSupportedError,
     UsageError,
@@ -283,6 +285,22 @@ def test_into_reads_straight_into_the_tensors(tmp_path: Path, api: str) -> None:
         assert sd["step"] == 3
     assert peaks[False] >= nbytes, peaks  # the buffers the default loads into
     assert peaks[True] < nbytes / 4, (peaks, nbytes)  # no second copy of the state
+
+
+def test_into_finds_a_damaged_zarr_json_beside_the_reads(tmp_path: Path) -> None:
+    """With ``into=True`` the ``zarr.json`` documents are checked on the read threads, beside
+    the data (the caller accepted that a failed load may have written): a damaged one is
+    still damage, named, and the load raises."""
+    model = _two_layers(0)
+    path = tmp_path / "ckpt"
+    ckptfmt_torch.save({"model": model}, path, write=WriteOptions(fsync=False))
+    doc = path / "model" / "1.weight" / "zarr.json"
+    doc.write_bytes(doc.read_bytes().replace(b'"bfloat16"', b'"bfloat17"'))
+    for into in (False, True):
+        with pytest.raises(LoadFailedError) as info:
+            ckptfmt_torch.load({"model": _two_layers(1)}, path, into=into)
+        assert isinstance(info.value.cause, MetadataMismatchError), repr(info.value.cause)
+        assert "model/1.weight/zarr.json" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("url", ["file:///tmp/x", "http://host/ckpt/step-1"])
