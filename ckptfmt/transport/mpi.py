@@ -34,17 +34,27 @@ SPIN_S = 1e-4  # busy testing before the first sleep: a peer already there costs
 FIRST_SLEEP_S = 50e-6
 MAX_SLEEP_S = 2.5e-4  # the most a completed wait can lag behind (what a vote may add)
 BURST_S = 1e-4  # busy testing after each sleep: a transfer under way keeps moving
+LONG_SLEEP_S = 2e-3  # the longest sleep of a long wait for a small message (``small``)
+LAG_SHARE = 0.05  # ... which sleeps at most this share of the time waited so far
 ROLL_TAG = 32767  # reserved for MpiComm.roll_call (other traffic keeps to tags below 32000)
 VERDICT_TAG = 32766
 
 
 def polite_wait(
-    requests: list[Any], max_sleep_s: float = MAX_SLEEP_S, deadline_s: float | None = None
+    requests: list[Any],
+    max_sleep_s: float = MAX_SLEEP_S,
+    deadline_s: float | None = None,
+    small: bool = False,
 ) -> bool:
     """Complete ``requests`` (mpi4py ``Request`` objects): test them busily for ``SPIN_S``, then
     alternate a sleep (doubling from :data:`FIRST_SLEEP_S` to ``max_sleep_s``) with ``BURST_S``
-    of tests. With ``deadline_s``, give up after that long and return False (the requests are
-    then still pending: the caller cancels them); True once they are complete."""
+    of tests. ``small``: the requests move a few bytes each (a barrier, the sizes of an
+    allgather: a rank there waits for the slowest rank, not for a transfer): once the wait is
+    long, the sleep grows on, up to :data:`LONG_SLEEP_S` and :data:`LAG_SHARE` of the time
+    waited, so that ranks waiting for a slow one leave it the cores (a burst every 250 us
+    costs a waiting rank ~20% of a core) and notice its arrival at most ~5% late. With
+    ``deadline_s``, give up after that long and return False (the requests are then still
+    pending: the caller cancels them); True once they are complete."""
     from mpi4py import MPI
 
     if not requests:
@@ -54,18 +64,22 @@ def polite_wait(
         return bool(requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests))
 
     clock = time.perf_counter
-    give_up = None if deadline_s is None else clock() + deadline_s
-    pause, until = FIRST_SLEEP_S, clock() + SPIN_S
+    start = clock()
+    give_up = None if deadline_s is None else start + deadline_s
+    pause, until = FIRST_SLEEP_S, start + SPIN_S
     while True:
         while True:
             if done():
                 return True
-            if clock() > until:
+            now = clock()
+            if now > until:
                 break
-        if give_up is not None and clock() > give_up:
+        if give_up is not None and now > give_up:
             return False
         time.sleep(pause)
         pause = min(pause * 2, max_sleep_s)
+        if small:
+            pause = max(pause, min(LONG_SLEEP_S, LAG_SHARE * (now - start)))
         until = clock() + BURST_S
 
 
@@ -102,18 +116,22 @@ class MpiComm(Comm):
         self.size = int(self.comm.Get_size())
         self.wait = wait
 
-    def _complete(self, *requests: Any) -> None:
+    def _complete(self, *requests: Any, small: bool = False) -> None:
+        """Wait for ``requests`` (``small``: each moves a few bytes, see ``polite_wait``)."""
         if self.wait == "block":
             self._mpi.Request.Waitall(list(requests))
         else:
-            polite_wait(list(requests))
+            polite_wait(list(requests), small=small)
 
     def barrier(self) -> None:
-        self._complete(self.comm.Ibarrier())
+        self._complete(self.comm.Ibarrier(), small=True)
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         sizes = np.empty(self.size, dtype=np.int64)
-        self._complete(self.comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes))
+        # the sizes first: where the ranks wait for the slowest (a vote), then the data
+        self._complete(
+            self.comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes), small=True
+        )
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, np.uint8)
