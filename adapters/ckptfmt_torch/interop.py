@@ -33,7 +33,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import WriteOptions
 from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
 from ckptfmt.manifest import display
-from ckptfmt.storage import ProgressCallback, fsync_dir, metering
+from ckptfmt.storage import ProgressCallback, fsync_dir, metering, write_error
 from ckptfmt_torch import _compat
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
@@ -82,8 +82,15 @@ def export_torch(
             os.replace(tmp, out_path)
             if fsync:
                 fsync_dir(out_path.parent)
-        except BaseException:
+        except BaseException as exc:
+            # torch.save's zip writer turns a failed write into a RuntimeError, the OSError
+            # its context
+            cause = exc if isinstance(exc, OSError) else exc.__context__
+            needed = sum(a.nbytes for _, a in named)
+            failed = write_error(cause, out_path, "the export's destination", needed)
             tmp.unlink(missing_ok=True)
+            if failed is not None:
+                raise failed from None
             raise
         meter.finish()
     entries = {display(t.name): t for t in source.manifest.tensors()}

@@ -50,7 +50,7 @@ from ckptfmt.interop.names import Rename, renames_of
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Job, Source, open_source
 from ckptfmt.manifest.limits import display
-from ckptfmt.storage.files import fsync_dir, write_gather
+from ckptfmt.storage.files import fsync_dir, write_error, write_gather
 from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
@@ -383,8 +383,12 @@ def _export(
         if fsync:
             fsync_dir(staging)
         publish(staging, out_path, fsync)
-    except BaseException:
+    except BaseException as exc:
+        needed = sum(p.nbytes for p in planned)
+        failed = write_error(exc, out_path, "the export's destination", needed)  # while full
         shutil.rmtree(staging, ignore_errors=True)
+        if failed is not None:
+            raise failed from None
         raise
     return _report(source, str(out_path), files, planned, read)
 

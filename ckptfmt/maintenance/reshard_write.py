@@ -42,7 +42,7 @@ from ckptfmt.manifest.model import (
 from ckptfmt.plan.ownership import SavePlan, TensorPlan
 from ckptfmt.plan.reads import Box, Layout, plan_reads
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.storage.files import Files, Inside, storage_full
+from ckptfmt.storage.files import Files, Inside, storage_full, write_error
 from ckptfmt.storage.progress import Meter, ProgressCallback, metering
 from ckptfmt.storage.store import Draft, Location, Store
 
@@ -199,6 +199,9 @@ def write_destination(
                 needed=max(needed, exc.needed or 0),
                 path=str(dst),
             ) from None
+        failed = write_error(exc, Path(str(dst)), "the reshard's destination") if local else None
+        if failed is not None:  # a file over the size limit
+            raise failed from None
         raise
     return out, read, written, [s.where for s in drafts]
 

@@ -6,15 +6,18 @@ left half written or mixed."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from ckptfmt_cli.exits import ExitStatus
 from kit.full_disk import run_in_mount_namespace
 
 import ckptfmt
+from ckptfmt.interop import export_safetensors
 
 STATE = {
     "model": {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(7, np.int16)},
@@ -55,3 +58,61 @@ def test_reshard_that_fails_on_one_node_leaves_every_node_as_it_was(tmp_path: Pa
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["n0", "n1"]  # no leftovers
     check = subprocess.run([*CLI, "verify", "-q", template], capture_output=True, timeout=120)
     assert check.returncode == ExitStatus.OK
+
+
+BIG = {"model": {"w": np.arange(1 << 20, dtype=np.float32)}}  # 4 MiB: more than the tmpfs
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_export_to_a_full_file_system_names_out_and_leaves_nothing(tmp_path: Path, to: str) -> None:
+    """export onto a file system without room for OUT (a 1 MiB tmpfs): one line naming OUT and
+    that it could not be written (no space left), exit 3, nothing at OUT or beside it. With
+    --to torch, torch.save's own error used to escape as a traceback (RuntimeError from its zip
+    writer, exit 1: "damaged"); with safetensors the line named no path."""
+    if to == "torch":
+        pytest.importorskip("torch")
+    src = tmp_path / "src"
+    ckptfmt.save(BIG, src, step=1)
+    out = tmp_path / "full" / ("out.pt" if to == "torch" else "out")
+    argv = [*CLI, "export", "-q", "--to", to, str(src), str(out)]
+    (tmp_path / "full").mkdir()
+    proc = run_in_mount_namespace([f"mount -t tmpfs -o size=1m tmpfs {tmp_path / 'full'}"], argv)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == ExitStatus.UNREADABLE, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("Error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert str(out) in proc.stderr and "no space left on device" in proc.stderr, proc.stderr
+    assert "cannot write" in proc.stderr and "cannot read" not in proc.stderr
+    assert list((tmp_path / "full").iterdir()) == []  # the tmpfs is gone: the mount point
+
+
+@pytest.mark.parametrize("command", ["export", "export-torch", "reshard", "import"])
+def test_a_file_size_limit_is_a_write_error(tmp_path: Path, command: str) -> None:
+    """A file larger than the process may write (``ulimit -f``: the write fails with EFBIG)
+    is said to be a write that failed, naming where, never "cannot read" (which reads as an
+    unreadable SRC); nothing is left at OUT."""
+    if command == "export-torch":
+        pytest.importorskip("torch")
+    src = tmp_path / "src"
+    ckptfmt.save(BIG, src, step=1)
+    if command == "import":
+        export_safetensors(src, tmp_path / "hf")
+        shutil.rmtree(src)
+        src = tmp_path / "hf"
+    out = tmp_path / ("out.pt" if command == "export-torch" else "out")
+    args = {
+        "export": ["export", str(src), str(out)],
+        "export-torch": ["export", "--to", "torch", str(src), str(out)],
+        "reshard": ["reshard", str(src), str(out), "--ranks", "2"],
+        "import": ["import", str(src), str(out)],
+    }[command]
+    shell = 'ulimit -f 1024 && exec "$@"'  # 1024 blocks of 512 bytes (POSIX sh): 512 KiB
+    proc = subprocess.run(
+        ["sh", "-c", shell, "sh", *CLI, *args, "-q"], capture_output=True, text=True, timeout=120
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == ExitStatus.UNREADABLE, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("Error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot write" in proc.stderr and "file too large" in proc.stderr.lower()
+    assert "cannot read" not in proc.stderr
+    assert str(out) in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
