@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ckptfmt_cli.exits import ExitStatus
+from kit.faults import flip
 from kit.full_disk import run_in_mount_namespace
+from kit.level1 import NODES4, save_level1
 
 import ckptfmt
 from ckptfmt.interop import export_safetensors
@@ -116,3 +118,24 @@ def test_a_file_size_limit_is_a_write_error(tmp_path: Path, command: str) -> Non
     assert "cannot read" not in proc.stderr
     assert str(out) in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+
+
+def test_rebuild_on_a_read_only_file_system_is_no_lost_data(tmp_path: Path) -> None:
+    """A level-1 checkpoint that redundancy can repair, on a file system mounted read-only:
+    rebuild cannot write, which is a storage error (exit 3) naming where and why, not
+    "UNRECOVERABLE ... lost tensors" (exit 1: damaged beyond what the redundancy rebuilds),
+    which would have a user give up a checkpoint that rebuilds once it can be written."""
+    template = save_level1(tmp_path / "l1", "xor", NODES4)
+    damaged = next((tmp_path / "l1" / "n1" / "model" / "w" / "c").rglob("*"))
+    damaged = damaged if damaged.is_file() else next(damaged.rglob("*"))
+    flip(damaged)
+    root = tmp_path / "l1"
+    setup = [f"mount --bind {root} {root}", f"mount -o remount,bind,ro {root}"]
+    proc = run_in_mount_namespace(setup, [*CLI, "rebuild", "-q", template])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == ExitStatus.UNREADABLE, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("Error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "read-only file system" in proc.stderr and str(damaged.parent) in proc.stderr
+    assert "UNRECOVERABLE" not in proc.stdout + proc.stderr and "lost" not in proc.stderr
+    fixed = subprocess.run([*CLI, "rebuild", "-q", template], capture_output=True, timeout=120)
+    assert fixed.returncode == ExitStatus.OK  # writable again: it was repairable all along
