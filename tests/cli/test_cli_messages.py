@@ -255,6 +255,41 @@ def test_list_with_level1_keeps_its_columns(tmp_path: Path) -> None:
     assert "level 1: n0" in result.stdout, result.stdout
 
 
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        "{",
+        "[]",
+        '"x"',
+        '{"local_dir": 5, "nodes": ["n0"]}',
+        '{"local_dir": "L/{node}", "nodes": "n0"}',
+        '{"local_dir": "L/{node}", "nodes": [5]}',
+        '{"local_dir": "L/{node}", "nodes": null}',
+        '{"local_dir": "L/{node}", "nodes": ["../../etc"]}',
+        '{"local_dir": "L/{node}", "nodes": [""]}',
+    ],
+)
+def test_list_with_a_damaged_levels_record_says_so(tmp_path: Path, record: str) -> None:
+    """``ckptfmt-levels.json`` hand-edited or torn (not JSON, not an object, a wrong type, a
+    node name that cannot fill {node}): one line naming the file and what is wrong, exit 3,
+    never a traceback (it used to escape as JSONDecodeError, AttributeError, TypeError) nor a
+    listing of directories outside the level-1 template."""
+    with ckptfmt.CheckpointManager(
+        local_dir=tmp_path / "l1" / "{node}",
+        shared_dir=tmp_path / "shared",
+        node="n0",
+        write=WriteOptions(fsync=False),
+    ) as mgr:
+        mgr.save(1, {"a": np.ones(3)})
+    path = tmp_path / "shared" / "ckptfmt-levels.json"
+    path.write_text(record.replace("L/", f"{tmp_path / 'l1'}/"))
+    result = run("list", tmp_path / "shared")
+    assert result.exit_code == ExitStatus.UNREADABLE, result.output
+    assert result.stderr.startswith(f"Error: {path}: ") and result.stderr.count("\n") == 1
+    assert "levels record" in result.stderr, result.stderr
+
+
 def test_top_level_help_names_every_command() -> None:
     result = run("--help")
     assert result.exit_code == 0
