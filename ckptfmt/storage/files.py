@@ -500,6 +500,27 @@ def each_in_flight(
         yield from pool.map(fn, items)
 
 
+def link_out_of(root: Path, path: Path) -> tuple[Path, str] | None:
+    """The first directory on the way from ``root`` to the file ``path`` (``root / rel``) that
+    resolves outside ``root`` (a symbolic link, or under one), with where it leads; None when
+    every one that exists stays inside. What a writer into a checkpoint checks before writing
+    a file there, as :class:`Inside` does before reading one."""
+    base = os.path.realpath(root)
+
+    def inside(p: Path) -> bool:
+        real = os.path.realpath(p)
+        return real == base or real.startswith(base + os.sep)
+
+    if inside(path.parent):
+        return None
+    probe = root
+    for part in path.parent.relative_to(root).parts:
+        probe = probe / part
+        if not inside(probe):
+            return probe, os.path.realpath(probe)
+    return path.parent, os.path.realpath(path.parent)  # pragma: no cover - root itself moved
+
+
 class Inside:
     """Opens files of one checkpoint for reading, refusing any that resolve outside its root.
 

@@ -309,3 +309,24 @@ def test_a_node_name_that_leaves_the_template_is_refused(
         assert f"node name {bad!r}" in result.stderr, result.stderr
     assert tree(tmp_path) == before  # nothing outside, nothing of the other nodes touched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_link_leading_out_of_a_node_directory_is_not_written_through(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    """A node's ``model`` directory replaced by a symbolic link to a directory outside the
+    checkpoint (which holds a copy of it): readers do not read through it (its files count as
+    missing, FORMAT.md §14), and rebuild must not write through it either: it used to rewrite
+    every file and zarr.json it found lost there, in the directory the link leads to. It exits
+    1 naming the link, and nothing outside changes."""
+    root, template = copy(saved, "xor", tmp_path / "ckpt")
+    outside = tmp_path / "outside"
+    (root / "n1" / "model").rename(outside)
+    (root / "n1" / "model").symlink_to(outside)
+    (outside / "unrelated.txt").write_text("not the checkpoint's")
+    before = tree(outside)
+    result = run("rebuild", template)
+    assert result.exit_code == ExitStatus.DAMAGED, result.output
+    assert f"{root / 'n1' / 'model'}" in result.output, result.output
+    assert "symbolic link" in result.output and str(outside) in result.output, result.output
+    assert tree(outside) == before  # not one file written there (bytes and times)
