@@ -66,7 +66,10 @@ def export_torch(
         )
     if out_path.is_dir():
         raise DestinationExistsError(str(out_path), "it is a directory; --to torch writes a file")
-    source, named = tensors_of(src, rows=rows, strip=strip, renames=renames, dtype=dtype)
+    scratch = out_path.with_name(f".{out_path.name}.rebuilt-{os.urandom(8).hex()}")
+    source, named = tensors_of(
+        src, rows=rows, strip=strip, renames=renames, dtype=dtype, scratch=scratch
+    )
     # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
     state = {name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named}
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,7 @@ def export_torch(
         not_cast=not_cast,
         seconds=time.perf_counter() - started,
         format="torch",
+        rebuilt_nodes=source.rebuilt_nodes,
     )
 
 
