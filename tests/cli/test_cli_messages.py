@@ -102,6 +102,19 @@ def test_inspect_takes_a_node_template(level1: Path) -> None:
     assert {t["name"] for t in doc["tensors"]} == {"model/embed", "model/norm", "model/w", "rng"}
 
 
+def test_inspect_of_a_template_reads_a_good_copy(level1: Path) -> None:
+    """``inspect`` of a {node} template reads the good manifest copy most nodes hold: a
+    damaged copy on the first node (its checksum fails) no more stops it than a missing one
+    does; ``verify`` is what reports that copy."""
+    flip(level1 / "n0" / "ckptfmt.json", byte=200)
+    result = run("inspect", "--json", str(level1 / "{node}"))
+    assert result.exit_code == ExitStatus.OK, result.output
+    doc = json.loads(result.stdout)
+    assert doc["step"] == 5 and doc["world"]["size"] == 8
+    assert doc["path"] != str(level1 / "n0")
+    assert run("verify", "-q", str(level1 / "{node}")).exit_code == ExitStatus.DAMAGED
+
+
 def test_unrecoverable_lists_only_the_tensors_really_lost(level1: Path) -> None:
     """One flipped file on each of two members of one xor set: beyond xor, but only the
     tensors of those two files are lost, not every tensor the two ranks wrote."""
@@ -253,7 +266,6 @@ def test_list_with_level1_keeps_its_columns(tmp_path: Path) -> None:
         mgr.save(1, {"a": np.ones(3)})
     result = run("list", tmp_path / "shared")
     assert "level 1: n0" in result.stdout, result.stdout
-
 
 
 @pytest.mark.parametrize(
