@@ -302,6 +302,35 @@ def test_list_with_a_damaged_levels_record_says_so(tmp_path: Path, record: str) 
     assert "levels record" in result.stderr, result.stderr
 
 
+CTRL_C_DURING_IMPORT = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class CtrlC(MetaPathFinder):  # Ctrl-C arriving while the core is imported, at start-up
+    def find_spec(self, name, path, target=None):
+        if name == "ckptfmt.interop":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["ckptfmt", "inspect", "x"]
+from ckptfmt_cli.main import main  # what the ckptfmt script runs
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line_and_130() -> None:
+    """Ctrl-C in the fraction of a second the command spends importing the core (before any
+    command runs) says "interrupted" and exits 130, as during a command; it used to end in
+    a traceback through the import machinery (and die by the signal)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C_DURING_IMPORT], capture_output=True, text=True, timeout=120
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == ExitStatus.INTERRUPTED, proc.stderr
+    assert proc.stderr == "Error: interrupted\n"
+
+
 def test_top_level_help_names_every_command() -> None:
     result = run("--help")
     assert result.exit_code == 0
