@@ -34,7 +34,6 @@ from ckptfmt.errors import (
     NotACheckpointError,
     PerRankWarning,
     SizeMismatchError,
-    StorageFullError,
     UsageError,
 )
 from ckptfmt.format.options import WriteOptions
@@ -54,7 +53,7 @@ from ckptfmt.manifest.model import (
 from ckptfmt.parallel.collective.save import SaveFailedError, save_collective
 from ckptfmt.plan.options import ReadOptions
 from ckptfmt.plan.per_rank import resolve
-from ckptfmt.storage.files import Files, Inside, storage_full
+from ckptfmt.storage.files import Files, Inside, write_error
 from ckptfmt.storage.paths import check_destination
 from ckptfmt.storage.progress import ProgressCallback, metering
 from ckptfmt.storage.store import Store, incremental_base, parse_location
@@ -165,23 +164,19 @@ def save(
 def _raise_full(exc: BaseException, state: Mapping[str, Any], path: Path) -> None:
     """A full file system (or quota) met anywhere in the save, as :class:`StorageFullError`
     naming the checkpoint's directory and the bytes the save needed at least (its tensors'
-    bytes; the shard indexes and metadata come on top). The staging directory is gone by now
-    (the save's vote removed it)."""
+    bytes; the shard indexes and metadata come on top); a file over the size limit (``EFBIG``)
+    as :class:`StorageError` naming it too (``storage.files.write_error``). The staging
+    directory is gone by now (the save's vote removed it)."""
     if not isinstance(exc, OSError):
-        return
-    full = exc if isinstance(exc, StorageFullError) else storage_full(exc, path.absolute())
-    if full is None:
         return
     needed = sum(
         int(getattr(leaf, "nbytes", 0) or 0)
         for _, leaf in flatten(state)
         if isinstance(getattr(leaf, "nbytes", None), int)
     )
-    raise full.with_context(
-        level="single-process save",
-        needed=max(needed, full.needed or 0),
-        path=str(path.absolute()),
-    ) from None
+    failed = write_error(exc, path.absolute(), "single-process save", needed)
+    if failed is not None:
+        raise failed from None
 
 
 def writer_threads() -> int:

@@ -33,7 +33,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import WriteOptions
 from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
 from ckptfmt.manifest import display
-from ckptfmt.storage import ProgressCallback, fsync_dir, metering
+from ckptfmt.storage import ProgressCallback, fsync_dir, metering, write_error
 from ckptfmt_torch import _compat
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
@@ -66,7 +66,10 @@ def export_torch(
         )
     if out_path.is_dir():
         raise DestinationExistsError(str(out_path), "it is a directory; --to torch writes a file")
-    source, named = tensors_of(src, rows=rows, strip=strip, renames=renames, dtype=dtype)
+    scratch = out_path.with_name(f".{out_path.name}.rebuilt-{os.urandom(8).hex()}")
+    source, named = tensors_of(
+        src, rows=rows, strip=strip, renames=renames, dtype=dtype, scratch=scratch
+    )
     # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
     state = {name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named}
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,8 +85,15 @@ def export_torch(
             os.replace(tmp, out_path)
             if fsync:
                 fsync_dir(out_path.parent)
-        except BaseException:
+        except BaseException as exc:
+            # torch.save's zip writer turns a failed write into a RuntimeError, the OSError
+            # its context
+            cause = exc if isinstance(exc, OSError) else exc.__context__
+            needed = sum(a.nbytes for _, a in named)
+            failed = write_error(cause, out_path, "the export's destination", needed)
             tmp.unlink(missing_ok=True)
+            if failed is not None:
+                raise failed from None
             raise
         meter.finish()
     entries = {display(t.name): t for t in source.manifest.tensors()}
@@ -105,6 +115,7 @@ def export_torch(
         not_cast=not_cast,
         seconds=time.perf_counter() - started,
         format="torch",
+        rebuilt_nodes=source.rebuilt_nodes,
     )
 
 

@@ -16,14 +16,26 @@ from pathlib import Path
 import numpy as np
 
 from ckptfmt.checksum import crc32c
-from ckptfmt.errors import ChecksumError, DamagedError, MissingFileError, SizeMismatchError
+from ckptfmt.errors import (
+    ChecksumError,
+    DamagedError,
+    MissingFileError,
+    SizeMismatchError,
+    UnrecoverableDamageError,
+)
 from ckptfmt.format.shard_io import Geometry
 from ckptfmt.format.shard_read import decode_shard
 from ckptfmt.manifest.grid import shard_cell
 from ckptfmt.manifest.limits import display
 from ckptfmt.manifest.model import FileRef, Manifest, TensorEntry
 from ckptfmt.redundancy.record import ParityFile, RedundancyRecord, member_files
-from ckptfmt.storage.files import Inside, fsync_dir, naming_checkpoint, write_gather
+from ckptfmt.storage.files import (
+    Inside,
+    fsync_dir,
+    link_out_of,
+    naming_checkpoint,
+    write_gather,
+)
 
 
 @naming_checkpoint
@@ -101,7 +113,7 @@ def write_member(
         if wanted is not None and ref.path not in wanted:
             continue
         _check_file(t, ref, blob)
-        replace_file(root / ref.path, blob, fsync)
+        replace_file(root / ref.path, blob, fsync, root)
         written.append(ref.path)
     return written
 
@@ -135,12 +147,24 @@ def check_parity(pf: ParityFile, data: np.ndarray) -> None:
 def write_parity(root: Path, pf: ParityFile, data: np.ndarray, fsync: bool = True) -> None:
     """Write a parity file (checked against its CRCs first), replacing it atomically."""
     check_parity(pf, data[: pf.size])
-    replace_file(root / pf.path, data[: pf.size], fsync)
+    replace_file(root / pf.path, data[: pf.size], fsync, root)
 
 
-def replace_file(path: Path, data: np.ndarray, fsync: bool) -> None:
+def replace_file(path: Path, data: np.ndarray, fsync: bool, root: Path | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary name and a rename (never half a file);
-    the temporary file is removed if that fails."""
+    the temporary file is removed if that fails. ``root``: the checkpoint directory ``path``
+    lies in; a directory on the way that is a symbolic link leading out of it is never written
+    through (readers do not read through it either, ``spec/FORMAT.md`` §14):
+    :class:`UnrecoverableDamageError` naming it."""
+    if root is not None:
+        out = link_out_of(root, path)
+        if out is not None:
+            raise UnrecoverableDamageError(
+                str(out[0]),
+                f"a symbolic link to {out[1]}, outside {root}, where a directory belongs: not "
+                "written through (replace it by the directory it stands for, or remove it and "
+                "rebuild)",
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.rebuild-{os.getpid()}")
     if tmp.exists():

@@ -149,12 +149,13 @@ def damaged_docs(directory: Path, manifest: Manifest) -> list[str]:
     return out
 
 
-def rewrite_file(path: Path, data: bytes, fsync: bool) -> None:
-    """Replace whatever is at ``path`` (a damaged file, a FIFO, a link) by ``data``,
-    atomically."""
+def rewrite_file(root: Path, rel: str, data: bytes, fsync: bool) -> None:
+    """Replace whatever is at ``root / rel`` (a damaged file, a FIFO, a link) by ``data``,
+    atomically, never through a link that leads out of the directory ``root``."""
+    path = root / rel
     if path.is_dir() and not path.is_symlink():
         raise UnrecoverableDamageError(str(path), "a directory where a metadata document belongs")
-    replace_file(path, np.frombuffer(data, np.uint8), fsync)
+    replace_file(path, np.frombuffer(data, np.uint8), fsync, root)
 
 
 def rewrite_copies(
@@ -165,12 +166,12 @@ def rewrite_copies(
     good or just repaired); returns each file written as (directory, relative path)."""
     written: list[tuple[Path, str]] = []
     for d in choice.to_rewrite:
-        rewrite_file(d / MANIFEST_NAME, choice.data, fsync)
+        rewrite_file(d, MANIFEST_NAME, choice.data, fsync)
         written.append((d, MANIFEST_NAME))
     docs = documents(choice.manifest)
     for d in committed:
         for rel in damaged_docs(d, choice.manifest):
-            rewrite_file(d / rel, doc_bytes(docs[rel]), fsync)
+            rewrite_file(d, rel, doc_bytes(docs[rel]), fsync)
             written.append((d, rel))
     return written
 
@@ -199,7 +200,7 @@ def write_planned(
     for d, rels in todo.items():
         for rel in rels:
             blob = choice.data if rel == MANIFEST_NAME else doc_bytes(docs[rel])
-            rewrite_file(d / rel, blob, fsync)
+            rewrite_file(d, rel, blob, fsync)
             out.append(f"{d}: {rel}")
     return out
 
@@ -263,12 +264,12 @@ def repair_collective(
                 mine.state == GOOD and mine.digest != info[holder]["digest"] and same_save
             )
             if rewrite:
-                rewrite_file(path / MANIFEST_NAME, data, fsync)
+                rewrite_file(path, MANIFEST_NAME, data, fsync)
                 written.append(f"{path}: {MANIFEST_NAME}")
             if rewrite or (mine.state == GOOD and mine.digest == info[holder]["digest"]):
                 docs = documents(manifest)
                 for rel in damaged_docs(path, manifest):
-                    rewrite_file(path / rel, doc_bytes(docs[rel]), fsync)
+                    rewrite_file(path, rel, doc_bytes(docs[rel]), fsync)
                     written.append(f"{path}: {rel}")
         except Exception as exc:  # any failure is voted on below, never a rank leaving
             error = f"{type(exc).__name__}: {exc}"

@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,7 @@ from ckptfmt.interop.names import Rename, renames_of
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Job, Source, open_source
 from ckptfmt.manifest.limits import display
-from ckptfmt.storage.files import fsync_dir, write_gather
+from ckptfmt.storage.files import fsync_dir, write_error, write_gather
 from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
@@ -383,8 +384,12 @@ def _export(
         if fsync:
             fsync_dir(staging)
         publish(staging, out_path, fsync)
-    except BaseException:
+    except BaseException as exc:
+        needed = sum(p.nbytes for p in planned)
+        failed = write_error(exc, out_path, "the export's destination", needed)  # while full
         shutil.rmtree(staging, ignore_errors=True)
+        if failed is not None:
+            raise failed from None
         raise
     return _report(source, str(out_path), files, planned, read)
 
@@ -470,16 +475,41 @@ def tensors_of(
     renames: Iterable[str | Rename | tuple[str, str]] = (),
     dtype: str | None = None,
     threads: int = 2,
+    scratch: Path | None = None,
 ) -> tuple[Source, list[tuple[str, np.ndarray]]]:
     """Every exported tensor in memory, by output name (for writers that need them all at once:
-    ``torch.save``). Same selection, names and casts as :func:`export_safetensors`; level-1
-    sources must be whole (``ckptfmt rebuild`` them first)."""
+    ``torch.save``). Same selection, names and casts as :func:`export_safetensors`, and as
+    there what a level-1 source lost or holds damaged within its redundancy is rebuilt from
+    parity on the fly (``Source.rebuilt_nodes`` names the nodes), into ``scratch`` (a
+    directory made and removed here; default: one in ``TMPDIR``), never into ``src``."""
     source = open_source(src)
     planned = plan(select(source, rows, strip), strip, renames_of(renames), dtype)
+    with contextlib.ExitStack() as stack:
+        if scratch is None:
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptfmt-")))
+        else:
+            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        rebuilt = scratch / "rebuilt"
+        if source.level1 and source.problems():
+            source = source.with_rebuild(rebuilt)
+        try:
+            got = _read_all(source, planned, threads)
+        except DamagedError:  # a CRC failed on level 1: rebuild from parity, then again
+            if not source.level1 or source.rebuilt_nodes:
+                raise
+            source = source.with_rebuild(rebuilt)
+            if not source.rebuilt_nodes:
+                raise
+            got = _read_all(source, planned, threads)
+    return source, got
+
+
+def _read_all(
+    source: Source, planned: Sequence[Planned], threads: int
+) -> list[tuple[str, np.ndarray]]:
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         reads = ReadAhead(source, [p.entry for p in planned], pool, 1 << 62)
-        got = [(p.name, cast_array(reads.take(), p.dtype)) for p in planned]
-    return source, got
+        return [(p.name, cast_array(reads.take(), p.dtype)) for p in planned]
 
 
 __all__ = ["ExportReport", "Job", "export_safetensors", "tensors_of"]

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ckptfmt.engine.copies import Choice, Copy, choose, copies_of, read_copy
-from ckptfmt.errors import NotACheckpointError, UsageError
+from ckptfmt.errors import ManifestError, NotACheckpointError, UsageError
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage.nodes import expand, is_template, matching
 
@@ -59,8 +60,24 @@ def node_copies(spec: NodeDirs) -> tuple[Choice, dict[str, Path], list[Copy]]:
         return choice, {n: given[n] for n in nodes}, copies
     text = os.fspath(spec)
     if is_template(text):
+        _check_node_names(choice, text)
         dirs = {n: expand(text, n) for n in nodes}
         known = {c.directory for c in copies}
         copies += [read_copy(d) for d in dirs.values() if d not in known]
         return choice, dirs, copies
     return choice, {n: Path(text) for n in nodes}, copies
+
+
+def _check_node_names(choice: Choice, template: str) -> None:
+    """Refuse a manifest whose node names cannot fill ``{node}``: each becomes a directory of
+    ``template``, so a name that ``spec/PROTOCOL.md`` §5 forbids (empty, ``.``, ``..``, holding
+    ``/``) would name a directory outside the template's (where a rebuild recreates a "lost"
+    node) or the template's parent itself (which a rebuild takes for a torn copy and removes)."""
+    for r in choice.manifest.ranks:
+        if not r.node or "/" in r.node or r.node in (".", ".."):
+            raise ManifestError(
+                f"node name {r.node!r} cannot fill {{node}} in {template} (a node's name is "
+                "non-empty, holds no '/' and is not '.' or '..')",
+                f"/world/ranks/{r.rank}/node",
+                str(choice.holders[0] / MANIFEST_NAME),
+            )

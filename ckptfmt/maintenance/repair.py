@@ -20,6 +20,7 @@ written: ``phase="rebuild"``); the last event once every directory is committed.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Mapping
@@ -44,7 +45,7 @@ from ckptfmt.engine.rebuild import (
     read_status,
     write_rebuilt,
 )
-from ckptfmt.errors import CkptError, UnrecoverableDamageError
+from ckptfmt.errors import CkptError, StorageError, UnrecoverableDamageError, level_name
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.maintenance.nodes import NodeDirs, node_copies
 from ckptfmt.manifest.model import Manifest
@@ -162,6 +163,11 @@ def _assess(
     return status
 
 
+# What a rebuilt file's write meets where the checkpoint itself is damaged: a directory where a
+# file belongs, a file where a directory does. Any other refusal is the storage's, not damage.
+_IN_THE_WAY = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST})
+
+
 def _write_back(
     choice: Choice,
     docs: dict[Path, list[str]],
@@ -218,7 +224,11 @@ def _write_back(
         for st in staging.values():
             commit.abort(st)
         if isinstance(exc, OSError) and not isinstance(exc, CkptError):
-            # e.g. a directory where a file belongs: damage the repair cannot write over
+            if exc.errno not in _IN_THE_WAY:  # read-only, permission denied, too large, I/O
+                where = exc.filename if exc.filename is not None else shown
+                reason = f"cannot write the rebuilt files: {(exc.strerror or str(exc)).lower()}"
+                raise StorageError(str(where), reason, level=level_name(1), err=exc.errno) from None
+            # a directory where a file belongs: damage the repair cannot write over
             raise UnrecoverableDamageError(
                 shown,
                 f"cannot write the rebuilt files: {exc}",

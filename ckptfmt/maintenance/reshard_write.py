@@ -22,7 +22,7 @@ from ckptfmt.checksum import combine
 from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import by_name
 from ckptfmt.engine.encode import encode_offline, offline_work
-from ckptfmt.errors import ChecksumError, StorageFullError, UsageError
+from ckptfmt.errors import ChecksumError, CkptError, StorageError, StorageFullError, UsageError
 from ckptfmt.format.chunk_reads import read_chunks
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, plan_region, region_cells, shard_file_nbytes
@@ -42,7 +42,7 @@ from ckptfmt.manifest.model import (
 from ckptfmt.plan.ownership import SavePlan, TensorPlan
 from ckptfmt.plan.reads import Box, Layout, plan_reads
 from ckptfmt.redundancy.config import Redundancy
-from ckptfmt.storage.files import Files, Inside, storage_full
+from ckptfmt.storage.files import Files, Inside, storage_full, write_error
 from ckptfmt.storage.progress import Meter, ProgressCallback, metering
 from ckptfmt.storage.store import Draft, Location, Store
 
@@ -169,10 +169,18 @@ def write_destination(
             data = dump_manifest(out)
             for d in drafts.values():
                 d.stage_manifest(data, [d.written()], write.fsync)
-            replaced = []
-            for store, d in drafts.items():
-                replaced.append((d, d.publish(fsync=write.fsync)))
-                published.add(store)
+            replaced: list[tuple[Draft, Any]] = []
+            try:
+                for store, d in drafts.items():
+                    replaced.append((d, d.publish(fsync=write.fsync)))
+                    published.add(store)
+            except BaseException as exc:  # the nodes published take their previous copy back
+                for d, old in reversed(replaced):
+                    d.unpublish(old, write.fsync)
+                if isinstance(exc, OSError) and not isinstance(exc, CkptError):
+                    where = str(store.where)
+                    raise StorageError.of(exc, where, "the reshard's destination") from exc
+                raise
             for d, old in replaced:
                 d.discard(old)
             meter.finish()
@@ -191,6 +199,9 @@ def write_destination(
                 needed=max(needed, exc.needed or 0),
                 path=str(dst),
             ) from None
+        failed = write_error(exc, Path(str(dst)), "the reshard's destination") if local else None
+        if failed is not None:  # a file over the size limit
+            raise failed from None
         raise
     return out, read, written, [s.where for s in drafts]
 

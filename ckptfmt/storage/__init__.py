@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ckptfmt.storage.commit import is_committed
 from ckptfmt.storage.commit import remove as remove_committed
-from ckptfmt.storage.files import Inside, fsync_dir
+from ckptfmt.storage.files import Inside, fsync_dir, write_error
 from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
 from ckptfmt.storage.objects.source import ObjectInside, open_committed
 from ckptfmt.storage.objects.url import is_url
@@ -50,4 +50,5 @@ __all__ = [
     "remove_committed",
     "step_dir_name",
     "StepRef",
+    "write_error",
 ]

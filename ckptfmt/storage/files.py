@@ -27,6 +27,7 @@ from ckptfmt.errors import (
     MissingFileError,
     NotRegularFileError,
     SizeMismatchError,
+    StorageError,
     StorageFullError,
 )
 
@@ -125,6 +126,29 @@ def storage_full(
         free=free,
         free_inodes=inodes,
     )
+
+
+def write_error(
+    exc: BaseException | None, target: Path, level: str, needed: int | None = None
+) -> StorageError | None:
+    """A write into ``target`` (the directory or file an operation writes, named as the
+    ``level`` it is: ``"the export's destination"``) that failed for want of room, as an error
+    of the tree naming it: a full file system or quota as :class:`StorageFullError`
+    (:func:`storage_full`, ``needed`` the bytes the operation writes), a file larger than the
+    file system or the process's limit allows (``EFBIG``: ``ulimit -f``) as
+    :class:`StorageError`. None for any other error: a failed read of the source stays what it
+    was (no read fails with these)."""
+    if isinstance(exc, StorageFullError):
+        return exc.with_context(level, max(needed or 0, exc.needed or 0) or None, str(target))
+    if not isinstance(exc, OSError) or isinstance(exc, CkptError):
+        return None
+    full = storage_full(exc, target, needed, directory=target)
+    if full is not None:
+        return full.with_context(level=level)
+    if exc.errno == errno.EFBIG:
+        reason = "cannot write: file too large for the file system or the file size limit"
+        return StorageError(str(target), f"{reason} (ulimit -f)", level=level, err=exc.errno)
+    return None
 
 
 def write_gather(
@@ -474,6 +498,27 @@ def each_in_flight(
         return
     with ThreadPoolExecutor(n) as pool:
         yield from pool.map(fn, items)
+
+
+def link_out_of(root: Path, path: Path) -> tuple[Path, str] | None:
+    """The first directory on the way from ``root`` to the file ``path`` (``root / rel``) that
+    resolves outside ``root`` (a symbolic link, or under one), with where it leads; None when
+    every one that exists stays inside. What a writer into a checkpoint checks before writing
+    a file there, as :class:`Inside` does before reading one."""
+    base = os.path.realpath(root)
+
+    def inside(p: Path) -> bool:
+        real = os.path.realpath(p)
+        return real == base or real.startswith(base + os.sep)
+
+    if inside(path.parent):
+        return None
+    probe = root
+    for part in path.parent.relative_to(root).parts:
+        probe = probe / part
+        if not inside(probe):
+            return probe, os.path.realpath(probe)
+    return path.parent, os.path.realpath(path.parent)  # pragma: no cover - root itself moved
 
 
 class Inside:

@@ -102,6 +102,19 @@ def test_inspect_takes_a_node_template(level1: Path) -> None:
     assert {t["name"] for t in doc["tensors"]} == {"model/embed", "model/norm", "model/w", "rng"}
 
 
+def test_inspect_of_a_template_reads_a_good_copy(level1: Path) -> None:
+    """``inspect`` of a {node} template reads the good manifest copy most nodes hold: a
+    damaged copy on the first node (its checksum fails) no more stops it than a missing one
+    does; ``verify`` is what reports that copy."""
+    flip(level1 / "n0" / "ckptfmt.json", byte=200)
+    result = run("inspect", "--json", str(level1 / "{node}"))
+    assert result.exit_code == ExitStatus.OK, result.output
+    doc = json.loads(result.stdout)
+    assert doc["step"] == 5 and doc["world"]["size"] == 8
+    assert doc["path"] != str(level1 / "n0")
+    assert run("verify", "-q", str(level1 / "{node}")).exit_code == ExitStatus.DAMAGED
+
+
 def test_unrecoverable_lists_only_the_tensors_really_lost(level1: Path) -> None:
     """One flipped file on each of two members of one xor set: beyond xor, but only the
     tensors of those two files are lost, not every tensor the two ranks wrote."""
@@ -253,6 +266,69 @@ def test_list_with_level1_keeps_its_columns(tmp_path: Path) -> None:
         mgr.save(1, {"a": np.ones(3)})
     result = run("list", tmp_path / "shared")
     assert "level 1: n0" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        "{",
+        "[]",
+        '"x"',
+        '{"local_dir": 5, "nodes": ["n0"]}',
+        '{"local_dir": "L/{node}", "nodes": "n0"}',
+        '{"local_dir": "L/{node}", "nodes": [5]}',
+        '{"local_dir": "L/{node}", "nodes": null}',
+        '{"local_dir": "L/{node}", "nodes": ["../../etc"]}',
+        '{"local_dir": "L/{node}", "nodes": [""]}',
+    ],
+)
+def test_list_with_a_damaged_levels_record_says_so(tmp_path: Path, record: str) -> None:
+    """``ckptfmt-levels.json`` hand-edited or torn (not JSON, not an object, a wrong type, a
+    node name that cannot fill {node}): one line naming the file and what is wrong, exit 3,
+    never a traceback (it used to escape as JSONDecodeError, AttributeError, TypeError) nor a
+    listing of directories outside the level-1 template."""
+    with ckptfmt.CheckpointManager(
+        local_dir=tmp_path / "l1" / "{node}",
+        shared_dir=tmp_path / "shared",
+        node="n0",
+        write=WriteOptions(fsync=False),
+    ) as mgr:
+        mgr.save(1, {"a": np.ones(3)})
+    path = tmp_path / "shared" / "ckptfmt-levels.json"
+    path.write_text(record.replace("L/", f"{tmp_path / 'l1'}/"))
+    result = run("list", tmp_path / "shared")
+    assert result.exit_code == ExitStatus.UNREADABLE, result.output
+    assert result.stderr.startswith(f"Error: {path}: ") and result.stderr.count("\n") == 1
+    assert "levels record" in result.stderr, result.stderr
+
+
+CTRL_C_DURING_IMPORT = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class CtrlC(MetaPathFinder):  # Ctrl-C arriving while the core is imported, at start-up
+    def find_spec(self, name, path, target=None):
+        if name == "ckptfmt.interop":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["ckptfmt", "inspect", "x"]
+from ckptfmt_cli.main import main  # what the ckptfmt script runs
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line_and_130() -> None:
+    """Ctrl-C in the fraction of a second the command spends importing the core (before any
+    command runs) says "interrupted" and exits 130, as during a command; it used to end in
+    a traceback through the import machinery (and die by the signal)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C_DURING_IMPORT], capture_output=True, text=True, timeout=120
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == ExitStatus.INTERRUPTED, proc.stderr
+    assert proc.stderr == "Error: interrupted\n"
 
 
 def test_top_level_help_names_every_command() -> None:

@@ -282,3 +282,51 @@ def test_a_failed_write_leaves_no_temporary_file(saved: dict[str, Path], tmp_pat
     with pytest.raises(UnrecoverableDamageError, match="cannot write the rebuilt files"):
         rebuild(template, write=WriteOptions(fsync=False))
     assert [p.name for p in victim.parent.iterdir()] == [victim.name]
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "../outside", "n3/deeper"])
+def test_a_node_name_that_leaves_the_template_is_refused(
+    saved: dict[str, Path], tmp_path: Path, bad: str
+) -> None:
+    """A node's name fills the {node} of the path given, so a manifest edited to name node n3
+    ``..``, ``../outside`` or ``""`` (PROTOCOL.md §5 forbids them) would have rebuild recreate
+    "the lost node" outside the checkpoint, or take the template's parent (every node's
+    directory) for n3's torn copy and remove it. Refused as an invalid manifest (exit 3) by
+    every command given the template; nothing written, nothing removed."""
+    root, template = copy(saved, "xor", tmp_path / "ckpt")
+    for node in ("n0", "n1", "n2", "n3"):
+        path = root / node / "ckptfmt.json"
+        doc: dict[str, Any] = json.loads(path.read_text())
+        for r in doc["world"]["ranks"]:
+            r["node"] = bad if r["node"] == "n3" else r["node"]
+        path.write_bytes(seal_if_sealed(doc))  # as a hostile writer would: the checksum holds
+    shutil.rmtree(root / "n3")  # the node "lost"
+    before = tree(tmp_path)
+    for command in (["rebuild"], ["rebuild", "--dry-run"], ["verify"], ["inspect"]):
+        result = run(*command, template)
+        assert result.exit_code == ExitStatus.UNREADABLE, (command, result.output)
+        assert "/world/ranks/6/node" in result.stderr, result.stderr
+        assert f"node name {bad!r}" in result.stderr, result.stderr
+    assert tree(tmp_path) == before  # nothing outside, nothing of the other nodes touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_link_leading_out_of_a_node_directory_is_not_written_through(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    """A node's ``model`` directory replaced by a symbolic link to a directory outside the
+    checkpoint (which holds a copy of it): readers do not read through it (its files count as
+    missing, FORMAT.md §14), and rebuild must not write through it either: it used to rewrite
+    every file and zarr.json it found lost there, in the directory the link leads to. It exits
+    1 naming the link, and nothing outside changes."""
+    root, template = copy(saved, "xor", tmp_path / "ckpt")
+    outside = tmp_path / "outside"
+    (root / "n1" / "model").rename(outside)
+    (root / "n1" / "model").symlink_to(outside)
+    (outside / "unrelated.txt").write_text("not the checkpoint's")
+    before = tree(outside)
+    result = run("rebuild", template)
+    assert result.exit_code == ExitStatus.DAMAGED, result.output
+    assert f"{root / 'n1' / 'model'}" in result.output, result.output
+    assert "symbolic link" in result.output and str(outside) in result.output, result.output
+    assert tree(outside) == before  # not one file written there (bytes and times)

@@ -55,6 +55,21 @@ def run_in_tmpfs_mounts(
     ``tmp_path`` with a tmpfs mounted with its options (``{"l1": "size=4m"}``); the finished
     process (checked by the caller) and the directories. The host's mounts are never
     touched; the tmpfs vanish with the namespace."""
+    dirs = {name: tmp_path / name for name in mounts}
+    shell = []
+    for name, options in mounts.items():
+        dirs[name].mkdir()
+        shell.append(f"mount -t tmpfs -o {options} tmpfs {dirs[name]}")
+    return run_in_mount_namespace(shell, argv, timeout), dirs
+
+
+def run_in_mount_namespace(
+    setup: list[str], argv: list[str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a child mount namespace after the shell commands ``setup`` (``mount
+    ...``: a tmpfs, or ``mount --bind D D``, which makes the directory ``D`` a mount point that
+    no rename can move); the finished process, checked by the caller. The host's mounts are
+    never touched."""
     if UNSHARE is None:
         pytest.skip("no unshare(1)")
     args = ["--mount", "--propagation", "private"]
@@ -63,19 +78,12 @@ def run_in_tmpfs_mounts(
     probe = subprocess.run([UNSHARE, *args, "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a mount namespace: {probe.stderr.decode().strip()}")
-    dirs = {name: tmp_path / name for name in mounts}
-    shell = []
-    for name, options in mounts.items():
-        dirs[name].mkdir()
-        shell.append(f"mount -t tmpfs -o {options} tmpfs {dirs[name]}")
-    shell.append('exec "$@"')
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO / 'tools'}"}
-    proc = subprocess.run(
-        [UNSHARE, *args, "sh", "-c", " && ".join(shell), "sh", *argv],
+    return subprocess.run(
+        [UNSHARE, *args, "sh", "-c", " && ".join([*setup, 'exec "$@"']), "sh", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
         cwd=REPO,
     )
-    return proc, dirs

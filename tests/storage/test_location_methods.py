@@ -124,3 +124,19 @@ def test_a_state_passed_as_the_location_is_a_usage_error(tmp_path: Path, call: s
         else:
             ckptfmt.load(state)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("call", ["save", "load", "verify", "save-template"])
+def test_a_path_with_a_nul_character_is_a_usage_error(tmp_path: Path, call: str) -> None:
+    """No file system path holds a NUL: such a path (bytes pasted from elsewhere, a C string
+    gone wrong) is refused as a :class:`UsageError` naming it, not a bare ``ValueError``
+    ("embedded null byte") from ``os.mkdir`` deep in the save, nor "no such directory"."""
+    bad = f"{tmp_path}/ck\0pt" + ("/{node}" if call == "save-template" else "")
+    with pytest.raises(UsageError, match="NUL"):
+        if call.startswith("save"):
+            ckptfmt.save(STATE, bad, write=FAST)
+        elif call == "load":
+            ckptfmt.load(bad)
+        else:
+            ckptfmt.verify(bad)
+    assert list(tmp_path.iterdir()) == []

@@ -54,6 +54,9 @@ STATUS_BY_FAMILY: dict[type[CkptError], ExitStatus] = {
 
 MAX_MESSAGE_CHARS = 2000
 
+# What only a write fails with: a full file system or quota, a file over the size limit.
+_WRITE_ONLY = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG})
+
 
 def exit_status(exc: BaseException) -> ExitStatus | None:
     """The status a command exits with when ``exc`` escapes it: its family's for an error of
@@ -108,7 +111,7 @@ def error_message(exc: BaseException) -> str:
     """The one-line message shown for an error that ends a command."""
     if isinstance(exc, CkptError):
         return one_line(cli_wording(str(exc)))
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+    if isinstance(exc, OSError) and exc.errno in _WRITE_ONLY:
         return one_line(f"cannot write: {exc}")  # a full file system is never a read error
     return one_line(f"cannot read: {exc}")
 

@@ -139,11 +139,14 @@ def without_absent_level1(doc: dict[str, Any], shared: Path) -> dict[str, Any]:
 def first_node_dir(template: str) -> Path:
     """The directory ``inspect`` reads for a ``{node}`` template: a node's copy of the manifest
     (the good one most nodes hold; every node's copy describes the whole checkpoint)."""
-    _, _, dirs = node_dirs(template)
+    _, data, dirs = node_dirs(template)
     for d in dirs.values():
-        if (d / "ckptfmt.json").is_file():
-            return d
-    return next(iter(dirs.values()))
+        try:
+            if (d / "ckptfmt.json").read_bytes() == data:
+                return d
+        except OSError:  # that node's copy is missing or unreadable: another one holds it
+            continue
+    return next(iter(dirs.values()))  # pragma: no cover - node_dirs found a holder
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

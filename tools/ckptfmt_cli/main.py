@@ -10,22 +10,27 @@ ends with ``ctx.exit(ExitStatus.DAMAGED)``.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-import click
+try:  # Ctrl-C while the core is imported (at start, before any command runs): as during one
+    import click
 
-import ckptfmt
-from ckptfmt import VerifyReport
-from ckptfmt.storage import Location, parse_location
-from ckptfmt_cli import hints, render
-from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
-from ckptfmt_cli.export_cmd import export_command
-from ckptfmt_cli.gc_cmd import gc_command
-from ckptfmt_cli.import_cmd import import_command
-from ckptfmt_cli.rebuild_cmd import node_spec, rebuild_command
-from ckptfmt_cli.reshard_cmd import reshard_command
-from ckptfmt_cli.summary import describe
+    import ckptfmt
+    from ckptfmt import VerifyReport
+    from ckptfmt.storage import Location, parse_location
+    from ckptfmt_cli import hints, render
+    from ckptfmt_cli.exits import ExitStatus, error_message, exit_status, help_epilog
+    from ckptfmt_cli.export_cmd import export_command
+    from ckptfmt_cli.gc_cmd import gc_command
+    from ckptfmt_cli.import_cmd import import_command
+    from ckptfmt_cli.rebuild_cmd import node_spec, rebuild_command
+    from ckptfmt_cli.reshard_cmd import reshard_command
+    from ckptfmt_cli.summary import describe
+except KeyboardInterrupt:
+    sys.stderr.write("Error: interrupted\n")
+    raise SystemExit(130) from None  # ExitStatus.INTERRUPTED, not imported yet
 
 
 def fail(ctx: click.Context, message: str, status: ExitStatus) -> NoReturn:

@@ -34,7 +34,7 @@ from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.boundary import Boundary
 from ckptfmt.parallel.collective.bucket_upload import UPLOAD_THREADS, upload_phase
 from ckptfmt.parallel.collective.publish import FaultHook
-from ckptfmt.parallel.levels.layout import LEVELS_FILE
+from ckptfmt.parallel.levels.layout import LEVELS_FILE, read_record
 from ckptfmt.parallel.levels.shared import SharedLevel
 from ckptfmt.storage.files import Files
 from ckptfmt.storage.objects import Bucket, Retries
@@ -364,8 +364,8 @@ def bucket_levels(
     each committed step."""
     root = Bucket.at(url, storage_options)
     try:
-        cfg = json.loads(root.get(LEVELS_FILE))
-    except (FileNotFoundError, ValueError):
+        cfg = read_record(root.get(LEVELS_FILE), root.key_url(LEVELS_FILE))
+    except FileNotFoundError:
         cfg = {}
     out: dict[int, str] = {}
     for step, name in step_names(root, loose=True):  # the names a directory's listing takes

@@ -25,6 +25,7 @@ from ckptfmt.errors import (
     NotACheckpointError,
     SaveFailedError,
     StorageError,
+    UnreadableError,
     UsageError,
     level_name,
 )
@@ -48,14 +49,45 @@ LEVELS_FILE = "ckptfmt-levels.json"
 NODE_ENV = "CKPTFMT_NODE"
 
 
+def valid_node(name: object) -> bool:
+    """Whether ``name`` is a node's name (``spec/PROTOCOL.md`` §5): a non-empty string without
+    ``/``, not ``.`` or ``..``, so that it fills ``{node}`` with one directory."""
+    return isinstance(name, str) and bool(name) and "/" not in name and name not in (".", "..")
+
+
 def resolve_node(node: str | None = None) -> str:
     """This process's failure domain: ``node`` if given, else the ``CKPTFMT_NODE`` environment
     variable (stable across restarts; how tests simulate several nodes on one machine), else the
     host name. Read here once, by the manager's constructor, and nowhere else."""
     name = node or os.environ.get(NODE_ENV) or socket.gethostname()
-    if not name or "/" in name or name in (".", ".."):
+    if not valid_node(name):
         raise UsageError(f"invalid node name {name!r}")
     return name
+
+
+def read_record(data: bytes | str, where: str) -> dict[str, Any]:
+    """The levels record ``ckptfmt-levels.json`` (what :meth:`Levels.record` writes) read from
+    ``data``, the file or object at ``where``: an object whose ``local_dir`` is a path template
+    or null and whose ``nodes`` are node names. Anything else (torn, edited by hand) is an
+    :class:`UnreadableError` naming it: ``ckptfmt list`` expands those names into paths."""
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        doc, why = None, f"not JSON ({exc})"
+    else:
+        why = "not a JSON object"
+    if isinstance(doc, dict):
+        local, nodes = doc.get("local_dir"), doc.get("nodes", [])
+        if local is not None and not isinstance(local, str):
+            why = f"local_dir is {local!r}, not a path or null"
+        elif not isinstance(nodes, list) or not all(valid_node(n) for n in nodes):
+            why = f"nodes is {nodes!r}, not a list of node names"
+        else:
+            return doc
+    raise UnreadableError(
+        f"{where}: not a levels record a CheckpointManager writes: {why}; the manager writes it "
+        "anew when it starts, or remove it to list level 3 alone"
+    )
 
 
 def group_key(node: str, node_local: bool) -> str:
@@ -402,6 +434,7 @@ def with_level1(shared: str, cfg: Mapping[str, Any], level3: Mapping[int, str]) 
 
 __all__ = [
     "LEVELS_FILE",
+    "read_record",
     "Levels",
     "SaveFailedError",
     "agree_nodes",

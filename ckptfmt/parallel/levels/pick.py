@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,7 +11,13 @@ from typing import Any
 
 from ckptfmt.errors import ObjectStoreSetupError, UsageError, level_name
 from ckptfmt.parallel.levels.bucket import BucketLevel, bucket_levels
-from ckptfmt.parallel.levels.layout import LEVELS_FILE, Levels, dir_level3, with_level1
+from ckptfmt.parallel.levels.layout import (
+    LEVELS_FILE,
+    Levels,
+    dir_level3,
+    read_record,
+    with_level1,
+)
 from ckptfmt.parallel.levels.shared import DirLevel, SharedLevel
 from ckptfmt.storage.store import parse_location
 
@@ -71,5 +76,5 @@ def list_levels(
         return with_level1(os.fspath(shared_root), cfg, level3)
     root = Path(shared_root)
     cfg_file = root / LEVELS_FILE
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg = read_record(cfg_file.read_bytes(), str(cfg_file)) if cfg_file.is_file() else {}
     return with_level1(str(root), cfg, dir_level3(root))

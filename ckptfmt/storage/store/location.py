@@ -145,6 +145,11 @@ def parse_location(
         )
     if storage_options:
         raise UsageError(f"storage_options apply to object-store URLs, not to the path {found}")
+    paths = found.spec.values() if isinstance(found.spec, Mapping) else (found.spec,)
+    for each in paths:
+        if isinstance(each, str | os.PathLike) and "\0" in os.fsdecode(each):
+            # the OS refuses it with a bare ValueError deep in the save or load
+            raise UsageError(f"{os.fsdecode(each)!r}: a path cannot hold a NUL character")
     return found
 
 

@@ -120,6 +120,39 @@ def test_export_to_torch_save(saved: tuple[Net, Path], tmp_path: Path) -> None:
     same_state(bf, want)
 
 
+@pytest.mark.parametrize("damage", ["lost node", "flipped bit"])
+def test_export_to_torch_rebuilds_level1_on_the_fly(tmp_path: Path, damage: str) -> None:
+    """``export --to torch`` of level-1 copies that lost a node (or hold a file that fails its
+    CRC), within what the redundancy rebuilds: written whole, bit for bit, the rebuilt node
+    named, the source untouched (spec/CLI.md, ``export`` 0); it used to exit 1 ("damaged")."""
+    import shutil
+
+    from kit.faults import flip
+    from kit.files import tree
+    from kit.level1 import NODES4, save_level1, whole
+
+    from ckptfmt.manifest.codec import parse_manifest
+    from ckptfmt.redundancy.record import member_files
+
+    root = tmp_path / "l1"
+    template = save_level1(root, "xor", NODES4)
+    if damage == "lost node":
+        shutil.rmtree(root / "n2")
+    else:
+        manifest = parse_manifest((root / "n2" / "ckptfmt.json").read_bytes())
+        flip(root / "n2" / member_files(manifest, 2)[0][1].path)  # sizes fine: a CRC fails
+    before = tree(root)
+    result = run("export", template, tmp_path / "sd.pt", "--to", "torch", "--json")
+    assert result.exit_code == ExitStatus.OK, result.output
+    assert json.loads(result.output)["rebuilt_nodes"] == ["n2"]
+    sd = torch.load(tmp_path / "sd.pt", weights_only=True)
+    want = whole(4)
+    for name in ("embed", "w"):
+        assert sd[name].numpy().tobytes() == want[f"model/{name}"].tobytes(), name
+    assert tree(root) == before  # the source is left as it was
+    assert leftovers(tmp_path) == []
+
+
 def test_import_torch_save_loads_in_place(tmp_path: Path) -> None:
     net = trained(1)
     torch.save(net.state_dict(), tmp_path / "sd.pt")
