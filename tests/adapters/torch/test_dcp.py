@@ -4,11 +4,13 @@ its Adam state (bfloat16) round-trip bit for bit through ``dcp.save``/``dcp.asyn
 manager load through ``dcp.load``, and the plugin's through ``ckptfmt_torch.load``; an object
 DCP pickles loads only when ``torch.load(weights_only=True)`` accepts it or the reader is told
 to trust it; a damaged shard fails the load naming the file; a save that fails leaves nothing
-behind."""
+behind; an asynchronous save still writing when the script ends is finished, as DCP's own."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +252,40 @@ def test_every_file_and_directory_is_durable_before_the_commit(
     tree = {staging / p.relative_to(target) for p in target.rglob("*")} | {staging}
     assert len(tree) > 20
     assert sorted(tree - at_commit["synced"]) == []
+
+
+SAVE_AND_END = """
+import sys
+import torch
+import torch.distributed.checkpoint as dcp
+from ckptfmt_torch.dcp import Writer
+g = torch.Generator().manual_seed(7)
+state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}
+future = dcp.async_save(state, storage_writer=Writer(sys.argv[1], step=3))
+print(future.done())
+"""  # the script's last line: nothing waits for the save
+
+
+def test_an_async_save_still_writing_when_the_script_ends_is_committed(tmp_path: Path) -> None:
+    """A script that ends right after ``dcp.async_save`` (its final checkpoint, say): the
+    interpreter finishes the save in flight before it exits, as it does DCP's own writer's, and
+    the checkpoint holds every tensor bit for bit, with nothing left beside it. (Python refuses
+    new work to thread pools once the main thread has ended: the save's writes must not need
+    it.)"""
+    path = tmp_path / "c"
+    done = subprocess.run(
+        [sys.executable, "-c", SAVE_AND_END, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]  # still writing when the script ended
+    g = torch.Generator().manual_seed(7)
+    want = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}
+    got = {k: torch.zeros(256, 1024) for k in want}
+    dcp.load(got, storage_reader=Reader(path))
+    assert same(got, want)
+    assert ckptfmt.open(path).manifest.step == 3
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
