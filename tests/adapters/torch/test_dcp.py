@@ -1,10 +1,11 @@
 """``torch.distributed.checkpoint`` through ckptfmt's storage plugin in one process: a model and
 its Adam state (bfloat16) round-trip bit for bit through ``dcp.save``/``dcp.async_save`` with
-``Writer`` and ``dcp.load`` with ``Reader``; checkpoints of ``ckptfmt_torch.save`` and of the
-manager load through ``dcp.load``, and the plugin's through ``ckptfmt_torch.load``; an object
-DCP pickles loads only when ``torch.load(weights_only=True)`` accepts it or the reader is told
-to trust it; a damaged shard fails the load naming the file; a save that fails leaves nothing
-behind; an asynchronous save still writing when the script ends is finished, as DCP's own."""
+``Writer`` and ``dcp.load`` with ``Reader``; checkpoints of ``ckptfmt_torch.save`` (in a
+directory or a bucket) and of the manager load through ``dcp.load``, and the plugin's through
+``ckptfmt_torch.load``; an object DCP pickles loads only when ``torch.load(weights_only=True)``
+accepts it or the reader is told to trust it; a damaged shard fails the load naming the file; a
+save that fails leaves nothing behind; an asynchronous save still writing when the script ends
+is finished, as DCP's own."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from ckptfmt_torch.dcp import Reader, Writer  # noqa: E402
 from kit.files import leftover_dirs, leftovers  # noqa: E402
 from kit.managers import node_manager  # noqa: E402
+from kit.s3 import S3  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import ckptfmt  # noqa: E402
@@ -100,6 +102,20 @@ def test_ckptfmt_torch_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
     assert same(target["model"], want["model"]) and target["step"] == 7
     assert same(target["optim"]["state"], want["optim"]["state"])
     assert target["optim"]["param_groups"][0]["lr"] == 0.01
+
+
+def test_checkpoint_in_a_bucket_loads_through_dcp(s3: S3) -> None:
+    """A checkpoint in a bucket (the tests' S3 server), by its URL: every tensor read from its
+    objects, bit for bit (not from a directory named after the URL, which does not exist)."""
+    model, opt = trained(1)
+    url = f"{s3.url}/c"
+    ckptfmt_torch.save({"model": model, "optim": opt, "step": 7}, url)
+    other, other_opt = trained(2)
+    target = dcp_state(other, other_opt, 0)
+    dcp.load(target, storage_reader=Reader(url))
+    want = dcp_state(model, opt, 7)
+    assert same(target["model"], want["model"]) and target["step"] == 7
+    assert same(target["optim"]["state"], want["optim"]["state"])
 
 
 def test_manager_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
