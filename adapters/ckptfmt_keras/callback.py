@@ -11,9 +11,10 @@ It takes ``keras.callbacks.BackupAndRestore``'s arguments (``backup_dir``, ``sav
 - ``settings``: the levels, redundancy, cadence and retention, a ``ckptfmt.ManagerSettings``
   passed to ``ckptfmt.CheckpointManager``, which does all the saving, as it is; its fields may
   be given as keywords instead (``local_dir="/local/ckpt/{node}", flush_every=10``). Its level 3
-  is ``backup_dir``; with ``local_dir`` (level 1, node-local, may contain ``{node}``) each
-  checkpoint is copied to ``backup_dir`` every ``flush_every``-th save in the background;
-  without it every save goes to ``backup_dir`` directly. Without ``settings``, ``keep_local`` /
+  is ``backup_dir`` (a directory, or a bucket's URL with ``storage_options``); with
+  ``local_dir`` (level 1, node-local, may contain ``{node}``) each checkpoint is copied to
+  ``backup_dir`` every ``flush_every``-th save in the background; without it every save goes to
+  ``backup_dir`` directly. Without ``settings``, ``keep_local`` /
   ``keep_shared`` default to 1, or 2 with ``double_checkpoint``.
 - ``comm``: the ranks (``ckptfmt.transport.mpi.MpiComm()``; one process when omitted). Every
   worker holds the whole model and passes all of it; ckptfmt writes each tensor once, the
@@ -73,6 +74,8 @@ import numpy as np
 from ckptfmt.errors import ReplicaWarning, StateMismatchError, UsageError
 from ckptfmt.parallel import CheckpointManager, ManagerSettings, RestoreReport, SaveHandle
 from ckptfmt.plan import ReadOptions
+from ckptfmt.storage import is_url
+from ckptfmt.storage.objects import Bucket
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
 from ckptfmt_keras import _compat, backend
@@ -123,7 +126,8 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if dataset is not None and not callable(getattr(dataset, "set_epoch", None)):
             raise UsageError("dataset must have a set_epoch(epoch) method")
         keep = 2 if double_checkpoint else 1
-        self.backup_dir = Path(backup_dir)
+        # a bucket's URL as given (a Path folds its "//" and names a directory ./s3:/...)
+        self.backup_dir: Path | str = backup_dir if is_url(backup_dir) else Path(backup_dir)
         self.save_freq = save_freq
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
@@ -177,7 +181,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             raise UsageError(
                 "the gradient exchange cannot run under XLA: compile with jit_compile=False"
             )
-        key = str(self.backup_dir.absolute())
+        key = self._key()
         stale = _OPEN.pop(key, None)
         if stale is not None:  # a fit that ended by an exception left it open
             stale.close(flush=False)
@@ -269,7 +273,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self.manager is None:
             return
         manager, self.manager = self.manager, None
-        _OPEN.pop(str(self.backup_dir.absolute()), None)
+        _OPEN.pop(self._key(), None)
         manager.close(flush=not self.delete_checkpoint)
         if self.delete_checkpoint:
             self._delete(manager)
@@ -428,6 +432,11 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     def _optimizer(self) -> Any:
         return getattr(self.model, "optimizer", None)
 
+    def _key(self) -> str:
+        """The backup's key in ``_OPEN``: its URL, or its directory's absolute path."""
+        where = self.backup_dir
+        return where if isinstance(where, str) else str(where.absolute())
+
     def _not_this_models(
         self, exc: StateMismatchError, report: RestoreReport, state: dict[str, Any]
     ) -> StateMismatchError:
@@ -461,14 +470,18 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         )
 
     def _delete(self, manager: CheckpointManager) -> None:
-        """Collective: remove every level's directory (rank 0 the shared one, the lowest rank of
-        each node its node's)."""
+        """Collective: remove every level's directory (rank 0 the shared one, or every object
+        under the bucket's prefix, the lowest rank of each node its node's)."""
         nodes = self.comm.allgather_json(manager.node)
         self.comm.barrier()
         if manager.local_root is not None and nodes.index(manager.node) == self.comm.rank:
             shutil.rmtree(manager.local_root, ignore_errors=True)
         if self.comm.rank == 0:
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            if isinstance(self.backup_dir, str):
+                bucket = Bucket.at(self.backup_dir, self.settings.storage_options)
+                bucket.delete([key for key, _ in bucket.list()])
+            else:
+                shutil.rmtree(self.backup_dir, ignore_errors=True)
         self.comm.barrier()
 
 

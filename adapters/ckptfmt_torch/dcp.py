@@ -82,7 +82,7 @@ from ckptfmt.manifest import (
     ValueEntry,
 )
 from ckptfmt.parallel import resolve_node
-from ckptfmt.storage import Inside, is_spread
+from ckptfmt.storage import Inside, is_spread, is_url
 from ckptfmt.transport import Comm
 from ckptfmt.tree import PerRank, Shard
 from ckptfmt_torch import dcp_save
@@ -324,7 +324,7 @@ def _item_bytes(item: WriteItem) -> int:
 class Reader(StorageReader):
     """DCP's storage reader for the ckptfmt checkpoint at ``path`` (any: written by
     :class:`Writer`, ``ckptfmt_torch.save`` or the manager; a level-1 ``{node}`` template or a
-    mapping node -> directory too, as ``ckptfmt.open`` takes it).
+    mapping node -> directory, or a bucket's URL too, as ``ckptfmt.open`` takes it).
 
     ``read_metadata`` describes the manifest as DCP's ``Metadata``: each tensor with its saved
     regions as chunks, JSON values (flattened the way DCP flattens a state dict, so an
@@ -439,8 +439,11 @@ class Reader(StorageReader):
     def _open(self) -> Checkpoint:
         if self._ckpt is None:
             self._ckpt = open_checkpoint(self.path)
+            # a directory's shard files are read straight into the tensors; a spread level-1
+            # checkpoint's and a bucket's (a Path would make its URL a directory) through the view
             spread = isinstance(self.path, Mapping) or is_spread(self.path)
-            self._inside = None if spread else Inside(Path(self.path))  # type: ignore[arg-type]
+            elsewhere = spread or is_url(self.path)  # type: ignore[arg-type]
+            self._inside = None if elsewhere else Inside(Path(self.path))  # type: ignore[arg-type]
         return self._ckpt
 
     def _bytes(self, ckpt: Checkpoint, kind: str, what: Any, fqn: str) -> bytes:

@@ -36,7 +36,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -61,6 +60,7 @@ from ckptfmt.parallel import (
 )
 from ckptfmt.plan import Holding, PlanCache, SavePlan, TensorPlan, make_plan
 from ckptfmt.storage import DirectoryStore, Draft, check_destination
+from ckptfmt.storage.pools import Pool
 
 PLANS = PlanCache()
 """The process's plans of DCP saves, by layout: a job saving the same state every few steps
@@ -279,18 +279,18 @@ def _budget(job: Any) -> float:
     return INLINE_S + int(job.nbytes()) / MEMORY_SPEED
 
 
-_POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
+_POOLS: dict[int, tuple[int, Pool]] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
+def _pool(workers: int) -> Pool:
     """The process's pool of ``workers`` threads for the saves' writes, started once (starting
     threads for each save cost a tiny state more than its writes): remade in a child process
     after a fork. Its tasks (a region planned, a shard file written) never wait on the pool."""
     with _POOLS_LOCK:
         held = _POOLS.get(workers)
         if held is None or held[0] != os.getpid():
-            pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptfmt-dcp")
+            pool = Pool(workers, thread_name_prefix="ckptfmt-dcp")
             _POOLS[workers] = held = (os.getpid(), pool)
         return held[1]
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptfmt.format.zarr_meta import array_doc_bytes, group_doc_bytes
 from ckptfmt.manifest.model import GroupEntry, Manifest
+from ckptfmt.storage.pools import Pool
 from ckptfmt.storage.store.base import Draft
 from ckptfmt.storage.store.directory import draft_at
 from ckptfmt.version import __version__
@@ -64,7 +64,7 @@ def write_metadata(
             _document(draft, node, doc, fsync, like)
         return
     # a bucket: each put waits a round trip, and a model has hundreds of documents
-    with ThreadPoolExecutor(min(draft.writes_in_flight, len(docs))) as pool:
+    with Pool(min(draft.writes_in_flight, len(docs))) as pool:
         list(pool.map(lambda nd: _document(draft, nd[0], nd[1], fsync, like), docs))
 
 

@@ -3,19 +3,24 @@ tests' real S3 server: the flush commits each step with a commit object and move
 pointer; restore falls back to the bucket once level 1 is gone, bit for bit; a step whose
 objects are missing, mis-sized or damaged is not restored (an older one is, the report names
 why); retention deletes old steps, commit object first; a bucket out of reach is told at the
-start. The multi-process jobs (mpiexec, torchrun) and the faults through the proxy are in
+start; a manager left open when its script ends has its save in flight and its flush finished at
+exit. The multi-process jobs (mpiexec, torchrun) and the faults through the proxy are in
 ``test_manager_bucket_jobs.py``."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from kit import REPO
 from kit.arrays import assert_state_equal, random_array
 from kit.managers import NO_EXIT_HOOKS, NO_FSYNC, node_manager
 from kit.s3 import S3
@@ -405,3 +410,43 @@ def test_a_commit_object_that_does_not_parse_is_refused_and_retention_removes_it
     mgr.delete(2, levels=[3])  # a commit object that does not parse is removed all the same
     assert s3.keys(f"run/{step_dir_name(2)}/") == []
     mgr.close(flush=False)
+
+
+LEFT_OPEN = """
+import sys
+import numpy as np
+from ckptfmt import CheckpointManager, WriteOptions
+local, url = sys.argv[1], sys.argv[2]
+small = WriteOptions(fsync=False, chunk_bytes=16 << 10, shard_bytes=64 << 10)
+mgr = CheckpointManager(local, url, node="n0", write=small, flush_every=10)
+rng = np.random.default_rng(11)
+mgr.save(5, {"w": rng.standard_normal((300, 200), dtype=np.float32), "step": 5})
+"""  # the script's end: neither waited for nor closed, and step 5 is not due for a flush
+
+
+def test_a_manager_left_open_at_the_scripts_end_saves_and_flushes_its_step(
+    tmp_path: Path, s3: S3
+) -> None:
+    """The exit policy's flush (``ExitPolicy(flush=True)``, the default): the interpreter's
+    exit closes the manager, which waits for the save in flight and uploads the step to the
+    bucket (Python refuses thread pools new work once the main thread has ended: neither may
+    need it). The bucket's copy restores bit for bit once level 1 is gone."""
+    done = subprocess.run(
+        [sys.executable, "-c", LEFT_OPEN, str(tmp_path / "l1" / "{node}"), f"{s3.url}/run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, **s3.env},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr
+    assert _steps_on_bucket(s3) == [5]
+    _wipe_level1(tmp_path)
+    mgr = _mgr(tmp_path, s3, at_exit=NO_EXIT_HOOKS)
+    state = {"w": np.zeros((300, 200), np.float32), "step": -1}
+    report = mgr.restore(state)
+    mgr.close(flush=False)
+    assert (report.step, report.level) == (5, 3)
+    rng = np.random.default_rng(11)
+    assert_state_equal(state, {"w": rng.standard_normal((300, 200), dtype=np.float32), "step": 5})

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import mmap
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from ckptfmt.parallel.collective.boundary import Boundary
 from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.storage.files import Inside, naming
 from ckptfmt.storage.objects.copies import CopyPlan, Tally
+from ckptfmt.storage.pools import Pool
 from ckptfmt.storage.store.base import Draft
 from ckptfmt.storage.store.bucket import SINGLE_PUT_MAX, BucketDraft
 from ckptfmt.transport.comm import Comm
@@ -104,7 +104,7 @@ def _upload_files(
         jobs.append(functools.partial(_upload_manifest, draft, local_path))
     if not jobs:
         return
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs)))) as pool:
+    with Pool(max_workers=max(1, min(threads, len(jobs)))) as pool:
         list(pool.map(lambda job: job(), jobs))
 
 

@@ -30,7 +30,6 @@ import logging
 import re
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from ckptfmt.errors import (
     ObjectStoreError,
 )
 from ckptfmt.storage.objects.bucket import Bucket
+from ckptfmt.storage.pools import Pool
 from ckptfmt.storage.steps import pick_steps, step_dir_name
 
 log = logging.getLogger("ckptfmt")
@@ -174,7 +174,7 @@ def upload_files(
 
     if len(files) <= 1:
         return sorted(one(f) for f in files)
-    with ThreadPoolExecutor(min(FILES_IN_FLIGHT, len(files))) as pool:
+    with Pool(min(FILES_IN_FLIGHT, len(files))) as pool:
         return sorted(pool.map(one, files))
 
 
@@ -351,7 +351,7 @@ def object_problems(bucket: Bucket, commit: Commit) -> dict[str, str]:
 
     if not commit.objects:
         return {}
-    with ThreadPoolExecutor(min(HEADS_IN_FLIGHT, len(commit.objects))) as pool:
+    with Pool(min(HEADS_IN_FLIGHT, len(commit.objects))) as pool:
         found = list(pool.map(one, commit.objects))
     return {key: why for key, why in sorted(found) if why is not None}
 

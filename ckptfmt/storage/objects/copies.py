@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ from ckptfmt.manifest.limits import MANIFEST_MAX_BYTES
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage.objects.bucket import COPY_MAX, Bucket
 from ckptfmt.storage.objects.commit import COMMIT_NAME, Commit, ObjectRef, read_commit
+from ckptfmt.storage.pools import Pool
 
 __all__ = [
     "COPIES_IN_FLIGHT",
@@ -148,7 +148,7 @@ def copy_files(
     (not in the plan, or the base's object gone)."""
     if plan is None or not keys:
         return [], list(keys)
-    with ThreadPoolExecutor(max(1, min(COPIES_IN_FLIGHT, len(keys)))) as pool:
+    with Pool(max(1, min(COPIES_IN_FLIGHT, len(keys)))) as pool:
         done = list(pool.map(lambda k: copy_unchanged(target, k, plan), keys))
     copied = [r for r in done if r is not None]
     left = [k for k, r in zip(keys, done) if r is None]

@@ -12,7 +12,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import Buffer, Inside, Stream, make_dirs, storage_full, write_gather
+from ckptfmt.storage.pools import Pool
 from ckptfmt.storage.slots import Slots, sweep
 
 SYNCS_IN_FLIGHT = 16
@@ -278,18 +278,18 @@ def fsync_all(paths: Sequence[Path]) -> None:
             return
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL: tuple[int, Pool] | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _fsync_pool() -> ThreadPoolExecutor:
+def _fsync_pool() -> Pool:
     """The process's fsync threads, started once (starting them for every save cost more than
     the fsyncs on tmpfs): remade in a child process after a fork, which has none of them. Its
     tasks are single fsyncs, so callers on any thread share it without waiting on each other."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():
-            pool = ThreadPoolExecutor(SYNCS_IN_FLIGHT, thread_name_prefix="ckptfmt-fsync")
+            pool = Pool(SYNCS_IN_FLIGHT, thread_name_prefix="ckptfmt-fsync")
             _POOL = (os.getpid(), pool)
         return _POOL[1]
 

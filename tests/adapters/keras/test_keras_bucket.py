@@ -1,6 +1,7 @@
 """The Keras adapter through a manager whose level 3 is a bucket (the tests' S3 server): a
 trained model and its optimizer flushed to the bucket come back bit for bit into a model built
-alike, once level 1 is gone (``ckptfmt_keras.to_state`` / ``restore``)."""
+alike, once level 1 is gone (``ckptfmt_keras.to_state`` / ``restore``), and ``BackupAndRestore``
+with the bucket's URL as its ``backup_dir``."""
 
 from __future__ import annotations
 
@@ -66,3 +67,37 @@ def test_a_keras_model_restores_from_the_bucket_through_the_manager(tmp_path: Pa
     assert (report.step, report.level) == (8, 3)
     assert report.state is not None and report.state["counters"] == {"step": 8}
     assert arrays_of(other) == arrays_of(model)
+
+
+def test_backup_and_restore_keeps_its_backup_in_the_bucket(
+    tmp_path: Path, s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``BackupAndRestore`` with a bucket's URL as ``backup_dir``: the backups go to the bucket
+    (not to a directory ``./s3:/...`` that a ``Path`` folding the ``//`` names), a second
+    ``fit`` resumes from them, and the ``fit`` that ends deletes every object of its backup."""
+    monkeypatch.chdir(tmp_path)
+    x, y = xy(32)
+    url = f"{s3.url}/keras"
+
+    def fit(model: Any, epochs: int, delete: bool) -> ck.BackupAndRestore:
+        cb = ck.BackupAndRestore(
+            url,
+            delete_checkpoint=delete,
+            local_dir=tmp_path / "l1",
+            write=WriteOptions(fsync=False),
+            at_exit=NO_EXIT_HOOKS,
+        )
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[cb])
+        return cb
+
+    first = compiled(build(1))
+    fit(first, 2, delete=False)
+    assert s3.keys("keras/") and not (tmp_path / "s3:").exists()
+    shutil.rmtree(tmp_path / "l1")  # only the bucket's copy is left
+
+    second = compiled(build(2))
+    cb = fit(second, 2, delete=True)  # both epochs done: restores, trains nothing
+    assert cb.last_restore is not None and cb.last_restore.level == 3
+    assert cb.restored_counters is not None and cb.restored_counters["epoch"] == 2
+    assert arrays_of(second) == arrays_of(first)
+    assert s3.keys("keras/") == [] and not (tmp_path / "s3:").exists()

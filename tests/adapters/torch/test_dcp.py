@@ -1,14 +1,17 @@
 """``torch.distributed.checkpoint`` through ckptfmt's storage plugin in one process: a model and
 its Adam state (bfloat16) round-trip bit for bit through ``dcp.save``/``dcp.async_save`` with
-``Writer`` and ``dcp.load`` with ``Reader``; checkpoints of ``ckptfmt_torch.save`` and of the
-manager load through ``dcp.load``, and the plugin's through ``ckptfmt_torch.load``; an object
-DCP pickles loads only when ``torch.load(weights_only=True)`` accepts it or the reader is told
-to trust it; a damaged shard fails the load naming the file; a save that fails leaves nothing
-behind."""
+``Writer`` and ``dcp.load`` with ``Reader``; checkpoints of ``ckptfmt_torch.save`` (in a
+directory or a bucket) and of the manager load through ``dcp.load``, and the plugin's through
+``ckptfmt_torch.load``; an object DCP pickles loads only when ``torch.load(weights_only=True)``
+accepts it or the reader is told to trust it; a damaged shard fails the load naming the file; a
+save that fails leaves nothing behind; an asynchronous save still writing when the script ends
+is finished, as DCP's own."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from ckptfmt_torch.dcp import Reader, Writer  # noqa: E402
 from kit.files import leftover_dirs, leftovers  # noqa: E402
 from kit.managers import node_manager  # noqa: E402
+from kit.s3 import S3  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import ckptfmt  # noqa: E402
@@ -98,6 +102,20 @@ def test_ckptfmt_torch_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
     assert same(target["model"], want["model"]) and target["step"] == 7
     assert same(target["optim"]["state"], want["optim"]["state"])
     assert target["optim"]["param_groups"][0]["lr"] == 0.01
+
+
+def test_checkpoint_in_a_bucket_loads_through_dcp(s3: S3) -> None:
+    """A checkpoint in a bucket (the tests' S3 server), by its URL: every tensor read from its
+    objects, bit for bit (not from a directory named after the URL, which does not exist)."""
+    model, opt = trained(1)
+    url = f"{s3.url}/c"
+    ckptfmt_torch.save({"model": model, "optim": opt, "step": 7}, url)
+    other, other_opt = trained(2)
+    target = dcp_state(other, other_opt, 0)
+    dcp.load(target, storage_reader=Reader(url))
+    want = dcp_state(model, opt, 7)
+    assert same(target["model"], want["model"]) and target["step"] == 7
+    assert same(target["optim"]["state"], want["optim"]["state"])
 
 
 def test_manager_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
@@ -250,3 +268,40 @@ def test_every_file_and_directory_is_durable_before_the_commit(
     tree = {staging / p.relative_to(target) for p in target.rglob("*")} | {staging}
     assert len(tree) > 20
     assert sorted(tree - at_commit["synced"]) == []
+
+
+SAVE_AND_END = """
+import sys
+import torch
+import torch.distributed.checkpoint as dcp
+from ckptfmt_torch.dcp import Writer
+g = torch.Generator().manual_seed(7)
+state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}
+future = dcp.async_save(state, storage_writer=Writer(sys.argv[1], step=3))
+print(future.done())
+"""  # the script's last line: nothing waits for the save
+
+
+def test_an_async_save_still_writing_when_the_script_ends_is_committed(tmp_path: Path) -> None:
+    """A script that ends right after ``dcp.async_save`` (its final checkpoint, say): the
+    interpreter finishes the save in flight before it exits, as it does DCP's own writer's, and
+    the checkpoint holds every tensor bit for bit, with nothing left beside it. (Python refuses
+    new work to thread pools once the main thread has ended: the save's writes must not need
+    it.)"""
+    path = tmp_path / "c"
+    done = subprocess.run(
+        [sys.executable, "-c", SAVE_AND_END, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]  # still writing when the script ended
+    g = torch.Generator().manual_seed(7)
+    want = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(8)}
+    got = {k: torch.zeros(256, 1024) for k in want}
+    dcp.load(got, storage_reader=Reader(path))
+    assert same(got, want)
+    assert ckptfmt.open(path).manifest.step == 3
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
