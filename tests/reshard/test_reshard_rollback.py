@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,10 @@ NODES = ["n0", "n1", "n2"]
 WRITE = WriteOptions(fsync=False, overwrite=True)
 
 
-def save_ids(template: str) -> dict[str, str]:
+def save_ids(template: str, nodes: list[str] = NODES) -> dict[str, str]:
     return {
         n: json.loads(Path(template.replace("{node}", n), "ckptfmt.json").read_text())["save_id"]
-        for n in NODES
+        for n in nodes
     }
 
 
@@ -66,3 +67,38 @@ def test_a_rollback_that_fails_on_one_node_still_rolls_back_the_others(
     assert after["n0"] == before["n0"]  # rolled back although n1's rollback failed
     assert after["n2"] == before["n2"]  # never committed
     assert after["n1"] != before["n1"]  # the new save, as the error says
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_commit_that_fails_half_way_leaves_that_node_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    """n1's commit fails between its two renames: after the exchange of the new tree with the
+    old one (the old one, now at the staging name, could not be renamed aside), or, without
+    an exchange, after the old tree was renamed aside (the new one could not take its place).
+    n1 keeps its previous checkpoint, in place, like n0 (rolled back): it used to end with the
+    new save while n0 had the old one, its previous checkpoint deleted as the failed draft
+    (exchange), or with no checkpoint at its path at all (two renames)."""
+    src = tmp_path / "src"
+    ckptfmt.save(STATE, src, step=3)
+    template = str(tmp_path / "dst" / "{node}")
+    nodes = NODES[:2]
+    reshard(src, template, 2, nodes=nodes, write=WRITE)
+    before = save_ids(template, nodes)
+    if not exchange:
+        monkeypatch.setattr(commit, "exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename(a: Any, b: Any, *args: Any, **kwargs: Any) -> None:
+        # the second rename of n1's commit: the old tree aside, or the new one into place
+        second = ".n1.old-" in str(b) if exchange else Path(b).name == "n1"
+        if ".n1.tmp-" in str(a) and second:
+            raise OSError(errno.EIO, "Input/output error", str(a))
+        real_rename(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(CkptError, match="input/output error"):
+        reshard(src, template, 2, nodes=nodes, write=WRITE)
+    monkeypatch.undo()
+    assert save_ids(template, nodes) == before
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == nodes  # nothing left beside
