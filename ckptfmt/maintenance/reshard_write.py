@@ -175,12 +175,21 @@ def write_destination(
                     replaced.append((d, d.publish(fsync=write.fsync)))
                     published.add(store)
             except BaseException as exc:  # the nodes published take their previous copy back
-                for d, old in reversed(replaced):
-                    d.unpublish(old, write.fsync)
+                stuck = _roll_back(replaced, drafts, write.fsync)
+                err: BaseException = exc
                 if isinstance(exc, OSError) and not isinstance(exc, CkptError):
-                    where = str(store.where)
-                    raise StorageError.of(exc, where, "the reshard's destination") from exc
-                raise
+                    err = StorageError.of(exc, str(store.where), "the reshard's destination")
+                if stuck and isinstance(exc, Exception):
+                    # the failure and what it left: nodes still on the new save (no errno: the
+                    # message is this one, not a full disk's rewritten from its fields below)
+                    path, why = str(store.where), str(err)
+                    if isinstance(err, StorageError):
+                        path, why = err.path, err.reason
+                    level = err.level if isinstance(err, StorageError) else None
+                    err = StorageError(path, f"{why}; {stuck}", level=level)
+                if err is exc:
+                    raise
+                raise err from exc
             for d, old in replaced:
                 d.discard(old)
             meter.finish()
@@ -204,6 +213,26 @@ def write_destination(
             raise failed from None
         raise
     return out, read, written, [s.where for s in drafts]
+
+
+def _roll_back(
+    replaced: list[tuple[Draft, Any]], drafts: Mapping[Store, Draft], fsync: bool
+) -> str:
+    """Give every node in ``replaced`` (each draft published, with what it replaced; ``drafts``
+    their stores) its previous copy back, the last published first; a node whose rollback fails
+    does not stop the others'. Returns what is left undone, for the error ('' when nothing):
+    each such node's directory and why its rollback failed."""
+    where = {id(d): s.where for s, d in drafts.items()}
+    stuck = []
+    for d, old in reversed(replaced):
+        try:
+            d.unpublish(old, fsync)
+        except Exception as exc:  # the other nodes are rolled back all the same
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            stuck.append(f"{where[id(d)]} ({why.lower()})")
+    if not stuck:
+        return ""
+    return "and could not be rolled back to its previous checkpoint: " + ", ".join(stuck)
 
 
 def _local(draft: Draft) -> Path:

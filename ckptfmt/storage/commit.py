@@ -146,19 +146,29 @@ def publish(
     kept at ``.name.old-<save_id>``, not deleted, so :func:`unpublish` can put it back. Returns
     the moved-aside copy, for :func:`discard` once every node has published. ``hook`` (tests'
     crash points) is called with ``"swapped"`` after the exchange (the old tree at the staging
-    name) and ``"aside"`` between the two renames where there was no exchange."""
+    name) and ``"aside"`` between the two renames where there was no exchange. A second rename
+    that fails puts the old tree back in place before raising: a failed publish published
+    nothing (the draft stays staged, for ``abort``)."""
     old: Path | None = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{save_id}"
         if exchange(staging, final):
             if hook:
                 hook("swapped")
-            os.rename(staging, old)  # the old tree, now at the staging name
+            try:
+                os.rename(staging, old)  # the old tree, now at the staging name
+            except OSError:  # nothing published: the old tree back in place, the new staged
+                exchange(staging, final)
+                raise
         else:
             os.rename(final, old)
             if hook:
                 hook("aside")
-            os.rename(staging, final)
+            try:
+                os.rename(staging, final)
+            except OSError:  # nothing published: the old tree back in place
+                os.rename(old, final)
+                raise
     else:
         os.rename(staging, final)
     if fsync:

@@ -208,6 +208,7 @@ def _read_everything(
     b.vote("load-allocate")
     with b.guard("load-read"):
         read_local(bufs, threads)
+    bufs.jobs.clear()  # their read scratch with them: not held through the exchanges
     transfer(comm, plans, bufs)
     if errors:
         b.fail(errors[0], "load-read")
