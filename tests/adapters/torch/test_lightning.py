@@ -209,6 +209,25 @@ def test_sigkill_then_resume(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sigkill_in_the_middle_of_a_save_then_resume(tmp_path: Path) -> None:
+    """SIGKILLed while ``last.ckpt`` of step 12 is being replaced (the 6th commit: every file
+    of the new one staged, not yet renamed in): ``last.ckpt`` is still step 8's, whole (the end
+    of the first epoch); the resume from it ends bit for bit where an uninterrupted run ends,
+    and the next save of ``last.ckpt`` removes the staged copy the crash left (a whole
+    checkpoint's bytes, one more every crash otherwise)."""
+    killed = run_worker("--root", str(tmp_path), "--runs", "k:16", "--kill-in-save", "6")
+    assert killed.returncode in (-9, 128 + 9), killed.stderr[-4000:]
+    run = tmp_path / "k"
+    assert [n.split("-")[0] for n in leftovers(run)] == [".last.ckpt.tmp"]
+    assert ckptfmt.open(run / "last.ckpt").manifest.step == 8
+    assert ckptfmt.verify(run / "last.ckpt").healthy
+    ok(run_worker("--root", str(tmp_path), "--runs", "k:16", "u:16"))
+    assert_same(end(tmp_path, "k"), end(tmp_path, "u"))
+    assert leftovers(run) == []
+    assert ckptfmt.open(run / "last.ckpt").manifest.step == 16
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "io"),
     [("rank0", "ckptfmt"), ("rank0", "async"), ("collective", "async")],
