@@ -90,7 +90,8 @@ class CheckpointOptions:
     into host buffers; the files are written and committed behind the training, and
     ``trainer_state.json`` follows the commit). Level 3 defaults to ``<output_dir>/ckptfmt``;
     the trainer sets ``keep_shared`` (from ``save_total_limit``) and ``on_error="raise"``
-    itself. The settings' fields may be given as keywords instead
+    itself, and keeps the step of the best checkpoint (``CheckpointManager.keep``) as long as
+    the rotation keeps its directory. The settings' fields may be given as keywords instead
     (``CheckpointOptions(async_save=True)``, ``local_dir=...``); saves spelled so are
     synchronous unless ``async_save=True``. Without either, every rank writes its share of each
     checkpoint and the save returns once it is committed.
@@ -329,6 +330,11 @@ class CheckpointMixin(_Base):
             self._finish(out, trainer_state, None)
         else:
             mgr = self._manager(run_dir)
+            # the best checkpoint, kept by the rotation, keeps its step (keep_shared counts the
+            # newest steps only)
+            best_step = self.state.best_model_checkpoint
+            best_step = None if best_step is None else checkpoint_step(best_step)
+            mgr.keep([] if best_step is None else [best_step])
             handle = self._ckptfmt_fenced(mgr).save(step, sd) if fenced else mgr.save(step, state)
             if self.args.should_save:
                 out.mkdir(parents=True, exist_ok=True)

@@ -558,6 +558,27 @@ def test_steps_delete_and_prune_take_step_names(tmp_path: Path) -> None:
     mgr.close(flush=False)
 
 
+def test_kept_steps_outlive_the_retention(tmp_path: Path) -> None:
+    """A step given to ``keep`` (a trainer's best checkpoint) stays on both levels while the
+    newest ``keep_local``/``keep_shared`` steps roll on, bit for bit; once no longer kept, the
+    next retention removes it."""
+    mgr = _mgr(tmp_path, keep_local=1, keep_shared=1, flush_every=1)
+    mgr.keep(["step-10"])
+    for step in (10, 20, 30):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    both = {"level1": True, "level3": True}
+    assert mgr.steps() == {10: both, 30: both}
+    for level in ("l1", "l3"):
+        kept = ckptfmt.load(tmp_path / level / step_dir_name(10))["model"]["w"]
+        assert kept.tobytes() == _state(10)["model"]["w"].tobytes()
+    mgr.keep([])
+    mgr.save(40, _state(40))
+    mgr.wait()
+    assert mgr.steps() == {40: both}
+    mgr.close(flush=False)
+
+
 def test_latest_and_list_take_the_step_names_the_readme_uses(tmp_path: Path) -> None:
     """The README saves to ``ckpt/step-100``: ``latest`` and ``ckptfmt list`` see it (they used
     to see only ``step-0000000100``); the canonical name wins when both hold one step."""

@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -544,6 +544,14 @@ class CheckpointManager:
         self._calls.next()
         self._calls.roll_call("delete", number)
         self._retention.delete(self.comm, number, levels)
+
+    def keep(self, steps: Iterable[int]) -> None:
+        """Keep ``steps`` (in place of those given before) on every level from the next
+        retention on, besides the newest ``keep_local`` and ``keep_shared``: a step that
+        something outside the manager still names, such as a trainer's best checkpoint, which
+        counting the newest steps would remove. Every rank gives the same steps (each node's
+        first rank applies them to its level 1); not collective, nothing is waited for."""
+        self._retention.kept = frozenset(parse_step(s) for s in steps)
 
     def prune(self, keep_local: int | None = None, keep_shared: int | None = None) -> None:
         """Collective (a roll call, then the retention's allgather): apply retention now: keep

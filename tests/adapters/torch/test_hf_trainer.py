@@ -331,9 +331,12 @@ def test_levels_local_and_shared(tmp_path: Path, reference: dict[str, np.ndarray
 
 
 @pytest.mark.slow
-def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("managed", [False, True], ids=["direct", "manager"])
+def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path, managed: bool) -> None:
     """HF's best-model bookkeeping as it is: the best checkpoint survives the rotation and its
-    weights (from ckptfmt) are the model's at the end."""
+    weights (from ckptfmt) are the model's at the end. Through the manager (background saves,
+    level 3 in ``output_dir/ckptfmt``, the README's line) its step survives the manager's own
+    retention too (``keep_shared`` from ``save_total_limit`` counts the newest steps only)."""
     model, _, data = model_and_args(tmp_path)
     args = transformers.TrainingArguments(
         str(tmp_path),
@@ -350,9 +353,13 @@ def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path) -> Non
         report_to=[],
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    options = CheckpointOptions(async_save=True) if managed else None
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data, ckptfmt=options
+    )
     trainer.train()
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{SAVE}")
+    assert is_complete(tmp_path / f"checkpoint-{SAVE}")
     assert checkpoints(tmp_path) == [f"checkpoint-{SAVE}"]
     best = ckptfmt.load(tmp_path / f"checkpoint-{SAVE}" / "ckptfmt")["model"]
     for name, p in trainer.model.state_dict().items():
