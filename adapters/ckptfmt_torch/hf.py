@@ -332,8 +332,8 @@ class CheckpointMixin(_Base):
             mgr = self._manager(run_dir)
             # the best checkpoint, kept by the rotation, keeps its step (keep_shared counts the
             # newest steps only)
-            best_step = self.state.best_model_checkpoint
-            best_step = None if best_step is None else checkpoint_step(best_step)
+            best_dir = self.state.best_model_checkpoint
+            best_step = None if best_dir is None else checkpoint_step(best_dir)
             mgr.keep([] if best_step is None else [best_step])
             handle = self._ckptfmt_fenced(mgr).save(step, sd) if fenced else mgr.save(step, state)
             if self.args.should_save:
