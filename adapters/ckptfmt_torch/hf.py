@@ -317,7 +317,8 @@ class CheckpointMixin(_Base):
         state = to_state(sd) if not fenced else sd
         if self.state.best_global_step:
             best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
-            if best.exists():
+            # HF checks after its model is saved: the checkpoint being saved now counts
+            if best == out or best.exists():
                 self.state.best_model_checkpoint = str(best)
         trainer_state = self._trainer_state_json()
         if self.args.should_save:  # the step saved again (after a resume): torn until rewritten

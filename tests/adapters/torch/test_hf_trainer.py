@@ -367,6 +367,57 @@ def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path, manage
             assert np.array_equal(best[name], p.numpy()), name
 
 
+class ScriptedScore(transformers.TrainerCallback):
+    """Each evaluation's ``eval_score`` from a script (step -> score): the best checkpoint is
+    the one the test says."""
+
+    def __init__(self, scores: dict[int, float]) -> None:
+        self.scores = scores
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        kw["metrics"]["eval_score"] = self.scores[state.global_step]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("managed", [False, True], ids=["direct", "manager"])
+def test_a_new_best_at_its_own_save_is_the_best_checkpoint(tmp_path: Path, managed: bool) -> None:
+    """The checkpoint being saved is the best one at its save (step 12 beats step 4, the best
+    until then): as in HF's own ``Trainer``, it is the ``best_model_checkpoint`` (in the state
+    and in its ``trainer_state.json``) and ``load_best_model_at_end`` ends on its weights, bit
+    for bit what HF's own run ends on (not on step 4's)."""
+    scores = {SAVE: 1.0, 2 * SAVE: 0.5, 3 * SAVE: 2.0}
+    ends = {}
+    for name in ("hf", "ours"):
+        model, _, data = model_and_args(tmp_path / name)
+        args = transformers.TrainingArguments(
+            str(tmp_path / name),
+            max_steps=3 * SAVE,
+            save_steps=SAVE,
+            eval_steps=SAVE,
+            eval_strategy="steps",
+            load_best_model_at_end=True,
+            metric_for_best_model="score",
+            per_device_train_batch_size=4,
+            use_cpu=True,
+            report_to=[],
+            disable_tqdm=True,
+        )
+        kw: dict[str, Any] = {"train_dataset": data, "eval_dataset": data}
+        if name == "hf":
+            trainer = transformers.Trainer(model=model, args=args, **kw)
+        else:
+            options = CheckpointOptions(async_save=True) if managed else None
+            trainer = Trainer(model=model, args=args, ckptfmt=options, **kw)
+        trainer.add_callback(ScriptedScore(scores))
+        trainer.train()
+        best = tmp_path / name / f"checkpoint-{3 * SAVE}"
+        assert trainer.state.best_model_checkpoint == str(best), name
+        saved = json.loads((best / "trainer_state.json").read_text())
+        assert saved["best_model_checkpoint"] == str(best), name
+        ends[name] = {k: v.numpy().tobytes() for k, v in trainer.model.state_dict().items()}
+    assert ends["ours"] == ends["hf"]
+
+
 def _assert_loads_bit_exact(out: Path, trained: torch.nn.Module) -> None:
     """``from_pretrained(out)`` builds the trained model's architecture, every tensor equal."""
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
