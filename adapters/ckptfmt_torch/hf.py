@@ -584,7 +584,9 @@ class CheckpointMixin(_Base):
         tree: dict[str, Any] | None = None
         if managed and self.ckptfmt.managed:  # the manager's levels first: level 1, rebuilt
             mgr = self._manager(str(self.args.output_dir))
-            report = _per_rank_dropped(lambda read: mgr.restore(read=read))
+            # this step, not the newest: a newer one may be committed without its directory
+            # (a run killed while flushing it)
+            report = _per_rank_dropped(lambda read: mgr.restore(read=read, step=step))
             if report.step == step and report.state is not None:
                 tree = dict(report.state)
                 if self.args.process_index == 0:

@@ -579,6 +579,28 @@ def test_kept_steps_outlive_the_retention(tmp_path: Path) -> None:
     mgr.close(flush=False)
 
 
+def test_restore_of_one_step_takes_that_step_or_none(tmp_path: Path) -> None:
+    """``restore(step=...)`` loads the step asked for, bit for bit, from level 1, or from level
+    3 once its level-1 copy is gone, though a newer step is there; a step on no level restores
+    nothing and says so."""
+    mgr = _mgr(tmp_path, keep_local=10, keep_shared=10, flush_every=1)
+    for step in (10, 20, 30):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    want = _state(20)["model"]["w"].tobytes()
+    for level in (1, 3):
+        if level == 3:
+            shutil.rmtree(tmp_path / "l1" / step_dir_name(20))
+        report = mgr.restore(step="step-20")
+        assert (report.step, report.level) == (20, level)
+        assert report.state is not None and report.state["model"]["w"].tobytes() == want
+    report = mgr.restore(step=25)
+    assert report.step is None and report.state is None
+    assert report.tried == ["step 25: no committed copy on any level"]
+    assert mgr.restore().step == 30
+    mgr.close(flush=False)
+
+
 def test_latest_and_list_take_the_step_names_the_readme_uses(tmp_path: Path) -> None:
     """The README saves to ``ckpt/step-100``: ``latest`` and ``ckptfmt list`` see it (they used
     to see only ``step-0000000100``); the canonical name wins when both hold one step."""

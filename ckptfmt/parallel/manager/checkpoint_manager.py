@@ -584,8 +584,11 @@ class CheckpointManager:
         cast: Cast = "no",
         into: bool = False,
         trust_pickle: bool = False,
+        step: int | str | None = None,
     ) -> RestoreReport:
-        """Collective: load the newest step that every rank can load. Returns a
+        """Collective: load the newest step that every rank can load (``step``: that step, a
+        number or a step directory name, and no other; ``report.step`` is None when no copy
+        of it loads, ``report.tried`` says why). Returns a
         :class:`RestoreReport`: ``report.step`` (None when there is none; ``report.restored``
         says whether there was), the level and path, what was refused and rebuilt, and
         ``report.state``, the loaded tree. Level 1 is tried first (every rank's data present or
@@ -648,6 +651,7 @@ class CheckpointManager:
             cast=check_policy(cast),  # a usage error before anything collective
             into=into,
             trust_pickle=trust_pickle,
+            step=None if step is None else parse_step(step),
         )
         self.wait()
         try:

@@ -331,6 +331,43 @@ def test_levels_local_and_shared(tmp_path: Path, reference: dict[str, np.ndarray
 
 
 @pytest.mark.slow
+def test_levels_sigkill_in_a_flush_then_resume(
+    tmp_path: Path, reference: dict[str, np.ndarray]
+) -> None:
+    """Level 1 flushed every second save; SIGKILLed while step 8 is flushed (the 3rd commit):
+    step 8 is committed on level 1 but ``checkpoint-8`` is torn, and the newest complete
+    ``checkpoint-4`` has its step on level 1 only. ``resume_from_checkpoint=True`` restores
+    step 4 from level 1 (not the newer step 8, and no error) and ends bit-identical to an
+    uninterrupted run."""
+    levels = {"local_dir": str(tmp_path / "local" / "{node}"), "shared_dir": str(tmp_path / "l3")}
+    plan = {"max_steps": STEPS, "save_steps": SAVE, "out": str(tmp_path / "run")}
+    plan["options"] = {**levels, "flush_every": 2}
+
+    def job(name: str, **more: Any) -> subprocess.CompletedProcess[str]:
+        spec = {**plan, **more, "result": str(tmp_path / name)}
+        (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+        return subprocess.run(
+            [sys.executable, str(WORKER), str(tmp_path / f"{name}.json")],
+            cwd=REPO,
+            env=with_kit_path(dict(os.environ)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    killed = job("killed", kill_in_save=3)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    steps = sorted(p.name for p in (tmp_path / "local").glob("*/step-*"))
+    assert steps == ["step-0000000004", "step-0000000008"]
+    assert last_checkpoint(tmp_path / "run") == str(tmp_path / "run" / f"checkpoint-{SAVE}")
+    resumed = job("resumed", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    took = json.loads((tmp_path / "resumed.restore.rank0.json").read_text())
+    assert (took["step"], took["level"]) == (SAVE, 1)
+    assert_same(reference, dict(np.load(tmp_path / "resumed.rank0.npz")))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("managed", [False, True], ids=["direct", "manager"])
 def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path, managed: bool) -> None:
     """HF's best-model bookkeeping as it is: the best checkpoint survives the rotation and its

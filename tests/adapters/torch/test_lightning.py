@@ -227,6 +227,59 @@ def test_sigkill_in_the_middle_of_a_save_then_resume(tmp_path: Path) -> None:
     assert ckptfmt.open(run / "last.ckpt").manifest.step == 16
 
 
+def test_levels_pointer_is_written_while_a_newer_save_to_it_is_in_flight(tmp_path: Path) -> None:
+    """Through the manager, ``last.ckpt`` saved at step 4 and again at step 8 while step 4's
+    save is still in flight (two saves in flight): once step 4 is committed it names step 4
+    (the newest whole one until step 8 is committed: a run killed now resumes from it), then
+    step 8, whose state it loads bit for bit."""
+    asked, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def on_save(report: Any) -> None:  # the saver thread, before the save's handle is done
+        if report.step == 4:
+            assert asked.wait(30)  # step 4 ends once step 8 is saved to the same names
+        else:
+            held.set()
+            assert release.wait(30)
+
+    io = ckptfmt_torch.lightning.CheckpointIO(
+        shared_dir=tmp_path / "l3", saves_in_flight=2, on_save=on_save
+    )
+    run = tmp_path / "run"
+    states = {s: {"global_step": s, "state_dict": {"w": torch.randn(5)}} for s in (4, 8)}
+    for step, checkpoint in states.items():
+        io.save_checkpoint(checkpoint, run / f"step={step}.ckpt")
+        io.save_checkpoint(checkpoint, run / "last.ckpt")
+    asked.set()
+    assert held.wait(30)  # step 4 committed, step 8 written but not over
+    try:
+        assert json.loads((run / "last.ckpt").read_text())["step"] == 4
+        assert sorted(os.listdir(run)) == ["last.ckpt", "step=4.ckpt"]
+    finally:
+        release.set()
+        io.close()
+    assert json.loads((run / "last.ckpt").read_text())["step"] == 8
+    got = io.load_checkpoint(run / "last.ckpt")
+    assert_same(got["state_dict"], states[8]["state_dict"])
+    io.close()
+
+
+@pytest.mark.slow
+def test_levels_sigkill_in_a_flush_then_resume(tmp_path: Path) -> None:
+    """Through the manager's levels, SIGKILLed while step 12 is flushed to level 3 (the 6th
+    commit): step 12 is committed on level 1, but ``last.ckpt`` still names step 8 (its
+    pointer follows the whole save), and ``ckpt_path="last"`` resumes from step 8 (not the
+    newer step 12, not from scratch), ending bit for bit where an uninterrupted run ends."""
+    args = ["--root", str(tmp_path), "--mode", "levels"]
+    killed = run_worker(*args, "--runs", "k:16", "--kill-in-save", "6")
+    assert killed.returncode in (-9, 128 + 9), killed.stderr[-4000:]
+    local = tmp_path / "k-levels" / "local" / "n0"
+    assert ckptfmt.open(local / "step-0000000012").manifest.step == 12
+    assert json.loads((tmp_path / "k" / "last.ckpt").read_text())["step"] == 8
+    ok(run_worker(*args, "--runs", "k:16", "u:16"))
+    assert_same(end(tmp_path, "k"), end(tmp_path, "u"))
+    assert json.loads((tmp_path / "k" / "last.ckpt").read_text())["step"] == 16
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "io"),
