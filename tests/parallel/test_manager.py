@@ -122,6 +122,44 @@ def test_close_flushes_the_newest_checkpoint(tmp_path: Path) -> None:
         mgr.save(6, state(6))  # closed
 
 
+EXIT_WITH_A_SAVE_IN_FLIGHT = """
+import sys, time
+import numpy as np
+from ckptfmt import CheckpointManager, WriteOptions
+root = sys.argv[1]
+mgr = CheckpointManager(
+    local_dir=root + "/l1",
+    shared_dir=root + "/l3",
+    write=WriteOptions(fsync=False, threads=2, chunk_bytes=64 << 10, shard_bytes=256 << 10),
+)
+state = {"w": np.arange(1 << 20, dtype=np.float32)}
+# the save's write starts once the script has returned: the interpreter is exiting
+mgr.save(1, state, ready=lambda: time.sleep(1.0))
+"""
+
+
+def test_a_save_in_flight_when_the_script_returns_is_committed_and_flushed(
+    tmp_path: Path,
+) -> None:
+    """A script that returns with a background save in flight (nothing closes its manager):
+    the manager is closed at exit before the interpreter shuts its thread pools (the writers'),
+    so the save is committed on level 1 and flushed to level 3, bit for bit, and nothing is
+    told of a failure."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_SAVE_IN_FLIGHT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "failed" not in out.stderr, out.stderr[-3000:]
+    want = np.arange(1 << 20, dtype=np.float32).tobytes()
+    for level in ("l1", "l3"):
+        assert ckptfmt.load(tmp_path / level / step_dir_name(1))["w"].tobytes() == want
+
+
 def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: Path) -> None:
     """4 ranks save to level 1 only; 2 ranks restore it and close with a flush: level 3 must not
     get a copy holding only the files of the ranks that happen to be here (it would not
