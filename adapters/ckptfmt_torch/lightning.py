@@ -41,7 +41,9 @@ Who writes, three ways:
   ``ModelCheckpoint``'s bookkeeping and ``ckpt_path="last"`` work as before. A load restores
   that step through the manager, from level 1 (rebuilt from parity if a node's copy is lost)
   or level 3, while its retention keeps it, and no other (a newer step committed when the
-  run was killed, before its pointer, is not taken for it).
+  run was killed, before its pointer, is not taken for it). Under ``AsyncCheckpointIO`` its
+  thread's save ends once the step is committed, so the last checkpoint is in when ``fit``
+  returns.
 
 Lightning's ``DDPStrategy`` calls the plugin on rank 0 only, so the last two refuse to run
 under it with more than one process (a ``UsageError`` at the first save, never a hang).
@@ -59,6 +61,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -394,11 +397,15 @@ class CheckpointIO(_CheckpointIO):
             state = to_state(checkpoint, objects=self.objects)
             handle = manager.save(step, state, objects=self.objects)
             self._last = (step, handle)
-        if manager.comm.rank != 0 or not point:
-            return
-        with self._lock:
-            self._pending.setdefault(path, set()).add(step)
-        handle.committed.add_done_callback(lambda fut: self._point(path, step, fut))
+        if manager.comm.rank == 0 and point:
+            with self._lock:
+                self._pending.setdefault(path, set()).add(step)
+            handle.committed.add_done_callback(lambda fut: self._point(path, step, fut))
+        if threading.current_thread() is not threading.main_thread():
+            # AsyncCheckpointIO's thread (the save already runs behind the training): its end,
+            # which fit waits for, is the commit's, so the pointer is in when fit returns (its
+            # teardown does not reach this plugin); a failure is the manager's to tell
+            futures.wait([handle.committed])
 
     def _point(self, path: str, step: int, fut: Any) -> None:
         """Rank 0, once the manager's save of ``step`` is over: the pointer file at ``path``

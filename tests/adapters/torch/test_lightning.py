@@ -263,6 +263,35 @@ def test_levels_pointer_is_written_while_a_newer_save_to_it_is_in_flight(tmp_pat
     io.close()
 
 
+def test_levels_under_async_io_are_in_when_fit_returns(tmp_path: Path) -> None:
+    """``AsyncCheckpointIO`` around the manager's levels on one device (Lightning's own
+    strategy, whose teardown does not reach the wrapped plugin): the last save, slow to commit,
+    is in when ``fit`` returns: ``last.ckpt`` and the top-k file name step 8 and load its
+    weights bit for bit."""
+
+    def slow(report: Any) -> None:  # the saver thread, before the save's handle is done
+        if report.step == 8:
+            time.sleep(1.0)
+
+    L.seed_everything(0, verbose=False)
+    io = ckptfmt_torch.lightning.CheckpointIO(
+        local_dir=tmp_path / "l1", shared_dir=tmp_path / "l3", on_save=slow
+    )
+    model, run = Net(), tmp_path / "run"
+    trainer = L.Trainer(
+        plugins=[L.plugins.AsyncCheckpointIO(io)],
+        callbacks=[L.callbacks.ModelCheckpoint(run, save_last=True, every_n_train_steps=4)],
+        max_steps=8,
+        **QUIET,
+    )
+    trainer.fit(model, datamodule=Data())
+    assert sorted(os.listdir(run)) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    assert json.loads((run / "last.ckpt").read_text())["step"] == 8
+    got = io.load_checkpoint(run / "last.ckpt")
+    assert_same(dict(got["state_dict"]), dict(model.state_dict()))
+    io.close()
+
+
 @pytest.mark.slow
 def test_levels_sigkill_in_a_flush_then_resume(tmp_path: Path) -> None:
     """Through the manager's levels, SIGKILLed while step 12 is flushed to level 3 (the 6th
