@@ -195,11 +195,17 @@ def discard(old: Path | None) -> None:
 
 def remove(path: Path) -> None:
     """Delete a committed checkpoint so that no reader ever sees half of it: rename it to a
-    ``.name.del-*`` dot-name first (``clean_leftovers`` finishes an interrupted removal)."""
+    ``.name.del-*`` dot-name first. Removals a crash cut short beside it (other ``.*.del-*``
+    directories: no reader takes them, and no later removal of their name comes) are finished
+    too, as ``clean_leftovers`` does."""
     doomed = path.parent / f".{path.name}.del-{os.urandom(16).hex()}"
     os.rename(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed, ignore_errors=True)
+    for child in path.parent.iterdir():
+        m = LEFTOVER.match(child.name)
+        if m and m["kind"] == "del" and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def abort(staging: Path) -> None:

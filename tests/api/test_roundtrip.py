@@ -703,6 +703,17 @@ def test_a_save_removes_what_crashed_saves_of_its_name_left(tmp_path: Path) -> N
     assert_bit_equal(ckptfmt.load(tmp_path / "last")["v"], np.arange(4))
 
 
+def test_a_removal_finishes_the_removals_a_crash_cut_short(tmp_path: Path) -> None:
+    """A removal killed after its rename leaves a whole checkpoint under ``.name.del-*``; the
+    next removal in the directory deletes it (its name may never be removed again)."""
+    for name in ("a", "b", "c"):
+        ckptfmt.save({"v": np.arange(3)}, tmp_path / name, write=WriteOptions(fsync=False))
+    os.rename(tmp_path / "a", tmp_path / f".a.del-{'0' * 32}")  # as commit.remove, then killed
+    commit.remove(tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert_bit_equal(ckptfmt.load(tmp_path / "c")["v"], np.arange(3))
+
+
 # --- names ---------------------------------------------------------------------------------------
 
 BAD_COMPONENTS: list[Any] = [

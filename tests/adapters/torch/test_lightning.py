@@ -433,6 +433,42 @@ def test_remove_checkpoint(tmp_path: Path) -> None:
         plugin.save_checkpoint({}, tmp_path / "y.ckpt", storage_options={"a": 1})
 
 
+KILLED_IN_A_REMOVAL = """
+import os, shutil, signal, sys
+import torch
+import ckptfmt_torch.lightning
+root = sys.argv[1]
+plugin = ckptfmt_torch.lightning.CheckpointIO()
+for name in ("a.ckpt", "b.ckpt"):
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(1 << 16)}}, os.path.join(root, name))
+real = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if ".del-" in os.fspath(path):  # a.ckpt renamed out of sight, not yet deleted
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *args, **kwargs)
+shutil.rmtree = rmtree
+plugin.remove_checkpoint(os.path.join(root, "a.ckpt"))
+"""
+
+
+@pytest.mark.slow
+def test_a_removal_cut_by_sigkill_is_finished_by_the_next(tmp_path: Path) -> None:
+    """SIGKILLed while ModelCheckpoint's removal of ``a.ckpt`` deletes it (out of sight under
+    a dot name, whole): the next removal in the directory (``b.ckpt``) deletes it too, where
+    nothing would ever come to remove a name Lightning no longer uses."""
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_A_REMOVAL, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [n.split("-")[0] for n in leftovers(tmp_path)] == [".a.ckpt.del"]
+    assert sorted(os.listdir(tmp_path))[1:] == ["b.ckpt"]
+    ckptfmt_torch.lightning.CheckpointIO().remove_checkpoint(tmp_path / "b.ckpt")
+    assert os.listdir(tmp_path) == []
+
+
 # --- AsyncCheckpointIO: what is kept --------------------------------------------------------------
 
 
