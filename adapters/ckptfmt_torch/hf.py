@@ -90,7 +90,8 @@ class CheckpointOptions:
     into host buffers; the files are written and committed behind the training, and
     ``trainer_state.json`` follows the commit). Level 3 defaults to ``<output_dir>/ckptfmt``;
     the trainer sets ``keep_shared`` (from ``save_total_limit``) and ``on_error="raise"``
-    itself. The settings' fields may be given as keywords instead
+    itself, and keeps the step of the best checkpoint (``CheckpointManager.keep``) as long as
+    the rotation keeps its directory. The settings' fields may be given as keywords instead
     (``CheckpointOptions(async_save=True)``, ``local_dir=...``); saves spelled so are
     synchronous unless ``async_save=True``. Without either, every rank writes its share of each
     checkpoint and the save returns once it is committed.
@@ -316,7 +317,8 @@ class CheckpointMixin(_Base):
         state = to_state(sd) if not fenced else sd
         if self.state.best_global_step:
             best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
-            if best.exists():
+            # HF checks after its model is saved: the checkpoint being saved now counts
+            if best == out or best.exists():
                 self.state.best_model_checkpoint = str(best)
         trainer_state = self._trainer_state_json()
         if self.args.should_save:  # the step saved again (after a resume): torn until rewritten
@@ -329,6 +331,11 @@ class CheckpointMixin(_Base):
             self._finish(out, trainer_state, None)
         else:
             mgr = self._manager(run_dir)
+            # the best checkpoint, kept by the rotation, keeps its step (keep_shared counts the
+            # newest steps only)
+            best_dir = self.state.best_model_checkpoint
+            best_step = None if best_dir is None else checkpoint_step(best_dir)
+            mgr.keep([] if best_step is None else [best_step])
             handle = self._ckptfmt_fenced(mgr).save(step, sd) if fenced else mgr.save(step, state)
             if self.args.should_save:
                 out.mkdir(parents=True, exist_ok=True)
@@ -577,7 +584,9 @@ class CheckpointMixin(_Base):
         tree: dict[str, Any] | None = None
         if managed and self.ckptfmt.managed:  # the manager's levels first: level 1, rebuilt
             mgr = self._manager(str(self.args.output_dir))
-            report = _per_rank_dropped(lambda read: mgr.restore(read=read))
+            # this step, not the newest: a newer one may be committed without its directory
+            # (a run killed while flushing it)
+            report = _per_rank_dropped(lambda read: mgr.restore(read=read, step=step))
             if report.step == step and report.state is not None:
                 tree = dict(report.state)
                 if self.args.process_index == 0:

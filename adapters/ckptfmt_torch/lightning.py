@@ -39,8 +39,11 @@ Who writes, three ways:
   The manager saves ``global_step`` in the background (the call returns once the state is
   copied); once committed, a small JSON file at Lightning's path names the step, so
   ``ModelCheckpoint``'s bookkeeping and ``ckpt_path="last"`` work as before. A load restores
-  that step through the manager (rebuilt from parity if a node's copy is lost) and refuses
-  another one.
+  that step through the manager, from level 1 (rebuilt from parity if a node's copy is lost)
+  or level 3, while its retention keeps it, and no other (a newer step committed when the
+  run was killed, before its pointer, is not taken for it). Under ``AsyncCheckpointIO`` its
+  thread's save ends once the step is committed, so the last checkpoint is in when ``fit``
+  returns.
 
 Lightning's ``DDPStrategy`` calls the plugin on rank 0 only, so the last two refuse to run
 under it with more than one process (a ``UsageError`` at the first save, never a hang).
@@ -58,6 +61,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -199,7 +203,8 @@ class CheckpointIO(_CheckpointIO):
         self._writing: dict[str, int] = {}
         self._doomed: set[str] = set()
         self._tombstones: OrderedDict[str, int] = OrderedDict()
-        self._pending: dict[str, int] = {}  # manager mode: path -> step, until its pointer is in
+        # manager mode: path -> the steps saved to it whose pointer is not in yet
+        self._pending: dict[str, set[int]] = {}
         self._last: tuple[int, Any] | None = None  # manager mode: (step, handle) of the last save
 
     # --- what DDPStrategy calls on every rank -----------------------------------------------------
@@ -328,9 +333,8 @@ class CheckpointIO(_CheckpointIO):
         still queued) is remembered, so that write is skipped."""
         key = _key(path)
         with self._lock:
-            pending = key in self._pending
-            if pending:  # manager: its save is not committed yet, no pointer then
-                self._pending[key] = -1
+            # manager: saves not committed yet, whose pointers are then not written
+            pending = self._pending.pop(key, None) is not None
             if key in self._writing:
                 self._doomed.add(key)
                 return
@@ -393,26 +397,36 @@ class CheckpointIO(_CheckpointIO):
             state = to_state(checkpoint, objects=self.objects)
             handle = manager.save(step, state, objects=self.objects)
             self._last = (step, handle)
-        if manager.comm.rank != 0 or not point:
-            return
-        with self._lock:
-            self._pending[path] = step
-        handle.committed.add_done_callback(lambda fut: self._point(path, step, fut))
+        if manager.comm.rank == 0 and point:
+            with self._lock:
+                self._pending.setdefault(path, set()).add(step)
+            handle.committed.add_done_callback(lambda fut: self._point(path, step, fut))
+        if threading.current_thread() is not threading.main_thread():
+            # AsyncCheckpointIO's thread (the save already runs behind the training): its end,
+            # which fit waits for, is the commit's, so the pointer is in when fit returns (its
+            # teardown does not reach this plugin); a failure is the manager's to tell
+            futures.wait([handle.committed])
 
     def _point(self, path: str, step: int, fut: Any) -> None:
         """Rank 0, once the manager's save of ``step`` is over: the pointer file at ``path``
         (written to a temporary name and renamed), unless the save failed (the manager tells
-        that at its next call) or ``path`` was removed meanwhile."""
+        that at its next call) or ``path`` was removed meanwhile. A save of a newer step to
+        the same path still in flight does not hold it back: until that one is committed,
+        this step is the newest whole one (the manager's saves end in order)."""
         with self._lock:
-            if self._pending.get(path) != step:
+            steps = self._pending.get(path)
+            if steps is None or step not in steps:
                 return
-            del self._pending[path]
-        if fut.exception() is not None:
-            return
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.urandom(8).hex()}")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step}))
-        os.replace(tmp, path)
+            steps.discard(step)
+            if not steps:
+                del self._pending[path]
+            if fut.exception() is not None:
+                return
+            # under the lock: a removal of ``path`` asked for now waits for it
+            tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.urandom(8).hex()}")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step}))
+            os.replace(tmp, path)
 
     def _load_from_manager(self, target: Path) -> dict[str, Any]:
         try:
@@ -431,11 +445,14 @@ class CheckpointIO(_CheckpointIO):
                 "ckptfmt_torch.lightning.load_from_checkpoint(MyModel, path, "
                 "checkpoint_io=CheckpointIO(settings=...)))"
             )
-        report = self._manager_now().restore(None, read=self.read, trust_pickle=self.trust_pickle)
+        report = self._manager_now().restore(
+            None, read=self.read, trust_pickle=self.trust_pickle, step=step
+        )
         if report.step != step or report.state is None:
             raise CkptError(
-                f"{target} names step {step}; the newest step the manager can restore is "
-                f"{report.step} (tried: {'; '.join(report.tried) or 'nothing else'})"
+                f"{target} names step {step}, which the manager cannot restore (tried: "
+                f"{'; '.join(report.tried) or 'nothing'}); its newest steps are "
+                f"{sorted(self._manager_now().steps())[-3:]}"
             )
         out: dict[str, Any] = materialize(report.state)
         return out

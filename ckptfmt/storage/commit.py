@@ -87,9 +87,13 @@ def prepare(
 ) -> Path:
     """Check the destination and create the staging directory; return it. An overwrite that a
     crash cut between its two renames is undone first (:func:`recover`): the checkpoint it was
-    replacing is the one there. ``take``: puts a recycled step directory at the staging path
-    (``storage.slots.Slots.take``) and says whether it did; else the directory is made empty."""
+    replacing is the one there; then what crashed saves to ``final`` left beside it is removed
+    (:func:`clean_leftovers` of this name: a save killed before its rename would otherwise leave
+    a whole checkpoint's bytes behind at every crash). ``take``: puts a recycled step directory
+    at the staging path (``storage.slots.Slots.take``) and says whether it did; else the
+    directory is made empty."""
     recover(final)
+    clean_leftovers(final.parent, final.name)
     if final.exists() or final.is_symlink():
         if not final.is_dir() or final.is_symlink():
             raise DestinationExistsError(str(final), "it exists and is not a directory")
@@ -201,11 +205,17 @@ def discard(old: Path | None) -> None:
 
 def remove(path: Path) -> None:
     """Delete a committed checkpoint so that no reader ever sees half of it: rename it to a
-    ``.name.del-*`` dot-name first (``clean_leftovers`` finishes an interrupted removal)."""
+    ``.name.del-*`` dot-name first. Removals a crash cut short beside it (other ``.*.del-*``
+    directories: no reader takes them, and no later removal of their name comes) are finished
+    too, as ``clean_leftovers`` does."""
     doomed = path.parent / f".{path.name}.del-{os.urandom(16).hex()}"
     os.rename(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed, ignore_errors=True)
+    for child in path.parent.iterdir():
+        m = LEFTOVER.match(child.name)
+        if m and m["kind"] == "del" and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def abort(staging: Path) -> None:
@@ -234,8 +244,9 @@ def recover(final: Path) -> Path | None:
     return back
 
 
-def clean_leftovers(parent: Path) -> list[Path]:
-    """Remove what crashed saves left in ``parent``; return what was removed.
+def clean_leftovers(parent: Path, name: str | None = None) -> list[Path]:
+    """Remove what crashed saves left in ``parent`` (of the checkpoint ``name`` only, when
+    given); return what was removed.
 
     A ``.name.tmp-*`` directory is a save that never committed (or, after an exchange, the
     checkpoint it replaced). A ``.name.old-*`` directory is a replaced checkpoint: removed if
@@ -248,7 +259,7 @@ def clean_leftovers(parent: Path) -> list[Path]:
         return removed
     for child in sorted(parent.iterdir()):
         m = LEFTOVER.match(child.name)
-        if not m or not child.is_dir():
+        if not m or not child.is_dir() or (name is not None and m["name"] != name):
             continue
         if m["kind"] == "old" and recover(parent / m["name"]) == child:
             continue

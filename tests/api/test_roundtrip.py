@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -686,6 +687,31 @@ def test_clean_leftovers(tmp_path: Path) -> None:
     assert_bit_equal(ckptfmt.load(tmp_path / "x")["v"], np.arange(3))
     assert ckptfmt.load(tmp_path / "y") == {"v": 1}
     assert commit.clean_leftovers(tmp_path / "missing") == []
+
+
+def test_a_save_removes_what_crashed_saves_of_its_name_left(tmp_path: Path) -> None:
+    """A save killed before its rename leaves its staging directory (a whole checkpoint's
+    bytes); the next save to the same path removes it, and leaves other names' alone (another
+    save may be writing them)."""
+    sid, sid2 = "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"
+    ckptfmt.save({"v": np.arange(3)}, tmp_path / "last", write=WriteOptions(fsync=False))
+    shutil.copytree(tmp_path / "last", tmp_path / f".last.tmp-{sid}")  # killed before its rename
+    shutil.copytree(tmp_path / "last", tmp_path / f".last.old-{sid2}")  # killed after it
+    (tmp_path / f".other.tmp-{sid}").mkdir()
+    ckptfmt.save({"v": np.arange(4)}, tmp_path / "last", write=WriteOptions(overwrite=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".other.tmp-{sid}", "last"]
+    assert_bit_equal(ckptfmt.load(tmp_path / "last")["v"], np.arange(4))
+
+
+def test_a_removal_finishes_the_removals_a_crash_cut_short(tmp_path: Path) -> None:
+    """A removal killed after its rename leaves a whole checkpoint under ``.name.del-*``; the
+    next removal in the directory deletes it (its name may never be removed again)."""
+    for name in ("a", "b", "c"):
+        ckptfmt.save({"v": np.arange(3)}, tmp_path / name, write=WriteOptions(fsync=False))
+    os.rename(tmp_path / "a", tmp_path / f".a.del-{'0' * 32}")  # as commit.remove, then killed
+    commit.remove(tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert_bit_equal(ckptfmt.load(tmp_path / "c")["v"], np.arange(3))
 
 
 # --- names ---------------------------------------------------------------------------------------

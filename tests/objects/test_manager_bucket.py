@@ -131,6 +131,22 @@ def test_restore_falls_back_to_the_bucket_bit_exact_once_level_1_is_gone(
     assert _steps_on_bucket(s3) == [3, 4, 5]
 
 
+def test_restore_of_one_step_lists_the_bucket_past_its_pointer(tmp_path: Path, s3: S3) -> None:
+    """``restore(step=3)``, level 1 gone: the bucket's pointer names step 4, so the bucket is
+    listed and step 3 restored from it, bit for bit."""
+    mgr = _mgr(tmp_path, s3, keep_shared=0)
+    for step in (3, 4):
+        mgr.save(step, _state(step))
+    mgr.close()
+    _wipe_level1(tmp_path)
+    mgr = _mgr(tmp_path, s3)
+    state = _template()
+    report = mgr.restore(state, step=3)
+    assert (report.step, report.level) == (3, 3)
+    assert_state_equal(state, _state(3))
+    mgr.close(flush=False)
+
+
 def test_a_step_whose_object_is_missing_or_mis_sized_is_not_offered(tmp_path: Path, s3: S3) -> None:
     mgr = _mgr(tmp_path, s3)
     for step in (1, 2, 3):

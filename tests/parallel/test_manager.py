@@ -122,6 +122,44 @@ def test_close_flushes_the_newest_checkpoint(tmp_path: Path) -> None:
         mgr.save(6, state(6))  # closed
 
 
+EXIT_WITH_A_SAVE_IN_FLIGHT = """
+import sys, time
+import numpy as np
+from ckptfmt import CheckpointManager, WriteOptions
+root = sys.argv[1]
+mgr = CheckpointManager(
+    local_dir=root + "/l1",
+    shared_dir=root + "/l3",
+    write=WriteOptions(fsync=False, threads=2, chunk_bytes=64 << 10, shard_bytes=256 << 10),
+)
+state = {"w": np.arange(1 << 20, dtype=np.float32)}
+# the save's write starts once the script has returned: the interpreter is exiting
+mgr.save(1, state, ready=lambda: time.sleep(1.0))
+"""
+
+
+def test_a_save_in_flight_when_the_script_returns_is_committed_and_flushed(
+    tmp_path: Path,
+) -> None:
+    """A script that returns with a background save in flight (nothing closes its manager):
+    the manager is closed at exit before the interpreter shuts its thread pools (the writers'),
+    so the save is committed on level 1 and flushed to level 3, bit for bit, and nothing is
+    told of a failure."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_SAVE_IN_FLIGHT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "failed" not in out.stderr, out.stderr[-3000:]
+    want = np.arange(1 << 20, dtype=np.float32).tobytes()
+    for level in ("l1", "l3"):
+        assert ckptfmt.load(tmp_path / level / step_dir_name(1))["w"].tobytes() == want
+
+
 def test_a_save_restored_at_another_size_is_not_flushed_as_this_jobs(tmp_path: Path) -> None:
     """4 ranks save to level 1 only; 2 ranks restore it and close with a flush: level 3 must not
     get a copy holding only the files of the ranks that happen to be here (it would not
@@ -555,6 +593,49 @@ def test_steps_delete_and_prune_take_step_names(tmp_path: Path) -> None:
     assert mgr.steps() == {40: {"level1": True, "level3": True}}
     with pytest.raises(UsageError, match="not a step"):
         mgr.delete("latest")
+    mgr.close(flush=False)
+
+
+def test_kept_steps_outlive_the_retention(tmp_path: Path) -> None:
+    """A step given to ``keep`` (a trainer's best checkpoint) stays on both levels while the
+    newest ``keep_local``/``keep_shared`` steps roll on, bit for bit; once no longer kept, the
+    next retention removes it."""
+    mgr = _mgr(tmp_path, keep_local=1, keep_shared=1, flush_every=1)
+    mgr.keep(["step-10"])
+    for step in (10, 20, 30):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    both = {"level1": True, "level3": True}
+    assert mgr.steps() == {10: both, 30: both}
+    for level in ("l1", "l3"):
+        kept = ckptfmt.load(tmp_path / level / step_dir_name(10))["model"]["w"]
+        assert kept.tobytes() == _state(10)["model"]["w"].tobytes()
+    mgr.keep([])
+    mgr.save(40, _state(40))
+    mgr.wait()
+    assert mgr.steps() == {40: both}
+    mgr.close(flush=False)
+
+
+def test_restore_of_one_step_takes_that_step_or_none(tmp_path: Path) -> None:
+    """``restore(step=...)`` loads the step asked for, bit for bit, from level 1, or from level
+    3 once its level-1 copy is gone, though a newer step is there; a step on no level restores
+    nothing and says so."""
+    mgr = _mgr(tmp_path, keep_local=10, keep_shared=10, flush_every=1)
+    for step in (10, 20, 30):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    want = _state(20)["model"]["w"].tobytes()
+    for level in (1, 3):
+        if level == 3:
+            shutil.rmtree(tmp_path / "l1" / step_dir_name(20))
+        report = mgr.restore(step="step-20")
+        assert (report.step, report.level) == (20, level)
+        assert report.state is not None and report.state["model"]["w"].tobytes() == want
+    report = mgr.restore(step=25)
+    assert report.step is None and report.state is None
+    assert report.tried == ["step 25: no committed copy on any level"]
+    assert mgr.restore().step == 30
     mgr.close(flush=False)
 
 

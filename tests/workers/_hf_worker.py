@@ -12,7 +12,9 @@ data position all come back.
 "save_steps": 4, "stop_at": N or null, "kill_at": N or null, "resume": null | true | PATH,
 "limit": K or null, "result": PREFIX, "record": false}``. ``stop_at``: training stops after
 step N (an interrupted run, its checkpoints as they are); ``kill_at``: the process SIGKILLs
-itself right after the save of step N was handed over (an async save may still be in flight).
+itself right after the save of step N was handed over (an async save may still be in flight);
+``kill_in_save``: it SIGKILLs itself in the middle of its N-th commit of a checkpoint directory
+(every file staged, not yet renamed into place; a manager's flush to level 3 is one too).
 Each rank
 writes ``PREFIX.rank<r>.npz`` (:func:`final_state`) at the end, and with ``record`` the
 dataset indices of its batches to ``PREFIX.seen.rank<r>.json``; after a restore through the
@@ -39,6 +41,8 @@ import torch
 import transformers
 from ckptfmt_torch.hf import CheckpointOptions, Trainer
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+from ckptfmt.storage import commit
 
 N_SAMPLES, SEQ, VOCAB = 64, 16, 64
 
@@ -219,9 +223,25 @@ def run(
     return trainer
 
 
+def kill_in_save(n: int) -> None:
+    """SIGKILL this process when the ``n``-th checkpoint directory is about to be renamed into
+    place: a crash in the middle of a save (or of a manager's flush)."""
+    real, count = commit.publish, [0]
+
+    def publish(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    commit.publish = publish  # type: ignore[assignment]
+
+
 def main() -> None:
     for path in sys.argv[1:]:
         plan = json.loads(Path(path).read_text())
+        if plan.get("kill_in_save"):
+            kill_in_save(plan["kill_in_save"])
         keys = ("mode", "max_steps", "save_steps", "limit", "stop_at", "kill_at", "position")
         kw: dict[str, Any] = {k: plan[k] for k in keys if plan.get(k)}
         if plan.get("options"):

@@ -2,7 +2,11 @@
 module, a Trainer with the plugin as the README shows it, and the end state written out.
 
     python -m _lightning_worker --root DIR --name run --max-steps 12 [--io ckptfmt|torch|async]
-        [--kill-at K] [--devices 2] [--mode rank0|collective|levels] [--data plain|shuffled]
+        [--kill-at K] [--kill-in-save N] [--devices 2] [--mode rank0|collective|levels]
+        [--data plain|shuffled]
+
+``--kill-in-save N``: the process SIGKILLs itself in the middle of the N-th commit of a
+checkpoint directory (every file written into its staging directory, not yet renamed into place).
 
 ``--data shuffled``: ``ShuffledData`` (a ``ResumableSampler``, checkpoints mid-epoch) with the
 ``DataPosition`` callback and ``use_distributed_sampler=False``.
@@ -28,6 +32,8 @@ import ckptfmt_torch.lightning
 import pytorch_lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from ckptfmt.storage import commit
 
 
 class Net(L.LightningModule):
@@ -107,6 +113,20 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_in_save(n: int) -> None:
+    """SIGKILL this process when the ``n``-th checkpoint directory is about to be renamed into
+    place (its staging directory whole beside it): a crash in the middle of a save."""
+    real, count = commit.publish, [0]
+
+    def publish(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    commit.publish = publish  # type: ignore[assignment]
+
+
 def end_state(model: L.LightningModule, trainer: L.Trainer) -> dict[str, Any]:
     return {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -180,11 +200,14 @@ def main() -> int:
     p.add_argument("--mode", choices=["rank0", "collective", "levels"], default="rank0")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--kill-in-save", type=int, default=None)
     p.add_argument("--plain-ddp", action="store_true", help="Lightning's DDP, whatever the mode")
     p.add_argument("--data", choices=["plain", "shuffled"], default="plain")
     args = p.parse_args()
     # a node per rank, as on a cluster: the levels' parity goes across them
     os.environ["CKPTFMT_NODE"] = f"n{os.environ.get('LOCAL_RANK', '0')}"
+    if args.kill_in_save is not None:
+        kill_in_save(args.kill_in_save)
     for run in args.runs:
         name, steps = run.split(":")
         fit(args, name, int(steps))

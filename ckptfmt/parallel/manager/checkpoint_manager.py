@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -545,6 +545,14 @@ class CheckpointManager:
         self._calls.roll_call("delete", number)
         self._retention.delete(self.comm, number, levels)
 
+    def keep(self, steps: Iterable[int]) -> None:
+        """Keep ``steps`` (in place of those given before) on every level from the next
+        retention on, besides the newest ``keep_local`` and ``keep_shared``: a step that
+        something outside the manager still names, such as a trainer's best checkpoint, which
+        counting the newest steps would remove. Every rank gives the same steps (each node's
+        first rank applies them to its level 1); not collective, nothing is waited for."""
+        self._retention.kept = frozenset(parse_step(s) for s in steps)
+
     def prune(self, keep_local: int | None = None, keep_shared: int | None = None) -> None:
         """Collective (a roll call, then the retention's allgather): apply retention now: keep
         the newest ``keep_local`` level-1 steps (of all nodes together) and ``keep_shared``
@@ -576,8 +584,11 @@ class CheckpointManager:
         cast: Cast = "no",
         into: bool = False,
         trust_pickle: bool = False,
+        step: int | str | None = None,
     ) -> RestoreReport:
-        """Collective: load the newest step that every rank can load. Returns a
+        """Collective: load the newest step that every rank can load (``step``: that step, a
+        number or a step directory name, and no other; ``report.step`` is None when no copy
+        of it loads, ``report.tried`` says why). Returns a
         :class:`RestoreReport`: ``report.step`` (None when there is none; ``report.restored``
         says whether there was), the level and path, what was refused and rebuilt, and
         ``report.state``, the loaded tree. Level 1 is tried first (every rank's data present or
@@ -640,6 +651,7 @@ class CheckpointManager:
             cast=check_policy(cast),  # a usage error before anything collective
             into=into,
             trust_pickle=trust_pickle,
+            step=None if step is None else parse_step(step),
         )
         self.wait()
         try:

@@ -8,8 +8,11 @@ a process makes one manager or many (the Lightning plugin and the Keras callback
 
 - At interpreter exit every open manager is closed, oldest first (``close`` waits for the save in
   flight and flushes the newest level-1 checkpoint within its exit policy's budget; collective on
-  the manager's communicator). Constructing a manager is collective, so the order is the same on
-  every rank, and managers that share a communicator close in the same order everywhere.
+  the manager's communicator). That runs before ``concurrent.futures`` shuts the process's
+  thread pools (from then on they take no work: a save still in flight, whose writer threads are
+  such a pool, would fail), and as an ``atexit`` hook where that cannot be arranged.
+  Constructing a manager is collective, so the order is the same on every rank, and managers
+  that share a communicator close in the same order everywhere.
 - At SIGTERM (a scheduler's warning, on any thread) every open manager whose policy asks for it
   flushes its newest checkpoint, one after another, oldest first. Each flush runs on that
   manager's saver thread, after its save in flight, on the saver threads' communicator, since the
@@ -130,6 +133,7 @@ class ExitRegistry:
         self._hooks: tuple[ExitHooks, ...] = ()
         self._watch: SigtermWatch | None = None
         self._exiting = False
+        self._before_pools = False  # at_exit is hooked ahead of the thread pools' shutdown
 
     def register(self, hooks: ExitHooks) -> None:
         """Add ``hooks`` (last in the order); install the SIGTERM watch if it asks for one, none
@@ -141,6 +145,8 @@ class ExitRegistry:
             if not self._exiting:
                 atexit.unregister(self.at_exit)
                 atexit.register(self.at_exit)
+                if not self._before_pools:
+                    self._before_pools = _before_thread_pools(self.at_exit)
             if (
                 hooks.policy.sigterm
                 and not self._exiting
@@ -198,6 +204,24 @@ class ExitRegistry:
             watch.remove()
         for hooks in self._hooks:
             hooks.at_exit()
+
+
+def _before_thread_pools(hook: Callable[[], None]) -> bool:
+    """Have ``hook`` run at interpreter exit before ``concurrent.futures`` marks every thread
+    pool shut: CPython's ``threading._register_atexit`` (which ``concurrent.futures`` uses
+    itself) runs its hooks last registered first, before the ``atexit`` ones. Once for the
+    process (it has no way back: ``hook`` does nothing when no manager is open). False where
+    there is no such hook or the interpreter is exiting already."""
+    import concurrent.futures.thread  # noqa: F401  (its hook registered first, so run after ours)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    try:
+        register(hook)
+    except RuntimeError:  # "can't register atexit after shutdown"
+        return False
+    return True
 
 
 EXITS = ExitRegistry()

@@ -101,6 +101,7 @@ class RestoreRequest:
     cast: Cast = "no"
     into: bool = False
     trust_pickle: bool = False
+    step: int | None = None  # this step and no other (None: the newest)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,11 +150,13 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
     restored (None: nothing usable)."""
     wants = _wants(req.state)
     targets = _landing(req) if req.into else None
-    views, listed = _views(site)
+    views, listed = _views(site, every=req.step is not None)
     roots: dict[int, StepRoot | None] = {1: site.roots.get(1), 3: site.shared}
-    order = candidates(views, roots)
+    order = _only(candidates(views, roots), req.step)
     newest = order[0].step if order else None
     report = RestoreReport()
+    if req.step is not None and not order:
+        report.tried.append(f"step {req.step}: no committed copy on any level")
     i = 0
     while i < len(order):
         c = order[i]
@@ -169,7 +172,8 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
                     v["l3"] = l3
                 listed = True
                 after = (-c.step, c.level)
-                order[i:] = [x for x in candidates(views, roots) if (-x.step, x.level) > after]
+                later = [x for x in candidates(views, roots) if (-x.step, x.level) > after]
+                order[i:] = _only(later, req.step)
             continue
         loaded, manifest = got
         where = site.shared.describe(c.path) if c.level == 3 and site.shared else str(c.path)
@@ -190,20 +194,26 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
     return report, None
 
 
-def _views(site: RestoreSite) -> tuple[list[View], bool]:
+def _only(order: list[Candidate], step: int | None) -> list[Candidate]:
+    """The candidates of ``step`` (all of them when None)."""
+    return order if step is None else [c for c in order if c.step == step]
+
+
+def _views(site: RestoreSite, every: bool = False) -> tuple[list[View], bool]:
     """Collective (one allgather): what every rank sees, and whether level 3 was listed in
     full. Each rank lists its level-1 directory; a shared directory is listed by every rank
     (each its own mount), a bucket by rank 0 alone for every rank: the step of the latest
-    pointer (one GET, one of its commit), or, without a usable pointer, a LIST. A bucket that
-    cannot be read raises the same error on every rank: no rank starts fresh for a checkpoint
-    it could not see."""
+    pointer (one GET, one of its commit), or, without a usable pointer or with ``every`` (a
+    restore of one step, which need not be the newest), a LIST. A bucket that cannot be read
+    raises the same error on every rank: no rank starts fresh for a checkpoint it could not
+    see."""
     shared = site.shared
     l3: list[int] = []
     listed = True
     failure = None
     if shared is not None and (not shared.one_looks or site.comm.rank == 0):
         try:
-            newest = shared.newest()
+            newest = None if every else shared.newest()
             listed = newest is None
             l3 = shared.committed() if newest is None else newest
         except CkptError as exc:

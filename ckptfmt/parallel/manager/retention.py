@@ -74,6 +74,9 @@ class Retention:
         self.flush_rate = 0.0  # bytes/s of the last flush
         self.flush_owed = False  # the last flush failed: the next save flushes, due or not
         self.flush_error: str | None = None  # why it failed
+        # steps kept on every level besides the newest (CheckpointManager.keep): a new set is
+        # assigned, never changed in place, so the saver thread reads one or the other
+        self.kept: frozenset[int] = frozenset()
 
     def retain(self, comm: Comm, protect: set[int]) -> None:
         """Collective (an allgather on ``comm``): the same retention on every node. Each node's
@@ -82,7 +85,9 @@ class Retention:
         still counts on; rank 0 keeps the newest ``keep_shared`` on level 3 (a failure there
         that is ckptfmt's, a bucket out of reach, is logged: the save it follows is committed).
         With :attr:`slots`, a level-1 step dropped is recycled (``Slots.recycle``), not deleted:
-        the newest ``keep_local`` steps (and ``protect``) are never among them."""
+        the newest ``keep_local`` steps (and ``protect``) are never among them. The steps
+        :attr:`kept` are protected too."""
+        protect = protect | self.kept
         mine = [s for s, _ in committed(self.local_root)] if self.node_leader else []
         seen = comm.allgather_json(mine)
         if self.local_root is not None and self.node_leader:
@@ -94,11 +99,12 @@ class Retention:
             self._retain_shared(protect)
 
     def _retain_shared(self, protect: set[int]) -> None:
-        """Rank 0: keep the newest ``keep_shared`` steps on level 3."""
+        """Rank 0: keep the newest ``keep_shared`` steps on level 3 (and ``protect``, and
+        :attr:`kept`)."""
         if self.shared is None or self.keep_shared <= 0:
             return
         try:
-            self.shared.retain(self.keep_shared, protect)
+            self.shared.retain(self.keep_shared, protect | self.kept)
         except CkptError as exc:
             log.warning("retention on level 3 (%s) failed: %s", self.shared.where, exc)
 
@@ -152,7 +158,7 @@ class Retention:
         gave every rank the same error): rank 0 removes the oldest level-3 steps so that the
         flush of ``step`` (``nbytes``) fits (``parallel.levels.room``); whether any was removed."""
         assert self.shared is not None
-        mine = self.shared.make_room(nbytes, {step}) if comm.rank == 0 else []
+        mine = self.shared.make_room(nbytes, {step} | self.kept) if comm.rank == 0 else []
         removed = comm.bcast_json(mine)
         if removed:
             log.warning(

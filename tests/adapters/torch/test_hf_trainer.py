@@ -331,9 +331,49 @@ def test_levels_local_and_shared(tmp_path: Path, reference: dict[str, np.ndarray
 
 
 @pytest.mark.slow
-def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path) -> None:
+def test_levels_sigkill_in_a_flush_then_resume(
+    tmp_path: Path, reference: dict[str, np.ndarray]
+) -> None:
+    """Level 1 flushed every second save; SIGKILLed while step 8 is flushed (the 3rd commit):
+    step 8 is committed on level 1 but ``checkpoint-8`` is torn, and the newest complete
+    ``checkpoint-4`` has its step on level 1 only. ``resume_from_checkpoint=True`` restores
+    step 4 from level 1 (not the newer step 8, and no error) and ends bit-identical to an
+    uninterrupted run."""
+    levels = {"local_dir": str(tmp_path / "local" / "{node}"), "shared_dir": str(tmp_path / "l3")}
+    plan = {"max_steps": STEPS, "save_steps": SAVE, "out": str(tmp_path / "run")}
+    plan["options"] = {**levels, "flush_every": 2}
+
+    def job(name: str, **more: Any) -> subprocess.CompletedProcess[str]:
+        spec = {**plan, **more, "result": str(tmp_path / name)}
+        (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+        return subprocess.run(
+            [sys.executable, str(WORKER), str(tmp_path / f"{name}.json")],
+            cwd=REPO,
+            env=with_kit_path(dict(os.environ)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    killed = job("killed", kill_in_save=3)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    steps = sorted(p.name for p in (tmp_path / "local").glob("*/step-*"))
+    assert steps == ["step-0000000004", "step-0000000008"]
+    assert last_checkpoint(tmp_path / "run") == str(tmp_path / "run" / f"checkpoint-{SAVE}")
+    resumed = job("resumed", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    took = json.loads((tmp_path / "resumed.restore.rank0.json").read_text())
+    assert (took["step"], took["level"]) == (SAVE, 1)
+    assert_same(reference, dict(np.load(tmp_path / "resumed.rank0.npz")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("managed", [False, True], ids=["direct", "manager"])
+def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path, managed: bool) -> None:
     """HF's best-model bookkeeping as it is: the best checkpoint survives the rotation and its
-    weights (from ckptfmt) are the model's at the end."""
+    weights (from ckptfmt) are the model's at the end. Through the manager (background saves,
+    level 3 in ``output_dir/ckptfmt``, the README's line) its step survives the manager's own
+    retention too (``keep_shared`` from ``save_total_limit`` counts the newest steps only)."""
     model, _, data = model_and_args(tmp_path)
     args = transformers.TrainingArguments(
         str(tmp_path),
@@ -350,14 +390,69 @@ def test_load_best_model_at_end_reads_the_best_checkpoint(tmp_path: Path) -> Non
         report_to=[],
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    options = CheckpointOptions(async_save=True) if managed else None
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data, ckptfmt=options
+    )
     trainer.train()
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{SAVE}")
+    assert is_complete(tmp_path / f"checkpoint-{SAVE}")
     assert checkpoints(tmp_path) == [f"checkpoint-{SAVE}"]
     best = ckptfmt.load(tmp_path / f"checkpoint-{SAVE}" / "ckptfmt")["model"]
     for name, p in trainer.model.state_dict().items():
         if name in best:
             assert np.array_equal(best[name], p.numpy()), name
+
+
+class ScriptedScore(transformers.TrainerCallback):
+    """Each evaluation's ``eval_score`` from a script (step -> score): the best checkpoint is
+    the one the test says."""
+
+    def __init__(self, scores: dict[int, float]) -> None:
+        self.scores = scores
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        kw["metrics"]["eval_score"] = self.scores[state.global_step]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("managed", [False, True], ids=["direct", "manager"])
+def test_a_new_best_at_its_own_save_is_the_best_checkpoint(tmp_path: Path, managed: bool) -> None:
+    """The checkpoint being saved is the best one at its save (step 12 beats step 4, the best
+    until then): as in HF's own ``Trainer``, it is the ``best_model_checkpoint`` (in the state
+    and in its ``trainer_state.json``) and ``load_best_model_at_end`` ends on its weights, bit
+    for bit what HF's own run ends on (not on step 4's)."""
+    scores = {SAVE: 1.0, 2 * SAVE: 0.5, 3 * SAVE: 2.0}
+    ends = {}
+    for name in ("hf", "ours"):
+        model, _, data = model_and_args(tmp_path / name)
+        args = transformers.TrainingArguments(
+            str(tmp_path / name),
+            max_steps=3 * SAVE,
+            save_steps=SAVE,
+            eval_steps=SAVE,
+            eval_strategy="steps",
+            load_best_model_at_end=True,
+            metric_for_best_model="score",
+            per_device_train_batch_size=4,
+            use_cpu=True,
+            report_to=[],
+            disable_tqdm=True,
+        )
+        kw: dict[str, Any] = {"train_dataset": data, "eval_dataset": data}
+        if name == "hf":
+            trainer = transformers.Trainer(model=model, args=args, **kw)
+        else:
+            options = CheckpointOptions(async_save=True) if managed else None
+            trainer = Trainer(model=model, args=args, ckptfmt=options, **kw)
+        trainer.add_callback(ScriptedScore(scores))
+        trainer.train()
+        best = tmp_path / name / f"checkpoint-{3 * SAVE}"
+        assert trainer.state.best_model_checkpoint == str(best), name
+        saved = json.loads((best / "trainer_state.json").read_text())
+        assert saved["best_model_checkpoint"] == str(best), name
+        ends[name] = {k: v.numpy().tobytes() for k, v in trainer.model.state_dict().items()}
+    assert ends["ours"] == ends["hf"]
 
 
 def _assert_loads_bit_exact(out: Path, trained: torch.nn.Module) -> None:

@@ -209,6 +209,107 @@ def test_sigkill_then_resume(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sigkill_in_the_middle_of_a_save_then_resume(tmp_path: Path) -> None:
+    """SIGKILLed while ``last.ckpt`` of step 12 is being replaced (the 6th commit: every file
+    of the new one staged, not yet renamed in): ``last.ckpt`` is still step 8's, whole (the end
+    of the first epoch); the resume from it ends bit for bit where an uninterrupted run ends,
+    and the next save of ``last.ckpt`` removes the staged copy the crash left (a whole
+    checkpoint's bytes, one more every crash otherwise)."""
+    killed = run_worker("--root", str(tmp_path), "--runs", "k:16", "--kill-in-save", "6")
+    assert killed.returncode in (-9, 128 + 9), killed.stderr[-4000:]
+    run = tmp_path / "k"
+    assert [n.split("-")[0] for n in leftovers(run)] == [".last.ckpt.tmp"]
+    assert ckptfmt.open(run / "last.ckpt").manifest.step == 8
+    assert ckptfmt.verify(run / "last.ckpt").healthy
+    ok(run_worker("--root", str(tmp_path), "--runs", "k:16", "u:16"))
+    assert_same(end(tmp_path, "k"), end(tmp_path, "u"))
+    assert leftovers(run) == []
+    assert ckptfmt.open(run / "last.ckpt").manifest.step == 16
+
+
+def test_levels_pointer_is_written_while_a_newer_save_to_it_is_in_flight(tmp_path: Path) -> None:
+    """Through the manager, ``last.ckpt`` saved at step 4 and again at step 8 while step 4's
+    save is still in flight (two saves in flight): once step 4 is committed it names step 4
+    (the newest whole one until step 8 is committed: a run killed now resumes from it), then
+    step 8, whose state it loads bit for bit."""
+    asked, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def on_save(report: Any) -> None:  # the saver thread, before the save's handle is done
+        if report.step == 4:
+            assert asked.wait(30)  # step 4 ends once step 8 is saved to the same names
+        else:
+            held.set()
+            assert release.wait(30)
+
+    io = ckptfmt_torch.lightning.CheckpointIO(
+        shared_dir=tmp_path / "l3", saves_in_flight=2, on_save=on_save
+    )
+    run = tmp_path / "run"
+    states = {s: {"global_step": s, "state_dict": {"w": torch.randn(5)}} for s in (4, 8)}
+    for step, checkpoint in states.items():
+        io.save_checkpoint(checkpoint, run / f"step={step}.ckpt")
+        io.save_checkpoint(checkpoint, run / "last.ckpt")
+    asked.set()
+    assert held.wait(30)  # step 4 committed, step 8 written but not over
+    try:
+        assert json.loads((run / "last.ckpt").read_text())["step"] == 4
+        assert sorted(os.listdir(run)) == ["last.ckpt", "step=4.ckpt"]
+    finally:
+        release.set()
+        io.close()
+    assert json.loads((run / "last.ckpt").read_text())["step"] == 8
+    got = io.load_checkpoint(run / "last.ckpt")
+    assert_same(got["state_dict"], states[8]["state_dict"])
+    io.close()
+
+
+def test_levels_under_async_io_are_in_when_fit_returns(tmp_path: Path) -> None:
+    """``AsyncCheckpointIO`` around the manager's levels on one device (Lightning's own
+    strategy, whose teardown does not reach the wrapped plugin): the last save, slow to commit,
+    is in when ``fit`` returns: ``last.ckpt`` and the top-k file name step 8 and load its
+    weights bit for bit."""
+
+    def slow(report: Any) -> None:  # the saver thread, before the save's handle is done
+        if report.step == 8:
+            time.sleep(1.0)
+
+    L.seed_everything(0, verbose=False)
+    io = ckptfmt_torch.lightning.CheckpointIO(
+        local_dir=tmp_path / "l1", shared_dir=tmp_path / "l3", on_save=slow
+    )
+    model, run = Net(), tmp_path / "run"
+    trainer = L.Trainer(
+        plugins=[L.plugins.AsyncCheckpointIO(io)],
+        callbacks=[L.callbacks.ModelCheckpoint(run, save_last=True, every_n_train_steps=4)],
+        max_steps=8,
+        **QUIET,
+    )
+    trainer.fit(model, datamodule=Data())
+    assert sorted(os.listdir(run)) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    assert json.loads((run / "last.ckpt").read_text())["step"] == 8
+    got = io.load_checkpoint(run / "last.ckpt")
+    assert_same(dict(got["state_dict"]), dict(model.state_dict()))
+    io.close()
+
+
+@pytest.mark.slow
+def test_levels_sigkill_in_a_flush_then_resume(tmp_path: Path) -> None:
+    """Through the manager's levels, SIGKILLed while step 12 is flushed to level 3 (the 6th
+    commit): step 12 is committed on level 1, but ``last.ckpt`` still names step 8 (its
+    pointer follows the whole save), and ``ckpt_path="last"`` resumes from step 8 (not the
+    newer step 12, not from scratch), ending bit for bit where an uninterrupted run ends."""
+    args = ["--root", str(tmp_path), "--mode", "levels"]
+    killed = run_worker(*args, "--runs", "k:16", "--kill-in-save", "6")
+    assert killed.returncode in (-9, 128 + 9), killed.stderr[-4000:]
+    local = tmp_path / "k-levels" / "local" / "n0"
+    assert ckptfmt.open(local / "step-0000000012").manifest.step == 12
+    assert json.loads((tmp_path / "k" / "last.ckpt").read_text())["step"] == 8
+    ok(run_worker(*args, "--runs", "k:16", "u:16"))
+    assert_same(end(tmp_path, "k"), end(tmp_path, "u"))
+    assert json.loads((tmp_path / "k" / "last.ckpt").read_text())["step"] == 16
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "io"),
     [("rank0", "ckptfmt"), ("rank0", "async"), ("collective", "async")],
@@ -330,6 +431,42 @@ def test_remove_checkpoint(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["mine"]
     with pytest.raises(UsageError, match="WriteOptions"):
         plugin.save_checkpoint({}, tmp_path / "y.ckpt", storage_options={"a": 1})
+
+
+KILLED_IN_A_REMOVAL = """
+import os, shutil, signal, sys
+import torch
+import ckptfmt_torch.lightning
+root = sys.argv[1]
+plugin = ckptfmt_torch.lightning.CheckpointIO()
+for name in ("a.ckpt", "b.ckpt"):
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(1 << 16)}}, os.path.join(root, name))
+real = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if ".del-" in os.fspath(path):  # a.ckpt renamed out of sight, not yet deleted
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *args, **kwargs)
+shutil.rmtree = rmtree
+plugin.remove_checkpoint(os.path.join(root, "a.ckpt"))
+"""
+
+
+@pytest.mark.slow
+def test_a_removal_cut_by_sigkill_is_finished_by_the_next(tmp_path: Path) -> None:
+    """SIGKILLed while ModelCheckpoint's removal of ``a.ckpt`` deletes it (out of sight under
+    a dot name, whole): the next removal in the directory (``b.ckpt``) deletes it too, where
+    nothing would ever come to remove a name Lightning no longer uses."""
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_A_REMOVAL, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [n.split("-")[0] for n in leftovers(tmp_path)] == [".a.ckpt.del"]
+    assert sorted(os.listdir(tmp_path))[1:] == ["b.ckpt"]
+    ckptfmt_torch.lightning.CheckpointIO().remove_checkpoint(tmp_path / "b.ckpt")
+    assert os.listdir(tmp_path) == []
 
 
 # --- AsyncCheckpointIO: what is kept --------------------------------------------------------------
