@@ -15,18 +15,12 @@ few KiB per progress call, so a wait that only slept between single tests took 2
 of 4 MiB messages that MPI's blocking calls moved in 62 ms; with bursts it took 58 ms (with CMA:
 9.7 ms against 9.1). Measured on the 2-core development machine with 8 ranks: one rank writing
 32 MiB to tmpfs while the 7 others waited in a barrier took 83 ms when they spun and 30 ms when
-they slept. A wait for a small message (a barrier, the sizes an allgather exchanges first: where
-ranks wait for the slowest at a vote) sleeps longer as it goes on, so that ranks waiting for one
-that still works leave it more of the cores: 4 ranks on 2 cores, three waiting 50 ms for the
-fourth, take 13-14% of a core each instead of 18-19%; all rounds of the collective together
-notice the late rank at most 5% of the wait late.
-``wait="block"`` uses MPI's blocking calls (lowest latency where every rank has cores of its
-own).
+they slept. ``wait="block"`` uses MPI's blocking calls (lowest latency where every rank has
+cores of its own).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -40,30 +34,17 @@ SPIN_S = 1e-4  # busy testing before the first sleep: a peer already there costs
 FIRST_SLEEP_S = 50e-6
 MAX_SLEEP_S = 2.5e-4  # the most a completed wait can lag behind (what a vote may add)
 BURST_S = 1e-4  # busy testing after each sleep: a transfer under way keeps moving
-LONG_SLEEP_S = 2e-3  # the longest sleep of a long wait for a small message (``small``)
-LAG_SHARE = 0.05  # ... which, over all rounds of a collective, sleeps at most this share of
-# the time waited so far (``MpiComm`` gives each round its part: ``small_share``)
 ROLL_TAG = 32767  # reserved for MpiComm.roll_call (other traffic keeps to tags below 32000)
 VERDICT_TAG = 32766
 
 
 def polite_wait(
-    requests: list[Any],
-    max_sleep_s: float = MAX_SLEEP_S,
-    deadline_s: float | None = None,
-    small: float = 0.0,
+    requests: list[Any], max_sleep_s: float = MAX_SLEEP_S, deadline_s: float | None = None
 ) -> bool:
     """Complete ``requests`` (mpi4py ``Request`` objects): test them busily for ``SPIN_S``, then
     alternate a sleep (doubling from :data:`FIRST_SLEEP_S` to ``max_sleep_s``) with ``BURST_S``
-    of tests. ``small`` (a share, 0: off): the requests move a few bytes each (a barrier, the
-    sizes of an allgather: a rank there waits for the slowest rank, not for a transfer); once
-    the wait is long the sleep grows on, up to :data:`LONG_SLEEP_S` and ``small`` of the time
-    waited, so that ranks waiting for a slow one leave it the cores (a burst every 250 us
-    costs a waiting rank ~20% of a core). Each round of a collective may then notice its
-    messages that share late: :func:`small_share` keeps all rounds together within
-    :data:`LAG_SHARE`. With
-    ``deadline_s``, give up after that long and return False (the requests are then still
-    pending: the caller cancels them); True once they are complete."""
+    of tests. With ``deadline_s``, give up after that long and return False (the requests are
+    then still pending: the caller cancels them); True once they are complete."""
     from mpi4py import MPI
 
     if not requests:
@@ -73,31 +54,19 @@ def polite_wait(
         return bool(requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests))
 
     clock = time.perf_counter
-    start = clock()
-    give_up = None if deadline_s is None else start + deadline_s
-    pause, until = FIRST_SLEEP_S, start + SPIN_S
+    give_up = None if deadline_s is None else clock() + deadline_s
+    pause, until = FIRST_SLEEP_S, clock() + SPIN_S
     while True:
         while True:
             if done():
                 return True
-            now = clock()
-            if now > until:
+            if clock() > until:
                 break
-        if give_up is not None and now > give_up:
+        if give_up is not None and clock() > give_up:
             return False
         time.sleep(pause)
         pause = min(pause * 2, max_sleep_s)
-        if small:
-            pause = max(pause, min(LONG_SLEEP_S, small * (now - start)))
         until = clock() + BURST_S
-
-
-def small_share(size: int) -> float:
-    """The share of a small wait's time each of its rounds may sleep past its messages
-    (``polite_wait``'s ``small``) in a collective of ``size`` ranks: :data:`LAG_SHARE` over
-    the ~log2(size) rounds of MPICH's algorithms for a barrier or a small allgather
-    (dissemination, recursive doubling), each of which may find its partner asleep."""
-    return LAG_SHARE / max(1, math.ceil(math.log2(max(size, 2))))
 
 
 class _Requests:
@@ -132,24 +101,19 @@ class MpiComm(Comm):
         self.rank = int(self.comm.Get_rank())
         self.size = int(self.comm.Get_size())
         self.wait = wait
-        self._small_share = small_share(self.size)
 
-    def _complete(self, *requests: Any, small: bool = False) -> None:
-        """Wait for ``requests`` (``small``: each moves a few bytes, see ``polite_wait``)."""
+    def _complete(self, *requests: Any) -> None:
         if self.wait == "block":
             self._mpi.Request.Waitall(list(requests))
         else:
-            polite_wait(list(requests), small=self._small_share if small else 0.0)
+            polite_wait(list(requests))
 
     def barrier(self) -> None:
-        self._complete(self.comm.Ibarrier(), small=True)
+        self._complete(self.comm.Ibarrier())
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         sizes = np.empty(self.size, dtype=np.int64)
-        # the sizes first: where the ranks wait for the slowest (a vote), then the data
-        self._complete(
-            self.comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes), small=True
-        )
+        self._complete(self.comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes))
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, np.uint8)
