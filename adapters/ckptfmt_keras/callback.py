@@ -74,8 +74,7 @@ import numpy as np
 from ckptfmt.errors import ReplicaWarning, StateMismatchError, UsageError
 from ckptfmt.parallel import CheckpointManager, ManagerSettings, RestoreReport, SaveHandle
 from ckptfmt.plan import ReadOptions
-from ckptfmt.storage import is_url
-from ckptfmt.storage.objects import Bucket
+from ckptfmt.storage import Bucket, parse_location
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
 from ckptfmt_keras import _compat, backend
@@ -127,7 +126,8 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             raise UsageError("dataset must have a set_epoch(epoch) method")
         keep = 2 if double_checkpoint else 1
         # a bucket's URL as given (a Path folds its "//" and names a directory ./s3:/...)
-        self.backup_dir: Path | str = backup_dir if is_url(backup_dir) else Path(backup_dir)
+        where = parse_location(backup_dir)
+        self.backup_dir: Path | str = where.spec if where.is_bucket else Path(backup_dir)
         self.save_freq = save_freq
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint

@@ -82,7 +82,7 @@ from ckptfmt.manifest import (
     ValueEntry,
 )
 from ckptfmt.parallel import resolve_node
-from ckptfmt.storage import Inside, is_spread, is_url
+from ckptfmt.storage import Inside, is_spread, parse_location
 from ckptfmt.transport import Comm
 from ckptfmt.tree import PerRank, Shard
 from ckptfmt_torch import dcp_save
@@ -442,7 +442,7 @@ class Reader(StorageReader):
             # a directory's shard files are read straight into the tensors; a spread level-1
             # checkpoint's and a bucket's (a Path would make its URL a directory) through the view
             spread = isinstance(self.path, Mapping) or is_spread(self.path)
-            elsewhere = spread or is_url(self.path)  # type: ignore[arg-type]
+            elsewhere = spread or parse_location(self.path).is_bucket  # type: ignore[arg-type]
             self._inside = None if elsewhere else Inside(Path(self.path))  # type: ignore[arg-type]
         return self._ckpt
 

@@ -59,8 +59,7 @@ from ckptfmt.parallel import (
     region_data,
 )
 from ckptfmt.plan import Holding, PlanCache, SavePlan, TensorPlan, make_plan
-from ckptfmt.storage import DirectoryStore, Draft, check_destination
-from ckptfmt.storage.pools import Pool
+from ckptfmt.storage import DirectoryStore, Draft, Pool, check_destination
 
 PLANS = PlanCache()
 """The process's plans of DCP saves, by layout: a job saving the same state every few steps

@@ -10,9 +10,11 @@ from ckptfmt.storage.commit import is_committed
 from ckptfmt.storage.commit import remove as remove_committed
 from ckptfmt.storage.files import Inside, fsync_dir, write_error
 from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
+from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.source import ObjectInside, open_committed
 from ckptfmt.storage.objects.url import is_url
 from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.storage.pools import Pool
 from ckptfmt.storage.progress import Progress, ProgressCallback, metering
 from ckptfmt.storage.steps import StepRef, parse_step, step_dir_name
 from ckptfmt.storage.store import (
@@ -25,6 +27,7 @@ from ckptfmt.storage.store import (
 )
 
 __all__ = [
+    "Bucket",
     "check_destination",
     "DirectoryStore",
     "Draft",
@@ -44,6 +47,7 @@ __all__ = [
     "ObjectInside",
     "open_committed",
     "parse_step",
+    "Pool",
     "Progress",
     "ProgressCallback",
     "refuse_url",
