@@ -40,9 +40,8 @@ import numpy as np
 import torch
 import transformers
 from ckptfmt_torch.hf import CheckpointOptions, Trainer
+from kit.crash import kill_in_save
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-
-from ckptfmt.storage import commit
 
 N_SAMPLES, SEQ, VOCAB = 64, 16, 64
 
@@ -221,20 +220,6 @@ def run(
     if seen is not None:
         seen.extend(hooked)
     return trainer
-
-
-def kill_in_save(n: int) -> None:
-    """SIGKILL this process when the ``n``-th checkpoint directory is about to be renamed into
-    place: a crash in the middle of a save (or of a manager's flush)."""
-    real, count = commit.publish, [0]
-
-    def publish(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        if count[0] == n:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(*args, **kwargs)
-
-    commit.publish = publish  # type: ignore[assignment]
 
 
 def main() -> None:

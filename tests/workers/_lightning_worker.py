@@ -31,9 +31,8 @@ import ckptfmt_torch
 import ckptfmt_torch.lightning
 import pytorch_lightning as L
 import torch
+from kit.crash import kill_in_save
 from torch.utils.data import DataLoader, TensorDataset
-
-from ckptfmt.storage import commit
 
 
 class Net(L.LightningModule):
@@ -111,20 +110,6 @@ class KillAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == self.at:
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def kill_in_save(n: int) -> None:
-    """SIGKILL this process when the ``n``-th checkpoint directory is about to be renamed into
-    place (its staging directory whole beside it): a crash in the middle of a save."""
-    real, count = commit.publish, [0]
-
-    def publish(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        if count[0] == n:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(*args, **kwargs)
-
-    commit.publish = publish  # type: ignore[assignment]
 
 
 def end_state(model: L.LightningModule, trainer: L.Trainer) -> dict[str, Any]:

@@ -157,6 +157,21 @@ def test_hf_weights_load_with_from_pretrained(tmp_path: Path) -> None:
         assert torch.equal(p, q), name
 
 
+def _run_worker(
+    tmp_path: Path, name: str, spec: dict[str, Any]
+) -> subprocess.CompletedProcess[str]:
+    """Run the HF worker on ``spec`` (written to ``name``.json), its result to ``name``."""
+    (tmp_path / f"{name}.json").write_text(json.dumps({**spec, "result": str(tmp_path / name)}))
+    return subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path / f"{name}.json")],
+        cwd=REPO,
+        env=with_kit_path(dict(os.environ)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.slow
 def test_sigkill_during_an_async_save_then_resume(tmp_path: Path) -> None:
     """A real SIGKILL right after the save of step 8 was handed to the background: the
@@ -164,16 +179,7 @@ def test_sigkill_during_an_async_save_then_resume(tmp_path: Path) -> None:
 
     def job(name: str, **plan: Any) -> subprocess.CompletedProcess[str]:
         spec = {"mode": "async", "max_steps": STEPS, "save_steps": SAVE, **plan}
-        spec["result"] = str(tmp_path / name)
-        (tmp_path / f"{name}.json").write_text(json.dumps(spec))
-        return subprocess.run(
-            [sys.executable, str(WORKER), str(tmp_path / f"{name}.json")],
-            cwd=REPO,
-            env=with_kit_path(dict(os.environ)),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return _run_worker(tmp_path, name, spec)
 
     assert job("full", out=str(tmp_path / "full")).returncode == 0
     killed = job("killed", out=str(tmp_path / "run"), kill_at=8)
@@ -344,16 +350,7 @@ def test_levels_sigkill_in_a_flush_then_resume(
     plan["options"] = {**levels, "flush_every": 2}
 
     def job(name: str, **more: Any) -> subprocess.CompletedProcess[str]:
-        spec = {**plan, **more, "result": str(tmp_path / name)}
-        (tmp_path / f"{name}.json").write_text(json.dumps(spec))
-        return subprocess.run(
-            [sys.executable, str(WORKER), str(tmp_path / f"{name}.json")],
-            cwd=REPO,
-            env=with_kit_path(dict(os.environ)),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return _run_worker(tmp_path, name, {**plan, **more})
 
     killed = job("killed", kill_in_save=3)
     assert killed.returncode == -9, killed.stderr[-2000:]
