@@ -107,3 +107,40 @@ def test_a_full_level_loses_no_checkpoint_silently_on_two_ranks(
 ) -> None:
     for r in run_loops(tmp_path, CASES[case], mode, ranks=2, seeds=SEEDS[:5]):
         check_run(r, case)
+
+
+KEPT_SCRIPT = """
+import json, os, sys
+import numpy as np
+import ckptfmt
+from ckptfmt import CheckpointManager, WriteOptions
+
+l1 = sys.argv[1]
+
+def state(step):
+    return {"w": np.full(1 << 18, step, np.float32)}  # 1 MiB
+
+mgr = CheckpointManager(local_dir=l1, keep_local=10, async_save=False,
+                        write=WriteOptions(fsync=False), recycle_level1=False)
+mgr.keep([1])
+for step in range(1, 9):
+    mgr.save(step, state(step))
+failed = [s for s, _ in mgr.failed_saves]
+mgr.close(flush=False)
+held = sorted(int(n[5:]) for n in os.listdir(l1) if n.startswith("step-"))
+first = ckptfmt.load(os.path.join(l1, "step-0000000001"))["w"]
+print(json.dumps({"held": held, "failed": failed, "exact": bool((first == 1).all())}))
+"""
+
+
+def test_a_full_level_keeps_the_steps_kept(tmp_path: Path) -> None:
+    """Level 1 with room for ~3 checkpoints, 8 saves of 1 MiB, step 1 kept (``keep``, as the
+    HF ``Trainer`` keeps its best): making room removes the oldest steps but the kept one,
+    which still loads bit for bit, and every save commits."""
+    argv = [sys.executable, "-c", KEPT_SCRIPT, str(tmp_path / "l1")]
+    proc, _ = run_in_tmpfs_mounts(tmp_path, {"l1": "size=3600k"}, argv, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["failed"] == [], r
+    assert r["held"][0] == 1 and r["held"][-1] == 8 and len(r["held"]) < 8, r  # room was made
+    assert r["exact"], r

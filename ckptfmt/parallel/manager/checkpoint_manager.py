@@ -549,8 +549,9 @@ class CheckpointManager:
         """Keep ``steps`` (in place of those given before) on every level from the next
         retention on, besides the newest ``keep_local`` and ``keep_shared``: a step that
         something outside the manager still names, such as a trainer's best checkpoint, which
-        counting the newest steps would remove. Every rank gives the same steps (each node's
-        first rank applies them to its level 1); not collective, nothing is waited for."""
+        counting the newest steps would remove; a full level makes room from the other steps
+        only. Every rank gives the same steps (each node's first rank applies them to its level
+        1); not collective, nothing is waited for."""
         self._retention.kept = frozenset(parse_step(s) for s in steps)
 
     def prune(self, keep_local: int | None = None, keep_shared: int | None = None) -> None:

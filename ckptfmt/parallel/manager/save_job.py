@@ -538,19 +538,21 @@ class Saver:
     ) -> bool:
         """Collective (one allgather on the saver threads' communicator, every rank, after a
         write to ``level`` failed full on some rank: the vote gave every rank the same error):
-        remove the oldest steps of ``level`` so that the write of ``step`` fits
-        (``parallel.levels.room``); whether any was removed (then the write is tried once more)."""
+        remove the oldest steps of ``level`` but those ``keep`` kept so that the write of
+        ``step`` fits (``parallel.levels.room``); whether any was removed (then the write is
+        tried once more)."""
         need = _bytes_to_write(staged, red)  # only here: a full level is rare
         s = self.settings
+        protect = {step} | self.retention.kept  # the steps kept past retention stay (``keep``)
         if level == 1:
             assert s.local_root is not None
             removed = room.make_room_on_nodes(
-                self.bg, s.local_root, s.node, self.retention.node_leader, need, {step}
+                self.bg, s.local_root, s.node, self.retention.node_leader, need, protect
             )
         else:
             assert s.shared_dir is not None
             total = sum(self.bg.allgather_json(need))
-            mine = room.make_room_here(s.shared_dir, total, {step}) if self.bg.rank == 0 else []
+            mine = room.make_room_here(s.shared_dir, total, protect) if self.bg.rank == 0 else []
             removed = self.bg.bcast_json(mine)  # make_room_here never raises: no rank is left
         if removed:
             self.outcomes.notices.append(
