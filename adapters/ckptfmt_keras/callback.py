@@ -57,12 +57,14 @@ variables' buffers in place) ``fenced`` changes nothing: the values are copied b
 save returns. With several workers the replicas' check reads the values before it returns.
 
 On ``on_train_end`` the newest checkpoint is flushed to ``backup_dir`` and, with
-``delete_checkpoint`` (Keras's default), everything is deleted.
+``delete_checkpoint`` (Keras's default), every checkpoint is deleted from both levels
+(``CheckpointManager.delete_all``): unlike Keras's callback, which removes ``backup_dir`` whole,
+files of the user's in ``backup_dir`` or ``local_dir`` stay, and so does a directory holding
+them.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -74,7 +76,7 @@ import numpy as np
 from ckptfmt.errors import ReplicaWarning, StateMismatchError, UsageError
 from ckptfmt.parallel import CheckpointManager, ManagerSettings, RestoreReport, SaveHandle
 from ckptfmt.plan import ReadOptions
-from ckptfmt.storage import Bucket, parse_location
+from ckptfmt.storage import parse_location
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import PerRank
 from ckptfmt_keras import _compat, backend
@@ -274,9 +276,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             return
         manager, self.manager = self.manager, None
         _OPEN.pop(self._key(), None)
-        manager.close(flush=not self.delete_checkpoint)
         if self.delete_checkpoint:
-            self._delete(manager)
+            # the checkpoints only: a level's directory may hold the user's files too
+            manager.delete_all()
+        manager.close(flush=not self.delete_checkpoint)
 
     # --- saving ----------------------------------------------------------------------------------
 
@@ -468,21 +471,6 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             path=report.path,
             step=report.step,
         )
-
-    def _delete(self, manager: CheckpointManager) -> None:
-        """Collective: remove every level's directory (rank 0 the shared one, or every object
-        under the bucket's prefix, the lowest rank of each node its node's)."""
-        nodes = self.comm.allgather_json(manager.node)
-        self.comm.barrier()
-        if manager.local_root is not None and nodes.index(manager.node) == self.comm.rank:
-            shutil.rmtree(manager.local_root, ignore_errors=True)
-        if self.comm.rank == 0:
-            if isinstance(self.backup_dir, str):
-                bucket = Bucket.at(self.backup_dir, self.settings.storage_options)
-                bucket.delete([key for key, _ in bucket.list()])
-            else:
-                shutil.rmtree(self.backup_dir, ignore_errors=True)
-        self.comm.barrier()
 
 
 def _take(data: Any, count: int) -> Any:

@@ -84,6 +84,15 @@ class S3:
             out += [o["Key"] for o in page.get("Contents", [])]
         return sorted(out)
 
+    def put(self, key: str, data: bytes) -> None:
+        """Write the object ``key`` (the test's own PUT, through boto3)."""
+        self.server.client().put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def get(self, key: str) -> bytes:
+        """The bytes of the object ``key`` (the test's own GET, through boto3)."""
+        body = self.server.client().get_object(Bucket=self.bucket, Key=key)["Body"]
+        return bytes(body.read())
+
 
 def start_server() -> Iterator[S3Server]:
     """Start moto's server on a free port of 127.0.0.1; yield it; stop it."""

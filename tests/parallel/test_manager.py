@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kit.full_disk import in_full_tmpfs
+from kit.managers import NO_EXIT_HOOKS
 from kit.managers import make_manager as _mgr
 from kit.managers import node_manager as manager
 
@@ -593,6 +594,41 @@ def test_steps_delete_and_prune_take_step_names(tmp_path: Path) -> None:
     assert mgr.steps() == {40: {"level1": True, "level3": True}}
     with pytest.raises(UsageError, match="not a step"):
         mgr.delete("latest")
+    mgr.close(flush=False)
+
+
+def test_delete_all_removes_the_checkpoints_and_nothing_else(tmp_path: Path) -> None:
+    """``delete_all`` removes every step from both levels, what a crashed save left, level 1's
+    spare directories and the levels record; a level's root that also holds the user's files
+    (a dataset on the node's scratch disk) keeps them, byte for byte, and a root that held
+    only checkpoints goes."""
+    local, shared = tmp_path / "l1", tmp_path / "l3"
+    local.mkdir()
+    data = np.random.default_rng(0).bytes(10_000)
+    (local / "dataset.bin").write_bytes(data)
+    (local / "step-0000000099").mkdir()  # a directory of that name without a manifest
+    (local / "step-0000000099" / "mine.txt").write_text("not a checkpoint")
+    mgr = _mgr(tmp_path, keep_local=1, keep_shared=2, flush_every=1, at_exit=NO_EXIT_HOOKS)
+    for step in (10, 20, 30):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    assert (local / ".slots").is_dir()  # retention recycled older steps into spares
+    crashed = local / f".{step_dir_name(40)}.tmp-{'ab' * 16}"
+    crashed.mkdir()
+    (crashed / "x").write_bytes(b"torn")
+    assert mgr.steps() == {
+        20: {"level1": False, "level3": True},
+        30: {"level1": True, "level3": True},
+    }
+
+    left = mgr.delete_all()
+    assert sorted(left) == sorted([str(local / "dataset.bin"), str(local / "step-0000000099")])
+    assert mgr.steps() == {}
+    assert sorted(p.name for p in local.iterdir()) == ["dataset.bin", "step-0000000099"]
+    assert (local / "dataset.bin").read_bytes() == data
+    assert (local / "step-0000000099" / "mine.txt").read_text() == "not a checkpoint"
+    assert not shared.exists()  # held checkpoints and the levels record only
+    assert mgr.restore().step is None
     mgr.close(flush=False)
 
 

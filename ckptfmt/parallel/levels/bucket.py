@@ -40,6 +40,7 @@ from ckptfmt.storage.files import Files
 from ckptfmt.storage.objects import Bucket, Retries
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
+    LATEST_NAME,
     Commit,
     Committed,
     delete_checkpoint,
@@ -55,7 +56,7 @@ from ckptfmt.storage.objects.commit import (
 )
 from ckptfmt.storage.objects.copies import CopyPlan, Tally, read_base
 from ckptfmt.storage.objects.source import ObjectInside
-from ckptfmt.storage.steps import parse_step, step_dir_name
+from ckptfmt.storage.steps import STEP_NAME, parse_step, step_dir_name
 from ckptfmt.storage.store.bucket import BucketStore
 from ckptfmt.transport.comm import Comm
 
@@ -190,6 +191,23 @@ class BucketLevel(SharedLevel):
         except NotACheckpointError:
             where.delete([COMMIT_NAME])
             where.delete([k for k, _ in where.list()])
+
+    def clear(self) -> list[str]:
+        """The latest pointer first (no reader is sent to a step going away), then each
+        ``step-<n>/`` prefix whole (its commit object first, :meth:`remove`), then the levels
+        record; every other key under the root is left, and returned."""
+        ours, left = set(), []
+        for key, _ in self.root.list():
+            top = key.split("/", 1)[0]
+            if "/" in key and STEP_NAME.match(top):
+                ours.add(top)
+            elif key not in (LATEST_NAME, LEVELS_FILE):
+                left.append(key)
+        self.root.delete([LATEST_NAME])
+        for name in sorted(ours):
+            self.remove(parse_step(name))
+        self.root.delete([LEVELS_FILE])
+        return left
 
     def clean_leftovers(self) -> None:
         """Nothing to do on the restore's path: an uncommitted prefix is invisible, and

@@ -22,6 +22,7 @@ from typing import Any
 
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.publish import FaultHook
+from ckptfmt.parallel.levels.clear import clear_root
 from ckptfmt.parallel.levels.layout import Levels, flush_collective, retain
 from ckptfmt.parallel.levels.room import make_room_here
 from ckptfmt.storage import commit
@@ -127,6 +128,11 @@ class SharedLevel(ABC):
     def clean_leftovers(self) -> None:
         """Remove what crashed flushes left."""
 
+    @abstractmethod
+    def clear(self) -> list[str]:
+        """Remove every step and record the manager wrote here, and nothing else
+        (``levels.clear``); return what is left at the root."""
+
 
 class DirLevel(SharedLevel):
     """Level 3 in a shared directory (every rank mounts it)."""
@@ -187,3 +193,6 @@ class DirLevel(SharedLevel):
 
     def clean_leftovers(self) -> None:
         commit.clean_leftovers(self.root)
+
+    def clear(self) -> list[str]:
+        return clear_root(self.root)

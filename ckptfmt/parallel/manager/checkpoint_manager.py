@@ -545,6 +545,22 @@ class CheckpointManager:
         self._calls.roll_call("delete", number)
         self._retention.delete(self.comm, number, levels)
 
+    def delete_all(self) -> list[str]:
+        """Collective (a roll call, then a barrier): remove every checkpoint from both levels,
+        on every node, after the save in flight: the step directories (each out of sight in
+        one rename first) or a bucket's step prefixes, what crashed saves left, level 1's
+        spare directories and the levels record; a level's directory too when that empties
+        it. Nothing else at a level's root is touched (a ``local_dir`` may share a disk with a
+        dataset): returns the paths this rank left there, logged too."""
+        self._calls.check_open()
+        self.wait()
+        self._calls.next()
+        self._calls.roll_call("delete_all", None)
+        left = self._retention.clear(self.comm)
+        if left:
+            log.info("kept what is not a checkpoint's: %s", ", ".join(left))
+        return left
+
     def keep(self, steps: Iterable[int]) -> None:
         """Keep ``steps`` (in place of those given before) on every level from the next
         retention on, besides the newest ``keep_local`` and ``keep_shared``: a step that

@@ -19,6 +19,7 @@ from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.parallel.levels import room
+from ckptfmt.parallel.levels.clear import clear_root
 from ckptfmt.parallel.levels.layout import Levels, newest_base, retain_steps
 from ckptfmt.parallel.levels.pick import level3_of
 from ckptfmt.parallel.manager.outcomes import Calls, Outcomes
@@ -219,6 +220,20 @@ class Retention:
         if 1 in levels and self.newest_local is not None and self.newest_local.step == step:
             self.newest_local = None
         comm.barrier()
+
+    def clear(self, comm: Comm) -> list[str]:
+        """Collective (a barrier at the end): remove every step and record the manager wrote,
+        and nothing else (``levels.clear``): each node's leader at its level-1 root, rank 0 at
+        level 3. Returns the paths this rank left because they are not the manager's."""
+        left: list[str] = []
+        if self.node_leader and self.local_root is not None:
+            left += [str(self.local_root / n) for n in clear_root(self.local_root)]
+            self.newest_local = None
+        if comm.rank == 0 and self.shared is not None:
+            where = self.shared.where.rstrip("/")
+            left += [f"{where}/{n}" for n in self.shared.clear()]
+        comm.barrier()
+        return left
 
     def clean_leftovers(self, comm: Comm) -> None:
         """Collective (a barrier at the end): remove what crashed saves left (each node's

@@ -101,3 +101,59 @@ def test_backup_and_restore_keeps_its_backup_in_the_bucket(
     assert cb.restored_counters is not None and cb.restored_counters["epoch"] == 2
     assert arrays_of(second) == arrays_of(first)
     assert s3.keys("keras/") == [] and not (tmp_path / "s3:").exists()
+
+
+def test_delete_checkpoint_removes_only_what_the_backup_wrote(tmp_path: Path, s3: S3) -> None:
+    """``delete_checkpoint`` at the end of ``fit`` removes the checkpoints, from level 1 and
+    from the bucket, and nothing else: a ``local_dir`` on a node's scratch disk and a bucket
+    prefix that also hold the user's own files keep them, byte for byte (Keras's callback
+    removes its whole directory; ckptfmt's level 1 is a directory of the user's choosing)."""
+    x, y = xy(32)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    data = os.urandom(4096)
+    (scratch / "dataset.bin").write_bytes(data)
+    (scratch / "shards").mkdir()
+    (scratch / "shards" / "0.bin").write_bytes(data[:100])
+    s3.put("keras/dataset.bin", data)
+    s3.put("keras/step-notes/x.txt", b"not a step")
+
+    cb = ck.BackupAndRestore(
+        f"{s3.url}/keras",
+        save_freq=2,
+        delete_checkpoint=True,
+        local_dir=scratch,
+        flush_every=1,
+        write=WriteOptions(fsync=False),
+        at_exit=NO_EXIT_HOOKS,
+    )
+    model = compiled(build(1))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+
+    assert sorted(p.name for p in scratch.iterdir()) == ["dataset.bin", "shards"]
+    assert (scratch / "dataset.bin").read_bytes() == data
+    assert (scratch / "shards" / "0.bin").read_bytes() == data[:100]
+    assert s3.keys("keras/") == ["keras/dataset.bin", "keras/step-notes/x.txt"]
+    assert s3.get("keras/dataset.bin") == data
+
+
+def test_delete_checkpoint_keeps_a_directory_with_the_users_files(tmp_path: Path) -> None:
+    """A local ``backup_dir`` that holds the user's files: the checkpoints go, the files and
+    the directory stay; ``local_dir`` of the backup alone is removed whole."""
+    x, y = xy(32)
+    backup, local = tmp_path / "backup", tmp_path / "l1"
+    backup.mkdir()
+    (backup / "notes.txt").write_text("mine")
+    cb = ck.BackupAndRestore(
+        backup,
+        save_freq=2,
+        local_dir=local / "{node}",
+        flush_every=1,
+        write=WriteOptions(fsync=False),
+        at_exit=NO_EXIT_HOOKS,
+    )
+    model = compiled(build(1))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    assert [p.name for p in backup.iterdir()] == ["notes.txt"]
+    assert (backup / "notes.txt").read_text() == "mine"
+    assert list(local.iterdir()) == []
