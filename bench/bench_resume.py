@@ -14,6 +14,8 @@ method into ``--dir`` (``/dev/shm``: warm tmpfs, what the load path itself costs
   written to and the method's files read once: this VM hands memory idle for ~2 s back to
   the host and touching it again costs up to 4x, so untouched buffers would time the host.
   The first round is not timed and checks each method bit for bit against the saved state.
+  ``--cold`` (``--dir`` on a disk): each method's files are written back and evicted from the
+  page cache before its window instead of read, a restart after the node rebooted.
 * ``restart`` (a fresh ``python`` per round and method): process start to state in the model,
   imports, model and optimizer construction included; the parent's wall clock before
   ``Popen`` to the child's when the load returned (the child's exit is not counted). Each
@@ -69,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lose", type=int, default=1, help="the node whose level 1 is deleted")
     ap.add_argument("--profile", default="", help="lost part: cProfile files prefix")
     ap.add_argument("--fit-rounds", type=int, default=5, help="rounds of lightning / hf")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="load part: each method's files evicted from the page cache before its window "
+        "(a restart after the node rebooted; --dir on a disk, not tmpfs)",
+    )
     ap.add_argument("--dir", default="/dev/shm/ckptfmt-bench-resume")
     ap.add_argument("--out", default=str(BENCH / "results" / "resume.json"))
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -164,6 +172,18 @@ def _files(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
 
 
+def _evict(path: Path) -> None:
+    """Drop the pages of every file of ``path`` from the page cache (written back first), so
+    that the next read comes from the device; tmpfs keeps them (it has no device)."""
+    os.sync()
+    for f in _files(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _warm(path: Path) -> None:
     """Read every file of ``path`` once (its tmpfs pages touched just before the window)."""
     for f in _files(path):
@@ -236,7 +256,9 @@ def part_load(args: argparse.Namespace, root: Path, saved: dict[str, Any]) -> di
                 for t in tensors(model, opt):
                     t.fill_(0.0)
             buf.fill(0)
-            _warm(p["ckptfmt"] if m == "raw" else p[m.removesuffix("_into")])
+            (_evict if args.cold else _warm)(
+                p["ckptfmt" if m == "raw" else m.removesuffix("_into")]
+            )
             c0 = time.process_time()
             t0 = time.perf_counter()
             if m == "raw":
@@ -608,7 +630,8 @@ def markdown(res: dict[str, Any]) -> str:
         b = res["state_bytes"]
         lines += [
             "",
-            "| restore, node intact (warm tmpfs) | median s (min-max) | GB/s "
+            f"| restore, node intact ({'cold: from the disk' if res.get('cold') else 'warm'}) "
+            "| median s (min-max) | GB/s "
             "| ckptfmt faster by (paired) |",
             "|---|---|---|---|",
         ]
@@ -699,7 +722,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs (shared), "
         f"Python {platform.python_version()}",
         "rounds": args.rounds,
-        "touch": "destination tensors written and source files read just before each window",
+        "touch": "destination tensors written and source files "
+        + ("evicted from the page cache" if args.cold else "read")
+        + " just before each window",
+        "cold": args.cold,
     }
     if {"load", "restart"} & set(parts):
         saved = save_all(args, root)
