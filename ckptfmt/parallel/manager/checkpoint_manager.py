@@ -701,14 +701,15 @@ class CheckpointManager:
     def close(self, flush: bool | None = None) -> None:
         """Wait for every save in flight and, unless told not to, flush the newest level-1
         checkpoint to level 3 if it is not there yet (collective: ``Retention.flush_newest``
-        on the manager's communicator). The manager is closed whatever happens; a failed
-        save not told yet is told after (warned, or raised with ``on_error="raise"``), and a
-        failed flush is a :class:`FlushWarning`. The spare level-1 slot (``.slots/``, a dropped
-        step kept for the next save to overwrite) is removed by the node's first rank: no save
-        comes after, and it holds a whole step's room. Then the manager leaves the process's exit
-        registry (``parallel.manager.exit``): SIGTERM and interpreter exit no longer touch it, and
-        when it was the last open manager, SIGTERM is handled again as it was before the first
-        one."""
+        on the saver thread and its communicator, where a SIGTERM's flush also runs: the two
+        never run beside each other, ``ExitHooks.flush_at_close``). The manager is closed
+        whatever happens; a failed save not told yet is told after (warned, or raised with
+        ``on_error="raise"``), and a failed flush is a :class:`FlushWarning`. The spare
+        level-1 slot (``.slots/``, a dropped step kept for the next save to overwrite) is
+        removed by the node's first rank: no save comes after, and it holds a whole step's
+        room. Then the manager leaves the process's exit registry (``parallel.manager.exit``):
+        SIGTERM and interpreter exit no longer touch it, and when it was the last open
+        manager, SIGTERM is handled again as it was before the first one."""
         if self._calls.closed:
             return
         self._saver.idle.wait()
@@ -718,7 +719,7 @@ class CheckpointManager:
             if self._calls.broken is not None:  # no collective is safe any more: no flush
                 flush = False
             if self.at_exit.flush if flush is None else flush:
-                self._retention.flush_newest(self._calls, self.at_exit.budget_s)
+                self._exit.flush_at_close()  # on the saver thread, as SIGTERM's flush
         finally:
             self._exit.uninstall()
             self._calls.closed = True
