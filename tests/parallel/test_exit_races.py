@@ -95,3 +95,31 @@ def test_sigterm_during_close_flush_under_mpiexec(tmp_path: Path) -> None:
         doc = json.loads((out / f"closed.rank{r}.json").read_text())
         assert doc["signals"] == [signal.SIGTERM] and doc["warnings"] == [], doc
     check_level3(root, 2, proc)
+
+
+RESTORE_WORKER = str(REPO / "tests" / "workers" / "_restore_sigterm_worker.py")
+
+
+def test_a_sigterm_flush_whose_staging_a_restore_cleans_commits_nothing(tmp_path: Path) -> None:
+    """The user's handler on top of ckptfmt's returns, so the main thread goes on into
+    ``restore()`` while the watcher's flush runs on the saver thread; the restore's clean-up of
+    level-3 leftovers removes that flush's staging directory after its first file. The flush
+    must not commit what is left (it did: step 1 on level 3 without ``t0``, reported flushed,
+    so that ``close`` did not flush it again); it fails and is told, and ``close`` flushes the
+    step whole."""
+    out, root = tmp_path / "out", tmp_path / "ck"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, RESTORE_WORKER, str(out), str(root)],
+        cwd=REPO,
+        env=with_kit_path(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, describe(proc)
+    doc = json.loads((out / "result.json").read_text())
+    assert doc["raced"] and doc["signals"] == [signal.SIGTERM] and doc["restored"] == 1, doc
+    check_level3(root, 1, proc)
+    assert doc["failed_flushes"] == [1], doc  # the SIGTERM flush failed, and was told
+    assert any("staging directory was removed" in w for w in doc["warnings"]), doc
