@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,17 +30,20 @@ from kit.files import committed_steps
 from kit.launch import describe, run_mpi, with_kit_path
 
 import ckptfmt
+from ckptfmt.errors import UsageError
 
 WORKER = str(REPO / "tests" / "workers" / "_close_sigterm_worker.py")
 TENSORS, N = 8, 150_000  # the worker's
 
 
-def check_level3(root: Path, ranks: int, proc: subprocess.CompletedProcess[str]) -> None:
-    """Level 3 holds step 1 alone, whole (every file its manifest names, every CRC good) and
+def check_level3(
+    root: Path, ranks: int, proc: subprocess.CompletedProcess[str], step: int = 1
+) -> None:
+    """Level 3 holds ``step`` alone, whole (every file its manifest names, every CRC good) and
     bit for bit what the ranks saved."""
     l3 = root / "l3"
-    assert committed_steps(l3) == [1], describe(proc)
-    path = l3 / "step-0000000001"
+    assert committed_steps(l3) == [step], f"{committed_steps(l3)}\n{describe(proc)}"
+    path = l3 / f"step-{step:010d}"
     report = ckptfmt.verify(path)
     assert report.healthy, f"{report.problems}\n{describe(proc)}"
     got = ckptfmt.load(path)
@@ -123,3 +127,44 @@ def test_a_sigterm_flush_whose_staging_a_restore_cleans_commits_nothing(tmp_path
     check_level3(root, 1, proc)
     assert doc["failed_flushes"] == [1], doc  # the SIGTERM flush failed, and was told
     assert any("staging directory was removed" in w for w in doc["warnings"]), doc
+
+
+def test_close_waits_for_a_save_another_thread_is_in(tmp_path: Path) -> None:
+    """A save made on another thread (an ``AsyncCheckpointIO`` worker, say) that is waiting for
+    its slot when ``close()`` begins on the main thread (the interpreter's exit, say) is taken
+    before the close's flush, so that it is the step flushed: it used to be queued behind the
+    flush, committed on level 1 and never flushed. A save begun once ``close()`` has is refused
+    (``UsageError``), never queued behind it."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold_the_first_save(point: str) -> None:
+        if point == "manifest":
+            gate.wait(30)
+
+    mgr = ckptfmt.CheckpointManager(
+        local_dir=tmp_path / "ck" / "l1",
+        shared_dir=tmp_path / "ck" / "l3",
+        flush_every=100,
+        saves_in_flight=1,
+        fault=hold_the_first_save,
+    )
+    state = {f"t{i}": np.arange(N, dtype=np.float32) + 1000 * i for i in range(TENSORS)}
+    mgr.save(1, {k: np.zeros_like(v) for k, v in state.items()})  # in flight, held
+    got: dict[str, object] = {}
+
+    def other_thread() -> None:
+        entered.set()
+        handle = mgr.save(2, state)  # waits for the slot step 1 holds
+        got["step 2"] = handle.committed.result(timeout=60)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    assert entered.wait(10)
+    threading.Timer(0.5, gate.set).start()  # let step 1 finish while close() waits
+    mgr.close()
+    thread.join(60)
+    assert got == {"step 2": 2}, got
+    with pytest.raises(UsageError):
+        mgr.save(3, state)
+    proc = subprocess.CompletedProcess([], 0, "", "")
+    check_level3(tmp_path / "ck", 1, proc, step=2)  # flushed at close, whole, bit for bit
