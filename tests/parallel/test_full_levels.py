@@ -144,3 +144,63 @@ def test_a_full_level_keeps_the_steps_kept(tmp_path: Path) -> None:
     assert r["failed"] == [], r
     assert r["held"][0] == 1 and r["held"][-1] == 8 and len(r["held"]) < 8, r  # room was made
     assert r["exact"], r
+
+
+ROOM_SCRIPT = """
+import json, os, sys, warnings
+import numpy as np
+import ckptfmt
+from ckptfmt import CheckpointManager, WriteOptions
+
+l1, l3, level = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def state(step):
+    return {"w": np.full(1 << 18, step, np.float32)}  # 1 MiB
+
+reports = []
+mgr = CheckpointManager(local_dir=l1, shared_dir=l3, flush_every=1, keep_local=100,
+                        keep_shared=100, async_save=False, on_save=reports.append,
+                        write=WriteOptions(fsync=False))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(1, 9):
+        mgr.save(step, state(step))
+    mgr.close(flush=False)
+told = [str(w.message) for w in caught if "to make room" in str(w.message)]
+root = l1 if level == "1" else l3
+held = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-"))
+exact = all(
+    (ckptfmt.load(os.path.join(root, f"step-{s:010d}"))["w"] == s).all() for s in held
+)
+print(json.dumps({
+    "held": held,
+    "exact": bool(exact),
+    "failed": [s for s, _ in mgr.failed_saves],
+    "reached": [r.step for r in reports if (r.level == 1 if level == "1" else r.flushed)],
+    "made_room": {r.step: r.made_room for r in reports if r.made_room},
+    "told": told,
+}))
+"""
+
+
+@pytest.mark.parametrize("level", ["1", "3"])
+def test_the_steps_a_full_level_gives_up_are_counted(tmp_path: Path, level: str) -> None:
+    """A level with room for about 3 checkpoints of 1 MiB, 8 saves and ``keep`` of 100 (so no
+    retention removes anything): each step the level no longer holds is in the ``made_room``
+    of the save that removed it (its ``SaveReport``, what ``on_save`` hands a metrics logger),
+    and was warned of; every step kept loads bit for bit."""
+    mounts = {"l1": "size=3600k", "l3": "size=64m"}
+    if level == "3":
+        mounts = {"l1": "size=64m", "l3": "size=3600k"}
+    argv = [sys.executable, "-c", ROOM_SCRIPT, str(tmp_path / "l1"), str(tmp_path / "l3"), level]
+    proc, _ = run_in_tmpfs_mounts(tmp_path, mounts, argv, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["failed"] == [], r
+    assert r["reached"] == list(range(1, 9)), r
+    assert len(r["held"]) < 8 and r["held"][-1] == 8 and r["exact"], r  # room was made
+    removed = [s for steps in r["made_room"].values() for s in steps.get(level, [])]
+    assert sorted(removed) == sorted(set(range(1, 9)) - set(r["held"])), r  # each counted once
+    for step, by_level in r["made_room"].items():
+        assert all(s < int(step) for s in by_level[level]), r  # only older steps
+    assert len(r["told"]) == len(r["made_room"]), r  # and each time the loop was told

@@ -293,11 +293,13 @@ def flush_collective(
         links = _link_plan(manifest, Path(votes[0][1])) if votes[0][1] else {}
         linker = Incremental()
         src = Inside(local_path)
+        mine_files: list[tuple[TensorEntry, FileRef]] = []
         for t in manifest.tensors():
             for r in t.regions:
                 if r.rank != comm.rank:
                     continue
                 for f in r.files:
+                    mine_files.append((t, f))
                     dst = staging / f.path
                     if f.path in links and _linkable(links[f.path], f.size):
                         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -312,6 +314,9 @@ def flush_collective(
         report.update(tally)
     b.vote("flush-copy", cleanup=mine)
     with b.guard("flush-manifest"):
+        # after the vote: every rank's copies are over, so a file removed under any of them
+        # is missed by its own rank now, before the manifest can be voted on and committed
+        _check_staged(staging, mine_files)
         if comm.rank == 0:
             write_metadata(staging, manifest, fsync)
             commit.stage_manifest(staging, dump_manifest(manifest), fsync)
@@ -320,6 +325,32 @@ def flush_collective(
     publish_commit(b, comm.rank == 0, draft, fsync, _flush_hook(hook))
     hook("flushed")
     return final
+
+
+def _check_staged(staging: Path, files: list[tuple[TensorEntry, FileRef]]) -> None:
+    """Every rank, once every rank has copied its files (after the copy's vote): each file this
+    rank copied is still in the staging directory with its size. A staging directory removed
+    under a running flush (a restore's clean-up of leftovers on another thread, another flush
+    of the same step) is made again by the copies that come after, so without this the flush
+    would commit a step lacking the files copied before; with it, the flush fails (voted,
+    nothing committed) and the next save flushes again. Each rank looks at the files it wrote
+    itself (no other node's cached view of them)."""
+    into = Inside(staging)
+    gone = []
+    for t, ref in files:
+        try:
+            into.check_size(ref.path, ref.size, (display(t.name),))
+        except CkptError:
+            gone.append(ref.path)
+    if gone:
+        raise StorageError(
+            str(staging),
+            f"{len(gone)} of the {len(files)} files this rank copied there are gone (first: "
+            f"{gone[0]}): the staging directory was removed while the flush ran (a restore's "
+            "clean-up of leftovers, or another flush of the same step); nothing is committed, "
+            "and the next save flushes again",
+            level=level_name(3),
+        )
 
 
 def _flush_hook(hook: FaultHook) -> FaultHook:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -219,6 +220,11 @@ class CheckpointManager:
         """Local: the parts that keep the manager's records (what it reports, its collective
         calls, its levels' state) and its staging, empty at the start."""
         self.last_restore: RestoreReport | None = None
+        # the threads in a save() call now (their counts), and whether close() has begun:
+        # close waits for saves other threads are in the middle of, and refuses new ones
+        self._entry = threading.Condition()
+        self._saving: dict[int, int] = {}
+        self._closing = False
         self._outcomes = Outcomes(self.on_error, self.on_save)
         self._calls = Calls(self.comm, self.deadline_s)
         recycle = self.settings.recycle_level1 and not self.incremental
@@ -369,6 +375,42 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative int, got {step!r}")
         self._calls.check_open()
+        self._enter_save()  # a close() from another thread now waits for this save's hand-over
+        try:
+            return self._save(
+                step, state, donate, background_copy, (ready, before_commit), objects, skip
+            )
+        finally:
+            self._leave_save()
+
+    def _enter_save(self) -> None:
+        """Local: count this thread in a ``save`` call, unless ``close`` has begun (then
+        :class:`UsageError`: a save taken behind the close's flush would be neither flushed
+        nor told)."""
+        with self._entry:
+            if self._closing:
+                raise UsageError("this CheckpointManager is closed (close() has begun)")
+            self._saving[threading.get_ident()] = self._saving.get(threading.get_ident(), 0) + 1
+
+    def _leave_save(self) -> None:
+        with self._entry:
+            me = threading.get_ident()
+            self._saving[me] -= 1
+            if not self._saving[me]:
+                del self._saving[me]
+            self._entry.notify_all()
+
+    def _save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        donate: bool,
+        background_copy: bool,
+        hooks: tuple[Callable[[], None] | None, Callable[[], None] | None],
+        objects: Objects,
+        skip: bool,
+    ) -> SaveHandle:
+        """:meth:`save` once its arguments are checked and the call is counted."""
         mode = copy_mode(donate, background_copy)
         entered = time.perf_counter()
         flights = self._saver.idle
@@ -386,9 +428,7 @@ class CheckpointManager:
         if waited > 0.01:
             log.info("save of step %s waited %.2f s for a save in flight", step, waited)
         try:
-            handle = self._take(
-                step, state, mode, entered, waited, (ready, before_commit), objects, (slot, why)
-            )
+            handle = self._take(step, state, mode, entered, waited, hooks, objects, (slot, why))
         except BaseException:
             if slot is not None:
                 slot.give()  # a no-op once its job has given it back
@@ -715,18 +755,25 @@ class CheckpointManager:
         self._saver.put(lambda: job(self._saver.bg))
 
     def close(self, flush: bool | None = None) -> None:
-        """Wait for every save in flight and, unless told not to, flush the newest level-1
+        """Wait for every save in flight (a ``save`` another thread is in the middle of, an
+        ``AsyncCheckpointIO`` worker's say, is taken first; one begun after this, on any thread,
+        raises :class:`UsageError`) and, unless told not to, flush the newest level-1
         checkpoint to level 3 if it is not there yet (collective: ``Retention.flush_newest``
-        on the manager's communicator). The manager is closed whatever happens; a failed
-        save not told yet is told after (warned, or raised with ``on_error="raise"``), and a
-        failed flush is a :class:`FlushWarning`. The spare level-1 slot (``.slots/``, a dropped
-        step kept for the next save to overwrite) is removed by the node's first rank: no save
-        comes after, and it holds a whole step's room. Then the manager leaves the process's exit
-        registry (``parallel.manager.exit``): SIGTERM and interpreter exit no longer touch it, and
-        when it was the last open manager, SIGTERM is handled again as it was before the first
-        one."""
+        on the saver thread and its communicator, where a SIGTERM's flush also runs: the two
+        never run beside each other, ``ExitHooks.flush_at_close``). The manager is closed
+        whatever happens; a failed save not told yet is told after (warned, or raised with
+        ``on_error="raise"``), and a failed flush is a :class:`FlushWarning`. The spare
+        level-1 slot (``.slots/``, a dropped step kept for the next save to overwrite) is
+        removed by the node's first rank: no save comes after, and it holds a whole step's
+        room. Then the manager leaves the process's exit registry (``parallel.manager.exit``):
+        SIGTERM and interpreter exit no longer touch it, and when it was the last open
+        manager, SIGTERM is handled again as it was before the first one."""
         if self._calls.closed:
             return
+        with self._entry:  # a save another thread is in is handed over first (then flushed)
+            self._closing = True
+            me = threading.get_ident()
+            self._entry.wait_for(lambda: not any(t != me for t in self._saving))
         self._saver.idle.wait()
         # the last save's failure is told once the manager is closed, never instead of closing
         failed = self._outcomes.take()
@@ -734,7 +781,7 @@ class CheckpointManager:
             if self._calls.broken is not None:  # no collective is safe any more: no flush
                 flush = False
             if self.at_exit.flush if flush is None else flush:
-                self._retention.flush_newest(self._calls, self.at_exit.budget_s)
+                self._exit.flush_at_close()  # on the saver thread, as SIGTERM's flush
         finally:
             self._exit.uninstall()
             self._calls.closed = True

@@ -92,10 +92,11 @@ class ExitHooks:
             self._gone = True
         EXITS.unregister(self)
 
-    def at_sigterm(self) -> None:
-        """The scheduler's warning (any thread): flush the newest checkpoint within the budget,
-        on the saver thread (see the module's docstring), and wait for it; failures are logged."""
-        done = threading.Event()
+    def _flush_job(self, done: threading.Event | None = None) -> Callable[[], None]:
+        """The flush of the newest checkpoint as a job for the saver thread, on the saver
+        threads' communicator, with the one call number every flush at the end of a job carries
+        (-1): close's and SIGTERM's are the same call, so whichever a rank runs first pairs
+        with the other ranks' first, and the second finds the step flushed and does nothing."""
 
         def job() -> None:
             try:
@@ -103,7 +104,25 @@ class ExitHooks:
                     self._calls, self.policy.budget_s, self._saver.bg, seq=-1
                 )
             finally:
-                done.set()
+                if done is not None:
+                    done.set()
+
+        return job
+
+    def flush_at_close(self) -> None:
+        """``close``'s flush (every rank, in close): queued on the saver thread after the saves in
+        flight, and waited for. Never on the calling thread: a SIGTERM during it queues its own
+        flush behind this one, instead of copying the same step into the same staging directory
+        beside it (the main thread's copy, resumed after a SIGTERM handler that returns, would
+        then commit over the whole one a step missing the files copied before the signal)."""
+        self._saver.put(self._flush_job())
+        self._saver.idle.wait()
+
+    def at_sigterm(self) -> None:
+        """The scheduler's warning (any thread): flush the newest checkpoint within the budget,
+        on the saver thread (see the module's docstring), and wait for it; failures are logged."""
+        done = threading.Event()
+        job = self._flush_job(done)
 
         with self._lock:  # queued before close() stops the saver, or not at all
             if self._gone or self._calls.closed or self._calls.broken is not None:

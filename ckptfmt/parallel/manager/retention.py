@@ -75,6 +75,7 @@ class Retention:
         self.flush_rate = 0.0  # bytes/s of the last flush
         self.flush_owed = False  # the last flush failed: the next save flushes, due or not
         self.flush_error: str | None = None  # why it failed
+        self.made_room: list[int] = []  # the level-3 steps the last flush removed for room
         # steps kept on every level besides the newest (CheckpointManager.keep): a new set is
         # assigned, never changed in place, so the saver thread reads one or the other
         self.kept: frozenset[int] = frozenset()
@@ -120,6 +121,7 @@ class Retention:
         started = time.perf_counter()
         step = manifest.step or 0
         nbytes = sum(f.size for _, f in manifest.files())
+        self.made_room = []
         try:
             try:
                 self._flush_once(comm, manifest, seq)
@@ -161,6 +163,7 @@ class Retention:
         assert self.shared is not None
         mine = self.shared.make_room(nbytes, {step} | self.kept) if comm.rank == 0 else []
         removed = comm.bcast_json(mine)
+        self.made_room = [int(s) for s in removed]
         if removed:
             log.warning(
                 "level 3 (%s) was full: removed steps %s to flush step %s",

@@ -466,7 +466,10 @@ class Saver:
             wanted = due or s.policy.flush_for(number) or self.retention.flush_owed
             shared = self.retention.shared  # a shared directory or a bucket
             if shared is not None and wanted:
-                if self.retention.flush(manifest, self.bg, seq):
+                flushed = self.retention.flush(manifest, self.bg, seq)
+                if self.retention.made_room:  # level 3 was full: its older steps went
+                    report.made_room.setdefault("3", []).extend(self.retention.made_room)
+                if flushed:
                     report.flushed = True
                     report.bytes_written["3"] = data_bytes_of(manifest, self.bg.rank)
                     linked = self.retention.flush_linked
@@ -499,7 +502,7 @@ class Saver:
             try:
                 return level, self._write(staged, root, step, level, number, red, seq, failure)
             except CkptError as exc:
-                if not (room.is_full(exc) and self._make_room(level, staged, red, step)):
+                if not (room.is_full(exc) and self._make_room(level, staged, red, step, report)):
                     raise
                 log.warning(
                     "level %s was full: removed older steps to make room for step %s", level, step
@@ -520,7 +523,7 @@ class Saver:
                 try:
                     manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
                 except CkptError as exc3:
-                    if not (room.is_full(exc3) and self._make_room(3, staged, None, step)):
+                    if not (room.is_full(exc3) and self._make_room(3, staged, None, step, report)):
                         raise
                     manifest = self._write(staged, s.shared_dir, step, 3, number, None, seq, None)
             except CkptError as exc2:
@@ -534,13 +537,18 @@ class Saver:
             return 3, manifest
 
     def _make_room(
-        self, level: int, staged: Mapping[str, Any], red: Redundancy | None, step: int
+        self,
+        level: int,
+        staged: Mapping[str, Any],
+        red: Redundancy | None,
+        step: int,
+        report: SaveReport,
     ) -> bool:
         """Collective (one allgather on the saver threads' communicator, every rank, after a
         write to ``level`` failed full on some rank: the vote gave every rank the same error):
         remove the oldest steps of ``level`` but those ``keep`` kept so that the write of
         ``step`` fits (``parallel.levels.room``); whether any was removed (then the write is
-        tried once more)."""
+        tried once more). The steps removed go into ``report.made_room``."""
         need = _bytes_to_write(staged, red)  # only here: a full level is rare
         s = self.settings
         protect = {step} | self.retention.kept  # the steps kept past retention stay (``keep``)
@@ -555,6 +563,7 @@ class Saver:
             mine = room.make_room_here(s.shared_dir, total, protect) if self.bg.rank == 0 else []
             removed = self.bg.bcast_json(mine)  # make_room_here never raises: no rank is left
         if removed:
+            report.made_room.setdefault(str(level), []).extend(removed)
             self.outcomes.notices.append(
                 f"level {level} was full: steps {removed} were removed to make room for step {step}"
             )

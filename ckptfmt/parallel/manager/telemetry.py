@@ -38,7 +38,11 @@ class SaveReport:
     instead of uploaded (``bytes_written`` then counts only what was written or uploaded);
     ``link_refused``: files written because the file system refused a link; ``error``: why
     it failed (or why it fell back); ``skipped``: the save was taken but not made, on every
-    rank (``ManagerSettings.when_busy="skip"``: ``error`` says why), nothing written."""
+    rank (``ManagerSettings.when_busy="skip"``: ``error`` says why), nothing written;
+    ``made_room``: by level (``"1"``, ``"3"``), the older steps removed because the level was
+    full when this save or its flush wrote there (``docs/levels.md``, "When a level fills
+    up"), the same on every rank: the steps a full level gave up, counted where a metrics
+    logger sees them, besides the warning the loop gets."""
 
     step: int
     blocked_s: float = 0.0
@@ -57,6 +61,7 @@ class SaveReport:
     error: str | None = None
     flush_error: str | None = None
     skipped: bool = False
+    made_room: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
