@@ -362,3 +362,63 @@ def test_any_doubt_about_a_sets_base_parity_makes_the_whole_set_encode(tmp_path:
     for r, n in enumerate(nodes):
         parity = f"{n}/ckptfmt-redundancy/{r}"
         assert (b / parity).read_bytes() == (full / parity).read_bytes()
+
+
+@pytest.mark.parametrize("levels", ["shared", "local+shared"])
+def test_a_restarted_job_never_links_from_a_step_it_found_damaged(
+    tmp_path: Path, levels: str
+) -> None:
+    """A bit flipped in the frozen table shared by every step of a chain: the restore refuses
+    those steps. The restarted job saves the same frozen table again: its steps must not be
+    made of the damaged file (a hard link to it would make every new step as unloadable as the
+    old ones, for as long as the table stays frozen, though the job held the right bytes). An
+    incremental manager takes as base only a step it saved, flushed or restored itself."""
+    local = levels == "local+shared"
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            local_dir=tmp_path / "l1" if local else None,
+            shared_dir=tmp_path / "l3",
+            keep_local=3,
+            keep_shared=3,
+            incremental=True,
+            async_save=False,
+            write=WriteOptions(fsync=False, chunk_bytes=1024, shard_bytes=4096),
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+        )
+
+    def state(k: int) -> dict[str, Any]:
+        whole = _whole(k)
+        return {"frozen": whole["frozen"].copy(), "w": whole["w"].copy(), "k": k}
+
+    m = manager()
+    try:
+        for k in (1, 2, 3):
+            m.save(k, state(k))
+    finally:
+        m.close(flush=False)
+    damaged = tmp_path / ("l1" if local else "l3")
+    table = damaged / "step-0000000003" / "frozen" / "c" / "0" / "0"
+    assert table.stat().st_nlink == 3  # one file, shared by the three steps
+    flip(table, byte=100)
+
+    m = manager()
+    try:
+        if local:  # step 3 from level 3
+            restored = m.restore(state(0))
+            assert (restored.step, restored.level) == (3, 3), restored.tried
+        else:
+            with pytest.warns(ckptfmt.CheckpointWarning, match="refused step 3"):
+                assert m.restore(state(0)).step is None
+        again = (4, 5) if local else (1, 2)
+        for k in again:
+            m.save(k, state(k))
+        assert m.last_save is not None and m.last_save.error is None
+    finally:
+        m.close(flush=False)
+    for root in [tmp_path / "l3", *([tmp_path / "l1"] if local else [])]:
+        for k in again:
+            step = root / f"step-{k:010d}"
+            assert ckptfmt.verify(step).healthy, step
+            assert _same(ckptfmt.load(step), _whole(k)), step
+            assert (step / "frozen/c/0/0").stat().st_ino != table.stat().st_ino, step

@@ -158,7 +158,10 @@ class CheckpointManager:
     ``incremental``: each save records content hashes and is made against the newest
     committed step of its level (``spec/FORMAT.md`` §17), and each flush against the newest
     step on level 3: a shard file whose content is unchanged is hard-linked on a file system,
-    or copied inside the store on a bucket, instead of written or uploaded again. Every step
+    or copied inside the store on a bucket, instead of written or uploaded again. Only a step
+    this job saved, flushed or restored there is a base (a linked file is not read again: a
+    step left by an earlier job may hold damage no one has seen); the first save or flush of a
+    level after a start writes everything there unless the restore came from it. Every step
     stays a complete checkpoint of its own, which retention may delete in any order; a save's
     :class:`SaveReport` counts those bytes as ``bytes_linked`` by level.
     """
@@ -680,8 +683,9 @@ class CheckpointManager:
             fault=self.fault,
         )
         report, manifest = restore_newest(site, request)
-        if manifest is not None:
+        if manifest is not None and report.level is not None:
             self._saver.saves = max(self._saver.saves, save_number(manifest))
+            self._retention.bases[report.level].add(manifest.save_id)  # read whole, checked
             if report.level == 1:
                 # a save by another number of ranks is not this job's to flush: its files
                 # belong to ranks that are not here (flush copies what each rank wrote)
