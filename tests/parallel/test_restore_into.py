@@ -190,3 +190,36 @@ def test_into_writes_nothing_when_a_list_holds_a_pickled_object(
     assert report.state is not None and report.state["model"]["w"] is not w  # read, then copied
     assert _bits(w) == _bits(saved["model"]["w"])
     assert isinstance(state["objs"][0], _Opaque) and state["objs"][1] == 3
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_numpy_scalars_of_the_state_are_restored(tmp_path: Path, into: bool) -> None:
+    """A numpy scalar in the state (``np.float64(0.5)``, a bfloat16 one) is saved as a 0-d
+    tensor; restoring into the same kind of state replaces it (a numpy scalar cannot be
+    written into) by a scalar of its dtype holding the saved bits, and refuses another dtype
+    unless ``cast`` allows it."""
+    saved = {"lr": np.float64(0.1) / 3, "scale": ml_dtypes.bfloat16(1.5), "n": np.int32(-7)}
+    with _mgr(tmp_path) as mgr:
+        mgr.save(1, saved)
+    state: dict[str, Any] = {"lr": np.float64(0), "scale": ml_dtypes.bfloat16(0), "n": np.int32(0)}
+    with _mgr(tmp_path) as mgr:
+        assert mgr.restore(state, into=into).step == 1
+        for k, v in saved.items():
+            assert type(state[k]) is type(v) and state[k].tobytes() == v.tobytes(), k
+        wrong = {"lr": np.float32(0), "scale": ml_dtypes.bfloat16(0), "n": np.int32(0)}
+        with pytest.raises(DtypeMismatchError, match="lr"):
+            mgr.restore(wrong, into=into)
+        assert wrong["lr"] == 0
+        mgr.restore(wrong, into=into, cast="any")
+        assert type(wrong["lr"]) is np.float32 and wrong["lr"] == np.float32(saved["lr"])
+
+
+def test_a_saved_value_replaces_a_numpy_scalar_of_the_state(tmp_path: Path) -> None:
+    """A value saved as JSON (a Python float) restored into a state holding a numpy scalar
+    replaces it, as any value does."""
+    with _mgr(tmp_path) as mgr:
+        mgr.save(1, {"lr": 0.25, "w": np.ones(3, np.float32)})
+    state: dict[str, Any] = {"lr": np.float64(0), "w": np.zeros(3, np.float32)}
+    with _mgr(tmp_path) as mgr:
+        assert mgr.restore(state).step == 1
+    assert state["lr"] == 0.25 and np.array_equal(state["w"], np.ones(3, np.float32))
