@@ -422,3 +422,54 @@ def test_a_restarted_job_never_links_from_a_step_it_found_damaged(
             assert ckptfmt.verify(step).healthy, step
             assert _same(ckptfmt.load(step), _whole(k)), step
             assert (step / "frozen/c/0/0").stat().st_ino != table.stat().st_ino, step
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_members_saving_against_different_bases_encode_their_set(
+    tmp_path: Path, scheme: str
+) -> None:
+    """Each node's base is its own (``base`` per rank): node n0 saves against step a, node n1
+    against step b, in which rank 1's rows had changed. Each member's data is its own base's
+    byte for byte, but the two bases' parity files are of different data: linking both would
+    give the step parity of no state (rank 0's from a covers rank 1's old rows). A set links
+    only when all its members link from one save; this one encodes, verifies, and rebuilds a
+    lost node bit for bit."""
+    red = Redundancy.of(SCHEMES[scheme])
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+
+    def save(root: Path, changed: int, bases: list[Path | None]) -> list[dict[str, Any]]:
+        def body(comm: Any) -> dict[str, Any]:
+            state = rank_state(comm.rank, comm.size)
+            if comm.rank == 1:
+                state["model"]["w"].data[:] += changed
+            report: dict[str, Any] = {}
+            base = bases[comm.rank]
+            save_collective(
+                comm,
+                state,
+                root / NODES[comm.rank],
+                step=5,
+                node=NODES[comm.rank],
+                redundancy=red,
+                write=W,
+                meta=ManifestMeta(levels={"1": {}}),
+                base=None if base is None else base / NODES[comm.rank],
+                report=report,
+            )
+            return report
+
+        return run_threads(2, body)
+
+    save(a, 0, [None, None])
+    save(b, 3, [a, a])
+    reports = save(c, 3, [a, b])  # every member unchanged against its own base
+    assert all(r["written_bytes"] == 0 for r in reports)  # the data files are all links
+    assert run("verify", f"{c}/{{node}}").exit_code == ExitStatus.OK
+    assert [r.get("parity_linked_bytes", 0) for r in reports] == [0, 0]
+    healthy = tree_snapshot(c)
+    whole = ckptfmt.load(f"{c}/{{node}}")
+    shutil.rmtree(c / "n1")
+    assert run("rebuild", "--no-fsync", f"{c}/{{node}}").exit_code == ExitStatus.OK
+    assert tree_snapshot(c) == healthy
+    got = ckptfmt.load(f"{c}/{{node}}")
+    assert all(np.array_equal(got["model"][k], whole["model"][k]) for k in whole["model"])
