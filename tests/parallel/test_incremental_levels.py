@@ -473,3 +473,36 @@ def test_members_saving_against_different_bases_encode_their_set(
     assert tree_snapshot(c) == healthy
     got = ckptfmt.load(f"{c}/{{node}}")
     assert all(np.array_equal(got["model"][k], whole["model"][k]) for k in whole["model"])
+
+
+def test_a_restarted_job_links_from_the_step_it_restored_on_both_levels(tmp_path: Path) -> None:
+    """Nothing damaged: the restarted job restores step 3 from level 1, and its first save
+    links from it on level 1 and, in its flush, from the level-3 copy of the same save."""
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            local_dir=tmp_path / "l1",
+            shared_dir=tmp_path / "l3",
+            incremental=True,
+            async_save=False,
+            write=WriteOptions(fsync=False, chunk_bytes=1024, shard_bytes=4096),
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+        )
+
+    def state(k: int) -> dict[str, Any]:
+        whole = _whole(k)
+        return {"frozen": whole["frozen"].copy(), "w": whole["w"].copy(), "k": k}
+
+    with manager() as m:
+        for k in (1, 2, 3):
+            m.save(k, state(k))
+    with manager() as m:
+        restored = m.restore(state(0))
+        assert (restored.step, restored.level) == (3, 1)
+        m.save(4, state(4))
+        report = m.last_save
+    assert report is not None and report.flushed
+    frozen = _whole(0)["frozen"].nbytes
+    assert report.bytes_linked["1"] >= frozen and report.bytes_linked["3"] >= frozen, report
+    for level in ("l1", "l3"):
+        assert _same(ckptfmt.load(tmp_path / level / "step-0000000004"), _whole(4))

@@ -72,7 +72,7 @@ class Retention:
         self.newest_local: Manifest | None = None  # this job's newest level-1 checkpoint
         self.flushed: set[str] = set()  # save ids on level 3
         # the saves an incremental save (level 1) or flush (level 3) may take as its base: those
-        # this job wrote there, or restored from there (every chunk read checked). A linked (or
+        # this job wrote there, or restored (``CheckpointManager._restore``). A linked (or
         # copied) file is not read again: a step of an earlier job, maybe damaged since, or
         # refused by the restore for damage, would pass its damage on to every step after it
         self.bases: dict[int, set[str]] = {1: set(), 3: set()}
