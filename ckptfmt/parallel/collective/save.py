@@ -406,8 +406,8 @@ class _Save:
         gives its set this save's layout (``engine.encode.base_parity``); the gathered answers
         (the base's save id, or no) make every member of a set decide the same, so a set either
         skips its exchange on every member, when all of them link from one save, or runs it on
-        every member. Reuse is per set: each parity file is a function of
-        (nearly) every member's data, so one changed member changes them all. Never raises
+        every member. Reuse is per set: each parity file is a function of (nearly) every
+        member's data, so one changed member changes them all. Never raises
         before the ``allgather`` (a rank missing from it would hang the job): any doubt is a
         no, and the set encodes."""
         assert self.layout is not None

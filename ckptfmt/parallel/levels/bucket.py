@@ -274,10 +274,10 @@ def flush_to_bucket(
 
     ``incremental``: rank 0 takes the newest committed step under ``root`` as the base (the
     latest pointer, else a LIST; with ``bases``, only when it is one of those saves) and reads
-    its commit object and manifest; a data file whose
-    path, geometry, size, CRC32C and content hash the base records alike is copied from the
-    base's object inside the store (``storage.objects.copies``) instead of read, verified and
-    uploaded (the plan rides on the stage vote; each rank copies its own files). The step
+    its commit object and manifest; a data file whose path, geometry, size, CRC32C and content
+    hash the base records alike is copied from the base's object inside the store
+    (``storage.objects.copies``) instead of read, verified and uploaded (the plan rides on the
+    stage vote; each rank copies its own files). The step
     holds objects of its own: retention may delete the base, or any step, afterwards. A base
     that cannot be read makes a full flush (logged). ``report``: this rank's ``linked_bytes``
     (copied in the store), ``written_bytes`` (uploaded) and ``linked_files``."""

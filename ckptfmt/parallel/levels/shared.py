@@ -109,8 +109,8 @@ class SharedLevel(ABC):
         ``incremental``: against the newest committed step here (with ``bases``, the newest of
         those saves: the flush does not read what it links or copies, ``newest_base``), an
         unchanged data file is not written again (a directory links it, a bucket copies it
-        inside the store);
-        ``report`` then gets this rank's ``linked_bytes`` and ``written_bytes``."""
+        inside the store); ``report`` then gets this rank's ``linked_bytes`` and
+        ``written_bytes``."""
 
     @abstractmethod
     def retain(self, keep: int, protect: set[int]) -> list[int]:

@@ -161,9 +161,9 @@ class CheckpointManager:
     or copied inside the store on a bucket, instead of written or uploaded again. Only a step
     this job saved, flushed or restored is a base (a linked file is not read again: a step left
     by an earlier job, or one the restore refused, may hold damage); after a restore from level
-    3, the first level-1 save writes everything. Every step
-    stays a complete checkpoint of its own, which retention may delete in any order; a save's
-    :class:`SaveReport` counts those bytes as ``bytes_linked`` by level.
+    3, the first level-1 save writes everything. Every step stays a complete checkpoint of its
+    own, which retention may delete in any order; a save's :class:`SaveReport` counts those
+    bytes as ``bytes_linked`` by level.
     """
 
     def __init__(
