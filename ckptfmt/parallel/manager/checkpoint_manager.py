@@ -633,9 +633,11 @@ class CheckpointManager:
         of loaded and copied. Only arrays the restore would write anyway are read into (never
         an excluded one, nothing of a state it refuses). The price: a restore whose read finds
         damage part-way, or that falls back to an older step, may already have written into
-        them (the CRCs are checked as the data comes in, not before). Without it, a step
-        rebuilt from redundancy is read straight into the arrays too, all or nothing all the
-        same: every byte of it is checked in memory before any of it lands.
+        them (the CRCs are checked as the data comes in, not before); one that then finds no
+        copy to restore raises :class:`UnrecoverableDamageError` on every rank naming the step,
+        instead of reporting nothing restored (the arrays hold part of a damaged step). Without
+        it, a step rebuilt from redundancy is read straight into the arrays too, all or nothing
+        all the same: every byte of it is checked in memory before any of it lands.
 
         ``trust_pickle=True`` unpickles the objects a save stored with ``objects="pickle"``
         (only for checkpoints from a source you trust); without it such a checkpoint raises
