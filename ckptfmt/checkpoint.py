@@ -122,10 +122,13 @@ def save(
     system refuses a link: another file system). The result is a complete checkpoint that
     any reader opens on its own; deleting the base later breaks nothing. The manifest records
     the content hashes, so the next save can be incremental against this one. A base without
-    recorded hashes links nothing. With a URL ``path``, ``base`` is the URL of a committed
-    checkpoint in the same bucket: an unchanged file is copied from it inside the store (a
-    server-side copy, no upload; ``storage.objects.copies``), and the checkpoint at ``path``
-    holds objects of its own: deleting the base breaks nothing there either.
+    recorded hashes links nothing. The base's files are not read: one damaged since it was
+    written is linked as it is (readers of the new checkpoint find it by its CRC32C, as in the
+    base), so give a base known whole (``ckptfmt.verify`` it if in doubt). With a URL
+    ``path``, ``base`` is the URL of a committed checkpoint in the same bucket: an unchanged
+    file is copied from it inside the store (a server-side copy, no upload;
+    ``storage.objects.copies``), and the checkpoint at ``path`` holds objects of its own:
+    deleting the base breaks nothing there either.
     """
     where = parse_location(path, storage_options)
     if where.kind == "directory":

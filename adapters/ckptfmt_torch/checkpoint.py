@@ -267,7 +267,8 @@ def restore(
     into a buffer and copied: less memory (no second copy of the state) and less time. The
     price (``CheckpointManager.restore``'s ``into``): the CRCs are checked as the data comes
     in, so a restore whose read finds damage part-way may already have written into some
-    tensors (a restore that falls back to an older step writes all of them again); a shape
+    tensors (a restore that falls back to an older step writes all of them again; one that
+    finds no copy to fall back to raises ``UnrecoverableDamageError``); a shape
     that does not match is refused before anything is read into them. Tensors on a device are
     loaded into host buffers and copied, as without it.
 

@@ -48,8 +48,12 @@ def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str]) 
 
 
 def _shape_dtype(value: Any) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
+    """An array's shape and dtype; a numpy scalar's too (saved as a 0-d tensor, §5); None for
+    any other value."""
     if isinstance(value, np.ndarray):
         return value.shape, value.dtype
+    if isinstance(value, np.generic) and not isinstance(value, (np.str_, np.bytes_, np.void)):
+        return (), value.dtype
     return None
 
 
@@ -155,7 +159,10 @@ def _plan(
         target = mine[name]
         holder = target.data if isinstance(target, Shard) else target
         holder = holder.value if isinstance(holder, PerRank) else holder
-        got, want = _shape_dtype(holder), _shape_dtype(value)
+        want = _shape_dtype(value)
+        # a numpy scalar of the state takes a saved 0-d tensor (what it was saved as), and is
+        # replaced by a saved value as any value is
+        got = None if want is None and isinstance(holder, np.generic) else _shape_dtype(holder)
         if got is not None and want is not None:
             shape_ok = got[0] == want[0] or (
                 isinstance(target, Shard) and int(np.prod(got[0])) == int(np.prod(want[0]))
@@ -165,9 +172,12 @@ def _plan(
                 continue
             if got[1] != want[1]:
                 dtypes.append((name, want[1], got[1]))
-            else:
+            elif not isinstance(holder, np.generic):
                 plan.holders[name] = holder
-            plan.writes.append(_copy_into(holder, value))
+            if isinstance(holder, np.generic):  # cannot be written into: replaced, same type
+                plan.writes.append(_replace_scalar(state, name.split("/"), value, target))  # type: ignore[arg-type]
+            else:
+                plan.writes.append(_copy_into(holder, value))
         elif got is not None or (want is not None and not isinstance(target, PerRank)):
             kinds = ("a value", "an array")
             mismatched[name] = kinds if got is not None else (kinds[1], kinds[0])
@@ -220,6 +230,20 @@ def _copy_into(target: np.ndarray, value: np.ndarray) -> Callable[[], None]:
     return lambda: np.copyto(
         target, convert(value, target.dtype).reshape(target.shape), casting="no"
     )
+
+
+def _replace_scalar(
+    state: MutableMapping[str, Any], parts: list[str], value: np.ndarray, target: Any
+) -> Callable[[], None]:
+    """Replace the numpy scalar ``target`` (in a ``PerRank`` or not) by the saved 0-d
+    ``value`` as a scalar of the target's dtype (once the cast policy allowed it)."""
+    holder = target.value if isinstance(target, PerRank) else target
+
+    def write() -> None:
+        scalar = convert(np.asarray(value), holder.dtype).reshape(())[()]
+        _replace(state, parts, scalar, target)()
+
+    return write
 
 
 def _replace(

@@ -450,3 +450,44 @@ def test_a_process_killed_in_an_incremental_flush_leaves_the_previous_step_whole
     assert fresh.last_save.bytes_linked["3"] > 0
     fresh.close()
     assert_state_equal(ckptfmt.load(f"{s3.url}/run/{step_dir_name(2)}"), _state(2))
+
+
+def test_a_restarted_job_copies_nothing_from_a_step_its_restore_found_damaged(
+    tmp_path: Path, s3: S3
+) -> None:
+    """A byte flipped in an object of the newest step in the bucket: the restarted job's
+    restore refuses that step and takes the one before. Its flush of the same step number
+    must not copy the damaged object into the new step (a copy is not read): the base of an
+    incremental flush is a step this job flushed or restored, and every new step is whole."""
+    mgr = node_manager(tmp_path, shared=None, shared_dir=f"{s3.url}/run", write=W, incremental=True)
+    for k in (1, 2, 3):
+        mgr.save(k, _state(k))
+        mgr.wait()
+    mgr.close()
+    three = f"{s3.url}/run/{step_dir_name(3)}"
+    save_id = ckptfmt.open(three).manifest.save_id
+    key = f"run/{step_dir_name(3)}/{save_id}/frozen/c/0/0"
+    client = s3.server.client()
+    data = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    data[100] ^= 0x10
+    client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
+
+    fresh = node_manager(
+        tmp_path / "again", shared=None, shared_dir=f"{s3.url}/run", write=W, incremental=True
+    )
+    try:
+        state = _state(0)
+        with pytest.warns(ckptfmt.CheckpointWarning, match="refused step 3"):
+            report = fresh.restore(state)
+        assert (report.step, report.level) == (2, 3), report.tried
+        for k in (3, 4):
+            fresh.save(k, _state(k))
+            fresh.wait()
+            assert fresh.last_save is not None and fresh.last_save.flushed
+        assert fresh.last_save.bytes_linked["3"] > 0  # step 4 copied from the new step 3
+    finally:
+        fresh.close()
+    for k in (3, 4):
+        url = f"{s3.url}/run/{step_dir_name(k)}"
+        assert ckptfmt.verify(url).healthy, url
+        assert_state_equal(ckptfmt.load(url), _state(k))

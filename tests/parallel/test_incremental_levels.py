@@ -362,3 +362,147 @@ def test_any_doubt_about_a_sets_base_parity_makes_the_whole_set_encode(tmp_path:
     for r, n in enumerate(nodes):
         parity = f"{n}/ckptfmt-redundancy/{r}"
         assert (b / parity).read_bytes() == (full / parity).read_bytes()
+
+
+@pytest.mark.parametrize("levels", ["shared", "local+shared"])
+def test_a_restarted_job_never_links_from_a_step_it_found_damaged(
+    tmp_path: Path, levels: str
+) -> None:
+    """A bit flipped in the frozen table shared by every step of a chain: the restore refuses
+    those steps. The restarted job saves the same frozen table again: its steps must not be
+    made of the damaged file (a hard link to it would make every new step as unloadable as the
+    old ones, for as long as the table stays frozen, though the job held the right bytes). An
+    incremental manager takes as base only a step it saved, flushed or restored itself."""
+    local = levels == "local+shared"
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            local_dir=tmp_path / "l1" if local else None,
+            shared_dir=tmp_path / "l3",
+            keep_local=3,
+            keep_shared=3,
+            incremental=True,
+            async_save=False,
+            write=WriteOptions(fsync=False, chunk_bytes=1024, shard_bytes=4096),
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+        )
+
+    def state(k: int) -> dict[str, Any]:
+        whole = _whole(k)
+        return {"frozen": whole["frozen"].copy(), "w": whole["w"].copy(), "k": k}
+
+    m = manager()
+    try:
+        for k in (1, 2, 3):
+            m.save(k, state(k))
+    finally:
+        m.close(flush=False)
+    damaged = tmp_path / ("l1" if local else "l3")
+    table = damaged / "step-0000000003" / "frozen" / "c" / "0" / "0"
+    assert table.stat().st_nlink == 3  # one file, shared by the three steps
+    flip(table, byte=100)
+
+    m = manager()
+    try:
+        if local:  # step 3 from level 3
+            restored = m.restore(state(0))
+            assert (restored.step, restored.level) == (3, 3), restored.tried
+        else:
+            with pytest.warns(ckptfmt.CheckpointWarning, match="refused step 3"):
+                assert m.restore(state(0)).step is None
+        again = (4, 5) if local else (1, 2)
+        for k in again:
+            m.save(k, state(k))
+        assert m.last_save is not None and m.last_save.error is None
+    finally:
+        m.close(flush=False)
+    for root in [tmp_path / "l3", *([tmp_path / "l1"] if local else [])]:
+        for k in again:
+            step = root / f"step-{k:010d}"
+            assert ckptfmt.verify(step).healthy, step
+            assert _same(ckptfmt.load(step), _whole(k)), step
+            assert (step / "frozen/c/0/0").stat().st_ino != table.stat().st_ino, step
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_members_saving_against_different_bases_encode_their_set(
+    tmp_path: Path, scheme: str
+) -> None:
+    """Each node's base is its own (``base`` per rank): node n0 saves against step a, node n1
+    against step b, in which rank 1's rows had changed. Each member's data is its own base's
+    byte for byte, but the two bases' parity files are of different data: linking both would
+    give the step parity of no state (rank 0's from a covers rank 1's old rows). A set links
+    only when all its members link from one save; this one encodes, verifies, and rebuilds a
+    lost node bit for bit."""
+    red = Redundancy.of(SCHEMES[scheme])
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+
+    def save(root: Path, changed: int, bases: list[Path | None]) -> list[dict[str, Any]]:
+        def body(comm: Any) -> dict[str, Any]:
+            state = rank_state(comm.rank, comm.size)
+            if comm.rank == 1:
+                state["model"]["w"].data[:] += changed
+            report: dict[str, Any] = {}
+            base = bases[comm.rank]
+            save_collective(
+                comm,
+                state,
+                root / NODES[comm.rank],
+                step=5,
+                node=NODES[comm.rank],
+                redundancy=red,
+                write=W,
+                meta=ManifestMeta(levels={"1": {}}),
+                base=None if base is None else base / NODES[comm.rank],
+                report=report,
+            )
+            return report
+
+        return run_threads(2, body)
+
+    save(a, 0, [None, None])
+    save(b, 3, [a, a])
+    reports = save(c, 3, [a, b])  # every member unchanged against its own base
+    assert all(r["written_bytes"] == 0 for r in reports)  # the data files are all links
+    assert run("verify", f"{c}/{{node}}").exit_code == ExitStatus.OK
+    assert [r.get("parity_linked_bytes", 0) for r in reports] == [0, 0]
+    healthy = tree_snapshot(c)
+    whole = ckptfmt.load(f"{c}/{{node}}")
+    shutil.rmtree(c / "n1")
+    assert run("rebuild", "--no-fsync", f"{c}/{{node}}").exit_code == ExitStatus.OK
+    assert tree_snapshot(c) == healthy
+    got = ckptfmt.load(f"{c}/{{node}}")
+    assert all(np.array_equal(got["model"][k], whole["model"][k]) for k in whole["model"])
+
+
+def test_a_restarted_job_links_from_the_step_it_restored_on_both_levels(tmp_path: Path) -> None:
+    """Nothing damaged: the restarted job restores step 3 from level 1, and its first save
+    links from it on level 1 and, in its flush, from the level-3 copy of the same save."""
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            local_dir=tmp_path / "l1",
+            shared_dir=tmp_path / "l3",
+            incremental=True,
+            async_save=False,
+            write=WriteOptions(fsync=False, chunk_bytes=1024, shard_bytes=4096),
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+        )
+
+    def state(k: int) -> dict[str, Any]:
+        whole = _whole(k)
+        return {"frozen": whole["frozen"].copy(), "w": whole["w"].copy(), "k": k}
+
+    with manager() as m:
+        for k in (1, 2, 3):
+            m.save(k, state(k))
+    with manager() as m:
+        restored = m.restore(state(0))
+        assert (restored.step, restored.level) == (3, 1)
+        m.save(4, state(4))
+        report = m.last_save
+    assert report is not None and report.flushed
+    frozen = _whole(0)["frozen"].nbytes
+    assert report.bytes_linked["1"] >= frozen and report.bytes_linked["3"] >= frozen, report
+    for level in ("l1", "l3"):
+        assert _same(ckptfmt.load(tmp_path / level / "step-0000000004"), _whole(4))

@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 from kit.managers import make_manager
 
+import ckptfmt
 from ckptfmt import CheckpointManager, Shard, WriteOptions
-from ckptfmt.errors import DtypeMismatchError, PickleRefusedError, StateMismatchError
+from ckptfmt.errors import (
+    DtypeMismatchError,
+    PickleRefusedError,
+    StateMismatchError,
+    UnrecoverableDamageError,
+)
 from ckptfmt.transport import ThreadComm, run_threads
 
 
@@ -190,3 +196,80 @@ def test_into_writes_nothing_when_a_list_holds_a_pickled_object(
     assert report.state is not None and report.state["model"]["w"] is not w  # read, then copied
     assert _bits(w) == _bits(saved["model"]["w"])
     assert isinstance(state["objs"][0], _Opaque) and state["objs"][1] == 3
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_numpy_scalars_of_the_state_are_restored(tmp_path: Path, into: bool) -> None:
+    """A numpy scalar in the state (``np.float64(0.5)``, a bfloat16 one) is saved as a 0-d
+    tensor; restoring into the same kind of state replaces it (a numpy scalar cannot be
+    written into) by a scalar of its dtype holding the saved bits, and refuses another dtype
+    unless ``cast`` allows it."""
+    saved = {"lr": np.float64(0.1) / 3, "scale": ml_dtypes.bfloat16(1.5), "n": np.int32(-7)}
+    with _mgr(tmp_path) as mgr:
+        mgr.save(1, saved)
+    state: dict[str, Any] = {"lr": np.float64(0), "scale": ml_dtypes.bfloat16(0), "n": np.int32(0)}
+    with _mgr(tmp_path) as mgr:
+        assert mgr.restore(state, into=into).step == 1
+        for k, v in saved.items():
+            assert type(state[k]) is type(v) and state[k].tobytes() == v.tobytes(), k
+        wrong = {"lr": np.float32(0), "scale": ml_dtypes.bfloat16(0), "n": np.int32(0)}
+        with pytest.raises(DtypeMismatchError, match="lr"):
+            mgr.restore(wrong, into=into)
+        assert wrong["lr"] == 0
+        mgr.restore(wrong, into=into, cast="any")
+        assert type(wrong["lr"]) is np.float32 and wrong["lr"] == np.float32(saved["lr"])
+
+
+def test_a_saved_value_replaces_a_numpy_scalar_of_the_state(tmp_path: Path) -> None:
+    """A value saved as JSON (a Python float) restored into a state holding a numpy scalar
+    replaces it, as any value does."""
+    with _mgr(tmp_path) as mgr:
+        mgr.save(1, {"lr": 0.25, "w": np.ones(3, np.float32)})
+    state: dict[str, Any] = {"lr": np.float64(0), "w": np.zeros(3, np.float32)}
+    with _mgr(tmp_path) as mgr:
+        assert mgr.restore(state).step == 1
+    assert state["lr"] == 0.25 and np.array_equal(state["w"], np.ones(3, np.float32))
+
+
+def _flip_last_chunk(root: Path, tensor: str) -> None:
+    """Flip a bit in the last data file of ``tensor`` (so that its other files land first)."""
+    files = sorted((root / tensor / "c").rglob("*"), key=lambda p: p.parts)
+    last = [p for p in files if p.is_file()][-1]
+    data = bytearray(last.read_bytes())
+    data[10] ^= 0x04
+    last.write_bytes(bytes(data))
+
+
+def test_into_that_found_every_copy_damaged_says_the_state_was_written(tmp_path: Path) -> None:
+    """Every copy damaged: without ``into`` the restore restores nothing and the state is
+    untouched; with ``into`` part of the damaged step already landed in the state's arrays, so
+    the restore does not say "nothing restored" (a caller would then train from that state):
+    it raises, naming the step and what to do. With an older whole step, ``into`` falls back
+    to it and every array holds it bit for bit."""
+    write = WriteOptions(fsync=False, chunk_bytes=1 << 10, shard_bytes=1 << 12)
+    big = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)}
+    with _mgr(tmp_path, write=write) as mgr:
+        mgr.save(2, big)
+    _flip_last_chunk(tmp_path / "l1" / "step-0000000002", "w")
+
+    state = {"w": np.full((64, 32), -1, np.float32)}
+    with _mgr(tmp_path, write=write) as mgr, pytest.warns(ckptfmt.CheckpointWarning):
+        assert mgr.restore(state).step is None
+    assert (state["w"] == -1).all()
+    with (
+        _mgr(tmp_path, write=write) as mgr,
+        pytest.raises(UnrecoverableDamageError, match=r"into=True.*step 2") as info,
+    ):
+        mgr.restore(state, into=True)
+    assert "step-0000000002" in str(info.value)
+    assert not (state["w"] == -1).all()  # what the error is about: the state was written
+
+    older = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)[::-1].copy()}
+    with _mgr(tmp_path / "b", write=write) as mgr:
+        mgr.save(1, older)
+        mgr.save(2, big)
+    _flip_last_chunk(tmp_path / "b" / "l1" / "step-0000000002", "w")
+    state = {"w": np.full((64, 32), -1, np.float32)}
+    with _mgr(tmp_path / "b", write=write) as mgr, pytest.warns(ckptfmt.CheckpointWarning):
+        assert mgr.restore(state, into=True).step == 1
+    assert _bits(state["w"]) == _bits(older["w"])

@@ -404,9 +404,10 @@ class _Save:
         made here is then removed). A rank links its base parity file when its own member
         data is the base's byte for byte (:meth:`_member_unchanged`) and the base's record
         gives its set this save's layout (``engine.encode.base_parity``); the gathered answers
-        make every member of a set decide the same, so a set either skips its exchange on every
-        member or runs it on every member. Reuse is per set: each parity file is a function of
-        (nearly) every member's data, so one changed member changes them all. Never raises
+        (the base's save id, or no) make every member of a set decide the same, so a set either
+        skips its exchange on every member, when all of them link from one save, or runs it on
+        every member. Reuse is per set: each parity file is a function of (nearly) every
+        member's data, so one changed member changes them all. Never raises
         before the ``allgather`` (a rank missing from it would hang the job): any doubt is a
         no, and the set encodes."""
         assert self.layout is not None
@@ -421,8 +422,13 @@ class _Save:
         except Exception as exc:  # any doubt: encode as a full save does
             log.debug("parity of rank %d not reused: %s", self.comm.rank, exc)
             linked = None
-        answers = self.comm.allgather_json(linked is not None)
-        if linked is not None and all(answers[r] for r in self.layout.members):
+        # each rank's answer is the save its parity file would come from (None: no): the
+        # members of a set may link only from one save (each node names its own base, and a
+        # parity file of one save covers that save's data of the other members, not another's)
+        mine = self.base_manifest.save_id if linked is not None and self.base_manifest else None
+        answers = self.comm.allgather_json(mine)
+        same = mine is not None and all(answers[r] == mine for r in self.layout.members)
+        if linked is not None and same:
             current_meter().add(int(linked["size"]), "parity")
             return linked
         if linked is not None and staging is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,7 @@ class BucketLevel(SharedLevel):
         seq: int | None,
         incremental: bool = False,
         report: dict[str, Any] | None = None,
+        bases: Collection[str] | None = None,
     ) -> None:
         flush_to_bucket(
             comm,
@@ -170,6 +171,7 @@ class BucketLevel(SharedLevel):
             seq=seq,
             incremental=incremental,
             report=report,
+            bases=bases,
         )
 
     def retain(self, keep: int, protect: set[int]) -> list[int]:
@@ -272,6 +274,7 @@ def flush_to_bucket(
     threads: int = UPLOAD_THREADS,
     incremental: bool = False,
     report: dict[str, Any] | None = None,
+    bases: Collection[str] | None = None,
 ) -> Bucket:
     """Collective: upload a committed level-1 checkpoint to the bucket ``root`` as its step
     prefix, every rank the files it wrote (each verified, every CRC in it checked, before it
@@ -288,10 +291,11 @@ def flush_to_bucket(
     prefix.
 
     ``incremental``: rank 0 takes the newest committed step under ``root`` as the base (the
-    latest pointer, else a LIST) and reads its commit object and manifest; a data file whose
-    path, geometry, size, CRC32C and content hash the base records alike is copied from the
-    base's object inside the store (``storage.objects.copies``) instead of read, verified and
-    uploaded (the plan rides on the stage vote; each rank copies its own files). The step
+    latest pointer, else a LIST; with ``bases``, only when it is one of those saves) and reads
+    its commit object and manifest; a data file whose path, geometry, size, CRC32C and content
+    hash the base records alike is copied from the base's object inside the store
+    (``storage.objects.copies``) instead of read, verified and uploaded (the plan rides on the
+    stage vote; each rank copies its own files). The step
     holds objects of its own: retention may delete the base, or any step, afterwards. A base
     that cannot be read makes a full flush (logged). ``report``: this rank's ``linked_bytes``
     (copied in the store), ``written_bytes`` (uploaded) and ``linked_files``."""
@@ -308,7 +312,7 @@ def flush_to_bucket(
         if comm.rank == 0:
             already, there = _already_flushed(dest, manifest)
             if incremental and not already:
-                found = _copy_plan(root, manifest)
+                found = _copy_plan(root, manifest, bases)
                 plan = None if found is None else found.to_json()
     votes = b.vote("flush-stage", [already, plan])
     if votes[0][0]:
@@ -339,12 +343,15 @@ def flush_to_bucket(
     return dest
 
 
-def _copy_plan(root: Bucket, manifest: Manifest) -> CopyPlan | None:
+def _copy_plan(
+    root: Bucket, manifest: Manifest, bases: Collection[str] | None = None
+) -> CopyPlan | None:
     """Rank 0, for an incremental flush: what to copy from the newest committed step under
-    ``root`` (None when there is none, or it cannot be read: the flush uploads everything)."""
+    ``root`` (None when there is none, it is not one of the saves ``bases``, or it cannot be
+    read: the flush uploads everything)."""
     try:
         newest = newest_committed(root, check=False)
-        if newest is None:
+        if newest is None or (bases is not None and newest[1].save_id not in bases):
             return None
         where = step_bucket(root, newest[0])
         commit, base = read_base(where)

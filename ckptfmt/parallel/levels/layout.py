@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -179,9 +179,14 @@ def copy_verified(src: Inside, t: TensorEntry, ref: FileRef, dst: Path, fsync: b
     write_gather(dst, [blob], fsync)
 
 
-def newest_base(root: Path | None, but: Path | None = None) -> Path | None:
+def newest_base(
+    root: Path | None, but: Path | None = None, among: Collection[str] | None = None
+) -> Path | None:
     """The base of an incremental save or flush into ``root``: its newest committed step
-    (other than ``but``) whose manifest reads; None when there is none (a full save)."""
+    (other than ``but``) whose manifest reads and, with ``among``, is of one of those saves
+    (save ids); None when there is none (a full save). A linked file is not read again, so a
+    manager passes the saves it knows whole (``among``): a damaged file of another step would
+    otherwise become a file of every step linked from it."""
     if root is None or not root.is_dir():
         return None
     for _, path in reversed(list_step_dirs(root)):
@@ -190,8 +195,10 @@ def newest_base(root: Path | None, but: Path | None = None) -> Path | None:
         if but is not None and path.absolute() == but.absolute():
             continue
         try:
-            read_manifest(path)
+            manifest = read_manifest(path)
         except CkptError:
+            continue
+        if among is not None and manifest.save_id not in among:
             continue
         return path
     return None
@@ -249,6 +256,7 @@ def flush_collective(
     seq: int | None = None,
     incremental: bool = False,
     report: dict[str, Any] | None = None,
+    bases: Collection[str] | None = None,
 ) -> Path:
     """Collective: copy a committed level-1 checkpoint to the shared level, every rank copying the
     files it wrote from its own node's directory; rank 0 commits the copy once every rank's files
@@ -256,10 +264,11 @@ def flush_collective(
     rename).
 
     ``incremental``: rank 0 picks the newest other committed step on the shared level as the
-    base (its vote tells every rank); a file whose content hash, CRC32C and size the base's
-    manifest records alike (``format/incremental.py``) is hard-linked from the base instead of
-    read and copied; a link the file system refuses is a copy. ``report``: this rank's
-    ``linked_bytes``, ``written_bytes`` (copied) and ``unlinkable``.
+    base (its vote tells every rank; with ``bases``, the newest of those saves); a file whose
+    content hash, CRC32C and size the base's manifest records alike (``format/incremental.py``)
+    is hard-linked from the base instead of read and copied; a link the file system refuses is
+    a copy. ``report``: this rank's ``linked_bytes``, ``written_bytes`` (copied) and
+    ``unlinkable``.
 
     Raises :class:`SaveFailedError` on every rank if any rank failed (any exception); the shared
     level then holds no trace of this step beyond what was there before.
@@ -278,7 +287,7 @@ def flush_collective(
             already = _already_flushed(final, manifest)
             if not already:
                 if incremental:
-                    base = newest_base(shared_root.absolute(), but=final)
+                    base = newest_base(shared_root.absolute(), but=final, among=bases)
                 commit.prepare(final, manifest.save_id, overwrite=True)
     votes = b.vote(
         "flush-stage",

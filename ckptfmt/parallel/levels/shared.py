@@ -17,6 +17,7 @@ are given; the others by one rank (rank 0) unless their docstring says otherwise
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +103,15 @@ class SharedLevel(ABC):
         seq: int | None,
         incremental: bool = False,
         report: dict[str, Any] | None = None,
+        bases: Collection[str] | None = None,
     ) -> None:
         """Collective: copy the committed level-1 checkpoint of ``manifest`` at ``local_path``
         here; raises :class:`SaveFailedError` on every rank if any rank failed.
-        ``incremental``: against the newest committed step here, an unchanged data file is
-        not written again (a directory links it, a bucket copies it inside the store);
-        ``report`` then gets this rank's ``linked_bytes`` and ``written_bytes``."""
+        ``incremental``: against the newest committed step here (with ``bases``, the newest of
+        those saves: the flush does not read what it links or copies, ``newest_base``), an
+        unchanged data file is not written again (a directory links it, a bucket copies it
+        inside the store); ``report`` then gets this rank's ``linked_bytes`` and
+        ``written_bytes``."""
 
     @abstractmethod
     def retain(self, keep: int, protect: set[int]) -> list[int]:
@@ -167,6 +171,7 @@ class DirLevel(SharedLevel):
         seq: int | None,
         incremental: bool = False,
         report: dict[str, Any] | None = None,
+        bases: Collection[str] | None = None,
     ) -> None:
         flush_collective(
             comm,
@@ -178,6 +183,7 @@ class DirLevel(SharedLevel):
             seq=seq,
             incremental=incremental,
             report=report,
+            bases=bases,
         )
 
     def retain(self, keep: int, protect: set[int]) -> list[int]:

@@ -159,9 +159,12 @@ class CheckpointManager:
     ``incremental``: each save records content hashes and is made against the newest
     committed step of its level (``spec/FORMAT.md`` §17), and each flush against the newest
     step on level 3: a shard file whose content is unchanged is hard-linked on a file system,
-    or copied inside the store on a bucket, instead of written or uploaded again. Every step
-    stays a complete checkpoint of its own, which retention may delete in any order; a save's
-    :class:`SaveReport` counts those bytes as ``bytes_linked`` by level.
+    or copied inside the store on a bucket, instead of written or uploaded again. Only a step
+    this job saved, flushed or restored is a base (a linked file is not read again: a step left
+    by an earlier job, or one the restore refused, may hold damage); after a restore from level
+    3, the first level-1 save writes everything. Every step stays a complete checkpoint of its
+    own, which retention may delete in any order; a save's :class:`SaveReport` counts those
+    bytes as ``bytes_linked`` by level.
     """
 
     def __init__(
@@ -686,9 +689,11 @@ class CheckpointManager:
         of loaded and copied. Only arrays the restore would write anyway are read into (never
         an excluded one, nothing of a state it refuses). The price: a restore whose read finds
         damage part-way, or that falls back to an older step, may already have written into
-        them (the CRCs are checked as the data comes in, not before). Without it, a step
-        rebuilt from redundancy is read straight into the arrays too, all or nothing all the
-        same: every byte of it is checked in memory before any of it lands.
+        them (the CRCs are checked as the data comes in, not before); one that then finds no
+        copy to restore raises :class:`UnrecoverableDamageError` on every rank naming the step,
+        instead of reporting nothing restored (the arrays hold part of a damaged step). Without
+        it, a step rebuilt from redundancy is read straight into the arrays too, all or nothing
+        all the same: every byte of it is checked in memory before any of it lands.
 
         ``trust_pickle=True`` unpickles the objects a save stored with ``objects="pickle"``
         (only for checkpoints from a source you trust); without it such a checkpoint raises
@@ -736,8 +741,13 @@ class CheckpointManager:
             fault=self.fault,
         )
         report, manifest = restore_newest(site, request)
-        if manifest is not None:
+        if manifest is not None and report.level is not None:
             self._saver.saves = max(self._saver.saves, save_number(manifest))
+            # the restored save is a base where it was read (every chunk checked) and, restored
+            # from level 1, on level 3 too (that copy was checked as it was flushed); from
+            # level 3, the level-1 copy was refused or missing (level 1 is tried first)
+            for level in (1, 3) if report.level == 1 else (3,):
+                self._retention.bases[level].add(manifest.save_id)
             if report.level == 1:
                 # a save by another number of ranks is not this job's to flush: its files
                 # belong to ranks that are not here (flush copies what each rank wrote)

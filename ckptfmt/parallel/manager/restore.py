@@ -11,8 +11,10 @@ read and checked once, the lost ranks' rebuilt). The rebuilt files are written a
 ``write_rebuilt_collective``, which the caller's ``RestoreSite.defer`` runs (the manager's saver
 thread); until that commits, the step stays rebuildable from the same redundancy. The first
 candidate that loads is the result; the loads' and rebuilds' votes make every rank take the same
-branch. A failure that is not damage (an allocation failure, a bug, a transport error on some
-rank) is raised on every rank alike instead of trying older steps.
+branch. When none loads after copies were tried, one more allgather says whether a failed load
+had read into the caller's arrays (``into=True``), which then raises on every rank. A failure
+that is not damage (an allocation failure, a bug, a transport error on some rank) is raised on
+every rank alike instead of trying older steps.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class RestoreReport:
     rewrite: str = ""
     rewrite_error: CkptError | None = None  # why the rebuilt files were not written
     applied: ApplyReport | None = None  # what was written into the caller's state
+    # steps whose failed load had begun reading into the caller's arrays (``into=True``)
+    landed: list[int] = field(default_factory=list)
     state: dict[str, Any] | None = None  # the loaded tree
 
     @property
@@ -147,7 +151,9 @@ def raise_unless_damage(exc: CollectiveError, *, storage: bool = False) -> None:
 def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreReport, Manifest | None]:
     """Collective (see the module's docstring for the order of the calls): load the newest
     copy every rank can load into ``req.state``; the report and the manifest of what was
-    restored (None: nothing usable)."""
+    restored (None: nothing usable). Raises :class:`UnrecoverableDamageError` on every rank
+    when nothing is usable but a failed load had already read into the caller's arrays
+    (``req.into``): one ``allgather`` tells every rank (:func:`_raise_if_landed`)."""
     wants = _wants(req.state)
     targets = _landing(req) if req.into else None
     views, listed = _views(site, every=req.step is not None)
@@ -190,8 +196,31 @@ def restore_newest(site: RestoreSite, req: RestoreRequest) -> tuple[RestoreRepor
         report.state = loaded
         _log(site.comm, report, newest)
         return report, manifest
+    _raise_if_landed(site, report, order)
     _log(site.comm, report, newest)
     return report, None
+
+
+def _raise_if_landed(site: RestoreSite, report: RestoreReport, order: list[Candidate]) -> None:
+    """Collective (one ``allgather``, every rank, when copies were tried and none restored):
+    raise :class:`UnrecoverableDamageError` on every rank when a load that failed had already
+    read into some rank's arrays (``into=True``: the CRCs are checked as the data comes in).
+    Restoring nothing says the state is as it was, and a caller would train from it; it holds
+    part of a damaged step instead."""
+    if not report.tried:  # nothing was tried (no checkpoint): the same on every rank
+        return
+    landed = sorted({s for got in site.comm.allgather_json(report.landed) for s in got})
+    if not landed:
+        return
+    where = next((c.path for c in order if c.step == landed[-1]), "")
+    steps = ", ".join(map(str, landed))
+    raise UnrecoverableDamageError(
+        str(where),
+        f"restore(into=True) read part of step {steps} into the state's arrays before finding "
+        "it damaged, and no copy could be restored: the state holds neither a checkpoint nor "
+        "what it held before; initialise it again (or restore without into=True, which "
+        f"writes nothing unless the whole step loads). Refused: {'; '.join(report.tried)}",
+    )
 
 
 def _only(order: list[Candidate], step: int | None) -> list[Candidate]:
@@ -280,14 +309,14 @@ def _load_or_rebuild(
         if got is not False:
             return got
         try:  # e.g. ranks new to a job of another size, which the load serves over the Comm
-            loaded = _load(site, c, wants, req.read, targets, req.trust_pickle)
+            loaded = _load(site, c, wants, req.read, targets, req.trust_pickle, report=report)
         except LoadFailedError as exc:
             raise_unless_damage(exc)
             return None  # why the rebuild could not be made is in the report
         del report.tried[mark[0] :], report.unrecoverable[mark[1] :]
         return loaded
     try:
-        return _load(site, c, wants, req.read, targets, req.trust_pickle)
+        return _load(site, c, wants, req.read, targets, req.trust_pickle, report=report)
     except LoadFailedError as exc:
         raise_unless_damage(exc)
         if c.level == 3:
@@ -342,7 +371,7 @@ def _rebuild_and_load(
         report.rebuild_seconds += result.seconds
     try:
         if not rebuilt.written:  # nothing of the data lost (metadata at most): from the files
-            got = _load(site, c, wants, req.read, targets, req.trust_pickle)
+            got = _load(site, c, wants, req.read, targets, req.trust_pickle, report=report)
         else:
             # every rank's member checked before anything is read (``MemberFiles.verify``),
             # and every rank reads its own member only (from memory, never a neighbour's
@@ -436,33 +465,49 @@ def _load(
     memory: Files | None = None,
     own_only: Sequence[int] = (),
     check_first: Callable[[], None] | None = None,
+    report: RestoreReport | None = None,
 ) -> tuple[dict[str, Any], Manifest]:
     """Collective: ``load_collective`` of ``c``; ``memory``: a level-1 step rebuilt in memory
     (``Rebuilt.files``), read instead of the directory, ``own_only`` the ranks whose data only
-    they hold."""
+    they hold. A load that fails after it was given arrays of the caller's to read into (and
+    checks as it reads: no ``check_first``) is listed in ``report.landed``."""
     # some ranks without a copy may be new to the job (another size, another node): the load
     # finds out whether every saved node's files are visible to some rank
     source = memory
     path = c.path
     if c.level == 3 and site.shared is not None:
         path, source = site.shared.open_step(site.comm, c.path, c.step)
-    with metering("load", site.progress) as meter:
-        loaded = load_collective(
-            site.comm,
-            path,
-            wants,
-            seq=site.seq,
-            expect_step=c.step,
-            node=site.node if c.level == 1 else None,
-            host=site.node,  # its ranks share their reads of replicated state on either level
-            read=read,
-            into=into,
-            trust_pickle=trust_pickle,
-            source=source,
-            own_only=own_only,
-            check_first=check_first,
-        )
-        meter.finish()
+    landing: list[bool] = []  # whether the load was given arrays of the caller's to fill
+
+    def tracked(skeleton: dict[str, Any]) -> Mapping[str, np.ndarray]:
+        got = into(skeleton) if callable(into) else (into or {})
+        landing.append(bool(got))
+        return got
+
+    # a load that lands as it checks (no ``check_first``) is tracked
+    track = into is not None and check_first is None and report is not None
+    try:
+        with metering("load", site.progress) as meter:
+            loaded = load_collective(
+                site.comm,
+                path,
+                wants,
+                seq=site.seq,
+                expect_step=c.step,
+                node=site.node if c.level == 1 else None,
+                host=site.node,  # its ranks share their reads of replicated state on either level
+                read=read,
+                into=tracked if track else into,
+                trust_pickle=trust_pickle,
+                source=source,
+                own_only=own_only,
+                check_first=check_first,
+            )
+            meter.finish()
+    except LoadFailedError:
+        if any(landing) and report is not None:
+            report.landed.append(c.step)
+        raise
     return loaded
 
 

@@ -72,6 +72,11 @@ class Retention:
         self.node_leader = False
         self.newest_local: Manifest | None = None  # this job's newest level-1 checkpoint
         self.flushed: set[str] = set()  # save ids on level 3
+        # the saves an incremental save (level 1) or flush (level 3) may take as its base: those
+        # this job wrote there, or restored (``CheckpointManager._restore``). A linked (or
+        # copied) file is not read again: a step of an earlier job, maybe damaged since, or
+        # refused by the restore for damage, would pass its damage on to every step after it
+        self.bases: dict[int, set[str]] = {1: set(), 3: set()}
         self.flush_rate = 0.0  # bytes/s of the last flush
         self.flush_owed = False  # the last flush failed: the next save flushes, due or not
         self.flush_error: str | None = None  # why it failed
@@ -136,6 +141,7 @@ class Retention:
             return False
         self.flush_rate = nbytes / max(time.perf_counter() - started, 1e-6)
         self.flushed.add(manifest.save_id)
+        self.bases[3].add(manifest.save_id)
         self.flush_owed, self.flush_error = False, None
         return True
 
@@ -154,6 +160,7 @@ class Retention:
             seq=seq,
             incremental=self.incremental,
             report=self.flush_linked,
+            bases=self.bases[3],
         )
 
     def _make_room(self, comm: Comm, nbytes: int, step: int) -> bool:

@@ -581,9 +581,11 @@ class Saver:
         failure: BaseException | None,
     ) -> Manifest:
         """Collective: ``save_collective`` of the staged state as ``root``'s step directory;
-        incremental against the newest committed step there when the manager is."""
+        incremental, when the manager is, against the newest committed step there that this
+        job saved or restored (``Retention.bases``)."""
         s = self.settings
-        base = newest_base(root) if s.incremental else None
+        known = self.retention.bases[level]
+        base = newest_base(root, among=known) if s.incremental else None
         linked: dict[str, Any] = {}
         self._linked = linked if s.incremental else None
         final = root / step_dir_name(step)
@@ -609,6 +611,7 @@ class Saver:
                 plans=self.stager.plans,  # the staging's plan: the same layout is planned once
             )
             meter.finish()
+        known.add(manifest.save_id)
         return manifest
 
 
