@@ -33,7 +33,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import WriteOptions
 from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
 from ckptfmt.manifest import display
-from ckptfmt.storage import ProgressCallback, fsync_dir, metering, write_error
+from ckptfmt.storage import ProgressCallback, fsync_dir, metering, removing_made, write_error
 from ckptfmt_torch import _compat
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
@@ -66,36 +66,39 @@ def export_torch(
         )
     if out_path.is_dir():
         raise DestinationExistsError(str(out_path), "it is a directory; --to torch writes a file")
-    scratch = out_path.with_name(f".{out_path.name}.rebuilt-{os.urandom(8).hex()}")
-    source, named = tensors_of(
-        src, rows=rows, strip=strip, renames=renames, dtype=dtype, scratch=scratch
-    )
-    # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
-    state = {name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.export-{os.urandom(8).hex()}")
-    with metering("export", progress) as meter:
-        meter.expect(sum(a.nbytes for _, a in named))
-        try:
-            with open(tmp, "xb") as f:
-                torch.save(state, f)
-                f.flush()
+    with removing_made([out_path]):  # a failure leaves no directory it made
+        scratch = out_path.with_name(f".{out_path.name}.rebuilt-{os.urandom(8).hex()}")
+        source, named = tensors_of(
+            src, rows=rows, strip=strip, renames=renames, dtype=dtype, scratch=scratch
+        )
+        # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
+        state = {
+            name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named
+        }
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(f".{out_path.name}.export-{os.urandom(8).hex()}")
+        with metering("export", progress) as meter:
+            meter.expect(sum(a.nbytes for _, a in named))
+            try:
+                with open(tmp, "xb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    if fsync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, out_path)
                 if fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, out_path)
-            if fsync:
-                fsync_dir(out_path.parent)
-        except BaseException as exc:
-            # torch.save's zip writer turns a failed write into a RuntimeError, the OSError
-            # its context
-            cause = exc if isinstance(exc, OSError) else exc.__context__
-            needed = sum(a.nbytes for _, a in named)
-            failed = write_error(cause, out_path, "the export's destination", needed)
-            tmp.unlink(missing_ok=True)
-            if failed is not None:
-                raise failed from None
-            raise
-        meter.finish()
+                    fsync_dir(out_path.parent)
+            except BaseException as exc:
+                # torch.save's zip writer turns a failed write into a RuntimeError, the OSError
+                # its context
+                cause = exc if isinstance(exc, OSError) else exc.__context__
+                needed = sum(a.nbytes for _, a in named)
+                failed = write_error(cause, out_path, "the export's destination", needed)
+                tmp.unlink(missing_ok=True)
+                if failed is not None:
+                    raise failed from None
+                raise
+            meter.finish()
     entries = {display(t.name): t for t in source.manifest.tensors()}
     names = dict(zip(_selected(source, rows, strip), (n for n, _ in named)))
     floats = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")

@@ -36,11 +36,13 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
+from ckptfmt.interop.export import recover_export
 from ckptfmt.interop.names import Rename, import_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import Header, read_header
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.manifest.limits import display
-from ckptfmt.storage.nodes import parent_of
+from ckptfmt.storage.nodes import expand, parent_of
+from ckptfmt.storage.paths import removing_made
 from ckptfmt.storage.progress import Progress, ProgressCallback
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
 
@@ -165,6 +167,38 @@ def import_named(
         raise DestinationExistsError(  # before the work, as a directory is refused
             str(dest), "a checkpoint is committed there (overwrite=True, --overwrite, replaces it)"
         )
+    made: list[str | os.PathLike[str]] = []  # what a failure must not leave made above
+    if dest.kind == "directory":
+        made = [dest.spec]
+    elif dest.kind == "spread" and isinstance(dest.spec, str | os.PathLike):
+        made = [expand(dest.spec, n) for n in (nodes or ["n0"])]
+    with removing_made(made):
+        destination = _write(state, dest, step, write, ranks, nodes, rows, on_stage, on_save)
+    return ImportReport(
+        source=source,
+        destination=destination,
+        format=fmt,
+        files=list(files),
+        tensors=len(arrays),
+        values=len(items) - len(arrays),
+        total_size=sum(a.nbytes for a in arrays),
+        names={n: display(c) for (n, _), c in zip(items, names)},
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _write(
+    state: dict[str, Any],
+    dest: Location,
+    step: int | None,
+    write: WriteOptions,
+    ranks: int,
+    nodes: Sequence[str] | None,
+    rows: Sequence[str],
+    on_stage: ProgressCallback | None,
+    on_save: ProgressCallback | None,
+) -> str:
+    """Write the imported ``state`` to ``dest`` (:func:`import_named`); where it committed."""
     if ranks == 1 and nodes is None and not rows:
         if dest.kind in ("url", "store"):
             store = dest.store()
@@ -201,17 +235,7 @@ def import_named(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         destination = ", ".join(done.destination)
-    return ImportReport(
-        source=source,
-        destination=destination,
-        format=fmt,
-        files=list(files),
-        tensors=len(arrays),
-        values=len(items) - len(arrays),
-        total_size=sum(a.nbytes for a in arrays),
-        names={n: display(c) for (n, _), c in zip(items, names)},
-        seconds=time.perf_counter() - started,
-    )
+    return destination
 
 
 class _Relay:
@@ -239,7 +263,11 @@ class _Relay:
 
 def safetensors_files(src: Path) -> tuple[str, list[tuple[Path, list[str] | None]]]:
     """The format (``safetensors`` or ``hf``) and files of ``src`` with, for a sharded
-    directory, the tensors its index places in each file."""
+    directory, the tensors its index places in each file. A Hugging Face directory that an
+    export killed while replacing it left renamed aside is put back first
+    (``export.recover_export``)."""
+    if not (src.exists() or src.is_symlink()):
+        recover_export(src.absolute(), clean=False)
     if src.is_dir():
         if (src / hf.INDEX).exists():
             return "hf", [(src / f, names) for f, names in hf.read_index(src).items()]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from ckptfmt.errors import DestinationUnwritableError, UrlNotSupportedError
@@ -67,3 +69,31 @@ def unwritable(directory: Path) -> tuple[str, int] | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"no permission to write in {probe}", errno.EACCES
     return None
+
+
+def missing_parents(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The directories above each of ``paths`` (its parent, that one's parent, ...) that do not
+    exist yet, deepest first: what writing ``paths`` will create, for :func:`removing_made`."""
+    missing: set[Path] = set()
+    for p in paths:
+        d = Path(os.path.abspath(p)).parent
+        while not (d.exists() or d.is_symlink()) and d.parent != d:
+            missing.add(d)
+            d = d.parent
+    return sorted(missing, key=lambda d: (-len(d.parts), str(d)))
+
+
+@contextmanager
+def removing_made(paths: Iterable[str | os.PathLike[str]]) -> Iterator[None]:
+    """Run the block; if it raises, remove the directories above ``paths`` that it created (they
+    were missing when it began, :func:`missing_parents`) and that are empty again, so a failed
+    export, import or reshard leaves no empty directory behind it. A directory that existed
+    before, or that holds anything now (another writer's), is never removed."""
+    made = missing_parents(paths)
+    try:
+        yield
+    except BaseException:
+        for d in made:  # deepest first: a parent is empty once its made children are gone
+            with suppress(OSError):
+                os.rmdir(d)
+        raise
