@@ -33,7 +33,14 @@ from ckptfmt.errors import (
 from ckptfmt.format import WriteOptions
 from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
 from ckptfmt.manifest import display
-from ckptfmt.storage import ProgressCallback, fsync_dir, metering, removing_made, write_error
+from ckptfmt.storage import (
+    ProgressCallback,
+    check_destination,
+    fsync_dir,
+    metering,
+    removing_made,
+    write_error,
+)
 from ckptfmt_torch import _compat
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
@@ -60,6 +67,7 @@ def export_torch(
     write = write if write is not None else WriteOptions()
     fsync = write.fsync
     out_path = Path(out).absolute()
+    check_destination(out_path)  # a parent that is a file: said, not "cannot read"
     if out_path.exists() and not write.overwrite:
         raise DestinationExistsError(
             str(out_path), "it exists (--overwrite, overwrite=True, replaces it)"

@@ -57,7 +57,7 @@ from ckptfmt.manifest.limits import display
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import fsync_dir, write_error, write_gather
 from ckptfmt.storage.objects.bucket import Bucket
-from ckptfmt.storage.paths import removing_made
+from ckptfmt.storage.paths import check_destination, removing_made
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
 from ckptfmt.version import __version__
@@ -126,7 +126,8 @@ def _check_out(out: Path, overwrite: bool, writes: Sequence[str] = ()) -> None:
             raise DestinationExistsError(str(out), "it exists and is not a directory")
         ours = {hf.SINGLE, hf.INDEX, *writes}
         for p in out.iterdir():
-            if not (p.name in ours or (p.name.startswith("model-") and p.suffix == ".safetensors")):
+            named = p.name in ours or (p.name.startswith("model-") and p.suffix == ".safetensors")
+            if not named or (p.is_dir() and not p.is_symlink()):  # an export writes no directory
                 raise DestinationExistsError(
                     str(out), f"it holds {p.name!r}, which an export does not write"
                 )
@@ -378,9 +379,8 @@ def export_safetensors(
         there = check_bucket_out(bucket, write.overwrite, writes)
     else:
         out_path = Path(where.spec).absolute()
-        recover_export(
-            out_path
-        )  # an export to it that was killed: its old copy back, leftovers gone
+        check_destination(out_path)  # a parent that is a file: said, not "cannot read"
+        recover_export(out_path)  # a killed export to it: its old copy back, leftovers gone
         _check_out(out_path, write.overwrite, writes)
     source = open_source(src)
     planned = plan(select(source, rows, strip), strip, rules, dtype)

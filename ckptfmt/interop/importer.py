@@ -42,7 +42,7 @@ from ckptfmt.interop.safetensors_format import Header, read_header
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.manifest.limits import display
 from ckptfmt.storage.nodes import expand, parent_of
-from ckptfmt.storage.paths import removing_made
+from ckptfmt.storage.paths import check_destination, removing_made
 from ckptfmt.storage.progress import Progress, ProgressCallback
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
 
@@ -226,6 +226,7 @@ def _write(
     else:
         spec = dest.spec
         parent = parent_of(spec).absolute()
+        check_destination(spec)  # a file in the way: said, not "cannot read"
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".import-{os.urandom(8).hex()}"
         staged = replace(write, fsync=False, overwrite=False)  # removed below
