@@ -14,6 +14,7 @@ checksums) straight from the page cache.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import shutil
@@ -228,7 +229,9 @@ def _write(
         parent = parent_of(spec).absolute()
         check_destination(spec)  # a file in the way: said, not "cannot read"
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = parent / f".import-{os.urandom(8).hex()}"
+        key = _scratch_key(spec)
+        _remove_scratch(parent, key)  # what an import to ``spec`` that was killed left
+        tmp = parent / f".import-{key}-{os.urandom(16).hex()}"
         staged = replace(write, fsync=False, overwrite=False)  # removed below
         try:
             save(state, tmp, step=step, write=staged, progress=on_stage)
@@ -237,6 +240,22 @@ def _write(
             shutil.rmtree(tmp, ignore_errors=True)
         destination = ", ".join(done.destination)
     return destination
+
+
+def _scratch_key(spec: str | os.PathLike[str]) -> str:
+    """What names the scratch checkpoints of imports to ``spec`` (its absolute path, hashed):
+    ``.import-<key>-<random>`` beside it."""
+    return hashlib.sha256(os.fsencode(os.path.abspath(spec))).hexdigest()[:16]
+
+
+def _remove_scratch(parent: Path, key: str) -> None:
+    """Remove the scratch checkpoints (and their saves' staging directories) that imports to
+    the destination of ``key`` left in ``parent`` when they were killed: a whole checkpoint's
+    bytes per kill otherwise, which nothing else removes."""
+    heads = (f".import-{key}-", f"..import-{key}-")
+    for c in parent.iterdir():
+        if c.name.startswith(heads) and c.is_dir() and not c.is_symlink():
+            shutil.rmtree(c, ignore_errors=True)
 
 
 class _Relay:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kit.arrays import random_array
+import safetensors.numpy as stnp
+from kit.arrays import assert_bit_equal, random_array
 from kit.cli import run_cli
 from kit.crash import kill_cli, steps
 from kit.files import leftovers, tree_snapshot
@@ -97,3 +98,32 @@ def test_the_next_export_puts_back_the_export_a_kill_left_aside(
     assert tree_snapshot(out) == old and leftovers(out.parent) == []
     assert run_cli("export", new_src, out, "--overwrite", "-q").exit_code == 0
     assert tree_snapshot(out) == new and leftovers(out.parent) == []
+
+
+def test_an_import_killed_leaves_no_scratch_checkpoint_behind(
+    tmp_path: Path, exports: tuple[Path, Path, dict[str, bytes], dict[str, bytes]]
+) -> None:
+    """An import for a job of 2 ranks (``--ranks 2``) saves into a scratch checkpoint beside
+    OUT, then reshards it into OUT. Killed at each step, its scratch (a whole checkpoint) stays;
+    the next import to OUT removes it, and nothing but the nodes' directories is left."""
+    hf = tmp_path / "ref-old"
+    root = tmp_path / "l1"
+    template = str(root / "{node}")
+    args = ["import", hf, template, "--ranks", "2", "--ranks-per-node", "1", "--overwrite", "-q"]
+    whole = kill_cli(0, root, *args)
+    assert whole.returncode == 0, whole.stderr
+    total = steps(whole)
+    assert total >= 3, whole.stderr  # the scratch committed, then each node's commit
+    for n in range(1, total + 1):
+        killed = kill_cli(n, root, *args)
+        assert killed.returncode == -9, f"step {n}: {killed.returncode}\n{killed.stderr}"
+        again = run_cli(*args)
+        assert again.exit_code == 0, again.output
+        assert sorted(p.name for p in root.iterdir()) == ["n0", "n1"], n
+    got = run_cli("export", template, tmp_path / "back", "-q")
+    assert got.exit_code == 0, got.output
+    back = stnp.load_file(tmp_path / "back" / "model.safetensors")
+    want = stnp.load_file(hf / "model.safetensors")
+    assert sorted(back) == sorted(want)
+    for name, a in want.items():
+        assert_bit_equal(back[name], a)
