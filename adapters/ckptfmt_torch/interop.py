@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -45,6 +46,20 @@ from ckptfmt_torch import _compat
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
 
 
+def _remove_leftovers(out_path: Path) -> None:
+    """Remove what a killed ``export_torch`` to ``out_path`` left beside it: its temporary
+    file ``.<name>.export-*`` (a whole state's bytes), its scratch ``.<name>.rebuilt-*``."""
+    if not out_path.parent.is_dir():
+        return
+    for c in out_path.parent.iterdir():
+        if c.is_symlink():
+            continue
+        if c.name.startswith(f".{out_path.name}.export-") and c.is_file():
+            c.unlink(missing_ok=True)
+        elif c.name.startswith(f".{out_path.name}.rebuilt-") and c.is_dir():
+            shutil.rmtree(c, ignore_errors=True)
+
+
 def export_torch(
     src: Any,
     out: str | os.PathLike[str],
@@ -68,6 +83,7 @@ def export_torch(
     fsync = write.fsync
     out_path = Path(out).absolute()
     check_destination(out_path)  # a parent that is a file: said, not "cannot read"
+    _remove_leftovers(out_path)
     if out_path.exists() and not write.overwrite:
         raise DestinationExistsError(
             str(out_path), "it exists (--overwrite, overwrite=True, replaces it)"

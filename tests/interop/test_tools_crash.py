@@ -127,3 +127,23 @@ def test_an_import_killed_leaves_no_scratch_checkpoint_behind(
     assert sorted(back) == sorted(want)
     for name, a in want.items():
         assert_bit_equal(back[name], a)
+
+
+def test_a_torch_export_killed_before_its_rename_leaves_nothing_after_the_next(
+    tmp_path: Path, exports: tuple[Path, Path, dict[str, bytes], dict[str, bytes]]
+) -> None:
+    """``--to torch`` writes ``.<name>.export-*`` and renames it over OUT: killed just before
+    the rename, the whole temporary file stays beside OUT (OUT is the old file); the next
+    export to OUT removes it."""
+    pytest.importorskip("torch")
+    old_src, new_src, _, _ = exports
+    root = tmp_path / "out"
+    out = root / "model.pt"
+    assert run_cli("export", "--to", "torch", old_src, out, "-q").exit_code == 0
+    before = out.read_bytes()
+    args = ["export", "--to", "torch", new_src, out, "--overwrite", "-q"]
+    killed = kill_cli(-1, root, *args)
+    assert killed.returncode == -9, killed.stderr
+    assert out.read_bytes() == before and len(leftovers(root)) == 1
+    assert run_cli(*args).exit_code == 0
+    assert leftovers(root) == [] and out.read_bytes() != before

@@ -33,9 +33,10 @@ def kill_cli(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``ckptfmt *args`` in a process of its own that SIGKILLs itself right after the
     ``n``-th rename or directory exchange in the directory ``watch`` (``n`` = 0: runs to the
-    end); ``exchange=False``: as on a file system without ``RENAME_EXCHANGE``
-    (``tests/workers/_tools_kill_worker.py``). Returns the finished process (``returncode``
-    -9 when killed); ``steps(result)`` counts the steps it saw."""
+    end; ``n`` < 0: right before the ``-n``-th); ``exchange=False``: as on a file system
+    without ``RENAME_EXCHANGE`` (``tests/workers/_tools_kill_worker.py``). Returns the
+    finished process (``returncode`` -9 when killed); ``steps(result)`` counts the steps it
+    saw."""
     from kit import REPO
     from kit.launch import with_kit_path
 

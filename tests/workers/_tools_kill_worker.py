@@ -1,7 +1,8 @@
 """The ``ckptfmt`` command line in a process of its own that SIGKILLs itself part way through:
 ``_tools_kill_worker.py N WATCH EXCHANGE -- ARGS...`` runs ``ckptfmt ARGS...`` and kills the
-process right after the ``N``-th rename or directory exchange whose source or destination is in
-the directory ``WATCH`` (``N`` = 0: never). ``EXCHANGE`` ``0`` makes
+process right after the ``N``-th rename (``os.rename``, ``os.replace``) or directory exchange
+whose source or destination is in the directory ``WATCH`` (``N`` = 0: never; ``N`` < 0: right
+before the ``-N``-th). ``EXCHANGE`` ``0`` makes
 ``ckptfmt.storage.commit.exchange`` answer as a file system without ``RENAME_EXCHANGE`` does
 (the tools then rename in two steps). Run by ``kit.crash.kill_cli`` for the crash tests of
 export, import and reshard (``tests/interop/test_tools_crash.py``,
@@ -23,28 +24,43 @@ def main() -> None:
     args = sys.argv[sys.argv.index("--") + 1 :]
     steps: list[str] = []
 
+    def watched(a: Any, b: Any) -> bool:
+        return watch in (Path(os.fspath(a)).absolute().parent, Path(os.fspath(b)).absolute().parent)
+
     def step(what: str, a: Any, b: Any) -> None:
-        if watch in (Path(os.fspath(a)).absolute().parent, Path(os.fspath(b)).absolute().parent):
+        if watched(a, b):
             steps.append(f"{what} {Path(os.fspath(a)).name} {Path(os.fspath(b)).name}")
             print("step:", steps[-1], file=sys.stderr, flush=True)
             if len(steps) == n:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    real_rename, real_exchange = os.rename, commit.exchange
+    def before(a: Any, b: Any) -> None:
+        if n < 0 and watched(a, b) and len(steps) + 1 == -n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    real_rename, real_replace, real_exchange = os.rename, os.replace, commit.exchange
 
     def rename(a: Any, b: Any, *rest: Any, **kw: Any) -> None:
+        before(a, b)
         real_rename(a, b, *rest, **kw)
         step("rename", a, b)
+
+    def replace(a: Any, b: Any, *rest: Any, **kw: Any) -> None:
+        before(a, b)
+        real_replace(a, b, *rest, **kw)
+        step("replace", a, b)
 
     def exchange(a: Path, b: Path) -> bool:
         if not can_exchange:
             return False
+        before(a, b)
         done = real_exchange(a, b)
         if done:
             step("exchange", a, b)
         return done
 
     os.rename = rename  # type: ignore[assignment]
+    os.replace = replace  # type: ignore[assignment]
     commit.exchange = exchange  # type: ignore[assignment]
     from ckptfmt_cli.main import main as cli
 
