@@ -154,8 +154,9 @@ def remove_stale_nodes(template: str, nodes: Sequence[str], replaced: set[str]) 
     save ids its nodes held before, and the saves those had rewritten): the nodes of the old
     layout that the new one no longer has. Each is renamed to a dot-name first
     (``commit.remove``), so a kill part way leaves it whole and ignored by readers
-    (:func:`_not_superseded`), or out of sight; what such a kill left (``.<name>.del-*``
-    beside a node's directory) is removed here too, by the next reshard onto ``template``.
+    (:func:`_not_superseded`), or out of sight; what such a kill, or a reshard killed before
+    it committed, left beside a node's directory (:func:`_stale_leftover`) is removed here
+    too, by the next reshard onto ``template``.
     Directories between ``template``'s parent and a removed node's directory that are empty
     now (``/local/n3`` of ``/local/{node}/ckpt``) are removed with it. Returns what was
     removed."""
@@ -175,18 +176,41 @@ def remove_stale_nodes(template: str, nodes: Sequence[str], replaced: set[str]) 
         removed.append(d)
         _remove_empty_between(d.absolute().parent, top)
     head, last = os.path.split(template)
-    dot = (
-        f".{last}.del-*"
-        if NODE not in last
-        else "." + glob.escape(last).replace(glob.escape(NODE), "*") + ".del-*"
+    pattern = os.path.join(
+        glob.escape(head).replace(glob.escape(NODE), "*"),
+        "." + glob.escape(last).replace(glob.escape(NODE), "*") + ".*-*",
     )
-    for p in glob.glob(os.path.join(glob.escape(head).replace(glob.escape(NODE), "*"), dot)):
-        m = LEFTOVER.match(os.path.basename(p))
-        if m and m["kind"] == "del" and os.path.isdir(p) and not os.path.islink(p):
+    for p in map(Path, glob.glob(pattern)):
+        if _stale_leftover(template, p, nodes, replaced):
             shutil.rmtree(p, ignore_errors=True)
-            removed.append(Path(p))
-            _remove_empty_between(Path(p).absolute().parent, top)
+            removed.append(p)
+            _remove_empty_between(p.absolute().parent, top)
     return removed
+
+
+def _stale_leftover(template: str, p: Path, nodes: Sequence[str], replaced: set[str]) -> bool:
+    """Whether ``p``, a dot-named directory beside a node directory of ``template``, is what a
+    killed commit or removal left there that no later save to its name will clear: a removal
+    cut short (``.<name>.del-*``); or, for a node that the new layout lacks and whose directory
+    is gone or held a replaced save, a staging directory (``.tmp-``: a reshard killed before it
+    committed) or a copy moved aside holding a replaced save (``.old-``)."""
+    m = LEFTOVER.match(p.name)
+    if m is None or not p.is_dir() or p.is_symlink():
+        return False
+    final = p.parent / m["name"]
+    node = node_of(template, final)
+    if node is None or node.startswith("."):  # no node's: a dot-name (an import's scratch)
+        return False
+    if m["kind"] == "del":
+        return True
+    if node in nodes:
+        return False  # the next save to it clears its leftovers (commit.prepare)
+    if final.exists() or final.is_symlink():
+        return False  # another checkpoint there: its own
+    if m["kind"] == "tmp":
+        return True
+    held = save_id_at(p)
+    return held is not None and held in replaced
 
 
 def _remove_empty_between(d: Path, top: Path) -> None:

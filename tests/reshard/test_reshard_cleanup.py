@@ -189,3 +189,22 @@ def test_the_cli_reports_a_commit_that_cannot_be_fsynced_in_one_line(
     assert "may not survive a power loss" in got.output
     monkeypatch.undo()
     assert_bit_equal(ckptfmt.load(tmp_path / "out")["model"]["w"], ckptfmt.load(src)["model"]["w"])
+
+
+def test_a_reshard_killed_before_its_commit_leaves_nothing_after_the_next(
+    tmp_path: Path, src: Path
+) -> None:
+    """A reshard to 3 nodes killed after the first node's rename leaves the other nodes'
+    staging directories (each a node's share of the checkpoint); a later reshard onto the
+    template for 1 node (which never saves to those nodes again, so no save of theirs clears
+    them) removes them, and the node the kill committed."""
+    root = tmp_path / "l1"
+    template = str(root / "{node}")
+    args = ["reshard", src, template, "--ranks", "3", "--ranks-per-node", "1", "-q"]
+    killed = kill_cli(1, root, *args)
+    assert killed.returncode == -9, killed.stderr
+    assert len([p for p in root.iterdir() if ".tmp-" in p.name]) == 2
+    one = ["reshard", src, template, "--ranks", "1", "--overwrite", "-q"]
+    assert run_cli(*one).exit_code == 0
+    assert sorted(p.name for p in root.iterdir()) == ["n0"]
+    _reads_as(template, src, 1)
