@@ -39,6 +39,7 @@ from ckptfmt.storage import (
     check_destination,
     fsync_dir,
     metering,
+    refuse_inside_checkpoint,
     removing_made,
     write_error,
 )
@@ -83,6 +84,7 @@ def export_torch(
     fsync = write.fsync
     out_path = Path(out).absolute()
     check_destination(out_path)  # a parent that is a file: said, not "cannot read"
+    refuse_inside_checkpoint(out_path)
     _remove_leftovers(out_path)
     if out_path.exists() and not write.overwrite:
         raise DestinationExistsError(

@@ -57,7 +57,7 @@ from ckptfmt.manifest.limits import display
 from ckptfmt.storage import commit
 from ckptfmt.storage.files import fsync_dir, write_error, write_gather
 from ckptfmt.storage.objects.bucket import Bucket
-from ckptfmt.storage.paths import check_destination, removing_made
+from ckptfmt.storage.paths import check_destination, refuse_inside_checkpoint, removing_made
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
 from ckptfmt.version import __version__
@@ -380,6 +380,7 @@ def export_safetensors(
     else:
         out_path = Path(where.spec).absolute()
         check_destination(out_path)  # a parent that is a file: said, not "cannot read"
+        refuse_inside_checkpoint(out_path)
         recover_export(out_path)  # a killed export to it: its old copy back, leftovers gone
         _check_out(out_path, write.overwrite, writes)
     source = open_source(src)

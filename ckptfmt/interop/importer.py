@@ -43,7 +43,7 @@ from ckptfmt.interop.safetensors_format import Header, read_header
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.manifest.limits import display
 from ckptfmt.storage.nodes import expand, parent_of
-from ckptfmt.storage.paths import check_destination, removing_made
+from ckptfmt.storage.paths import check_destination, refuse_inside_checkpoint, removing_made
 from ckptfmt.storage.progress import Progress, ProgressCallback
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
 
@@ -173,6 +173,8 @@ def import_named(
         made = [dest.spec]
     elif dest.kind == "spread" and isinstance(dest.spec, str | os.PathLike):
         made = [expand(dest.spec, n) for n in (nodes or ["n0"])]
+    for path in made:
+        refuse_inside_checkpoint(path)  # deleted with it when it is replaced
     with removing_made(made):
         destination = _write(state, dest, step, write, ranks, nodes, rows, on_stage, on_save)
     return ImportReport(

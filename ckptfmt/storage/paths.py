@@ -17,6 +17,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from ckptfmt.errors import DestinationUnwritableError, UrlNotSupportedError
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.objects.url import SUPPORTED
 
 # an RFC 3986 scheme, then "://" (or ":/": what ``pathlib.Path("s3://b/x")`` leaves of it); a
@@ -97,3 +98,18 @@ def removing_made(paths: Iterable[str | os.PathLike[str]]) -> Iterator[None]:
             with suppress(OSError):
                 os.rmdir(d)
         raise
+
+
+def refuse_inside_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`DestinationUnwritableError` when ``path`` lies inside a committed
+    checkpoint directory (one of its parents holds a manifest): the offline tools never write
+    there, since whatever they put inside a checkpoint is deleted with it when it is replaced
+    (an overwrite swaps the whole tree) or removed by retention."""
+    target = Path(os.path.abspath(path))
+    for parent in target.parents:
+        if (parent / MANIFEST_NAME).is_file():
+            raise DestinationUnwritableError(
+                str(path),
+                f"it is inside the checkpoint {parent}, whose replacement or removal would "
+                "delete it; choose a directory outside the checkpoint",
+            )

@@ -64,3 +64,32 @@ def test_export_overwrite_never_deletes_a_directory_in_out(tmp_path: Path, src: 
     assert got.exit_code == ExitStatus.USAGE, got.output
     assert "model-data.safetensors" in got.output
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "{src}", "{src}/hf"],
+        ["export", "--to", "torch", "{src}", "{src}/deeper/model.pt"],
+        ["import", "{hf}", "{src}/imported"],
+        ["import", "{hf}", "{src}/{{node}}", "--ranks", "2", "--ranks-per-node", "1"],
+        ["reshard", "{src}", "{src}/r", "--ranks", "2"],
+        ["reshard", "{src}", "{src}/l1/{{node}}", "--ranks", "2", "--ranks-per-node", "1"],
+    ],
+    ids=["export", "export-torch", "import", "import-nodes", "reshard", "reshard-nodes"],
+)
+def test_a_destination_inside_a_checkpoint_is_refused(
+    tmp_path: Path, src: Path, args: list[str]
+) -> None:
+    """OUT inside the checkpoint SRC (or any committed checkpoint): refused, nothing written.
+    It used to be written there, and the next overwrite of the checkpoint (``reshard SRC SRC
+    --overwrite``, a manager's save of the step) deleted it with the old tree."""
+    if "torch" in args:
+        pytest.importorskip("torch")
+    hf = tmp_path / "hf"
+    assert run_cli("export", src, hf, "-q").exit_code == 0
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    got = run_cli(*[a.format(src=src, hf=hf) for a in args], "-q")
+    assert got.exit_code == ExitStatus.USAGE, got.output
+    assert f"inside the checkpoint {src}" in got.output and got.output.count("\n") == 1
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
