@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -33,9 +34,31 @@ from ckptfmt.errors import (
 from ckptfmt.format import WriteOptions
 from ckptfmt.interop import ExportReport, ImportReport, Rename, import_named, select, tensors_of
 from ckptfmt.manifest import display
-from ckptfmt.storage import ProgressCallback, fsync_dir, metering, write_error
+from ckptfmt.storage import (
+    ProgressCallback,
+    check_destination,
+    fsync_dir,
+    metering,
+    refuse_inside_checkpoint,
+    removing_made,
+    write_error,
+)
 from ckptfmt_torch import _compat
 from ckptfmt_torch.convert import numpy_to_tensor, to_state
+
+
+def _remove_leftovers(out_path: Path) -> None:
+    """Remove what a killed ``export_torch`` to ``out_path`` left beside it: its temporary
+    file ``.<name>.export-*`` (a whole state's bytes), its scratch ``.<name>.rebuilt-*``."""
+    if not out_path.parent.is_dir():
+        return
+    for c in out_path.parent.iterdir():
+        if c.is_symlink():
+            continue
+        if c.name.startswith(f".{out_path.name}.export-") and c.is_file():
+            c.unlink(missing_ok=True)
+        elif c.name.startswith(f".{out_path.name}.rebuilt-") and c.is_dir():
+            shutil.rmtree(c, ignore_errors=True)
 
 
 def export_torch(
@@ -60,42 +83,48 @@ def export_torch(
     write = write if write is not None else WriteOptions()
     fsync = write.fsync
     out_path = Path(out).absolute()
+    check_destination(out_path)  # a parent that is a file: said, not "cannot read"
+    refuse_inside_checkpoint(out_path)
+    _remove_leftovers(out_path)
     if out_path.exists() and not write.overwrite:
         raise DestinationExistsError(
             str(out_path), "it exists (--overwrite, overwrite=True, replaces it)"
         )
     if out_path.is_dir():
         raise DestinationExistsError(str(out_path), "it is a directory; --to torch writes a file")
-    scratch = out_path.with_name(f".{out_path.name}.rebuilt-{os.urandom(8).hex()}")
-    source, named = tensors_of(
-        src, rows=rows, strip=strip, renames=renames, dtype=dtype, scratch=scratch
-    )
-    # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
-    state = {name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.export-{os.urandom(8).hex()}")
-    with metering("export", progress) as meter:
-        meter.expect(sum(a.nbytes for _, a in named))
-        try:
-            with open(tmp, "xb") as f:
-                torch.save(state, f)
-                f.flush()
+    with removing_made([out_path]):  # a failure leaves no directory it made
+        scratch = out_path.with_name(f".{out_path.name}.rebuilt-{os.urandom(8).hex()}")
+        source, named = tensors_of(
+            src, rows=rows, strip=strip, renames=renames, dtype=dtype, scratch=scratch
+        )
+        # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
+        state = {
+            name: numpy_to_tensor(a if a.flags.c_contiguous else a.copy()) for name, a in named
+        }
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(f".{out_path.name}.export-{os.urandom(8).hex()}")
+        with metering("export", progress) as meter:
+            meter.expect(sum(a.nbytes for _, a in named))
+            try:
+                with open(tmp, "xb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    if fsync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, out_path)
                 if fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, out_path)
-            if fsync:
-                fsync_dir(out_path.parent)
-        except BaseException as exc:
-            # torch.save's zip writer turns a failed write into a RuntimeError, the OSError
-            # its context
-            cause = exc if isinstance(exc, OSError) else exc.__context__
-            needed = sum(a.nbytes for _, a in named)
-            failed = write_error(cause, out_path, "the export's destination", needed)
-            tmp.unlink(missing_ok=True)
-            if failed is not None:
-                raise failed from None
-            raise
-        meter.finish()
+                    fsync_dir(out_path.parent)
+            except BaseException as exc:
+                # torch.save's zip writer turns a failed write into a RuntimeError, the OSError
+                # its context
+                cause = exc if isinstance(exc, OSError) else exc.__context__
+                needed = sum(a.nbytes for _, a in named)
+                failed = write_error(cause, out_path, "the export's destination", needed)
+                tmp.unlink(missing_ok=True)
+                if failed is not None:
+                    raise failed from None
+                raise
+            meter.finish()
     entries = {display(t.name): t for t in source.manifest.tensors()}
     names = dict(zip(_selected(source, rows, strip), (n for n, _ in named)))
     floats = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")

@@ -68,6 +68,34 @@ class StorageError(CkptError, OSError):
         return StorageError(where, reason, level=level, err=exc.errno)
 
 
+class NotDurableError(StorageError):
+    """A commit's last rename was done, so ``path`` holds the new data, but the directory it
+    was renamed in could not be synced to disk (``fsync`` failed, e.g. ``EIO``): the new data
+    is what every reader sees now, and may not be what the disk holds after a power loss.
+    Nothing is rolled back (that would need the same failing device, and a multi-node commit
+    would be left mixed). ``replaced``: where the copy it replaced was moved aside (a
+    directory, or None), kept so that a caller can decide what to keep of it."""
+
+    def __init__(
+        self,
+        path: str,
+        cause: str,
+        *,
+        level: str | None = None,
+        err: int | None = None,
+        replaced: object = None,
+    ) -> None:
+        self.cause = cause
+        self.replaced = replaced
+        super().__init__(
+            path,
+            f"committed, but its directory could not be synced to disk ({cause}): the new data "
+            "is in place and may not survive a power loss; check the device",
+            level=level,
+            err=err,
+        )
+
+
 def _file_in_the_way(path: str) -> str | None:
     """The nearest existing ancestor of ``path`` (or ``path`` itself) when it is not a
     directory: what stops a directory from being made at ``path``."""

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from ckptfmt.interop import hf
-from ckptfmt.interop.export import ExportReport, export_safetensors, tensors_of
+from ckptfmt.interop.export import ExportReport, export_safetensors, recover_export, tensors_of
 from ckptfmt.interop.export_plan import CAST_TARGETS, select
 from ckptfmt.interop.importer import ImportReport, import_named, import_safetensors
 from ckptfmt.interop.names import Rename
@@ -25,5 +25,6 @@ __all__ = [
     "export_safetensors",
     "import_named",
     "import_safetensors",
+    "recover_export",
     "tensors_of",
 ]

@@ -9,8 +9,11 @@ and written at its place in its output file; a bounded window of tensors is read
 up front from the manifest (shapes and dtypes are known), so every file is written in one pass.
 
 The output appears whole or not at all: everything is written into a staging directory
-``.<name>.export-<random>`` beside ``out`` (fsynced), then renamed to ``out``; a failure removes
-the staging directory, and a torn export leaves only a dot-named directory behind. A bucket
+``.<name>.export-<random>`` beside ``out`` (fsynced), then renamed to ``out``, a previous export
+swapped out in one step (:func:`publish`; ``spec/CLI.md`` §4); a failure removes the staging
+directory and any parent of ``out`` the export made, and what a killed export leaves (only
+dot-named directories beside ``out``) the next export to ``out`` finishes
+(:func:`recover_export`). A bucket
 prefix (``s3://bucket/hf``) has no rename: the files are put there as plain keys, streamed,
 the index last (``export_bucket``).
 
@@ -41,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import DamagedError, DestinationExistsError, UsageError
+from ckptfmt.errors import DamagedError, DestinationExistsError, StorageError, UsageError
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
 from ckptfmt.interop.export_bucket import BUCKET_WINDOW, check_bucket_out, write_to_bucket
@@ -51,8 +54,10 @@ from ckptfmt.interop.names import Rename, renames_of
 from ckptfmt.maintenance.nodes import NodeDirs
 from ckptfmt.maintenance.source import Job, Source, open_source
 from ckptfmt.manifest.limits import display
+from ckptfmt.storage import commit
 from ckptfmt.storage.files import fsync_dir, write_error, write_gather
 from ckptfmt.storage.objects.bucket import Bucket
+from ckptfmt.storage.paths import check_destination, refuse_inside_checkpoint, removing_made
 from ckptfmt.storage.progress import ProgressCallback, current_meter, metering
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
 from ckptfmt.version import __version__
@@ -121,7 +126,8 @@ def _check_out(out: Path, overwrite: bool, writes: Sequence[str] = ()) -> None:
             raise DestinationExistsError(str(out), "it exists and is not a directory")
         ours = {hf.SINGLE, hf.INDEX, *writes}
         for p in out.iterdir():
-            if not (p.name in ours or (p.name.startswith("model-") and p.suffix == ".safetensors")):
+            named = p.name in ours or (p.name.startswith("model-") and p.suffix == ".safetensors")
+            if not named or (p.is_dir() and not p.is_symlink()):  # an export writes no directory
                 raise DestinationExistsError(
                     str(out), f"it holds {p.name!r}, which an export does not write"
                 )
@@ -170,21 +176,92 @@ def _config_files(config: str | os.PathLike[str] | None, src: NodeDirs) -> list[
     return files
 
 
+EXPORT_TOKEN = "export"
+"""The dot-names an export uses beside ``out``: ``.<name>.export-<id>`` (its staging
+directory, and after an exchange the export it replaced) and ``.<name>.export-old-<id>`` (an
+export renamed aside where the file system cannot exchange)."""
+
+
 def staging_of(out: Path) -> Path:
-    return out.parent / f".{out.name}.export-{os.urandom(8).hex()}"
+    return out.parent / f".{out.name}.{EXPORT_TOKEN}-{os.urandom(16).hex()}"
+
+
+def _aside_of(out: Path) -> Path:
+    return out.parent / f".{out.name}.{EXPORT_TOKEN}-old-{os.urandom(16).hex()}"
+
+
+def _leftovers_of(out: Path) -> list[Path]:
+    """What exports to ``out`` cut short left beside it (module docstring), oldest first."""
+    if not out.parent.is_dir():
+        return []
+    head = f".{out.name}.{EXPORT_TOKEN}-"
+    found = [c for c in out.parent.iterdir() if c.name.startswith(head) and c.is_dir()]
+    return sorted(found, key=lambda c: c.lstat().st_mtime_ns)
+
+
+def _is_whole_export(d: Path) -> bool:
+    return (d / hf.SINGLE).is_file() or (d / hf.INDEX).is_file()
+
+
+def recover_export(out: Path, clean: bool = True) -> Path | None:
+    """Finish what an export to ``out`` that was killed left (the next export to ``out`` calls
+    this first, and an import of a missing ``out`` with ``clean=False``): when ``out`` is missing
+    and an export renamed aside (``.<name>.export-old-*``, the two-rename replacement where the
+    file system could not exchange, cut between its renames) is there whole, it is renamed back
+    to ``out`` (the newest, if several); then, with ``clean``, every other leftover of ``out``'s
+    exports (staging directories, replaced exports) is removed (not by a reader: an export
+    running now owns its staging directory). Returns the directory put back, if any."""
+    back = None
+    if not (out.exists() or out.is_symlink()):
+        aside = [
+            c
+            for c in _leftovers_of(out)
+            if c.name.startswith(f".{out.name}.{EXPORT_TOKEN}-old-") and _is_whole_export(c)
+        ]
+        if aside:
+            back = aside[-1]
+            os.rename(back, out)
+            fsync_dir(out.parent)
+    for c in _leftovers_of(out) if clean else ():
+        shutil.rmtree(c, ignore_errors=True)
+    return back
 
 
 def publish(staging: Path, out: Path, fsync: bool) -> None:
-    """Rename the staged directory into place (an old export moved aside, then removed)."""
+    """Put the staged export at ``out``. A previous export there is swapped out in one step
+    (``renameat2(RENAME_EXCHANGE)``, :func:`ckptfmt.storage.commit.exchange`), so ``out`` names
+    the old export or the new one at every instant; where the file system cannot exchange it is
+    renamed aside to ``.<name>.export-old-<id>`` first and the new one renamed in, and a kill
+    between the two renames (``out`` missing, the old export whole beside it) is undone by
+    :func:`recover_export`. The replaced export is removed once the new one stands."""
     old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.urandom(8).hex()}"
-        os.rename(out, old)
-    os.rename(staging, out)
-    if fsync:
-        fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if out.exists() or out.is_symlink():
+        if commit.exchange(staging, out):
+            old = staging  # the old export, now at the staging name
+        else:
+            old = _aside_of(out)
+            os.rename(out, old)
+            try:
+                os.rename(staging, out)
+            except OSError:  # nothing replaced: the old export back in place
+                os.rename(old, out)
+                raise
+    else:
+        os.rename(staging, out)
+    try:
+        if fsync:
+            fsync_dir(out.parent)
+    except OSError as exc:
+        raise StorageError(
+            str(out),
+            "the export is in place, but its directory could not be synced to disk "
+            f"({(exc.strerror or str(exc)).lower()}): it may not survive a power loss",
+            level="the export's destination",
+            err=exc.errno,
+        ) from exc
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -302,6 +379,9 @@ def export_safetensors(
         there = check_bucket_out(bucket, write.overwrite, writes)
     else:
         out_path = Path(where.spec).absolute()
+        check_destination(out_path)  # a parent that is a file: said, not "cannot read"
+        refuse_inside_checkpoint(out_path)
+        recover_export(out_path)  # a killed export to it: its old copy back, leftovers gone
         _check_out(out_path, write.overwrite, writes)
     source = open_source(src)
     planned = plan(select(source, rows, strip), strip, rules, dtype)
@@ -348,7 +428,21 @@ def _export(
     extra: Sequence[tuple[str, bytes]] = (),
 ) -> ExportReport:
     """Write ``files`` (and ``extra``: name, bytes) into a staging directory beside
-    ``out_path``, then rename it there."""
+    ``out_path``, then rename it there; on failure no directory it made is left."""
+    with removing_made([out_path]):
+        return _export_staged(source, files, planned, out_path, threads, window, fsync, extra)
+
+
+def _export_staged(
+    source: Source,
+    files: list[ExportFile],
+    planned: list[Planned],
+    out_path: Path,
+    threads: int,
+    window: int,
+    fsync: bool,
+    extra: Sequence[tuple[str, bytes]],
+) -> ExportReport:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_of(out_path)
     staging.mkdir()

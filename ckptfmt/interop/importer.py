@@ -14,6 +14,7 @@ checksums) straight from the page cache.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import shutil
@@ -36,11 +37,13 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
+from ckptfmt.interop.export import recover_export
 from ckptfmt.interop.names import Rename, import_name, renames_of, unique
 from ckptfmt.interop.safetensors_format import Header, read_header
 from ckptfmt.maintenance.reshard import reshard
 from ckptfmt.manifest.limits import display
-from ckptfmt.storage.nodes import parent_of
+from ckptfmt.storage.nodes import expand, parent_of
+from ckptfmt.storage.paths import check_destination, refuse_inside_checkpoint, removing_made
 from ckptfmt.storage.progress import Progress, ProgressCallback
 from ckptfmt.storage.store import Location, LocationSpec, parse_location
 
@@ -165,6 +168,40 @@ def import_named(
         raise DestinationExistsError(  # before the work, as a directory is refused
             str(dest), "a checkpoint is committed there (overwrite=True, --overwrite, replaces it)"
         )
+    made: list[str | os.PathLike[str]] = []  # what a failure must not leave made above
+    if dest.kind == "directory":
+        made = [dest.spec]
+    elif dest.kind == "spread" and isinstance(dest.spec, str | os.PathLike):
+        made = [expand(dest.spec, n) for n in (nodes or ["n0"])]
+    for path in made:
+        refuse_inside_checkpoint(path)  # deleted with it when it is replaced
+    with removing_made(made):
+        destination = _write(state, dest, step, write, ranks, nodes, rows, on_stage, on_save)
+    return ImportReport(
+        source=source,
+        destination=destination,
+        format=fmt,
+        files=list(files),
+        tensors=len(arrays),
+        values=len(items) - len(arrays),
+        total_size=sum(a.nbytes for a in arrays),
+        names={n: display(c) for (n, _), c in zip(items, names)},
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _write(
+    state: dict[str, Any],
+    dest: Location,
+    step: int | None,
+    write: WriteOptions,
+    ranks: int,
+    nodes: Sequence[str] | None,
+    rows: Sequence[str],
+    on_stage: ProgressCallback | None,
+    on_save: ProgressCallback | None,
+) -> str:
+    """Write the imported ``state`` to ``dest`` (:func:`import_named`); where it committed."""
     if ranks == 1 and nodes is None and not rows:
         if dest.kind in ("url", "store"):
             store = dest.store()
@@ -192,8 +229,11 @@ def import_named(
     else:
         spec = dest.spec
         parent = parent_of(spec).absolute()
+        check_destination(spec)  # a file in the way: said, not "cannot read"
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = parent / f".import-{os.urandom(8).hex()}"
+        key = _scratch_key(spec)
+        _remove_scratch(parent, key)  # what an import to ``spec`` that was killed left
+        tmp = parent / f".import-{key}-{os.urandom(16).hex()}"
         staged = replace(write, fsync=False, overwrite=False)  # removed below
         try:
             save(state, tmp, step=step, write=staged, progress=on_stage)
@@ -201,17 +241,23 @@ def import_named(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         destination = ", ".join(done.destination)
-    return ImportReport(
-        source=source,
-        destination=destination,
-        format=fmt,
-        files=list(files),
-        tensors=len(arrays),
-        values=len(items) - len(arrays),
-        total_size=sum(a.nbytes for a in arrays),
-        names={n: display(c) for (n, _), c in zip(items, names)},
-        seconds=time.perf_counter() - started,
-    )
+    return destination
+
+
+def _scratch_key(spec: str | os.PathLike[str]) -> str:
+    """What names the scratch checkpoints of imports to ``spec`` (its absolute path, hashed):
+    ``.import-<key>-<random>`` beside it."""
+    return hashlib.sha256(os.fsencode(os.path.abspath(spec))).hexdigest()[:16]
+
+
+def _remove_scratch(parent: Path, key: str) -> None:
+    """Remove the scratch checkpoints (and their saves' staging directories) that imports to
+    the destination of ``key`` left in ``parent`` when they were killed: a whole checkpoint's
+    bytes per kill otherwise, which nothing else removes."""
+    heads = (f".import-{key}-", f"..import-{key}-")
+    for c in parent.iterdir():
+        if c.name.startswith(heads) and c.is_dir() and not c.is_symlink():
+            shutil.rmtree(c, ignore_errors=True)
 
 
 class _Relay:
@@ -239,7 +285,11 @@ class _Relay:
 
 def safetensors_files(src: Path) -> tuple[str, list[tuple[Path, list[str] | None]]]:
     """The format (``safetensors`` or ``hf``) and files of ``src`` with, for a sharded
-    directory, the tensors its index places in each file."""
+    directory, the tensors its index places in each file. A Hugging Face directory that an
+    export killed while replacing it left renamed aside is put back first
+    (``export.recover_export``)."""
+    if not (src.exists() or src.is_symlink()):
+        recover_export(src.absolute(), clean=False)
     if src.is_dir():
         if (src / hf.INDEX).exists():
             return "hf", [(src / f, names) for f, names in hf.read_index(src).items()]

@@ -46,7 +46,7 @@ from ckptfmt.plan.ownership import make_plan
 from ckptfmt.redundancy.config import Redundancy
 from ckptfmt.storage.nodes import expand
 from ckptfmt.storage.objects.source import ObjectInside
-from ckptfmt.storage.paths import check_destination
+from ckptfmt.storage.paths import check_destination, refuse_inside_checkpoint, removing_made
 from ckptfmt.storage.progress import ProgressCallback
 from ckptfmt.storage.store import DirectoryStore, Location, Store, parse_location
 
@@ -154,10 +154,13 @@ def reshard(
     for store in dict.fromkeys(stores.values()):
         if isinstance(store, DirectoryStore):  # a parent that is a file, a read-only file system
             check_destination(store.path)
+            refuse_inside_checkpoint(store.path)  # deleted with it when it is replaced
+    local = [s.path for s in stores.values() if isinstance(s, DirectoryStore)]
     try:
-        out, bytes_read, written, committed = write_destination(
-            manifest, sel, plan, sources, dst_at, stores, node_list, redundancy, write, progress
-        )
+        with removing_made(local):  # a failed reshard leaves no directory it made
+            out, bytes_read, written, committed = write_destination(
+                manifest, sel, plan, sources, dst_at, stores, node_list, redundancy, write, progress
+            )
     except DamagedError as exc:  # name the object's URL, not its path inside the checkpoint
         objects = next(iter(sources.values()), None)
         if src_at.kind == "url" and isinstance(objects, ObjectInside):

@@ -21,11 +21,20 @@ import numpy as np
 from ckptfmt.checksum import combine
 from ckptfmt.container.metadata import utc_now, write_metadata, writer_info
 from ckptfmt.dtypes import by_name
+from ckptfmt.engine.copies import GOOD, read_copy
 from ckptfmt.engine.encode import encode_offline, offline_work
-from ckptfmt.errors import ChecksumError, CkptError, StorageError, StorageFullError, UsageError
+from ckptfmt.errors import (
+    ChecksumError,
+    CkptError,
+    NotDurableError,
+    StorageError,
+    StorageFullError,
+    UsageError,
+)
 from ckptfmt.format.chunk_reads import read_chunks
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.format.shard_io import Geometry, plan_region, region_cells, shard_file_nbytes
+from ckptfmt.maintenance.nodes import remove_stale_nodes, superseded_by
 from ckptfmt.maintenance.reshard_select import Selection
 from ckptfmt.manifest.codec import dump_manifest
 from ckptfmt.manifest.grid import cells, grid_shape
@@ -144,6 +153,7 @@ def write_destination(
     save_id = os.urandom(16).hex()
     drafts: dict[Store, Draft] = {}
     published: set[Store] = set()
+    not_durable: list[NotDurableError] = []
     try:
         for store in dict.fromkeys(stores.values()):
             drafts[store] = store.prepare(save_id, write.overwrite)
@@ -169,10 +179,16 @@ def write_destination(
             data = dump_manifest(out)
             for d in drafts.values():
                 d.stage_manifest(data, [d.written()], write.fsync)
+            before = _saves_replaced(drafts) if per_node else set()
             replaced: list[tuple[Draft, Any]] = []
             try:
                 for store, d in drafts.items():
-                    replaced.append((d, d.publish(fsync=write.fsync)))
+                    try:
+                        old = d.publish(fsync=write.fsync)
+                    except NotDurableError as exc:  # renamed into place: published, not synced
+                        old = exc.replaced
+                        not_durable.append(exc)
+                    replaced.append((d, old))
                     published.add(store)
             except BaseException as exc:  # the nodes published take their previous copy back
                 stuck = _roll_back(replaced, drafts, write.fsync)
@@ -190,8 +206,11 @@ def write_destination(
                 if err is exc:
                     raise
                 raise err from exc
-            for d, old in replaced:
-                d.discard(old)
+            if not not_durable:  # else nothing more is deleted while the commit may not be on disk
+                for d, old in replaced:
+                    d.discard(old)
+                if per_node and isinstance(dst.spec, str | os.PathLike):
+                    remove_stale_nodes(os.fspath(dst.spec), node_list, before)
             meter.finish()
     except BaseException as exc:
         for store, d in drafts.items():
@@ -212,7 +231,34 @@ def write_destination(
         if failed is not None:  # a file over the size limit
             raise failed from None
         raise
+    if not_durable:  # committed on every node: said, not undone
+        first = not_durable[0]
+        where = ", ".join(e.path for e in not_durable)
+        raise NotDurableError(
+            where,
+            first.cause,
+            level="the reshard's destination",
+            err=first.errno,
+            replaced=[e.replaced for e in not_durable],
+        )
     return out, read, written, [s.where for s in drafts]
+
+
+def _saves_replaced(drafts: Mapping[Store, Draft]) -> set[str]:
+    """The save ids that the directories ``drafts`` are about to replace hold, and the saves
+    those rewrote (a reshard in place onto the same ``{node}`` template, done twice): whose
+    other nodes' directories :func:`remove_stale_nodes` removes once the new save stands."""
+    ids: set[str] = set()
+    for d in drafts.values():
+        final = getattr(d, "final", None)
+        if isinstance(final, Path):
+            c = read_copy(final)
+            if c.state == GOOD and c.manifest is not None:
+                ids.add(c.manifest.save_id)
+                older = superseded_by(c.manifest)
+                if older is not None:
+                    ids.add(older)
+    return ids
 
 
 def _roll_back(

@@ -13,7 +13,12 @@ from ckptfmt.storage.nodes import expand, is_spread, is_template, matching
 from ckptfmt.storage.objects.bucket import Bucket
 from ckptfmt.storage.objects.source import ObjectInside, open_committed
 from ckptfmt.storage.objects.url import is_url
-from ckptfmt.storage.paths import check_destination, refuse_url
+from ckptfmt.storage.paths import (
+    check_destination,
+    refuse_inside_checkpoint,
+    refuse_url,
+    removing_made,
+)
 from ckptfmt.storage.pools import Pool
 from ckptfmt.storage.progress import Progress, ProgressCallback, metering
 from ckptfmt.storage.steps import StepRef, parse_step, step_dir_name
@@ -50,8 +55,10 @@ __all__ = [
     "Pool",
     "Progress",
     "ProgressCallback",
+    "refuse_inside_checkpoint",
     "refuse_url",
     "remove_committed",
+    "removing_made",
     "step_dir_name",
     "StepRef",
     "write_error",

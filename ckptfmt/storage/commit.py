@@ -31,7 +31,7 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
-from ckptfmt.errors import DestinationExistsError
+from ckptfmt.errors import DestinationExistsError, NotDurableError
 from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.files import fsync_dir, write_gather
 
@@ -148,7 +148,9 @@ def publish(
     """Phase 2: put the staged tree in place. An existing copy is swapped out in one step
     (:func:`exchange`; where that cannot be done, renamed aside first, then the new one in) and
     kept at ``.name.old-<save_id>``, not deleted, so :func:`unpublish` can put it back. Returns
-    the moved-aside copy, for :func:`discard` once every node has published. ``hook`` (tests'
+    the moved-aside copy, for :func:`discard` once every node has published. When the parent
+    cannot be fsynced after the rename, :class:`NotDurableError` (its ``replaced``: the copy
+    moved aside): the step is published all the same, and nothing is put back. ``hook`` (tests'
     crash points) is called with ``"swapped"`` after the exchange (the old tree at the staging
     name) and ``"aside"`` between the two renames where there was no exchange. A second rename
     that fails puts the old tree back in place before raising: a failed publish published
@@ -176,7 +178,11 @@ def publish(
     else:
         os.rename(staging, final)
     if fsync:
-        fsync_dir(final.parent)
+        try:
+            fsync_dir(final.parent)
+        except OSError as exc:  # renamed: committed for every reader, not known to be on disk
+            why = (exc.strerror or str(exc)).lower()
+            raise NotDurableError(str(final), why, err=exc.errno, replaced=old) from exc
     return old
 
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from ckptfmt.errors import DestinationUnwritableError, UrlNotSupportedError
+from ckptfmt.manifest.codec import MANIFEST_NAME
 from ckptfmt.storage.objects.url import SUPPORTED
 
 # an RFC 3986 scheme, then "://" (or ":/": what ``pathlib.Path("s3://b/x")`` leaves of it); a
@@ -67,3 +70,46 @@ def unwritable(directory: Path) -> tuple[str, int] | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"no permission to write in {probe}", errno.EACCES
     return None
+
+
+def missing_parents(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The directories above each of ``paths`` (its parent, that one's parent, ...) that do not
+    exist yet, deepest first: what writing ``paths`` will create, for :func:`removing_made`."""
+    missing: set[Path] = set()
+    for p in paths:
+        d = Path(os.path.abspath(p)).parent
+        while not (d.exists() or d.is_symlink()) and d.parent != d:
+            missing.add(d)
+            d = d.parent
+    return sorted(missing, key=lambda d: (-len(d.parts), str(d)))
+
+
+@contextmanager
+def removing_made(paths: Iterable[str | os.PathLike[str]]) -> Iterator[None]:
+    """Run the block; if it raises, remove the directories above ``paths`` that it created (they
+    were missing when it began, :func:`missing_parents`) and that are empty again, so a failed
+    export, import or reshard leaves no empty directory behind it. A directory that existed
+    before, or that holds anything now (another writer's), is never removed."""
+    made = missing_parents(paths)
+    try:
+        yield
+    except BaseException:
+        for d in made:  # deepest first: a parent is empty once its made children are gone
+            with suppress(OSError):
+                os.rmdir(d)
+        raise
+
+
+def refuse_inside_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`DestinationUnwritableError` when ``path`` lies inside a committed
+    checkpoint directory (one of its parents holds a manifest): the offline tools never write
+    there, since whatever they put inside a checkpoint is deleted with it when it is replaced
+    (an overwrite swaps the whole tree) or removed by retention."""
+    target = Path(os.path.abspath(path))
+    for parent in target.parents:
+        if (parent / MANIFEST_NAME).is_file():
+            raise DestinationUnwritableError(
+                str(path),
+                f"it is inside the checkpoint {parent}, whose replacement or removal would "
+                "delete it; choose a directory outside the checkpoint",
+            )

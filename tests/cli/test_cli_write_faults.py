@@ -139,3 +139,41 @@ def test_rebuild_on_a_read_only_file_system_is_no_lost_data(tmp_path: Path) -> N
     assert "UNRECOVERABLE" not in proc.stdout + proc.stderr and "lost" not in proc.stderr
     fixed = subprocess.run([*CLI, "rebuild", "-q", template], capture_output=True, timeout=120)
     assert fixed.returncode == ExitStatus.OK  # writable again: it was repairable all along
+
+
+@pytest.mark.parametrize(
+    "command", ["export", "export-torch", "import", "import-nodes", "reshard", "reshard-nodes"]
+)
+def test_a_failed_write_leaves_no_directory_it_made(tmp_path: Path, command: str) -> None:
+    """OUT under directories that do not exist yet (``kept/new/deeper/``, ``kept`` there
+    before): the write fails part way (``ulimit -f``: EFBIG), and every directory the command
+    made is gone again, ``kept`` (which it did not make) stays; it used to leave the empty
+    ``new/deeper/`` behind."""
+    if command == "export-torch":
+        pytest.importorskip("torch")
+    src = tmp_path / "src"
+    ckptfmt.save(BIG, src, step=1)
+    if command.startswith("import"):
+        export_safetensors(src, tmp_path / "hf")
+        src = tmp_path / "hf"
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine").write_text("not the tool's")
+    deep = kept / "new" / "deeper"
+    out = str(deep / ("out.pt" if command == "export-torch" else "out"))
+    template = str(deep / "{node}" / "ckpt")
+    args = {
+        "export": ["export", str(src), out],
+        "export-torch": ["export", "--to", "torch", str(src), out],
+        "import": ["import", str(src), out],
+        "import-nodes": ["import", str(src), template, "--ranks", "2", "--ranks-per-node", "1"],
+        "reshard": ["reshard", str(src), out, "--ranks", "2"],
+        "reshard-nodes": ["reshard", str(src), template, "--ranks", "2", "--ranks-per-node", "1"],
+    }[command]
+    shell = 'ulimit -f 1024 && exec "$@"'  # 512 KiB: less than one of BIG's files
+    proc = subprocess.run(
+        ["sh", "-c", shell, "sh", *CLI, *args, "-q"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == ExitStatus.UNREADABLE, proc.stdout + proc.stderr
+    assert "file too large" in proc.stderr.lower() and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in kept.iterdir()) == ["mine"]

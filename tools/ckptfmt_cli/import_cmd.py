@@ -18,7 +18,7 @@ import click
 
 from ckptfmt import WriteOptions
 from ckptfmt.errors import ForeignFormatError, UsageError
-from ckptfmt.interop import ImportReport, hf, import_safetensors
+from ckptfmt.interop import ImportReport, hf, import_safetensors, recover_export
 from ckptfmt.maintenance import download_tree
 from ckptfmt.storage import Location, parse_location
 from ckptfmt_cli.exits import help_epilog, one_line
@@ -87,6 +87,8 @@ def report_text(r: ImportReport) -> list[str]:
 def _import(
     src: Path, out: Location, fmt: str | None, trust_pickle: bool, opts: dict[str, Any]
 ) -> ImportReport:
+    if not src.exists():
+        recover_export(src.absolute(), clean=False)  # an export killed while replacing it
     if not src.exists():
         raise ForeignFormatError(str(src), "no such file or directory")
     fmt = fmt or detect(src)
