@@ -9,7 +9,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import CkptError, StorageError, StorageFullError, level_name
+from ckptfmt.errors import (
+    CkptError,
+    NotDurableError,
+    StorageError,
+    StorageFullError,
+    level_name,
+)
 from ckptfmt.parallel.collective.boundary import Boundary
 from ckptfmt.storage.store.base import Draft
 
@@ -49,7 +55,8 @@ def publish_commit(
     group's leader publishes its draft with its store's commit (renames its staged step into
     place; writes the commit object); a last vote; if any node failed to, the nodes that did
     roll it back (their previous copy of the step, if any, comes back), so a step is committed
-    on every node or on none. (A rank that dies between its rename and this vote leaves a step
+    on every node or on none; a node whose rename was done but whose directory could not be
+    synced (``NotDurableError``) rolls back too. (A rank that dies between its rename and this vote leaves a step
     committed on some nodes: a torn commit of a save whose every data and parity file was
     written, which the restore rebuilds.)"""
     old: Any = None
@@ -57,7 +64,13 @@ def publish_commit(
     with b.guard("commit"):
         if is_leader:
             hook("committing")
-            old = draft.publish(hook, fsync)
+            try:
+                old = draft.publish(hook, fsync)
+            except NotDurableError as exc:
+                # renamed into place, its directory not synced: rolled back with the others
+                # below (kept, the step would stand on this node only)
+                old, published = exc.replaced, True
+                raise
             published = True
         hook("committed")
 
