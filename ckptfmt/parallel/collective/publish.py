@@ -56,9 +56,9 @@ def publish_commit(
     place; writes the commit object); a last vote; if any node failed to, the nodes that did
     roll it back (their previous copy of the step, if any, comes back), so a step is committed
     on every node or on none; a node whose rename was done but whose directory could not be
-    synced (``NotDurableError``) rolls back too. (A rank that dies between its rename and this vote leaves a step
-    committed on some nodes: a torn commit of a save whose every data and parity file was
-    written, which the restore rebuilds.)"""
+    synced (``NotDurableError``) rolls back too. (A rank that dies between its rename and this
+    vote leaves a step committed on some nodes: a torn commit of a save whose every data and
+    parity file was written, which the restore rebuilds.)"""
     old: Any = None
     published = False
     with b.guard("commit"):
