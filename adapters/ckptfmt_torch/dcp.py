@@ -138,16 +138,31 @@ class Writer(StorageWriter):
         self._local: SavePlan | None = None
         self._job: dcp_save.Job | None = None  # the coordinator's, from plan to finish
         self._error: BaseException | None = None  # this rank's failure in write_data
+        self._turns = dcp_save.Turns()  # one save at a time (dcp.async_save runs them at once)
+
+    def _drop_stale(self) -> None:
+        """A new save takes the writer: the staging directory of a save DCP failed between
+        ``prepare_global_plan`` and ``finish`` (its planner raised; ``finish`` never came) is
+        removed."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.draft.abort()
 
     def _options(self) -> WriteOptions:
         return self.write if self.write is not None else WriteOptions(threads=writer_threads())
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """DCP's first call of a save given a ``checkpoint_id``: waits for a save of this writer
+        still in flight (:class:`~ckptfmt_torch.dcp_save.Turns`), then takes the new path."""
+        self._turns.take(self._drop_stale)
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
         self._local = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Every rank, first in each save (after ``reset``): waits for a save of this writer
+        still in flight, as ``reset`` does."""
+        self._turns.take(self._drop_stale)
         self.is_coordinator = is_coordinator
         self._saves += 1
         self._job, self._error = None, None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from kit.files import leftover_dirs, leftovers  # noqa: E402
 from kit.managers import node_manager  # noqa: E402
 from kit.s3 import S3  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.errors import ChecksumError, PickleRefusedError, UnsupportedDtypeError  # noqa: E402
@@ -304,4 +307,79 @@ def test_an_async_save_still_writing_when_the_script_ends_is_committed(tmp_path:
     dcp.load(got, storage_reader=Reader(path))
     assert same(got, want)
     assert ckptfmt.open(path).manifest.step == 3
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+class PausedPlanner(DefaultSavePlanner):
+    """DCP's default planner, paused in ``finish_plan`` (after the writer made the staging
+    directory, before any shard is written) until ``go`` is set: the save is in flight for as
+    long as the test wants. ``fail``: it raises there instead (a planner's failure between the
+    writer's hooks, which the writer never hears of)."""
+
+    def __init__(self, go: threading.Event | None = None, fail: bool = False) -> None:
+        super().__init__()
+        self.go, self.fail, self.paused = go, fail, threading.Event()
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        self.paused.set()
+        if self.fail:
+            raise RuntimeError("the planner failed")
+        if self.go is not None and not self.go.wait(60):
+            raise RuntimeError("not let go")
+        return super().finish_plan(new_plan)
+
+
+def test_overlapping_async_saves_on_one_writer_are_made_one_after_the_other(
+    tmp_path: Path,
+) -> None:
+    """Two ``dcp.async_save`` calls on one ``Writer`` with the first still in flight (paused
+    after its staging directory is made): the second waits for the first and both checkpoints
+    commit, each bit for bit at its own path, nothing left beside them (DCP's own
+    ``FileSystemWriter`` mixes the two; ckptfmt's failed both, leaving a staging directory)."""
+    g = torch.Generator().manual_seed(11)
+    first = {"w": torch.randn(64, 32, generator=g), "step": 1}
+    second = {"w": torch.randn(64, 32, generator=g), "v": torch.randn(7, generator=g), "step": 2}
+    writer = Writer(tmp_path / "a")
+    go = threading.Event()
+    planner = PausedPlanner(go)
+    a = dcp.async_save(first, storage_writer=writer, checkpoint_id=tmp_path / "a", planner=planner)
+    assert planner.paused.wait(60)
+    b = dcp.async_save(second, storage_writer=writer, checkpoint_id=tmp_path / "b")
+    time.sleep(0.5)  # the second save, left to run, reaches the writer meanwhile
+    assert not b.done()  # it waits for the first
+    go.set()
+    a.result(timeout=120)
+    b.result(timeout=120)
+    for path, saved in ((tmp_path / "a", first), (tmp_path / "b", second)):
+        got = {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()
+        }
+        dcp.load(got, storage_reader=Reader(path))
+        assert same(got, saved)
+        assert not ckptfmt.verify(path).problems
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_failing_between_the_writers_hooks_leaves_nothing_once_the_writer_saves_again(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """A save that DCP fails after the writer made its staging directory (the planner raises in
+    ``finish_plan``; the writer's ``finish`` is never called): the writer's next save removes
+    that staging directory, neither waits for the failed save nor is refused, and commits."""
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}
+    writer = Writer(tmp_path / "a")
+    save = dcp.async_save if asynchronous else dcp.save
+    with pytest.raises(CheckpointException):
+        done = save(state, storage_writer=writer, planner=PausedPlanner(fail=True))
+        if asynchronous:
+            done.result(timeout=60)
+    assert leftover_dirs(tmp_path)  # the failed save's staging directory, as DCP left it
+    done = dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / "b")
+    done.result(timeout=60)
+    got = {"w": torch.zeros(3, 4), "step": 0}
+    dcp.load(got, storage_reader=Reader(tmp_path / "b"))
+    assert same(got, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
     assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
