@@ -128,7 +128,7 @@ class Writer(StorageWriter):
             raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise UsageError(f"step must be a non-negative int or None, got {step!r}")
-        self.path = Path(path)
+        self.path = _directory(path)
         self.write = write
         self.step = step
         self.comm = comm
@@ -154,9 +154,10 @@ class Writer(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """DCP's first call of a save given a ``checkpoint_id``: waits for a save of this writer
         still in flight (:class:`~ckptfmt_torch.dcp_save.Turns`), then takes the new path."""
+        path = None if checkpoint_id is None else _directory(checkpoint_id)
         self._turns.take(self._drop_stale)
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+        if path is not None:
+            self.path = path
         self._local = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -250,6 +251,17 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _directory(path: str | os.PathLike[str]) -> Path:
+    """The writer's directory ``path``, checked where the user hands it in: a URL (the writer
+    writes a directory; ``ckptfmt_torch.save`` writes to a bucket), a NUL character or a
+    ``{node}`` template raise ckptfmt's error naming it as given, before DCP starts (a ``Path``
+    would fold ``s3://b`` into a local ``s3:/b``; the OS's error would be a bare ``ValueError``
+    in the middle of the save)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"a Writer's path is a directory, not {type(path).__name__}")
+    return parse_location(path).directory()
 
 
 _SKIPPED = object()  # an object another rank stores: not read here
@@ -356,6 +368,7 @@ class Reader(StorageReader):
 
     def __init__(self, path: NodeDirs, *, trust_pickle: bool = False) -> None:
         super().__init__()
+        parse_location(path)  # a NUL, an unsupported URL: ckptfmt's error now, not DCP's later
         self.path = path
         self.trust_pickle = trust_pickle
         self._ckpt: Checkpoint | None = None
@@ -366,6 +379,7 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
+            parse_location(checkpoint_id)
             self.path = checkpoint_id
         self._ckpt = None
         self._items = {}

@@ -10,6 +10,7 @@ is finished, as DCP's own."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -31,7 +32,13 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.errors import ChecksumError, PickleRefusedError, UnsupportedDtypeError  # noqa: E402
+from ckptfmt.errors import (  # noqa: E402
+    ChecksumError,
+    PickleRefusedError,
+    UnsupportedDtypeError,
+    UrlNotSupportedError,
+    UsageError,
+)
 from ckptfmt.storage.store.directory import in_memory  # noqa: E402
 
 pytestmark = [
@@ -383,3 +390,32 @@ def test_a_save_failing_between_the_writers_hooks_leaves_nothing_once_the_writer
     assert same(got, state)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
     assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "said"),
+    [
+        ("s3://bucket/run/step-1", UrlNotSupportedError, "'s3://bucket/run/step-1'"),
+        ("gs://bucket/step-1", UrlNotSupportedError, "'gs://bucket/step-1'"),
+        ("file:///tmp/step-1", UrlNotSupportedError, "file://"),
+        ("ckpt/a\0b", UsageError, "NUL"),
+        ("ckpt/{node}/step-1", UsageError, "give one directory"),
+    ],
+)
+def test_a_path_the_writer_cannot_write_is_refused_as_given_before_dcp_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, error: type, said: str
+) -> None:
+    """A bucket's URL (the writer writes a directory; ``ckptfmt_torch.save`` writes buckets), a
+    NUL or a ``{node}`` template, given to ``Writer`` or as ``dcp.save``'s ``checkpoint_id``:
+    ckptfmt's error naming the path as given, before DCP starts and nothing made (a ``Path``
+    folded ``s3://`` into a local ``s3:/``; a NUL failed inside the save with the OS's bare
+    ``ValueError``). ``Reader`` refuses a NUL and a ``file://`` URL as it is made."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error, match=re.escape(said)):
+        Writer(path)
+    with pytest.raises(error, match=re.escape(said)):
+        dcp.save({"w": torch.ones(3)}, storage_writer=Writer("ok"), checkpoint_id=path)
+    if "NUL" in said or path.startswith("file:"):
+        with pytest.raises(error, match=re.escape(said)):
+            Reader(path)
+    assert list(tmp_path.iterdir()) == []
