@@ -414,6 +414,13 @@ class Turns:
         self._lock = threading.Lock()
         self._owner: tuple[threading.Thread, _FrameKey | None] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a writer sent to another process (DCP's process-based async save) holds no save
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
     def take(self, on_new: Callable[[], None]) -> None:
         """Called by the writer's first hook of a save (any rank, its own): returns at once
         within the save that holds the writer; else, once the save in flight is over, makes

@@ -419,3 +419,44 @@ def test_a_path_the_writer_cannot_write_is_refused_as_given_before_dcp_starts(
         with pytest.raises(error, match=re.escape(said)):
             Reader(path)
     assert list(tmp_path.iterdir()) == []
+
+
+PROCESS_SAVE = """
+import os, sys, socket
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from ckptfmt_torch.dcp import Writer
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+g = torch.Generator().manual_seed(5)
+state = {"w": torch.randn(64, 16, generator=g), "step": 9}
+writer, kind = Writer(sys.argv[1], step=9), AsyncCheckpointerType.PROCESS
+dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind).result()
+dist.destroy_process_group()
+"""
+
+
+def test_a_process_based_async_save_takes_the_writer(tmp_path: Path) -> None:
+    """``dcp.async_save(async_checkpointer_type=PROCESS)`` sends the writer to DCP's saving
+    process (pickled): the writer pickles (its turn-taking starts afresh there) and the
+    checkpoint is committed bit for bit, nothing left beside it."""
+    path = tmp_path / "c"
+    done = subprocess.run(
+        [sys.executable, "-c", PROCESS_SAVE, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    g = torch.Generator().manual_seed(5)
+    want = {"w": torch.randn(64, 16, generator=g), "step": 9}
+    got = {"w": torch.zeros(64, 16), "step": 0}
+    dcp.load(got, storage_reader=Reader(path))
+    assert same(got, want)
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
