@@ -112,6 +112,12 @@ class Writer(StorageWriter):
     the staging directory; ``write_data`` (every rank) writes this rank's regions; ``finish``
     (the coordinator) writes the manifest and commits the directory atomically. A failure on
     any rank fails the save on every rank and leaves nothing at ``path``.
+
+    One writer makes one save at a time: a save that reaches it (``dcp.async_save`` runs each
+    in a thread of its own) while another is in flight waits for that one to be over
+    (:class:`ckptfmt_torch.dcp_save.Turns`), so overlapping saves each commit what they were
+    given at their own path. A bucket's URL, a ``{node}`` template or a NUL in ``path`` raises
+    when the writer is made.
     """
 
     def __init__(
