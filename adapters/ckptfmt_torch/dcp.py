@@ -390,7 +390,12 @@ class Reader(StorageReader):
         self._ckpt = None
         self._items = {}
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+        """Every rank: the manifest as DCP's ``Metadata``. Takes no keyword arguments on
+        purpose: DCP retries a reader whose ``read_metadata`` takes them for "rank-local"
+        metadata after a failed read, and a rank whose retry succeeds then loads without
+        collectives while the others load with them; ckptfmt's manifest is every rank's, so a
+        failed read fails the load (ckptfmt's error, in DCP's ``CheckpointException``)."""
         ckpt = self._open()
         manifest = ckpt.manifest
         dcp_bytes = set(manifest.writer.get(BYTES_KEY) or ())  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from ckptfmt_torch.dcp import Reader, Writer  # noqa: E402
 from kit.files import leftover_dirs, leftovers  # noqa: E402
 from kit.managers import node_manager  # noqa: E402
 from kit.s3 import S3  # noqa: E402
+from kit.s3_proxy import S3Proxy  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
@@ -460,3 +461,27 @@ def test_a_process_based_async_save_takes_the_writer(tmp_path: Path) -> None:
     dcp.load(got, storage_reader=Reader(path))
     assert same(got, want)
     assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+def test_a_failed_metadata_read_fails_the_load_not_retried_without_collectives(
+    s3: S3, s3_proxy: S3Proxy
+) -> None:
+    """The reader's first ``read_metadata`` refused (403 on the commit object): the load fails
+    with ckptfmt's ``CredentialsError`` naming the object. DCP retries a reader whose
+    ``read_metadata`` takes keyword arguments as "rank-local metadata" and, when that read
+    succeeds, loads *without collectives* on that rank alone, while the other ranks load with
+    them (a hang or a mismatched load in a job of several ranks); ckptfmt's manifest is one for
+    every rank, so the reader takes no such retry."""
+    url = f"{s3.url}/c"
+    g = torch.Generator().manual_seed(4)
+    saved = {"w": torch.randn(8, 4, generator=g)}
+    ckptfmt_torch.save(saved, url)
+    s3_proxy.refuse(1, method="GET", path_contains="ckptfmt-commit.json")
+    target = {"w": torch.zeros(8, 4)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=Reader(url))
+    ((err, _stack),) = info.value.failures.values()
+    assert "ckptfmt-commit.json" in str(err) and "credentials refused" in str(err), err
+    assert torch.equal(target["w"], torch.zeros(8, 4))  # nothing loaded
+    dcp.load(target, storage_reader=Reader(url))  # the store answers again: it loads
+    assert same(target, saved)
