@@ -112,6 +112,12 @@ class Writer(StorageWriter):
     the staging directory; ``write_data`` (every rank) writes this rank's regions; ``finish``
     (the coordinator) writes the manifest and commits the directory atomically. A failure on
     any rank fails the save on every rank and leaves nothing at ``path``.
+
+    One writer makes one save at a time: a save that reaches it (``dcp.async_save`` runs each
+    in a thread of its own) while another is in flight waits for that one to be over
+    (:class:`ckptfmt_torch.dcp_save.Turns`), so overlapping saves each commit what they were
+    given at their own path. A bucket's URL, a ``{node}`` template or a NUL in ``path`` raises
+    when the writer is made.
     """
 
     def __init__(
@@ -128,7 +134,7 @@ class Writer(StorageWriter):
             raise UsageError(f"write must be a ckptfmt.WriteOptions, got {type(write).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise UsageError(f"step must be a non-negative int or None, got {step!r}")
-        self.path = Path(path)
+        self.path = _directory(path)
         self.write = write
         self.step = step
         self.comm = comm
@@ -138,16 +144,32 @@ class Writer(StorageWriter):
         self._local: SavePlan | None = None
         self._job: dcp_save.Job | None = None  # the coordinator's, from plan to finish
         self._error: BaseException | None = None  # this rank's failure in write_data
+        self._turns = dcp_save.Turns()  # one save at a time (dcp.async_save runs them at once)
+
+    def _drop_stale(self) -> None:
+        """A new save takes the writer: the staging directory of a save DCP failed between
+        ``prepare_global_plan`` and ``finish`` (its planner raised; ``finish`` never came) is
+        removed."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.draft.abort()
 
     def _options(self) -> WriteOptions:
         return self.write if self.write is not None else WriteOptions(threads=writer_threads())
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+        """DCP's first call of a save given a ``checkpoint_id``: waits for a save of this writer
+        still in flight (:class:`~ckptfmt_torch.dcp_save.Turns`), then takes the new path."""
+        path = None if checkpoint_id is None else _directory(checkpoint_id)
+        self._turns.take(self._drop_stale)
+        if path is not None:
+            self.path = path
         self._local = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Every rank, first in each save (after ``reset``): waits for a save of this writer
+        still in flight, as ``reset`` does."""
+        self._turns.take(self._drop_stale)
         self.is_coordinator = is_coordinator
         self._saves += 1
         self._job, self._error = None, None
@@ -235,6 +257,17 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _directory(path: str | os.PathLike[str]) -> Path:
+    """The writer's directory ``path``, checked where the user hands it in: a URL (the writer
+    writes a directory; ``ckptfmt_torch.save`` writes to a bucket), a NUL character or a
+    ``{node}`` template raise ckptfmt's error naming it as given, before DCP starts (a ``Path``
+    would fold ``s3://b`` into a local ``s3:/b``; the OS's error would be a bare ``ValueError``
+    in the middle of the save)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"a Writer's path is a directory, not {type(path).__name__}")
+    return parse_location(path).directory()
 
 
 _SKIPPED = object()  # an object another rank stores: not read here
@@ -341,6 +374,7 @@ class Reader(StorageReader):
 
     def __init__(self, path: NodeDirs, *, trust_pickle: bool = False) -> None:
         super().__init__()
+        parse_location(path)  # a NUL, an unsupported URL: ckptfmt's error now, not DCP's later
         self.path = path
         self.trust_pickle = trust_pickle
         self._ckpt: Checkpoint | None = None
@@ -351,11 +385,17 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
+            parse_location(checkpoint_id)
             self.path = checkpoint_id
         self._ckpt = None
         self._items = {}
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+        """Every rank: the manifest as DCP's ``Metadata``. Takes no keyword arguments on
+        purpose: DCP retries a reader whose ``read_metadata`` takes them for "rank-local"
+        metadata after a failed read, and a rank whose retry succeeds then loads without
+        collectives while the others load with them; ckptfmt's manifest is every rank's, so a
+        failed read fails the load (ckptfmt's error, in DCP's ``CheckpointException``)."""
         ckpt = self._open()
         manifest = ckpt.manifest
         dcp_bytes = set(manifest.writer.get(BYTES_KEY) or ())  # type: ignore[arg-type]

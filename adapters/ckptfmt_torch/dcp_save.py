@@ -33,11 +33,13 @@ which depends on nothing else); the coordinator plans them the same way from the
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -384,3 +386,83 @@ def _manifest(
         step,
     )
     return build_manifest(declared, [x["refs"] for x in reports], writer, {})
+
+
+TURN_POLL_S = 0.01
+"""How often a save waiting for its turn on a writer looks whether the save before it is over."""
+
+_DCP = "torch.distributed.checkpoint"
+
+
+class Turns:
+    """One save at a time on one ``Writer``, in the order they reach it: a save that reaches the
+    writer (``reset`` or ``set_up_storage_writer``, in the thread DCP runs it in) while another
+    is in flight waits until that one is over. ``dcp.async_save`` runs each save in a thread of
+    its own, so two calls with one writer run at once; the writer's per-save state (its path,
+    its plan, the coordinator's staging directory) holds one save.
+
+    A save is over when DCP's call of it has returned, whatever happened: its thread is no
+    longer inside the outermost DCP frame that held it (a failure in DCP's planner, between the
+    writer's hooks, is never told to the writer), or that thread has ended (``async_save``'s).
+    Waiting for that rather than for the writer's ``finish`` also keeps the saves' collectives
+    apart on every rank (DCP's last one, the result's broadcast, follows ``finish``; a rank
+    other than the coordinator never calls ``finish``). Hooks called outside a DCP save
+    (no DCP frame on the stack) never wait. The frame is known by its id and code, not held:
+    holding it would keep the save's state (DCP's staged copy) alive after the save."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: tuple[threading.Thread, _FrameKey | None] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a writer sent to another process (DCP's process-based async save) holds no save
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def take(self, on_new: Callable[[], None]) -> None:
+        """Called by the writer's first hook of a save (any rank, its own): returns at once
+        within the save that holds the writer; else, once the save in flight is over, makes
+        this save the holder and calls ``on_new`` (the writer drops what a save that ended
+        without ``finish`` left: its staging directory)."""
+        me, key = threading.current_thread(), _save_frame()
+        while True:
+            with self._lock:
+                owner = self._owner
+                if owner is not None and owner[0] is me and key is not None and owner[1] == key:
+                    return  # this save already holds the writer
+                if owner is None or _over(owner, me):
+                    self._owner = (me, key)
+                    on_new()
+                    return
+            time.sleep(TURN_POLL_S)
+
+
+_FrameKey = tuple[int, Any]  # a frame's id and its code object
+
+
+def _save_frame() -> _FrameKey | None:
+    """The outermost frame of DCP's on this thread's stack (``dcp.save``'s own, or the async
+    executor's), which lives exactly as long as the save; None outside a DCP save."""
+    found: FrameType | None = None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).startswith(_DCP):
+            found = frame
+        frame = frame.f_back
+    return None if found is None else (id(found), found.f_code)
+
+
+def _over(owner: tuple[threading.Thread, _FrameKey | None], me: threading.Thread) -> bool:
+    """Whether the save that holds the writer (its thread and DCP frame) is over, seen from a
+    new save on thread ``me``: a thread runs one save at a time."""
+    thread, key = owner
+    if thread is me or key is None or not thread.is_alive():
+        return True
+    running = sys._current_frames().get(thread.ident) if thread.ident is not None else None
+    while running is not None:
+        if (id(running), running.f_code) == key:
+            return False
+        running = running.f_back
+    return True

@@ -194,6 +194,41 @@ def damaged_checkpoint(checkpoint: Path, cause: BaseException) -> DamagedCheckpo
     return DamagedCheckpointError(str(checkpoint), cause, None, hint)
 
 
+def on_no_level(checkpoint: Path, step: int | None, held: set[int]) -> UsageError:
+    """The error a resume from ``checkpoint`` (``checkpoint-N/``) raises when its step was on
+    the manager's level 1 only and no level given holds it now (another ``local_dir``, or the
+    node's disk lost): it names the newest older complete checkpoint that would restore (its
+    data committed beside it or on level 3, a step the manager holds, ``held``, or HF's own
+    files) and the call that resumes from it. Never taken silently, not even for
+    ``resume_from_checkpoint=True``: the steps since would be trained again, and the newer
+    checkpoint overwritten, when giving the right ``local_dir`` may restore it."""
+    why = (
+        f"{checkpoint}: its ckptfmt step {step} was saved on the manager's level 1 only, and no "
+        "level given holds it (ckptfmt=CheckpointOptions(local_dir=...) must name the "
+        "node-local directory that does, as when it was saved)"
+    )
+    older = [
+        (s, p)
+        for p in _children(checkpoint.parent)
+        if (s := checkpoint_step(p)) is not None and step is not None and s < step
+        if is_complete(p) and _restorable(p, s, held)
+    ]
+    if not older:
+        return UsageError(f"{why}; no older checkpoint beside it restores either")
+    found = str(max(older)[1])
+    return UsageError(
+        f"{why}; the newest older checkpoint that restores is {found} (step {max(older)[0]}): "
+        f"resume from it with trainer.train(resume_from_checkpoint={found!r}) (the steps "
+        "since are trained again)"
+    )
+
+
+def _restorable(path: Path, step: int, held: set[int]) -> bool:
+    """Whether the complete ``checkpoint-N`` at ``path`` has its state: its ckptfmt data
+    (committed: :func:`is_complete`), a step the manager holds, or HF's own files."""
+    return (path / DATA_DIR).is_dir() or step in held or not (path / MANAGED_NAME).is_file()
+
+
 def _children(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
 
@@ -595,10 +630,8 @@ class CheckpointMixin(_Base):
                     )
         if tree is None:
             if not data.is_dir():
-                raise UsageError(
-                    f"{ck}: its ckptfmt step {step} is on the manager's level 1 only, and the "
-                    "levels given (ckptfmt=CheckpointOptions(local_dir=...)) do not restore it"
-                )
+                held = self._ckptfmt_manager.steps() if self._ckptfmt_manager is not None else {}
+                raise on_no_level(ck, step, set(held))
             try:
                 tree, manifest = _per_rank_dropped(
                     lambda read: load_collective(default_comm(), data, {}, read=read)

@@ -79,7 +79,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import WriteOptions, checked_write
 from ckptfmt.parallel import CheckpointManager, ManagerSettings
 from ckptfmt.plan import ReadOptions
-from ckptfmt.storage import is_committed, remove_committed
+from ckptfmt.storage import Store, is_committed, parse_location, remove_committed
 from ckptfmt.transport import Comm, SingleComm
 from ckptfmt.tree import Objects
 from ckptfmt_torch import _compat
@@ -253,6 +253,12 @@ class CheckpointIO(_CheckpointIO):
                     f"ckptfmt.WriteOptions, got {type(storage_options).__name__}"
                 )
             write = dataclasses.replace(storage_options, overwrite=True)
+        if self.settings is not None and _bucket(path) is not None:
+            raise UsageError(
+                f"{path}: with a CheckpointManager the checkpoints Lightning names are pointer "
+                "files on a file system (give ModelCheckpoint a directory); the manager's levels "
+                "hold the data, and its shared_dir may be a bucket"
+            )
         step = checkpoint.get("global_step")
         step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
         tree = keyed(checkpoint)
@@ -283,7 +289,7 @@ class CheckpointIO(_CheckpointIO):
                 if doomed:
                     self._doomed.discard(key)
                     if self.settings is None:
-                        self._remove_now(Path(key))
+                        self._remove_now(key)
 
     def load_checkpoint(
         self, path: Any, map_location: Location | None = None, weights_only: bool | None = None
@@ -297,31 +303,43 @@ class CheckpointIO(_CheckpointIO):
         ``torch.load`` calls it, with each tensor for its storage and ``"cpu"``; ``None`` back
         keeps it). ``weights_only`` is moot: nothing is unpickled unless ``trust_pickle``."""
         del weights_only
-        target = Path(os.fspath(path))
-        if target.is_file():
-            out = self._load_from_manager(target)
-        elif not target.exists():
-            raise NotACheckpointError(str(target), "no checkpoint is there")
-        elif not is_committed(target):
-            reason = "no manifest in it (never committed, torn before commit, or not ckptfmt's)"
-            raise _named(NotACheckpointError(str(target), reason), target)
+        if _bucket(path) is not None:  # a bucket's URL: read there (its damage named as is)
+            out = self._load_tree(str(path), None)
         else:
-            out = {}
-            try:
-                load(out, target, read=self.read, comm=SingleComm(), trust_pickle=self.trust_pickle)
-            except LoadFailedError as exc:  # one process: its own error, not the vote's
-                cause = exc.cause if isinstance(exc.cause, CkptError) else exc
-                if isinstance(cause, (DamagedError, UnreadableError)):
-                    raise _named(cause, target) from None
-                raise cause from None
-            except (DamagedError, UnreadableError) as exc:
-                raise _named(exc, target) from None
+            target = Path(os.fspath(path))
+            if target.is_file():
+                out = self._load_from_manager(target)
+            elif not target.exists():
+                raise NotACheckpointError(str(target), "no checkpoint is there")
+            elif not is_committed(target):
+                reason = "no manifest in it (never committed, torn before commit, or not ckptfmt's)"
+                raise _named(NotACheckpointError(str(target), reason), target)
+            else:
+                out = self._load_tree(target, target)
         containers = out.pop(CONTAINERS, None)
         got: dict[str, Any] = unkeyed(out)
         if map_location is not None:
             got = placed(got, map_location)
         back: dict[str, Any] = restored(got, containers)
         return back
+
+    def _load_tree(self, source: str | Path, target: Path | None) -> dict[str, Any]:
+        """The tree of the committed checkpoint at ``source``, in this process; damage raises
+        its error, named with the checkpoint to resume from instead beside ``target`` (a
+        directory; None for a bucket's URL)."""
+        out: dict[str, Any] = {}
+        try:
+            load(out, source, read=self.read, comm=SingleComm(), trust_pickle=self.trust_pickle)
+        except LoadFailedError as exc:  # one process: its own error, not the vote's
+            cause = exc.cause if isinstance(exc.cause, CkptError) else exc
+            if isinstance(cause, (DamagedError, UnreadableError)) and target is not None:
+                raise _named(cause, target) from None
+            raise cause from None
+        except (DamagedError, UnreadableError) as exc:
+            if target is None:
+                raise
+            raise _named(exc, target) from None
+        return out
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` (rank 0): out of sight first (renamed to a dot
@@ -338,8 +356,7 @@ class CheckpointIO(_CheckpointIO):
             if key in self._writing:
                 self._doomed.add(key)
                 return
-            target = Path(key)
-            if not (target.exists() or target.is_symlink()):
+            if not _there(key):
                 if pending:
                     return
                 self._tombstones[key] = threading.get_ident()
@@ -347,9 +364,15 @@ class CheckpointIO(_CheckpointIO):
                 while len(self._tombstones) > MAX_TOMBSTONES:
                     self._tombstones.popitem(last=False)
                 return
-            self._remove_now(target)
+            self._remove_now(key)
 
-    def _remove_now(self, target: Path) -> None:
+    def _remove_now(self, key: str) -> None:
+        bucket = _bucket(key)
+        if bucket is not None:  # its commit object first: no reader sees half of it
+            if bucket.is_committed():
+                bucket.delete()
+            return
+        target = Path(key)
         if target.is_symlink() or target.is_file():
             target.unlink()
         elif is_committed(target):
@@ -497,8 +520,30 @@ def _ours(io: Any) -> CheckpointIO | None:
 
 def _key(path: Any) -> str:
     """The one spelling of a checkpoint path the bookkeeping uses (Lightning names a path the
-    same way for its save and its deletion, but relative or absolute as it was given)."""
+    same way for its save and its deletion, but relative or absolute as it was given); a
+    bucket's URL as it is (made absolute, it would name a local ``s3:/`` directory)."""
+    if _bucket(path) is not None:
+        return str(path)
     return str(os.path.abspath(os.fspath(path)))
+
+
+def _bucket(path: Any) -> Store | None:
+    """The store of ``path`` when it is a bucket's URL (a remote ``dirpath`` of
+    ``ModelCheckpoint``, ``trainer.save_checkpoint(url)``), else None. Makes no request."""
+    if not isinstance(path, str):
+        return None
+    where = parse_location(path)
+    return where.store() if where.is_bucket else None
+
+
+def _there(key: str) -> bool:
+    """Whether something is at the checkpoint path ``key``: a committed checkpoint in a
+    bucket, a file, a link or a directory."""
+    bucket = _bucket(key)
+    if bucket is not None:
+        return bucket.is_committed()
+    target = Path(key)
+    return target.exists() or target.is_symlink()
 
 
 # --- damage: which checkpoint, and which other to resume from ----------------------------------

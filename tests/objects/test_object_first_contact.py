@@ -388,3 +388,81 @@ def test_a_public_bucket_needs_no_credentials_when_told(
     ref = ckptfmt.latest(f"{s3.url}/public")
     assert ref is not None and ref.step == 1
     assert ckptfmt.load(str(ref.path))["w"].tolist() == STATE["w"].tolist()
+
+
+# --- Google Cloud Storage and Azure: each names its own settings ---------------------------------
+
+QUICK = {"connect_timeout": "2", "timeout": "5", "max_retries": "0", "retry_timeout": "5"}
+"""Timeouts that bound every request of these tests (the token request to a metadata service
+included), so that none waits on a network this machine does not have."""
+
+
+def _no_cloud_env(monkeypatch: pytest.MonkeyPatch, imds: str) -> None:
+    """No AWS, Google or Azure settings, and each store's metadata service (where a machine of
+    that cloud gets its identity) the loopback one that answers 403: a machine with no identity.
+    (Google's client, told nothing, asks 169.254.169.254 after the host given: refused or
+    unreachable here, bounded by ``QUICK``.)"""
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "GOOGLE_", "AZURE_", "GCE_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("GCE_METADATA_HOST", imds.removeprefix("http://"))
+    monkeypatch.setenv("AZURE_MSI_ENDPOINT", f"{imds}/msi")
+
+
+GS_AZ = {
+    "gs": ("gs://ckptfmt-bucket/run", {}, ["GOOGLE_SERVICE_ACCOUNT", '"service_account"']),
+    "az-no-account": (
+        "az://ckptfmt-container/run",
+        {},
+        ["AZURE_STORAGE_ACCOUNT_NAME", '"account_name"', "AZURE_STORAGE_ACCOUNT_KEY"],
+    ),
+    "az": (
+        "az://ckptfmt-container/run",
+        {"account_name": "ckptfmtacct"},
+        ["AZURE_STORAGE_ACCOUNT_KEY", '"account_key"', "AZURE_STORAGE_SAS_TOKEN"],
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("store", sorted(GS_AZ))
+def test_gs_and_az_without_credentials_name_their_own_settings(
+    store: str, monkeypatch: pytest.MonkeyPatch, imds: str, tmp_path: Path
+) -> None:
+    """A ``gs://`` or ``az://`` URL on a machine with no credentials for it: ``ckptfmt.save``,
+    ``load`` and ``latest`` raise :class:`CredentialsError` (a manager with it as level 3, a
+    ``StorageError`` saying it of level 3) naming the bucket and that store's settings (Google's
+    service account; Azure's account and key), never AWS's, at the first request or (no Azure
+    account) before any; the CLI says it in one line. No request leaves this machine unbounded
+    (``QUICK``)."""
+    url, options, names = GS_AZ[store]
+    _no_cloud_env(monkeypatch, imds)
+    given = {**QUICK, **options}
+    calls: list[Callable[[], Any]] = [
+        lambda: ckptfmt.save(STATE, f"{url}/step-1", storage_options=given),
+        lambda: ckptfmt.load(f"{url}/step-1", storage_options=given),
+        lambda: ckptfmt.latest(url, storage_options=given),
+        lambda: CheckpointManager(
+            tmp_path / "l1",
+            url,
+            storage_options=given,
+            node="n0",
+            write=NO_FSYNC,
+            at_exit=NO_EXIT_HOOKS,
+        ),
+    ]
+    for call in calls:  # the manager's start says it of its level 3, as a StorageError
+        with pytest.raises(StorageError) as got:
+            call()
+        text = str(got.value)
+        assert isinstance(got.value, CredentialsError) or "level 3" in text, text
+        assert url.split("/run")[0] in text and "no credentials" in text, text
+        for name in names:
+            assert name in text, (name, text)
+        assert "AWS_" not in text and "aws_" not in text and "s3:" not in text, text
+        assert "Debug source" not in text and "\n" not in text
+    if not options:  # the CLI takes the environment only
+        result = run_cli("list", url)
+        assert result.exit_code != 0
+        (line,) = result.output.strip().splitlines()
+        assert names[0] in line and "AWS_" not in line, line

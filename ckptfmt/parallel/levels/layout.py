@@ -51,8 +51,15 @@ NODE_ENV = "CKPTFMT_NODE"
 
 def valid_node(name: object) -> bool:
     """Whether ``name`` is a node's name (``spec/PROTOCOL.md`` §5): a non-empty string without
-    ``/``, not ``.`` or ``..``, so that it fills ``{node}`` with one directory."""
-    return isinstance(name, str) and bool(name) and "/" not in name and name not in (".", "..")
+    ``/`` (nor NUL, which no path holds), not ``.`` or ``..``, so that it fills ``{node}`` with
+    one directory."""
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\0" not in name
+        and name not in (".", "..")
+    )
 
 
 def resolve_node(node: str | None = None) -> str:

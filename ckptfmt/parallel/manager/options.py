@@ -24,6 +24,7 @@ from typing import Any, Literal, cast, get_args
 
 from ckptfmt.errors import UsageError
 from ckptfmt.format.options import WriteOptions, checked_write
+from ckptfmt.parallel.levels.layout import valid_node
 from ckptfmt.parallel.manager.telemetry import SaveReport
 from ckptfmt.redundancy.config import Policy, Redundancy
 from ckptfmt.storage.progress import ProgressCallback
@@ -132,6 +133,8 @@ class ManagerSettings:
             if value is not None:
                 if not isinstance(value, (str, os.PathLike)):
                     raise UsageError(f"{name} must be a path or None, got {value!r}")
+                if "\0" in os.fsdecode(value):  # else the OS's bare ValueError, deep in a save
+                    raise UsageError(f"{name}={value!r}: a path cannot hold a NUL character")
                 object.__setattr__(self, name, os.fspath(value))
         if self.local_dir is not None:
             parse_location(self.local_dir).on_disk()  # level 1 is a node's own disk
@@ -140,8 +143,11 @@ class ManagerSettings:
             if not isinstance(given, Mapping):
                 raise UsageError(f"storage_options must be a mapping, got {given!r}")
             object.__setattr__(self, "storage_options", MappingProxyType(dict(given)))
-        if self.node is not None and not isinstance(self.node, str):
-            raise UsageError(f"node must be a str or None, got {self.node!r}")
+        if self.node is not None and not valid_node(self.node):
+            raise UsageError(
+                f"node={self.node!r}: a node's name is a non-empty str that fills {{node}} with "
+                "one directory (no '/', no NUL, not '.' or '..'), or None"
+            )
         object.__setattr__(self, "redundancy", Policy.of(self.redundancy))
         if self.local_dir is None and self.policy.all_redundancies():
             raise UsageError("redundancy protects level 1 (node-local copies): give a local_dir")

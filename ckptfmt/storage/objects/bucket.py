@@ -53,6 +53,7 @@ from ckptfmt.errors import (
     StorageError,
     UsageError,
 )
+from ckptfmt.storage.objects import clouds
 from ckptfmt.storage.objects.url import join_key, split_url
 
 MULTIPART_ABOVE = 16 << 20
@@ -270,6 +271,8 @@ class Bucket:
         except BaseException as exc:  # obstore raises its own errors, and panics on bad keys
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
+            if scheme in clouds.AZURE and "Account must be specified" in str(exc):
+                raise clouds.no_account(url, f"{scheme}://{bucket}") from None
             raise UsageError(
                 f"{url!r}: the object store cannot be set up with these options "
                 f"({sorted(storage_options or {})}): {_first_line(exc)}"
@@ -666,6 +669,10 @@ def _setup_error(
     the wrong region."""
     where = _bucket_url(url, bucket)
     endpoint = bucket.endpoint if bucket is not None else None
+    scheme = where.partition("://")[0].lower()
+    if scheme in clouds.GOOGLE or scheme in clouds.AZURE:  # their own settings, not AWS's
+        options = bucket.options if bucket is not None else {}
+        return clouds.setup_error(scheme, text, status, url, op, where, endpoint, options)
     codes = _S3_CODE.findall(text)
     code = codes[0] if codes else ""
     if code == "NoSuchBucket" or "NoSuchBucket" in text:

@@ -122,6 +122,8 @@ def parse_location(
     if isinstance(spec, Store):
         found = Location("store", spec)
     elif isinstance(spec, str) and is_url(spec):
+        if "\0" in spec:  # else the store's parse error, after a request was tried
+            raise UsageError(f"{spec!r}: a URL cannot hold a NUL character")
         return Location("url", spec, storage_options)
     elif is_spread(spec):
         # a template of another scheme (http://h/{node}) or a node directory that is a URL

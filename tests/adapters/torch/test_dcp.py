@@ -10,8 +10,11 @@ is finished, as DCP's own."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +28,18 @@ from ckptfmt_torch.dcp import Reader, Writer  # noqa: E402
 from kit.files import leftover_dirs, leftovers  # noqa: E402
 from kit.managers import node_manager  # noqa: E402
 from kit.s3 import S3  # noqa: E402
+from kit.s3_proxy import S3Proxy  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.errors import ChecksumError, PickleRefusedError, UnsupportedDtypeError  # noqa: E402
+from ckptfmt.errors import (  # noqa: E402
+    ChecksumError,
+    PickleRefusedError,
+    UnsupportedDtypeError,
+    UrlNotSupportedError,
+    UsageError,
+)
 from ckptfmt.storage.store.directory import in_memory  # noqa: E402
 
 pytestmark = [
@@ -305,3 +316,172 @@ def test_an_async_save_still_writing_when_the_script_ends_is_committed(tmp_path:
     assert same(got, want)
     assert ckptfmt.open(path).manifest.step == 3
     assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+class PausedPlanner(DefaultSavePlanner):
+    """DCP's default planner, paused in ``finish_plan`` (after the writer made the staging
+    directory, before any shard is written) until ``go`` is set: the save is in flight for as
+    long as the test wants. ``fail``: it raises there instead (a planner's failure between the
+    writer's hooks, which the writer never hears of)."""
+
+    def __init__(self, go: threading.Event | None = None, fail: bool = False) -> None:
+        super().__init__()
+        self.go, self.fail, self.paused = go, fail, threading.Event()
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        self.paused.set()
+        if self.fail:
+            raise RuntimeError("the planner failed")
+        if self.go is not None and not self.go.wait(60):
+            raise RuntimeError("not let go")
+        return super().finish_plan(new_plan)
+
+
+def test_overlapping_async_saves_on_one_writer_are_made_one_after_the_other(
+    tmp_path: Path,
+) -> None:
+    """Two ``dcp.async_save`` calls on one ``Writer`` with the first still in flight (paused
+    after its staging directory is made): the second waits for the first and both checkpoints
+    commit, each bit for bit at its own path, nothing left beside them (DCP's own
+    ``FileSystemWriter`` mixes the two; ckptfmt's failed both, leaving a staging directory)."""
+    g = torch.Generator().manual_seed(11)
+    first = {"w": torch.randn(64, 32, generator=g), "step": 1}
+    second = {"w": torch.randn(64, 32, generator=g), "v": torch.randn(7, generator=g), "step": 2}
+    writer = Writer(tmp_path / "a")
+    go = threading.Event()
+    planner = PausedPlanner(go)
+    a = dcp.async_save(first, storage_writer=writer, checkpoint_id=tmp_path / "a", planner=planner)
+    assert planner.paused.wait(60)
+    b = dcp.async_save(second, storage_writer=writer, checkpoint_id=tmp_path / "b")
+    time.sleep(0.5)  # the second save, left to run, reaches the writer meanwhile
+    assert not b.done()  # it waits for the first
+    go.set()
+    a.result(timeout=120)
+    b.result(timeout=120)
+    for path, saved in ((tmp_path / "a", first), (tmp_path / "b", second)):
+        got = {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()
+        }
+        dcp.load(got, storage_reader=Reader(path))
+        assert same(got, saved)
+        assert not ckptfmt.verify(path).problems
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_failing_between_the_writers_hooks_leaves_nothing_once_the_writer_saves_again(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """A save that DCP fails after the writer made its staging directory (the planner raises in
+    ``finish_plan``; the writer's ``finish`` is never called): the writer's next save removes
+    that staging directory, neither waits for the failed save nor is refused, and commits."""
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}
+    writer = Writer(tmp_path / "a")
+    save = dcp.async_save if asynchronous else dcp.save
+    with pytest.raises(CheckpointException):
+        done = save(state, storage_writer=writer, planner=PausedPlanner(fail=True))
+        if asynchronous:
+            done.result(timeout=60)
+    assert leftover_dirs(tmp_path)  # the failed save's staging directory, as DCP left it
+    done = dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / "b")
+    done.result(timeout=60)
+    got = {"w": torch.zeros(3, 4), "step": 0}
+    dcp.load(got, storage_reader=Reader(tmp_path / "b"))
+    assert same(got, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "said"),
+    [
+        ("s3://bucket/run/step-1", UrlNotSupportedError, "'s3://bucket/run/step-1'"),
+        ("gs://bucket/step-1", UrlNotSupportedError, "'gs://bucket/step-1'"),
+        ("file:///tmp/step-1", UrlNotSupportedError, "file://"),
+        ("ckpt/a\0b", UsageError, "NUL"),
+        ("ckpt/{node}/step-1", UsageError, "give one directory"),
+    ],
+)
+def test_a_path_the_writer_cannot_write_is_refused_as_given_before_dcp_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, error: type, said: str
+) -> None:
+    """A bucket's URL (the writer writes a directory; ``ckptfmt_torch.save`` writes buckets), a
+    NUL or a ``{node}`` template, given to ``Writer`` or as ``dcp.save``'s ``checkpoint_id``:
+    ckptfmt's error naming the path as given, before DCP starts and nothing made (a ``Path``
+    folded ``s3://`` into a local ``s3:/``; a NUL failed inside the save with the OS's bare
+    ``ValueError``). ``Reader`` refuses a NUL and a ``file://`` URL as it is made."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error, match=re.escape(said)):
+        Writer(path)
+    with pytest.raises(error, match=re.escape(said)):
+        dcp.save({"w": torch.ones(3)}, storage_writer=Writer("ok"), checkpoint_id=path)
+    if "NUL" in said or path.startswith("file:"):
+        with pytest.raises(error, match=re.escape(said)):
+            Reader(path)
+    assert list(tmp_path.iterdir()) == []
+
+
+PROCESS_SAVE = """
+import os, sys, socket
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from ckptfmt_torch.dcp import Writer
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+g = torch.Generator().manual_seed(5)
+state = {"w": torch.randn(64, 16, generator=g), "step": 9}
+writer, kind = Writer(sys.argv[1], step=9), AsyncCheckpointerType.PROCESS
+dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind).result()
+dist.destroy_process_group()
+"""
+
+
+def test_a_process_based_async_save_takes_the_writer(tmp_path: Path) -> None:
+    """``dcp.async_save(async_checkpointer_type=PROCESS)`` sends the writer to DCP's saving
+    process (pickled): the writer pickles (its turn-taking starts afresh there) and the
+    checkpoint is committed bit for bit, nothing left beside it."""
+    path = tmp_path / "c"
+    done = subprocess.run(
+        [sys.executable, "-c", PROCESS_SAVE, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    g = torch.Generator().manual_seed(5)
+    want = {"w": torch.randn(64, 16, generator=g), "step": 9}
+    got = {"w": torch.zeros(64, 16), "step": 0}
+    dcp.load(got, storage_reader=Reader(path))
+    assert same(got, want)
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
+
+
+def test_a_failed_metadata_read_fails_the_load_not_retried_without_collectives(
+    s3: S3, s3_proxy: S3Proxy
+) -> None:
+    """The reader's first ``read_metadata`` refused (403 on the commit object): the load fails
+    with ckptfmt's ``CredentialsError`` naming the object. DCP retries a reader whose
+    ``read_metadata`` takes keyword arguments as "rank-local metadata" and, when that read
+    succeeds, loads *without collectives* on that rank alone, while the other ranks load with
+    them (a hang or a mismatched load in a job of several ranks); ckptfmt's manifest is one for
+    every rank, so the reader takes no such retry."""
+    url = f"{s3.url}/c"
+    g = torch.Generator().manual_seed(4)
+    saved = {"w": torch.randn(8, 4, generator=g)}
+    ckptfmt_torch.save(saved, url)
+    s3_proxy.refuse(1, method="GET", path_contains="ckptfmt-commit.json")
+    target = {"w": torch.zeros(8, 4)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=Reader(url))
+    ((err, _stack),) = info.value.failures.values()
+    assert "ckptfmt-commit.json" in str(err) and "credentials refused" in str(err), err
+    assert torch.equal(target["w"], torch.zeros(8, 4))  # nothing loaded
+    dcp.load(target, storage_reader=Reader(url))  # the store answers again: it loads
+    assert same(target, saved)

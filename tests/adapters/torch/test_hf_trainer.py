@@ -42,7 +42,12 @@ from kit.faults import flip
 from kit.launch import assert_ok, run_torchrun, with_kit_path
 
 import ckptfmt
-from ckptfmt.errors import DamagedCheckpointError, DamagedError, UnsupportedValueError
+from ckptfmt.errors import (
+    DamagedCheckpointError,
+    DamagedError,
+    UnsupportedValueError,
+    UsageError,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -542,3 +547,34 @@ def test_torchrun_resume_on_fewer_ranks_continues_the_data(tmp_path: Path) -> No
     assert refused.returncode != 0
     said = refused.stdout + refused.stderr
     assert "DataPositionError" in said and "12 samples of epoch 0 consumed" in said, said[-4000:]
+
+
+def test_newest_checkpoint_on_no_level_names_the_older_one_that_restores(tmp_path: Path) -> None:
+    """Level 1 flushed every second save, saves at 4 (level 1 only), 8 (flushed) and 12 (level 1
+    only); then the node's level 1 is lost. ``resume_from_checkpoint=True`` takes the newest
+    complete checkpoint, 12, whose step is on no level now: the ``UsageError`` names
+    ``checkpoint-8`` (on level 3) and the call that resumes from it, and nothing is trained or
+    written (never an older step taken silently: the steps since would be trained again, and the
+    newer checkpoint overwritten). Following the hint resumes from step 8."""
+    levels = {"local_dir": str(tmp_path / "local" / "{node}"), "shared_dir": str(tmp_path / "l3")}
+    levels.update(flush_every=2, async_save=False)
+    out = tmp_path / "out"
+    plan = {"max_steps": 16, "save_steps": SAVE, "out": str(out), "options": levels}
+    killed = _run_worker(tmp_path, "killed", {**plan, "kill_at": 12})  # no exit flush
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    kw: dict[str, Any] = {"max_steps": 16, "save_steps": SAVE}
+    kw["options"] = CheckpointOptions(**levels)
+    assert not (out / "checkpoint-12" / "ckptfmt").exists()  # on level 1 only
+    assert (out / "checkpoint-8" / "ckptfmt").is_symlink()  # flushed
+    shutil.rmtree(tmp_path / "local")  # the node's disk lost
+    before = _fingerprint(out)
+    with pytest.raises(UsageError) as got:
+        run(out, resume=True, **kw)
+    text = str(got.value)
+    assert str(out / "checkpoint-12") in text and "step 12" in text, text
+    assert f"resume_from_checkpoint={str(out / 'checkpoint-8')!r}" in text, text
+    assert "local_dir" in text, text  # or give the level that holds it
+    assert _fingerprint(out) == before
+    trainer = run(out, resume=str(out / "checkpoint-8"), **kw)
+    assert trainer.state.global_step == 16
+    assert trainer.checkpoint_manager.last_restore.step == 8

@@ -37,6 +37,7 @@ import torch
 from _lightning_worker import Data, Net, ShuffledData, end_state, make_io
 from kit import REPO
 from kit.faults import flip
+from kit.s3 import S3
 from pytorch_lightning.demos.boring_classes import BoringDataModule, BoringModel
 
 import ckptfmt
@@ -926,3 +927,36 @@ def test_resume_on_more_devices_continues_the_data(tmp_path: Path) -> None:
     assert got["global_step"] == 8
     assert_same(got["params"], dict(model.state_dict()))
     assert_same(got["optim"]["state"], opt.state_dict()["state"])
+
+
+def test_a_checkpoint_in_a_bucket_saves_resumes_and_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3: S3
+) -> None:
+    """A checkpoint path that is a bucket's URL (``trainer.save_checkpoint(url)``,
+    ``fit(ckpt_path=url)``, the strategy's ``remove_checkpoint(url)`` that ``ModelCheckpoint``
+    calls): saved to the bucket, resumed from it bit for bit like the same resume from a
+    directory, and removed from it whole; nothing written under a local ``s3:/`` (the URL
+    folded into a path made the resume a ``NotACheckpointError`` and the removal a no-op, the
+    objects left in the bucket). With a manager, whose checkpoint paths are local pointer
+    files, a URL is refused before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    url = f"{s3.url}/run/step=4.ckpt"
+    local = tmp_path / "local" / "step=4.ckpt"
+    for path in (url, local):
+        L.seed_everything(0, verbose=False)
+        plugins = [ckptfmt_torch.lightning.CheckpointIO()]
+        trainer = L.Trainer(plugins=plugins, max_steps=4, enable_checkpointing=False, **QUIET)
+        trainer.fit(Net(), datamodule=Data())
+        trainer.save_checkpoint(path)
+    assert ckptfmt.verify(url).healthy and ckptfmt.open(url).manifest.step == 4
+    from_bucket = fit_from(tmp_path / "a", 8, url)  # type: ignore[arg-type]
+    from_dir = fit_from(tmp_path / "b", 8, local)
+    assert_same(from_bucket, from_dir)
+    assert s3.keys("run/step=4.ckpt/")
+    trainer.strategy.remove_checkpoint(url)
+    assert s3.keys("run/step=4.ckpt/") == []
+    managed = ckptfmt_torch.lightning.CheckpointIO(local_dir=str(tmp_path / "l1"))
+    with pytest.raises(UsageError, match="pointer files on a file system"):
+        managed.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, url)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "local"]
+    assert s3.keys("run/") == []

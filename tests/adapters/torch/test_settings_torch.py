@@ -23,8 +23,9 @@ import ckptfmt_torch.lightning
 from _hf_worker import model_and_args
 from ckptfmt_torch.hf import CheckpointOptions, Trainer
 
+import ckptfmt
 from ckptfmt import ManagerSettings, WriteOptions
-from ckptfmt.errors import UsageError
+from ckptfmt.errors import CkptError, UsageError
 from ckptfmt.transport.comm import SingleComm
 
 pytestmark = pytest.mark.torch
@@ -94,3 +95,33 @@ def test_an_invalid_setting_raises_what_the_settings_raise(bad: dict[str, Any]) 
     with pytest.raises(UsageError) as hf:
         CheckpointOptions(**bad)
     assert str(lightning.value) == str(hf.value) == str(made.value)
+
+
+NUL_PATHS = [
+    ("local_dir", {"local_dir": "l1/a\0b"}),
+    ("local_dir", {"local_dir": Path("l1") / "a\0b" / "{node}"}),
+    ("shared_dir", {"shared_dir": "l3/a\0b"}),
+    ("shared_dir", {"local_dir": "l1", "shared_dir": "s3://bucket/a\0b"}),
+    ("node", {"local_dir": "l1/{node}", "node": "n\0"}),
+]
+
+
+@pytest.mark.parametrize(("name", "given"), NUL_PATHS, ids=[str(g) for _, g in NUL_PATHS])
+def test_a_nul_in_a_path_argument_is_a_usage_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, given: dict[str, Any]
+) -> None:
+    """A NUL character in a level's path (a directory or a bucket's URL) or in the node's name
+    (which fills ``{node}``): the manager, the Lightning ``CheckpointIO`` and the HF
+    ``CheckpointOptions`` raise ckptfmt's ``UsageError`` naming the argument, before anything
+    is made, instead of the OS's bare ``ValueError`` (the node's: a warning at each save, and
+    no checkpoint)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as made:
+        ckptfmt.CheckpointManager(comm=SingleComm(), **given)
+    with pytest.raises(UsageError) as lightning:
+        ckptfmt_torch.lightning.CheckpointIO(**given)
+    with pytest.raises(UsageError) as hf:
+        CheckpointOptions(**given)
+    for err in (made.value, lightning.value, hf.value):
+        assert isinstance(err, CkptError) and f"{name}=" in str(err) and "NUL" in str(err)
+    assert list(tmp_path.iterdir()) == []
