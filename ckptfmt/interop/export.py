@@ -32,6 +32,7 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -191,12 +192,19 @@ def _aside_of(out: Path) -> Path:
 
 
 def _leftovers_of(out: Path) -> list[Path]:
-    """What exports to ``out`` cut short left beside it (module docstring), oldest first."""
+    """What exports to ``out`` cut short left beside it (module docstring), oldest first: only
+    names an export makes (its 32 random hex digits included), so a directory of the user's
+    that merely starts alike (``.<name>.export-notes``), or the staging directory of an export
+    to another name (``.<name>.export-x.export-<id>``, for ``<name>.export-x``), is not one."""
     if not out.parent.is_dir():
         return []
-    head = f".{out.name}.{EXPORT_TOKEN}-"
-    found = [c for c in out.parent.iterdir() if c.name.startswith(head) and c.is_dir()]
-    return sorted(found, key=lambda c: c.lstat().st_mtime_ns)
+    ours = re.compile(rf"^\.{re.escape(out.name)}\.{EXPORT_TOKEN}-(old-)?[0-9a-f]{{32}}$")
+    found = []
+    for c in out.parent.iterdir():
+        if ours.match(c.name) and c.is_dir() and not c.is_symlink():
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile: not left
+                found.append((c.lstat().st_mtime_ns, c))
+    return [c for _, c in sorted(found)]
 
 
 def _is_whole_export(d: Path) -> bool:
