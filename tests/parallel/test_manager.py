@@ -750,3 +750,37 @@ print(json.dumps({"step": step, "type": f.type, "fields": f.fields, "message": f
     assert "level 1 (local_dir)" in str(out["message"]) and "write" in str(out["message"])
     assert any("step 1" in w for w in out["warned"])  # type: ignore[union-attr]
     assert [n for n in out["left"] if ".tmp-" in n] == [], out  # type: ignore[union-attr]
+
+
+def test_delete_all_forgets_the_newest_step_on_every_rank_of_a_node(tmp_path: Path) -> None:
+    """Two ranks on one node (thread ranks; rank 1 is not the node's leader, which clears the
+    node's level 1): after ``delete_all`` no rank holds a newest level-1 step any more, so a
+    ``close()`` that flushes finds nothing to flush on every rank alike. Rank 1 alone still
+    held the deleted step: its close called the flush's roll call alone and waited out the
+    deadline, then logged a timeout."""
+    local, shared = tmp_path / "l1", tmp_path / "l3"
+    took: dict[int, float] = {}
+
+    def job(comm: Any) -> None:
+        mgr = CheckpointManager(
+            local_dir=str(local),
+            shared_dir=str(shared),
+            comm=comm,
+            node="n0",
+            flush_every=10,  # step 1 is on level 1 only
+            write=WriteOptions(fsync=False),
+            async_save=False,
+            on_error="raise",
+            deadline_s=20,
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+        )
+        rows = np.full((4, 8), comm.rank + 1, np.float32)
+        mgr.save(1, {"w": ckptfmt.Shard(rows, (4 * comm.rank, 0), (8, 8))})
+        mgr.delete_all()
+        started = time.perf_counter()
+        mgr.close(flush=True)  # the newest level-1 step, if any rank still held one
+        took[comm.rank] = time.perf_counter() - started
+
+    run_threads(2, job)
+    assert max(took.values()) < 10, took
+    assert not local.exists() and not shared.exists()

@@ -238,7 +238,9 @@ class Retention:
         left: list[str] = []
         if self.node_leader and self.local_root is not None:
             left += [str(self.local_root / n) for n in clear_root(self.local_root)]
-            self.newest_local = None
+        # every rank, leader or not: a rank that still held the deleted step would call a
+        # flush's collectives at close that the others never call
+        self.newest_local = None
         if comm.rank == 0 and self.shared is not None:
             where = self.shared.where.rstrip("/")
             left += [f"{where}/{n}" for n in self.shared.clear()]
