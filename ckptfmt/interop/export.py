@@ -45,7 +45,12 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import DamagedError, DestinationExistsError, StorageError, UsageError
+from ckptfmt.errors import (
+    DamagedError,
+    DestinationExistsError,
+    NotDurableError,
+    UsageError,
+)
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
 from ckptfmt.interop.export_bucket import BUCKET_WINDOW, check_bucket_out, write_to_bucket
@@ -241,7 +246,8 @@ def publish(staging: Path, out: Path, fsync: bool) -> None:
     the old export or the new one at every instant; where the file system cannot exchange it is
     renamed aside to ``.<name>.export-old-<id>`` first and the new one renamed in, and a kill
     between the two renames (``out`` missing, the old export whole beside it) is undone by
-    :func:`recover_export`. The replaced export is removed once the new one stands."""
+    :func:`recover_export`. The replaced export is removed once the new one stands (its
+    directory synced: else it is kept beside ``out``, for the next export to remove)."""
     old = None
     if out.exists() or out.is_symlink():
         if commit.exchange(staging, out):
@@ -260,16 +266,18 @@ def publish(staging: Path, out: Path, fsync: bool) -> None:
         if fsync:
             fsync_dir(out.parent)
     except OSError as exc:
-        raise StorageError(
+        # the swap may not be on disk (after a power loss OUT may name the old export again):
+        # the old export is kept beside OUT, and the next export to OUT removes it
+        kept = f"; the export it replaced is kept at {old}" if old is not None else ""
+        raise NotDurableError(
             str(out),
-            "the export is in place, but its directory could not be synced to disk "
-            f"({(exc.strerror or str(exc)).lower()}): it may not survive a power loss",
+            f"{(exc.strerror or str(exc)).lower()}{kept}",
             level="the export's destination",
             err=exc.errno,
+            replaced=old,
         ) from exc
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -486,6 +494,8 @@ def _export_staged(
         if fsync:
             fsync_dir(staging)
         publish(staging, out_path, fsync)
+    except NotDurableError:
+        raise  # in place: ``staging`` names the export it replaced, if any, kept (publish)
     except BaseException as exc:
         needed = sum(p.nbytes for p in planned)
         failed = write_error(exc, out_path, "the export's destination", needed)  # while full
