@@ -590,12 +590,14 @@ class CheckpointManager:
         self._retention.delete(self.comm, number, levels)
 
     def delete_all(self) -> list[str]:
-        """Collective (a roll call, then a barrier): remove every checkpoint from both levels,
+        """Collective (a roll call, then an allgather): remove every checkpoint from both levels,
         on every node, after the save in flight: the step directories (each out of sight in
         one rename first) or a bucket's step prefixes, what crashed saves left, level 1's
         spare directories and the levels record; a level's directory too when that empties
         it. Nothing else at a level's root is touched (a ``local_dir`` may share a disk with a
-        dataset): returns the paths this rank left there, logged too."""
+        dataset): returns the paths this rank left there, logged too. A removal that fails
+        raises on every rank (its own error where it failed, :class:`CollectiveError` naming it
+        elsewhere)."""
         self._calls.check_open()
         self.wait()
         self._calls.next()
