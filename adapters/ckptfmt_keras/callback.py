@@ -276,10 +276,12 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             return
         manager, self.manager = self.manager, None
         _OPEN.pop(self._key(), None)
-        if self.delete_checkpoint:
-            # the checkpoints only: a level's directory may hold the user's files too
-            manager.delete_all()
-        manager.close(flush=not self.delete_checkpoint)
+        try:
+            if self.delete_checkpoint:
+                # the checkpoints only: a level's directory may hold the user's files too
+                manager.delete_all()
+        finally:  # closed whatever the deletion did: nothing else holds the manager now
+            manager.close(flush=not self.delete_checkpoint)
 
     # --- saving ----------------------------------------------------------------------------------
 

@@ -161,7 +161,7 @@ class Writer(StorageWriter):
         """DCP's first call of a save given a ``checkpoint_id``: waits for a save of this writer
         still in flight (:class:`~ckptfmt_torch.dcp_save.Turns`), then takes the new path."""
         path = None if checkpoint_id is None else _directory(checkpoint_id)
-        self._turns.take(self._drop_stale)
+        self._turns.take("reset", self._drop_stale)
         if path is not None:
             self.path = path
         self._local = None
@@ -169,7 +169,7 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Every rank, first in each save (after ``reset``): waits for a save of this writer
         still in flight, as ``reset`` does."""
-        self._turns.take(self._drop_stale)
+        self._turns.take("set_up_storage_writer", self._drop_stale)
         self.is_coordinator = is_coordinator
         self._saves += 1
         self._job, self._error = None, None

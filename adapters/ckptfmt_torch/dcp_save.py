@@ -408,11 +408,15 @@ class Turns:
     apart on every rank (DCP's last one, the result's broadcast, follows ``finish``; a rank
     other than the coordinator never calls ``finish``). Hooks called outside a DCP save
     (no DCP frame on the stack) never wait. The frame is known by its id and code, not held:
-    holding it would keep the save's state (DCP's staged copy) alive after the save."""
+    holding it would keep the save's state (DCP's staged copy) alive after the save. An id is
+    reused once its frame is freed, so the next save on the same thread may show the same key;
+    DCP calls each hook (``reset``, ``set_up_storage_writer``) once per save, so a hook the
+    holder has already called is a new save's, whatever its key."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner: tuple[threading.Thread, _FrameKey | None] | None = None
+        self._called: set[str] = set()  # the hooks the holding save has called
 
     def __getstate__(self) -> dict[str, Any]:
         # a writer sent to another process (DCP's process-based async save) holds no save
@@ -421,19 +425,21 @@ class Turns:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def take(self, on_new: Callable[[], None]) -> None:
-        """Called by the writer's first hook of a save (any rank, its own): returns at once
-        within the save that holds the writer; else, once the save in flight is over, makes
-        this save the holder and calls ``on_new`` (the writer drops what a save that ended
-        without ``finish`` left: its staging directory)."""
+    def take(self, hook: str, on_new: Callable[[], None]) -> None:
+        """Called by the writer's first hooks of a save (any rank, its own), ``hook`` naming
+        which: returns at once within the save that holds the writer; else, once the save in
+        flight is over, makes this save the holder and calls ``on_new`` (the writer drops what
+        a save that ended without ``finish`` left: its staging directory)."""
         me, key = threading.current_thread(), _save_frame()
         while True:
             with self._lock:
                 owner = self._owner
-                if owner is not None and owner[0] is me and key is not None and owner[1] == key:
+                same = owner is not None and owner[0] is me and key is not None
+                if same and owner is not None and owner[1] == key and hook not in self._called:
+                    self._called.add(hook)
                     return  # this save already holds the writer
                 if owner is None or _over(owner, me):
-                    self._owner = (me, key)
+                    self._owner, self._called = (me, key), {hook}
                     on_new()
                     return
             time.sleep(TURN_POLL_S)

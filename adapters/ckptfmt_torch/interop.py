@@ -52,12 +52,16 @@ def _remove_leftovers(out_path: Path) -> None:
     file ``.<name>.export-*`` (a whole state's bytes), its scratch ``.<name>.rebuilt-*``."""
     if not out_path.parent.is_dir():
         return
+    # only the names an export makes (their random hex digits included): a file of the user's
+    # that merely starts alike (``.model.pt.export-notes``) is not one
+    ours = re.compile(rf"^\.{re.escape(out_path.name)}\.(?P<kind>export|rebuilt)-[0-9a-f]{{16}}$")
     for c in out_path.parent.iterdir():
-        if c.is_symlink():
+        m = ours.match(c.name)
+        if m is None or c.is_symlink():
             continue
-        if c.name.startswith(f".{out_path.name}.export-") and c.is_file():
+        if m["kind"] == "export" and c.is_file():
             c.unlink(missing_ok=True)
-        elif c.name.startswith(f".{out_path.name}.rebuilt-") and c.is_dir():
+        elif m["kind"] == "rebuilt" and c.is_dir():
             shutil.rmtree(c, ignore_errors=True)
 
 

@@ -32,6 +32,7 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -44,7 +45,12 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.dtypes import by_name
-from ckptfmt.errors import DamagedError, DestinationExistsError, StorageError, UsageError
+from ckptfmt.errors import (
+    DamagedError,
+    DestinationExistsError,
+    NotDurableError,
+    UsageError,
+)
 from ckptfmt.format.options import WriteOptions
 from ckptfmt.interop import hf
 from ckptfmt.interop.export_bucket import BUCKET_WINDOW, check_bucket_out, write_to_bucket
@@ -191,12 +197,19 @@ def _aside_of(out: Path) -> Path:
 
 
 def _leftovers_of(out: Path) -> list[Path]:
-    """What exports to ``out`` cut short left beside it (module docstring), oldest first."""
+    """What exports to ``out`` cut short left beside it (module docstring), oldest first: only
+    names an export makes (its 32 random hex digits included), so a directory of the user's
+    that merely starts alike (``.<name>.export-notes``), or the staging directory of an export
+    to another name (``.<name>.export-x.export-<id>``, for ``<name>.export-x``), is not one."""
     if not out.parent.is_dir():
         return []
-    head = f".{out.name}.{EXPORT_TOKEN}-"
-    found = [c for c in out.parent.iterdir() if c.name.startswith(head) and c.is_dir()]
-    return sorted(found, key=lambda c: c.lstat().st_mtime_ns)
+    ours = re.compile(rf"^\.{re.escape(out.name)}\.{EXPORT_TOKEN}-(old-)?[0-9a-f]{{32}}$")
+    found = []
+    for c in out.parent.iterdir():
+        if ours.match(c.name) and c.is_dir() and not c.is_symlink():
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile: not left
+                found.append((c.lstat().st_mtime_ns, c))
+    return [c for _, c in sorted(found)]
 
 
 def _is_whole_export(d: Path) -> bool:
@@ -233,7 +246,8 @@ def publish(staging: Path, out: Path, fsync: bool) -> None:
     the old export or the new one at every instant; where the file system cannot exchange it is
     renamed aside to ``.<name>.export-old-<id>`` first and the new one renamed in, and a kill
     between the two renames (``out`` missing, the old export whole beside it) is undone by
-    :func:`recover_export`. The replaced export is removed once the new one stands."""
+    :func:`recover_export`. The replaced export is removed once the new one stands (its
+    directory synced: else it is kept beside ``out``, for the next export to remove)."""
     old = None
     if out.exists() or out.is_symlink():
         if commit.exchange(staging, out):
@@ -252,16 +266,18 @@ def publish(staging: Path, out: Path, fsync: bool) -> None:
         if fsync:
             fsync_dir(out.parent)
     except OSError as exc:
-        raise StorageError(
+        # the swap may not be on disk (after a power loss OUT may name the old export again):
+        # the old export is kept beside OUT, and the next export to OUT removes it
+        kept = f"; the export it replaced is kept at {old}" if old is not None else ""
+        raise NotDurableError(
             str(out),
-            "the export is in place, but its directory could not be synced to disk "
-            f"({(exc.strerror or str(exc)).lower()}): it may not survive a power loss",
+            f"{(exc.strerror or str(exc)).lower()}{kept}",
             level="the export's destination",
             err=exc.errno,
+            replaced=old,
         ) from exc
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -478,6 +494,8 @@ def _export_staged(
         if fsync:
             fsync_dir(staging)
         publish(staging, out_path, fsync)
+    except NotDurableError:
+        raise  # in place: ``staging`` names the export it replaced, if any, kept (publish)
     except BaseException as exc:
         needed = sum(p.nbytes for p in planned)
         failed = write_error(exc, out_path, "the export's destination", needed)  # while full

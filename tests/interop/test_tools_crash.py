@@ -7,6 +7,8 @@ export or import leaves no directory it made."""
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,9 @@ from kit.files import leftovers, tree_snapshot
 
 import ckptfmt
 from ckptfmt import WriteOptions
+from ckptfmt.errors import NotDurableError
+from ckptfmt.interop import export as export_module
+from ckptfmt.interop import export_safetensors
 
 FAST = WriteOptions(chunk_bytes=512, shard_bytes=2048, fsync=False)
 
@@ -147,3 +152,65 @@ def test_a_torch_export_killed_before_its_rename_leaves_nothing_after_the_next(
     assert out.read_bytes() == before and len(leftovers(root)) == 1
     assert run_cli(*args).exit_code == 0
     assert leftovers(root) == [] and out.read_bytes() != before
+
+
+def test_the_next_export_leaves_the_users_files_that_only_look_like_leftovers(
+    tmp_path: Path, exports: tuple[Path, Path, dict[str, bytes], dict[str, bytes]]
+) -> None:
+    """An export finishes what killed exports to OUT left beside it, by name; a directory or file
+    of the user's whose name merely starts alike (``.model.export-notes``), and the staging
+    directory of an export to another OUT (``model.export-b``), are not its own and stay, bit
+    for bit, through exports to OUT (safetensors and ``--to torch``)."""
+    old_src, _, old, _ = exports
+    root = tmp_path / "out"
+    root.mkdir()
+    theirs = {
+        root / ".model.export-notes" / "a.txt": b"the user's notes",
+        root / ".model.export-old-backup" / "model.safetensors": b"the user's old copy",
+        root / ".model.export-b.export-0123456789abcdef0123456789abcdef" / "x": b"another OUT's",
+        root / ".model.pt.export-log": b"the user's log",
+        root / ".model.pt.rebuilt-mine" / "y": b"the user's dir",
+    }
+    for path, data in theirs.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+    assert run_cli("export", old_src, root / "model", "-q").exit_code == 0
+    assert run_cli("export", old_src, root / "model", "--overwrite", "-q").exit_code == 0
+    assert tree_snapshot(root / "model") == old
+    if importlib.util.find_spec("torch") is not None:
+        for _ in range(2):
+            args = ["export", "--to", "torch", old_src, root / "model.pt", "--overwrite", "-q"]
+            assert run_cli(*args).exit_code == 0
+    for path, data in theirs.items():
+        assert path.read_bytes() == data, path
+
+
+def test_an_export_whose_swap_is_not_synced_keeps_the_replaced_export(
+    tmp_path: Path,
+    exports: tuple[Path, Path, dict[str, bytes], dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``export --overwrite`` swaps the new export in, then the sync of OUT's directory fails
+    (EIO): the swap may not be on disk, so after a power loss OUT may name the old export
+    again. The error says so (``StorageError``) and the replaced export stays whole beside OUT
+    (it was deleted, leaving neither export in that case); the next export to OUT, synced,
+    removes it."""
+    old_src, new_src, old, new = exports
+    out = tmp_path / "out" / "model"
+    assert run_cli("export", old_src, out, "-q").exit_code == 0
+    real = export_module.fsync_dir
+
+    def fsync_dir(path: Path) -> None:
+        if Path(path) == out.parent:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        real(path)
+
+    monkeypatch.setattr(export_module, "fsync_dir", fsync_dir)
+    with pytest.raises(NotDurableError, match="could not be synced"):
+        export_safetensors(new_src, out, write=WriteOptions(overwrite=True, fsync=True))
+    monkeypatch.undo()
+    assert tree_snapshot(out) == new
+    (aside,) = leftovers(out.parent)
+    assert tree_snapshot(out.parent / aside) == old
+    assert run_cli("export", new_src, out, "--overwrite", "-q").exit_code == 0
+    assert tree_snapshot(out) == new and leftovers(out.parent) == []

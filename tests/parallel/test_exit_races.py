@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,12 @@ def test_close_waits_for_a_save_another_thread_is_in(tmp_path: Path) -> None:
     thread = threading.Thread(target=other_thread)
     thread.start()
     assert entered.wait(10)
+    # the thread is counted in save() (not merely about to call it) before close() begins:
+    # else its save would be refused as one begun after close
+    deadline = time.monotonic() + 10
+    while not mgr._saving and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert mgr._saving, "the other thread's save never began"
     threading.Timer(0.5, gate.set).start()  # let step 1 finish while close() waits
     mgr.close()
     thread.join(60)

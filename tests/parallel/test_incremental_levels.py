@@ -475,9 +475,12 @@ def test_members_saving_against_different_bases_encode_their_set(
     assert all(np.array_equal(got["model"][k], whole["model"][k]) for k in whole["model"])
 
 
-def test_a_restarted_job_links_from_the_step_it_restored_on_both_levels(tmp_path: Path) -> None:
-    """Nothing damaged: the restarted job restores step 3 from level 1, and its first save
-    links from it on level 1 and, in its flush, from the level-3 copy of the same save."""
+def test_a_restarted_job_links_only_on_the_level_its_restore_read(tmp_path: Path) -> None:
+    """The restarted job restores step 3 from level 1: its first save links from it on level 1
+    (read and checked by the restore), and its flush writes everything (level 3's copy of step
+    3 was not read by this job); the next flush links from the step this job flushed. A bit
+    flipped on level 3 in step 3's frozen file since the first job ended is then never passed
+    on: every new step on level 3 is whole (linked from the damaged copy, each was damaged)."""
 
     def manager() -> CheckpointManager:
         return CheckpointManager(
@@ -496,13 +499,25 @@ def test_a_restarted_job_links_from_the_step_it_restored_on_both_levels(tmp_path
     with manager() as m:
         for k in (1, 2, 3):
             m.save(k, state(k))
+    step3 = tmp_path / "l3" / "step-0000000003"
+    rotted = [p for p in (step3 / "frozen").rglob("*") if p.is_file() and "/c/" in str(p)]
+    assert rotted
+    for p in rotted:  # bit rot on level 3 after the job ended (level 1 stays whole)
+        flip(p)
+    assert not ckptfmt.verify(step3).healthy
+    frozen = _whole(0)["frozen"].nbytes
     with manager() as m:
         restored = m.restore(state(0))
         assert (restored.step, restored.level) == (3, 1)
         m.save(4, state(4))
-        report = m.last_save
-    assert report is not None and report.flushed
-    frozen = _whole(0)["frozen"].nbytes
-    assert report.bytes_linked["1"] >= frozen and report.bytes_linked["3"] >= frozen, report
-    for level in ("l1", "l3"):
-        assert _same(ckptfmt.load(tmp_path / level / "step-0000000004"), _whole(4))
+        first = m.last_save
+        m.save(5, state(5))
+        second = m.last_save
+    assert first is not None and first.flushed and second is not None and second.flushed
+    assert first.bytes_linked["1"] >= frozen and first.bytes_linked.get("3", 0) == 0, first
+    assert second.bytes_linked["1"] >= frozen and second.bytes_linked["3"] >= frozen, second
+    for step in (4, 5):
+        for level in ("l1", "l3"):
+            path = tmp_path / level / f"step-{step:010d}"
+            assert ckptfmt.verify(path).healthy, (level, step)
+            assert _same(ckptfmt.load(path), _whole(step))

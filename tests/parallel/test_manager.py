@@ -5,6 +5,7 @@ everything before writing, the flush cadence across restarts."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import time
@@ -22,9 +23,11 @@ from kit.managers import node_manager as manager
 import ckptfmt
 from ckptfmt import CheckpointManager, CheckpointWarning, ExitPolicy, WriteOptions
 from ckptfmt.errors import (
+    CollectiveError,
     ImplicitSingleProcessError,
     SaveFailedError,
     StateMismatchError,
+    StorageError,
     UnsupportedValueError,
     UsageError,
 )
@@ -750,3 +753,91 @@ print(json.dumps({"step": step, "type": f.type, "fields": f.fields, "message": f
     assert "level 1 (local_dir)" in str(out["message"]) and "write" in str(out["message"])
     assert any("step 1" in w for w in out["warned"])  # type: ignore[union-attr]
     assert [n for n in out["left"] if ".tmp-" in n] == [], out  # type: ignore[union-attr]
+
+
+def test_delete_all_forgets_the_newest_step_on_every_rank_of_a_node(tmp_path: Path) -> None:
+    """Two ranks on one node (thread ranks; rank 1 is not the node's leader, which clears the
+    node's level 1): after ``delete_all`` no rank holds a newest level-1 step any more, so a
+    ``close()`` that flushes finds nothing to flush on every rank alike. Rank 1 alone still
+    held the deleted step: its close called the flush's roll call alone and waited out the
+    deadline, then logged a timeout."""
+    local, shared = tmp_path / "l1", tmp_path / "l3"
+    took: dict[int, float] = {}
+
+    def job(comm: Any) -> None:
+        mgr = CheckpointManager(
+            local_dir=str(local),
+            shared_dir=str(shared),
+            comm=comm,
+            node="n0",
+            flush_every=10,  # step 1 is on level 1 only
+            write=WriteOptions(fsync=False),
+            async_save=False,
+            on_error="raise",
+            deadline_s=20,
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+        )
+        rows = np.full((4, 8), comm.rank + 1, np.float32)
+        mgr.save(1, {"w": ckptfmt.Shard(rows, (4 * comm.rank, 0), (8, 8))})
+        mgr.delete_all()
+        started = time.perf_counter()
+        mgr.close(flush=True)  # the newest level-1 step, if any rank still held one
+        took[comm.rank] = time.perf_counter() - started
+
+    run_threads(2, job)
+    assert max(took.values()) < 10, took
+    assert not local.exists() and not shared.exists()
+
+
+def test_delete_all_that_fails_on_one_rank_raises_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks on two nodes; rank 0's removal at level 3 fails (a step the file system will
+    not rename: EACCES, injected). Every rank raises, instead of rank 0 raising the OS's bare
+    ``PermissionError`` while rank 1 waited at the closing barrier for it.
+    Rank 0 raises ckptfmt's ``StorageError`` (its own), rank 1 a ``CollectiveError`` naming
+    it; the managers close after it."""
+    from ckptfmt.storage import commit as commit_module
+
+    real = commit_module.remove
+    shared = tmp_path / "l3"
+
+    def remove(path: Path) -> None:
+        if Path(path).parent == shared:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        real(path)
+
+    errors: dict[int, BaseException] = {}
+
+    def job(comm: Any) -> None:
+        mgr = CheckpointManager(
+            local_dir=str(tmp_path / "l1" / "{node}"),
+            shared_dir=str(shared),
+            comm=comm,
+            node=f"n{comm.rank}",
+            flush_every=1,
+            write=WriteOptions(fsync=False),
+            async_save=False,
+            on_error="raise",
+            deadline_s=20,
+            at_exit=ExitPolicy(flush=False, sigterm=False),
+        )
+        rows = np.full((4, 8), comm.rank + 1, np.float32)
+        mgr.save(1, {"w": ckptfmt.Shard(rows, (4 * comm.rank, 0), (8, 8))})
+        comm.barrier()
+        if comm.rank == 0:
+            monkeypatch.setattr(commit_module, "remove", remove)
+        comm.barrier()
+        try:
+            mgr.delete_all()
+        except BaseException as exc:
+            errors[comm.rank] = exc
+        mgr.close(flush=False)
+
+    run_threads(2, job)
+    monkeypatch.undo()
+    assert sorted(errors) == [0, 1], errors
+    mine, theirs = errors[0], errors[1]
+    assert isinstance(mine, StorageError) and "step-0000000001" in str(mine), repr(mine)
+    assert isinstance(theirs, CollectiveError) and theirs.failed_ranks == (0,), repr(theirs)
+    assert "step-0000000001" in str(theirs), str(theirs)

@@ -161,8 +161,9 @@ class CheckpointManager:
     step on level 3: a shard file whose content is unchanged is hard-linked on a file system,
     or copied inside the store on a bucket, instead of written or uploaded again. Only a step
     this job saved, flushed or restored is a base (a linked file is not read again: a step left
-    by an earlier job, or one the restore refused, may hold damage); after a restore from level
-    3, the first level-1 save writes everything. Every step stays a complete checkpoint of its
+    by an earlier job, or one the restore refused, may hold damage); after a restore, the first
+    save writes everything on the level the restore did not read (level 3 after a restore from
+    level 1, level 1 after one from level 3). Every step stays a complete checkpoint of its
     own, which retention may delete in any order; a save's :class:`SaveReport` counts those
     bytes as ``bytes_linked`` by level.
     """
@@ -589,12 +590,14 @@ class CheckpointManager:
         self._retention.delete(self.comm, number, levels)
 
     def delete_all(self) -> list[str]:
-        """Collective (a roll call, then a barrier): remove every checkpoint from both levels,
+        """Collective (a roll call, then an allgather): remove every checkpoint from both levels,
         on every node, after the save in flight: the step directories (each out of sight in
         one rename first) or a bucket's step prefixes, what crashed saves left, level 1's
         spare directories and the levels record; a level's directory too when that empties
         it. Nothing else at a level's root is touched (a ``local_dir`` may share a disk with a
-        dataset): returns the paths this rank left there, logged too."""
+        dataset): returns the paths this rank left there, logged too. A removal that fails
+        raises on every rank (its own error where it failed, :class:`CollectiveError` naming it
+        elsewhere)."""
         self._calls.check_open()
         self.wait()
         self._calls.next()
@@ -743,11 +746,12 @@ class CheckpointManager:
         report, manifest = restore_newest(site, request)
         if manifest is not None and report.level is not None:
             self._saver.saves = max(self._saver.saves, save_number(manifest))
-            # the restored save is a base where it was read (every chunk checked) and, restored
-            # from level 1, on level 3 too (that copy was checked as it was flushed); from
-            # level 3, the level-1 copy was refused or missing (level 1 is tried first)
-            for level in (1, 3) if report.level == 1 else (3,):
-                self._retention.bases[level].add(manifest.save_id)
+            # the restored save is a base only on the level it was read from (every chunk
+            # checked): its copy on the other level was not read by this job, and a flipped bit
+            # there since an earlier job wrote it would be linked into every step after (a
+            # level-1 restore's first flush writes everything; from level 3, the level-1 copy
+            # was refused or missing anyway, level 1 being tried first)
+            self._retention.bases[report.level].add(manifest.save_id)
             if report.level == 1:
                 # a save by another number of ranks is not this job's to flush: its files
                 # belong to ranks that are not here (flush copies what each rank wrote)

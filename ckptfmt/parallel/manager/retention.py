@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.errors import CkptError, CollectiveTimeoutError, OutOfStepError
+from ckptfmt.errors import (
+    CkptError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    OutOfStepError,
+    StorageError,
+)
 from ckptfmt.manifest.model import Manifest
 from ckptfmt.parallel.collective.publish import FaultHook
 from ckptfmt.parallel.levels import room
@@ -232,17 +238,36 @@ class Retention:
         comm.barrier()
 
     def clear(self, comm: Comm) -> list[str]:
-        """Collective (a barrier at the end): remove every step and record the manager wrote,
-        and nothing else (``levels.clear``): each node's leader at its level-1 root, rank 0 at
-        level 3. Returns the paths this rank left because they are not the manager's."""
+        """Collective (one allgather at the end, every rank): remove every step and record the
+        manager wrote, and nothing else (``levels.clear``): each node's leader at its level-1
+        root, rank 0 at level 3. Returns the paths this rank left because they are not the
+        manager's. A failure on any rank (a step the file system will not rename, a bucket
+        that refuses) raises on every rank: there its own error (ckptfmt's), on the others a
+        :class:`CollectiveError` naming it; a rank that raised alone would leave the others
+        waiting for it."""
         left: list[str] = []
-        if self.node_leader and self.local_root is not None:
-            left += [str(self.local_root / n) for n in clear_root(self.local_root)]
-            self.newest_local = None
-        if comm.rank == 0 and self.shared is not None:
-            where = self.shared.where.rstrip("/")
-            left += [f"{where}/{n}" for n in self.shared.clear()]
-        comm.barrier()
+        failure: CkptError | None = None
+        try:
+            if self.node_leader and self.local_root is not None:
+                left += [str(self.local_root / n) for n in clear_root(self.local_root)]
+            if comm.rank == 0 and self.shared is not None:
+                where = self.shared.where.rstrip("/")
+                left += [f"{where}/{n}" for n in self.shared.clear()]
+        except CkptError as exc:
+            failure = exc
+        except OSError as exc:
+            failure = StorageError.of(exc)
+        # every rank, leader or not: a rank that still held the deleted step would call a
+        # flush's collectives at close that the others never call
+        self.newest_local = None
+        said = comm.allgather_json(
+            None if failure is None else f"{type(failure).__name__}: {failure}"
+        )
+        failed = {r: m for r, m in enumerate(said) if m is not None}
+        if failure is not None:
+            raise failure
+        if failed:
+            raise CollectiveError(failed, operation="delete_all")
         return left
 
     def clean_leftovers(self, comm: Comm) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from kit.keras import compiled, xy
 from kit.managers import NO_EXIT_HOOKS
 from kit.s3 import S3
+from kit.s3_proxy import S3Proxy
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
@@ -21,6 +23,7 @@ keras = pytest.importorskip("keras")
 import ckptfmt_keras as ck  # noqa: E402
 
 from ckptfmt import CheckpointManager, WriteOptions  # noqa: E402
+from ckptfmt.errors import CredentialsError  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -157,3 +160,39 @@ def test_delete_checkpoint_keeps_a_directory_with_the_users_files(tmp_path: Path
     assert [p.name for p in backup.iterdir()] == ["notes.txt"]
     assert (backup / "notes.txt").read_text() == "mine"
     assert list(local.iterdir()) == []
+
+
+def test_delete_checkpoint_that_fails_still_closes_the_manager(
+    tmp_path: Path, s3: S3, s3_proxy: S3Proxy
+) -> None:
+    """The bucket refuses every request from ``on_train_end`` on: ``fit`` raises the deletion's
+    error (ckptfmt's, naming the bucket), and the manager is closed all the same (its saver
+    thread ended, nothing of it left running). It was closed only after a deletion that
+    succeeded, and the callback forgets its manager first: nothing could close it after."""
+    x, y = xy(32)
+
+    class Refuse(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_end(self, logs: Any = None) -> None:
+            s3_proxy.refuse(10_000)
+
+    before = {t.ident for t in threading.enumerate() if t.name.startswith("ckptfmt-saver")}
+    cb = ck.BackupAndRestore(
+        f"{s3.url}/keras",
+        save_freq=2,
+        delete_checkpoint=True,
+        local_dir=tmp_path / "l1",
+        flush_every=1,
+        write=WriteOptions(fsync=False),
+        at_exit=NO_EXIT_HOOKS,
+    )
+    model = compiled(build(1))
+    with pytest.raises(CredentialsError, match="keras"):
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[Refuse(), cb])
+    s3_proxy.clear()
+    savers = [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("ckptfmt-saver") and t.ident not in before
+    ]
+    assert savers == []
+    assert s3.keys("keras/")  # the deletion did not happen: the checkpoints are still there

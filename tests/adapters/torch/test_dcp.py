@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 import ckptfmt_torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from ckptfmt_torch import dcp_save  # noqa: E402
 from ckptfmt_torch.dcp import Reader, Writer  # noqa: E402
 from kit.files import leftover_dirs, leftovers  # noqa: E402
 from kit.managers import node_manager  # noqa: E402
@@ -485,3 +486,42 @@ def test_a_failed_metadata_read_fails_the_load_not_retried_without_collectives(
     assert torch.equal(target["w"], torch.zeros(8, 4))  # nothing loaded
     dcp.load(target, storage_reader=Reader(url))  # the store answers again: it loads
     assert same(target, saved)
+
+
+def test_a_save_after_a_failed_one_on_the_same_thread_drops_its_staging_when_frame_ids_repeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer tells saves apart by DCP's outermost frame (its id and code), and a freed
+    frame's id is reused: the next save on the same thread may show the same key. Made so on
+    purpose here (every DCP frame seen with one id): a save after one DCP failed between the
+    writer's hooks still removes that save's staging directory and commits, and each hook of
+    one save still finds the writer held (sync saves, then an async one)."""
+    real = dcp_save._save_frame
+
+    def one_id() -> Any:
+        key = real()
+        return None if key is None else (1, key[1])
+
+    monkeypatch.setattr(dcp_save, "_save_frame", one_id)
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}
+    writer = Writer(tmp_path / "a")
+    with pytest.raises(CheckpointException):
+        dcp.save(state, storage_writer=writer, planner=PausedPlanner(fail=True))
+    assert leftover_dirs(tmp_path)  # the failed save's staging directory, as DCP left it
+    dcp.save(state, storage_writer=writer, checkpoint_id=tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    with pytest.raises(CheckpointException):
+        dcp.save(
+            state,
+            storage_writer=writer,
+            checkpoint_id=tmp_path / "c",
+            planner=PausedPlanner(fail=True),
+        )
+    dcp.save(state, storage_writer=writer)  # no checkpoint_id: set_up_storage_writer is first
+    dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / "d").result(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c", "d"]
+    for name in ("b", "c", "d"):
+        got = {"w": torch.zeros(3, 4), "step": 0}
+        dcp.load(got, storage_reader=Reader(tmp_path / name))
+        assert same(got, state)
+    assert leftovers(tmp_path) == [] and leftover_dirs(tmp_path) == []
