@@ -41,6 +41,7 @@ from ckptfmt.storage.objects import Bucket, Retries
 from ckptfmt.storage.objects.commit import (
     COMMIT_NAME,
     LATEST_NAME,
+    SAVE_ID,
     Commit,
     Committed,
     delete_checkpoint,
@@ -195,19 +196,26 @@ class BucketLevel(SharedLevel):
             where.delete([k for k, _ in where.list()])
 
     def clear(self) -> list[str]:
-        """The latest pointer first (no reader is sent to a step going away), then each
-        ``step-<n>/`` prefix whole (its commit object first, :meth:`remove`), then the levels
-        record; every other key under the root is left, and returned."""
-        ours, left = set(), []
+        """The latest pointer first (no reader is sent to a step going away), then every
+        step's commit object (each step vanishes whole), then the objects of its saves
+        (``step-<n>/<save id>/...``, committed or left by a crashed flush), then the levels
+        record. Every other key under the root, also under a ``step-<n>/`` prefix, is left,
+        and returned."""
+        commits, saves, left = [], [], []
         for key, _ in self.root.list():
-            top = key.split("/", 1)[0]
-            if "/" in key and STEP_NAME.match(top):
-                ours.add(top)
-            elif key not in (LATEST_NAME, LEVELS_FILE):
+            parts = key.split("/")
+            if len(parts) > 1 and STEP_NAME.match(parts[0]):
+                if len(parts) == 2 and parts[1] == COMMIT_NAME:
+                    commits.append(key)
+                    continue
+                if len(parts) > 2 and SAVE_ID.match(parts[1]):
+                    saves.append(key)
+                    continue
+            if key not in (LATEST_NAME, LEVELS_FILE):
                 left.append(key)
         self.root.delete([LATEST_NAME])
-        for name in sorted(ours):
-            self.remove(parse_step(name))
+        self.root.delete(commits)
+        self.root.delete(saves)
         self.root.delete([LEVELS_FILE])
         return left
 

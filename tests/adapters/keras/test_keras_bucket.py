@@ -120,6 +120,7 @@ def test_delete_checkpoint_removes_only_what_the_backup_wrote(tmp_path: Path, s3
     (scratch / "shards" / "0.bin").write_bytes(data[:100])
     s3.put("keras/dataset.bin", data)
     s3.put("keras/step-notes/x.txt", b"not a step")
+    s3.put("keras/step-0000000099/mine.txt", b"under a step's name, not a save's")
 
     cb = ck.BackupAndRestore(
         f"{s3.url}/keras",
@@ -136,7 +137,11 @@ def test_delete_checkpoint_removes_only_what_the_backup_wrote(tmp_path: Path, s3
     assert sorted(p.name for p in scratch.iterdir()) == ["dataset.bin", "shards"]
     assert (scratch / "dataset.bin").read_bytes() == data
     assert (scratch / "shards" / "0.bin").read_bytes() == data[:100]
-    assert s3.keys("keras/") == ["keras/dataset.bin", "keras/step-notes/x.txt"]
+    assert s3.keys("keras/") == [
+        "keras/dataset.bin",
+        "keras/step-0000000099/mine.txt",
+        "keras/step-notes/x.txt",
+    ]
     assert s3.get("keras/dataset.bin") == data
 
 
