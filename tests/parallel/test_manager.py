@@ -789,10 +789,12 @@ def test_delete_all_forgets_the_newest_step_on_every_rank_of_a_node(tmp_path: Pa
     assert not local.exists() and not shared.exists()
 
 
-def test_delete_all_that_fails_on_one_rank_raises_on_every_rank(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("operation", ["delete_all", "delete"])
+def test_a_deletion_that_fails_on_one_rank_raises_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str
 ) -> None:
-    """Two ranks on two nodes; rank 0's removal at level 3 fails (a step the file system will
+    """Two ranks on two nodes; ``delete_all()`` or ``delete(1)``: rank 0's removal at level 3
+    fails (a step the file system will
     not rename: EACCES, injected). Every rank raises, instead of rank 0 raising the OS's bare
     ``PermissionError`` while rank 1 waited at the closing barrier for it.
     Rank 0 raises ckptfmt's ``StorageError`` (its own), rank 1 a ``CollectiveError`` naming
@@ -829,7 +831,10 @@ def test_delete_all_that_fails_on_one_rank_raises_on_every_rank(
             monkeypatch.setattr(commit_module, "remove", remove)
         comm.barrier()
         try:
-            mgr.delete_all()
+            if operation == "delete":
+                mgr.delete(1)
+            else:
+                mgr.delete_all()
         except BaseException as exc:
             errors[comm.rank] = exc
         mgr.close(flush=False)

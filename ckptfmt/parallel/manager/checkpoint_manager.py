@@ -575,10 +575,11 @@ class CheckpointManager:
         return self._retention.steps()
 
     def delete(self, step: int | str, levels: Sequence[int] = (1, 3)) -> None:
-        """Collective (a roll call, then a barrier): remove ``step`` (a number or a step
+        """Collective (a roll call, then an allgather): remove ``step`` (a number or a step
         directory name such as ``"step-100"``) from the given levels, on every node (each
         node's first rank removes its level-1 copy, rank 0 the level-3 one); waits for the
-        save in flight first."""
+        save in flight first. A removal that fails on one rank raises on every rank (there
+        its own error, elsewhere a ``CollectiveError`` naming it)."""
         number = parse_step(step)
         bad = [lv for lv in levels if lv not in (1, 3)]
         if bad:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptfmt.errors import (
     CkptError,
@@ -35,6 +35,7 @@ from ckptfmt.storage.steps import list_step_dirs, step_dir_name
 from ckptfmt.transport.comm import Comm
 
 log = logging.getLogger("ckptfmt")
+_T = TypeVar("_T")
 
 __all__ = ["Retention", "committed", "newest_base"]
 
@@ -225,50 +226,46 @@ class Retention:
             log.info("flushed step %s to level 3 at exit", m.step)
 
     def delete(self, comm: Comm, step: int, levels: Sequence[int]) -> None:
-        """Collective (a barrier at the end): remove ``step`` from ``levels`` (each node's
-        leader its level-1 copy, rank 0 the level-3 one)."""
-        if 1 in levels and self.node_leader and self.local_root is not None:
-            path = self.local_root / step_dir_name(step)
-            if commit.is_committed(path):
-                commit.remove(path)
-        if 3 in levels and comm.rank == 0 and self.shared is not None:
-            self.shared.remove(step)
-        if 1 in levels and self.newest_local is not None and self.newest_local.step == step:
-            self.newest_local = None
-        comm.barrier()
+        """Collective (one allgather at the end, every rank): remove ``step`` from ``levels``
+        (each node's leader its level-1 copy, rank 0 the level-3 one); a failure on any rank
+        raises on every rank (:func:`_settled`)."""
+
+        def work() -> None:
+            if 1 in levels and self.node_leader and self.local_root is not None:
+                path = self.local_root / step_dir_name(step)
+                if commit.is_committed(path):
+                    commit.remove(path)
+            if 3 in levels and comm.rank == 0 and self.shared is not None:
+                self.shared.remove(step)
+
+        try:
+            _settled(comm, "delete", work)
+        finally:
+            if 1 in levels and self.newest_local is not None and self.newest_local.step == step:
+                self.newest_local = None
 
     def clear(self, comm: Comm) -> list[str]:
         """Collective (one allgather at the end, every rank): remove every step and record the
         manager wrote, and nothing else (``levels.clear``): each node's leader at its level-1
         root, rank 0 at level 3. Returns the paths this rank left because they are not the
         manager's. A failure on any rank (a step the file system will not rename, a bucket
-        that refuses) raises on every rank: there its own error (ckptfmt's), on the others a
-        :class:`CollectiveError` naming it; a rank that raised alone would leave the others
-        waiting for it."""
-        left: list[str] = []
-        failure: CkptError | None = None
-        try:
+        that refuses) raises on every rank (:func:`_settled`)."""
+
+        def work() -> list[str]:
+            left: list[str] = []
             if self.node_leader and self.local_root is not None:
                 left += [str(self.local_root / n) for n in clear_root(self.local_root)]
             if comm.rank == 0 and self.shared is not None:
                 where = self.shared.where.rstrip("/")
                 left += [f"{where}/{n}" for n in self.shared.clear()]
-        except CkptError as exc:
-            failure = exc
-        except OSError as exc:
-            failure = StorageError.of(exc)
-        # every rank, leader or not: a rank that still held the deleted step would call a
-        # flush's collectives at close that the others never call
-        self.newest_local = None
-        said = comm.allgather_json(
-            None if failure is None else f"{type(failure).__name__}: {failure}"
-        )
-        failed = {r: m for r, m in enumerate(said) if m is not None}
-        if failure is not None:
-            raise failure
-        if failed:
-            raise CollectiveError(failed, operation="delete_all")
-        return left
+            return left
+
+        try:
+            return _settled(comm, "delete_all", work)
+        finally:
+            # every rank, leader or not: a rank that still held the deleted step would call a
+            # flush's collectives at close that the others never call
+            self.newest_local = None
 
     def clean_leftovers(self, comm: Comm) -> None:
         """Collective (a barrier at the end): remove what crashed saves left (each node's
@@ -290,3 +287,25 @@ class Retention:
             for s in steps:
                 out.setdefault(s, {"level1": False, "level3": False})[key] = True
         return dict(sorted(out.items()))
+
+
+def _settled(comm: Comm, operation: str, work: Callable[[], _T]) -> _T:
+    """Collective (one allgather, every rank): run ``work``, this rank's part of
+    ``operation``, and raise on every rank if it failed on any: where it failed, its own error
+    (an ``OSError`` as ckptfmt's :class:`StorageError`), elsewhere a :class:`CollectiveError`
+    naming that rank. A rank that raised alone would leave the others waiting for it at their
+    next collective."""
+    failure: CkptError | None = None
+    try:
+        result = work()
+    except CkptError as exc:
+        failure = exc
+    except OSError as exc:
+        failure = StorageError.of(exc)
+    said = comm.allgather_json(None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = {r: m for r, m in enumerate(said) if m is not None}
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CollectiveError(failed, operation=operation)
+    return result  # work() returned: no rank failed
