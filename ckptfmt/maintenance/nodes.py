@@ -148,13 +148,19 @@ def save_id_at(directory: Path) -> str | None:
     return c.manifest.save_id if c.state == GOOD and c.manifest is not None else None
 
 
-def remove_stale_nodes(template: str, nodes: Sequence[str], replaced: set[str]) -> list[Path]:
+def remove_stale_nodes(
+    template: str, nodes: Sequence[str], replaced: set[str], old_nodes: set[str]
+) -> list[Path]:
     """Once a reshard onto ``template`` has committed its save on every one of ``nodes``,
     remove the directories of the other nodes that hold a save it replaced (``replaced``: the
     save ids its nodes held before, and the saves those had rewritten): the nodes of the old
-    layout that the new one no longer has. Each is renamed to a dot-name first
-    (``commit.remove``), so a kill part way leaves it whole and ignored by readers
-    (:func:`_not_superseded`), or out of sight; what such a kill, or a reshard killed before
+    layout that the new one no longer has. Only a directory at the name of a node that its
+    own manifest lists is a node's: a copy of a node's directory under another name (a
+    user's ``cp -r n0 n0-backup``) holds the same save and stays. ``old_nodes``: the nodes
+    the replaced saves' manifests listed (read before the reshard replaced them), the only
+    names whose staging leftovers are taken for a killed reshard's. Each is renamed to a
+    dot-name first (``commit.remove``), so a kill part way leaves it whole and ignored by
+    readers (:func:`_not_superseded`), or out of sight; what such a kill, or a reshard killed before
     it committed, left beside a node's directory (:func:`_stale_leftover`) is removed here
     too, by the next reshard onto ``template``.
     Directories between ``template``'s parent and a removed node's directory that are empty
@@ -172,6 +178,10 @@ def remove_stale_nodes(template: str, nodes: Sequence[str], replaced: set[str]) 
         older = superseded_by(c.manifest)
         if c.manifest.save_id not in replaced and (older is None or older not in replaced):
             continue
+        listed = {r.node for r in c.manifest.ranks}
+        if node not in listed:
+            continue  # a copy under another name, not a node's directory
+        old_nodes = old_nodes | listed
         remove(d)
         removed.append(d)
         _remove_empty_between(d.absolute().parent, top)
@@ -181,19 +191,23 @@ def remove_stale_nodes(template: str, nodes: Sequence[str], replaced: set[str]) 
         "." + glob.escape(last).replace(glob.escape(NODE), "*") + ".*-*",
     )
     for p in map(Path, glob.glob(pattern)):
-        if _stale_leftover(template, p, nodes, replaced):
+        if _stale_leftover(template, p, nodes, replaced, old_nodes):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
             _remove_empty_between(p.absolute().parent, top)
     return removed
 
 
-def _stale_leftover(template: str, p: Path, nodes: Sequence[str], replaced: set[str]) -> bool:
+def _stale_leftover(
+    template: str, p: Path, nodes: Sequence[str], replaced: set[str], old_nodes: set[str]
+) -> bool:
     """Whether ``p``, a dot-named directory beside a node directory of ``template``, is what a
     killed commit or removal left there that no later save to its name will clear: a removal
-    cut short (``.<name>.del-*``); or, for a node that the new layout lacks and whose directory
-    is gone or held a replaced save, a staging directory (``.tmp-``: a reshard killed before it
-    committed) or a copy moved aside holding a replaced save (``.old-``)."""
+    cut short (``.<name>.del-*``); or, for a node of the old layout (``old_nodes``) that the
+    new layout lacks and whose directory is gone or held a replaced save, a staging directory
+    (``.tmp-``: a reshard killed before it committed) or a copy moved aside holding a replaced
+    save (``.old-``). The staging directory of a save running beside the template, to another
+    name, is not one of those."""
     m = LEFTOVER.match(p.name)
     if m is None or not p.is_dir() or p.is_symlink():
         return False
@@ -203,8 +217,8 @@ def _stale_leftover(template: str, p: Path, nodes: Sequence[str], replaced: set[
         return False
     if m["kind"] == "del":
         return True
-    if node in nodes:
-        return False  # the next save to it clears its leftovers (commit.prepare)
+    if node in nodes or node not in old_nodes:
+        return False  # the next save to it clears its leftovers (commit.prepare); not ours
     if final.exists() or final.is_symlink():
         return False  # another checkpoint there: its own
     if m["kind"] == "tmp":

@@ -179,7 +179,7 @@ def write_destination(
             data = dump_manifest(out)
             for d in drafts.values():
                 d.stage_manifest(data, [d.written()], write.fsync)
-            before = _saves_replaced(drafts) if per_node else set()
+            before, old_nodes = _saves_replaced(drafts) if per_node else (set(), set())
             replaced: list[tuple[Draft, Any]] = []
             try:
                 for store, d in drafts.items():
@@ -210,7 +210,7 @@ def write_destination(
                 for d, old in replaced:
                     d.discard(old)
                 if per_node and isinstance(dst.spec, str | os.PathLike):
-                    remove_stale_nodes(os.fspath(dst.spec), node_list, before)
+                    remove_stale_nodes(os.fspath(dst.spec), node_list, before, old_nodes)
             meter.finish()
     except BaseException as exc:
         for store, d in drafts.items():
@@ -244,21 +244,24 @@ def write_destination(
     return out, read, written, [s.where for s in drafts]
 
 
-def _saves_replaced(drafts: Mapping[Store, Draft]) -> set[str]:
+def _saves_replaced(drafts: Mapping[Store, Draft]) -> tuple[set[str], set[str]]:
     """The save ids that the directories ``drafts`` are about to replace hold, and the saves
     those rewrote (a reshard in place onto the same ``{node}`` template, done twice): whose
-    other nodes' directories :func:`remove_stale_nodes` removes once the new save stands."""
+    other nodes' directories :func:`remove_stale_nodes` removes once the new save stands; and
+    the nodes those saves' manifests list (the old layout)."""
     ids: set[str] = set()
+    nodes: set[str] = set()
     for d in drafts.values():
         final = getattr(d, "final", None)
         if isinstance(final, Path):
             c = read_copy(final)
             if c.state == GOOD and c.manifest is not None:
                 ids.add(c.manifest.save_id)
+                nodes.update(r.node for r in c.manifest.ranks)
                 older = superseded_by(c.manifest)
                 if older is not None:
                     ids.add(older)
-    return ids
+    return ids, nodes
 
 
 def _roll_back(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,35 @@ def test_only_the_replaced_save_is_removed(tmp_path: Path, src: Path) -> None:
     assert run_cli(*_in_place_to_two(template)).exit_code == 0
     assert sorted(p.name for p in (tmp_path / "l1").iterdir()) == ["n0", "n1", "x9"]
     assert_bit_equal(ckptfmt.load(other)["v"], np.arange(3))
+    _reads_as(template, src, 2)
+
+
+def test_a_copy_of_a_node_and_a_save_beside_the_template_stay(tmp_path: Path, src: Path) -> None:
+    """The reshard to fewer nodes removes the old layout's node directories only: a user's
+    copy of a node's directory under another name (``cp -r n2 n2-backup``, the same save) and
+    the staging directory of a save running beside the template to another name
+    (``.other.tmp-*``) are not the old layout's, and stay byte for byte."""
+    root = tmp_path / "l1"
+    template = str(root / "{node}")
+    _three_nodes(src, template)
+    shutil.copytree(root / "n2", root / "n2-backup")
+    staging = root / f".other.tmp-{'cd' * 16}"
+    staging.mkdir()
+    (staging / "part").write_bytes(b"a save in flight")
+    before = {
+        p.relative_to(root): p.read_bytes() for p in (root / "n2-backup").rglob("*") if p.is_file()
+    }
+    got = run_cli(
+        "reshard", src, template, "--ranks", "2", "--ranks-per-node", "1", "--overwrite", "-q"
+    )
+    assert got.exit_code == 0, got.output
+    assert sorted(p.name for p in root.iterdir()) == [staging.name, "n0", "n1", "n2-backup"]
+    after = {
+        p.relative_to(root): p.read_bytes() for p in (root / "n2-backup").rglob("*") if p.is_file()
+    }
+    assert after == before
+    assert (staging / "part").read_bytes() == b"a save in flight"
+    shutil.rmtree(root / "n2-backup")  # the template's reader takes every directory for a node
     _reads_as(template, src, 2)
 
 
