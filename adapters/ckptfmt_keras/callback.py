@@ -44,6 +44,8 @@ A checkpoint saved after an epoch's last batch resumes at the next epoch's start
 restored counters say so), so the resumed ``fit`` reports no empty epoch; the last batch passed
 over logs the restored metrics, as it logged them when it was trained.
 With nothing to restore and several workers, every replica starts from rank 0's weights.
+A fit that ended by an exception leaves nothing to the next fit of the model, on whichever
+backup: its start epoch (which Keras keeps in the model) is cleared and its passing over undone.
 
 ``fenced=True`` (TensorFlow backend): a save takes the variables' values without copying
 them (TensorFlow copies a variable on write while a value read from it is held: the values
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,10 @@ from ckptfmt_keras.parallel import (
 # Managers of fits that ended by an exception (no on_train_end), by backup directory: the next
 # fit on that directory in this process closes the old one before it restores.
 _OPEN: dict[str, CheckpointManager] = {}
+
+# Models whose ``fit`` start epoch a callback set and (the fit ended by an exception) did not
+# clear: Keras keeps it, and would start every later fit of the model there, whatever its backup.
+_EPOCH_SET: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
@@ -178,6 +185,13 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 "build the model before fit() (call it on a batch, or give it an Input) so "
                 "that its variables exist to be restored"
             )
+        # what a fit of this model that ended by an exception left: the epoch it resumed at
+        # (Keras would start this fit there too) and the train function passing batches over
+        self._restore_train_function()
+        if model in _EPOCH_SET:
+            _compat.set_initial_epoch(model, None)
+            _EPOCH_SET.discard(model)
+        self._set_initial_epoch = False
         opt = self._optimizer()
         if self.comm.size > 1 and opt is not None and is_distributed(opt) and model.jit_compile:
             raise UsageError(
@@ -216,6 +230,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._epoch:
             _compat.set_initial_epoch(model, self._epoch)
             self._set_initial_epoch = True
+            _EPOCH_SET.add(model)
         if self._step:
             self._resume = (self._epoch, self._step)
             self._pass_over(self._step)
@@ -272,6 +287,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._set_initial_epoch:
             _compat.set_initial_epoch(self.model, None)
             self._set_initial_epoch = False
+            _EPOCH_SET.discard(self.model)
         if self.manager is None:
             return
         manager, self.manager = self.manager, None

@@ -487,6 +487,51 @@ def test_fit_resumes_mid_epoch_bit_exact(
     )
 
 
+class Epochs(keras.callbacks.Callback):
+    """The epochs a fit ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: list[int] = []
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.epochs.append(epoch)
+
+
+def test_a_fit_ended_by_an_exception_leaves_nothing_to_the_next_fit(tmp_path: Path) -> None:
+    """A fit that resumed (at epoch 1, step 3) and ended by an exception while it passed the
+    3 batches over: neither where it started (Keras keeps that in the model) nor its train
+    function passing batches over may reach the next fit of the same model, here on a fresh
+    backup. That fit runs every epoch and trains every batch, bit for bit as a model with the
+    same state fitted afresh."""
+    x, y = xy(96, seed=4)
+
+    def fit(model: Any, root: Path, crash: int | None = None, epochs: int = 3) -> Epochs:
+        seen = Epochs()
+        cb = ck.BackupAndRestore(root, save_freq=5, write=WriteOptions(fsync=False))
+        cbs = [cb, seen] + ([Crash(crash)] if crash else [])
+        model.fit(x, y, batch_size=8, shuffle=False, epochs=epochs, verbose=0, callbacks=cbs)
+        return seen
+
+    model = compiled(build())
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(model, tmp_path / "a", crash=17)  # saved at 15: epoch 1, step 3
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(model, tmp_path / "a", crash=2)  # resumed; crashes in the batches passed over
+    twin = compiled(build())
+    twin.optimizer.build(twin.trainable_variables)
+    ck.from_state(twin, ck.to_state(model))  # the same state, never resumed
+    assert arrays_of(twin, twin.optimizer) == arrays_of(model, model.optimizer)
+    before = int(model.optimizer.iterations.numpy())
+
+    assert fit(model, tmp_path / "b", epochs=2).epochs == [0, 1]
+    assert int(model.optimizer.iterations.numpy()) == before + 24  # every batch trained
+    assert fit(twin, tmp_path / "c", epochs=2).epochs == [0, 1]
+    assert arrays_of(model, model.optimizer) == arrays_of(twin, twin.optimizer)
+    assert model._initial_epoch is None
+    assert getattr(model.train_function, "_ckptfmt_original", None) is None
+
+
 def test_callback_arguments() -> None:
     keras_args = set(inspect.signature(keras.callbacks.BackupAndRestore).parameters)
     ours = set(inspect.signature(ck.BackupAndRestore).parameters)
