@@ -258,7 +258,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._fence()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        done = batch + 1
+        steps = (self.params or {}).get("steps")
+        # with steps_per_execution, Keras names a last, shorter execution's end as if it were
+        # whole (batch 14 of a 12-batch epoch, 5 an execution): the epoch has ``steps`` only
+        done = min(batch + 1, steps) if steps else batch + 1
         if done <= self._step:  # a batch passed over while resuming
             return
         before = self._global
@@ -266,7 +269,6 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._step = done
         freq = self.save_freq
         if not isinstance(freq, (str, bool)) and self._global // freq > before // freq:
-            steps = (self.params or {}).get("steps")
             if steps and done >= steps:
                 # the epoch's last batch: saved at the epoch's end, as the next epoch's start,
                 # after what fit does between (a data pipeline drawing random numbers for the

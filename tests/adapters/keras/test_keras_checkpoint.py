@@ -487,6 +487,43 @@ def test_fit_resumes_mid_epoch_bit_exact(
     )
 
 
+def test_a_last_shorter_execution_counts_the_batches_it_trained(tmp_path: Path) -> None:
+    """12 batches an epoch, 5 an execution: Keras ends the last execution (2 batches) at batch
+    14 as if it held 5. Every save is named by the batches trained (the optimizer's iterations:
+    saves at 5, 10, the epoch's end 12, then 17, 22, 24), and a fit killed after 22 resumes
+    at epoch 1, step 10 and ends bit for bit as the uninterrupted fit."""
+    x, y = xy(96, seed=4)
+
+    def fit(root: Path, crash: int | None = None) -> tuple[Any, Any]:
+        model = compiled(build(), steps_per_execution=5)
+        cb = ck.BackupAndRestore(
+            root,
+            save_freq=4,
+            delete_checkpoint=False,
+            keep_shared=10,
+            write=WriteOptions(fsync=False),
+        )
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        model.fit(x, y, batch_size=8, shuffle=False, epochs=2, verbose=0, callbacks=cbs)
+        return model, cb
+
+    reference, cb = fit(tmp_path / "ref")
+    assert cb.global_step == int(reference.optimizer.iterations.numpy()) == 24
+    saved = sorted(p.name for p in (tmp_path / "ref").iterdir() if p.name.startswith("step-"))
+    assert saved == [ckptfmt.step_dir_name(s) for s in (5, 10, 12, 17, 22, 24)]
+    for name in saved:
+        counters = ckptfmt.load(tmp_path / "ref" / name)["counters"]
+        assert counters["global_step"] == counters["optimizer_iterations"], name
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "ckpt", crash=5)  # the 5th execution: batches 5-9 of epoch 1 (22)
+    resumed, cb = fit(tmp_path / "ckpt")
+    assert cb.restored_counters is not None
+    assert cb.restored_counters["global_step"] == 22
+    assert (cb.restored_counters["epoch"], cb.restored_counters["step"]) == (1, 10)
+    assert cb.global_step == 24
+    assert arrays_of(resumed, resumed.optimizer) == arrays_of(reference, reference.optimizer)
+
+
 class Epochs(keras.callbacks.Callback):
     """The epochs a fit ran."""
 
