@@ -342,7 +342,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             "epoch": self._epoch,
             "step": self._step,
             "global_step": self._global,
-            "optimizer_iterations": int(backend.to_numpy(opt.iterations)) if opt is not None else 0,
+            # a variable, or with gradient_accumulation_steps a tensor computed from one
+            "optimizer_iterations": int(keras.ops.convert_to_numpy(opt.iterations))
+            if opt is not None
+            else 0,
         }
         if not held:
             self.manager.save(self._global, state)
