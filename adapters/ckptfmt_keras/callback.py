@@ -91,9 +91,10 @@ from ckptfmt_keras.parallel import (
     is_distributed,
 )
 
-# Managers of fits that ended by an exception (no on_train_end), by backup directory: the next
-# fit on that directory in this process closes the old one before it restores.
-_OPEN: dict[str, CheckpointManager] = {}
+# Managers of fits that ended by an exception (no on_train_end), by backup directory and rank:
+# the next fit on that directory in this process closes the old one before it restores. The rank
+# too: ranks that are threads of one process (``ckptfmt.transport.threads``) each close their own.
+_OPEN: dict[tuple[str, int], CheckpointManager] = {}
 
 # Models whose ``fit`` start epoch a callback set and (the fit ended by an exception) did not
 # clear: Keras keeps it, and would start every later fit of the model there, whatever its backup.
@@ -456,10 +457,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     def _optimizer(self) -> Any:
         return getattr(self.model, "optimizer", None)
 
-    def _key(self) -> str:
-        """The backup's key in ``_OPEN``: its URL, or its directory's absolute path."""
+    def _key(self) -> tuple[str, int]:
+        """The backup's key in ``_OPEN``: its URL, or its directory's absolute path; the rank."""
         where = self.backup_dir
-        return where if isinstance(where, str) else str(where.absolute())
+        return (where if isinstance(where, str) else str(where.absolute())), self.comm.rank
 
     def _not_this_models(
         self, exc: StateMismatchError, report: RestoreReport, state: dict[str, Any]

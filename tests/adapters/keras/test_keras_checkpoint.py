@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -567,6 +568,45 @@ def test_a_fit_ended_by_an_exception_leaves_nothing_to_the_next_fit(tmp_path: Pa
     assert arrays_of(model, model.optimizer) == arrays_of(twin, twin.optimizer)
     assert model._initial_epoch is None
     assert getattr(model.train_function, "_ckptfmt_original", None) is None
+
+
+def test_thread_ranks_each_close_their_own_manager_left_by_a_crash(tmp_path: Path) -> None:
+    """Two ranks that are threads of one process (``run_threads``), one backup: a fit ended by
+    an exception on both leaves each rank's manager open, and the next fit on each rank closes
+    its own (a manager left open would flush, a collective, at the interpreter's exit, alone).
+    The resumed fit restores the step both ranks saved."""
+    x, y = xy(96, seed=4)
+    lock = threading.Lock()  # Keras's global seed and layer names: one model built at a time
+    left: dict[int, Any] = {}
+
+    def fit(comm: Any, cb: Any, crash: int | None) -> Any:
+        opt = ck.distributed_optimizer(keras.optimizers.SGD(1e-2), comm)
+        with lock:
+            model = compiled(build(bf16=False), opt)
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        data = (x[comm.rank :: 2], y[comm.rank :: 2])  # 6 batches an epoch
+        model.fit(*data, batch_size=8, shuffle=False, epochs=2, verbose=0, callbacks=cbs)
+        return cb
+
+    def body(comm: Any) -> Any:
+        def callback() -> Any:
+            return ck.BackupAndRestore(
+                tmp_path / "b", save_freq=5, comm=comm, write=WriteOptions(fsync=False)
+            )
+
+        crashed = callback()
+        with pytest.raises(RuntimeError, match="crash"):
+            fit(comm, crashed, crash=7)  # saved at 5
+        left[comm.rank] = crashed.manager  # open: the fit never ended
+        comm.barrier()
+        return fit(comm, callback(), crash=None).restored_counters
+
+    restored = run_threads(2, body)
+    assert [r["global_step"] for r in restored] == [5, 5]
+    for rank, manager in left.items():
+        with pytest.raises(UsageError, match="closed"):
+            manager.save(99, {})  # closed by this rank's next fit, not left open
+        assert manager.comm.rank == rank
 
 
 def test_callback_arguments() -> None:
