@@ -215,11 +215,12 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 broadcast_variables(opt, self.comm)
             return
         state = report.state or {}
+        steps = (self.params or {}).get("steps")
+        self._check_executions(report, state, steps)  # before anything is changed
         try:
             counters = from_state(model, state, optimizer=opt if self.include_optimizer else None)
         except StateMismatchError as exc:
             raise self._not_this_models(exc, report, state) from None
-        steps = (self.params or {}).get("steps")
         if steps and counters["step"] >= steps:
             # saved after the epoch's last batch, before its end: resume at the next epoch's
             # start (as the uninterrupted run went on), not in an epoch of batches passed over
@@ -461,6 +462,24 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         """The backup's key in ``_OPEN``: its URL, or its directory's absolute path; the rank."""
         where = self.backup_dir
         return (where if isinstance(where, str) else str(where.absolute())), self.comm.rank
+
+    def _check_executions(
+        self, report: RestoreReport, state: dict[str, Any], steps: int | None
+    ) -> None:
+        """Refuse a resume mid-epoch at a batch where none of this fit's executions begins
+        (another ``steps_per_execution`` than the save's): the batches done are passed over a
+        whole execution at a time, so the last one passed over would take batches never
+        trained, and the fit would go on without them."""
+        counters = dict(state.get("counters") or {})
+        step, epoch = int(counters.get("step", 0)), int(counters.get("epoch", 0))
+        per_call = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if not step or (steps and step >= steps) or step % per_call == 0:
+            return
+        raise UsageError(
+            f"the backup at {report.path} was saved after batch {step} of epoch {epoch}, where "
+            f"no execution of {per_call} batches (this model's steps_per_execution) begins: "
+            f"resume it with a steps_per_execution that divides {step} (the save's did)"
+        )
 
     def _not_this_models(
         self, exc: StateMismatchError, report: RestoreReport, state: dict[str, Any]

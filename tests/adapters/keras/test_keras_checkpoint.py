@@ -525,6 +525,35 @@ def test_a_last_shorter_execution_counts_the_batches_it_trained(tmp_path: Path) 
     assert arrays_of(resumed, resumed.optimizer) == arrays_of(reference, reference.optimizer)
 
 
+def test_a_resume_where_no_execution_begins_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Saved after batch 10 (5 an execution), resumed with 4 an execution: the third execution
+    passed over would take batches 8-11, 10 and 11 never trained, and the fit went on without
+    them (its counters saying they were). Refused before any variable changes, naming the
+    backup; with 2 an execution (dividing 10) the fit resumes and trains each batch once."""
+    x, y = xy(96, seed=4)
+
+    def fit(model: Any, crash: int | None = None) -> Any:
+        cb = ck.BackupAndRestore(tmp_path / "b", save_freq=5, write=WriteOptions(fsync=False))
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        model.fit(x, y, batch_size=8, shuffle=False, epochs=1, verbose=0, callbacks=cbs)
+        return cb
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(compiled(build(), steps_per_execution=5), crash=2)  # saved at 5 and 10
+    other = compiled(build(), steps_per_execution=4)
+    other.optimizer.build(other.trainable_variables)
+    before = arrays_of(other, other.optimizer)
+    with pytest.raises(UsageError, match=r"step-0000000010.*batch 10 of epoch 0.*divides 10"):
+        fit(other)
+    assert arrays_of(other, other.optimizer) == before
+    model = compiled(build(), steps_per_execution=2)
+    cb = fit(model)
+    assert cb.restored_counters is not None and cb.restored_counters["step"] == 10
+    assert cb.global_step == int(model.optimizer.iterations.numpy()) == 12
+
+
 class Epochs(keras.callbacks.Callback):
     """The epochs a fit ran."""
 
