@@ -40,6 +40,8 @@ first, then level 3, then older ones) is loaded into the model and optimizer; ``
 its epoch (as Keras's callback does); the ``step`` batches of that epoch already trained are then
 taken from the data and passed over without training, so the data must give the same batches in
 the same order for an epoch each time (``ResumableDataset``, or arrays with ``shuffle=False``).
+They are passed over a whole execution at a time: a ``steps_per_execution`` that does not divide
+the saved ``step`` (another than the save's) is refused (``UsageError``) before anything changes.
 A checkpoint saved after an epoch's last batch resumes at the next epoch's start (the
 restored counters say so), so the resumed ``fit`` reports no empty epoch; the last batch passed
 over logs the restored metrics, as it logged them when it was trained.
