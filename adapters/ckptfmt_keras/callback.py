@@ -384,7 +384,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         opt_names = {f"optimizer/{n}" for n in opt_vars}
         for name in differ:
             kind, _, var = name.partition("/")
-            (model_vars if kind == "model" else opt_vars)[var].assign(arrays[name])
+            backend.assign((model_vars if kind == "model" else opt_vars)[var], arrays[name])
         self.replica_fixes.append((self._global, differ))
         trainable = {f"model/{n}" for n in named_variables(self.model.trainable_variables)}
         if self.comm.rank == 0 and any(n in trainable or n in opt_names for n in differ):

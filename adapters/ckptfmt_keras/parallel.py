@@ -188,11 +188,12 @@ def _bytes_of(a: np.ndarray) -> np.ndarray:
 
 def broadcast_variables(variables: Any, comm: Comm, root: int = 0) -> None:
     """Collective: set every rank's variables (any object :func:`named_variables` takes, the
-    same names everywhere) to ``root``'s values, in one broadcast."""
+    same names everywhere) to ``root``'s values, in one broadcast, bit for bit (bfloat16 NaN
+    payloads too, which a variable's own ``numpy`` and ``assign`` change under PyTorch)."""
     named = named_variables(variables)
     if comm.size == 1 or not named:
         return
-    arrays = [np.asarray(v.numpy()) for v in named.values()]
+    arrays = [backend.to_numpy(v) for v in named.values()]
     sizes = [a.nbytes for a in arrays]
     buf = np.empty(sum(sizes), dtype=np.uint8)
     if comm.rank == root:
@@ -204,8 +205,7 @@ def broadcast_variables(variables: Any, comm: Comm, root: int = 0) -> None:
     if comm.rank != root:
         start = 0
         for v, a, n in zip(named.values(), arrays, sizes):
-            value = buf[start : start + n].view(a.dtype).reshape(a.shape)
-            v.assign(value)
+            backend.assign(v, buf[start : start + n].view(a.dtype).reshape(a.shape))
             start += n
 
 

@@ -154,3 +154,45 @@ def test_data_parallel_workers_resume_bit_identical(tmp_path: Path, backend: str
         assert r["replica_fixes"] == []  # averaged gradients kept the replicas identical
     assert ranks[0]["first_batch"] != ranks[1]["first_batch"]  # each worker its own batches
     assert ranks[0]["final"] == ranks[1]["final"]
+
+
+BROADCAST = """
+import json
+import ml_dtypes
+import numpy as np
+import keras
+from ckptfmt.transport.threads import run_threads
+from ckptfmt_keras import backend
+from ckptfmt_keras.parallel import broadcast_variables
+
+BITS = [0x7FC1, 0xFF81, 0x7F81, 0x8000, 0x0001, 0x3F80]  # NaN payloads, -0.0, a subnormal, 1
+
+def body(comm):
+    v = keras.Variable(np.zeros(6, np.float32), dtype="bfloat16", name="w")
+    if comm.rank == 0:
+        backend.assign(v, np.array(BITS, np.uint16).view(ml_dtypes.bfloat16))
+    broadcast_variables([v], comm)
+    return backend.to_numpy(v).view(np.uint16).tolist()
+
+print(json.dumps({"ranks": run_threads(2, body), "want": BITS}))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replicas_take_rank_0s_bits(backend: str) -> None:
+    """Every replica starts from rank 0's weights bit for bit on each backend, bfloat16 NaN
+    payloads too (under PyTorch a variable's own ``numpy`` and ``assign`` go through float32,
+    which made rank 1's NaNs other NaNs than rank 0's)."""
+    needs(backend)
+    env = with_kit_path({**os.environ, **ENV, "KERAS_BACKEND": backend})
+    proc = subprocess.run(
+        [sys.executable, "-c", BROADCAST],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["ranks"] == [got["want"], got["want"]]
