@@ -89,6 +89,7 @@ from ckptfmt_keras.checkpoint import from_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
 from ckptfmt_keras.parallel import (
     agree,
+    average_outside_loss_scaling,
     broadcast_variables,
     is_distributed,
 )
@@ -195,7 +196,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             _compat.set_initial_epoch(model, None)
             _EPOCH_SET.discard(model)
         self._set_initial_epoch = False
-        opt = self._optimizer()
+        opt = average_outside_loss_scaling(self._optimizer())  # mixed_float16's wrapper
         if self.comm.size > 1 and opt is not None and is_distributed(opt) and model.jit_compile:
             raise UsageError(
                 "the gradient exchange cannot run under XLA: compile with jit_compile=False"
