@@ -7,10 +7,10 @@ Modes, each writing ``OUT/<mode>.<backend>[.rank<r>].json``:
 - ``single``: which backends importing ``ckptfmt_keras`` adds to those Keras imported (none
   should be added); ``fit`` killed (an exception from a callback) and resumed by
   ``BackupAndRestore`` in four ways (mid-epoch, at an epoch's end, a step save that ends an
-  epoch, mid-epoch with gradient accumulation and weight averages), each against the uninterrupted run: weights and optimizer digest, history, restored
-  counters, and the names of the saved state (the torch random state under torch); then a
-  trained model saved with ``ckptfmt_keras.save`` to ``OUT/ckpt.<backend>`` with the digest of
-  every saved array.
+  epoch, mid-epoch with gradient accumulation and weight averages), each against the
+  uninterrupted run: weights and optimizer digest, history, restored counters, and the names
+  of the saved state (the torch random state under torch); then a trained model saved with
+  ``ckptfmt_keras.save`` to ``OUT/ckpt.<backend>`` with the digest of every saved array.
 - ``load CKPT...``: each checkpoint loaded into a fresh model built alike; the digest of what the
   model and optimizer then hold, by name.
 - ``parallel``: two workers (``MpiComm``) training one model with ``distributed_optimizer``
