@@ -40,10 +40,14 @@ first, then level 3, then older ones) is loaded into the model and optimizer; ``
 its epoch (as Keras's callback does); the ``step`` batches of that epoch already trained are then
 taken from the data and passed over without training, so the data must give the same batches in
 the same order for an epoch each time (``ResumableDataset``, or arrays with ``shuffle=False``).
+They are passed over a whole execution at a time: a ``steps_per_execution`` that does not divide
+the saved ``step`` (another than the save's) is refused (``UsageError``) before anything changes.
 A checkpoint saved after an epoch's last batch resumes at the next epoch's start (the
 restored counters say so), so the resumed ``fit`` reports no empty epoch; the last batch passed
 over logs the restored metrics, as it logged them when it was trained.
 With nothing to restore and several workers, every replica starts from rank 0's weights.
+A fit that ended by an exception leaves nothing to the next fit of the model, on whichever
+backup: its start epoch (which Keras keeps in the model) is cleared and its passing over undone.
 
 ``fenced=True`` (TensorFlow backend): a save takes the variables' values without copying
 them (TensorFlow copies a variable on write while a value read from it is held: the values
@@ -67,6 +71,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +89,19 @@ from ckptfmt_keras.checkpoint import from_state
 from ckptfmt_keras.convert import assign, flat_names, named_variables, nest
 from ckptfmt_keras.parallel import (
     agree,
+    average_outside_loss_scaling,
     broadcast_variables,
     is_distributed,
 )
 
-# Managers of fits that ended by an exception (no on_train_end), by backup directory: the next
-# fit on that directory in this process closes the old one before it restores.
-_OPEN: dict[str, CheckpointManager] = {}
+# Managers of fits that ended by an exception (no on_train_end), by backup directory and rank:
+# the next fit on that directory in this process closes the old one before it restores. The rank
+# too: ranks that are threads of one process (``ckptfmt.transport.threads``) each close their own.
+_OPEN: dict[tuple[str, int], CheckpointManager] = {}
+
+# Models whose ``fit`` start epoch a callback set and (the fit ended by an exception) did not
+# clear: Keras keeps it, and would start every later fit of the model there, whatever its backup.
+_EPOCH_SET: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
@@ -178,7 +189,14 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 "build the model before fit() (call it on a batch, or give it an Input) so "
                 "that its variables exist to be restored"
             )
-        opt = self._optimizer()
+        # what a fit of this model that ended by an exception left: the epoch it resumed at
+        # (Keras would start this fit there too) and the train function passing batches over
+        self._restore_train_function()
+        if model in _EPOCH_SET:
+            _compat.set_initial_epoch(model, None)
+            _EPOCH_SET.discard(model)
+        self._set_initial_epoch = False
+        opt = average_outside_loss_scaling(self._optimizer())  # mixed_float16's wrapper
         if self.comm.size > 1 and opt is not None and is_distributed(opt) and model.jit_compile:
             raise UsageError(
                 "the gradient exchange cannot run under XLA: compile with jit_compile=False"
@@ -200,11 +218,12 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 broadcast_variables(opt, self.comm)
             return
         state = report.state or {}
+        steps = (self.params or {}).get("steps")
+        self._check_executions(report, state, steps)  # before anything is changed
         try:
             counters = from_state(model, state, optimizer=opt if self.include_optimizer else None)
         except StateMismatchError as exc:
             raise self._not_this_models(exc, report, state) from None
-        steps = (self.params or {}).get("steps")
         if steps and counters["step"] >= steps:
             # saved after the epoch's last batch, before its end: resume at the next epoch's
             # start (as the uninterrupted run went on), not in an epoch of batches passed over
@@ -216,6 +235,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._epoch:
             _compat.set_initial_epoch(model, self._epoch)
             self._set_initial_epoch = True
+            _EPOCH_SET.add(model)
         if self._step:
             self._resume = (self._epoch, self._step)
             self._pass_over(self._step)
@@ -243,7 +263,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._fence()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        done = batch + 1
+        steps = (self.params or {}).get("steps")
+        # with steps_per_execution, Keras names a last, shorter execution's end as if it were
+        # whole (batch 14 of a 12-batch epoch, 5 an execution): the epoch has ``steps`` only
+        done = min(batch + 1, steps) if steps else batch + 1
         if done <= self._step:  # a batch passed over while resuming
             return
         before = self._global
@@ -251,7 +274,6 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._step = done
         freq = self.save_freq
         if not isinstance(freq, (str, bool)) and self._global // freq > before // freq:
-            steps = (self.params or {}).get("steps")
             if steps and done >= steps:
                 # the epoch's last batch: saved at the epoch's end, as the next epoch's start,
                 # after what fit does between (a data pipeline drawing random numbers for the
@@ -272,6 +294,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._set_initial_epoch:
             _compat.set_initial_epoch(self.model, None)
             self._set_initial_epoch = False
+            _EPOCH_SET.discard(self.model)
         if self.manager is None:
             return
         manager, self.manager = self.manager, None
@@ -326,7 +349,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             "epoch": self._epoch,
             "step": self._step,
             "global_step": self._global,
-            "optimizer_iterations": int(backend.to_numpy(opt.iterations)) if opt is not None else 0,
+            # a variable, or with gradient_accumulation_steps a tensor computed from one
+            "optimizer_iterations": int(keras.ops.convert_to_numpy(opt.iterations))
+            if opt is not None
+            else 0,
         }
         if not held:
             self.manager.save(self._global, state)
@@ -361,7 +387,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         opt_names = {f"optimizer/{n}" for n in opt_vars}
         for name in differ:
             kind, _, var = name.partition("/")
-            (model_vars if kind == "model" else opt_vars)[var].assign(arrays[name])
+            backend.assign((model_vars if kind == "model" else opt_vars)[var], arrays[name])
         self.replica_fixes.append((self._global, differ))
         trainable = {f"model/{n}" for n in named_variables(self.model.trainable_variables)}
         if self.comm.rank == 0 and any(n in trainable or n in opt_names for n in differ):
@@ -437,10 +463,28 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     def _optimizer(self) -> Any:
         return getattr(self.model, "optimizer", None)
 
-    def _key(self) -> str:
-        """The backup's key in ``_OPEN``: its URL, or its directory's absolute path."""
+    def _key(self) -> tuple[str, int]:
+        """The backup's key in ``_OPEN``: its URL, or its directory's absolute path; the rank."""
         where = self.backup_dir
-        return where if isinstance(where, str) else str(where.absolute())
+        return (where if isinstance(where, str) else str(where.absolute())), self.comm.rank
+
+    def _check_executions(
+        self, report: RestoreReport, state: dict[str, Any], steps: int | None
+    ) -> None:
+        """Refuse a resume mid-epoch at a batch where none of this fit's executions begins
+        (another ``steps_per_execution`` than the save's): the batches done are passed over a
+        whole execution at a time, so the last one passed over would take batches never
+        trained, and the fit would go on without them."""
+        counters = dict(state.get("counters") or {})
+        step, epoch = int(counters.get("step", 0)), int(counters.get("epoch", 0))
+        per_call = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if not step or (steps and step >= steps) or step % per_call == 0:
+            return
+        raise UsageError(
+            f"the backup at {report.path} was saved after batch {step} of epoch {epoch}, where "
+            f"no execution of {per_call} batches (this model's steps_per_execution) begins: "
+            f"resume it with a steps_per_execution that divides {step} (the save's did)"
+        )
 
     def _not_this_models(
         self, exc: StateMismatchError, report: RestoreReport, state: dict[str, Any]

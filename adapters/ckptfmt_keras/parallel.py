@@ -142,16 +142,42 @@ def average_gradients(grads: Sequence[Any], comm: Comm, reduction: str = "ordere
 
 
 class _Averaging:
-    """Mixed in before the optimizer's own class: ``apply`` averages first, so every rank
-    applies the same update (and a ``LossScaleOptimizer`` sees the same gradients everywhere
-    when it decides whether to skip a step)."""
+    """Mixed in before the optimizer's own class: ``apply`` (TensorFlow's and PyTorch's train
+    step) and ``stateless_apply`` (JAX's) average first, once, so every rank applies the same
+    update (and a ``LossScaleOptimizer`` sees the same gradients everywhere when it decides
+    whether to skip a step)."""
 
     _ckptfmt_comm: Comm
     _ckptfmt_reduction: str
+    _ckptfmt_base: type
+    _ckptfmt_averaged = False  # inside stateless_apply, whose base calls apply
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        grads = average_gradients(list(grads), self._ckptfmt_comm, self._ckptfmt_reduction)
+        if not self._ckptfmt_averaged:
+            grads = average_gradients(list(grads), self._ckptfmt_comm, self._ckptfmt_reduction)
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def stateless_apply(
+        self, optimizer_variables: Any, grads: Any, trainable_variables: Any
+    ) -> Any:
+        grads = average_gradients(list(grads), self._ckptfmt_comm, self._ckptfmt_reduction)
+        object.__setattr__(self, "_ckptfmt_averaged", True)
+        try:
+            return super().stateless_apply(  # type: ignore[misc]
+                optimizer_variables, grads, trainable_variables
+            )
+        finally:
+            object.__setattr__(self, "_ckptfmt_averaged", False)
+
+
+def _mix(optimizer: Any, comm: Comm, reduction: str) -> None:
+    """Swap ``optimizer``'s class for a subclass averaging over ``comm`` (already duplicated)."""
+    cls = type(optimizer)
+    sub = type(cls.__name__, (_Averaging, cls), {"__module__": cls.__module__})
+    object.__setattr__(optimizer, "__class__", sub)
+    object.__setattr__(optimizer, "_ckptfmt_comm", comm)
+    object.__setattr__(optimizer, "_ckptfmt_reduction", reduction)
+    object.__setattr__(optimizer, "_ckptfmt_base", cls)
 
 
 def distributed_optimizer(
@@ -160,18 +186,38 @@ def distributed_optimizer(
     """Collective (it duplicates ``comm`` for the gradient exchange): make ``optimizer`` average
     the gradients over the ranks of ``comm`` before every update. The same object is returned,
     its class swapped for a subclass of its own class (its config, name, variable paths and
-    serialization stay those of the original class)."""
+    serialization stay those of the original class).
+
+    A ``mixed_float16`` model's ``compile`` wraps the optimizer in a ``LossScaleOptimizer``,
+    which decides to skip a step (gradients overflowed) before the optimizer inside averages:
+    a rank that overflowed would skip the exchange the others wait in. ``BackupAndRestore``
+    moves the averaging out to the ``LossScaleOptimizer`` when ``fit`` starts
+    (:func:`average_outside_loss_scaling`); without it, pass
+    ``distributed_optimizer(keras.optimizers.LossScaleOptimizer(opt), comm)``."""
     if reduction not in REDUCTIONS:
         raise UsageError(f"reduction is one of {REDUCTIONS}, not {reduction!r}")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise UsageError(f"not a Keras optimizer: {type(optimizer).__name__}")
     if isinstance(optimizer, _Averaging):
         raise UsageError("this optimizer already averages gradients")
-    cls = type(optimizer)
-    sub = type(cls.__name__, (_Averaging, cls), {"__module__": cls.__module__})
-    object.__setattr__(optimizer, "__class__", sub)
-    object.__setattr__(optimizer, "_ckptfmt_comm", comm.dup() if comm.size > 1 else comm)
-    object.__setattr__(optimizer, "_ckptfmt_reduction", reduction)
+    _mix(optimizer, comm.dup() if comm.size > 1 else comm, reduction)
+    return optimizer
+
+
+def average_outside_loss_scaling(optimizer: Any) -> Any:
+    """Local. A ``LossScaleOptimizer`` that ``compile`` put around an optimizer of
+    :func:`distributed_optimizer` (a ``mixed_float16`` model): its check for overflowed
+    gradients ran on each rank's own, before the optimizer inside averaged them, so a rank whose
+    gradients overflowed skipped the step and the exchange while the others waited in it. The
+    averaging moves out to the ``LossScaleOptimizer`` (the same ranks, the same reduction): every
+    rank then checks the same averaged gradients and skips, or steps, alike. Anything else is
+    left as it is. Returns ``optimizer``."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if not isinstance(inner, _Averaging) or isinstance(optimizer, _Averaging):
+        return optimizer
+    comm, reduction = inner._ckptfmt_comm, inner._ckptfmt_reduction
+    object.__setattr__(inner, "__class__", inner._ckptfmt_base)
+    _mix(optimizer, comm, reduction)
     return optimizer
 
 
@@ -188,11 +234,12 @@ def _bytes_of(a: np.ndarray) -> np.ndarray:
 
 def broadcast_variables(variables: Any, comm: Comm, root: int = 0) -> None:
     """Collective: set every rank's variables (any object :func:`named_variables` takes, the
-    same names everywhere) to ``root``'s values, in one broadcast."""
+    same names everywhere) to ``root``'s values, in one broadcast, bit for bit (bfloat16 NaN
+    payloads too, which a variable's own ``numpy`` and ``assign`` change under PyTorch)."""
     named = named_variables(variables)
     if comm.size == 1 or not named:
         return
-    arrays = [np.asarray(v.numpy()) for v in named.values()]
+    arrays = [backend.to_numpy(v) for v in named.values()]
     sizes = [a.nbytes for a in arrays]
     buf = np.empty(sum(sizes), dtype=np.uint8)
     if comm.rank == root:
@@ -204,8 +251,7 @@ def broadcast_variables(variables: Any, comm: Comm, root: int = 0) -> None:
     if comm.rank != root:
         start = 0
         for v, a, n in zip(named.values(), arrays, sizes):
-            value = buf[start : start + n].view(a.dtype).reshape(a.shape)
-            v.assign(value)
+            backend.assign(v, buf[start : start + n].view(a.dtype).reshape(a.shape))
             start += n
 
 

@@ -127,8 +127,7 @@ class _Known:
     def fits(self, t: torch.Tensor, era: int) -> bool:
         if self.era != era:
             return False
-        if t is self.tensor:
-            return True
+        # the same tensor object too: ``p.data = ...`` gives a parameter new memory in place
         return (
             t.data_ptr() == self.ptr
             and t.dtype == self.dtype

@@ -6,11 +6,11 @@ Modes, each writing ``OUT/<mode>.<backend>[.rank<r>].json``:
 
 - ``single``: which backends importing ``ckptfmt_keras`` adds to those Keras imported (none
   should be added); ``fit`` killed (an exception from a callback) and resumed by
-  ``BackupAndRestore`` in three ways (mid-epoch, at an epoch's end, a step save that ends an
-  epoch), each against the uninterrupted run: weights and optimizer digest, history, restored
-  counters, and the names of the saved state (the torch random state under torch); then a
-  trained model saved with ``ckptfmt_keras.save`` to ``OUT/ckpt.<backend>`` with the digest of
-  every saved array.
+  ``BackupAndRestore`` in four ways (mid-epoch, at an epoch's end, a step save that ends an
+  epoch, mid-epoch with gradient accumulation and weight averages), each against the
+  uninterrupted run: weights and optimizer digest, history, restored counters, and the names
+  of the saved state (the torch random state under torch); then a trained model saved with
+  ``ckptfmt_keras.save`` to ``OUT/ckpt.<backend>`` with the digest of every saved array.
 - ``load CKPT...``: each checkpoint loaded into a fresh model built alike; the digest of what the
   model and optimizer then hold, by name.
 - ``parallel``: two workers (``MpiComm``) training one model with ``distributed_optimizer``
@@ -140,6 +140,12 @@ SCENARIOS = {  # name: (data kind, save_freq, crash after this many train-functi
     "mid_epoch": ("py", 5, 17),  # saves at 5, 10, 15: resumes at epoch 1, step 3
     "epoch_end": ("py", "epoch", 20),  # resumes at the start of epoch 1
     "step_save_ends_epoch": ("arrays", 4, 7),  # saves at 4, 8, 12 (at the epoch end); 2 a call
+    # mid_epoch with an optimizer whose ``iterations`` is a tensor computed from a variable
+    # (gradient accumulation) and which keeps moving averages of the weights
+    "accumulated": ("py", 5, 17),
+}
+OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {
+    "accumulated": {"gradient_accumulation_steps": 2, "use_ema": True},
 }
 
 
@@ -163,8 +169,10 @@ def single(keras: Any, out: Path) -> dict[str, Any]:
             per_execution: int = per_execution,
             kind: str = kind,
             save_freq: Any = save_freq,
+            scenario: str = name,
         ) -> Any:
-            model = compiled(keras, build(keras), per_execution=per_execution)
+            optimizer = keras.optimizers.Adam(1e-2, **OPTIMIZER_OPTIONS.get(scenario, {}))
+            model = compiled(keras, build(keras), optimizer, per_execution=per_execution)
             dataset = ck.ResumableDataset(x, y, batch_size=8, seed=5)
             cb = ck.BackupAndRestore(
                 backup,

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -485,6 +486,156 @@ def test_fit_resumes_mid_epoch_bit_exact(
         resumed._initial_epoch is None
         and getattr(resumed.train_function, "_ckptfmt_original", None) is None
     )
+
+
+def test_a_last_shorter_execution_counts_the_batches_it_trained(tmp_path: Path) -> None:
+    """12 batches an epoch, 5 an execution: Keras ends the last execution (2 batches) at batch
+    14 as if it held 5. Every save is named by the batches trained (the optimizer's iterations:
+    saves at 5, 10, the epoch's end 12, then 17, 22, 24), and a fit killed after 22 resumes
+    at epoch 1, step 10 and ends bit for bit as the uninterrupted fit."""
+    x, y = xy(96, seed=4)
+
+    def fit(root: Path, crash: int | None = None) -> tuple[Any, Any]:
+        model = compiled(build(), steps_per_execution=5)
+        cb = ck.BackupAndRestore(
+            root,
+            save_freq=4,
+            delete_checkpoint=False,
+            keep_shared=10,
+            write=WriteOptions(fsync=False),
+        )
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        model.fit(x, y, batch_size=8, shuffle=False, epochs=2, verbose=0, callbacks=cbs)
+        return model, cb
+
+    reference, cb = fit(tmp_path / "ref")
+    assert cb.global_step == int(reference.optimizer.iterations.numpy()) == 24
+    saved = sorted(p.name for p in (tmp_path / "ref").iterdir() if p.name.startswith("step-"))
+    assert saved == [ckptfmt.step_dir_name(s) for s in (5, 10, 12, 17, 22, 24)]
+    for name in saved:
+        counters = ckptfmt.load(tmp_path / "ref" / name)["counters"]
+        assert counters["global_step"] == counters["optimizer_iterations"], name
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "ckpt", crash=5)  # the 5th execution: batches 5-9 of epoch 1 (22)
+    resumed, cb = fit(tmp_path / "ckpt")
+    assert cb.restored_counters is not None
+    assert cb.restored_counters["global_step"] == 22
+    assert (cb.restored_counters["epoch"], cb.restored_counters["step"]) == (1, 10)
+    assert cb.global_step == 24
+    assert arrays_of(resumed, resumed.optimizer) == arrays_of(reference, reference.optimizer)
+
+
+def test_a_resume_where_no_execution_begins_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Saved after batch 10 (5 an execution), resumed with 4 an execution: the third execution
+    passed over would take batches 8-11, 10 and 11 never trained, and the fit went on without
+    them (its counters saying they were). Refused before any variable changes, naming the
+    backup; with 2 an execution (dividing 10) the fit resumes and trains each batch once."""
+    x, y = xy(96, seed=4)
+
+    def fit(model: Any, crash: int | None = None) -> Any:
+        cb = ck.BackupAndRestore(tmp_path / "b", save_freq=5, write=WriteOptions(fsync=False))
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        model.fit(x, y, batch_size=8, shuffle=False, epochs=1, verbose=0, callbacks=cbs)
+        return cb
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(compiled(build(), steps_per_execution=5), crash=2)  # saved at 5 and 10
+    other = compiled(build(), steps_per_execution=4)
+    other.optimizer.build(other.trainable_variables)
+    before = arrays_of(other, other.optimizer)
+    with pytest.raises(UsageError, match=r"step-0000000010.*batch 10 of epoch 0.*divides 10"):
+        fit(other)
+    assert arrays_of(other, other.optimizer) == before
+    model = compiled(build(), steps_per_execution=2)
+    cb = fit(model)
+    assert cb.restored_counters is not None and cb.restored_counters["step"] == 10
+    assert cb.global_step == int(model.optimizer.iterations.numpy()) == 12
+
+
+class Epochs(keras.callbacks.Callback):
+    """The epochs a fit ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: list[int] = []
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.epochs.append(epoch)
+
+
+def test_a_fit_ended_by_an_exception_leaves_nothing_to_the_next_fit(tmp_path: Path) -> None:
+    """A fit that resumed (at epoch 1, step 3) and ended by an exception while it passed the
+    3 batches over: neither where it started (Keras keeps that in the model) nor its train
+    function passing batches over may reach the next fit of the same model, here on a fresh
+    backup. That fit runs every epoch and trains every batch, bit for bit as a model with the
+    same state fitted afresh."""
+    x, y = xy(96, seed=4)
+
+    def fit(model: Any, root: Path, crash: int | None = None, epochs: int = 3) -> Epochs:
+        seen = Epochs()
+        cb = ck.BackupAndRestore(root, save_freq=5, write=WriteOptions(fsync=False))
+        cbs = [cb, seen] + ([Crash(crash)] if crash else [])
+        model.fit(x, y, batch_size=8, shuffle=False, epochs=epochs, verbose=0, callbacks=cbs)
+        return seen
+
+    model = compiled(build())
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(model, tmp_path / "a", crash=17)  # saved at 15: epoch 1, step 3
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(model, tmp_path / "a", crash=2)  # resumed; crashes in the batches passed over
+    twin = compiled(build())
+    twin.optimizer.build(twin.trainable_variables)
+    ck.from_state(twin, ck.to_state(model))  # the same state, never resumed
+    assert arrays_of(twin, twin.optimizer) == arrays_of(model, model.optimizer)
+    before = int(model.optimizer.iterations.numpy())
+
+    assert fit(model, tmp_path / "b", epochs=2).epochs == [0, 1]
+    assert int(model.optimizer.iterations.numpy()) == before + 24  # every batch trained
+    assert fit(twin, tmp_path / "c", epochs=2).epochs == [0, 1]
+    assert arrays_of(model, model.optimizer) == arrays_of(twin, twin.optimizer)
+    assert model._initial_epoch is None
+    assert getattr(model.train_function, "_ckptfmt_original", None) is None
+
+
+def test_thread_ranks_each_close_their_own_manager_left_by_a_crash(tmp_path: Path) -> None:
+    """Two ranks that are threads of one process (``run_threads``), one backup: a fit ended by
+    an exception on both leaves each rank's manager open, and the next fit on each rank closes
+    its own (a manager left open would flush, a collective, at the interpreter's exit, alone).
+    The resumed fit restores the step both ranks saved."""
+    x, y = xy(96, seed=4)
+    lock = threading.Lock()  # Keras's global seed and layer names: one model built at a time
+    left: dict[int, Any] = {}
+
+    def fit(comm: Any, cb: Any, crash: int | None) -> Any:
+        opt = ck.distributed_optimizer(keras.optimizers.SGD(1e-2), comm)
+        with lock:
+            model = compiled(build(bf16=False), opt)
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        data = (x[comm.rank :: 2], y[comm.rank :: 2])  # 6 batches an epoch
+        model.fit(*data, batch_size=8, shuffle=False, epochs=2, verbose=0, callbacks=cbs)
+        return cb
+
+    def body(comm: Any) -> Any:
+        def callback() -> Any:
+            return ck.BackupAndRestore(
+                tmp_path / "b", save_freq=5, comm=comm, write=WriteOptions(fsync=False)
+            )
+
+        crashed = callback()
+        with pytest.raises(RuntimeError, match="crash"):
+            fit(comm, crashed, crash=7)  # saved at 5
+        left[comm.rank] = crashed.manager  # open: the fit never ended
+        comm.barrier()
+        return fit(comm, callback(), crash=None).restored_counters
+
+    restored = run_threads(2, body)
+    assert [r["global_step"] for r in restored] == [5, 5]
+    for rank, manager in left.items():
+        with pytest.raises(UsageError, match="closed"):
+            manager.save(99, {})  # closed by this rank's next fit, not left open
+        assert manager.comm.rank == rank
 
 
 def test_callback_arguments() -> None:

@@ -215,6 +215,37 @@ def test_the_plan_follows_the_state_when_its_memory_moves(tmp_path: Path) -> Non
     assert not (tmp_path / "l1" / "n0" / step_dir_name(5)).exists()
 
 
+def test_a_parameter_saved_itself_and_given_new_memory_is_saved_from_its_new_memory(
+    tmp_path: Path,
+) -> None:
+    """A state dict holding the parameters themselves (not ``model.state_dict()``'s fresh
+    detached tensors): ``p.data = ...`` (EMA weights swapped in, say) gives the same object new
+    memory. The plan is made again for it, so the checkpoint holds the new values, not the old
+    memory's (which a plan kept by the tensor's identity went on saving)."""
+    model, opt = model_and_optimizer()
+    mgr = node_manager(tmp_path, shared=None, keep_local=10)
+    saver = ckptfmt_torch.FencedSaver(mgr, opt)
+    params = dict(model.named_parameters())
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(4):
+        train_step(model, opt, step)
+        if step == 2:
+            with torch.no_grad():
+                for p in params.values():
+                    p.data = torch.full_like(p, 7.0) + p  # new memory, other values
+        expected[step] = {k: p.detach().clone() for k, p in params.items()}
+        saver.save(step, {"params": params})
+    train_step(model, opt, 4)
+    saver.close()
+    mgr.close()
+    for step, want in expected.items():
+        other, _ = model_and_optimizer(seed=99)
+        got = dict(other.named_parameters())
+        ckptfmt_torch.load({"params": got}, tmp_path / "l1" / "n0" / step_dir_name(step))
+        for k in want:
+            assert torch.equal(got[k].detach(), want[k]), (step, k)
+
+
 def test_without_optimizers_every_optimizer_is_a_fence(tmp_path: Path) -> None:
     """``optimizers=None``: the optimizers are learnt from their steps (a global step pre-hook);
     a save before any step copies everything before it returns."""
