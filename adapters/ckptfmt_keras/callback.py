@@ -205,6 +205,12 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         stale = _OPEN.pop(key, None)
         if stale is not None:  # a fit that ended by an exception left it open
             stale.close(flush=False)
+        if self.manager is not None and self.manager is not stale:  # this callback's, if left
+            self.manager.close(flush=False)  # open (closed already: nothing happens)
+        # a fenced save of that fit whose fence never came: its manager is closed (every save
+        # in flight waited for), so its copy is over; let its values go, or this fit's first
+        # fence would wait on it and add the time to that fit's last ``blocked_s`` entry
+        self._in_flight = None
         self.manager = _OPEN[key] = CheckpointManager(settings=self.settings, comm=self.comm)
         self._epoch = self._step = self._global = 0
         self._resume, self._pending_metrics, self._pending_rng = None, None, None

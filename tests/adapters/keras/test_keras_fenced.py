@@ -125,3 +125,54 @@ def test_a_change_after_the_save_does_not_reach_the_checkpoint(tmp_path: Path) -
     assert saved(tmp_path, 3)["model/mlp/bn/moving_mean"].tobytes() == (
         snap.at[3]["model/mlp/bn/moving_mean"].tobytes()
     )
+
+
+class Crash(keras.callbacks.Callback):  # type: ignore[misc]
+    """Raise at the end of batch ``after`` (listed after the backup: its save is made first)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after, self.seen = after, 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.seen += 1
+        if self.seen == self.after:
+            raise RuntimeError("crash")
+
+
+def test_a_callback_reused_after_a_failed_fit_starts_clean(tmp_path: Path) -> None:
+    """A fit raised right after a fenced save (its fence never came); the same callback object
+    in the next fit: the save left in flight is over when that fit starts (its manager is
+    closed there), so no fence of the new fit waits on it or adds to the failed fit's last
+    ``blocked_s`` entry; the new fit resumes at that save and each of its saves is its step's
+    state, bit for bit."""
+    model = build()
+    model.compile(optimizer="adam", loss="mse", jit_compile=False)
+    cb = ck.BackupAndRestore(
+        tmp_path / "shared",
+        save_freq=1,
+        delete_checkpoint=False,
+        fenced=True,
+        local_dir=tmp_path / "local" / "{node}",
+        node="n0",
+        keep_local=STEPS + 1,
+        async_save=True,
+        write=WriteOptions(fsync=False),
+    )
+    x, y = xy(8 * STEPS)
+
+    def run(*extra: Any) -> None:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[*extra])
+
+    with pytest.raises(RuntimeError, match="crash"):
+        run(cb, Crash(3))
+    assert cb._in_flight is not None  # the save of step 3, whose fence never came
+    failed = list(cb.blocked_s)
+    assert len(failed) == 3
+    snap = Snapshot()
+    run(snap, cb)
+    assert cb.restored_counters is not None and cb.restored_counters["global_step"] == 3
+    assert cb.blocked_s[:3] == failed  # the failed fit's entries, untouched
+    assert len(cb.blocked_s) == STEPS and cb._in_flight is None  # one per save of this fit
+    for step in range(4, STEPS + 1):
+        assert_step(tmp_path, step, snap.at[step])
