@@ -17,7 +17,9 @@ keeps them equal): up to the newest version checked, exclusive of the next minor
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from ckptfmt.frameworks import Private, PrivateNames
@@ -64,6 +66,15 @@ PRIVATE.update(
             (),
             "the epoch fit starts from when set (what keras.callbacks.BackupAndRestore sets)",
             on_objects=True,
+        ),
+        "EpochIterator": Private(
+            "keras",
+            "keras.src.trainers.epoch_iterator",
+            "EpochIterator",
+            (),
+            "fit's iterator over the data (a local of every backend's fit), found from "
+            "on_train_begin: its steps_per_epoch and data_adapter.num_batches say whether fit "
+            "carries the data's iterator from one epoch to the next",
         ),
         # --- variable names (convert.py) ---
         "Layer._flatten_layers": Private(
@@ -113,6 +124,28 @@ def set_initial_epoch(model: Any, epoch: int | None) -> None:
     """Make ``fit`` start at ``epoch`` (``None``: at its ``initial_epoch`` argument again)."""
     _attribute("Model._initial_epoch", model)
     model._initial_epoch = epoch
+
+
+def carried_batches(depth: int = 8) -> tuple[int, int | None] | None:
+    """Called from a callback's ``on_train_begin``: ``(steps_per_epoch, the data's batches or
+    None where unknown)`` when the running ``fit`` carries its data iterator from one epoch to
+    the next (its ``steps_per_epoch`` is fewer than the data's batches, or the data's number
+    of batches is unknown: each epoch goes on where the last one stopped), else None. Found as
+    the ``EpochIterator`` among the locals of the callers up to ``depth`` frames up (``fit``
+    makes it before it calls ``on_train_begin``)."""
+    cls = private("EpochIterator")
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        for value in frame.f_locals.values():
+            if isinstance(value, cls):
+                steps, batches = value.steps_per_epoch, value.data_adapter.num_batches
+                if steps and (batches is None or batches > steps):
+                    return int(steps), None if batches is None else int(batches)
+                return None
+        frame = frame.f_back
+    return None
 
 
 # --- variable names ---------------------------------------------------------------------------

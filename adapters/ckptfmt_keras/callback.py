@@ -42,6 +42,9 @@ taken from the data and passed over without training, so the data must give the 
 the same order for an epoch each time (``ResumableDataset``, or arrays with ``shuffle=False``).
 They are passed over a whole execution at a time: a ``steps_per_execution`` that does not divide
 the saved ``step`` (another than the save's) is refused (``UsageError``) before anything changes.
+With ``steps_per_epoch`` fewer than the data's batches (or data of unknown length) Keras carries
+its data iterator from one epoch to the next, which a resumed fit, starting the data afresh,
+does not: a resume after the first epoch of such a fit is refused (``UsageError``).
 A checkpoint saved after an epoch's last batch resumes at the next epoch's start (the
 restored counters say so), so the resumed ``fit`` reports no empty epoch; the last batch passed
 over logs the restored metrics, as it logged them when it was trained.
@@ -226,6 +229,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         state = report.state or {}
         steps = (self.params or {}).get("steps")
         self._check_executions(report, state, steps)  # before anything is changed
+        self._check_carried(report, state, steps)
         try:
             counters = from_state(model, state, optimizer=opt if self.include_optimizer else None)
         except StateMismatchError as exc:
@@ -492,6 +496,45 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             f"resume it with a steps_per_execution that divides {step} (the save's did)"
         )
 
+    def _check_carried(
+        self, report: RestoreReport, state: dict[str, Any], steps: int | None
+    ) -> None:
+        """Refuse a resume after the first epoch in a ``fit`` that carries its data iterator
+        from one epoch to the next (``steps_per_epoch`` fewer than the data's batches, or data
+        of unknown length): the interrupted fit's epoch went on where the last one stopped in
+        the data, the resumed one starts the data afresh, so it would train on other batches,
+        silently. Passing over the batches of the epochs before is not done: what a second
+        pass over the data gives (a reshuffle, ``set_epoch``) is the data's own. A resume
+        within the first epoch is exact (the data starts afresh in both fits) and goes on."""
+        counters = dict(state.get("counters") or {})
+        step, epoch = int(counters.get("step", 0)), int(counters.get("epoch", 0))
+        if steps and step >= steps:  # resumed at the next epoch's start
+            epoch, step = epoch + 1, 0
+        if not epoch:
+            return
+        carried = _compat.carried_batches()
+        if carried is None:
+            return
+        per_epoch, batches = carried
+        has = "an unknown number of" if batches is None else str(batches)
+        raise UsageError(
+            f"the backup at {report.path} was saved at epoch {epoch}, batch {step} of a fit "
+            f"with steps_per_epoch={per_epoch} and data of {has} batches: Keras then carries "
+            "its data iterator from one epoch to the next, so a fit resumed there would start "
+            "the data afresh and train on other batches than the interrupted fit. Remove "
+            f"{self._dirs()} to start afresh, and give fit data of exactly steps_per_epoch "
+            "batches an epoch (dataset.take(steps_per_epoch), with ResumableDataset choosing "
+            "each epoch's batches), or leave steps_per_epoch out (one pass over the data an "
+            "epoch), so that a backup resumes exactly"
+        )
+
+    def _dirs(self) -> str:
+        """The directories of this callback's backup (level 3, and level 1 if any)."""
+        dirs = [str(self.backup_dir)]
+        if self.manager is not None and self.manager.local_root is not None:
+            dirs.append(str(self.manager.local_root))
+        return " and ".join(dirs)
+
     def _not_this_models(
         self, exc: StateMismatchError, report: RestoreReport, state: dict[str, Any]
     ) -> StateMismatchError:
@@ -504,14 +547,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             if {"epoch", "step"} <= counters.keys()
             else ""
         )
-        dirs = [str(self.backup_dir)]
-        if self.manager is not None and self.manager.local_root is not None:
-            dirs.append(str(self.manager.local_root))
         note = (
             f"This backup{at} is left by a fit that did not end (a fit that ends deletes its "
-            "backup) and is not of this model: remove "
-            + " and ".join(dirs)
-            + " to start afresh, or give BackupAndRestore another backup_dir"
+            f"backup) and is not of this model: remove {self._dirs()} to start afresh, or give "
+            "BackupAndRestore another backup_dir"
         )
         return StateMismatchError(
             exc.missing,

@@ -554,6 +554,56 @@ def test_a_resume_where_no_execution_begins_is_refused_and_changes_nothing(
     assert cb.global_step == int(model.optimizer.iterations.numpy()) == 12
 
 
+@pytest.mark.parametrize("data_kind", ["arrays", "repeated"])
+def test_a_fit_carrying_its_data_across_epochs_resumes_only_in_its_first(
+    tmp_path: Path, data_kind: str
+) -> None:
+    """``steps_per_epoch=4`` of data of 12 batches (arrays) or of unknown length (a repeated
+    ``tf.data`` dataset): Keras carries its data iterator from epoch to epoch, so epoch 1
+    trains batches 4-7. A fit killed in epoch 0 resumes bit for bit (both fits start the data
+    afresh); one killed in epoch 1 (saved at epoch 1, batch 2) would resume on batches 0-1
+    instead of 6-7, silently: refused, naming steps_per_epoch, before any variable changes,
+    the backup left as it was."""
+    x, y = xy(96, seed=4)
+
+    def fit(model: Any, root: Path, crash: int | None = None) -> Any:
+        cb = ck.BackupAndRestore(
+            root, save_freq=2, delete_checkpoint=False, write=WriteOptions(fsync=False)
+        )
+        cbs = [cb] + ([Crash(crash)] if crash else [])
+        if data_kind == "arrays":
+            data: Any = {"x": x, "y": y, "batch_size": 8}
+        else:
+            data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()}
+        model.fit(**data, shuffle=False, steps_per_epoch=4, epochs=3, verbose=0, callbacks=cbs)
+        return cb
+
+    reference = compiled(build())
+    fit(reference, tmp_path / "ref")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(compiled(build()), tmp_path / "first", crash=3)  # saved at epoch 0, batch 2
+    resumed = compiled(build())
+    cb = fit(resumed, tmp_path / "first")
+    assert cb.restored_counters is not None
+    assert (cb.restored_counters["epoch"], cb.restored_counters["step"]) == (0, 2)
+    assert arrays_of(resumed, resumed.optimizer) == arrays_of(reference, reference.optimizer)
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(compiled(build()), tmp_path / "second", crash=7)  # saved at epoch 1, batch 2
+    other = compiled(build())
+    other.optimizer.build(other.trainable_variables)
+    before = arrays_of(other, other.optimizer)
+    has = "12" if data_kind == "arrays" else "an unknown number of"
+    with pytest.raises(
+        UsageError,
+        match=rf"step-0000000006.*epoch 1, batch 2.*steps_per_epoch=4 and data of {has} batch",
+    ):
+        fit(other, tmp_path / "second")
+    assert arrays_of(other, other.optimizer) == before
+    kept = ckptfmt.load(tmp_path / "second" / ckptfmt.step_dir_name(6))["counters"]
+    assert (int(kept["epoch"]), int(kept["step"]), int(kept["global_step"])) == (1, 2, 6)
+
+
 class Epochs(keras.callbacks.Callback):
     """The epochs a fit ran."""
 

@@ -2,11 +2,13 @@
 ``ckptfmt_keras._compat.PRIVATE``: each entry resolves against the installed frameworks with the
 parameters the adapter passes, per-object attributes are on the objects Keras makes, and the
 behaviour relied on holds (``fit`` starts at ``_initial_epoch``; ``_symbolic_build`` builds
-the compiled metrics); a missing name gives ``FrameworkCompatError`` naming the framework, its
-version, the name and the supported range; the ranges are the extras' bounds."""
+the compiled metrics; ``fit``'s epoch iterator is found from ``on_train_begin``); a missing name
+gives ``FrameworkCompatError`` naming the framework, its version, the name and the supported
+range; the ranges are the extras' bounds."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import tomllib
@@ -45,6 +47,9 @@ def _examples() -> dict[str, Any]:
         "keras:Model": model,
         "keras.layers:Layer": model.layers[0],
         "tensorflow:Module": tf.Module(),
+        "keras.src.trainers.epoch_iterator": importlib.import_module(
+            "keras.src.trainers.epoch_iterator"
+        ),
     }
 
 
@@ -74,6 +79,25 @@ def test_initial_epoch_is_where_fit_starts() -> None:
     seen.clear()
     model.fit(x, y, epochs=2, verbose=0, callbacks=[record])
     assert seen == [0, 1]
+
+
+def test_fit_is_found_to_carry_its_data_across_epochs() -> None:
+    """From ``on_train_begin``, ``carried_batches`` finds ``fit``'s epoch iterator: with
+    ``steps_per_epoch`` fewer than the data's batches (arrays: 4 of 6; a repeated dataset: of
+    unknown length) it says so, with none or all of them it gives None (each epoch starts the
+    data afresh)."""
+    x, y = np.ones((12, 3), np.float32), np.ones((12, 2), np.float32)
+    seen: list[Any] = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs: seen.append(_compat.carried_batches())
+    )
+    model = _model()
+    model.fit(x, y, batch_size=2, steps_per_epoch=4, epochs=1, verbose=0, callbacks=[record])
+    model.fit(x, y, batch_size=2, steps_per_epoch=6, epochs=1, verbose=0, callbacks=[record])
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[record])
+    repeated = tf.data.Dataset.from_tensor_slices((x, y)).batch(2).repeat()
+    model.fit(repeated, steps_per_epoch=3, epochs=1, shuffle=False, verbose=0, callbacks=[record])
+    assert seen == [(4, 6), None, None, (3, None)]
 
 
 def test_symbolic_build_builds_the_compiled_metrics() -> None:
