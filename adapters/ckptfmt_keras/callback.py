@@ -44,7 +44,8 @@ They are passed over a whole execution at a time: a ``steps_per_execution`` that
 the saved ``step`` (another than the save's) is refused (``UsageError``) before anything changes.
 With ``steps_per_epoch`` fewer than the data's batches (or data of unknown length) Keras carries
 its data iterator from one epoch to the next, which a resumed fit, starting the data afresh,
-does not: a resume after the first epoch of such a fit is refused (``UsageError``).
+does not: a resume after the first epoch of such a fit goes on with a ``ResumeWarning`` (it
+trains on other batches than the interrupted fit would have).
 A checkpoint saved after an epoch's last batch resumes at the next epoch's start (the
 restored counters say so), so the resumed ``fit`` reports no empty epoch; the last batch passed
 over logs the restored metrics, as it logged them when it was trained.
@@ -81,7 +82,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ckptfmt.errors import ReplicaWarning, StateMismatchError, UsageError
+from ckptfmt.errors import ReplicaWarning, ResumeWarning, StateMismatchError, UsageError
 from ckptfmt.parallel import CheckpointManager, ManagerSettings, RestoreReport, SaveHandle
 from ckptfmt.plan import ReadOptions
 from ckptfmt.storage import parse_location
@@ -499,13 +500,15 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     def _check_carried(
         self, report: RestoreReport, state: dict[str, Any], steps: int | None
     ) -> None:
-        """Refuse a resume after the first epoch in a ``fit`` that carries its data iterator
+        """Warn of a resume after the first epoch in a ``fit`` that carries its data iterator
         from one epoch to the next (``steps_per_epoch`` fewer than the data's batches, or data
-        of unknown length): the interrupted fit's epoch went on where the last one stopped in
-        the data, the resumed one starts the data afresh, so it would train on other batches,
-        silently. Passing over the batches of the epochs before is not done: what a second
-        pass over the data gives (a reshuffle, ``set_epoch``) is the data's own. A resume
-        within the first epoch is exact (the data starts afresh in both fits) and goes on."""
+        of unknown length, such as a repeated dataset): the interrupted fit's epoch went on
+        where the last one stopped in the data, the resumed one starts the data afresh, so it
+        trains on other batches than the interrupted fit would have. It goes on (what Keras's
+        own callback does, and the backup is the run's only way forward); passing over the
+        batches of the epochs before is not done: what a second pass over the data gives (a
+        reshuffle, ``set_epoch``) is the data's own. A resume within the first epoch is exact
+        (the data starts afresh in both fits)."""
         counters = dict(state.get("counters") or {})
         step, epoch = int(counters.get("step", 0)), int(counters.get("epoch", 0))
         if steps and step >= steps:  # resumed at the next epoch's start
@@ -517,16 +520,18 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             return
         per_epoch, batches = carried
         has = "an unknown number of" if batches is None else str(batches)
-        raise UsageError(
-            f"the backup at {report.path} was saved at epoch {epoch}, batch {step} of a fit "
-            f"with steps_per_epoch={per_epoch} and data of {has} batches: Keras then carries "
-            "its data iterator from one epoch to the next, so a fit resumed there would start "
-            "the data afresh and train on other batches than the interrupted fit. Remove "
-            f"{self._dirs()} to start afresh, and give fit data of exactly steps_per_epoch "
-            "batches an epoch (dataset.take(steps_per_epoch), with ResumableDataset choosing "
-            "each epoch's batches), or leave steps_per_epoch out (one pass over the data an "
-            "epoch), so that a backup resumes exactly"
-        )
+        if self.comm.rank == 0:
+            warnings.warn(
+                f"resuming from {report.path}, saved at epoch {epoch}, batch {step} of a fit "
+                f"with steps_per_epoch={per_epoch} and data of {has} batches: Keras carries "
+                "its data iterator from one epoch to the next there, and a resumed fit starts "
+                "the data afresh, so it trains on other batches than the interrupted fit "
+                "would have. For a resume that is exact, give fit exactly steps_per_epoch "
+                "batches an epoch (dataset.take(steps_per_epoch), with ResumableDataset "
+                "choosing each epoch's batches), or leave steps_per_epoch out",
+                ResumeWarning,
+                stacklevel=3,
+            )
 
     def _dirs(self) -> str:
         """The directories of this callback's backup (level 3, and level 1 if any)."""

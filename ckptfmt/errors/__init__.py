@@ -31,6 +31,7 @@ from ckptfmt.errors.base import (
     FlushWarning,
     PerRankWarning,
     ReplicaWarning,
+    ResumeWarning,
 )
 from ckptfmt.errors.collective import (
     CollectiveError,
@@ -158,6 +159,7 @@ __all__ = [
     "PickleRefusedError",
     "RankFailure",
     "ReplicaWarning",
+    "ResumeWarning",
     "SaveFailedError",
     "SaveSkippedError",
     "SizeMismatchError",

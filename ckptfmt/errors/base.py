@@ -112,6 +112,11 @@ class ReplicaWarning(CkptWarning):
     statistics, which each worker updates from its own batches); rank 0's values were taken."""
 
 
+class ResumeWarning(CkptWarning):
+    """A resume goes on, but it cannot give what the interrupted run would have (a framework
+    that carries its data iterator across epochs, where the resumed run starts it afresh)."""
+
+
 def ranks_text(ranks: Sequence[int], most: int = 8) -> str:
     """``"rank 3"`` or ``"ranks 0, 1, 2 and 5 more"``: ranks named in a message."""
     shown = ", ".join(map(str, ranks[:most]))
