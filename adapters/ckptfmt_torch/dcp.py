@@ -369,7 +369,10 @@ class Reader(StorageReader):
     ``ckptfmt.open(path)[name][box]``: only the shard files the box touches, every chunk's CRC
     verified (a damaged file raises :class:`ckptfmt.errors.DamagedError` naming it). Stored
     bytes reach DCP only if ``torch.load(weights_only=True)`` accepts them (else
-    :class:`ckptfmt.errors.PickleRefusedError`), unless ``trust_pickle=True``.
+    :class:`ckptfmt.errors.PickleRefusedError`), unless ``trust_pickle=True``. In one process,
+    a local directory with no checkpoint raises :class:`ckptfmt.errors.NotACheckpointError`
+    as the reader is made (or ``reset`` to it); in a job of several ranks the load fails on
+    every rank with it inside DCP's ``CheckpointException``.
     """
 
     def __init__(self, path: NodeDirs, *, trust_pickle: bool = False) -> None:
@@ -382,13 +385,38 @@ class Reader(StorageReader):
         self._rank = _default_rank()
         # DCP's name -> ("tensor" | "bytes", the checkpoint's name) or ("value", the value)
         self._items: dict[str, tuple[str, Any]] = {}
+        self._refuse_no_checkpoint()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """DCP's ``load`` calls it first, before its collective, when given a
+        ``checkpoint_id`` (then read from there)."""
         if checkpoint_id is not None:
             parse_location(checkpoint_id)
             self.path = checkpoint_id
+            self._refuse_no_checkpoint()
         self._ckpt = None
         self._items = {}
+
+    def _refuse_no_checkpoint(self) -> None:
+        """In one process only: a local directory with no checkpoint manifest raises ckptfmt's
+        :class:`~ckptfmt.errors.NotACheckpointError` naming it now, as the reader is made or
+        reset, not inside DCP's load (DCP wraps every error of its steps in its own
+        ``CheckpointException``). In a job of several ranks the load finds it, in
+        ``read_metadata``, wrapped: that failure DCP gathers and raises on every rank, while a
+        rank raising here (where it alone may not see the directory: a node-local one) would
+        leave the others waiting in DCP's first collective."""
+        dist = torch.distributed
+        ranks = (
+            dist.get_world_size()
+            if dist.is_available() and dist.is_initialized()
+            else int(os.environ.get("WORLD_SIZE", "1") or 1)
+        )
+        path = self.path
+        if ranks != 1 or isinstance(path, Mapping) or is_spread(path):
+            return
+        if parse_location(path).is_bucket or (Path(path) / MANIFEST_NAME).is_file():
+            return  # a bucket's commit is read by read_metadata (a request, not made here)
+        open_checkpoint(path)  # raises NotACheckpointError naming the path and what is wrong
 
     def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
         """Every rank: the manifest as DCP's ``Metadata``. Takes no keyword arguments on

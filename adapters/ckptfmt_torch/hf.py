@@ -372,10 +372,14 @@ class CheckpointMixin(_Base):
             best_step = None if best_dir is None else checkpoint_step(best_dir)
             mgr.keep([] if best_step is None else [best_step])
             handle = self._ckptfmt_fenced(mgr).save(step, sd) if fenced else mgr.save(step, state)
+            made = False  # whether this save made the directory (a failed save removes it)
             if self.args.should_save:
+                made = not out.exists()
                 out.mkdir(parents=True, exist_ok=True)
                 self._write_hf_files(out)
-            handle.committed.add_done_callback(lambda f: self._finish(out, trainer_state, f))
+            handle.committed.add_done_callback(
+                lambda f: self._finish(out, trainer_state, f, made=made)
+            )
             if not mgr.async_save:
                 mgr.wait()
         if self.args.push_to_hub:
@@ -452,15 +456,23 @@ class CheckpointMixin(_Base):
         args: Any = self.args
         (out / ARGS_NAME).write_text(args.to_json_string(), encoding="utf-8")
 
-    def _finish(self, out: Path, trainer_state: str, committed: Future[int] | None) -> None:
+    def _finish(
+        self, out: Path, trainer_state: str, committed: Future[int] | None, made: bool = False
+    ) -> None:
         """Rank 0, once the data is committed (at once for a blocking save, on the saver
         thread after an async one): the link to the manager's step, ``trainer_state.json``
-        last, then the rotation. A failed save leaves the directory torn (no trainer state)."""
+        last, then the rotation. A failed save removes the directory when it made it
+        (``made``): it holds only HF's files of this save (``model.safetensors`` with
+        ``hf_weights``) and no trainer state, so nothing resumes from it and the rotation,
+        which counts complete checkpoints only, would never remove it. A directory that was
+        there before (the step saved again after a resume) is left, torn."""
         if not self.args.should_save:
             return
         if committed is not None:
             if committed.exception() is not None:
                 log.warning("checkpoint %s was not committed: %s", out, committed.exception())
+                if made:
+                    shutil.rmtree(out, ignore_errors=True)
                 return
             self._link_step(out, committed.result())
         tmp = out / f".{STATE_NAME}.tmp"

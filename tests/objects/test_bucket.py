@@ -233,6 +233,57 @@ def test_storage_options_override_the_environment(s3: S3, monkeypatch: pytest.Mo
         Bucket.at(s3.url, {"retry_timeout": "soon"})
 
 
+def test_s3fs_spellings_are_s3s(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``key``, ``secret``, ``token`` and ``region_name`` (s3fs's) reach the S3 store."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    b = Bucket.at(
+        s3.url,
+        {
+            "key": s3.env["AWS_ACCESS_KEY_ID"],
+            "secret": s3.env["AWS_SECRET_ACCESS_KEY"],
+            "token": "session",
+            "region_name": "us-east-1",
+        },
+    )
+    assert {k: b.options[k] for k in ("aws_session_token", "aws_region")} == {
+        "aws_session_token": "session",
+        "aws_region": "us-east-1",
+    }
+    b.put("k", b"x")
+    assert s3.keys() == ["k"]
+
+
+@pytest.mark.parametrize(
+    ("url", "option", "says"),
+    [
+        ("gs://b/run", "token", "bearer_token"),
+        ("gs://b/run", "key", "service_account"),
+        ("gs://b/run", "secret", "service_account_key"),
+        ("gs://b/run", "region_name", "no region setting"),
+        ("az://c/run", "key", "account_key"),
+        ("abfs://c/run", "secret", "client_secret"),
+        ("az://c/run", "region_name", "no region setting"),
+    ],
+)
+def test_s3fs_spellings_on_another_store_name_its_own_keys(
+    url: str, option: str, says: str
+) -> None:
+    """No request: the option is refused when the bucket is made, naming the URL, the option
+    and the store's own key, never as the AWS key the store cannot take."""
+    options = {"account_name": "acct", option: "x"} if "://c/" in url else {option: "x"}
+    with pytest.raises(UsageError) as caught:
+        Bucket.at(url, options)
+    text = str(caught.value)
+    assert url in text and repr(option) in text and says in text, text
+    assert "not valid for store" not in text, text
+
+
+def test_azures_token_is_its_own_bearer_token() -> None:
+    b = Bucket.at("az://c/run", {"account_name": "acct", "token": "bearer"})
+    assert b.options == {"account_name": "acct", "token": "bearer"}
+
+
 def test_without_obstore_a_url_user_is_told_what_to_install() -> None:
     code = (
         "import sys; sys.modules['obstore'] = None\n"

@@ -20,7 +20,9 @@ expired, not allowed), :class:`HttpNotAllowedError`, or the wrong region.
 
 Settings come, highest first, from ``storage_options`` (keys as obstore and fsspec spell them:
 ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``, ``region``,
-``endpoint_url``/``endpoint``, ``allow_http``; and the retry keys of :class:`Retries`), then from
+``endpoint_url``/``endpoint``, ``allow_http``; s3fs's ``key``, ``secret``, ``token``,
+``region_name`` for S3 only: a ``gs://`` or ``az://`` URL given one is told its store's own keys,
+but for Azure's ``token``, its bearer token; and the retry keys of :class:`Retries`), then from
 the standard environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
 ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``; ``GOOGLE_*`` and ``AZURE_*`` for the
 other stores), read by obstore itself. ``gs://`` and ``az://`` URLs go through the same library
@@ -93,12 +95,41 @@ _ALIASES = {
     "endpoint_url": "endpoint",
     "aws_endpoint_url": "endpoint",
     "aws_endpoint": "endpoint",
-    "region_name": "region",
     "aws_region": "region",
     "aws_allow_http": "allow_http",
+}
+# s3fs's spellings of AWS settings: S3's only (another store given them is told its own keys)
+_S3FS_ALIASES = {
+    "region_name": "region",
     "key": "aws_access_key_id",
     "secret": "aws_secret_access_key",
     "token": "aws_session_token",
+}
+_GOOGLE_CREDENTIALS = (
+    "give its credentials as service_account (a service account's JSON key file), "
+    "service_account_key (the key itself), bearer_token (an OAuth token), "
+    "or skip_signature=true for a public bucket"
+)
+_AZURE_CREDENTIALS = (
+    "give its credentials as account_key (the storage account's key, with account_name), "
+    "sas_key (a shared access signature), token (a bearer token), "
+    "or a service principal's client_id, client_secret and tenant_id"
+)
+# what each of those aliases is instead, for the other stores (None: passed on unchanged, the
+# store's own key of the same name)
+_S3FS_ELSEWHERE: dict[str, dict[str, str | None]] = {
+    "gs": {
+        "key": _GOOGLE_CREDENTIALS,
+        "secret": _GOOGLE_CREDENTIALS,
+        "token": _GOOGLE_CREDENTIALS,
+        "region_name": "it has no region setting (a bucket's location is its own): leave it out",
+    },
+    "az": {
+        "key": _AZURE_CREDENTIALS,
+        "secret": _AZURE_CREDENTIALS,
+        "token": None,
+        "region_name": "it has no region setting (the storage account says where): leave it out",
+    },
 }
 # client settings the environment gives for each scheme: obstore reads them from the environment
 # only when it is given no client options, and ckptfmt always gives some (the timeouts)
@@ -112,6 +143,24 @@ _CLIENT_ENV = {
     "azure": "AZURE_",
 }
 _STATUS = re.compile(r"status(?: code)?:? (\d{3})")
+
+
+def _alias(url: str, scheme: str, key: str) -> str:
+    """The store's own spelling of the storage option ``key`` (lower-cased). s3fs's ``key``,
+    ``secret``, ``token`` and ``region_name`` are AWS settings: a Google or Azure URL given
+    one of them gets a :class:`UsageError` naming that store's keys, except Azure's ``token``,
+    its own key (a bearer token)."""
+    family = "gs" if scheme in clouds.GOOGLE else "az" if scheme in clouds.AZURE else None
+    if key in _S3FS_ALIASES and family is not None:
+        instead = _S3FS_ELSEWHERE[family][key]
+        if instead is None:
+            return key
+        aws = _S3FS_ALIASES[key] if _S3FS_ALIASES[key].startswith("aws_") else "aws_region"
+        raise UsageError(
+            f"{url!r}: storage option {key!r} is s3fs's spelling of the S3 setting "
+            f"{aws}, which {scheme}:// does not take: {instead}"
+        )
+    return _ALIASES.get(key) or _S3FS_ALIASES.get(key) or key
 
 
 @dataclass(frozen=True)
@@ -230,7 +279,7 @@ class Bucket:
                 if value is not None:
                     client[key] = value
         for raw, value in (storage_options or {}).items():
-            key = _ALIASES.get(raw.lower(), raw.lower())
+            key = _alias(url, scheme, raw.lower())
             if key in _RETRY_KEYS:
                 tuned[key] = value
             elif key in _CLIENT_KEYS:

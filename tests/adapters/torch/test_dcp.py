@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # n
 import ckptfmt  # noqa: E402
 from ckptfmt.errors import (  # noqa: E402
     ChecksumError,
+    NotACheckpointError,
     PickleRefusedError,
     UnsupportedDtypeError,
     UrlNotSupportedError,
@@ -102,6 +103,30 @@ def test_round_trip_bit_exact(tmp_path: Path, asynchronous: bool) -> None:
     target = dcp_state(other, other_opt, 0)
     dcp.load(target, storage_reader=Reader(path))
     assert same(target, dcp_state(model, opt, 100))  # the tuple betas included
+
+
+def test_a_path_with_no_checkpoint_is_refused_as_ckptfmts_error_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process: a missing directory, or one with no checkpoint, given as the reader's path
+    or as ``checkpoint_id``: :class:`NotACheckpointError` naming it, not DCP's
+    ``CheckpointException`` around it. Several ranks (``WORLD_SIZE``): left to the load, which
+    DCP fails on every rank together (a rank refusing alone would leave the others waiting)."""
+    ckptfmt_torch.save({"w": torch.ones(3)}, tmp_path / "c")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    target = {"w": torch.zeros(3)}
+    for bad in (tmp_path / "missing", tmp_path / "other"):
+        with pytest.raises(NotACheckpointError, match=re.escape(str(bad))):
+            dcp.load(target, storage_reader=Reader(bad))
+        with pytest.raises(NotACheckpointError, match=re.escape(str(bad))):
+            dcp.load(target, storage_reader=Reader(tmp_path / "c"), checkpoint_id=bad)
+    assert torch.equal(target["w"], torch.zeros(3))  # nothing loaded
+    dcp.load(target, storage_reader=Reader(tmp_path / "c"))
+    assert torch.equal(target["w"], torch.ones(3))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(CheckpointException, match=re.escape(str(tmp_path / "missing"))):
+        dcp.load(target, storage_reader=Reader(tmp_path / "missing"))
 
 
 def test_ckptfmt_torch_checkpoint_loads_through_dcp(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from ckptfmt_torch.hf import (
 from kit import REPO
 from kit.cli import run_cli
 from kit.faults import flip
+from kit.full_disk import run_in_tmpfs_mounts
 from kit.launch import assert_ok, run_torchrun, with_kit_path
 
 import ckptfmt
@@ -578,3 +579,53 @@ def test_newest_checkpoint_on_no_level_names_the_older_one_that_restores(tmp_pat
     trainer = run(out, resume=str(out / "checkpoint-8"), **kw)
     assert trainer.state.global_step == 16
     assert trainer.checkpoint_manager.last_restore.step == 8
+
+
+_FAILED_SAVE = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {workers!r})
+from _hf_worker import build
+from ckptfmt_torch.hf import CheckpointOptions
+from ckptfmt.errors import CkptError
+
+root, l1, l3 = (Path(a) for a in sys.argv[1:4])
+result = {{}}
+for name in ("fresh", "there"):
+    out = root / name
+    if name == "there":  # the step's directory was there before this save
+        (out / "checkpoint-{save}").mkdir(parents=True)
+        (out / "checkpoint-{save}" / "mine.txt").write_text("not the save's")
+    options = CheckpointOptions(
+        hf_weights=True, async_save=True, local_dir=str(l1), shared_dir=str(l3)
+    )
+    trainer = build(out, max_steps={save}, save_steps={save}, options=options)
+    raised = None
+    try:
+        trainer.train()
+    except CkptError as exc:
+        raised = type(exc).__name__
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    result[name] = {{"raised": raised, "names": names}}
+print(json.dumps(result))
+"""
+
+
+def test_a_failed_managed_save_removes_the_directory_it_made(tmp_path: Path) -> None:
+    """Both levels too small (tmpfs in a child mount namespace): the managed background save
+    fails after ``save`` returned. The ``checkpoint-N/`` it made, holding only HF's files
+    (``model.safetensors`` with ``hf_weights``) written before the commit, is removed: the
+    rotation counts complete checkpoints only and would never remove it. One that was there
+    before the save is left."""
+    script = tmp_path / "child.py"
+    script.write_text(_FAILED_SAVE.format(save=SAVE, workers=str(WORKER.parent)))
+    argv = [sys.executable, str(script), str(tmp_path), str(tmp_path / "l1"), str(tmp_path / "l3")]
+    proc, _ = run_in_tmpfs_mounts(tmp_path, {"l1": "size=8k", "l3": "size=8k"}, argv)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["fresh"]["raised"] is not None, result  # the save did fail
+    assert result["fresh"]["names"] == [], result  # made by the failed save: removed
+    assert result["there"]["raised"] is not None, result
+    left = result["there"]["names"]
+    assert f"checkpoint-{SAVE}/mine.txt" in left, result  # there before: left, torn
+    assert f"checkpoint-{SAVE}/trainer_state.json" not in left, result
