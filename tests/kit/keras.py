@@ -28,3 +28,21 @@ def xy(n: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, 8)).astype(np.float32)
     return x, (x[:, :6] * 0.3).astype(np.float32)
+
+
+def raise_after_batch(after: int) -> Any:
+    """A Keras callback raising ``RuntimeError("crash")`` at the end of batch ``after`` of the
+    fit (listed after a ``BackupAndRestore``: that batch's save is made first)."""
+    import keras
+
+    class Crash(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.seen += 1
+            if self.seen == after:
+                raise RuntimeError("crash")
+
+    return Crash()

@@ -21,7 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from kit.keras import compiled, xy
+from kit.keras import compiled, raise_after_batch, xy
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")
@@ -418,17 +418,6 @@ def test_broadcast_and_agree_on_thread_ranks() -> None:
 # --- BackupAndRestore ----------------------------------------------------------------------------
 
 
-class Crash(keras.callbacks.Callback):
-    def __init__(self, after: int) -> None:
-        super().__init__()
-        self.after, self.seen = after, 0
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.seen += 1
-        if self.seen == self.after:
-            raise RuntimeError("crash")
-
-
 def history_bits(history: Any) -> dict[str, list[str]]:
     return {k: [repr(float(v)) for v in vs] for k, vs in history.history.items()}
 
@@ -457,7 +446,7 @@ def test_fit_resumes_mid_epoch_bit_exact(
             dataset=data if data_kind == "resumable" else None,
             write=WriteOptions(fsync=False),
         )
-        cbs = [cb] + ([Crash(crash)] if crash else [])
+        cbs = [cb] + ([raise_after_batch(crash)] if crash else [])
         if data_kind == "resumable":
             h = model.fit(data.tf_dataset(), epochs=epochs, verbose=0, callbacks=cbs)
         else:
@@ -504,7 +493,7 @@ def test_a_last_shorter_execution_counts_the_batches_it_trained(tmp_path: Path) 
             keep_shared=10,
             write=WriteOptions(fsync=False),
         )
-        cbs = [cb] + ([Crash(crash)] if crash else [])
+        cbs = [cb] + ([raise_after_batch(crash)] if crash else [])
         model.fit(x, y, batch_size=8, shuffle=False, epochs=2, verbose=0, callbacks=cbs)
         return model, cb
 
@@ -536,7 +525,7 @@ def test_a_resume_where_no_execution_begins_is_refused_and_changes_nothing(
 
     def fit(model: Any, crash: int | None = None) -> Any:
         cb = ck.BackupAndRestore(tmp_path / "b", save_freq=5, write=WriteOptions(fsync=False))
-        cbs = [cb] + ([Crash(crash)] if crash else [])
+        cbs = [cb] + ([raise_after_batch(crash)] if crash else [])
         model.fit(x, y, batch_size=8, shuffle=False, epochs=1, verbose=0, callbacks=cbs)
         return cb
 
@@ -570,7 +559,7 @@ def test_a_fit_carrying_its_data_across_epochs_resumes_exactly_only_in_its_first
         cb = ck.BackupAndRestore(
             root, save_freq=2, delete_checkpoint=False, write=WriteOptions(fsync=False)
         )
-        cbs = [cb] + ([Crash(crash)] if crash else [])
+        cbs = [cb] + ([raise_after_batch(crash)] if crash else [])
         if data_kind == "arrays":
             data: Any = {"x": x, "y": y, "batch_size": 8}
         else:
@@ -625,7 +614,7 @@ def test_a_fit_ended_by_an_exception_leaves_nothing_to_the_next_fit(tmp_path: Pa
     def fit(model: Any, root: Path, crash: int | None = None, epochs: int = 3) -> Epochs:
         seen = Epochs()
         cb = ck.BackupAndRestore(root, save_freq=5, write=WriteOptions(fsync=False))
-        cbs = [cb, seen] + ([Crash(crash)] if crash else [])
+        cbs = [cb, seen] + ([raise_after_batch(crash)] if crash else [])
         model.fit(x, y, batch_size=8, shuffle=False, epochs=epochs, verbose=0, callbacks=cbs)
         return seen
 
@@ -661,7 +650,7 @@ def test_thread_ranks_each_close_their_own_manager_left_by_a_crash(tmp_path: Pat
         opt = ck.distributed_optimizer(keras.optimizers.SGD(1e-2), comm)
         with lock:
             model = compiled(build(bf16=False), opt)
-        cbs = [cb] + ([Crash(crash)] if crash else [])
+        cbs = [cb] + ([raise_after_batch(crash)] if crash else [])
         data = (x[comm.rank :: 2], y[comm.rank :: 2])  # 6 batches an epoch
         model.fit(*data, batch_size=8, shuffle=False, epochs=2, verbose=0, callbacks=cbs)
         return cb

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kit.arrays import flat_tree as flat
-from kit.keras import xy
+from kit.keras import raise_after_batch, xy
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")
@@ -127,19 +127,6 @@ def test_a_change_after_the_save_does_not_reach_the_checkpoint(tmp_path: Path) -
     )
 
 
-class Crash(keras.callbacks.Callback):  # type: ignore[misc]
-    """Raise at the end of batch ``after`` (listed after the backup: its save is made first)."""
-
-    def __init__(self, after: int) -> None:
-        super().__init__()
-        self.after, self.seen = after, 0
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.seen += 1
-        if self.seen == self.after:
-            raise RuntimeError("crash")
-
-
 def test_a_callback_reused_after_a_failed_fit_starts_clean(tmp_path: Path) -> None:
     """A fit raised right after a fenced save (its fence never came); the same callback object
     in the next fit: the save left in flight is over when that fit starts (its manager is
@@ -165,7 +152,7 @@ def test_a_callback_reused_after_a_failed_fit_starts_clean(tmp_path: Path) -> No
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[*extra])
 
     with pytest.raises(RuntimeError, match="crash"):
-        run(cb, Crash(3))
+        run(cb, raise_after_batch(3))
     assert cb._in_flight is not None  # the save of step 3, whose fence never came
     failed = list(cb.blocked_s)
     assert len(failed) == 3

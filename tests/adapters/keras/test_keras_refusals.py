@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kit import REPO
-from kit.keras import compiled
+from kit.keras import compiled, raise_after_batch
 from kit.keras import xy as kit_xy
 from kit.launch import describe, run_mpi
 
@@ -188,17 +188,6 @@ def test_safe_cast_bfloat16_into_float32_is_exact(tmp_path: Path) -> None:
 # --- BackupAndRestore at an epoch's end ---------------------------------------------------------
 
 
-class Crash(keras.callbacks.Callback):
-    def __init__(self, after: int) -> None:
-        super().__init__()
-        self.after, self.seen = after, 0
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.seen += 1
-        if self.seen == self.after:
-            raise RuntimeError("crash")
-
-
 class BatchLogs(keras.callbacks.Callback):
     """Every batch's logs and every epoch's, as exact reprs."""
 
@@ -240,7 +229,7 @@ def test_resume_after_an_epochs_last_batch_reports_like_the_uninterrupted_run(
             root, save_freq=save_freq, dataset=data, write=WriteOptions(fsync=False)
         )
         logs = BatchLogs()
-        cbs = [cb, logs] + ([Crash(crash)] if crash else [])
+        cbs = [cb, logs] + ([raise_after_batch(crash)] if crash else [])
         h = model.fit(data.tf_dataset(), epochs=epochs, verbose=0, callbacks=cbs)
         return model, h, cb, logs
 
